@@ -1,0 +1,33 @@
+"""Error types users can catch.
+
+Every error mha-deploy raises on bad input derives from ``MHADeployError`` and
+carries a message that says what was wrong and, where possible, what to do.
+"""
+
+
+class MHADeployError(Exception):
+    """Base class of every error mha-deploy raises on purpose."""
+
+
+class CheckpointError(MHADeployError, ValueError):
+    """A checkpoint could not be read or does not describe a reference MHA."""
+
+
+class ExportError(MHADeployError):
+    """The requested export is invalid or torch.onnx.export failed."""
+
+
+class ParityError(ExportError):
+    """ONNX Runtime and the torch reference disagree beyond the tolerance."""
+
+
+class ModelFileError(MHADeployError):
+    """An ONNX file is missing, corrupt, or not an mha-deploy model."""
+
+
+class InputError(MHADeployError, ValueError):
+    """Inputs given to a session or runner do not match the model."""
+
+
+class ProviderUnavailableError(MHADeployError):
+    """The requested execution provider cannot run on this machine."""
