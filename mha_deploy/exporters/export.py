@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 import os
 import tempfile
@@ -31,10 +32,8 @@ class ExportResult:
 def package_versions() -> dict[str, str]:
     versions = {}
     for name in _RECORDED_PACKAGES:
-        try:
+        with contextlib.suppress(importlib.metadata.PackageNotFoundError):
             versions[name] = importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            pass
     return versions
 
 
@@ -61,7 +60,7 @@ def write_model_atomically(model: onnx.ModelProto, path: Path) -> None:
 def export_mha(
     mha: MultiHeadAttention,
     output: str | os.PathLike,
-    signature: Signature = Signature(),
+    signature: Signature | None = None,
     opset: int = DEFAULT_OPSET,
     atol: float = DEFAULT_ATOL,
     rtol: float = DEFAULT_RTOL,
@@ -72,6 +71,7 @@ def export_mha(
     Raises ``ParityError`` (and writes nothing) when ORT and torch disagree
     beyond ``atol + rtol * |reference|`` on any real query position.
     """
+    signature = signature or Signature()
     output = Path(output)
     if output.suffix != ".onnx":
         raise ExportError(f"output path must end in .onnx, got {output}")

@@ -92,7 +92,7 @@ def torch_reference(module: torch.nn.Module, signature: Signature, feeds: dict[s
     with torch.no_grad():
         result = module(*(torch.from_numpy(feeds[name]) for name in signature.input_names))
     result = result if isinstance(result, tuple) else (result,)
-    return {name: tensor.float().numpy() for name, tensor in zip(signature.output_names, result)}
+    return {name: tensor.float().numpy() for name, tensor in zip(signature.output_names, result, strict=True)}
 
 
 @dataclass

@@ -62,7 +62,7 @@ def _quiet_exporter():
             warnings.simplefilter("ignore")
             yield
     finally:
-        for logger, level in zip(loggers, levels):
+        for logger, level in zip(loggers, levels, strict=True):
             logger.setLevel(level)
 
 

@@ -74,7 +74,7 @@ class MHASession:
         """Validate ``inputs`` (name -> array) and return the outputs by name."""
         feeds = validate_inputs(self.metadata, inputs)
         outputs = self._session.run(list(self.output_names), feeds)
-        return dict(zip(self.output_names, outputs))
+        return dict(zip(self.output_names, outputs, strict=True))
 
     def __call__(self, **inputs) -> dict[str, np.ndarray]:
         return self.run(inputs)

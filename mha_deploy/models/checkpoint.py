@@ -1,0 +1,302 @@
+"""Read attention weights saved under any common naming scheme into the reference module."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import re
+import secrets
+from collections import Counter
+from collections.abc import Mapping
+from pathlib import Path
+
+import safetensors
+import safetensors.torch
+import torch
+from torch import nn
+
+from mha_deploy.errors import CheckpointError
+from mha_deploy.models.attention import MultiHeadAttention
+
+SAFETENSORS_SUFFIXES = (".safetensors",)
+TORCH_SUFFIXES = (".pt", ".pth", ".bin")
+WRAPPER_KEYS = ("state_dict", "model_state_dict", "model")
+REFERENCE_KEYS = tuple(f"W_{role}.{param}" for role in "qkvo" for param in ("weight", "bias"))
+
+_HOW_TO_SAVE = "save one with torch.save(module.state_dict(), path)"
+_ALIASES = {
+    "W_q": ("W_q", "w_q", "query_linear", "q_proj"),
+    "W_k": ("W_k", "w_k", "key_linear", "k_proj"),
+    "W_v": ("W_v", "w_v", "value_linear", "v_proj"),
+    "W_o": ("W_o", "w_o", "out_linear", "out_proj"),
+}
+
+
+def _source_names() -> dict[str, tuple[str, ...]]:
+    """Every recognised key name -> the reference keys it holds, stacked along dim 0 in this order."""
+    names = {
+        f"{alias}.{param}": (f"{ref}.{param}",)
+        for ref, aliases in _ALIASES.items()
+        for alias in aliases
+        for param in ("weight", "bias")
+    }
+    # torch.nn.MultiheadAttention: packed q, k, v when kdim == vdim == embed_dim, separate otherwise.
+    names["in_proj_weight"] = ("W_q.weight", "W_k.weight", "W_v.weight")
+    names["in_proj_bias"] = ("W_q.bias", "W_k.bias", "W_v.bias")
+    for role in "qkv":
+        names[f"{role}_proj_weight"] = (f"W_{role}.weight",)
+    return names
+
+
+_SOURCES = _source_names()
+
+
+def read_state_dict(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """Return the tensors and the metadata (empty for torch files) of a checkpoint file."""
+    path = Path(path)
+    source = f"checkpoint {path}"
+    if not path.is_file():
+        raise CheckpointError(f"{source}: {'not a file' if path.exists() else 'file not found'}")
+    suffix = path.suffix.lower()
+    if suffix in SAFETENSORS_SUFFIXES:
+        state, metadata = _read_safetensors(path, source)
+    elif suffix in TORCH_SUFFIXES:
+        state, metadata = _unwrap(_read_torch(path, source)), {}
+    else:
+        accepted = ", ".join(SAFETENSORS_SUFFIXES + TORCH_SUFFIXES)
+        raise CheckpointError(f"{source}: unknown suffix {suffix or '(none)'!r}; expected one of {accepted}")
+    _require_tensors(state, source)
+    return dict(state), metadata
+
+
+def _read_safetensors(path: Path, source: str) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    try:
+        state = safetensors.torch.load_file(path, device="cpu")
+        with safetensors.safe_open(path, framework="pt", device="cpu") as handle:
+            metadata = handle.metadata() or {}
+    except Exception as exc:  # the Rust reader raises SafetensorError and OSError alike
+        raise CheckpointError(f"{source}: cannot read it as safetensors ({exc})") from exc
+    return state, dict(metadata)
+
+
+def _read_torch(path: Path, source: str) -> object:
+    try:
+        # weights_only: a pickle may run arbitrary code, so only tensors and plain containers load.
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as exc:
+        found = re.search(r"Unsupported global: GLOBAL (\S+)", str(exc))
+        if found is None:
+            raise CheckpointError(
+                f"{source}: cannot read it as a torch file (corrupt or not a pickle)"
+            ) from exc
+        raise CheckpointError(
+            f"{source}: not a plain state dict of tensors (it pickles {found.group(1)}, "
+            f"which is never unpickled for safety); {_HOW_TO_SAVE}"
+        ) from exc
+    except Exception as exc:  # damaged files surface as many exception types
+        raise CheckpointError(
+            f"{source}: cannot read it as a torch file ({type(exc).__name__}: {exc})"
+        ) from exc
+
+
+def _unwrap(obj: object) -> object:
+    if isinstance(obj, Mapping):
+        for key in WRAPPER_KEYS:
+            if isinstance(obj.get(key), Mapping):
+                return obj[key]
+    return obj
+
+
+def _require_tensors(state: object, source: str) -> None:
+    if not isinstance(state, Mapping):
+        raise CheckpointError(
+            f"{source}: not a plain state dict of tensors (it holds a {type(state).__name__}); {_HOW_TO_SAVE}"
+        )
+    bad = [
+        f"{key!r} ({type(value).__name__})"
+        for key, value in state.items()
+        if not isinstance(key, str) or not isinstance(value, torch.Tensor)
+    ]
+    if bad:
+        listed = ", ".join(bad[:5]) + (f" and {len(bad) - 5} more" if len(bad) > 5 else "")
+        raise CheckpointError(
+            f"{source}: not a plain state dict of tensors (non-tensor entries: {listed}); {_HOW_TO_SAVE}"
+        )
+
+
+def to_reference_state_dict(
+    state: Mapping[str, torch.Tensor], *, source: str = "state dict"
+) -> dict[str, torch.Tensor]:
+    """Rename and split ``state`` onto the reference keys ``W_q.weight`` ... ``W_o.bias``.
+
+    Raises one ``CheckpointError`` listing every missing, unexpected, conflicting or misshapen key.
+    """
+    _require_tensors(state, source)
+    recognised, unexpected = _recognise(state, source)
+    found = {name: state[key] for name, key in recognised.items()}
+    d_model = _infer_d_model(found)
+    providers = _providers(recognised)
+    problems = []
+    missing = [key for key in REFERENCE_KEYS if key not in providers]
+    if missing:
+        problems.append("missing " + ", ".join(missing))
+    if unexpected:
+        problems.append("unexpected keys: " + ", ".join(unexpected))
+    problems += _shape_problems(found, recognised, d_model)
+    problems += [
+        f"{ref} given by several keys: {', '.join(keys)}" for ref, keys in providers.items() if len(keys) > 1
+    ]
+    if problems:
+        if not recognised:
+            problems.append(
+                "no key matches a known naming scheme (W_q.weight, q_proj.weight, in_proj_weight, ...)"
+            )
+        raise CheckpointError(f"{source}: " + "; ".join(problems))
+    return _split(found, d_model)
+
+
+def _match(key: str) -> tuple[str, str] | None:
+    """Split ``key`` into (prefix, recognised name), or None."""
+    parts = key.split(".")
+    for start in range(len(parts)):
+        name = ".".join(parts[start:])
+        if name in _SOURCES:
+            return key[: len(key) - len(name)], name
+    return None
+
+
+def _recognise(state: Mapping[str, torch.Tensor], source: str) -> tuple[dict[str, str], list[str]]:
+    """Return {recognised name: original key} and the unrecognised keys."""
+    matches = {key: match for key in state if (match := _match(key)) is not None}
+    prefixes = sorted({prefix for prefix, _ in matches.values()})
+    if len(prefixes) > 1:
+        raise CheckpointError(
+            f"{source}: attention weights under several prefixes ({', '.join(map(repr, prefixes))}); "
+            "save the state dict of a single attention module"
+        )
+    recognised = {name: key for key, (_, name) in matches.items()}
+    return recognised, [key for key in state if key not in matches]
+
+
+def _infer_d_model(found: Mapping[str, torch.Tensor]) -> int | None:
+    # A vote, so that one misshapen tensor is reported instead of every well-shaped one.
+    votes: Counter[int] = Counter()
+    for name, tensor in found.items():
+        stacked = len(_SOURCES[name])
+        if tensor.ndim >= 1 and tensor.shape[0] % stacked == 0:
+            votes[tensor.shape[0] // stacked] += 1
+        if tensor.ndim == 2:
+            votes[tensor.shape[1]] += 1
+    return votes.most_common(1)[0][0] if votes else None
+
+
+def _expected_shape(name: str, d_model: int) -> tuple[int, ...]:
+    rows = len(_SOURCES[name]) * d_model
+    return (rows, d_model) if name.endswith("weight") else (rows,)
+
+
+def _shape_problems(
+    found: Mapping[str, torch.Tensor], recognised: Mapping[str, str], d_model: int | None
+) -> list[str]:
+    if d_model is None:
+        return ["cannot tell d_model: no recognised tensor has a usable shape"] if found else []
+    problems = []
+    for name, tensor in found.items():
+        expected = _expected_shape(name, d_model)
+        if tuple(tensor.shape) != expected:
+            problems.append(f"{recognised[name]} has shape {tuple(tensor.shape)}, expected {expected}")
+    return problems
+
+
+def _providers(recognised: Mapping[str, str]) -> dict[str, list[str]]:
+    providers: dict[str, list[str]] = {}
+    for name, key in recognised.items():
+        for ref in _SOURCES[name]:
+            providers.setdefault(ref, []).append(key)
+    return providers
+
+
+def _split(found: Mapping[str, torch.Tensor], d_model: int) -> dict[str, torch.Tensor]:
+    out = {}
+    for name, tensor in found.items():
+        # clone: split() returns views of one storage, which safetensors refuses to save.
+        out.update(
+            (ref, part.clone()) for ref, part in zip(_SOURCES[name], tensor.split(d_model), strict=True)
+        )
+    return {key: out[key] for key in REFERENCE_KEYS}
+
+
+def load_checkpoint(
+    path: str | os.PathLike, num_heads: int | None = None, dropout: float = 0.0
+) -> MultiHeadAttention:
+    """Build the reference ``MultiHeadAttention`` from a checkpoint file, in eval mode.
+
+    ``num_heads`` defaults to the ``num_heads`` metadata of a safetensors file.
+    """
+    source = f"checkpoint {path}"
+    state, metadata = read_state_dict(path)
+    weights = to_reference_state_dict(state, source=source)
+    d_model = weights["W_q.weight"].shape[0]
+    heads = _num_heads(num_heads, metadata, source)
+    try:
+        module = MultiHeadAttention(d_model, heads, dropout=dropout)
+    except ValueError as exc:
+        raise CheckpointError(f"{source}: {exc}") from exc
+    module.load_state_dict({key: value.to(torch.float32) for key, value in weights.items()})
+    return module.eval()
+
+
+def _num_heads(num_heads: int | None, metadata: Mapping[str, str], source: str) -> int:
+    if num_heads is not None:
+        return num_heads
+    if "num_heads" not in metadata:
+        raise CheckpointError(
+            f"{source}: num_heads is required (CLI flag --heads); the weights do not determine it "
+            "and the file has no num_heads metadata"
+        )
+    try:
+        return int(metadata["num_heads"])
+    except ValueError:
+        raise CheckpointError(
+            f"{source}: metadata num_heads={metadata['num_heads']!r} is not an integer; "
+            "pass num_heads (--heads)"
+        ) from None
+
+
+def save_checkpoint(module: nn.Module, path: str | os.PathLike) -> None:
+    """Atomically write ``module.state_dict()`` to a ``.safetensors``, ``.pt``, ``.pth`` or ``.bin`` file.
+
+    Safetensors metadata records the module's ``d_model`` (or ``embed_dim``) and ``num_heads``.
+    """
+    path = Path(path)
+    suffix = path.suffix.lower()
+    if suffix not in SAFETENSORS_SUFFIXES + TORCH_SUFFIXES:
+        accepted = ", ".join(SAFETENSORS_SUFFIXES + TORCH_SUFFIXES)
+        raise CheckpointError(
+            f"checkpoint {path}: unknown suffix {suffix or '(none)'!r}; expected one of {accepted}"
+        )
+    state = {key: value.detach().cpu().contiguous() for key, value in module.state_dict().items()}
+    # Same directory, so os.replace is an atomic rename and readers never see a half-written file.
+    tmp = path.with_name(f".{path.name}.{secrets.token_hex(6)}.tmp")
+    try:
+        # Writing through our own handle keeps the umask's permissions; save_file would create 0600.
+        with open(tmp, "xb") as handle:
+            if suffix in SAFETENSORS_SUFFIXES:
+                handle.write(safetensors.torch.save(state, metadata=_metadata(module)))
+            else:
+                torch.save(state, handle)
+        os.replace(tmp, path)
+    except BaseException as exc:
+        tmp.unlink(missing_ok=True)
+        if not isinstance(exc, Exception):
+            raise
+        raise CheckpointError(f"checkpoint {path}: cannot write it ({type(exc).__name__}: {exc})") from exc
+
+
+def _metadata(module: nn.Module) -> dict[str, str]:
+    # nn.MultiheadAttention calls d_model embed_dim.
+    values = {
+        "d_model": getattr(module, "d_model", getattr(module, "embed_dim", None)),
+        "num_heads": getattr(module, "num_heads", None),
+    }
+    return {key: str(value) for key, value in values.items() if isinstance(value, int)}

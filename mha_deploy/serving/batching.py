@@ -1,0 +1,93 @@
+"""Padding variable-length items into batches, and cutting the results back.
+
+Whether padding keys changes the result depends on the model: with a
+``key_padding_mask`` input it never does; with causal self-attention right
+padding does not either (padded keys come after every real query); with no
+mask at all keys cannot be padded, so such batches hold items of one length.
+Query rows never influence each other, so queries can always be padded.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from mha_deploy.metadata import Signature
+
+Item = dict[str, np.ndarray]  # sequence input name -> [seq, d_model]
+
+
+def query_name(signature: Signature) -> str:
+    return "x" if signature.attention == "self" else "query"
+
+
+def key_name(signature: Signature) -> str:
+    return "x" if signature.attention == "self" else "key"
+
+
+def can_pad_keys(signature: Signature) -> bool:
+    return signature.has_padding_mask or (signature.attention == "self" and signature.is_causal)
+
+
+def plan_batches(items: Sequence[Item], signature: Signature, batch_size: int) -> Iterator[list[int]]:
+    """Indices of ``items`` grouped into batches, sorted by length to keep padding small."""
+    if batch_size < 1:
+        raise ValueError(f"batch size must be at least 1, got {batch_size}")
+    kv = key_name(signature)
+    order = sorted(range(len(items)), key=lambda i: items[i][kv].shape[0])
+    batch: list[int] = []
+    for index in order:
+        length_changes = batch and items[batch[0]][kv].shape[0] != items[index][kv].shape[0]
+        if len(batch) == batch_size or (length_changes and not can_pad_keys(signature)):
+            yield batch
+            batch = []
+        batch.append(index)
+    if batch:
+        yield batch
+
+
+def _pad(arrays: list[np.ndarray]) -> np.ndarray:
+    longest = max(a.shape[0] for a in arrays)
+    out = np.zeros((len(arrays), longest, arrays[0].shape[1]), dtype=arrays[0].dtype)
+    for row, array in enumerate(arrays):
+        out[row, : array.shape[0]] = array
+    return out
+
+
+@dataclass
+class Batch:
+    feeds: dict[str, np.ndarray]
+    q_lengths: list[int]
+    kv_lengths: list[int]
+
+    @property
+    def real_tokens(self) -> int:
+        return sum(self.q_lengths)
+
+    @property
+    def padded_tokens(self) -> int:
+        return len(self.q_lengths) * self.feeds[next(iter(self.feeds))].shape[1]
+
+
+def collate(items: Sequence[Item], signature: Signature) -> Batch:
+    """Right-pad ``items`` into one batch of feeds, with a key_padding_mask when the model takes one."""
+    feeds = {name: _pad([item[name] for item in items]) for name in signature.sequence_inputs}
+    kv_lengths = [item[key_name(signature)].shape[0] for item in items]
+    if signature.has_padding_mask:
+        kv_len = feeds[key_name(signature)].shape[1]
+        feeds["key_padding_mask"] = np.arange(kv_len)[None, :] < np.array(kv_lengths)[:, None]
+    q_lengths = [item[query_name(signature)].shape[0] for item in items]
+    return Batch(feeds, q_lengths, kv_lengths)
+
+
+def split_outputs(outputs: dict[str, np.ndarray], batch: Batch) -> list[dict[str, np.ndarray]]:
+    """Per item, the outputs without padding: output [q_len, d_model], attn_weights [heads, q_len, kv_len]."""
+    results = []
+    for row, (q_len, kv_len) in enumerate(zip(batch.q_lengths, batch.kv_lengths, strict=True)):
+        result = {"output": outputs["output"][row, :q_len]}
+        if "attn_weights" in outputs:
+            result["attn_weights"] = outputs["attn_weights"][row, :, :q_len, :kv_len]
+        results.append(result)
+    return results

@@ -1,0 +1,134 @@
+"""Export: I/O contract, metadata, and parity of torch vs ORT under every mask."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+import torch
+
+from mha_deploy.errors import ExportError, ParityError
+from mha_deploy.exporters import export_mha
+from mha_deploy.exporters.parity import ParityCase, check_parity
+from mha_deploy.metadata import METADATA_KEY, ModelMetadata, Signature
+from mha_deploy.models import MultiHeadAttention
+from mha_deploy.serving import MHASession
+from tests.conftest import SIGNATURES, TEST_D_MODEL, TEST_HEADS, signature_id
+
+ATOL, RTOL = 1e-5, 1e-4
+
+# Shapes never seen at export (traced at batch 2, q 3, kv 5): batch 1 / length 1,
+# lengths that are not multiples of 8, one sequence >= 512, both padding sides.
+UNSEEN_CASES = (
+    ParityCase(1, 1, 1, "none"),
+    ParityCase(1, 7, 13, "right"),
+    ParityCase(5, 23, 31, "left"),
+    ParityCase(3, 64, 64, "mixed"),
+    ParityCase(2, 517, 520, "mixed"),
+    ParityCase(6, 1, 9, "right"),
+)
+
+
+def _cases_for(signature: Signature) -> tuple[ParityCase, ...]:
+    if signature.attention == "self":  # one sequence: q_len is kv_len
+        return tuple(ParityCase(c.batch, c.kv_len, c.kv_len, c.padding) for c in UNSEEN_CASES)
+    return UNSEEN_CASES
+
+
+WITH_WEIGHTS = [Signature(s.attention, s.mask, True) for s in SIGNATURES]
+
+
+@pytest.mark.parametrize("signature", SIGNATURES + WITH_WEIGHTS, ids=signature_id)
+def test_parity_on_unseen_shapes(export_model, signature):
+    path, reference = export_model(signature)
+    session = MHASession(path, provider="cpu", optimization="disabled")
+    report = check_parity(reference, session, _cases_for(signature), atol=ATOL, rtol=RTOL, seed=7)
+    assert report.passed, report.failures
+    assert report.max_abs_err <= ATOL + RTOL  # a loose sanity bound on the figure itself
+
+
+@pytest.mark.parametrize("signature", SIGNATURES, ids=signature_id)
+def test_io_contract(export_model, signature):
+    path, _ = export_model(signature)
+    model = onnx.load(path)
+    inputs = {i.name: i.type.tensor_type for i in model.graph.input}
+    outputs = {o.name: o.type.tensor_type for o in model.graph.output}
+    assert tuple(inputs) == signature.input_names
+    assert tuple(outputs) == signature.output_names
+    for name in signature.sequence_inputs:
+        dims = inputs[name].shape.dim
+        assert inputs[name].elem_type == onnx.TensorProto.FLOAT
+        assert dims[0].dim_param and dims[1].dim_param, f"{name} batch/seq must be dynamic"
+        assert dims[2].dim_value == TEST_D_MODEL
+    if signature.has_padding_mask:
+        assert inputs["key_padding_mask"].elem_type == onnx.TensorProto.BOOL
+    kv_seq = inputs["x" if signature.attention == "self" else "key"].shape.dim[1].dim_param
+    if signature.has_padding_mask:
+        assert inputs["key_padding_mask"].shape.dim[1].dim_param == kv_seq
+    if signature.attention == "cross":
+        assert inputs["query"].shape.dim[1].dim_param != kv_seq, "q_seq and kv_seq must be independent"
+    assert model.ir_version <= 10, "ORT 1.31 rejects IR 14"
+
+
+def test_metadata_recorded(export_model):
+    signature = Signature("cross", "padding")
+    path, _ = export_model(signature)
+    props = {p.key: p.value for p in onnx.load(path).metadata_props}
+    metadata = ModelMetadata.from_props(props)
+    assert (metadata.d_model, metadata.num_heads, metadata.signature) == (TEST_D_MODEL, TEST_HEADS, signature)
+    assert metadata.opset == 23 and metadata.dtype == "float32"
+    assert {"torch", "onnx", "mha-deploy"} <= set(metadata.versions)
+    assert metadata.parity.passed and metadata.parity.max_abs_err < ATOL
+    assert any(int(shape.split("/")[0].split("x")[1]) >= 256 for shape in metadata.parity.shapes)
+    assert METADATA_KEY in props
+
+
+def test_fully_masked_rows_are_finite(export_model):
+    """Left padding + causal: padded query rows see no real key; they must stay finite."""
+    path, _ = export_model(Signature("self", "padding-causal"))
+    session = MHASession(path, provider="cpu")
+    x = np.random.default_rng(0).standard_normal((2, 9, TEST_D_MODEL), dtype=np.float32)
+    mask = np.ones((2, 9), dtype=bool)
+    mask[1, :4] = False  # left padding
+    assert np.isfinite(session.run({"x": x, "key_padding_mask": mask})["output"]).all()
+
+
+def test_parity_failure_writes_nothing(tmp_path):
+    target = tmp_path / "mha.onnx"
+    torch.manual_seed(0)
+    with pytest.raises(ParityError, match=r"parity FAILED.*nothing written"):
+        # atol = rtol = 0 cannot pass: ORT and torch round differently.
+        export_mha(MultiHeadAttention(TEST_D_MODEL, TEST_HEADS), target, Signature(), atol=0.0, rtol=0.0)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_export_overwrites_atomically(tmp_path):
+    target = tmp_path / "mha.onnx"
+    target.write_bytes(b"old")
+    torch.manual_seed(0)
+    export_mha(MultiHeadAttention(TEST_D_MODEL, TEST_HEADS), target, Signature(), parity_cases=(ParityCase(1, 2, 2),))
+    assert MHASession(target, provider="cpu").metadata.d_model == TEST_D_MODEL
+    assert [p.name for p in tmp_path.iterdir()] == ["mha.onnx"]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"signature_args": ("cross", "causal")}, "needs self-attention"),
+        ({"signature_args": ("cross", "padding-causal")}, "needs self-attention"),
+        ({"signature_args": ("self", "sliding")}, "mask must be one of"),
+        ({"signature_args": ("both", "none")}, "attention must be one of"),
+        ({"output": "mha.onx"}, "must end in .onnx"),
+        ({"opset": 11}, "opset 11 is too old"),
+    ],
+)
+def test_bad_export_requests(tmp_path, kwargs, message):
+    with pytest.raises(ExportError, match=message):
+        signature = Signature(*kwargs.get("signature_args", ("self", "none")))
+        export_mha(
+            MultiHeadAttention(TEST_D_MODEL, TEST_HEADS),
+            tmp_path / kwargs.get("output", "mha.onnx"),
+            signature,
+            opset=kwargs.get("opset", 23),
+        )
+    assert list(tmp_path.iterdir()) == []

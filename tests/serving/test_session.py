@@ -1,0 +1,150 @@
+"""MHASession: input validation, model-file errors, providers, and no torch at serving time."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import onnx
+import pytest
+
+from mha_deploy.errors import InputError, ModelFileError, ProviderUnavailableError
+from mha_deploy.metadata import Signature
+from mha_deploy.serving import MHASession
+from mha_deploy.serving.providers import cuda_unavailable_reason
+from tests.conftest import TEST_D_MODEL
+
+D = TEST_D_MODEL
+rng = np.random.default_rng(0)
+ONES = np.ones((2, 5), bool)
+
+
+def _x(*shape, dtype=np.float32):
+    return rng.standard_normal(shape).astype(dtype)
+
+
+@pytest.fixture(scope="module")
+def padded_self(export_model):
+    return MHASession(export_model(Signature("self", "padding"))[0], provider="cpu")
+
+
+@pytest.fixture(scope="module")
+def padded_cross(export_model):
+    return MHASession(export_model(Signature("cross", "padding"))[0], provider="cpu")
+
+
+SELF_BAD_INPUTS = [
+    ({"x": _x(2, 5, D + 1), "key_padding_mask": ONES}, f"x has d_model {D + 1}, this model expects {D}"),
+    ({"x": _x(5, D), "key_padding_mask": np.ones((1, 5), bool)}, r"x must have rank 3"),
+    ({"x": _x(2, 5, D, dtype=np.float64), "key_padding_mask": ONES}, r"x must be float32, got float64"),
+    ({"x": _x(2, 5, D), "key_padding_mask": np.ones((3, 5), bool)}, r"key_padding_mask must have shape .*\(2, 5\)"),
+    ({"x": _x(2, 5, D), "key_padding_mask": np.ones((2, 4), bool)}, r"key_padding_mask must have shape .*\(2, 5\)"),
+    ({"x": _x(2, 0, D), "key_padding_mask": np.ones((2, 0), bool)}, r"x is empty"),
+    ({"x": _x(0, 5, D), "key_padding_mask": np.ones((0, 5), bool)}, r"x is empty"),
+    ({"x": _x(2, 5, D)}, r"missing key_padding_mask"),
+    ({"x": _x(2, 5, D), "key_padding_mask": ONES, "y": _x(1)}, r"unexpected y"),
+    ({"x": _x(2, 5, D), "key_padding_mask": np.ones((2, 5), np.float32)}, r"key_padding_mask must be bool"),
+    ({"x": _x(2, 5, D), "key_padding_mask": np.full((2, 5), 2)}, r"only 0 and 1"),
+    ({"x": _x(2, 5, D), "key_padding_mask": np.array([[1, 1, 0, 0, 0], [0] * 5], bool)}, r"rows \[1\] have no real"),
+    ({"x": [["a"]], "key_padding_mask": np.ones((1, 1), bool)}, r"x must be float32"),
+]
+
+
+@pytest.mark.parametrize(("inputs", "message"), SELF_BAD_INPUTS)
+def test_bad_self_attention_inputs(padded_self, inputs, message):
+    with pytest.raises(InputError, match=message):
+        padded_self.run(inputs)
+
+
+CROSS_BAD_INPUTS = [
+    ({"query": _x(2, 3, D), "key": _x(3, 4, D), "value": _x(3, 4, D)}, r"batch sizes differ: query 2, key 3, value 3"),
+    ({"query": _x(2, 3, D), "key": _x(2, 4, D), "value": _x(2, 6, D)}, r"key and value must have the same length"),
+    ({"query": _x(2, 3, D), "key": _x(2, 4, D), "value": _x(2, 4, D)}, r"missing key_padding_mask"),
+]
+
+
+@pytest.mark.parametrize(("inputs", "message"), CROSS_BAD_INPUTS)
+def test_bad_cross_attention_inputs(padded_cross, inputs, message):
+    if "missing" not in message:
+        inputs = {**inputs, "key_padding_mask": np.ones(inputs["key"].shape[:2], bool)}
+    with pytest.raises(InputError, match=message):
+        padded_cross.run(inputs)
+
+
+def test_integer_mask_means_the_same_as_bool(padded_self):
+    x = _x(2, 6, D)
+    mask = np.array([[1, 1, 1, 1, 0, 0], [1] * 6])
+    as_int = padded_self.run({"x": x, "key_padding_mask": mask})["output"]
+    as_bool = padded_self(x=x, key_padding_mask=mask.astype(bool))["output"]
+    np.testing.assert_array_equal(as_int, as_bool)
+
+
+def test_missing_model(tmp_path):
+    with pytest.raises(ModelFileError, match="model file not found"):
+        MHASession(tmp_path / "nope.onnx")
+
+
+def test_corrupt_model(tmp_path):
+    path = tmp_path / "corrupt.onnx"
+    path.write_bytes(b"\x08\x07garbage" * 10)
+    with pytest.raises(ModelFileError, match="ONNX Runtime cannot load it"):
+        MHASession(path)
+
+
+def test_model_without_metadata(tmp_path, export_model):
+    model = onnx.load(export_model(Signature())[0])
+    del model.metadata_props[:]
+    path = tmp_path / "plain.onnx"
+    onnx.save(model, path)
+    with pytest.raises(ModelFileError, match="no mha-deploy metadata"):
+        MHASession(path)
+
+
+def test_unknown_provider(export_model):
+    with pytest.raises(ProviderUnavailableError, match="provider must be one of"):
+        MHASession(export_model(Signature())[0], provider="tpu")
+
+
+@pytest.mark.skipif(cuda_unavailable_reason() is None, reason="CUDA may be usable here; this tests its absence")
+def test_cuda_requested_without_cuda_fails_loudly(export_model):
+    with pytest.raises(ProviderUnavailableError, match="provider 'cuda' requested but"):
+        MHASession(export_model(Signature())[0], provider="cuda")
+
+
+@pytest.mark.skipif(cuda_unavailable_reason() is None, reason="CUDA may be usable here; this tests its absence")
+def test_auto_reports_the_provider_it_got(export_model):
+    session = MHASession(export_model(Signature())[0], provider="auto")
+    assert session.provider == "cpu"
+    assert "using CPU" in session.provider_note
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(cuda_unavailable_reason() is not None, reason=f"needs CUDA: {cuda_unavailable_reason()}")
+def test_cuda_matches_cpu(export_model):
+    path, _ = export_model(Signature("self", "padding"))
+    inputs = {"x": _x(2, 33, D), "key_padding_mask": np.ones((2, 33), bool)}
+    cuda = MHASession(path, provider="cuda")
+    assert cuda.provider == "cuda"
+    expected = MHASession(path, provider="cpu").run(inputs)["output"]
+    np.testing.assert_allclose(cuda.run(inputs)["output"], expected, atol=1e-4, rtol=1e-3)
+
+
+def test_serving_runs_without_torch(export_model):
+    """A service embedding the session must work where torch is not installed."""
+    path, _ = export_model(Signature("self", "padding-causal"))
+    code = textwrap.dedent(f"""
+        import sys
+        sys.modules["torch"] = None  # any 'import torch' now raises ImportError
+        sys.modules["onnxscript"] = None
+        import numpy as np
+        from mha_deploy.serving import MHASession, BatchRunner
+        session = MHASession({str(path)!r}, provider="cpu")
+        x = np.ones((1, 4, {D}), np.float32)
+        out = session.run({{"x": x, "key_padding_mask": np.ones((1, 4), bool)}})["output"]
+        print(out.shape)
+    """)
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == f"(1, 4, {D})"
