@@ -1,0 +1,176 @@
+"""The CLI through Click's runner and as a real process: happy paths, help, and one-line errors."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from click.testing import CliRunner
+
+from mha_deploy.cli import main
+from mha_deploy.metadata import Signature
+from mha_deploy.models import MultiHeadAttention, save_checkpoint
+from mha_deploy.serving import MHASession
+from tests.conftest import TEST_D_MODEL, TEST_HEADS
+
+D = TEST_D_MODEL
+SMALL = ["--d-model", str(D), "--heads", str(TEST_HEADS)]
+
+
+def invoke(*args: str):
+    return CliRunner().invoke(main, [str(a) for a in args])
+
+
+def write_items(path: Path, lengths=(3, 1, 8, 5), seed=0, d_model=D) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    arrays = {f"id{i}": rng.standard_normal((n, d_model), dtype=np.float32) for i, n in enumerate(lengths)}
+    np.savez(path, **arrays)
+    return arrays
+
+
+def assert_one_line_error(result, fragment: str):
+    assert result.exit_code == 1, result.output
+    lines = result.stderr.strip().splitlines()
+    assert lines[-1].startswith("error: ") and fragment in lines[-1], result.stderr
+    assert "Traceback" not in result.output
+
+
+@pytest.mark.parametrize("command", [[], ["export"], ["infer"], ["inspect"]])
+def test_help_shows_an_example(command):
+    result = invoke(*command, "--help")
+    assert result.exit_code == 0
+    assert "mha-deploy " in result.output and ("Example" in result.output or not command)
+
+
+def test_export_infer_inspect(tmp_path):
+    model = tmp_path / "mha.onnx"
+    result = invoke("export", *SMALL, "--mask", "padding", "--seed", "3", "-o", model)
+    assert result.exit_code == 0, result.output
+    assert "parity PASSED" in result.stdout and "max abs err" in result.stdout
+
+    items = write_items(tmp_path / "items.npz")
+    out = tmp_path / "out.safetensors"
+    result = invoke("infer", model, "--input", tmp_path / "items.npz", "--output", out, "--batch-size", "3")
+    assert result.exit_code == 0, result.output
+    assert "4 items, 17 tokens" in result.stdout and "tokens/s" in result.stdout
+
+    from safetensors.numpy import load_file
+
+    outputs = load_file(out)
+    session = MHASession(model, provider="cpu")
+    assert set(outputs) == set(items)
+    for item_id, x in items.items():
+        expected = session.run({"x": x[None], "key_padding_mask": np.ones((1, len(x)), bool)})["output"][0]
+        np.testing.assert_allclose(outputs[item_id], expected, atol=1e-5, rtol=1e-4)
+
+    report = json.loads(invoke("inspect", model, "--json").stdout)
+    assert [i["name"] for i in report["inputs"]] == ["x", "key_padding_mask"]
+    assert report["inputs"][0]["dims"] == ["batch", "seq", D]
+    assert report["metadata"]["signature"]["mask"] == "padding"
+    text = invoke("inspect", model).stdout
+    assert "parity PASSED" in text and "Softmax x1" in text
+
+
+def test_export_from_checkpoint(tmp_path):
+    torch.manual_seed(0)
+    mha = MultiHeadAttention(D, TEST_HEADS).eval()
+    checkpoint = tmp_path / "attn.safetensors"
+    save_checkpoint(mha, checkpoint)
+    model = tmp_path / "mha.onnx"
+    result = invoke("export", "--checkpoint", checkpoint, "--attention", "cross", "-o", model)
+    assert result.exit_code == 0, result.output
+    x = np.random.default_rng(0).standard_normal((1, 3, D), dtype=np.float32)
+    with torch.no_grad():
+        expected = mha(*(torch.from_numpy(x),) * 3)[0].numpy()
+    actual = MHASession(model, provider="cpu").run({"query": x, "key": x, "value": x})["output"]
+    np.testing.assert_allclose(actual, expected, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize(
+    ("args", "fragment"),
+    [
+        (["--attention", "cross", "--mask", "causal"], "needs self-attention"),
+        (["--d-model", "10", "--heads", "3"], "must be divisible by num_heads"),
+        (["--checkpoint", "missing.pt"], "missing.pt"),
+        (["--atol", "0", "--rtol", "0", *SMALL], "parity FAILED"),
+    ],
+)
+def test_export_errors_leave_nothing(tmp_path, monkeypatch, args, fragment):
+    monkeypatch.chdir(tmp_path)
+    result = invoke("export", *args, "-o", "mha.onnx")
+    assert_one_line_error(result, fragment)
+    assert not Path("mha.onnx").exists()
+
+
+def test_export_checkpoint_with_unknown_keys(tmp_path):
+    state = MultiHeadAttention(D, TEST_HEADS).state_dict()
+    state["extra.weight"] = torch.zeros(2)
+    torch.save(state, tmp_path / "bad.pt")
+    result = invoke("export", "--checkpoint", tmp_path / "bad.pt", "--heads", "4", "-o", tmp_path / "m.onnx")
+    assert_one_line_error(result, "extra.weight")
+    assert not (tmp_path / "m.onnx").exists()
+
+
+@pytest.fixture(scope="module")
+def padded_model(export_model):
+    return export_model(Signature("self", "padding"))[0]
+
+
+@pytest.mark.parametrize(
+    ("make_input", "fragment"),
+    [
+        (lambda p: write_items(p, d_model=D + 2), "item 'id0': shape (3, 66)"),
+        (lambda p: np.savez(p, good=np.ones((2, D), np.float32), bad=np.ones((2, D))), "item 'bad': dtype float64"),
+        (lambda p: np.savez(p, empty=np.ones((0, D), np.float32)), "item 'empty': empty sequence"),
+        (lambda p: p.write_bytes(b"not a zip"), "cannot read arrays"),
+    ],
+)
+def test_infer_bad_input_writes_nothing(tmp_path, padded_model, make_input, fragment):
+    make_input(tmp_path / "items.npz")
+    result = invoke("infer", padded_model, "--input", tmp_path / "items.npz", "--output", tmp_path / "out.npz")
+    assert_one_line_error(result, fragment)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["items.npz"]
+
+
+@pytest.mark.parametrize(
+    ("model", "fragment"), [("missing.onnx", "model file not found"), ("corrupt.onnx", "cannot load it")]
+)
+def test_infer_bad_model(tmp_path, model, fragment):
+    (tmp_path / "corrupt.onnx").write_bytes(b"garbage")
+    write_items(tmp_path / "items.npz")
+    result = invoke("infer", tmp_path / model, "--input", tmp_path / "items.npz", "--output", tmp_path / "o.npz")
+    assert_one_line_error(result, fragment)
+    assert not (tmp_path / "o.npz").exists()
+
+
+def test_debug_shows_the_traceback(tmp_path):
+    result = CliRunner().invoke(main, ["--debug", "inspect", str(tmp_path / "missing.onnx")])
+    assert result.exit_code == 1 and type(result.exception).__name__ == "ModelFileError"
+
+
+def _cli() -> list[str]:
+    script = Path(sys.executable).with_name("mha-deploy")
+    return [str(script)] if script.exists() else [shutil.which("mha-deploy") or "mha-deploy"]
+
+
+def test_real_process(tmp_path):
+    model, items, out = tmp_path / "m.onnx", tmp_path / "items.npz", tmp_path / "out.npz"
+    run = lambda *args: subprocess.run([*_cli(), *map(str, args)], capture_output=True, text=True, timeout=300)  # noqa: E731
+    result = run("export", *SMALL, "--mask", "causal", "-o", model)
+    assert result.returncode == 0, result.stderr
+    write_items(items)
+    result = run("infer", model, "--input", items, "--output", out, "--no-progress")
+    assert result.returncode == 0, result.stderr
+    assert "items/s" in result.stdout
+    with np.load(out) as outputs:
+        assert sorted(outputs.files) == ["id0", "id1", "id2", "id3"] and outputs["id2"].shape == (8, D)
+    result = run("infer", model, "--input", items, "--output", items)
+    assert result.returncode == 2 and "must differ from --input" in result.stderr
+    result = run("inspect", tmp_path / "nope.onnx")
+    assert result.returncode == 1 and result.stderr.strip() == f"error: model file not found: {tmp_path / 'nope.onnx'}"
