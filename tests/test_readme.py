@@ -1,0 +1,21 @@
+"""The README's Python example runs as written."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from mha_deploy.metadata import Signature
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+
+
+def test_readme_python_example(export_model, tmp_path, monkeypatch, capsys):
+    blocks = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
+    assert blocks, "the README has a Python example"
+    path, _ = export_model(Signature("self", "padding"))
+    (tmp_path / "mha.onnx").symlink_to(path)
+    monkeypatch.chdir(tmp_path)
+    for block in blocks:
+        exec(compile(block, str(README), "exec"), {})
+    assert "provider " in capsys.readouterr().out
