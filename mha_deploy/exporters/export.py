@@ -5,12 +5,12 @@ from __future__ import annotations
 import contextlib
 import importlib.metadata
 import os
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import onnx
 
+from mha_deploy.atomic import atomic_path
 from mha_deploy.errors import ExportError, ParityError
 from mha_deploy.exporters.graphs import attention_graph
 from mha_deploy.exporters.parity import DEFAULT_ATOL, DEFAULT_RTOL, ParityCase, check_parity
@@ -45,16 +45,8 @@ def set_metadata(model: onnx.ModelProto, metadata: ModelMetadata) -> None:
 
 
 def write_model_atomically(model: onnx.ModelProto, path: Path) -> None:
-    """Write to a temporary file beside ``path`` and rename: readers never see half a model."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
+    with atomic_path(path) as tmp:
         onnx.save_model(model, tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def export_mha(

@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import pickle
 import re
-import secrets
 from collections import Counter
 from collections.abc import Mapping
 from pathlib import Path
@@ -15,6 +14,7 @@ import safetensors.torch
 import torch
 from torch import nn
 
+from mha_deploy.atomic import atomic_path
 from mha_deploy.errors import CheckpointError
 from mha_deploy.models.attention import MultiHeadAttention
 
@@ -276,20 +276,13 @@ def save_checkpoint(module: nn.Module, path: str | os.PathLike) -> None:
             f"checkpoint {path}: unknown suffix {suffix or '(none)'!r}; expected one of {accepted}"
         )
     state = {key: value.detach().cpu().contiguous() for key, value in module.state_dict().items()}
-    # Same directory, so os.replace is an atomic rename and readers never see a half-written file.
-    tmp = path.with_name(f".{path.name}.{secrets.token_hex(6)}.tmp")
     try:
-        # Writing through our own handle keeps the umask's permissions; save_file would create 0600.
-        with open(tmp, "xb") as handle:
+        with atomic_path(path) as tmp:
             if suffix in SAFETENSORS_SUFFIXES:
-                handle.write(safetensors.torch.save(state, metadata=_metadata(module)))
+                tmp.write_bytes(safetensors.torch.save(state, metadata=_metadata(module)))
             else:
-                torch.save(state, handle)
-        os.replace(tmp, path)
-    except BaseException as exc:
-        tmp.unlink(missing_ok=True)
-        if not isinstance(exc, Exception):
-            raise
+                torch.save(state, tmp)
+    except Exception as exc:
         raise CheckpointError(f"checkpoint {path}: cannot write it ({type(exc).__name__}: {exc})") from exc
 
 

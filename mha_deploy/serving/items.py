@@ -8,12 +8,12 @@ items as ``<id>.query``, ``<id>.key``, ``<id>.value``. Outputs use ``<id>``
 from __future__ import annotations
 
 import os
-import tempfile
 import zipfile
 from pathlib import Path
 
 import numpy as np
 
+from mha_deploy.atomic import atomic_path
 from mha_deploy.errors import InputError
 from mha_deploy.metadata import Signature
 
@@ -75,17 +75,10 @@ def write_arrays(path: str | os.PathLike, arrays: dict[str, np.ndarray]) -> None
     """Write atomically: a temporary file beside ``path``, then a rename."""
     path = Path(path)
     _check_suffix(path, "output")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp" + path.suffix)
-    os.close(fd)
-    try:
+    with atomic_path(path) as tmp:
         if path.suffix == ".npz":
             np.savez(tmp, **arrays)
         else:
             from safetensors.numpy import save_file
 
-            save_file({k: np.ascontiguousarray(v) for k, v in arrays.items()}, tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+            save_file({k: np.ascontiguousarray(v) for k, v in arrays.items()}, str(tmp))

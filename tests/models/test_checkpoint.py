@@ -194,9 +194,10 @@ def test_save_checkpoint_is_atomic_and_overwrites(tmp_path, suffix):
 def test_save_checkpoint_failure_leaves_no_temp_file(tmp_path):
     with pytest.raises(CheckpointError, match="unknown suffix"):
         save_checkpoint(_reference(), tmp_path / "ref.onnx")
+    (tmp_path / "taken.pt").mkdir()  # the final rename onto a directory fails
     with pytest.raises(CheckpointError, match="cannot write"):
-        save_checkpoint(_reference(), tmp_path / "absent" / "ref.pt")
-    assert os.listdir(tmp_path) == []
+        save_checkpoint(_reference(), tmp_path / "taken.pt")
+    assert os.listdir(tmp_path) == ["taken.pt"]
 
 
 @pytest.mark.parametrize(

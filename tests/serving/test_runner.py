@@ -42,9 +42,10 @@ def run_one(session: MHASession, item: dict[str, np.ndarray]) -> dict[str, np.nd
     return {name: out[0] for name, out in session.run(feeds).items()}
 
 
-@pytest.mark.parametrize(
-    "signature", [*SIGNATURES, Signature("self", "padding", True), Signature("cross", "padding", True)], ids=signature_id
-)
+WITH_WEIGHTS = [Signature("self", "padding", True), Signature("cross", "padding", True)]
+
+
+@pytest.mark.parametrize("signature", SIGNATURES + WITH_WEIGHTS, ids=signature_id)
 def test_batched_equals_one_by_one(export_model, signature):
     session = MHASession(export_model(signature)[0], provider="cpu")
     items = make_items(signature)
