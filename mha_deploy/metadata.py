@@ -71,9 +71,18 @@ class ParityReport:
     required_rtol: float
     shapes: list[str] = field(default_factory=list)
     failures: list[str] = field(default_factory=list)
+    # Largest ||actual - reference|| / ||reference|| over real query rows, per output and shape.
+    rel_err: float = 0.0
+    # When set (quantized models), parity means rel_err <= rel_budget instead of the atol/rtol test.
+    rel_budget: float | None = None
 
     def summary(self) -> str:
         verdict = "PASSED" if self.passed else "FAILED"
+        if self.rel_budget is not None:
+            return (
+                f"parity {verdict} over {len(self.shapes)} shapes ({', '.join(self.shapes)}): "
+                f"relative error {self.rel_err:.3%} (budget {self.rel_budget:.1%}), max abs err {self.max_abs_err:.3g}"
+            )
         return (
             f"parity {verdict} over {len(self.shapes)} shapes ({', '.join(self.shapes)}): "
             f"max abs err {self.max_abs_err:.3g} (tolerance atol={self.atol:g} rtol={self.rtol:g}; "
@@ -92,6 +101,7 @@ class ModelMetadata:
     dtype: str = "float32"
     opset: int = 23
     fusion: str = "none"
+    quantization: str = "none"
     versions: dict[str, str] = field(default_factory=dict)
     parity: ParityReport | None = None
     format: int = METADATA_FORMAT

@@ -12,8 +12,15 @@ import onnx
 from mha_deploy.errors import ModelFileError
 from mha_deploy.metadata import METADATA_KEY, ModelMetadata
 
-# Ops that carry a whole attention; shown with their mask inputs and attributes.
-ATTENTION_OPS = {("com.microsoft", "MultiHeadAttention"), ("com.microsoft", "Attention"), ("", "Attention")}
+# Ops that carry a whole attention, with their input roles (from the ops' schemas),
+# so that inspect can say which mask input a fused op reads.
+ATTENTION_INPUT_ROLES = {
+    ("com.microsoft", "MultiHeadAttention"): (
+        "query", "key", "value", "bias", "key_padding_mask", "attention_bias", "past_key", "past_value",
+    ),
+    ("com.microsoft", "Attention"): ("input", "weights", "bias", "mask_index", "past", "attention_bias"),
+    ("", "Attention"): ("Q", "K", "V", "attn_mask", "past_key", "past_value"),
+}
 
 
 @dataclass
@@ -27,7 +34,7 @@ class TensorInfo:
 class AttentionOpInfo:
     op: str
     name: str
-    inputs: list[str]
+    inputs: dict[str, str]  # role -> tensor name, for the inputs the op is given
     attributes: dict[str, object]
 
 
@@ -57,6 +64,13 @@ def _op_label(node: onnx.NodeProto) -> str:
     return f"{node.domain}::{node.op_type}" if node.domain not in ("", "ai.onnx") else node.op_type
 
 
+def _attention_op(node: onnx.NodeProto) -> AttentionOpInfo:
+    roles = ATTENTION_INPUT_ROLES[(node.domain, node.op_type)]
+    inputs = {role: name for role, name in zip(roles, node.input, strict=False) if name}
+    attributes = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+    return AttentionOpInfo(_op_label(node), node.name, inputs, attributes)
+
+
 def describe_model(path: str | os.PathLike) -> ModelReport:
     path = Path(path)
     if not path.is_file():
@@ -82,15 +96,6 @@ def describe_model(path: str | os.PathLike) -> ModelReport:
         inputs=[_tensor_info(v) for v in model.graph.input],
         outputs=[_tensor_info(v) for v in model.graph.output],
         op_counts=dict(Counter(_op_label(n) for n in nodes).most_common()),
-        attention_ops=[
-            AttentionOpInfo(
-                _op_label(n),
-                n.name,
-                list(n.input),
-                {a.name: onnx.helper.get_attribute_value(a) for a in n.attribute},
-            )
-            for n in nodes
-            if (n.domain, n.op_type) in ATTENTION_OPS
-        ],
+        attention_ops=[_attention_op(n) for n in nodes if (n.domain, n.op_type) in ATTENTION_INPUT_ROLES],
         metadata=asdict(metadata) if metadata else None,
     )

@@ -28,11 +28,11 @@ has_torch = importlib.util.find_spec("torch") is not None
 
 @pytest.fixture(scope="session")
 def export_model(tmp_path_factory):
-    """``export_model(signature) -> (path, reference torch module)``, exported once per signature."""
+    """``export_model(signature, fuse) -> (path, reference torch module)``, exported once per argument pair."""
     cache = {}
 
-    def export(signature: Signature):
-        if signature not in cache:
+    def export(signature: Signature, fuse: str = "none"):
+        if (signature, fuse) not in cache:
             import torch
 
             from mha_deploy.exporters import export_mha
@@ -41,9 +41,9 @@ def export_model(tmp_path_factory):
 
             torch.manual_seed(1234)
             mha = MultiHeadAttention(TEST_D_MODEL, TEST_HEADS).eval()
-            path = tmp_path_factory.mktemp("models") / f"{signature_id(signature)}.onnx"
-            export_mha(mha, path, signature)
-            cache[signature] = (path, attention_graph(mha, signature))
-        return cache[signature]
+            path = tmp_path_factory.mktemp("models") / f"{signature_id(signature)}-{fuse}.onnx"
+            export_mha(mha, path, signature, fuse=fuse)
+            cache[signature, fuse] = (path, attention_graph(mha, signature))
+        return cache[signature, fuse]
 
     return export

@@ -5,21 +5,37 @@ from __future__ import annotations
 import contextlib
 import importlib.metadata
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import onnx
 
 from mha_deploy.atomic import atomic_path
 from mha_deploy.errors import ExportError, ParityError
+from mha_deploy.exporters.fusion import FusionReport, fuse_attention
 from mha_deploy.exporters.graphs import attention_graph
 from mha_deploy.exporters.parity import DEFAULT_ATOL, DEFAULT_RTOL, ParityCase, check_parity
+from mha_deploy.exporters.precision import DTYPES, FP16_ATOL, FP16_RTOL, to_float16
+from mha_deploy.exporters.quantize import quantize_int8
 from mha_deploy.exporters.torch_export import DEFAULT_OPSET, export_onnx
 from mha_deploy.metadata import METADATA_KEY, ModelMetadata, ParityReport, Signature
 from mha_deploy.models.attention import MultiHeadAttention
 from mha_deploy.serving.session import MHASession
 
+# Chosen from benchmarks/fusion.py on ORT's CPU provider (fp32): see the README's figures.
+AUTO_TARGET = "mha"
+# Only the standard Attention op can also output the softmax probabilities.
+AUTO_TARGET_RETURNING_WEIGHTS = "onnx"
 _RECORDED_PACKAGES = ("mha-deploy", "torch", "onnx", "onnxscript", "onnxruntime-gpu", "onnxruntime")
+
+
+FUSE_CHOICES = ("auto", "mha", "onnx", "none")
+QUANTIZE_CHOICES = ("none", "int8")
+# Dynamic int8 projections, d_model 512, measured ||int8 - fp32|| / ||fp32||: 1.2% at
+# 8x128, up to 2.9% on short padded sequences (each query averages few keys, so
+# quantization noise averages out less). 5% passes those and still refuses a
+# model whose output projection is off by 10% (tests/exporters/test_quantize.py).
+INT8_REL_ERR_BUDGET = 0.05
 
 
 @dataclass
@@ -27,6 +43,9 @@ class ExportResult:
     path: Path
     metadata: ModelMetadata
     parity: ParityReport
+    fusion: FusionReport
+    # Things the user should know that did not stop the export (e.g. auto fell back to no fusion).
+    warnings: list[str] = field(default_factory=list)
 
 
 def package_versions() -> dict[str, str]:
@@ -49,43 +68,107 @@ def write_model_atomically(model: onnx.ModelProto, path: Path) -> None:
         onnx.save_model(model, tmp)
 
 
+def auto_fusion_target(signature: Signature) -> str:
+    """The fusion target measured fastest for this model on ORT's CPU provider (benchmarks/fusion.py)."""
+    return AUTO_TARGET_RETURNING_WEIGHTS if signature.return_weights else AUTO_TARGET
+
+
+def _optimised(
+    plain: onnx.ModelProto, target: str, quantize: str, dtype: str
+) -> tuple[onnx.ModelProto, FusionReport]:
+    """``plain`` fused for ``target``, quantized and cast as asked; ``plain`` itself is left as it was."""
+    fused, report = fuse_attention(plain, target)
+    if not report.complete:
+        raise ExportError(
+            f"{report.summary()}: --fuse {target} needs every attention subgraph fused; "
+            "use --fuse none (or auto) to export the unfused graph"
+        )
+    if quantize == "int8":
+        fused = quantize_int8(fused)
+    if dtype == "float16":
+        fused = to_float16(fused)
+    return fused, report
+
+
+def _checked(module, model: onnx.ModelProto, atol, rtol, parity_cases, quantize) -> ParityReport:
+    # Parity runs on the in-memory model on the CPU provider, which every
+    # machine has, so that a failed check never leaves a file behind. ORT's own
+    # graph optimisations stay off so that they cannot mask a bad fusion.
+    session = MHASession(model.SerializeToString(), provider="cpu", optimization="disabled")
+    budget = INT8_REL_ERR_BUDGET if quantize == "int8" else None
+    return check_parity(module, session, parity_cases, atol=atol, rtol=rtol, rel_budget=budget)
+
+
 def export_mha(
     mha: MultiHeadAttention,
     output: str | os.PathLike,
     signature: Signature | None = None,
     opset: int = DEFAULT_OPSET,
-    atol: float = DEFAULT_ATOL,
-    rtol: float = DEFAULT_RTOL,
+    atol: float | None = None,
+    rtol: float | None = None,
     parity_cases: tuple[ParityCase, ...] | None = None,
+    fuse: str = "auto",
+    quantize: str = "none",
+    dtype: str = "fp32",
 ) -> ExportResult:
-    """Export ``mha`` for ``signature``, check parity against torch, and write ``output``.
+    """Export ``mha`` for ``signature``, fuse its attention, check parity against torch, and write ``output``.
 
+    ``fuse``: "mha" (ORT contrib MultiHeadAttention), "onnx" (standard Attention,
+    opset 23), "none", or "auto" (the fastest measured target; falls back to
+    "none" with a warning when fusion fails or breaks parity).
+    ``quantize="int8"``: dynamic int8 projections (CPU only); parity then means a
+    relative error within ``INT8_REL_ERR_BUDGET`` instead of atol/rtol.
+    ``dtype="fp16"``: fp16 weights and I/O (for CUDA), compared with the fp32
+    torch reference at ``FP16_ATOL``/``FP16_RTOL`` unless atol/rtol are given.
     Raises ``ParityError`` (and writes nothing) when ORT and torch disagree
     beyond ``atol + rtol * |reference|`` on any real query position.
     """
     signature = signature or Signature()
+    if fuse not in FUSE_CHOICES:
+        raise ExportError(f"fuse must be one of {', '.join(FUSE_CHOICES)}, got {fuse!r}")
+    if quantize not in QUANTIZE_CHOICES:
+        raise ExportError(f"quantize must be one of {', '.join(QUANTIZE_CHOICES)}, got {quantize!r}")
+    if dtype not in DTYPES:
+        raise ExportError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    if dtype != "fp32" and quantize != "none":
+        raise ExportError("--quantize int8 quantizes an fp32 model: use it with --dtype fp32")
+    half = dtype == "fp16"
+    atol = atol if atol is not None else (FP16_ATOL if half else DEFAULT_ATOL)
+    rtol = rtol if rtol is not None else (FP16_RTOL if half else DEFAULT_RTOL)
     output = Path(output)
     if output.suffix != ".onnx":
         raise ExportError(f"output path must end in .onnx, got {output}")
     if output.is_dir():
         raise ExportError(f"output path {output} is a directory")
     module = attention_graph(mha.eval(), signature)
-    model = export_onnx(module, signature, mha.d_model, opset)
+    plain = export_onnx(module, signature, mha.d_model, opset)
     metadata = ModelMetadata(
         d_model=mha.d_model,
         num_heads=mha.num_heads,
         signature=signature,
+        dtype=DTYPES[dtype],
         opset=opset,
         versions=package_versions(),
     )
-    set_metadata(model, metadata)
-    # Parity runs on the in-memory model on the CPU provider, which every
-    # machine has, so that a failed check never leaves a file behind.
-    session = MHASession(model.SerializeToString(), provider="cpu")
-    report = check_parity(module, session, parity_cases, atol=atol, rtol=rtol)
+    set_metadata(plain, metadata)
+    warnings: list[str] = []
+    target = auto_fusion_target(signature) if fuse == "auto" else fuse
+    try:
+        model, fusion = _optimised(plain, target, quantize, metadata.dtype)
+        report = _checked(module, model, atol, rtol, parity_cases, quantize)
+        if not report.passed and fuse == "auto" and target != "none":
+            raise ParityError(report.summary())
+    except (ExportError, ParityError) as exc:
+        if fuse != "auto":
+            raise
+        warnings.append(f"--fuse auto: {target} fusion not used ({exc}); exported the unfused graph")
+        model, fusion = _optimised(plain, "none", quantize, metadata.dtype)
+        report = _checked(module, model, atol, rtol, parity_cases, quantize)
     if not report.passed:
         raise ParityError(f"{report.summary()}; failures: {'; '.join(report.failures[:5])}; nothing written")
+    metadata.fusion = fusion.target
+    metadata.quantization = quantize
     metadata.parity = report
     set_metadata(model, metadata)
     write_model_atomically(model, output)
-    return ExportResult(output, metadata, report)
+    return ExportResult(output, metadata, report, fusion, warnings)

@@ -98,7 +98,7 @@ def test_parity_failure_writes_nothing(tmp_path):
     torch.manual_seed(0)
     with pytest.raises(ParityError, match=r"parity FAILED.*nothing written"):
         # atol = rtol = 0 cannot pass: ORT and torch round differently.
-        export_mha(MultiHeadAttention(TEST_D_MODEL, TEST_HEADS), target, Signature(), atol=0.0, rtol=0.0)
+        export_mha(MultiHeadAttention(TEST_D_MODEL, TEST_HEADS), target, Signature(), atol=0, rtol=0, fuse="none")
     assert list(tmp_path.iterdir()) == []
 
 
@@ -132,3 +132,42 @@ def test_bad_export_requests(tmp_path, kwargs, message):
             opset=kwargs.get("opset", 23),
         )
     assert list(tmp_path.iterdir()) == []
+
+
+def _incomplete_fusion(model, target):
+    from mha_deploy.exporters.fusion import FusionReport
+
+    return model, FusionReport(target, found=1, remaining=1)
+
+
+@pytest.mark.parametrize("fuse", ["mha", "onnx"])
+def test_explicit_fusion_refuses_unfused_attention(tmp_path, monkeypatch, fuse):
+    monkeypatch.setattr("mha_deploy.exporters.export.fuse_attention", _incomplete_fusion)
+    with pytest.raises(ExportError, match=rf"1 left unfused: --fuse {fuse} needs every attention subgraph fused"):
+        export_mha(MultiHeadAttention(TEST_D_MODEL, TEST_HEADS), tmp_path / "m.onnx", Signature(), fuse=fuse)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_auto_fusion_falls_back_to_the_plain_graph(tmp_path, monkeypatch):
+    monkeypatch.setattr("mha_deploy.exporters.export.fuse_attention", _incomplete_fusion)
+    result = export_mha(MultiHeadAttention(TEST_D_MODEL, TEST_HEADS), tmp_path / "m.onnx", Signature(), fuse="auto")
+    assert result.metadata.fusion == "none" and result.parity.passed
+    assert len(result.warnings) == 1 and "exported the unfused graph" in result.warnings[0]
+
+
+def test_fused_ops_cannot_return_weights(tmp_path):
+    with pytest.raises(ExportError, match="cannot output"):
+        export_mha(MultiHeadAttention(TEST_D_MODEL, TEST_HEADS), tmp_path / "m.onnx", Signature(return_weights=True),
+                   fuse="mha")
+    assert list(tmp_path.iterdir()) == []
+
+
+AUTO_CASES = [Signature("self", "padding"), Signature("cross", "none", True)]
+
+
+@pytest.mark.parametrize("signature", AUTO_CASES, ids=signature_id)
+def test_auto_fuses_and_records_the_target(tmp_path, signature):
+    torch.manual_seed(0)
+    result = export_mha(MultiHeadAttention(TEST_D_MODEL, TEST_HEADS), tmp_path / "m.onnx", signature, fuse="auto")
+    assert result.fusion.complete and result.fusion.fused == 1 and not result.warnings
+    assert MHASession(result.path, provider="cpu").metadata.fusion == result.fusion.target != "none"

@@ -1,0 +1,10 @@
+"""Graph passes that fuse each reference-MHA subgraph into one attention op.
+
+One module per own rewrite rule (each says why upstream's
+``onnxscript.rewriter.ort_fusions`` needs it); ``pipeline`` composes them with
+the upstream fusions.
+"""
+
+from mha_deploy.exporters.fusion.pipeline import FUSION_TARGETS, FusedOp, FusionReport, fuse_attention
+
+__all__ = ["FUSION_TARGETS", "FusedOp", "FusionReport", "fuse_attention"]

@@ -1,0 +1,88 @@
+"""Contrib attention op with a float ``attention_bias`` -> the same op with native mask inputs.
+
+Why this rule exists: upstream's MHA fusion passes any additive mask as
+``attention_bias`` and, for a [batch, 1, 1, kv_len] padding mask, inserts an
+``Expand`` to [batch, 1, q_len, kv_len] (the contrib ops do not broadcast the
+q_len axis): a float tensor of batch * q_len * kv_len is built on every call.
+``com.microsoft.MultiHeadAttention`` has a ``key_padding_mask`` input (int32
+[batch, kv_len], 0 = pad) and ``com.microsoft.Attention`` a ``mask_index``
+input of the same form, and both have a ``unidirectional`` (causal) flag.
+When ``mask_analysis`` recognises the bias as key padding and/or causal, the
+bias is dropped for those. Measured on ORT 1.31 CPU (see tests): both give the
+reference's result on every row with a visible key; rows with none (left
+padding + causal) are finite.
+"""
+
+from __future__ import annotations
+
+import onnx_ir as ir
+from onnxscript.rewriter import _fusion_utils, pattern
+
+from mha_deploy.exporters.fusion.mask_analysis import MaskParts, analyse_bias_for
+
+# (op type, index of the key-padding input, index of attention_bias)
+_MASK_INPUTS = {"MultiHeadAttention": (4, 5), "Attention": (3, 5)}
+
+
+def _input(node: ir.Node, index: int) -> ir.Value | None:
+    return node.inputs[index] if index < len(node.inputs) else None
+
+
+class NativeMask(pattern.RewriteRuleClassBase):
+    def __init__(self, op_type: str):
+        super().__init__(f"NativeMask_{op_type}")
+        self._op_type = op_type
+        self._padding_index, self._bias_index = _MASK_INPUTS[op_type]
+
+    def pattern(self, op, query):
+        return getattr(op, self._op_type)(
+            query, _allow_other_inputs=True, _domain="com.microsoft", _outputs=["attention"]
+        )
+
+    def check(self, context, query, attention, **_):
+        result = pattern.MatchResult()
+        node = attention.producer()
+        if len(node.outputs) != 1:
+            return result.fail("the op also returns past/present state", node)
+        if _input(node, self._padding_index) is not None:
+            return result.fail("the op already has a key padding mask", node)
+        if any(_input(node, i) is not None for i in range(self._bias_index + 1, len(node.inputs))):
+            return result.fail("the op has past state inputs", node)
+        if query.shape is None or query.shape.rank() != 3:
+            return result.fail("query is not [batch, seq, hidden]", query)
+        batch, q_len = query.shape[0], query.shape[1]
+        # Packed Attention is self-attention: its keys are the query sequence.
+        kv_len = q_len if self._op_type == "Attention" else _kv_len(node)
+        parts = analyse_bias_for(_input(node, self._bias_index), batch, q_len, kv_len)
+        if parts is None:
+            return result.fail("attention_bias is not a padding/causal mask that fits this op", node)
+        if node.attributes.get_int("unidirectional", 0):
+            return result.fail("the op is already unidirectional", node)
+        self._parts = parts
+        return result
+
+    def rewrite(self, op, attention, **_):
+        node = attention.producer()
+        parts: MaskParts = self._parts
+        inputs = list(node.inputs[: self._bias_index + 1])
+        inputs += [None] * (self._bias_index + 1 - len(inputs))
+        inputs[self._bias_index] = None
+        if parts.key_padding is not None:
+            inputs[self._padding_index] = op.Cast(parts.key_padding, to=ir.DataType.INT32)
+        while inputs and inputs[-1] is None:
+            inputs.pop()
+        attributes = {name: attr.value for name, attr in node.attributes.items()}
+        attributes["mask_filter_value"] = parts.fill
+        if parts.causal:
+            attributes["unidirectional"] = 1
+        return getattr(op, self._op_type)(*inputs, _domain="com.microsoft", **attributes)
+
+
+def _kv_len(node: ir.Node):
+    key = node.inputs[1]
+    return key.shape[1] if key is not None and key.shape is not None and key.shape.rank() == 3 else None
+
+
+native_mask_rules = pattern.RewriteRuleSet([NativeMask.rule("MultiHeadAttention"), NativeMask.rule("Attention")])
+
+fuse_native_mask = _fusion_utils.apply_fusion_rules(native_mask_rules)

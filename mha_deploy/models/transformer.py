@@ -1,0 +1,113 @@
+"""Post-norm Transformer encoder/decoder stacks built from the reference ``MultiHeadAttention``.
+
+Masks follow the reference convention: broadcastable to [batch, heads, q_len,
+kv_len], 0/False = masked (``exporters.graphs.build_attention_mask`` builds
+them from a key padding mask and a causal flag).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from mha_deploy.models.attention import MultiHeadAttention
+
+
+class PositionwiseFeedForward(nn.Module):
+    """Linear -> ReLU -> Linear, applied to each position independently."""
+
+    def __init__(self, d_model: int, d_ff: int, dropout: float = 0.1):
+        super().__init__()
+        self.linear1 = nn.Linear(d_model, d_ff)
+        self.linear2 = nn.Linear(d_ff, d_model)
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear2(self.dropout(torch.relu(self.linear1(x))))
+
+
+class EncoderLayer(nn.Module):
+    """Self-attention + Add&LayerNorm, then feed-forward + Add&LayerNorm (post-norm)."""
+
+    def __init__(self, d_model: int, num_heads: int, d_ff: int, dropout: float = 0.1):
+        super().__init__()
+        self.self_attn = MultiHeadAttention(d_model, num_heads, dropout)
+        self.feed_forward = PositionwiseFeedForward(d_model, d_ff, dropout)
+        self.norm1 = nn.LayerNorm(d_model)
+        self.norm2 = nn.LayerNorm(d_model)
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        # x: [batch, seq, d_model]
+        attended, _ = self.self_attn(x, x, x, mask)
+        x = self.norm1(x + self.dropout(attended))
+        return self.norm2(x + self.dropout(self.feed_forward(x)))
+
+
+class DecoderLayer(nn.Module):
+    """Causal self-attention, cross-attention over the encoder memory, feed-forward; each with Add&LayerNorm."""
+
+    def __init__(self, d_model: int, num_heads: int, d_ff: int, dropout: float = 0.1):
+        super().__init__()
+        self.self_attn = MultiHeadAttention(d_model, num_heads, dropout)
+        self.cross_attn = MultiHeadAttention(d_model, num_heads, dropout)
+        self.feed_forward = PositionwiseFeedForward(d_model, d_ff, dropout)
+        self.norm1 = nn.LayerNorm(d_model)
+        self.norm2 = nn.LayerNorm(d_model)
+        self.norm3 = nn.LayerNorm(d_model)
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        memory: torch.Tensor,
+        self_mask: torch.Tensor | None = None,
+        memory_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        # x: [batch, tgt_len, d_model], memory: [batch, mem_len, d_model]
+        attended, _ = self.self_attn(x, x, x, self_mask)
+        x = self.norm1(x + self.dropout(attended))
+        attended, _ = self.cross_attn(x, memory, memory, memory_mask)
+        x = self.norm2(x + self.dropout(attended))
+        return self.norm3(x + self.dropout(self.feed_forward(x)))
+
+
+def _check_layers(num_layers: int) -> None:
+    if num_layers <= 0:
+        raise ValueError(f"num_layers must be positive, got {num_layers}")
+
+
+class Encoder(nn.Module):
+    """``num_layers`` ``EncoderLayer``s; ``forward(x, mask=None)``."""
+
+    def __init__(self, num_layers: int, d_model: int, num_heads: int, d_ff: int, dropout: float = 0.1):
+        super().__init__()
+        _check_layers(num_layers)
+        self.d_model, self.num_heads = d_model, num_heads
+        self.layers = nn.ModuleList(EncoderLayer(d_model, num_heads, d_ff, dropout) for _ in range(num_layers))
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x, mask)
+        return x
+
+
+class Decoder(nn.Module):
+    """``num_layers`` ``DecoderLayer``s; ``forward(x, memory, self_mask=None, memory_mask=None)``."""
+
+    def __init__(self, num_layers: int, d_model: int, num_heads: int, d_ff: int, dropout: float = 0.1):
+        super().__init__()
+        _check_layers(num_layers)
+        self.d_model, self.num_heads = d_model, num_heads
+        self.layers = nn.ModuleList(DecoderLayer(d_model, num_heads, d_ff, dropout) for _ in range(num_layers))
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        memory: torch.Tensor,
+        self_mask: torch.Tensor | None = None,
+        memory_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x, memory, self_mask, memory_mask)
+        return x

@@ -1,0 +1,56 @@
+"""--dtype fp16: half-precision weights and I/O, checked against the fp32 torch reference."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+import torch
+
+from mha_deploy.errors import ExportError, InputError
+from mha_deploy.exporters import export_mha
+from mha_deploy.exporters.graphs import attention_graph
+from mha_deploy.exporters.parity import ParityCase, check_parity
+from mha_deploy.exporters.precision import FP16_ATOL, FP16_RTOL
+from mha_deploy.metadata import Signature
+from mha_deploy.models import MultiHeadAttention
+from mha_deploy.serving import MHASession
+from tests.conftest import TEST_D_MODEL, TEST_HEADS, signature_id
+
+SIGNATURES = [Signature("self", "padding-causal"), Signature("cross", "padding")]
+UNSEEN = (ParityCase(1, 1, 1, "none"), ParityCase(3, 29, 29, "left"), ParityCase(2, 130, 130, "mixed"))
+
+
+@pytest.mark.parametrize("fuse", ["none", "mha", "onnx"])
+@pytest.mark.parametrize("signature", SIGNATURES, ids=signature_id)
+def test_fp16_export_matches_fp32_reference(tmp_path, fuse, signature):
+    torch.manual_seed(0)
+    mha = MultiHeadAttention(TEST_D_MODEL, TEST_HEADS).eval()
+    result = export_mha(mha, tmp_path / "h.onnx", signature, fuse=fuse, dtype="fp16")
+    assert result.metadata.dtype == "float16" and result.fusion.fused == (fuse != "none")
+    assert (result.parity.atol, result.parity.rtol) == (FP16_ATOL, FP16_RTOL)
+    graph = onnx.load(result.path).graph
+    for value in [*graph.input, *graph.output]:
+        expected = onnx.TensorProto.BOOL if value.name == "key_padding_mask" else onnx.TensorProto.FLOAT16
+        assert value.type.tensor_type.elem_type == expected, value.name
+
+    # Shapes the export's own check did not use, through ORT without its graph optimisations.
+    session = MHASession(result.path, provider="cpu", optimization="disabled")
+    cases = UNSEEN
+    if signature.attention == "cross":  # queries of their own length
+        cases = tuple(ParityCase(c.batch, 7, c.kv_len, c.padding) for c in UNSEEN)
+    report = check_parity(attention_graph(mha, signature), session, cases, atol=FP16_ATOL, rtol=FP16_RTOL, seed=3)
+    assert report.passed, report.failures  # includes: every padded row finite
+
+
+def test_fp16_session_wants_fp16_inputs(tmp_path):
+    result = export_mha(MultiHeadAttention(TEST_D_MODEL, TEST_HEADS), tmp_path / "h.onnx", Signature(), dtype="fp16")
+    session = MHASession(result.path, provider="cpu")
+    with pytest.raises(InputError, match=r"x must be float16, got float32 \(cast with .astype\(np.float16\)\)"):
+        session.run({"x": np.zeros((1, 2, TEST_D_MODEL), np.float32)})
+    assert session.run({"x": np.zeros((1, 2, TEST_D_MODEL), np.float16)})["output"].dtype == np.float16
+
+
+def test_int8_and_fp16_do_not_mix(tmp_path):
+    with pytest.raises(ExportError, match="--quantize int8 quantizes an fp32 model"):
+        export_mha(MultiHeadAttention(TEST_D_MODEL, TEST_HEADS), tmp_path / "h.onnx", dtype="fp16", quantize="int8")
