@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Mapping
 from pathlib import Path
 
 import numpy as np
 import onnxruntime as ort
 
-from mha_deploy.errors import ModelFileError
+from mha_deploy.atomic import atomic_path
+from mha_deploy.errors import InputError, ModelFileError, ProviderUnavailableError
 from mha_deploy.metadata import ModelMetadata
-from mha_deploy.serving.providers import check_providers, plan_providers
+from mha_deploy.serving.providers import CUDA_EP, check_providers, plan_providers
 from mha_deploy.serving.validation import validate_inputs
 
 OPTIMIZATION_LEVELS = {
@@ -26,10 +28,37 @@ class MHASession:
     """One ONNX Runtime session over an mha-deploy model.
 
     ``run`` is safe to call from many threads at once: it keeps no state between
-    calls and ORT's ``InferenceSession.run`` is thread-safe.
+    calls and ORT's ``InferenceSession.run`` is thread-safe (it releases the GIL,
+    so concurrent calls overlap). The one exception is CUDA graph mode, where
+    calls are serialised by a lock (see ``cuda_graph``).
 
     >>> session = MHASession("mha.onnx", provider="cpu")
     >>> session.run({"x": x})["output"]   # x: float32 [batch, seq, d_model]
+
+    Keyword options (all optional):
+
+    - ``threads``: ORT intra-op threads (default: one per core).
+      ``inter_op_threads``: threads running independent graph nodes at once;
+      setting it switches ORT to parallel execution mode, the only mode that uses them.
+    - ``optimization``: ORT graph optimization level, one of ``OPTIMIZATION_LEVELS``.
+    - ``optimized_model_path``: cache of the ORT-optimized graph. Written (atomically)
+      when missing, unreadable or older than ``model``, loaded with optimizations off
+      otherwise, which makes later starts faster (``loaded_from`` says which file ORT
+      loaded). ORT's "all" level can bake in optimizations for this machine's CPU or
+      GPU: keep one cache per model, provider and machine type.
+    - ``session_config``: raw ORT session config entries, e.g.
+      ``{"session.intra_op.allow_spinning": "0"}`` to stop idle ORT threads spinning.
+    - ``warmup``: run one tiny batch on load, so the first real request does not pay
+      for ORT's lazy initialisation.
+    - ``io_binding``: run through an ``IOBinding`` (a new one per call, so still
+      thread-safe), with outputs allocated on the session's device and copied back
+      once. Works on CPU too; it matters on CUDA.
+    - ``cuda_graph``: the fixed input shape, ``(batch, seq)`` for self-attention or
+      ``(batch, q_seq, kv_seq)`` for cross-attention, to capture a CUDA graph for
+      (ORT's ``enable_cuda_graph``). Needs ``provider="cuda"``. The graph replays
+      on fixed device buffers, so every call must have exactly that shape (else
+      ``InputError``) and calls are serialised with a lock. The graph is captured
+      on load.
     """
 
     def __init__(
@@ -38,25 +67,60 @@ class MHASession:
         provider: str = "auto",
         threads: int | None = None,
         optimization: str = "all",
+        *,
+        inter_op_threads: int | None = None,
+        optimized_model_path: str | os.PathLike | None = None,
+        session_config: Mapping[str, str] | None = None,
+        warmup: bool = False,
+        io_binding: bool = False,
+        cuda_graph: tuple[int, ...] | None = None,
     ):
         self.source = "<in-memory model>" if isinstance(model, bytes) else str(model)
         if not isinstance(model, bytes):
             _check_model_path(Path(model))
-        options = ort.SessionOptions()
-        if threads is not None:
-            options.intra_op_num_threads = threads
-        options.graph_optimization_level = OPTIMIZATION_LEVELS[optimization]
-        plan = plan_providers(provider)
-        try:
-            self._session = ort.InferenceSession(
-                model if isinstance(model, bytes) else str(model), options, providers=list(plan.ort_providers)
+        if optimization not in OPTIMIZATION_LEVELS:
+            raise ValueError(f"optimization must be one of {', '.join(OPTIMIZATION_LEVELS)}, got {optimization!r}")
+        if cuda_graph is not None and provider != "cuda":
+            raise ProviderUnavailableError(
+                f"cuda_graph needs provider='cuda' (got {provider!r}): CUDA graphs exist only on the CUDA provider"
             )
-        except Exception as exc:  # ORT raises its own Fail/InvalidProtobuf/... types
-            raise ModelFileError(f"{self.source}: ONNX Runtime cannot load it: {exc}") from exc
+        options = _session_options(threads, inter_op_threads, optimization, session_config)
+        plan = plan_providers(provider)
+        providers: list = list(plan.ort_providers)
+        if cuda_graph is not None:
+            providers = [(CUDA_EP, {"enable_cuda_graph": "1"}) if p == CUDA_EP else p for p in providers]
+        self._session = self._load(model, options, providers, optimized_model_path)
         self.provider = check_providers(plan, self._session)
         self.provider_note = plan.note
         self.metadata = ModelMetadata.from_props(self._session.get_modelmeta().custom_metadata_map, self.source)
         self._check_io_names()
+        self._io_binding = io_binding
+        self._graph = _CudaGraph(self._session, self.metadata, cuda_graph) if cuda_graph is not None else None
+        if warmup:
+            self.warmup()
+
+    def _load(self, model, options: ort.SessionOptions, providers: list, optimized_model_path) -> ort.InferenceSession:
+        """The ORT session, through the optimized-model cache when there is one."""
+        source = model if isinstance(model, bytes) else str(model)
+        self.loaded_from = self.source
+        try:
+            if optimized_model_path is None:
+                return ort.InferenceSession(source, options, providers=providers)
+            cache = Path(optimized_model_path)
+            if _is_fresh(cache, model):
+                level = options.graph_optimization_level
+                options.graph_optimization_level = OPTIMIZATION_LEVELS["disabled"]  # done once, when it was saved
+                try:
+                    session = ort.InferenceSession(str(cache), options, providers=providers)
+                    self.loaded_from = str(cache)
+                    return session
+                except Exception:  # unreadable cache (another ORT version wrote it?): rebuild it from the model
+                    options.graph_optimization_level = level
+            with atomic_path(cache) as tmp:
+                options.optimized_model_filepath = str(tmp)
+                return ort.InferenceSession(source, options, providers=providers)
+        except Exception as exc:  # ORT raises its own Fail/InvalidProtobuf/... types
+            raise ModelFileError(f"{self.loaded_from}: ONNX Runtime cannot load it: {exc}") from exc
 
     @property
     def signature(self):
@@ -73,8 +137,26 @@ class MHASession:
     def run(self, inputs: Mapping[str, object]) -> dict[str, np.ndarray]:
         """Validate ``inputs`` (name -> array) and return the outputs by name."""
         feeds = validate_inputs(self.metadata, inputs)
+        if self._graph is not None:
+            return self._graph.run(feeds)
+        if self._io_binding:
+            return self._run_with_binding(feeds)
         outputs = self._session.run(list(self.output_names), feeds)
         return dict(zip(self.output_names, outputs, strict=True))
+
+    def warmup(self) -> None:
+        """Run one tiny batch (or, in CUDA graph mode, one batch of the graph's shape)."""
+        self.run(_tiny_inputs(self.metadata, self._graph.shape if self._graph else None))
+
+    def _run_with_binding(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        # A binding per call: IOBinding objects are not safe to share between threads.
+        binding = self._session.io_binding()
+        for name, array in feeds.items():
+            binding.bind_cpu_input(name, array)
+        for name in self.output_names:
+            binding.bind_output(name, self.provider)  # "cpu" or "cuda": ORT allocates with the right shape
+        self._session.run_with_iobinding(binding)
+        return dict(zip(self.output_names, binding.copy_outputs_to_cpu(), strict=True))
 
     def __call__(self, **inputs) -> dict[str, np.ndarray]:
         return self.run(inputs)
@@ -94,6 +176,109 @@ class MHASession:
                 f"{self.source}: graph inputs {actual_in} / outputs {actual_out} do not match its metadata "
                 f"({self.input_names} / {self.output_names}); was the file edited after export?"
             )
+
+
+class _CudaGraph:
+    """Replays one captured CUDA graph on fixed device buffers.
+
+    ORT captures the graph on the first ``run_with_iobinding`` and replays it on
+    later ones, reading inputs from and writing outputs to the device addresses
+    bound at capture time. So the shapes can never change, new inputs are copied
+    into the bound buffers (``update_inplace``), and runs must not interleave:
+    one thread's copy would overwrite another's inputs mid-replay.
+    """
+
+    def __init__(
+        self, session: ort.InferenceSession, metadata: ModelMetadata, shape: tuple[int, ...], device: str = "cuda"
+    ):
+        # ``device`` is "cuda" in use; tests drive the same buffers and locking on "cpu", where no graph exists.
+        signature = metadata.signature
+        self.shape = tuple(int(n) for n in shape)
+        if len(self.shape) != (2 if signature.attention == "self" else 3) or min(self.shape) < 1:
+            raise InputError(
+                f"cuda_graph shape must be (batch, seq) for self-attention or (batch, q_seq, kv_seq) for "
+                f"cross-attention, all >= 1; got {shape}"
+            )
+        self.feed_shapes = _feed_shapes(metadata, self.shape)
+        self._session = session
+        self._lock = threading.Lock()
+        self._output_names = signature.output_names
+        tiny = _tiny_inputs(metadata, self.shape)
+        # Device buffers live as long as the session: the captured graph points at them.
+        self._inputs = {name: ort.OrtValue.ortvalue_from_numpy(tiny[name], device, 0) for name in tiny}
+        batch, q_len, kv_len = self.shape[0], self.shape[1], self.shape[-1]
+        output_shapes = {
+            "output": (batch, q_len, metadata.d_model),
+            "attn_weights": (batch, metadata.num_heads, q_len, kv_len),
+        }
+        self._outputs = {
+            name: ort.OrtValue.ortvalue_from_shape_and_type(output_shapes[name], np.dtype(metadata.dtype), device, 0)
+            for name in self._output_names
+        }
+        self._binding = session.io_binding()
+        for name, value in self._inputs.items():
+            self._binding.bind_ortvalue_input(name, value)
+        for name, value in self._outputs.items():
+            self._binding.bind_ortvalue_output(name, value)
+        with self._lock:
+            self._session.run_with_iobinding(self._binding)  # captures the graph
+
+    def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        wrong = {name: array.shape for name, array in feeds.items() if array.shape != self.feed_shapes[name]}
+        if wrong:
+            raise InputError(
+                f"this session replays a CUDA graph captured for shapes {self.feed_shapes}; got {wrong}. "
+                "Pad inputs to the captured shape, or use a session without cuda_graph for other shapes"
+            )
+        with self._lock:
+            for name, array in feeds.items():
+                self._inputs[name].update_inplace(array)
+            self._session.run_with_iobinding(self._binding)
+            return dict(zip(self._output_names, self._binding.copy_outputs_to_cpu(), strict=True))
+
+
+def _feed_shapes(metadata: ModelMetadata, shape: tuple[int, ...]) -> dict[str, tuple[int, ...]]:
+    """Input shapes for ``shape`` = (batch, seq) or (batch, q_seq, kv_seq)."""
+    signature, d_model = metadata.signature, metadata.d_model
+    batch, q_len, kv_len = shape[0], shape[1], shape[-1]
+    if signature.attention == "self":
+        shapes = {"x": (batch, q_len, d_model)}
+    else:
+        shapes = {"query": (batch, q_len, d_model), "key": (batch, kv_len, d_model), "value": (batch, kv_len, d_model)}
+    if signature.has_padding_mask:
+        shapes["key_padding_mask"] = (batch, kv_len)
+    return shapes
+
+
+def _tiny_inputs(metadata: ModelMetadata, shape: tuple[int, ...] | None) -> dict[str, np.ndarray]:
+    """Zeros of ``shape`` (default batch 1, length 1), with a mask that hides nothing."""
+    shapes = _feed_shapes(metadata, shape or (1, 1, 1))
+    return {
+        name: np.ones(dims, bool) if name == "key_padding_mask" else np.zeros(dims, np.dtype(metadata.dtype))
+        for name, dims in shapes.items()
+    }
+
+
+def _session_options(
+    threads: int | None, inter_op_threads: int | None, optimization: str, session_config: Mapping[str, str] | None
+) -> ort.SessionOptions:
+    options = ort.SessionOptions()
+    if threads is not None:
+        options.intra_op_num_threads = threads
+    if inter_op_threads is not None:
+        options.inter_op_num_threads = inter_op_threads
+        options.execution_mode = ort.ExecutionMode.ORT_PARALLEL
+    options.graph_optimization_level = OPTIMIZATION_LEVELS[optimization]
+    for key, value in (session_config or {}).items():
+        options.add_session_config_entry(key, str(value))
+    return options
+
+
+def _is_fresh(cache: Path, model: str | os.PathLike | bytes) -> bool:
+    """Whether an optimized-model cache exists and was written after its source model."""
+    if isinstance(model, bytes) or not cache.is_file():
+        return False
+    return cache.stat().st_mtime_ns >= Path(model).stat().st_mtime_ns
 
 
 def _check_model_path(path: Path) -> None:

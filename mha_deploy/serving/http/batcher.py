@@ -1,0 +1,233 @@
+"""Dynamic micro-batching: concurrent requests share one padded ORT run.
+
+Items wait in a queue. When a worker is free, the batcher takes the oldest item
+and keeps collecting until it has ``max_batch`` items or the oldest has waited
+``max_wait_ms``; items that queued while every worker was busy have usually
+waited long enough already and go at once, so under load batches fill up
+without adding latency, and at low load an item waits at most ``max_wait_ms``.
+
+The batch is padded with ``collate`` (a key_padding_mask marks the padding when
+the model has one; models that cannot pad keys get one run per key length, see
+``can_pad_keys``), run in a worker thread so the event loop keeps accepting
+requests, and cut back with ``split_outputs``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from mha_deploy.metadata import Signature
+from mha_deploy.serving.batching import Item, can_pad_keys, collate, key_name, query_name, split_outputs
+from mha_deploy.serving.http.metrics import ServerMetrics
+from mha_deploy.serving.http.parsing import RequestError
+from mha_deploy.serving.session import MHASession
+
+Result = dict[str, np.ndarray]
+logger = logging.getLogger("mha_deploy.serve")
+
+
+@dataclass
+class _Waiting:
+    item: Item
+    future: asyncio.Future
+    enqueued: float = field(default_factory=time.perf_counter)
+
+
+class MicroBatcher:
+    """``await batcher.submit(item)`` returns the item's outputs, computed in a batch with whatever else was waiting.
+
+    ``max_batch=1`` turns batching off: every item runs alone (``workers`` of them at once).
+    """
+
+    def __init__(
+        self,
+        session: MHASession,
+        max_batch: int = 32,
+        max_wait_ms: float = 2.0,
+        workers: int = 1,
+        max_queue: int = 4096,
+        max_batch_tokens: int = 8192,
+        max_padding: float = 0.10,
+        metrics: ServerMetrics | None = None,
+    ):
+        if min(max_batch, workers, max_queue, max_batch_tokens) < 1 or max_wait_ms < 0 or not 0 <= max_padding < 1:
+            raise ValueError(
+                "max_batch, workers, max_queue, max_batch_tokens must be >= 1, max_wait_ms >= 0, 0 <= max_padding < 1"
+            )
+        self.session = session
+        self.max_batch = max_batch
+        self.max_wait = max_wait_ms / 1e3
+        self.workers = workers
+        self.max_queue = max_queue
+        self.max_batch_tokens = max_batch_tokens
+        self.max_padding = max_padding
+        self.metrics = metrics or ServerMetrics()
+        self._queue: collections.deque[_Waiting] = collections.deque()
+        self._arrived = asyncio.Event()
+        self._stopping = False
+        self._loop_task: asyncio.Task | None = None
+        self._executor: ThreadPoolExecutor | None = None
+
+    async def start(self) -> None:
+        self._executor = ThreadPoolExecutor(self.workers, thread_name_prefix="mha-batch")
+        self._loop_task = asyncio.create_task(self._collect(), name="mha-batcher")
+
+    async def stop(self) -> None:
+        """Run everything already submitted, then stop (submit refuses new items from now on)."""
+        self._stopping = True
+        self._arrived.set()
+        if self._loop_task is not None:
+            await self._loop_task
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+
+    async def submit(self, item: Item) -> Result:
+        if self._stopping or self._loop_task is None:
+            raise RequestError(503, "not_ready", "the server is not running batches (starting up or shutting down)")
+        if self._loop_task.done():
+            raise RuntimeError("the batcher has died") from self._loop_task.exception()
+        if len(self._queue) >= self.max_queue:
+            raise RequestError(503, "overloaded", f"{len(self._queue)} items are already waiting; retry later")
+        waiting = _Waiting(item, asyncio.get_running_loop().create_future())
+        self._queue.append(waiting)
+        self.metrics.queued.set(len(self._queue))
+        self._arrived.set()
+        return await waiting.future
+
+    async def _collect(self) -> None:
+        slots = asyncio.Semaphore(self.workers)
+        running: set[asyncio.Task] = set()
+        while True:
+            await slots.acquire()
+            batch = await self._next_batch()
+            if not batch:
+                break
+            self.metrics.queued.set(len(self._queue))
+            task = asyncio.create_task(self._run(batch))
+            running.add(task)
+            task.add_done_callback(lambda t: (running.discard(t), slots.release()))
+        if running:
+            await asyncio.gather(*running)
+
+    async def _next_batch(self) -> list[_Waiting]:
+        """Up to ``max_batch`` items, once the oldest has waited ``max_wait``; [] when stopping with nothing left."""
+        while not self._queue:
+            if self._stopping:
+                return []
+            self._arrived.clear()
+            await self._arrived.wait()
+        # The deadline is measured from the oldest item's arrival, in wall time shared with submit.
+        deadline = self._queue[0].enqueued + self.max_wait
+        while len(self._queue) < self.max_batch and not self._stopping:
+            remaining = deadline - time.perf_counter()
+            if remaining <= 0:
+                break
+            self._arrived.clear()
+            try:
+                await asyncio.wait_for(self._arrived.wait(), remaining)
+            except TimeoutError:
+                break
+        return [self._queue.popleft() for _ in range(min(self.max_batch, len(self._queue)))]
+
+    async def _run(self, batch: list[_Waiting]) -> None:
+        started = time.perf_counter()
+        for waiting in batch:
+            self.metrics.queue_wait.observe(started - waiting.enqueued)
+        loop = asyncio.get_running_loop()
+        items = [w.item for w in batch]
+        try:
+            results = await loop.run_in_executor(self._executor, self._run_items, items)
+        except Exception as exc:
+            if len(batch) == 1:
+                logger.error("inference failed: %s: %s", type(exc).__name__, exc)
+                _settle(batch[0].future, error=exc)
+                return
+            # Something in the batch broke the run: retry alone so that only the culprit fails.
+            for waiting in batch:
+                await self._run([waiting])
+            return
+        for waiting, result in zip(batch, results, strict=True):
+            _settle(waiting.future, result)
+
+    def _run_items(self, items: list[Item]) -> list[Result]:
+        """Runs in a worker thread: pad, run, cut back (one run per key length if keys cannot be padded)."""
+        start = time.perf_counter()
+        signature = self.session.signature
+        results: list[Result | None] = [None] * len(items)
+        for indices in length_groups(items, signature, self.max_padding, self.max_batch_tokens):
+            batch = collate([items[i] for i in indices], signature)
+            outputs = self.session.run(batch.feeds)
+            for index, result in zip(indices, split_outputs(outputs, batch), strict=True):
+                results[index] = result
+            self.metrics.batch_size.observe(len(indices))
+            self.metrics.padding.labels("real").inc(batch.real_tokens)
+            self.metrics.padding.labels("padding").inc(batch.padded_tokens - batch.real_tokens)
+        self.metrics.batch_run.observe(time.perf_counter() - start)
+        return results  # type: ignore[return-value]
+
+
+# Padding an item by up to this many positions is cheaper than a run of its own,
+# whatever the share: a run costs about as much as that many extra positions on a CPU.
+PAD_SLACK_TOKENS = 8
+
+
+def length_groups(
+    items: list[Item], signature: Signature, max_padding: float = 0.10, max_tokens: int | None = None
+) -> list[list[int]]:
+    """Indices of ``items`` in runs of similar length, each at most ``max_tokens`` padded positions.
+
+    Padding every item to the longest of a mixed-length batch can cost more than
+    the batching saves (a 200-token item makes 31 short ones compute 200 positions
+    each), so a batch is cut, shortest first, where the next item would make the
+    padded positions (queries, and keys for cross-attention) more than
+    ``max_padding`` of the total and more than ``PAD_SLACK_TOKENS`` per item.
+    Models that cannot pad keys get one run per key length. The token budget
+    (items × longest sequence) bounds a run's memory: attention scores grow with
+    items × heads × q_len × kv_len. An item longer than the budget runs alone.
+    """
+    q_name, kv_name = query_name(signature), key_name(signature)
+    lengths = [(item[q_name].shape[0], item[kv_name].shape[0]) for item in items]
+    order = sorted(range(len(items)), key=lambda i: (lengths[i][1], lengths[i][0]))
+    pad_keys = can_pad_keys(signature)
+    groups: list[list[int]] = []
+    group: list[int] = []
+    for index in order:
+        if group and not _fits([*group, index], lengths, pad_keys, max_padding, max_tokens):
+            groups.append(group)
+            group = []
+        group.append(index)
+    if group:
+        groups.append(group)
+    return groups
+
+
+def _fits(
+    group: list[int], lengths: list[tuple[int, int]], pad_keys: bool, max_padding: float, max_tokens: int | None
+) -> bool:
+    if not pad_keys and len({lengths[i][1] for i in group}) > 1:
+        return False
+    for axis in (0, 1):
+        sizes = [lengths[i][axis] for i in group]
+        padded = len(sizes) * max(sizes)
+        padding = padded - sum(sizes)
+        if max_tokens is not None and padded > max_tokens:
+            return False
+        if padding > max_padding * padded and padding > PAD_SLACK_TOKENS * len(sizes):
+            return False
+    return True
+
+
+def _settle(future: asyncio.Future, result: Result | None = None, error: Exception | None = None) -> None:
+    if future.done():  # the caller went away (cancelled)
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)

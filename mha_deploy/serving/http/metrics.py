@@ -1,0 +1,47 @@
+"""Prometheus metrics of one server, in a registry of its own (two apps in one process do not collide)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+# Milliseconds to seconds: a tiny model answers in ~1 ms, a long sequence in ~1 s.
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+
+class ServerMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("mha_requests", "Inference requests received, by body format.", ["format"], registry=r)
+        self.responses = Counter("mha_responses", "Inference responses sent, by HTTP status.", ["status"], registry=r)
+        self.errors = Counter(
+            "mha_request_errors", "Refused or failed inference requests, by kind.", ["kind"], registry=r
+        )
+        self.latency = Histogram(
+            "mha_request_latency_seconds",
+            "Time from request start to response, in the server.",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.queue_wait = Histogram(
+            "mha_queue_wait_seconds", "Time an item waited for its batch to start.", buckets=LATENCY_BUCKETS, registry=r
+        )
+        self.batch_run = Histogram(
+            "mha_batch_run_seconds",
+            "Time one batch spent in ONNX Runtime (with padding and splitting).",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.batch_size = Histogram("mha_batch_size", "Items per batch run.", buckets=BATCH_BUCKETS, registry=r)
+        self.padding = Counter(
+            "mha_padded_positions", "Query positions computed, real or padding.", ["kind"], registry=r
+        )
+        self.in_flight = Gauge("mha_requests_in_flight", "Inference requests being handled.", registry=r)
+        self.queued = Gauge("mha_batcher_queue_items", "Items waiting for a batch.", registry=r)
+        self.ready = Gauge("mha_ready", "1 once the model is loaded and warm, 0 while loading or draining.", registry=r)
+
+    def render(self) -> tuple[bytes, str]:
+        """The exposition text and its content type."""
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST

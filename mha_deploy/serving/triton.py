@@ -1,0 +1,188 @@
+"""A Triton Inference Server model repository entry for an exported model (onnxruntime backend).
+
+Writes ``REPO/NAME/config.pbtxt`` and ``REPO/NAME/1/model.onnx``. The whole
+``NAME/`` directory is built beside its destination and renamed into place, so
+the repository never holds a half-written model (Triton may be polling it).
+
+Batching choice: with ``max_batch_size > 0`` Triton owns the batch axis (dims
+omit it) and its dynamic batcher concatenates requests along it, which works
+only for requests of the same shape: requests with different sequence lengths
+are never batched together. Ragged batching (``allow_ragged_batch``) would lift
+that, but it hands the model a flat [total_tokens, d_model] tensor plus offsets,
+which this model does not take. So the config keeps plain dynamic batching:
+under traffic of mixed lengths Triton batches only the requests that happen to
+share a length, and clients that want more batching pad to a few bucket lengths
+(with a key_padding_mask model, mark the padding in the mask; a causal-only
+model is unaffected by right padding). The mha-deploy HTTP server pads across
+lengths by itself.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import secrets
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import onnx
+
+from mha_deploy.errors import MHADeployError, ModelFileError
+from mha_deploy.metadata import ModelMetadata
+
+KINDS = {"cpu": "KIND_CPU", "gpu": "KIND_GPU"}
+# ONNX element types -> Triton data types, for the types this project's models use.
+TRITON_DTYPES = {
+    onnx.TensorProto.FLOAT: "TYPE_FP32",
+    onnx.TensorProto.FLOAT16: "TYPE_FP16",
+    onnx.TensorProto.BFLOAT16: "TYPE_BF16",
+    onnx.TensorProto.BOOL: "TYPE_BOOL",
+    onnx.TensorProto.INT32: "TYPE_INT32",
+    onnx.TensorProto.INT64: "TYPE_INT64",
+}
+_NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
+
+
+class TritonExportError(MHADeployError):
+    """The model cannot be written as a Triton repository entry."""
+
+
+@dataclass(frozen=True)
+class TritonConfig:
+    name: str | None = None  # default: the model file's stem
+    instances: int = 1
+    kind: str = "cpu"
+    max_batch_size: int = 32  # 0: no batching, dims carry the batch axis
+    max_queue_delay_us: int = 500
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    data_type: str
+    dims: tuple[int, ...]  # without the batch axis when max_batch_size > 0
+
+
+def write_triton_model(
+    model: str | os.PathLike, repo: str | os.PathLike, config: TritonConfig | None = None, overwrite: bool = False
+) -> Path:
+    """Write ``repo/NAME/{config.pbtxt,1/model.onnx}`` and return ``repo/NAME``."""
+    config = config or TritonConfig()
+    model, repo = Path(model), Path(repo)
+    name = config.name or re.sub(r"[^A-Za-z0-9_.-]", "_", model.stem)
+    _check_config(config, name)
+    proto = _load(model)
+    metadata = ModelMetadata.from_props({p.key: p.value for p in proto.metadata_props}, str(model))
+    text = config_pbtxt(proto, metadata, config, name)
+
+    target = repo / name
+    if target.exists() and not overwrite:
+        raise TritonExportError(f"{target} already exists; pass --overwrite to replace it")
+    repo.mkdir(parents=True, exist_ok=True)
+    staging = repo / f".{name}.{secrets.token_hex(6)}.tmp"
+    try:
+        (staging / "1").mkdir(parents=True)
+        shutil.copyfile(model, staging / "1" / "model.onnx")
+        (staging / "config.pbtxt").write_text(text)
+        _replace_dir(staging, target)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
+def tensor_specs(
+    proto: onnx.ModelProto, metadata: ModelMetadata, max_batch_size: int
+) -> tuple[list[TensorSpec], list[TensorSpec]]:
+    """Inputs and outputs as Triton sees them, from the graph's types and the recorded metadata.
+
+    Shapes come from the metadata (sequence axes are -1, d_model and heads fixed)
+    rather than the graph's value_info, which an exporter may leave incomplete.
+    """
+    d, heads = metadata.d_model, metadata.num_heads
+    # [batch, seq, d] etc., with -1 for every dynamic axis.
+    shapes = {
+        "x": (-1, -1, d),
+        "query": (-1, -1, d),
+        "key": (-1, -1, d),
+        "value": (-1, -1, d),
+        "key_padding_mask": (-1, -1),
+        "output": (-1, -1, d),
+        "attn_weights": (-1, heads, -1, -1),
+    }
+    types = {v.name: v.type.tensor_type.elem_type for v in (*proto.graph.input, *proto.graph.output)}
+
+    def spec(name: str) -> TensorSpec:
+        if name not in types:
+            raise ModelFileError(f"the graph has no {name!r}, which its metadata lists; was it edited after export?")
+        if types[name] not in TRITON_DTYPES:
+            raise TritonExportError(f"{name}: ONNX element type {types[name]} has no Triton mapping here")
+        dims = shapes[name][1:] if max_batch_size > 0 else shapes[name]
+        return TensorSpec(name, TRITON_DTYPES[types[name]], dims)
+
+    signature = metadata.signature
+    return [spec(n) for n in signature.input_names], [spec(n) for n in signature.output_names]
+
+
+def config_pbtxt(proto: onnx.ModelProto, metadata: ModelMetadata, config: TritonConfig, name: str) -> str:
+    """The text of config.pbtxt (protobuf text format of Triton's ModelConfig)."""
+    inputs, outputs = tensor_specs(proto, metadata, config.max_batch_size)
+    sig = metadata.signature
+    lines = [
+        f"# Written by mha-deploy: d_model {metadata.d_model}, {metadata.num_heads} heads, "
+        f"{sig.attention}-attention, mask {sig.mask}.",
+        "# Triton batches only requests of equal shape (same sequence lengths); see mha_deploy/serving/triton.py.",
+        f'name: "{name}"',
+        'backend: "onnxruntime"',
+        f"max_batch_size: {config.max_batch_size}",
+        _tensors("input", inputs),
+        _tensors("output", outputs),
+    ]
+    if config.max_batch_size > 0:
+        lines.append(f"dynamic_batching {{\n  max_queue_delay_microseconds: {config.max_queue_delay_us}\n}}")
+    lines.append(f"instance_group [\n  {{\n    count: {config.instances}\n    kind: {KINDS[config.kind]}\n  }}\n]")
+    return "\n".join(lines) + "\n"
+
+
+def _tensors(field: str, specs: list[TensorSpec]) -> str:
+    blocks = [
+        f'  {{\n    name: "{s.name}"\n    data_type: {s.data_type}\n    dims: [ {", ".join(map(str, s.dims))} ]\n  }}'
+        for s in specs
+    ]
+    return f"{field} [\n" + ",\n".join(blocks) + "\n]"
+
+
+def _check_config(config: TritonConfig, name: str) -> None:
+    if not _NAME.match(name) or name.startswith("."):
+        raise TritonExportError(f"model name {name!r}: use letters, digits, '_', '-' and '.' (not first)")
+    if config.kind not in KINDS:
+        raise TritonExportError(f"kind must be one of {', '.join(KINDS)}, got {config.kind!r}")
+    if config.instances < 1 or config.max_batch_size < 0 or config.max_queue_delay_us < 0:
+        raise TritonExportError("instances must be >= 1, max_batch_size and max_queue_delay_us >= 0")
+
+
+def _load(model: Path) -> onnx.ModelProto:
+    if not model.is_file():
+        raise ModelFileError(f"model file not found: {model}")
+    try:
+        proto = onnx.load(model, load_external_data=False)
+    except Exception as exc:  # onnx raises DecodeError and friends
+        raise ModelFileError(f"{model}: not a readable ONNX file: {exc}") from exc
+    if any(t.data_location == onnx.TensorProto.EXTERNAL for t in proto.graph.initializer):
+        raise TritonExportError(f"{model} keeps weights in external data files; only single-file models are copied")
+    return proto
+
+
+def _replace_dir(staging: Path, target: Path) -> None:
+    """Move ``staging`` onto ``target``; an existing ``target`` is swapped out, then deleted."""
+    if not target.exists():
+        os.replace(staging, target)
+        return
+    old = target.with_name(f".{target.name}.{secrets.token_hex(6)}.old")
+    os.replace(target, old)
+    try:
+        os.replace(staging, target)
+    except BaseException:
+        os.replace(old, target)
+        raise
+    shutil.rmtree(old, ignore_errors=True)
