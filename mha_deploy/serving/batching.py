@@ -31,19 +31,54 @@ def can_pad_keys(signature: Signature) -> bool:
     return signature.has_padding_mask or (signature.attention == "self" and signature.is_causal)
 
 
-def plan_batches(items: Sequence[Item], signature: Signature, batch_size: int) -> Iterator[list[int]]:
-    """Indices of ``items`` grouped into batches, sorted by length to keep padding small."""
-    if batch_size < 1:
+def item_lengths(item: Item, signature: Signature) -> tuple[int, int]:
+    """(query length, key length) of one item."""
+    return item[query_name(signature)].shape[0], item[key_name(signature)].shape[0]
+
+
+def plan_batches(
+    items: Sequence[Item],
+    signature: Signature,
+    batch_size: int | None = 16,
+    max_tokens: int | None = None,
+    sort: bool = True,
+) -> Iterator[list[int]]:
+    """Indices of ``items`` grouped into batches.
+
+    A batch holds at most ``batch_size`` items and, when ``max_tokens`` is set,
+    at most ``max_tokens`` padded positions (items × longest query, and items ×
+    longest key for cross-attention); an item longer than the budget goes alone.
+    With ``sort`` the items are ordered by length first, so that a batch holds
+    items of similar length and little of it is padding; without it batches
+    follow the order of ``items`` (the naive baseline).
+    """
+    if batch_size is not None and batch_size < 1:
         raise ValueError(f"batch size must be at least 1, got {batch_size}")
-    kv = key_name(signature)
-    order = sorted(range(len(items)), key=lambda i: items[i][kv].shape[0])
+    if max_tokens is not None and max_tokens < 1:
+        raise ValueError(f"max tokens must be at least 1, got {max_tokens}")
+    if batch_size is None and max_tokens is None:
+        raise ValueError("set a batch size, a token budget, or both")
+    lengths = [item_lengths(item, signature) for item in items]
+    order = range(len(items))
+    if sort:
+        order = sorted(order, key=lambda i: (lengths[i][1], lengths[i][0]))
+    pad_keys = can_pad_keys(signature)
     batch: list[int] = []
+    longest_q = longest_kv = 0
     for index in order:
-        length_changes = batch and items[batch[0]][kv].shape[0] != items[index][kv].shape[0]
-        if len(batch) == batch_size or (length_changes and not can_pad_keys(signature)):
-            yield batch
-            batch = []
+        q_len, kv_len = lengths[index]
+        if batch:
+            grown_q, grown_kv = max(longest_q, q_len), max(longest_kv, kv_len)
+            full = (
+                (batch_size is not None and len(batch) == batch_size)
+                or (max_tokens is not None and (len(batch) + 1) * max(grown_q, grown_kv) > max_tokens)
+                or (not pad_keys and kv_len != longest_kv)
+            )
+            if full:
+                yield batch
+                batch, longest_q, longest_kv = [], 0, 0
         batch.append(index)
+        longest_q, longest_kv = max(longest_q, q_len), max(longest_kv, kv_len)
     if batch:
         yield batch
 

@@ -1,16 +1,42 @@
-"""``BatchRunner``: many variable-length items through one session, in padded batches."""
+"""``BatchRunner``: many variable-length items through one session, in padded batches.
+
+Items arrive as a stream; the runner reads ahead ``bucket_window`` of them,
+sorts that window by length (length bucketing), cuts it into batches of at most
+``batch_size`` items and ``max_tokens`` padded positions, runs them, and hands
+back the window's results in input order. Memory is bounded by one window, not
+by the dataset. Whole datasets of shards (resume, manifests) are
+``mha_deploy.serving.job``'s concern.
+"""
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
 from mha_deploy.errors import InputError
 from mha_deploy.serving.batching import Item, collate, plan_batches, split_outputs
+from mha_deploy.serving.datasets import RawItem, item_arrays
 from mha_deploy.serving.session import MHASession
+
+ON_ERROR_CHOICES = ("stop", "skip")
+DEFAULT_BUCKET_WINDOW = 256
+Result = dict[str, np.ndarray]
+BatchCallback = Callable[[int, int], None]
+
+
+@dataclass
+class ItemError:
+    """A bad item: which one, in which shard, and what is wrong with it."""
+
+    shard: str
+    item_id: str
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.shard}: {self.message}" if self.shard else self.message
 
 
 @dataclass
@@ -21,6 +47,9 @@ class RunStats:
     padded_tokens: int = 0
     seconds: float = 0.0
     batch_ms: list[float] = field(default_factory=list)
+    errors: list[ItemError] = field(default_factory=list)
+    shards_written: int = 0
+    shards_skipped: int = 0
 
     @property
     def padding_ratio(self) -> float:
@@ -35,77 +64,180 @@ class RunStats:
     def items_per_second(self) -> float:
         return self.items / self.seconds if self.seconds else 0.0
 
+    def batch_latency_ms(self, percentile: float) -> float:
+        return float(np.percentile(self.batch_ms, percentile)) if self.batch_ms else 0.0
+
+    def merge(self, other: RunStats) -> None:
+        """Add ``other``'s counts (e.g. one shard's, or one Ray actor's) to these; wall time is not added."""
+        self.items += other.items
+        self.tokens += other.tokens
+        self.padded_tokens += other.padded_tokens
+        self.batch_ms.extend(other.batch_ms)
+        self.errors.extend(other.errors)
+        self.shards_written += other.shards_written
+        self.shards_skipped += other.shards_skipped
+
     def summary(self) -> str:
-        return (
+        text = (
             f"{self.items} items, {self.tokens} tokens in {self.seconds:.2f} s: "
             f"{self.items_per_second:.1f} items/s, {self.tokens_per_second:.0f} tokens/s, "
-            f"{len(self.batch_ms)} batches, padding {self.padding_ratio:.1%}, provider {self.provider}"
+            f"{len(self.batch_ms)} batches (p50 {self.batch_latency_ms(50):.1f} ms, "
+            f"p99 {self.batch_latency_ms(99):.1f} ms), padding {self.padding_ratio:.1%}, provider {self.provider}"
         )
+        if self.shards_written or self.shards_skipped:
+            text += f"; shards: {self.shards_written} written, {self.shards_skipped} already done"
+        if self.errors:
+            text += f"; {len(self.errors)} bad items skipped"
+        return text
+
+    def to_dict(self) -> dict:
+        return {
+            "items": self.items,
+            "tokens": self.tokens,
+            "padded_tokens": self.padded_tokens,
+            "padding_ratio": self.padding_ratio,
+            "seconds": self.seconds,
+            "items_per_second": self.items_per_second,
+            "tokens_per_second": self.tokens_per_second,
+            "batches": len(self.batch_ms),
+            "batch_ms_p50": self.batch_latency_ms(50),
+            "batch_ms_p99": self.batch_latency_ms(99),
+            "provider": self.provider,
+            "shards_written": self.shards_written,
+            "shards_skipped": self.shards_skipped,
+            "errors": [asdict(error) for error in self.errors],
+        }
 
 
 class BatchRunner:
-    """Runs items (id -> {input name: [seq, d_model]}) through ``session`` and returns outputs by id."""
+    """Runs items (id -> {input name: [seq, d_model]}) through ``session`` and returns outputs by id.
 
-    def __init__(self, session: MHASession, batch_size: int = 16):
-        if batch_size < 1:
+    ``batch_size`` caps the items per batch and ``max_tokens`` the padded
+    positions (items × longest sequence); either may be None, not both.
+    ``bucket_window`` items are read ahead and sorted by length; 0 keeps input
+    order (no bucketing). ``on_error``: "stop" raises ``InputError`` at the
+    first bad item, "skip" leaves it out and records it in ``RunStats.errors``.
+    """
+
+    def __init__(
+        self,
+        session: MHASession,
+        batch_size: int | None = 16,
+        max_tokens: int | None = None,
+        bucket_window: int = DEFAULT_BUCKET_WINDOW,
+        on_error: str = "stop",
+    ):
+        if batch_size is not None and batch_size < 1:
             raise InputError(f"batch size must be at least 1, got {batch_size}")
+        if max_tokens is not None and max_tokens < 1:
+            raise InputError(f"max tokens must be at least 1, got {max_tokens}")
+        if batch_size is None and max_tokens is None:
+            raise InputError("give a batch size, a token budget (max tokens), or both")
+        if bucket_window < 0:
+            raise InputError(f"bucket window must be 0 (no bucketing) or more, got {bucket_window}")
+        if on_error not in ON_ERROR_CHOICES:
+            raise InputError(f"on_error must be one of {', '.join(ON_ERROR_CHOICES)}, got {on_error!r}")
         self.session = session
         self.batch_size = batch_size
+        self.max_tokens = max_tokens
+        self.bucket_window = bucket_window
+        self.on_error = on_error
+
+    @property
+    def window_items(self) -> int:
+        """Items read ahead before batching: the memory bound of a run, in items."""
+        return self.bucket_window or max(self.batch_size or 0, DEFAULT_BUCKET_WINDOW)
+
+    def item_problem(self, item_id: str, item: Mapping[str, np.ndarray]) -> str | None:
+        """What makes the item unusable (naming ``item_id``), or None."""
+        metadata = self.session.metadata
+        for name in self.session.signature.sequence_inputs:
+            where = f"item {item_id!r}" + (f" ({name})" if name != "x" else "")
+            array = item.get(name)
+            if array is None:
+                return f"{where}: missing"
+            if array.dtype != np.dtype(metadata.dtype):
+                return f"{where}: dtype {array.dtype}, the model takes {metadata.dtype}"
+            if array.ndim != 2 or array.shape[1] != metadata.d_model:
+                return f"{where}: shape {array.shape}, expected [seq, {metadata.d_model}]"
+            if array.shape[0] == 0:
+                return f"{where}: empty sequence"
+            if not np.isfinite(array).all():
+                return f"{where}: contains NaN or Inf"
+        if self.session.signature.attention == "cross" and item["key"].shape[0] != item["value"].shape[0]:
+            return f"item {item_id!r}: key and value lengths differ"
+        return None
 
     def check_item(self, item_id: str, item: Mapping[str, np.ndarray]) -> None:
         """Raise ``InputError`` naming ``item_id`` if the item cannot go into a batch."""
-        metadata = self.session.metadata
-        for name in self.session.signature.sequence_inputs:
-            array = item[name]
-            where = f"item {item_id!r}" + (f" ({name})" if name != "x" else "")
-            if array.dtype != np.dtype(metadata.dtype):
-                raise InputError(f"{where}: dtype {array.dtype}, the model takes {metadata.dtype}")
-            if array.ndim != 2 or array.shape[1] != metadata.d_model:
-                raise InputError(f"{where}: shape {array.shape}, expected [seq, {metadata.d_model}]")
-            if array.shape[0] == 0:
-                raise InputError(f"{where}: empty sequence")
-            if not np.isfinite(array).all():
-                raise InputError(f"{where}: contains NaN or Inf")
-        if self.session.signature.attention == "cross" and item["key"].shape[0] != item["value"].shape[0]:
-            raise InputError(f"item {item_id!r}: key and value lengths differ")
+        problem = self.item_problem(item_id, item)
+        if problem:
+            raise InputError(problem)
 
     def run(
-        self, items: Mapping[str, Item], on_batch: Callable[[int, int], None] | None = None
-    ) -> tuple[dict[str, dict[str, np.ndarray]], RunStats]:
+        self, items: Mapping[str, Item], on_batch: BatchCallback | None = None
+    ) -> tuple[dict[str, Result], RunStats]:
         """Outputs by id (in the order of ``items``) and what the run measured.
 
-        Every item is checked before the first batch runs, so bad input fails
-        fast and nothing is half done. ``on_batch(items, tokens)`` reports progress.
+        With ``on_error="stop"`` every item is checked before the first batch
+        runs, so bad input fails fast. ``on_batch(items, tokens)`` reports progress.
         """
-        for item_id, item in items.items():
-            self.check_item(item_id, item)
-        ids = list(items)
-        values = [items[i] for i in ids]
-        signature = self.session.signature
+        if self.on_error == "stop":
+            for item_id, item in items.items():
+                self.check_item(item_id, item)
         stats = RunStats(provider=self.session.provider)
-        results: dict[str, dict[str, np.ndarray]] = {}
         start = time.perf_counter()
-        for indices in plan_batches(values, signature, self.batch_size):
+        raw = (RawItem(item_id, item) for item_id, item in items.items())
+        results = {item_id: result for window in self.run_stream(raw, stats, on_batch) for item_id, result in window}
+        stats.seconds = time.perf_counter() - start
+        return results, stats
+
+    def run_stream(
+        self, items: Iterable[RawItem], stats: RunStats, on_batch: BatchCallback | None = None, source: str = ""
+    ) -> Iterator[list[tuple[str, Result]]]:
+        """Per window of ``window_items`` items, their results in input order; counts go into ``stats``.
+
+        ``source`` (a shard name) is put in front of error messages.
+        """
+        window: list[tuple[str, Item]] = []
+        for raw in items:
+            problem = raw.problem and f"item {raw.item_id!r}: {raw.problem}"
+            problem = problem or self.item_problem(raw.item_id, raw.item)
+            if problem:
+                error = ItemError(source, raw.item_id, problem)
+                if self.on_error == "stop":
+                    raise InputError(str(error))
+                stats.errors.append(error)
+                continue
+            window.append((raw.item_id, raw.item))
+            if len(window) >= self.window_items:
+                yield self._run_window(window, stats, on_batch)
+                window = []
+        if window:
+            yield self._run_window(window, stats, on_batch)
+
+    def _run_window(
+        self, window: list[tuple[str, Item]], stats: RunStats, on_batch: BatchCallback | None
+    ) -> list[tuple[str, Result]]:
+        signature = self.session.signature
+        values = [item for _, item in window]
+        results: list[Result | None] = [None] * len(window)
+        plan = plan_batches(values, signature, self.batch_size, self.max_tokens, sort=self.bucket_window > 0)
+        for indices in plan:
             batch = collate([values[i] for i in indices], signature)
             t0 = time.perf_counter()
             outputs = self.session.run(batch.feeds)
             stats.batch_ms.append((time.perf_counter() - t0) * 1e3)
             for index, result in zip(indices, split_outputs(outputs, batch), strict=True):
-                results[ids[index]] = result
+                results[index] = result
             stats.items += len(indices)
             stats.tokens += batch.real_tokens
             stats.padded_tokens += batch.padded_tokens
             if on_batch:
                 on_batch(len(indices), batch.real_tokens)
-        stats.seconds = time.perf_counter() - start
-        return {item_id: results[item_id] for item_id in ids}, stats
+        return [(item_id, result) for (item_id, _), result in zip(window, results, strict=True)]
 
 
-def output_arrays(results: Mapping[str, dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
+def output_arrays(results: Mapping[str, Result]) -> dict[str, np.ndarray]:
     """Results by id -> the arrays of an output file (``<id>``, ``<id>.attn_weights``)."""
-    arrays = {}
-    for item_id, result in results.items():
-        arrays[item_id] = result["output"]
-        if "attn_weights" in result:
-            arrays[f"{item_id}.attn_weights"] = result["attn_weights"]
-    return arrays
+    return {key: array for item_id, result in results.items() for key, array in item_arrays(item_id, result)}

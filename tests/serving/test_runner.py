@@ -132,3 +132,85 @@ def test_pickled_npz_is_refused(tmp_path):
 def test_output_arrays_names():
     results = {"a": {"output": np.zeros(1), "attn_weights": np.ones(1)}, "b": {"output": np.zeros(2)}}
     assert list(output_arrays(results)) == ["a", "a.attn_weights", "b"]
+
+
+def _self_items(lengths) -> list[dict[str, np.ndarray]]:
+    return [{"x": np.zeros((n, 2), np.float32)} for n in lengths]
+
+
+def test_token_budget_bounds_padded_positions():
+    signature = Signature("self", "padding")
+    items = _self_items([3, 9, 4, 20, 2, 8, 8, 1])
+    batches = list(plan_batches(items, signature, batch_size=None, max_tokens=16))
+    assert sorted(i for b in batches for i in b) == list(range(len(items)))
+    for batch in batches:
+        longest = max(items[i]["x"].shape[0] for i in batch)
+        assert len(batch) * longest <= 16 or len(batch) == 1, "only an item longer than the budget goes over it"
+    assert [3] in batches, "the 20-token item goes alone"
+    both = list(plan_batches(items, signature, batch_size=2, max_tokens=16))
+    assert all(len(b) <= 2 for b in both)
+
+
+def test_without_sorting_batches_keep_input_order():
+    items = _self_items([5, 1, 7, 2, 2])
+    assert list(plan_batches(items, Signature("self", "padding"), batch_size=2, sort=False)) == [[0, 1], [2, 3], [4]]
+    assert list(plan_batches(items, Signature("self", "padding"), batch_size=2)) == [[1, 3], [4, 0], [2]]
+    with pytest.raises(ValueError, match="batch size, a token budget"):
+        list(plan_batches(items, Signature(), batch_size=None))
+
+
+@pytest.mark.parametrize("signature", [Signature("self", "padding"), Signature("cross", "none")], ids=signature_id)
+def test_bucketing_pads_less_and_gives_the_same_results(export_model, signature):
+    session = MHASession(export_model(signature)[0], provider="cpu")
+    items = make_items(signature)
+    naive, naive_stats = BatchRunner(session, batch_size=3, bucket_window=0).run(items)
+    for window in (1, 4, 256):
+        results, _ = BatchRunner(session, batch_size=3, max_tokens=80, bucket_window=window).run(items)
+        assert list(results) == list(items)
+        for item_id in items:
+            np.testing.assert_allclose(results[item_id]["output"], naive[item_id]["output"], atol=1e-5, rtol=1e-4)
+    _, bucketed_stats = BatchRunner(session, batch_size=3, bucket_window=256).run(items)
+    if can_pad_keys(signature):
+        assert bucketed_stats.padding_ratio < naive_stats.padding_ratio
+    else:  # in input order unequal key lengths cannot share a batch: more batches, each of one length
+        assert len(bucketed_stats.batch_ms) < len(naive_stats.batch_ms)
+
+
+def test_skip_leaves_bad_items_out(export_model):
+    session = MHASession(export_model(Signature("self", "padding"))[0], provider="cpu")
+    items = make_items(Signature("self", "padding"))
+    items["item-3"]["x"] = items["item-3"]["x"][:0]
+    results, stats = BatchRunner(session, on_error="skip").run(items)
+    assert "item-3" not in results and len(results) == len(items) - 1
+    assert [(e.item_id, e.message) for e in stats.errors] == [("item-3", "item 'item-3': empty sequence")]
+    summary = stats.to_dict()
+    assert summary["items"] == len(items) - 1 and summary["batch_ms_p99"] >= summary["batch_ms_p50"] > 0
+    assert "p50" in stats.summary() and "1 bad items skipped" in stats.summary()
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"batch_size": 0}, "batch size must be at least 1"),
+        ({"batch_size": None}, "batch size, a token budget"),
+        ({"max_tokens": 0}, "max tokens must be at least 1"),
+        ({"bucket_window": -1}, "bucket window"),
+        ({"on_error": "ignore"}, "on_error must be one of"),
+    ],
+)
+def test_runner_options_are_checked(export_model, options, message):
+    session = MHASession(export_model(Signature("self", "padding"))[0], provider="cpu")
+    with pytest.raises(InputError, match=message):
+        BatchRunner(session, **options)
+
+
+def test_serving_imports_no_heavy_optional_modules():
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, mha_deploy.serving, mha_deploy.serving.job, mha_deploy.serving.datasets; "
+        "print(sorted({'torch', 'pyarrow', 'ray'} & set(sys.modules)))"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert result.stdout.strip() == "[]"

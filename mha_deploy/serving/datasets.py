@@ -1,0 +1,267 @@
+"""Datasets of items as shards on disk, read lazily and written shard by shard.
+
+A dataset is one file or a directory of shard files (``.npz``, ``.safetensors``,
+``.parquet``; names starting with ``.`` or ``_`` are ignored, as Spark and Ray
+do). Readers hand out items one at a time, so a runner never holds more than
+its read-ahead window of inputs; writers stream outputs into a temporary file
+that is renamed onto the shard's output path only when the shard is complete.
+
+Layouts (``npz``/``safetensors`` as in ``mha_deploy.serving.items``):
+
+- self-attention: ``<id>`` -> [seq, d_model]; cross: ``<id>.query``, ``<id>.key``, ``<id>.value``
+- outputs: ``<id>`` -> [q_seq, d_model] and ``<id>.attn_weights`` -> [heads, q_seq, kv_seq]
+- Parquet: see ``mha_deploy.serving.parquet``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import zipfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import NamedTuple, Protocol
+
+import numpy as np
+
+from mha_deploy.atomic import atomic_path
+from mha_deploy.errors import InputError
+from mha_deploy.metadata import Signature
+from mha_deploy.serving.batching import Item
+from mha_deploy.serving.items import CROSS_PARTS, ITEM_SUFFIXES
+
+PARQUET_SUFFIX = ".parquet"
+DATASET_SUFFIXES = (*ITEM_SUFFIXES, PARQUET_SUFFIX)
+# Zip entries carry a timestamp; a fixed one makes an output shard's bytes depend on its contents only.
+_ZIP_EPOCH = (1980, 1, 1, 0, 0, 0)
+
+
+class RawItem(NamedTuple):
+    """One item as read: its arrays, or why they could not be read."""
+
+    item_id: str
+    item: Item | None
+    problem: str | None = None
+
+
+class ItemReader(Protocol):
+    def count(self) -> int:
+        """How many items the shard holds, read from its index or footer only."""
+
+    def __iter__(self) -> Iterator[RawItem]: ...
+
+
+class ItemWriter(Protocol):
+    def write(self, results: list[tuple[str, dict[str, np.ndarray]]]) -> None:
+        """Append results (id, {output name: array}) in order."""
+
+
+@dataclass(frozen=True)
+class Shard:
+    """One input file of a dataset and where its output goes."""
+
+    name: str  # relative to the dataset root: the output keeps it
+    path: Path
+    output: Path
+
+    def fingerprint(self) -> dict[str, int]:
+        """What identifies this input's contents cheaply: size and modification time (as make and rsync do)."""
+        stat = self.path.stat()
+        return {"size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+
+
+def list_shards(input_path: str | os.PathLike, output_path: str | os.PathLike) -> list[Shard]:
+    """The shards of a dataset: one file (output: ``output_path``) or a directory's files (output: same names)."""
+    input_path, output_path = Path(input_path), Path(output_path)
+    if input_path.is_dir():
+        if output_path.exists() and not output_path.is_dir():
+            raise InputError(
+                f"--input {input_path} is a directory, so --output must be one too ({output_path} is a file)"
+            )
+        names = sorted(
+            p.name
+            for p in input_path.iterdir()
+            if p.is_file() and p.suffix in DATASET_SUFFIXES and not p.name.startswith((".", "_"))
+        )
+        if not names:
+            raise InputError(f"{input_path}: no {', '.join(DATASET_SUFFIXES)} files in this directory")
+        return [Shard(name, input_path / name, output_path / name) for name in names]
+    if not input_path.is_file():
+        raise InputError(f"input file not found: {input_path}")
+    for role, path in (("input", input_path), ("output", output_path)):
+        if path.suffix not in DATASET_SUFFIXES:
+            raise InputError(f"{role} file {path} must end in {' or '.join(DATASET_SUFFIXES)}")
+    if output_path.is_dir():
+        raise InputError(f"--output {output_path} is a directory; give a file name for a single input file")
+    return [Shard(input_path.name, input_path, output_path)]
+
+
+def open_reader(
+    path: Path, signature: Signature, d_model: int, window: int
+) -> contextlib.AbstractContextManager[ItemReader]:
+    """A reader of ``path``'s items; ``window`` is how many rows a Parquet reader decodes at a time."""
+    if path.suffix == PARQUET_SUFFIX:
+        from mha_deploy.serving.parquet import ParquetItemReader
+
+        return ParquetItemReader(path, signature, window, d_model)
+    if path.suffix == ".npz":
+        return NpzItemReader(path, signature)
+    return SafetensorsItemReader(path, signature)
+
+
+def open_writer(path: Path, like: Path) -> contextlib.AbstractContextManager[ItemWriter]:
+    """A writer that streams into a temporary file beside ``path`` and renames it onto ``path`` on success.
+
+    ``like`` is the input shard: a Parquet output copies its tensor column type.
+    """
+    if path.suffix == PARQUET_SUFFIX:
+        from mha_deploy.serving.parquet import ParquetItemWriter
+
+        return _atomic_writer(path, lambda tmp: ParquetItemWriter(tmp, like))
+    if path.suffix == ".npz":
+        return _atomic_writer(path, NpzItemWriter)
+    return _atomic_writer(path, SafetensorsItemWriter)
+
+
+@contextlib.contextmanager
+def _atomic_writer(path: Path, make):
+    with atomic_path(path) as tmp, make(tmp) as writer:
+        yield writer
+
+
+def _read_error(path: Path, exc: Exception) -> InputError:
+    return InputError(f"{path}: cannot read arrays ({exc})")
+
+
+def _group_names(names: list[str], signature: Signature, source: Path) -> dict[str, dict[str, str]]:
+    """File keys -> item id -> {input name: file key}, in order of first appearance."""
+    if signature.attention == "self":
+        return {name: {"x": name} for name in names}
+    items: dict[str, dict[str, str]] = {}
+    for name in names:
+        item_id, _, part = name.rpartition(".")
+        if part not in CROSS_PARTS or not item_id:
+            raise InputError(
+                f"{source}: key {name!r} is not <id>.query, <id>.key or <id>.value, which a cross-attention model needs"
+            )
+        items.setdefault(item_id, {})[part] = name
+    return items
+
+
+class _KeyedFileReader:
+    """Shared by npz and safetensors: items are groups of keys, loaded one item at a time."""
+
+    def __init__(self, path: Path, signature: Signature):
+        self.path, self.signature = path, signature
+
+    def __enter__(self):
+        try:
+            self._open()
+        except InputError:
+            raise
+        except Exception as exc:  # zipfile, OSError, safetensors' own error type
+            raise _read_error(self.path, exc) from exc
+        self._items = _group_names(self._names(), self.signature, self.path)
+        return self
+
+    def __exit__(self, *exc_info):
+        self._close()
+
+    def count(self) -> int:
+        return len(self._items)
+
+    def __iter__(self) -> Iterator[RawItem]:
+        for item_id, keys in self._items.items():
+            missing = [p for p in CROSS_PARTS if p not in keys] if self.signature.attention == "cross" else []
+            if missing:
+                yield RawItem(item_id, None, f"lacks {', '.join(f'{item_id}.{p}' for p in missing)}")
+                continue
+            try:
+                yield RawItem(item_id, {name: self._load(key) for name, key in keys.items()})
+            except Exception as exc:
+                raise _read_error(self.path, exc) from exc
+
+
+class NpzItemReader(_KeyedFileReader):
+    def _open(self):
+        # allow_pickle=False: an .npz of object arrays would otherwise run code on load.
+        self._archive = np.load(self.path, allow_pickle=False)
+        if not isinstance(self._archive, np.lib.npyio.NpzFile):
+            raise InputError(f"{self.path}: not an .npz archive")
+
+    def _names(self) -> list[str]:
+        return list(self._archive.files)
+
+    def _load(self, key: str) -> np.ndarray:
+        return self._archive[key]
+
+    def _close(self):
+        if getattr(self, "_archive", None) is not None:
+            self._archive.close()
+
+
+class SafetensorsItemReader(_KeyedFileReader):
+    def _open(self):
+        from safetensors import safe_open
+
+        self._file = safe_open(str(self.path), framework="numpy")
+
+    def _names(self) -> list[str]:
+        return list(self._file.keys())
+
+    def _load(self, key: str) -> np.ndarray:
+        return self._file.get_tensor(key)
+
+    def _close(self):
+        self._file = None
+
+
+def item_arrays(item_id: str, result: dict[str, np.ndarray]) -> Iterator[tuple[str, np.ndarray]]:
+    """The file keys of one item's results: ``<id>`` and ``<id>.attn_weights``."""
+    yield item_id, result["output"]
+    if "attn_weights" in result:
+        yield f"{item_id}.attn_weights", result["attn_weights"]
+
+
+class NpzItemWriter:
+    """Streams arrays into a zip as ``np.savez`` lays it out, so the shard's outputs are never all in memory."""
+
+    def __init__(self, path: Path):
+        self._zip = zipfile.ZipFile(path, "w", zipfile.ZIP_STORED, allowZip64=True)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc_info):
+        self._zip.close()
+
+    def write(self, results):
+        for item_id, result in results:
+            for key, array in item_arrays(item_id, result):
+                info = zipfile.ZipInfo(f"{key}.npy", date_time=_ZIP_EPOCH)
+                info.external_attr = 0o644 << 16
+                with self._zip.open(info, "w", force_zip64=True) as entry:
+                    np.lib.format.write_array(entry, np.ascontiguousarray(array), allow_pickle=False)
+
+
+class SafetensorsItemWriter:
+    """Safetensors puts every tensor's offset in a header before the data, so a shard's outputs are kept to the end."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self._arrays: dict[str, np.ndarray] = {}
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, *exc_info):
+        if exc_type is None:
+            from safetensors.numpy import save_file
+
+            save_file(self._arrays, str(self.path))
+
+    def write(self, results):
+        for item_id, result in results:
+            for key, array in item_arrays(item_id, result):
+                self._arrays[key] = np.ascontiguousarray(array)

@@ -1,0 +1,184 @@
+"""Items in Parquet, the form Ray Data and Spark keep embeddings in (``pip install "mha-deploy[parquet]"``).
+
+Layout, one row per item:
+
+- ``id``: string
+- self-attention: ``x``: list<list<float32>> [seq][d_model] (or list<fixed_size_list<float32, d_model>>,
+  what Spark's ``array<array<float>>`` and Ray's nested lists read as)
+- cross-attention: ``query``, ``key``, ``value``, each like ``x``
+- other columns are ignored.
+
+Outputs: ``id`` and ``output`` (the same nested type as the input's tensor column),
+plus ``attn_weights`` list<list<list<float32>>> [heads][q_seq][kv_seq] when the model returns weights.
+A reader decodes at most 16 rows at a time and a writer writes row groups of at most 16
+rows, so neither holds a whole file. pyarrow still decodes a nested-list column one whole
+row group at a time, at about 5-7x the row group's size (repetition and definition levels per
+float, measured with pyarrow 26): keep input row groups small (tens of MB, not Spark's 128 MB).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+
+from mha_deploy.errors import InputError
+from mha_deploy.metadata import Signature
+from mha_deploy.serving.datasets import RawItem
+
+ID_COLUMN = "id"
+# Rows decoded, and rows per written row group, at a time: bounds pyarrow's transient buffers.
+ROWS_PER_BATCH = 16
+
+
+def _pyarrow():
+    try:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+    except ImportError as exc:
+        raise InputError('Parquet needs pyarrow: pip install "mha-deploy[parquet]"') from exc
+    return pa, pq
+
+
+def decode_sequences(column, d_model: int) -> list[np.ndarray | str]:
+    """A nested-list column -> per row an array [seq, width] (width = d_model when well formed), or a problem."""
+    pa, _ = _pyarrow()
+    if isinstance(column, pa.ChunkedArray):
+        column = column.combine_chunks()
+    if not pa.types.is_list(column.type) and not pa.types.is_large_list(column.type):
+        raise InputError(f"column type {column.type} is not a list of vectors (list<list<float32>>)")
+    outer = column.offsets.to_numpy()
+    rows = column.flatten()  # the vectors of every item, in order
+    if pa.types.is_fixed_size_list(rows.type):
+        widths = np.full(len(rows), rows.type.list_size)
+    elif pa.types.is_list(rows.type) or pa.types.is_large_list(rows.type):
+        inner = rows.offsets.to_numpy()
+        widths = np.diff(inner)
+    else:
+        raise InputError(f"column type {column.type} is not a list of vectors (list<list<float32>>)")
+    values = rows.flatten().to_numpy(zero_copy_only=False)
+    starts = np.concatenate([[0], np.cumsum(widths)])
+    base = outer[0]
+    nulls = column.is_null().to_numpy(zero_copy_only=False)
+    decoded: list[np.ndarray | str] = []
+    for index in range(len(column)):
+        if nulls[index]:
+            decoded.append("is null")
+            continue
+        first, last = outer[index] - base, outer[index + 1] - base
+        row_widths = widths[first:last]
+        if len(row_widths) and (row_widths != row_widths[0]).any():
+            decoded.append(f"vectors of different lengths {sorted(set(row_widths.tolist()))[:5]}")
+            continue
+        width = int(row_widths[0]) if len(row_widths) else d_model
+        decoded.append(values[starts[first] : starts[last]].reshape(last - first, width))
+    return decoded
+
+
+def encode_nested(arrays: list[np.ndarray], fixed_inner: bool = False):
+    """Arrays of one rank (shapes may differ) -> a nested list array, one row per array."""
+    pa, _ = _pyarrow()
+    rank = arrays[0].ndim
+    values = pa.array(np.concatenate([a.ravel() for a in arrays]))
+    for axis in reversed(range(rank)):
+        if axis == rank - 1 and fixed_inner and rank > 1:
+            values = pa.FixedSizeListArray.from_arrays(values, arrays[0].shape[-1])
+            continue
+        # At this level there is one list per index of the axes before it, each as long as this axis.
+        sizes = np.concatenate([np.full(int(np.prod(a.shape[:axis])), a.shape[axis], np.int64) for a in arrays])
+        offsets = np.concatenate([[0], np.cumsum(sizes)])
+        offset_type = pa.int32() if offsets[-1] < 2**31 else pa.int64()
+        array_type = pa.ListArray if offset_type == pa.int32() else pa.LargeListArray
+        values = array_type.from_arrays(pa.array(offsets, offset_type), values)
+    return values
+
+
+class ParquetItemReader:
+    def __init__(self, path: Path, signature: Signature, window: int, d_model: int = 0):
+        self.path, self.signature, self.window = path, signature, max(1, window)
+        self.d_model = d_model
+
+    def __enter__(self):
+        _, pq = _pyarrow()
+        try:
+            # No pre-buffering: it would fetch whole row groups ahead of the rows being decoded.
+            self._file = pq.ParquetFile(self.path, pre_buffer=False)
+        except Exception as exc:  # ArrowInvalid, OSError
+            raise InputError(f"{self.path}: cannot read Parquet ({exc})") from exc
+        names = self._file.schema_arrow.names
+        self.columns = [ID_COLUMN, *self.signature.sequence_inputs]
+        missing = [c for c in self.columns if c not in names]
+        if missing:
+            raise InputError(
+                f"{self.path}: no column {', '.join(missing)}; a {self.signature.attention}-attention model reads "
+                f"columns {', '.join(self.columns)} (has {', '.join(names)})"
+            )
+        return self
+
+    def __exit__(self, *exc_info):
+        self._file.close()
+
+    def count(self) -> int:
+        return self._file.metadata.num_rows
+
+    def __iter__(self) -> Iterator[RawItem]:
+        # Decoding nested lists costs several times the data (repetition and definition levels per float):
+        # small record batches on one thread keep that transient small; the runner gathers its window from them.
+        rows = min(self.window, ROWS_PER_BATCH)
+        for batch in self._file.iter_batches(batch_size=rows, columns=self.columns, use_threads=False):
+            ids = batch.column(ID_COLUMN).to_pylist()
+            decoded = {name: decode_sequences(batch.column(name), self.d_model) for name in self.columns[1:]}
+            for row, item_id in enumerate(ids):
+                if item_id is None:
+                    yield RawItem(f"<row {row}>", None, "id is null")
+                    continue
+                parts = {name: decoded[name][row] for name in decoded}
+                problems = [f"{name} {p}" for name, p in parts.items() if isinstance(p, str)]
+                if problems:
+                    yield RawItem(str(item_id), None, "; ".join(problems))
+                else:
+                    yield RawItem(str(item_id), parts)
+
+
+class ParquetItemWriter:
+    """One row group per ``write`` call, into ``path`` (a temporary file the caller renames)."""
+
+    def __init__(self, path: Path, like: Path):
+        pa, pq = _pyarrow()
+        self.path = path
+        self._fixed_inner = False
+        if like.suffix == ".parquet":
+            schema = pq.read_schema(like)
+            name = "x" if "x" in schema.names else "query"
+            if name in schema.names:
+                value_type = schema.field(name).type
+                self._fixed_inner = pa.types.is_fixed_size_list(getattr(value_type, "value_type", None))
+        self._writer = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, *exc_info):
+        if self._writer is None and exc_type is None:
+            self._write_table([])  # a shard whose items were all skipped still gets a valid file
+        if self._writer is not None:
+            self._writer.close()
+
+    def write(self, results):
+        for start in range(0, len(results), ROWS_PER_BATCH):
+            self._write_table(results[start : start + ROWS_PER_BATCH])
+
+    def _write_table(self, results):
+        pa, pq = _pyarrow()
+        columns = {ID_COLUMN: pa.array([item_id for item_id, _ in results], pa.string())}
+        if not results:
+            columns["output"] = pa.array([], pa.list_(pa.list_(pa.float32())))
+        else:
+            columns["output"] = encode_nested([result["output"] for _, result in results], self._fixed_inner)
+        if results and "attn_weights" in results[0][1]:
+            columns["attn_weights"] = encode_nested([result["attn_weights"] for _, result in results])
+        table = pa.table(columns)
+        if self._writer is None:
+            self._writer = pq.ParquetWriter(self.path, table.schema)
+        self._writer.write_table(table)

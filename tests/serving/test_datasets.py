@@ -1,0 +1,195 @@
+"""Datasets on disk: shard directories and Parquet, read lazily, written mirrored, bad items named."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from mha_deploy.errors import InputError
+from mha_deploy.metadata import Signature
+from mha_deploy.serving import BatchRunner, MHASession
+from mha_deploy.serving.datasets import list_shards, open_reader
+from mha_deploy.serving.items import read_arrays, write_arrays
+from mha_deploy.serving.job import DatasetJob, run_dataset
+from tests.conftest import TEST_D_MODEL
+from tests.serving.test_runner import make_items
+
+pa = pytest.importorskip("pyarrow")
+pq = pytest.importorskip("pyarrow.parquet")
+from mha_deploy.serving.parquet import decode_sequences, encode_nested  # noqa: E402
+
+D = TEST_D_MODEL
+
+
+def write_parquet(path, items, fixed_inner=False, row_group_size=4):
+    columns = {"id": list(items)}
+    for name in next(iter(items.values())):
+        columns[name] = encode_nested([item[name] for item in items.values()], fixed_inner)
+    columns["label"] = list(range(len(items)))  # other columns are ignored
+    pq.write_table(pa.table(columns), path, row_group_size=row_group_size)
+
+
+def read_outputs(path) -> dict[str, np.ndarray]:
+    """Any output shard -> {<id>: output, <id>.attn_weights: weights}."""
+    if path.suffix != ".parquet":
+        return read_arrays(path)
+    table = pq.read_table(path)
+    arrays = {}
+    for name in ("output", "attn_weights"):
+        if name not in table.column_names:
+            continue
+        column = table.column(name).combine_chunks()
+        for item_id, row in zip(table.column("id").to_pylist(), column.to_pylist(), strict=True):
+            key = item_id if name == "output" else f"{item_id}.{name}"
+            arrays[key] = np.array(row, np.float32)
+    return arrays
+
+
+def write_shard(path, items):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if path.suffix == ".parquet":
+        write_parquet(path, items)
+    elif next(iter(items.values())).keys() == {"x"}:
+        write_arrays(path, {item_id: item["x"] for item_id, item in items.items()})
+    else:
+        write_arrays(path, {f"{i}.{part}": a for i, item in items.items() for part, a in item.items()})
+
+
+@pytest.mark.parametrize("fixed_inner", [False, True])
+def test_nested_lists_round_trip(fixed_inner):
+    arrays = [np.arange(n * 3, dtype=np.float32).reshape(n, 3) for n in (2, 1, 4)]
+    column = encode_nested(arrays, fixed_inner)
+    assert column.type.value_type == (pa.list_(pa.float32(), 3) if fixed_inner else pa.list_(pa.float32()))
+    for got, want in zip(decode_sequences(column.slice(1), 3), arrays[1:], strict=True):
+        np.testing.assert_array_equal(got, want)
+    weights = [np.ones((2, q, k), np.float32) for q, k in ((1, 3), (2, 2))]
+    assert [np.array(row).shape for row in encode_nested(weights).to_pylist()] == [(2, 1, 3), (2, 2, 2)]
+
+
+@pytest.mark.parametrize(
+    ("signature", "suffixes"),
+    [
+        (Signature("self", "padding"), [".npz", ".safetensors", ".parquet"]),
+        (Signature("cross", "padding", True), [".parquet", ".npz"]),
+        (Signature("self", "none"), [".parquet"]),
+    ],
+    ids=["self-mixed-formats", "cross-weights", "self-no-mask"],
+)
+def test_directory_output_mirrors_input(tmp_path, export_model, signature, suffixes):
+    """Same shard names and formats, same ids, and the values of the in-memory runner."""
+    session = MHASession(export_model(signature)[0], provider="cpu")
+    expected_all = {}
+    for index, suffix in enumerate(suffixes):
+        items = {f"{index}-{k}": v for k, v in make_items(signature, seed=index).items()}
+        write_shard(tmp_path / "in" / f"part-{index}{suffix}", items)
+        results, _ = BatchRunner(session, batch_size=4).run(items)
+        expected_all[f"part-{index}{suffix}"] = results
+    (tmp_path / "in" / "_SUCCESS").write_text("")  # Spark's marker: not a shard
+
+    runner = BatchRunner(session, batch_size=3, max_tokens=64, bucket_window=5)
+    stats = run_dataset(DatasetJob(tmp_path / "in", tmp_path / "out", session.source), runner)
+
+    assert stats.items == sum(len(r) for r in expected_all.values()) and stats.shards_written == len(suffixes)
+    names = sorted(p.name for p in (tmp_path / "out").iterdir())
+    assert names == sorted([*expected_all, "_mha_deploy_manifest.json"])
+    for name, expected in expected_all.items():
+        outputs = read_outputs(tmp_path / "out" / name)
+        keys = [k for item_id, r in expected.items() for k in [item_id] + [f"{item_id}.attn_weights"] * (len(r) > 1)]
+        assert sorted(outputs) == sorted(keys)
+        if name.endswith((".npz", ".parquet")):
+            assert [k for k in outputs if "." not in k.partition("-")[2]] == list(expected), "input order kept"
+        for item_id, result in expected.items():
+            np.testing.assert_allclose(outputs[item_id], result["output"], atol=1e-5, rtol=1e-4)
+            if "attn_weights" in result:
+                np.testing.assert_allclose(outputs[f"{item_id}.attn_weights"], result["attn_weights"], atol=1e-6)
+
+
+def test_parquet_fixed_size_lists_give_the_same_layout_back(tmp_path, export_model):
+    signature = Signature("self", "padding")
+    session = MHASession(export_model(signature)[0], provider="cpu")
+    write_parquet(tmp_path / "in.parquet", make_items(signature), fixed_inner=True)
+    run_dataset(DatasetJob(tmp_path / "in.parquet", tmp_path / "out.parquet", session.source), BatchRunner(session))
+    schema = pq.read_schema(tmp_path / "out.parquet")
+    assert schema.names == ["id", "output"]
+    assert schema.field("output").type == pa.list_(pa.list_(pa.float32(), D))
+
+
+def test_readers_count_without_reading_and_stream(tmp_path):
+    items = make_items(Signature("self", "padding"))
+    write_parquet(tmp_path / "a.parquet", items, row_group_size=3)
+    np.savez(tmp_path / "b.npz", **{k: v["x"] for k, v in items.items()})
+    for name in ("a.parquet", "b.npz"):
+        with open_reader(tmp_path / name, Signature("self", "padding"), D, window=4) as reader:
+            assert reader.count() == len(items)
+            assert [raw.item_id for raw in reader] == list(items)
+
+
+def bad_parquet(path):
+    good = np.ones((3, D), np.float32)
+    rows = [
+        ("ok-1", good.tolist()),
+        ("wide", np.ones((2, D + 1), np.float32).tolist()),
+        ("ragged", [[1.0] * D, [1.0] * (D - 1)]),
+        ("nan", np.full((2, D), np.nan, np.float32).tolist()),
+        ("empty", []),
+        ("null", None),
+        ("ok-2", good.tolist()),
+    ]
+    table = pa.table(
+        {"id": [r[0] for r in rows], "x": pa.array([r[1] for r in rows], pa.list_(pa.list_(pa.float32())))}
+    )
+    pq.write_table(table, path)
+
+
+def test_bad_parquet_items_skipped_and_listed(tmp_path, export_model):
+    session = MHASession(export_model(Signature("self", "padding"))[0], provider="cpu")
+    bad_parquet(tmp_path / "in.parquet")
+    job = DatasetJob(tmp_path / "in.parquet", tmp_path / "out.parquet", session.source)
+    stats = run_dataset(job, BatchRunner(session, on_error="skip"))
+    assert pq.read_table(tmp_path / "out.parquet").column("id").to_pylist() == ["ok-1", "ok-2"]
+    errors = {e.item_id: e for e in stats.errors}
+    assert sorted(errors) == ["empty", "nan", "null", "ragged", "wide"]
+    assert all(e.shard == "in.parquet" for e in errors.values())
+    assert "shape (2, 65), expected [seq, 64]" in errors["wide"].message
+    assert "vectors of different lengths" in errors["ragged"].message
+    assert "NaN" in errors["nan"].message and "empty sequence" in errors["empty"].message
+    manifest = json.loads(job.manifest_path.read_text())
+    assert len(manifest["shards"]["in.parquet"]["skipped_items"]) == 5
+    assert "5 bad items skipped" in stats.summary()
+
+
+def test_bad_item_stops_with_its_shard_and_id(tmp_path, export_model):
+    session = MHASession(export_model(Signature("self", "padding"))[0], provider="cpu")
+    bad_parquet(tmp_path / "in.parquet")
+    job = DatasetJob(tmp_path / "in.parquet", tmp_path / "out.parquet", session.source)
+    with pytest.raises(InputError, match=r"in.parquet: item 'wide': shape \(2, 65\)"):
+        run_dataset(job, BatchRunner(session, bucket_window=1))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.parquet"], "no output, temporary file or manifest"
+
+
+@pytest.mark.parametrize(
+    ("make", "message"),
+    [
+        (lambda p: (p / "in").mkdir(), "no .npz, .safetensors, .parquet files"),
+        (lambda p: (p / "in.txt").write_text(""), "must end in .npz or .safetensors or .parquet"),
+        (lambda p: pq.write_table(pa.table({"id": ["a"]}), p / "in.parquet"), "no column x"),
+        (lambda p: (p / "in.parquet").write_bytes(b"nope"), "cannot read Parquet"),
+    ],
+)
+def test_unusable_inputs(tmp_path, export_model, make, message):
+    session = MHASession(export_model(Signature("self", "padding"))[0], provider="cpu")
+    make(tmp_path)
+    source = next(p for p in tmp_path.iterdir())
+    output = tmp_path / ("out" if source.is_dir() else "out.parquet")
+    with pytest.raises(InputError, match=message):
+        run_dataset(DatasetJob(source, output, session.source), BatchRunner(session))
+
+
+def test_directory_input_needs_directory_output(tmp_path):
+    (tmp_path / "in").mkdir()
+    np.savez(tmp_path / "in" / "a.npz", a=np.ones((1, D), np.float32))
+    (tmp_path / "out.npz").write_bytes(b"")
+    with pytest.raises(InputError, match="must be one too"):
+        list_shards(tmp_path / "in", tmp_path / "out.npz")
