@@ -62,19 +62,31 @@ def main(ctx: click.Context, debug: bool) -> None:
 @click.option("--mask", type=click.Choice(MASK_MODES), default="none", show_default=True,
               help="padding adds input key_padding_mask (bool, True = real token); causal is built into the graph.")
 @click.option("--return-weights", is_flag=True, help="Also output attn_weights [batch, heads, q_seq, kv_seq].")
+@click.option("--fuse", type=click.Choice(("auto", "mha", "onnx", "none")), default="auto", show_default=True,
+              help="Fuse each attention into one op: mha = ORT contrib MultiHeadAttention, onnx = standard "
+                   "Attention (opset 23), none = plain graph, auto = fastest measured (falls back to none).")
+@click.option("--quantize", type=click.Choice(("none", "int8")), default="none", show_default=True,
+              help="int8: dynamic int8 projections for ORT's CPU provider, attention kept fused; parity then "
+                   "means a relative error within 5%.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the random-init model.")
 @click.option("--opset", type=int, default=23, show_default=True)
-@click.option("--atol", type=float, default=1e-5, show_default=True, help="Parity tolerance (absolute).")
-@click.option("--rtol", type=float, default=1e-4, show_default=True, help="Parity tolerance (relative).")
+@click.option("--dtype", type=click.Choice(("fp32", "fp16")), default="fp32", show_default=True,
+              help="fp16: half-precision weights and I/O (for CUDA), checked against the fp32 torch reference.")
+@click.option("--atol", type=float, help="Parity tolerance, absolute (default 1e-5 for fp32, 5e-3 for fp16).")
+@click.option("--rtol", type=float, help="Parity tolerance, relative (default 1e-4 for fp32, 5e-3 for fp16).")
 @click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path), required=True,
               help="Where to write the .onnx file (written only if parity passes).")
-def export(checkpoint, d_model, heads, attention, mask, return_weights, seed, opset, atol, rtol, output):
+def export(checkpoint, d_model, heads, attention, mask, return_weights, fuse, quantize, seed, opset, dtype, atol,
+           rtol, output):
     """Export a reference MHA to ONNX with dynamic batch and sequence axes, checked against torch.
 
     \b
     Examples:
       mha-deploy export -o mha.onnx
       mha-deploy export --attention cross --mask padding -o cross.onnx
+      mha-deploy export --fuse onnx --mask padding-causal -o mha.onnx
+      mha-deploy export --quantize int8 -o mha-int8.onnx
+      mha-deploy export --dtype fp16 --fuse mha --mask padding -o mha-fp16.onnx
       mha-deploy export --checkpoint attn.safetensors --heads 8 --mask padding-causal -o mha.onnx
     """
     from mha_deploy.exporters import export_mha
@@ -83,7 +95,12 @@ def export(checkpoint, d_model, heads, attention, mask, return_weights, seed, op
     signature = Signature(attention, mask, return_weights)
     mha = _load_model(checkpoint, d_model, heads, seed)
     click.echo(f"exporting d_model={mha.d_model} heads={mha.num_heads} attention={attention} mask={mask}", err=True)
-    result = export_mha(mha, output, signature, opset=opset, atol=atol, rtol=rtol)
+    result = export_mha(
+        mha, output, signature, opset=opset, atol=atol, rtol=rtol, fuse=fuse, quantize=quantize, dtype=dtype
+    )
+    for warning in result.warnings:
+        click.echo(f"warning: {warning}", err=True)
+    click.echo(result.fusion.summary())
     click.echo(result.parity.summary())
     click.echo(f"wrote {result.path}")
 
@@ -105,46 +122,102 @@ def _load_model(checkpoint, d_model, heads, seed):
 @main.command()
 @click.argument("model", type=click.Path(path_type=Path))
 @click.option("--input", "input_path", type=click.Path(path_type=Path), required=True,
-              help="Items keyed by id (.npz or .safetensors): <id> -> [seq, d_model] float32, or "
-                   "<id>.query/.key/.value for cross-attention.")
-@click.option("--output", "output_path", type=click.Path(dir_okay=False, path_type=Path), required=True,
-              help="Outputs keyed by the same ids, unpadded [seq, d_model] (.npz or .safetensors).")
-@click.option("--batch-size", type=click.IntRange(min=1), default=16, show_default=True)
+              help="Items keyed by id: a .npz, .safetensors or .parquet file, or a directory of such shards. "
+                   "npz/safetensors: <id> -> [seq, d_model] float32 (<id>.query/.key/.value for cross-attention); "
+                   "Parquet: columns id (string) and x (list<list<float32>>; query/key/value for cross).")
+@click.option("--output", "output_path", type=click.Path(path_type=Path), required=True,
+              help="Outputs keyed by the same ids, unpadded [seq, d_model]: a file (format from its suffix) "
+                   "for a file input, a directory with the same shard names and formats for a directory.")
+@click.option("--batch-size", type=click.IntRange(min=1),
+              help="At most this many items per batch (default 16 unless --max-tokens is given).")
+@click.option("--max-tokens", type=click.IntRange(min=1),
+              help="At most this many padded positions (items × longest sequence) per batch.")
+@click.option("--bucket-window", type=click.IntRange(min=0), default=256, show_default=True,
+              help="Items read ahead and sorted by length before batching (bounds memory); 0 keeps input order.")
+@click.option("--on-error", type=click.Choice(["stop", "skip"]), default="stop", show_default=True,
+              help="At a bad item (wrong shape or dtype, NaN, empty): stop with an error, or skip it and list it.")
+@click.option("--overwrite", is_flag=True, help="Redo every shard, even those a previous run finished.")
+@click.option("--engine", type=click.Choice(["local", "ray"]), default="local", show_default=True,
+              help="ray: shards spread over Ray Data actors (needs mha-deploy[ray] and a filesystem all nodes see).")
+@click.option("--ray-address", help="Ray cluster to join (default: start a local one).")
+@click.option("--concurrency", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Ray actors, each holding one session.")
+@click.option("--num-gpus", type=click.FloatRange(min=0), default=0, show_default=True,
+              help="GPUs per Ray actor (use with --provider cuda).")
 @click.option("--provider", type=click.Choice(PROVIDERS), default="auto", show_default=True)
 @click.option("--threads", type=click.IntRange(min=1), help="ORT intra-op threads (default: all cores).")
 @click.option("--progress/--no-progress", default=True, show_default=True, help="Progress bar on stderr.")
-def infer(model, input_path, output_path, batch_size, provider, threads, progress):
-    """Run a model over a file of variable-length items, batched and padded.
+@click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON on stdout.")
+def infer(model, input_path, output_path, batch_size, max_tokens, bucket_window, on_error, overwrite, engine,
+          ray_address, concurrency, num_gpus, provider, threads, progress, as_json):
+    """Run a model over items (a file or a directory of shards), batched by length and streamed.
+
+    Rerunning the same command resumes: finished shards are skipped (see the
+    manifest beside or inside the output); --overwrite redoes them.
 
     \b
-    Example:
+    Examples:
       mha-deploy infer mha.onnx --input items.npz --output out.npz --batch-size 32
+      mha-deploy infer mha.onnx --input shards/ --output out/ --max-tokens 8192 --on-error skip
+      mha-deploy infer mha.onnx --input data.parquet --output out.parquet --json
+      mha-deploy infer mha.onnx --input shards/ --output out/ --engine ray --concurrency 4
     """
     from mha_deploy.serving import BatchRunner, MHASession
-    from mha_deploy.serving.items import read_items, write_arrays
-    from mha_deploy.serving.runner import output_arrays
+    from mha_deploy.serving.job import DatasetJob, run_dataset
 
     if output_path.resolve() == input_path.resolve():
         raise click.UsageError("--output must differ from --input (the input would be overwritten)")
-    session = MHASession(model, provider=provider, threads=threads)
-    if session.provider_note:
-        click.echo(session.provider_note, err=True)
-    items = read_items(input_path, session.signature)
-    runner = BatchRunner(session, batch_size=batch_size)
-    results, stats = _run_with_progress(runner, items, progress)
-    write_arrays(output_path, output_arrays(results))
+    if batch_size is None and max_tokens is None:
+        batch_size = 16
+    job = DatasetJob(input_path, output_path, model, overwrite=overwrite)
+    options = dict(batch_size=batch_size, max_tokens=max_tokens, bucket_window=bucket_window, on_error=on_error)
+    if engine == "ray":
+        from mha_deploy.serving.ray_engine import RayOptions, run_dataset_on_ray
+
+        ray_options = RayOptions(address=ray_address, concurrency=concurrency, num_gpus=num_gpus)
+        stats = _run_with_progress(
+            lambda on_start, on_batch: run_dataset_on_ray(
+                job, model, provider=provider, threads=threads, ray=ray_options, on_start=on_start,
+                on_batch=on_batch, **options),
+            progress)
+    else:
+        session = MHASession(model, provider=provider, threads=threads)
+        if session.provider_note:
+            click.echo(session.provider_note, err=True)
+        runner = BatchRunner(session, **options)
+        stats = _run_with_progress(lambda on_start, on_batch: run_dataset(job, runner, on_start, on_batch), progress)
+    for error in stats.errors[:20]:
+        click.echo(f"skipped {error}", err=True)
+    if len(stats.errors) > 20:
+        click.echo(f"... and {len(stats.errors) - 20} more bad items (all listed in {job.manifest_path})", err=True)
+    if as_json:
+        click.echo(json.dumps({**stats.to_dict(), "output": str(output_path), "manifest": str(job.manifest_path)}))
+        return
     click.echo(stats.summary())
     click.echo(f"wrote {output_path}")
 
 
-def _run_with_progress(runner, items, show: bool):
+def _run_with_progress(run, show: bool):
+    """``run(on_start, on_batch)`` with a rich progress bar on stderr: items, items/s and tokens/s."""
+    import time
+
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-    columns = (TextColumn("infer"), BarColumn(), MofNCompleteColumn(), TextColumn("items"), TimeRemainingColumn())
+    columns = (TextColumn("infer"), BarColumn(), MofNCompleteColumn(), TextColumn("items"),
+               TextColumn("{task.fields[rate]}"), TimeRemainingColumn())
     with Progress(*columns, console=Console(stderr=True), disable=not show, transient=False) as bar:
-        task = bar.add_task("infer", total=len(items))
-        return runner.run(items, on_batch=lambda n, _tokens: bar.advance(task, n))
+        task = bar.add_task("infer", total=None, rate="")
+        counts = {"items": 0, "tokens": 0, "start": time.perf_counter()}
+
+        def on_batch(items: int, tokens: int) -> None:
+            counts["items"] += items
+            counts["tokens"] += tokens
+            elapsed = max(time.perf_counter() - counts["start"], 1e-9)
+            rate = f"{counts['items'] / elapsed:.1f} items/s {counts['tokens'] / elapsed:,.0f} tokens/s"
+            bar.update(task, advance=items, rate=rate)
+
+        return run(lambda total: bar.update(task, total=total), on_batch)
 
 
 @main.command()
@@ -171,7 +244,8 @@ def inspect(model, as_json):
     click.echo("  ops    " + ", ".join(f"{op} x{n}" for op, n in report.op_counts.items()))
     for op in report.attention_ops:
         attrs = ", ".join(f"{k}={_json_default(v) if isinstance(v, bytes) else v}" for k, v in op.attributes.items())
-        click.echo(f"  fused  {op.op}({', '.join(i or '-' for i in op.inputs)}) {attrs}")
+        inputs = ", ".join(f"{role}={name}" for role, name in op.inputs.items())
+        click.echo(f"  fused  {op.op}({inputs}) {attrs}")
     meta = report.metadata
     if meta is None:
         click.echo("  metadata: none (not exported by mha-deploy)")
@@ -184,6 +258,148 @@ def inspect(model, as_json):
         click.echo(f"  parity {'PASSED' if parity['passed'] else 'FAILED'}: max abs err {parity['max_abs_err']:.3g} "
                    f"at atol={parity['atol']:g} rtol={parity['rtol']:g} over {', '.join(parity['shapes'])}")
     click.echo("  versions " + ", ".join(f"{k} {v}" for k, v in meta["versions"].items()))
+
+
+@main.command()
+@click.argument("model", type=click.Path(path_type=Path))
+@click.option("--host", default="127.0.0.1", show_default=True,
+              help="Address to bind; 0.0.0.0 exposes the server to the network.")
+@click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True)
+@click.option("--max-batch", type=click.IntRange(min=1), default=32, show_default=True,
+              help="Most requests run together in one padded batch; 1 turns micro-batching off.")
+@click.option("--max-wait-ms", type=click.FloatRange(min=0), default=2.0, show_default=True,
+              help="Longest a request waits for others to join its batch.")
+@click.option("--max-batch-tokens", type=click.IntRange(min=1), default=8192, show_default=True,
+              help="Most padded positions (requests x longest sequence) in one run; bounds its memory.")
+@click.option("--workers", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Batches run at once, each in its own thread.")
+@click.option("--provider", type=click.Choice(PROVIDERS), default="auto", show_default=True)
+@click.option("--threads", type=click.IntRange(min=1), help="ORT intra-op threads (default: all cores).")
+@click.option("--max-body-mb", type=click.FloatRange(min=0, min_open=True), default=64, show_default=True,
+              help="Larger request bodies get 413.")
+@click.option("--max-tokens", type=click.IntRange(min=1), default=1024, show_default=True,
+              help="Longest sequence one request may hold; longer ones get 422.")
+@click.option("--optimized-model", type=click.Path(dir_okay=False, path_type=Path),
+              help="Cache of ORT's optimized graph: written on the first start, reused for faster later starts.")
+@click.option("--spin", is_flag=True,
+              help="Let idle ORT threads spin-wait (off by default: it takes CPU from request handling).")
+@click.option("--log-level", type=click.Choice(("debug", "info", "warning", "error")), default="info",
+              show_default=True)
+@click.option("--access-log", is_flag=True, help="Log every request (costs throughput).")
+def serve(model, host, port, max_batch, max_wait_ms, max_batch_tokens, workers, provider, threads, max_body_mb,
+          max_tokens, optimized_model, spin, log_level, access_log):
+    """Serve a model over HTTP with dynamic micro-batching (needs the 'serve' extra).
+
+    POST /v1/infer takes {"x": [[...d_model floats] x seq]} (cross-attention: query, key,
+    value) as JSON, an .npy body (application/x-npy) or an .npz body (application/x-npz);
+    GET /healthz, /readyz and /metrics (Prometheus) are for orchestration. SIGTERM
+    finishes every accepted request before exiting.
+
+    \b
+    Example:
+      mha-deploy serve mha.onnx --port 8000 --max-batch 32 --max-wait-ms 2
+      curl -s localhost:8000/v1/infer -H 'Content-Type: application/json' -d '{"x": [[0.1, ...]]}'
+    """
+    from mha_deploy.serving.http import ServeConfig
+    from mha_deploy.serving.http import serve as run_server
+    from mha_deploy.serving.http.parsing import RequestLimits
+
+    limits = RequestLimits(max_body_bytes=int(max_body_mb * 2**20), max_tokens=max_tokens)
+    run_server(ServeConfig(
+        model, host=host, port=port, provider=provider, threads=threads, max_batch=max_batch,
+        max_wait_ms=max_wait_ms, max_batch_tokens=max_batch_tokens, workers=workers, limits=limits,
+        optimized_model_path=optimized_model, spin=spin, log_level=log_level, access_log=access_log,
+    ))
+
+
+@main.command()
+@click.argument("model", type=click.Path(path_type=Path))
+@click.option("--repo", type=click.Path(file_okay=False, path_type=Path), required=True,
+              help="Triton model repository directory (created if missing).")
+@click.option("--name", help="Model name in the repository (default: the file's stem).")
+@click.option("--instances", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Model instances Triton runs at once.")
+@click.option("--kind", type=click.Choice(("cpu", "gpu")), default="cpu", show_default=True)
+@click.option("--max-batch-size", type=click.IntRange(min=0), default=32, show_default=True,
+              help="Largest batch Triton's dynamic batcher forms; 0 disables batching.")
+@click.option("--max-queue-delay-us", type=click.IntRange(min=0), default=500, show_default=True,
+              help="Longest a request waits in Triton's dynamic batcher for others.")
+@click.option("--overwrite", is_flag=True, help="Replace an existing model of that name.")
+def triton(model, repo, name, instances, kind, max_batch_size, max_queue_delay_us, overwrite):
+    """Write a Triton Inference Server model repository entry for a model (onnxruntime backend).
+
+    Writes REPO/NAME/config.pbtxt and REPO/NAME/1/model.onnx, all or nothing. Triton's
+    dynamic batcher only batches requests of equal sequence length (see the config's
+    comment); the mha-deploy HTTP server pads across lengths instead.
+
+    \b
+    Example:
+      mha-deploy triton mha.onnx --repo models --name mha --instances 2 --kind cpu
+      tritonserver --model-repository models
+    """
+    from mha_deploy.serving.triton import TritonConfig, write_triton_model
+
+    config = TritonConfig(name=name, instances=instances, kind=kind, max_batch_size=max_batch_size,
+                          max_queue_delay_us=max_queue_delay_us)
+    path = write_triton_model(model, repo, config, overwrite=overwrite)
+    click.echo(f"wrote {path}")
+
+
+@main.command()
+@click.argument("model", type=click.Path(path_type=Path), required=False)
+@click.option("--checkpoint", type=click.Path(dir_okay=False, path_type=Path),
+              help="Weights for every compared path; omit for the seeded built-in default.")
+@click.option("--d-model", type=int, help=f"Model width of the built-in default (default {DEFAULT_D_MODEL}).")
+@click.option("--heads", type=int, help=f"Heads of the built-in default (default {DEFAULT_HEADS}).")
+@click.option("--mask", type=click.Choice(MASK_MODES), default="none", show_default=True)
+@click.option("--shapes", default="8x128,1x1024,32x64,1x4096", show_default=True, help="BATCHxSEQ,...")
+@click.option("--provider", type=click.Choice(PROVIDERS), default="cpu", show_default=True)
+@click.option("--threads", type=click.IntRange(min=1), default=2, show_default=True,
+              help="Threads for torch and ORT alike.")
+@click.option("--budget-s", type=float, default=2.0, show_default=True, help="Timing budget per backend and shape.")
+@click.option("--memory-shapes", default="1x4096,32x512", show_default=True,
+              help="Shapes at which peak RSS of each ORT path is measured (in fresh processes); '' to skip.")
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON on stdout.")
+@click.option("--plot", type=click.Path(dir_okay=False, path_type=Path), help="Write a latency plot (PNG).")
+def bench(model, checkpoint, d_model, heads, mask, shapes, provider, threads, budget_s, memory_shapes, as_json,
+          plot):
+    """Compare torch eager, torch SDPA, ORT unfused, ORT fused per target and int8, in one run.
+
+    Reports median and p90 latency, GFLOP/s, the ratio to torch eager, and
+    efficiency against ORT's own fp32 MatMul rate measured in the same run.
+    MODEL, an exported .onnx file, is added as one more row.
+
+    \b
+    Example:
+      mha-deploy bench --shapes 8x128,1x1024 --threads 2 --plot bench.png
+    """
+    import tempfile
+
+    from mha_deploy.bench import parse_shapes, run_bench
+    from mha_deploy.bench.backends import default_backends, ort_file
+    from mha_deploy.bench.suite import measure_memory
+    from mha_deploy.metadata import Signature
+
+    shape_list = parse_shapes(shapes)
+    memory_list = parse_shapes(memory_shapes) if memory_shapes else ()
+    mha = _load_model(checkpoint, d_model, heads, seed=0)
+    with tempfile.TemporaryDirectory(prefix="mha-bench-") as workdir:
+        click.echo("exporting the compared models...", err=True)
+        backends = default_backends(mha, Signature("self", mask), threads, provider, workdir)
+        if model is not None:
+            backends.append(ort_file(model, threads, provider, f"{model.name}"))
+        report = run_bench(
+            backends, shape_list, mha.d_model, mha.num_heads, threads, provider, budget_s,
+            on_row=lambda r: click.echo(f"  {r.batch}x{r.seq} {r.backend}: {r.median_ms:.2f} ms", err=True),
+        )
+        if memory_list:
+            click.echo("measuring peak memory...", err=True)
+            measure_memory(report, backends, memory_list, threads)
+    if plot:
+        from mha_deploy.bench.plot import plot_latency
+
+        plot_latency(report, plot)
+    click.echo(json.dumps(report.to_dict(), indent=2) if as_json else report.table())
 
 
 def _json_default(value):

@@ -53,6 +53,7 @@ def test_export_infer_inspect(tmp_path):
     result = invoke("export", *SMALL, "--mask", "padding", "--seed", "3", "-o", model)
     assert result.exit_code == 0, result.output
     assert "parity PASSED" in result.stdout and "max abs err" in result.stdout
+    assert "1 attention subgraph(s) found, 1 fused" in result.stdout
 
     items = write_items(tmp_path / "items.npz")
     out = tmp_path / "out.safetensors"
@@ -74,7 +75,8 @@ def test_export_infer_inspect(tmp_path):
     assert report["inputs"][0]["dims"] == ["batch", "seq", D]
     assert report["metadata"]["signature"]["mask"] == "padding"
     text = invoke("inspect", model).stdout
-    assert "parity PASSED" in text and "Softmax x1" in text
+    assert "parity PASSED" in text and "fusion=mha" in text
+    assert "com.microsoft::MultiHeadAttention(" in text and "key_padding_mask=" in text
 
 
 def test_export_from_checkpoint(tmp_path):
