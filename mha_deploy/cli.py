@@ -58,7 +58,13 @@ def main(ctx: click.Context, debug: bool) -> None:
               help="State dict (.safetensors, .pt, .pth) in any common naming; omit for a seeded random model.")
 @click.option("--d-model", type=int, help=f"Model width (default {DEFAULT_D_MODEL}; read from the checkpoint).")
 @click.option("--heads", type=int, help=f"Number of heads (default {DEFAULT_HEADS}, or the checkpoint's metadata).")
-@click.option("--attention", type=click.Choice(ATTENTION_KINDS), default="self", show_default=True)
+@click.option("--model", "model_kind", type=click.Choice(("mha", "encoder", "decoder")), default="mha",
+              show_default=True, help="A lone MHA, or a post-norm Transformer stack of --layers layers built from it "
+                                      "(random init; decoder inputs: x, memory).")
+@click.option("--layers", type=click.IntRange(min=1), default=1, show_default=True, help="Layers of a stack.")
+@click.option("--d-ff", type=click.IntRange(min=1), help="Feed-forward width of a stack (default 4 x d_model).")
+@click.option("--attention", type=click.Choice(ATTENTION_KINDS), default="self", show_default=True,
+              help="For --model mha.")
 @click.option("--mask", type=click.Choice(MASK_MODES), default="none", show_default=True,
               help="padding adds input key_padding_mask (bool, True = real token); causal is built into the graph.")
 @click.option("--return-weights", is_flag=True, help="Also output attn_weights [batch, heads, q_seq, kv_seq].")
@@ -76,8 +82,8 @@ def main(ctx: click.Context, debug: bool) -> None:
 @click.option("--rtol", type=float, help="Parity tolerance, relative (default 1e-4 for fp32, 5e-3 for fp16).")
 @click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path), required=True,
               help="Where to write the .onnx file (written only if parity passes).")
-def export(checkpoint, d_model, heads, attention, mask, return_weights, fuse, quantize, seed, opset, dtype, atol,
-           rtol, output):
+def export(checkpoint, d_model, heads, model_kind, layers, d_ff, attention, mask, return_weights, fuse, quantize, seed,
+           opset, dtype, atol, rtol, output):
     """Export a reference MHA to ONNX with dynamic batch and sequence axes, checked against torch.
 
     \b
@@ -87,22 +93,46 @@ def export(checkpoint, d_model, heads, attention, mask, return_weights, fuse, qu
       mha-deploy export --fuse onnx --mask padding-causal -o mha.onnx
       mha-deploy export --quantize int8 -o mha-int8.onnx
       mha-deploy export --dtype fp16 --fuse mha --mask padding -o mha-fp16.onnx
+      mha-deploy export --model decoder --layers 6 --mask padding -o decoder.onnx
       mha-deploy export --checkpoint attn.safetensors --heads 8 --mask padding-causal -o mha.onnx
     """
-    from mha_deploy.exporters import export_mha
+    from mha_deploy.exporters import export_mha, export_stack
     from mha_deploy.metadata import Signature
 
-    signature = Signature(attention, mask, return_weights)
-    mha = _load_model(checkpoint, d_model, heads, seed)
-    click.echo(f"exporting d_model={mha.d_model} heads={mha.num_heads} attention={attention} mask={mask}", err=True)
-    result = export_mha(
-        mha, output, signature, opset=opset, atol=atol, rtol=rtol, fuse=fuse, quantize=quantize, dtype=dtype
-    )
+    options = {"opset": opset, "atol": atol, "rtol": rtol, "fuse": fuse, "quantize": quantize, "dtype": dtype}
+    if model_kind == "mha":
+        if layers != 1:
+            raise click.UsageError("--layers is for --model encoder or decoder")
+        signature = Signature(attention, mask, return_weights)
+        mha = _load_model(checkpoint, d_model, heads, seed)
+        click.echo(f"exporting d_model={mha.d_model} heads={mha.num_heads} attention={attention} mask={mask}", err=True)
+        result = export_mha(mha, output, signature, **options)
+    else:
+        if checkpoint is not None or return_weights:
+            raise click.UsageError(
+                f"--model {model_kind} exports a seeded random stack: no --checkpoint or --return-weights"
+            )
+        stack = _build_stack(model_kind, layers, d_model or DEFAULT_D_MODEL, heads or DEFAULT_HEADS, d_ff, seed)
+        click.echo(f"exporting a {layers}-layer {model_kind}, mask={mask}", err=True)
+        result = export_stack(stack, output, mask=mask, **options)
     for warning in result.warnings:
         click.echo(f"warning: {warning}", err=True)
     click.echo(result.fusion.summary())
     click.echo(result.parity.summary())
     click.echo(f"wrote {result.path}")
+
+
+def _build_stack(kind: str, layers: int, d_model: int, heads: int, d_ff: int | None, seed: int):
+    import torch
+
+    from mha_deploy.models.transformer import Decoder, Encoder
+
+    torch.manual_seed(seed)
+    stack_cls = Encoder if kind == "encoder" else Decoder
+    try:
+        return stack_cls(layers, d_model, heads, d_ff or 4 * d_model).eval()
+    except ValueError as exc:  # heads not dividing d_model
+        raise click.UsageError(str(exc)) from None
 
 
 def _load_model(checkpoint, d_model, heads, seed):
@@ -251,7 +281,8 @@ def inspect(model, as_json):
         click.echo("  metadata: none (not exported by mha-deploy)")
         return
     sig = meta["signature"]
-    click.echo(f"  model  d_model={meta['d_model']} heads={meta['num_heads']} attention={sig['attention']} "
+    stack = f"{sig['model']} x{meta['layers']} " if sig.get("model", "mha") != "mha" else ""
+    click.echo(f"  model  {stack}d_model={meta['d_model']} heads={meta['num_heads']} attention={sig['attention']} "
                f"mask={sig['mask']} dtype={meta['dtype']} fusion={meta['fusion']}")
     parity = meta.get("parity")
     if parity:

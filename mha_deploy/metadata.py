@@ -12,6 +12,8 @@ from dataclasses import asdict, dataclass, field
 from mha_deploy.errors import ExportError, ModelFileError
 
 ATTENTION_KINDS = ("self", "cross")
+# A lone reference MHA, or a post-norm Transformer stack built from it.
+MODEL_KINDS = ("mha", "encoder", "decoder")
 MASK_MODES = ("none", "padding", "causal", "padding-causal")
 METADATA_KEY = "mha_deploy"
 # Bumped when the meaning of a recorded field changes.
@@ -25,17 +27,36 @@ class Signature:
     attention: str = "self"
     mask: str = "none"
     return_weights: bool = False
+    # "encoder": x -> output with self-attention layers; "decoder": x (target) and
+    # memory -> output, causal self-attention then cross-attention over memory.
+    model: str = "mha"
 
     def __post_init__(self):
+        if self.model not in MODEL_KINDS:
+            raise ExportError(f"model must be one of {', '.join(MODEL_KINDS)}, got {self.model!r}")
         if self.attention not in ATTENTION_KINDS:
             raise ExportError(f"attention must be one of {', '.join(ATTENTION_KINDS)}, got {self.attention!r}")
         if self.mask not in MASK_MODES:
             raise ExportError(f"mask must be one of {', '.join(MASK_MODES)}, got {self.mask!r}")
-        if self.is_causal and self.attention == "cross":
+        if self.model != "mha":
+            self._check_stack()
+        elif self.is_causal and self.attention == "cross":
             raise ExportError(
                 f"mask {self.mask!r} needs self-attention: a causal mask orders queries and keys of "
                 "one sequence, which cross-attention does not have (use --mask padding or none)"
             )
+
+    def _check_stack(self) -> None:
+        attention = "self" if self.model == "encoder" else "cross"
+        if self.attention != attention:
+            raise ExportError(f"--model {self.model} has {attention}-attention inputs, not {self.attention!r}")
+        if self.mask not in ("none", "padding"):
+            raise ExportError(
+                f"--model {self.model} takes --mask none or padding"
+                + (" (its self-attention is always causal)" if self.model == "decoder" else "")
+            )
+        if self.return_weights:
+            raise ExportError(f"--model {self.model} has several attentions: --return-weights is for a lone MHA")
 
     @property
     def has_padding_mask(self) -> bool:
@@ -47,11 +68,22 @@ class Signature:
 
     @property
     def sequence_inputs(self) -> tuple[str, ...]:
+        if self.model == "decoder":
+            return ("x", "memory")
         return ("x",) if self.attention == "self" else ("query", "key", "value")
 
     @property
+    def padding_masks(self) -> dict[str, str]:
+        """Each bool padding-mask input -> the sequence input whose positions it marks."""
+        if not self.has_padding_mask:
+            return {}
+        if self.model == "decoder":
+            return {"key_padding_mask": "x", "memory_padding_mask": "memory"}
+        return {"key_padding_mask": "x" if self.attention == "self" else "key"}
+
+    @property
     def input_names(self) -> tuple[str, ...]:
-        return self.sequence_inputs + (("key_padding_mask",) if self.has_padding_mask else ())
+        return self.sequence_inputs + tuple(self.padding_masks)
 
     @property
     def output_names(self) -> tuple[str, ...]:
@@ -102,6 +134,9 @@ class ModelMetadata:
     opset: int = 23
     fusion: str = "none"
     quantization: str = "none"
+    # Stacks: how many layers, and the feed-forward width.
+    layers: int = 1
+    d_ff: int | None = None
     versions: dict[str, str] = field(default_factory=dict)
     parity: ParityReport | None = None
     format: int = METADATA_FORMAT

@@ -17,9 +17,11 @@ from mha_deploy.exporters.graphs import attention_graph
 from mha_deploy.exporters.parity import DEFAULT_ATOL, DEFAULT_RTOL, ParityCase, check_parity
 from mha_deploy.exporters.precision import DTYPES, FP16_ATOL, FP16_RTOL, to_float16
 from mha_deploy.exporters.quantize import quantize_int8
+from mha_deploy.exporters.stack_graphs import DecoderGraph, EncoderGraph, export_stack_onnx
 from mha_deploy.exporters.torch_export import DEFAULT_OPSET, export_onnx
 from mha_deploy.metadata import METADATA_KEY, ModelMetadata, ParityReport, Signature
 from mha_deploy.models.attention import MultiHeadAttention
+from mha_deploy.models.transformer import Decoder, Encoder
 from mha_deploy.serving.session import MHASession
 
 # Chosen from benchmarks/fusion.py on ORT's CPU provider (fp32): see the README's figures.
@@ -74,7 +76,7 @@ def auto_fusion_target(signature: Signature) -> str:
 
 
 def _optimised(
-    plain: onnx.ModelProto, target: str, quantize: str, dtype: str
+    plain: onnx.ModelProto, target: str, quantize: str, dtype: str, attention_ops: int
 ) -> tuple[onnx.ModelProto, FusionReport]:
     """``plain`` fused for ``target``, quantized and cast as asked; ``plain`` itself is left as it was."""
     fused, report = fuse_attention(plain, target)
@@ -83,6 +85,8 @@ def _optimised(
             f"{report.summary()}: --fuse {target} needs every attention subgraph fused; "
             "use --fuse none (or auto) to export the unfused graph"
         )
+    if target != "none" and report.fused != attention_ops:
+        raise ExportError(f"{report.summary()}, expected {attention_ops}: the graph holds attentions no rule knows")
     if quantize == "int8":
         fused = quantize_int8(fused)
     if dtype == "float16":
@@ -97,6 +101,45 @@ def _checked(module, model: onnx.ModelProto, atol, rtol, parity_cases, quantize)
     session = MHASession(model.SerializeToString(), provider="cpu", optimization="disabled")
     budget = INT8_REL_ERR_BUDGET if quantize == "int8" else None
     return check_parity(module, session, parity_cases, atol=atol, rtol=rtol, rel_budget=budget)
+
+
+@dataclass(frozen=True)
+class ExportOptions:
+    """How to turn a torch graph into the written model (see ``export_mha``)."""
+
+    opset: int = DEFAULT_OPSET
+    atol: float | None = None
+    rtol: float | None = None
+    parity_cases: tuple[ParityCase, ...] | None = None
+    fuse: str = "auto"
+    quantize: str = "none"
+    dtype: str = "fp32"
+
+    def check(self) -> None:
+        if self.fuse not in FUSE_CHOICES:
+            raise ExportError(f"fuse must be one of {', '.join(FUSE_CHOICES)}, got {self.fuse!r}")
+        if self.quantize not in QUANTIZE_CHOICES:
+            raise ExportError(f"quantize must be one of {', '.join(QUANTIZE_CHOICES)}, got {self.quantize!r}")
+        if self.dtype not in DTYPES:
+            raise ExportError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.dtype != "fp32" and self.quantize != "none":
+            raise ExportError("--quantize int8 quantizes an fp32 model: use it with --dtype fp32")
+
+    @property
+    def tolerance(self) -> tuple[float, float]:
+        half = self.dtype == "fp16"
+        atol = self.atol if self.atol is not None else (FP16_ATOL if half else DEFAULT_ATOL)
+        rtol = self.rtol if self.rtol is not None else (FP16_RTOL if half else DEFAULT_RTOL)
+        return atol, rtol
+
+
+def _check_output(output: str | os.PathLike) -> Path:
+    output = Path(output)
+    if output.suffix != ".onnx":
+        raise ExportError(f"output path must end in .onnx, got {output}")
+    if output.is_dir():
+        raise ExportError(f"output path {output} is a directory")
+    return output
 
 
 def export_mha(
@@ -124,50 +167,76 @@ def export_mha(
     beyond ``atol + rtol * |reference|`` on any real query position.
     """
     signature = signature or Signature()
-    if fuse not in FUSE_CHOICES:
-        raise ExportError(f"fuse must be one of {', '.join(FUSE_CHOICES)}, got {fuse!r}")
-    if quantize not in QUANTIZE_CHOICES:
-        raise ExportError(f"quantize must be one of {', '.join(QUANTIZE_CHOICES)}, got {quantize!r}")
-    if dtype not in DTYPES:
-        raise ExportError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
-    if dtype != "fp32" and quantize != "none":
-        raise ExportError("--quantize int8 quantizes an fp32 model: use it with --dtype fp32")
-    half = dtype == "fp16"
-    atol = atol if atol is not None else (FP16_ATOL if half else DEFAULT_ATOL)
-    rtol = rtol if rtol is not None else (FP16_RTOL if half else DEFAULT_RTOL)
-    output = Path(output)
-    if output.suffix != ".onnx":
-        raise ExportError(f"output path must end in .onnx, got {output}")
-    if output.is_dir():
-        raise ExportError(f"output path {output} is a directory")
+    options = ExportOptions(opset, atol, rtol, parity_cases, fuse, quantize, dtype)
+    options.check()
+    output = _check_output(output)
     module = attention_graph(mha.eval(), signature)
     plain = export_onnx(module, signature, mha.d_model, opset)
+    metadata = ModelMetadata(d_model=mha.d_model, num_heads=mha.num_heads, signature=signature)
+    return _finish(module, plain, metadata, output, options, attention_ops=1)
+
+
+def export_stack(
+    stack: Encoder | Decoder, output: str | os.PathLike, mask: str = "padding", **options
+) -> ExportResult:
+    """Export an encoder or decoder stack; each of its attentions is fused like a lone MHA's.
+
+    Inputs: encoder ``x`` (+ ``key_padding_mask``); decoder ``x``, ``memory``
+    (+ ``key_padding_mask``, ``memory_padding_mask``). ``options`` as for ``export_mha``.
+    """
+    export_options = ExportOptions(**options)
+    export_options.check()
+    output = _check_output(output)
+    padding = mask == "padding"
+    if isinstance(stack, Encoder):
+        signature = Signature("self", mask, model="encoder")
+        graph, attention_ops = EncoderGraph(stack.eval(), padding=padding), len(stack.layers)
+    else:
+        signature = Signature("cross", mask, model="decoder")
+        graph = DecoderGraph(stack.eval(), target_padding=padding, memory_padding=padding)
+        attention_ops = 2 * len(stack.layers)
+    plain = export_stack_onnx(graph, export_options.opset)
+    layer = stack.layers[0]
+    attention = layer.self_attn
     metadata = ModelMetadata(
-        d_model=mha.d_model,
-        num_heads=mha.num_heads,
+        d_model=attention.d_model,
+        num_heads=attention.num_heads,
         signature=signature,
-        dtype=DTYPES[dtype],
-        opset=opset,
-        versions=package_versions(),
+        layers=len(stack.layers),
+        d_ff=layer.feed_forward.linear1.out_features,
     )
+    return _finish(graph, plain, metadata, output, export_options, attention_ops)
+
+
+def _finish(
+    module, plain: onnx.ModelProto, metadata: ModelMetadata, output: Path, options: ExportOptions, attention_ops: int
+) -> ExportResult:
+    """Fuse, quantize or cast, check parity against ``module``, record metadata, and write ``output``."""
+    metadata.dtype = DTYPES[options.dtype]
+    metadata.opset = options.opset
+    metadata.versions = package_versions()
     set_metadata(plain, metadata)
+    atol, rtol = options.tolerance
     warnings: list[str] = []
-    target = auto_fusion_target(signature) if fuse == "auto" else fuse
+    target = auto_fusion_target(metadata.signature) if options.fuse == "auto" else options.fuse
+
+    def build(fuse_target: str):
+        model, fusion = _optimised(plain, fuse_target, options.quantize, metadata.dtype, attention_ops)
+        return model, fusion, _checked(module, model, atol, rtol, options.parity_cases, options.quantize)
+
     try:
-        model, fusion = _optimised(plain, target, quantize, metadata.dtype)
-        report = _checked(module, model, atol, rtol, parity_cases, quantize)
-        if not report.passed and fuse == "auto" and target != "none":
+        model, fusion, report = build(target)
+        if not report.passed and options.fuse == "auto" and target != "none":
             raise ParityError(report.summary())
     except (ExportError, ParityError) as exc:
-        if fuse != "auto":
+        if options.fuse != "auto":
             raise
         warnings.append(f"--fuse auto: {target} fusion not used ({exc}); exported the unfused graph")
-        model, fusion = _optimised(plain, "none", quantize, metadata.dtype)
-        report = _checked(module, model, atol, rtol, parity_cases, quantize)
+        model, fusion, report = build("none")
     if not report.passed:
         raise ParityError(f"{report.summary()}; failures: {'; '.join(report.failures[:5])}; nothing written")
     metadata.fusion = fusion.target
-    metadata.quantization = quantize
+    metadata.quantization = options.quantize
     metadata.parity = report
     set_metadata(model, metadata)
     write_model_atomically(model, output)

@@ -27,9 +27,8 @@ class ParityCase:
     padding: str = "right"  # where padding goes when the model has a key_padding_mask
 
     def label(self, signature: Signature) -> str:
-        shape = f"{self.batch}x{self.q_len}" if signature.attention == "self" else (
-            f"{self.batch}x{self.q_len}x{self.kv_len}"
-        )
+        one_sequence = signature.attention == "self"
+        shape = f"{self.batch}x{self.q_len}" if one_sequence else f"{self.batch}x{self.q_len}x{self.kv_len}"
         return f"{shape}/{self.padding}" if signature.has_padding_mask and self.padding != "none" else shape
 
 
@@ -75,17 +74,18 @@ def make_inputs(signature: Signature, d_model: int, case: ParityCase, seed: int 
     for name in signature.sequence_inputs:
         length = case.q_len if name in ("x", "query") else case.kv_len
         feeds[name] = rng.standard_normal((case.batch, length, d_model), dtype=np.float32)
-    if signature.has_padding_mask:
-        feeds["key_padding_mask"] = padding_mask(case.batch, case.kv_len, case.padding, rng)
+    for mask_name, sequence_name in signature.padding_masks.items():
+        feeds[mask_name] = padding_mask(case.batch, feeds[sequence_name].shape[1], case.padding, rng)
     return feeds
 
 
 def real_query_rows(signature: Signature, feeds: dict[str, np.ndarray]) -> np.ndarray:
     """bool [batch, q_len]: the query positions whose outputs users read."""
-    if signature.attention == "self" and signature.has_padding_mask:
-        return feeds["key_padding_mask"]
-    q = feeds["x" if signature.attention == "self" else "query"]
-    return np.ones(q.shape[:2], dtype=bool)
+    query = signature.sequence_inputs[0]  # x or query
+    for mask_name, sequence_name in signature.padding_masks.items():
+        if sequence_name == query:
+            return feeds[mask_name]
+    return np.ones(feeds[query].shape[:2], dtype=bool)
 
 
 def torch_reference(module: torch.nn.Module, signature: Signature, feeds: dict[str, np.ndarray]) -> dict:

@@ -94,13 +94,14 @@ class DecoderGraph(nn.Module):
             inputs.append(torch.ones(TRACE_BATCH, TRACE_KV_LEN, dtype=torch.bool))
         return tuple(inputs)
 
-    def dynamic_shapes(self) -> tuple[tuple[dict[int, Dim], ...]]:
+    def dynamic_shapes(self) -> tuple:
         batch, tgt, mem = Dim("batch"), Dim("tgt_seq"), Dim("mem_seq")
         shapes = [{0: batch, 1: tgt}, {0: batch, 1: mem}]
         shapes += [{0: batch, 1: tgt}] if self.target_padding else []
         shapes += [{0: batch, 1: mem}] if self.memory_padding else []
-        # forward takes the masks as *padding_masks: one entry for the whole tuple.
-        return (shapes[0], shapes[1], tuple(shapes[2:]))
+        # forward takes the masks as *padding_masks: one entry for the whole tuple,
+        # and none at all when there are no masks (torch.export counts the inputs given).
+        return (shapes[0], shapes[1], tuple(shapes[2:])) if shapes[2:] else (shapes[0], shapes[1])
 
 
 def export_stack_onnx(graph: EncoderGraph | DecoderGraph, opset: int = DEFAULT_OPSET) -> onnx.ModelProto:

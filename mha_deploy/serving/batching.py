@@ -14,9 +14,19 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from mha_deploy.errors import InputError
 from mha_deploy.metadata import Signature
 
 Item = dict[str, np.ndarray]  # sequence input name -> [seq, d_model]
+
+
+def require_batchable(signature: Signature) -> None:
+    """Batching pads one sequence per item: a decoder's two (target and memory) are not supported."""
+    if signature.model == "decoder":
+        raise InputError(
+            "decoder models take two sequences per item (x and memory), which the batch runner and the "
+            "HTTP server do not pad; call MHASession.run with padded batches and both padding masks"
+        )
 
 
 def query_name(signature: Signature) -> str:

@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 
 from mha_deploy.errors import InputError
-from mha_deploy.serving.batching import Item, collate, plan_batches, split_outputs
+from mha_deploy.serving.batching import Item, collate, plan_batches, require_batchable, split_outputs
 from mha_deploy.serving.datasets import RawItem, item_arrays
 from mha_deploy.serving.session import MHASession
 
@@ -127,6 +127,7 @@ class BatchRunner:
         bucket_window: int = DEFAULT_BUCKET_WINDOW,
         on_error: str = "stop",
     ):
+        require_batchable(session.signature)
         if batch_size is not None and batch_size < 1:
             raise InputError(f"batch size must be at least 1, got {batch_size}")
         if max_tokens is not None and max_tokens < 1:

@@ -34,14 +34,13 @@ def validate_inputs(metadata: ModelMetadata, inputs: Mapping[str, object]) -> di
     batch = {name: array.shape[0] for name, array in arrays.items()}
     if len(set(batch.values())) > 1:
         raise InputError(f"batch sizes differ: {_describe(batch)}")
-    if signature.attention == "cross" and arrays["key"].shape[1] != arrays["value"].shape[1]:
+    key_value = signature.model == "mha" and signature.attention == "cross"
+    if key_value and arrays["key"].shape[1] != arrays["value"].shape[1]:
         raise InputError(
             f"key and value must have the same length, got {arrays['key'].shape[1]} and {arrays['value'].shape[1]}"
         )
-    if signature.has_padding_mask:
-        kv_name = "x" if signature.attention == "self" else "key"
-        kv_shape = arrays[kv_name].shape[:2]
-        arrays["key_padding_mask"] = _padding_mask(inputs["key_padding_mask"], kv_shape, kv_name)
+    for mask_name, sequence_name in signature.padding_masks.items():
+        arrays[mask_name] = _padding_mask(mask_name, inputs[mask_name], arrays[sequence_name].shape[:2], sequence_name)
     return arrays
 
 
@@ -59,24 +58,22 @@ def _sequence_array(name: str, value: object, dtype: np.dtype, d_model: int) -> 
     return np.ascontiguousarray(array)
 
 
-def _padding_mask(value: object, kv_shape: tuple[int, int], kv_name: str) -> np.ndarray:
+def _padding_mask(name: str, value: object, kv_shape: tuple[int, int], kv_name: str) -> np.ndarray:
     mask = np.asarray(value)
     if mask.dtype.kind in "iu":
         # Tokenizers hand out int 0/1 attention masks; the meaning is the same.
         if not np.isin(mask, (0, 1)).all():
-            raise InputError("key_padding_mask of integer type must hold only 0 and 1")
+            raise InputError(f"{name} of integer type must hold only 0 and 1")
         mask = mask.astype(bool)
     elif mask.dtype != np.bool_:
-        raise InputError(f"key_padding_mask must be bool (True = real token), got {mask.dtype}")
+        raise InputError(f"{name} must be bool (True = real token), got {mask.dtype}")
     if mask.shape != tuple(kv_shape):
         raise InputError(
-            f"key_padding_mask must have shape [batch, kv_len] = {tuple(kv_shape)} to match {kv_name}, got {mask.shape}"
+            f"{name} must have shape [batch, kv_len] = {tuple(kv_shape)} to match {kv_name}, got {mask.shape}"
         )
     empty_rows = np.flatnonzero(~mask.any(axis=1))
     if empty_rows.size:
-        raise InputError(
-            f"key_padding_mask rows {empty_rows.tolist()[:10]} have no real token: every item needs at least one"
-        )
+        raise InputError(f"{name} rows {empty_rows.tolist()[:10]} have no real token: every item needs at least one")
     return np.ascontiguousarray(mask)
 
 

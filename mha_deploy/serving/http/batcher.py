@@ -24,7 +24,15 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from mha_deploy.metadata import Signature
-from mha_deploy.serving.batching import Item, can_pad_keys, collate, key_name, query_name, split_outputs
+from mha_deploy.serving.batching import (
+    Item,
+    can_pad_keys,
+    collate,
+    key_name,
+    query_name,
+    require_batchable,
+    split_outputs,
+)
 from mha_deploy.serving.http.metrics import ServerMetrics
 from mha_deploy.serving.http.parsing import RequestError
 from mha_deploy.serving.session import MHASession
@@ -57,6 +65,7 @@ class MicroBatcher:
         max_padding: float = 0.10,
         metrics: ServerMetrics | None = None,
     ):
+        require_batchable(session.signature)
         if min(max_batch, workers, max_queue, max_batch_tokens) < 1 or max_wait_ms < 0 or not 0 <= max_padding < 1:
             raise ValueError(
                 "max_batch, workers, max_queue, max_batch_tokens must be >= 1, max_wait_ms >= 0, 0 <= max_padding < 1"

@@ -1,0 +1,91 @@
+"""Stacks end to end: export_stack / `export --model`, fused op counts, decoder inputs in MHASession."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from click.testing import CliRunner
+
+from mha_deploy.cli import main
+from mha_deploy.errors import ExportError, InputError
+from mha_deploy.exporters import export_stack
+from mha_deploy.models import Decoder, Encoder
+from mha_deploy.serving import BatchRunner, MHASession
+from tests.conftest import TEST_D_MODEL, TEST_HEADS
+
+D = TEST_D_MODEL
+
+
+@pytest.fixture(scope="module")
+def decoder_model(tmp_path_factory):
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("stacks") / "decoder.onnx"
+    return export_stack(Decoder(2, D, TEST_HEADS, 2 * D), path, mask="padding", fuse="onnx")
+
+
+def test_decoder_fuses_two_attentions_per_layer(decoder_model):
+    assert decoder_model.fusion.fused == 4 and decoder_model.fusion.complete
+    assert decoder_model.parity.passed
+    metadata = MHASession(decoder_model.path, provider="cpu").metadata
+    assert (metadata.signature.model, metadata.layers, metadata.d_ff) == ("decoder", 2, 2 * D)
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (lambda f: f.pop("memory_padding_mask"), "missing memory_padding_mask"),
+        (lambda f: f.update(memory_padding_mask=np.ones((2, 4), bool)), r"memory_padding_mask must .*\(2, 5\)"),
+        (lambda f: f.update(key_padding_mask=np.ones((2, 5), bool)), r"key_padding_mask must have shape .*\(2, 3\)"),
+        (lambda f: f.update(memory=np.zeros((1, 5, D), np.float32)), "batch sizes differ"),
+    ],
+)
+def test_decoder_inputs_are_validated(decoder_model, change, message):
+    feeds = {
+        "x": np.zeros((2, 3, D), np.float32),
+        "memory": np.zeros((2, 5, D), np.float32),
+        "key_padding_mask": np.ones((2, 3), bool),
+        "memory_padding_mask": np.ones((2, 5), bool),
+    }
+    session = MHASession(decoder_model.path, provider="cpu")
+    assert session.run(feeds)["output"].shape == (2, 3, D)
+    change(feeds)
+    with pytest.raises(InputError, match=message):
+        session.run(feeds)
+
+
+def test_batch_runner_refuses_decoders(decoder_model):
+    with pytest.raises(InputError, match="decoder models take two sequences"):
+        BatchRunner(MHASession(decoder_model.path, provider="cpu"))
+
+
+@pytest.mark.parametrize(
+    ("stack", "mask", "message"),
+    [
+        (Encoder, "causal", "takes --mask none or padding"),
+        (Decoder, "padding-causal", "always causal"),
+    ],
+)
+def test_stack_masks(tmp_path, stack, mask, message):
+    with pytest.raises(ExportError, match=message):
+        export_stack(stack(1, D, TEST_HEADS, D), tmp_path / "s.onnx", mask=mask)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_cli_exports_an_encoder_that_the_runner_can_use(tmp_path):
+    model = tmp_path / "encoder.onnx"
+    args = ["export", "--model", "encoder", "--layers", "3", "--d-model", str(D), "--heads", str(TEST_HEADS),
+            "--mask", "padding", "-o", str(model)]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    assert "3 attention subgraph(s) found, 3 fused" in result.stdout
+    items = {"a": {"x": np.ones((4, D), np.float32)}, "b": {"x": np.ones((9, D), np.float32)}}
+    results, _ = BatchRunner(MHASession(model, provider="cpu")).run(items)
+    assert results["b"]["output"].shape == (9, D)
+    inspect = CliRunner().invoke(main, ["inspect", str(model)]).stdout
+    assert "encoder x3" in inspect and inspect.count("fused  com.microsoft::MultiHeadAttention") == 3
+
+
+def test_cli_layers_need_a_stack(tmp_path):
+    result = CliRunner().invoke(main, ["export", "--layers", "2", "-o", str(tmp_path / "m.onnx")])
+    assert result.exit_code == 2 and "--layers is for --model encoder or decoder" in result.output
