@@ -24,6 +24,16 @@ def matmul_model(n: int) -> bytes:
     return model.SerializeToString()
 
 
+# Square sizes tried for the practical limit: the best is not always the largest
+# (measured here: 286 GFLOP/s at 512³, 189 at 4096³ with 2 threads).
+GEMM_SIZES = (512, 1024, 2048, 4096)
+
+
+def peak_gemm_gflops(threads: int, sizes=GEMM_SIZES, budget_s: float = 1.5) -> tuple[float, int]:
+    """The best fp32 MatMul rate ORT reaches here over ``sizes``, and the size that reached it."""
+    return max((gemm_gflops(threads, n, budget_s), n) for n in sizes)
+
+
 def gemm_gflops(threads: int, n: int = 4096, budget_s: float = 3.0) -> float:
     """GFLOP/s of an n³ fp32 MatMul on ORT's CPU provider with ``threads`` threads."""
     options = ort.SessionOptions()

@@ -1,4 +1,8 @@
-"""Latency vs sequence length per backend, log axes, as a PNG."""
+"""Latency vs sequence length per backend, log axes, as a PNG.
+
+Shapes sharing a sequence length (e.g. 8x64 and 1x64) would share an x position:
+pass shapes with distinct lengths, as the default set has.
+"""
 
 from __future__ import annotations
 
@@ -20,7 +24,7 @@ def plot_latency(report: BenchReport, path: str | Path) -> None:
         raise MHADeployError("--plot needs matplotlib: pip install 'mha-deploy[bench]'") from None
     series: dict[str, list[tuple[int, float, str]]] = defaultdict(list)
     for row in report.rows:
-        series[row.backend].append((row.batch * row.seq, row.median_ms, f"{row.batch}x{row.seq}"))
+        series[row.backend].append((row.seq, row.median_ms, f"{row.batch}x{row.seq}"))
     fig, ax = plt.subplots(figsize=(8, 5))
     for backend, points in series.items():
         points.sort()
@@ -30,7 +34,7 @@ def plot_latency(report: BenchReport, path: str | Path) -> None:
     ax.set_yscale("log")
     ax.set_xticks([n for n, _ in labels], [label for _, label in labels])
     ax.minorticks_off()
-    ax.set_xlabel("shape (batch x seq), ordered by tokens")
+    ax.set_xlabel("sequence length (labels: batch x seq)")
     ax.set_ylabel("median latency (ms)")
     ax.set_title(f"MHA d_model {report.d_model}, {report.heads} heads, {report.threads} threads, {report.provider}")
     ax.grid(True, which="both", alpha=0.3)

@@ -8,7 +8,7 @@ import numpy as np
 import torch
 
 from mha_deploy.bench.backends import Backend
-from mha_deploy.bench.gemm import gemm_gflops
+from mha_deploy.bench.gemm import peak_gemm_gflops
 from mha_deploy.bench.memory import MemoryRow, measure_peak_rss
 from mha_deploy.bench.timing import mha_flops, time_calls
 from mha_deploy.errors import MHADeployError
@@ -50,7 +50,8 @@ class BenchReport:
     heads: int
     threads: int
     provider: str
-    gemm_gflops: float
+    gemm_gflops: float  # the best ORT fp32 MatMul rate of the run
+    gemm_size: int  # ... reached at gemm_size³
     rows: list[BenchRow] = field(default_factory=list)
     memory: list[MemoryRow] = field(default_factory=list)
 
@@ -60,7 +61,7 @@ class BenchReport:
     def table(self) -> str:
         lines = [
             f"d_model {self.d_model}, {self.heads} heads, {self.threads} threads, provider {self.provider}; "
-            f"ORT MatMul 4096^3: {self.gemm_gflops:.0f} GFLOP/s (efficiency = GFLOP/s / this)",
+            f"ORT fp32 MatMul peak {self.gemm_gflops:.0f} GFLOP/s (at {self.gemm_size}^3; efficiency = GFLOP/s / this)",
             f"{'shape':>8}  {'backend':<20} {'median ms':>10} {'p90 ms':>9} {'GFLOP/s':>8} "
             f"{'vs eager':>8} {'effic.':>7}  note",
         ]
@@ -103,7 +104,7 @@ def run_bench(
 ) -> BenchReport:
     """Time every backend at every shape (the first backend is the ratios' baseline)."""
     torch.set_num_threads(threads)
-    report = BenchReport(d_model, heads, threads, provider, gemm_gflops(threads))
+    report = BenchReport(d_model, heads, threads, provider, *peak_gemm_gflops(threads))
     for batch, seq in shapes:
         baseline_ms = reference = None
         flops = mha_flops(batch, seq, d_model)
