@@ -21,16 +21,8 @@ import torch
 from torch import nn
 from torch.export import Dim
 
-from mha_deploy.errors import ExportError
 from mha_deploy.exporters.graphs import build_attention_mask
-from mha_deploy.exporters.torch_export import (
-    DEFAULT_OPSET,
-    MAX_IR_VERSION,
-    TRACE_BATCH,
-    TRACE_KV_LEN,
-    TRACE_Q_LEN,
-    _quiet_exporter,
-)
+from mha_deploy.exporters.torch_export import DEFAULT_OPSET, TRACE_BATCH, TRACE_KV_LEN, TRACE_Q_LEN, export_traced
 from mha_deploy.models.transformer import Decoder, Encoder
 
 
@@ -107,20 +99,4 @@ class DecoderGraph(nn.Module):
 def export_stack_onnx(graph: EncoderGraph | DecoderGraph, opset: int = DEFAULT_OPSET) -> onnx.ModelProto:
     """Export an ``EncoderGraph`` / ``DecoderGraph`` (eval mode) with dynamic batch and sequence axes."""
     graph = graph.eval()
-    try:
-        with _quiet_exporter(), torch.no_grad():
-            program = torch.onnx.export(
-                graph,
-                graph.sample_inputs(),
-                dynamo=True,
-                dynamic_shapes=graph.dynamic_shapes(),
-                input_names=list(graph.input_names),
-                output_names=["output"],
-                opset_version=opset,
-                verbose=False,
-            )
-    except Exception as exc:  # the exporter raises many unrelated types
-        raise ExportError(f"torch.onnx.export failed: {type(exc).__name__}: {exc}") from exc
-    model = program.model_proto
-    model.ir_version = min(model.ir_version, MAX_IR_VERSION)
-    return model
+    return export_traced(graph, graph.sample_inputs(), graph.dynamic_shapes(), graph.input_names, ["output"], opset)

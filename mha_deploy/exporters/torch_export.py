@@ -70,17 +70,31 @@ def export_onnx(
     module: torch.nn.Module, signature: Signature, d_model: int, opset: int = DEFAULT_OPSET
 ) -> onnx.ModelProto:
     """Export ``module`` (an eval-mode graph from ``attention_graph``) to an in-memory ONNX model."""
+    return export_traced(
+        module,
+        sample_inputs(signature, d_model),
+        dynamic_shapes(signature),
+        signature.input_names,
+        signature.output_names,
+        opset,
+    )
+
+
+def export_traced(
+    module: torch.nn.Module, args: tuple, shapes: tuple, input_names, output_names, opset: int = DEFAULT_OPSET
+) -> onnx.ModelProto:
+    """torch.onnx.export (dynamo) of ``module`` traced on ``args``, quietly, with an IR version ORT accepts."""
     if opset < 18:
         raise ExportError(f"opset {opset} is too old: torch's ONNX exporter needs opset >= 18")
     try:
         with _quiet_exporter(), torch.no_grad():
             program = torch.onnx.export(
                 module,
-                sample_inputs(signature, d_model),
+                args,
                 dynamo=True,
-                dynamic_shapes=dynamic_shapes(signature),
-                input_names=list(signature.input_names),
-                output_names=list(signature.output_names),
+                dynamic_shapes=shapes,
+                input_names=list(input_names),
+                output_names=list(output_names),
                 opset_version=opset,
                 verbose=False,
             )
