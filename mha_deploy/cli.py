@@ -398,7 +398,8 @@ def bench(model, checkpoint, d_model, heads, mask, shapes, provider, threads, bu
 
     Reports median and p90 latency, GFLOP/s, the ratio to torch eager, and
     efficiency against ORT's own fp32 MatMul rate measured in the same run.
-    MODEL, an exported .onnx file, is added as one more row.
+    MODEL, an exported .onnx file, is added as one more row. With --provider
+    cuda the ORT paths are exported in fp16, what one deploys there.
 
     \b
     Example:
