@@ -29,6 +29,16 @@ def require_batchable(signature: Signature) -> None:
         )
 
 
+def check_batch_limits(batch_size: int | None, max_tokens: int | None) -> None:
+    """A batch is bounded by items, by padded positions, or both; each bound at least 1."""
+    if batch_size is not None and batch_size < 1:
+        raise InputError(f"batch size must be at least 1, got {batch_size}")
+    if max_tokens is not None and max_tokens < 1:
+        raise InputError(f"max tokens must be at least 1, got {max_tokens}")
+    if batch_size is None and max_tokens is None:
+        raise InputError("give a batch size, a token budget (max tokens), or both")
+
+
 def query_name(signature: Signature) -> str:
     return "x" if signature.attention == "self" else "query"
 
@@ -62,12 +72,7 @@ def plan_batches(
     items of similar length and little of it is padding; without it batches
     follow the order of ``items`` (the naive baseline).
     """
-    if batch_size is not None and batch_size < 1:
-        raise ValueError(f"batch size must be at least 1, got {batch_size}")
-    if max_tokens is not None and max_tokens < 1:
-        raise ValueError(f"max tokens must be at least 1, got {max_tokens}")
-    if batch_size is None and max_tokens is None:
-        raise ValueError("set a batch size, a token budget, or both")
+    check_batch_limits(batch_size, max_tokens)
     lengths = [item_lengths(item, signature) for item in items]
     order = range(len(items))
     if sort:

@@ -17,7 +17,14 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 
 from mha_deploy.errors import InputError
-from mha_deploy.serving.batching import Item, collate, plan_batches, require_batchable, split_outputs
+from mha_deploy.serving.batching import (
+    Item,
+    check_batch_limits,
+    collate,
+    plan_batches,
+    require_batchable,
+    split_outputs,
+)
 from mha_deploy.serving.datasets import RawItem, item_arrays
 from mha_deploy.serving.session import MHASession
 
@@ -128,12 +135,7 @@ class BatchRunner:
         on_error: str = "stop",
     ):
         require_batchable(session.signature)
-        if batch_size is not None and batch_size < 1:
-            raise InputError(f"batch size must be at least 1, got {batch_size}")
-        if max_tokens is not None and max_tokens < 1:
-            raise InputError(f"max tokens must be at least 1, got {max_tokens}")
-        if batch_size is None and max_tokens is None:
-            raise InputError("give a batch size, a token budget (max tokens), or both")
+        check_batch_limits(batch_size, max_tokens)
         if bucket_window < 0:
             raise InputError(f"bucket window must be 0 (no bucketing) or more, got {bucket_window}")
         if on_error not in ON_ERROR_CHOICES:
