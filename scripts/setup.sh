@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Creates .venv (if missing) and installs mha-deploy with the export and dev extras.
-# torch is pinned first: an unpinned torch can pull a multi-GB CUDA build, and
-# 2.13.0 is the version the parity figures in the README were measured with.
+# torch is installed first and pinned: 2.13.0 is the version the README's figures
+# were measured with (CI machines take a local CPU build of it), and an unpinned
+# torch pulled in by the extras could fetch a newer multi-GB CUDA build.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
