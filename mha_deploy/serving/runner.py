@@ -25,7 +25,7 @@ from mha_deploy.serving.batching import (
     require_batchable,
     split_outputs,
 )
-from mha_deploy.serving.datasets import RawItem, item_arrays
+from mha_deploy.serving.datasets import RawItem
 from mha_deploy.serving.session import MHASession
 
 ON_ERROR_CHOICES = ("stop", "skip")
@@ -239,8 +239,3 @@ class BatchRunner:
             if on_batch:
                 on_batch(len(indices), batch.real_tokens)
         return [(item_id, result) for (item_id, _), result in zip(window, results, strict=True)]
-
-
-def output_arrays(results: Mapping[str, Result]) -> dict[str, np.ndarray]:
-    """Results by id -> the arrays of an output file (``<id>``, ``<id>.attn_weights``)."""
-    return {key: array for item_id, result in results.items() for key, array in item_arrays(item_id, result)}

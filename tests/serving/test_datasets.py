@@ -10,7 +10,7 @@ import pytest
 from mha_deploy.errors import InputError
 from mha_deploy.metadata import Signature
 from mha_deploy.serving import BatchRunner, MHASession
-from mha_deploy.serving.datasets import list_shards, open_reader
+from mha_deploy.serving.datasets import item_arrays, list_shards, open_reader
 from mha_deploy.serving.items import read_arrays, write_arrays
 from mha_deploy.serving.job import DatasetJob, run_dataset
 from tests.conftest import TEST_D_MODEL
@@ -193,3 +193,56 @@ def test_directory_input_needs_directory_output(tmp_path):
     (tmp_path / "out.npz").write_bytes(b"")
     with pytest.raises(InputError, match="must be one too"):
         list_shards(tmp_path / "in", tmp_path / "out.npz")
+
+
+@pytest.mark.parametrize("suffix", [".npz", ".safetensors"])
+@pytest.mark.parametrize("attention", ["self", "cross"])
+def test_item_files_round_trip(tmp_path, suffix, attention):
+    signature = Signature(attention, "padding")
+    rng = np.random.default_rng(0)
+    parts = ("x",) if attention == "self" else ("query", "key", "value")
+    lengths = (3, 1, 7)
+    items = {f"id{i}": {p: rng.standard_normal((n, D), dtype=np.float32) for p in parts} for i, n in enumerate(lengths)}
+    if attention == "self":
+        arrays = {item_id: item["x"] for item_id, item in items.items()}
+    else:
+        arrays = {f"{item_id}.{part}": a for item_id, item in items.items() for part, a in item.items()}
+    path = tmp_path / f"items{suffix}"
+    write_arrays(path, arrays)
+    assert [p.name for p in tmp_path.iterdir()] == [path.name], "no temporary files left"
+    with open_reader(path, signature, D, window=2) as reader:
+        loaded = {raw.item_id: raw.item for raw in reader}
+    assert set(loaded) == set(items)
+    for item_id, item in items.items():
+        for name, array in item.items():
+            np.testing.assert_array_equal(loaded[item_id][name], array)
+
+
+def test_cross_item_file_with_a_foreign_key(tmp_path):
+    path = tmp_path / "items.npz"
+    np.savez(path, a=np.zeros((1, D), np.float32))
+    with pytest.raises(InputError, match=r"key 'a' is not <id>.query"), open_reader(
+        path, Signature("cross", "padding"), D, window=2
+    ):
+        pass
+
+
+def test_cross_item_lacking_a_part_is_reported_by_id(tmp_path):
+    path = tmp_path / "items.npz"
+    np.savez(path, **{"a.query": np.zeros((1, D), np.float32), "a.key": np.zeros((1, D), np.float32)})
+    with open_reader(path, Signature("cross", "padding"), D, window=2) as reader:
+        (raw,) = list(reader)
+    assert raw.item_id == "a" and raw.item is None and "lacks a.value" in raw.problem
+
+
+def test_pickled_npz_is_refused(tmp_path):
+    path = tmp_path / "items.npz"
+    np.savez(path, a=np.array([{"not": "an array"}], dtype=object))
+    with pytest.raises(InputError, match="cannot read arrays"), open_reader(path, Signature(), D, window=2) as reader:
+        list(reader)
+
+
+def test_output_keys_per_item():
+    result = {"output": np.zeros(1), "attn_weights": np.ones(1)}
+    assert [key for key, _ in item_arrays("a", result)] == ["a", "a.attn_weights"]
+    assert [key for key, _ in item_arrays("b", {"output": np.zeros(2)})] == ["b"]

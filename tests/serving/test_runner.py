@@ -9,8 +9,6 @@ from mha_deploy.errors import InputError
 from mha_deploy.metadata import Signature
 from mha_deploy.serving import BatchRunner, MHASession
 from mha_deploy.serving.batching import can_pad_keys, plan_batches
-from mha_deploy.serving.items import read_items, write_arrays
-from mha_deploy.serving.runner import output_arrays
 from tests.conftest import SIGNATURES, TEST_D_MODEL, signature_id
 
 D = TEST_D_MODEL
@@ -87,51 +85,6 @@ def test_bad_item_is_named(export_model, change, message):
     with pytest.raises(InputError, match=message):
         BatchRunner(session).run(items)
 
-
-@pytest.mark.parametrize("suffix", [".npz", ".safetensors"])
-@pytest.mark.parametrize("attention", ["self", "cross"])
-def test_item_files_round_trip(tmp_path, suffix, attention):
-    signature = Signature(attention, "padding")
-    items = make_items(signature)
-    if attention == "self":
-        arrays = {item_id: item["x"] for item_id, item in items.items()}
-    else:
-        arrays = {f"{item_id}.{part}": a for item_id, item in items.items() for part, a in item.items()}
-    path = tmp_path / f"items{suffix}"
-    write_arrays(path, arrays)
-    loaded = read_items(path, signature)
-    assert set(loaded) == set(items)
-    for item_id, item in items.items():
-        for name, array in item.items():
-            np.testing.assert_array_equal(loaded[item_id][name], array)
-    assert [p.name for p in tmp_path.iterdir()] == [path.name], "no temporary files left"
-
-
-@pytest.mark.parametrize(
-    ("arrays", "message"),
-    [
-        ({"a.query": np.zeros((1, D), np.float32), "a.key": np.zeros((1, D), np.float32)}, r"'a' lacks a.value"),
-        ({"a": np.zeros((1, D), np.float32)}, r"key 'a' is not <id>.query"),
-        ({}, "holds no items"),
-    ],
-)
-def test_malformed_cross_item_files(tmp_path, arrays, message):
-    path = tmp_path / "items.npz"
-    np.savez(path, **arrays)
-    with pytest.raises(InputError, match=message):
-        read_items(path, Signature("cross", "padding"))
-
-
-def test_pickled_npz_is_refused(tmp_path):
-    path = tmp_path / "items.npz"
-    np.savez(path, a=np.array([{"not": "an array"}], dtype=object))
-    with pytest.raises(InputError, match="cannot read arrays"):
-        read_items(path, Signature())
-
-
-def test_output_arrays_names():
-    results = {"a": {"output": np.zeros(1), "attn_weights": np.ones(1)}, "b": {"output": np.zeros(2)}}
-    assert list(output_arrays(results)) == ["a", "a.attn_weights", "b"]
 
 
 def _self_items(lengths) -> list[dict[str, np.ndarray]]:
