@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from mha_deploy.exporters import export_mha
 from mha_deploy.exporters.graphs import attention_graph, build_attention_mask
+from mha_deploy.exporters.parity import ParityCase, make_inputs
 from mha_deploy.metadata import Signature
 from mha_deploy.models import MultiHeadAttention
 from mha_deploy.serving import MHASession
@@ -32,11 +33,8 @@ class Backend:
 
 
 def _inputs(batch: int, seq: int, d_model: int, signature: Signature) -> dict[str, np.ndarray]:
-    rng = np.random.default_rng(0)
-    feeds = {"x": rng.standard_normal((batch, seq, d_model), dtype=np.float32)}
-    if signature.has_padding_mask:
-        feeds["key_padding_mask"] = np.ones((batch, seq), dtype=bool)
-    return feeds
+    """Self-attention inputs of one shape, every position real (no padding to skew the timing)."""
+    return make_inputs(signature, d_model, ParityCase(batch, seq, seq, "none"))
 
 
 def torch_eager(mha: MultiHeadAttention, signature: Signature) -> Backend:

@@ -34,24 +34,16 @@ from mha_deploy.exporters.fusion.native_mask import fuse_native_mask
 from mha_deploy.exporters.fusion.onnx_attention import fuse_onnx_attention
 from mha_deploy.exporters.fusion.onnx_attention_weights import fuse_onnx_attention_weights
 from mha_deploy.exporters.fusion.projection_shape import fuse_projection_shape
+from mha_deploy.model_report import ATTENTION_INPUT_ROLES
 
 FUSION_TARGETS = ("mha", "onnx", "none")
 # ORT 1.31 rejects IR version 14; 10 is what it accepts for opset 23.
 MAX_IR_VERSION = 10
 MIN_ONNX_ATTENTION_OPSET = 23
 _FUSION_DOMAIN = "ai.onnxruntime._fusion"
-# (domain, op type) of the ops a fusion produces.
-ATTENTION_OPS = {
-    ("com.microsoft", "MultiHeadAttention"),
-    ("com.microsoft", "Attention"),
-    ("", "Attention"),
-}
-# Input positions worth reporting, per fused op type.
-_MASK_INPUT_NAMES = {
-    ("com.microsoft", "MultiHeadAttention"): {4: "key_padding_mask", 5: "attention_bias"},
-    ("com.microsoft", "Attention"): {3: "mask_index", 5: "attention_bias"},
-    ("", "Attention"): {3: "attn_mask"},
-}
+# The mask inputs worth reporting; the ops a fusion produces and their input
+# roles are the ones `mha-deploy inspect` knows (model_report).
+_MASK_ROLES = {"key_padding_mask", "attention_bias", "mask_index", "attn_mask"}
 # Ops that sit between the scores MatMul and the Softmax in an attention subgraph.
 _SCORE_OPS = {"Add", "Sub", "Mul", "Div", "Where", "Cast"}
 
@@ -138,12 +130,12 @@ def _fused_ops(model: ir.Model) -> list[FusedOp]:
     ops = []
     for node in model.graph.all_nodes():
         key = (node.domain if node.domain != "ai.onnx" else "", node.op_type)
-        if key not in ATTENTION_OPS:
+        if key not in ATTENTION_INPUT_ROLES:
             continue
         masks = {
-            role: node.inputs[index].name
-            for index, role in _MASK_INPUT_NAMES[key].items()
-            if index < len(node.inputs) and node.inputs[index] is not None
+            role: value.name
+            for role, value in zip(ATTENTION_INPUT_ROLES[key], node.inputs, strict=False)
+            if role in _MASK_ROLES and value is not None
         }
         attributes = {name: attr.value for name, attr in node.attributes.items()}
         attributes = {k: list(v) if isinstance(v, tuple) else v for k, v in attributes.items()}
