@@ -241,20 +241,20 @@ def _feed_shapes(metadata: ModelMetadata, shape: tuple[int, ...]) -> dict[str, t
     """Input shapes for ``shape`` = (batch, seq) or (batch, q_seq, kv_seq)."""
     signature, d_model = metadata.signature, metadata.d_model
     batch, q_len, kv_len = shape[0], shape[1], shape[-1]
-    if signature.attention == "self":
-        shapes = {"x": (batch, q_len, d_model)}
-    else:
-        shapes = {"query": (batch, q_len, d_model), "key": (batch, kv_len, d_model), "value": (batch, kv_len, d_model)}
-    if signature.has_padding_mask:
-        shapes["key_padding_mask"] = (batch, kv_len)
+    # The first sequence input (x or query) sets q_len; the others (key, value, memory) kv_len.
+    query, *others = signature.sequence_inputs
+    shapes = {query: (batch, q_len, d_model), **{name: (batch, kv_len, d_model) for name in others}}
+    for mask_name, sequence_name in signature.padding_masks.items():
+        shapes[mask_name] = shapes[sequence_name][:2]
     return shapes
 
 
 def _tiny_inputs(metadata: ModelMetadata, shape: tuple[int, ...] | None) -> dict[str, np.ndarray]:
     """Zeros of ``shape`` (default batch 1, length 1), with a mask that hides nothing."""
     shapes = _feed_shapes(metadata, shape or (1, 1, 1))
+    masks = metadata.signature.padding_masks
     return {
-        name: np.ones(dims, bool) if name == "key_padding_mask" else np.zeros(dims, np.dtype(metadata.dtype))
+        name: np.ones(dims, bool) if name in masks else np.zeros(dims, np.dtype(metadata.dtype))
         for name, dims in shapes.items()
     }
 

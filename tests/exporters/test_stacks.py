@@ -54,6 +54,11 @@ def test_decoder_inputs_are_validated(decoder_model, change, message):
         session.run(feeds)
 
 
+def test_decoder_session_warms_up(decoder_model):
+    session = MHASession(decoder_model.path, provider="cpu", warmup=True)
+    assert session.metadata.signature.model == "decoder"
+
+
 def test_batch_runner_refuses_decoders(decoder_model):
     with pytest.raises(InputError, match="decoder models take two sequences"):
         BatchRunner(MHASession(decoder_model.path, provider="cpu"))
