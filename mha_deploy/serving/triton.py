@@ -100,13 +100,11 @@ def tensor_specs(
     rather than the graph's value_info, which an exporter may leave incomplete.
     """
     d, heads = metadata.d_model, metadata.num_heads
-    # [batch, seq, d] etc., with -1 for every dynamic axis.
+    signature = metadata.signature
+    # [batch, seq, d] etc., with -1 for every dynamic axis; the names are the signature's.
     shapes = {
-        "x": (-1, -1, d),
-        "query": (-1, -1, d),
-        "key": (-1, -1, d),
-        "value": (-1, -1, d),
-        "key_padding_mask": (-1, -1),
+        **{name: (-1, -1, d) for name in signature.sequence_inputs},
+        **{name: (-1, -1) for name in signature.padding_masks},
         "output": (-1, -1, d),
         "attn_weights": (-1, heads, -1, -1),
     }
@@ -120,7 +118,6 @@ def tensor_specs(
         dims = shapes[name][1:] if max_batch_size > 0 else shapes[name]
         return TensorSpec(name, TRITON_DTYPES[types[name]], dims)
 
-    signature = metadata.signature
     return [spec(n) for n in signature.input_names], [spec(n) for n in signature.output_names]
 
 

@@ -75,6 +75,21 @@ def test_config_parses_and_matches_the_model(export_model, tmp_path, signature, 
         assert dims["attn_weights"] == [*batch, TEST_HEADS, -1, -1]
 
 
+def test_decoder_stack(tmp_path):
+    """Inputs come from the model's signature: a decoder's memory and memory_padding_mask too."""
+    import torch
+
+    from mha_deploy.exporters import export_stack
+    from mha_deploy.models import Decoder
+
+    torch.manual_seed(0)
+    path = export_stack(Decoder(1, TEST_D_MODEL, TEST_HEADS, TEST_D_MODEL), tmp_path / "dec.onnx", mask="padding").path
+    target = write_triton_model(path, tmp_path / "repo", TritonConfig(name="decoder"))
+    config = parse_config(target / "config.pbtxt")
+    check_against_model(config, onnx.load(target / "1" / "model.onnx"))
+    assert [t.name for t in config.input] == ["x", "memory", "key_padding_mask", "memory_padding_mask"]
+
+
 def test_cli_writes_the_repository(export_model, tmp_path):
     path, _ = export_model(Signature("self", "padding"))
     repo = tmp_path / "repo"
