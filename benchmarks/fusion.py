@@ -31,7 +31,7 @@ from mha_deploy.exporters.parity import ParityCase, make_inputs, real_query_rows
 from mha_deploy.exporters.torch_export import export_onnx
 from mha_deploy.metadata import MASK_MODES, ModelMetadata, Signature
 from mha_deploy.models.attention import MultiHeadAttention
-from mha_deploy.serving.session import MHASession
+from mha_deploy.runtime.session import MHASession
 
 D_MODEL, HEADS, THREADS = 512, 8, 2
 SHAPES = [(8, 128), (1, 1024), (32, 64), (1, 4096)]  # (batch, seq)

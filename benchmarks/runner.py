@@ -57,7 +57,8 @@ def throughput(
     The two orders alternate ``repeats`` times and each keeps its fastest run: on a shared
     machine, other processes only ever slow a run down.
     """
-    from mha_deploy.serving import BatchRunner, MHASession
+    from mha_deploy.batch import BatchRunner
+    from mha_deploy.runtime import MHASession
 
     session = MHASession(model, provider="cpu", threads=threads)
     rng = np.random.default_rng(seed)
@@ -98,7 +99,7 @@ def write_shard(path: Path, arrays: dict[str, np.ndarray]) -> None:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from mha_deploy.serving.parquet import encode_nested
+    from mha_deploy.batch.parquet import encode_nested
 
     # Small row groups (16 items, ~7 MB): pyarrow decodes a whole row group of nested lists at once, at ~5-7x its size.
     table = pa.table({"id": list(arrays), "x": encode_nested(list(arrays.values()))})

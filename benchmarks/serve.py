@@ -54,7 +54,7 @@ def export_default_model(directory: Path, d_model: int, heads: int) -> Path:
 
 
 def model_d_model(path: Path) -> int:
-    from mha_deploy.serving import MHASession
+    from mha_deploy.runtime import MHASession
 
     return MHASession(path, provider="cpu").metadata.d_model
 

@@ -192,8 +192,9 @@ def infer(model, input_path, output_path, batch_size, max_tokens, bucket_window,
       mha-deploy infer mha.onnx --input data.parquet --output out.parquet --json
       mha-deploy infer mha.onnx --input shards/ --output out/ --engine ray --concurrency 4
     """
-    from mha_deploy.serving import BatchRunner, MHASession
-    from mha_deploy.serving.job import DatasetJob, run_dataset
+    from mha_deploy.batch import BatchRunner
+    from mha_deploy.batch.job import DatasetJob, run_dataset
+    from mha_deploy.runtime import MHASession
 
     if output_path.resolve() == input_path.resolve():
         raise click.UsageError("--output must differ from --input (the input would be overwritten)")
@@ -202,7 +203,7 @@ def infer(model, input_path, output_path, batch_size, max_tokens, bucket_window,
     job = DatasetJob(input_path, output_path, model, overwrite=overwrite)
     options = dict(batch_size=batch_size, max_tokens=max_tokens, bucket_window=bucket_window, on_error=on_error)
     if engine == "ray":
-        from mha_deploy.serving.ray_engine import RayOptions, run_dataset_on_ray
+        from mha_deploy.batch.ray_engine import RayOptions, run_dataset_on_ray
 
         ray_options = RayOptions(address=ray_address, concurrency=concurrency, num_gpus=num_gpus)
         stats = _run_with_progress(

@@ -16,7 +16,7 @@ from click.testing import CliRunner
 from mha_deploy.cli import main
 from mha_deploy.metadata import Signature
 from mha_deploy.models import MultiHeadAttention, save_checkpoint
-from mha_deploy.serving import MHASession
+from mha_deploy.runtime import MHASession
 from tests.conftest import TEST_D_MODEL, TEST_HEADS
 
 D = TEST_D_MODEL

@@ -17,7 +17,7 @@ from mha_deploy.exporters.graphs import attention_graph, build_attention_mask
 from mha_deploy.exporters.parity import ParityCase, make_inputs
 from mha_deploy.metadata import Signature
 from mha_deploy.models import MultiHeadAttention
-from mha_deploy.serving import MHASession
+from mha_deploy.runtime import MHASession
 
 Runner = Callable[[], np.ndarray]  # runs one shape once, returns the output [batch, seq, d_model]
 

@@ -22,7 +22,7 @@ from mha_deploy.exporters.torch_export import DEFAULT_OPSET, export_onnx
 from mha_deploy.metadata import METADATA_KEY, ModelMetadata, ParityReport, Signature
 from mha_deploy.models.attention import MultiHeadAttention
 from mha_deploy.models.transformer import Decoder, Encoder
-from mha_deploy.serving.session import MHASession
+from mha_deploy.runtime.session import MHASession
 
 # Chosen from benchmarks/fusion.py on ORT's CPU provider (fp32): see the README's figures.
 AUTO_TARGET = "mha"

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from mha_deploy.metadata import ParityReport, Signature
-from mha_deploy.serving.session import MHASession
+from mha_deploy.runtime.session import MHASession
 
 DEFAULT_ATOL, DEFAULT_RTOL = 1e-5, 1e-4
 PADDING_SIDES = ("none", "right", "left", "mixed")

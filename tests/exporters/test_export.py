@@ -12,7 +12,7 @@ from mha_deploy.exporters import export_mha
 from mha_deploy.exporters.parity import ParityCase, check_parity
 from mha_deploy.metadata import METADATA_KEY, ModelMetadata, Signature
 from mha_deploy.models import MultiHeadAttention
-from mha_deploy.serving import MHASession
+from mha_deploy.runtime import MHASession
 from tests.conftest import SIGNATURES, TEST_D_MODEL, TEST_HEADS, signature_id
 
 ATOL, RTOL = 1e-5, 1e-4

@@ -22,7 +22,7 @@ from mha_deploy.exporters.torch_export import export_onnx
 from mha_deploy.metadata import ModelMetadata, Signature
 from mha_deploy.models.attention import MultiHeadAttention
 from mha_deploy.models.transformer import Decoder, Encoder
-from mha_deploy.serving.session import MHASession
+from mha_deploy.runtime.session import MHASession
 
 D_MODEL, HEADS, D_FF, LAYERS = 64, 4, 128, 2
 

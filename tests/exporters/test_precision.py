@@ -14,7 +14,7 @@ from mha_deploy.exporters.parity import ParityCase, check_parity
 from mha_deploy.exporters.precision import FP16_ATOL, FP16_RTOL
 from mha_deploy.metadata import Signature
 from mha_deploy.models import MultiHeadAttention
-from mha_deploy.serving import MHASession
+from mha_deploy.runtime import MHASession
 from tests.conftest import TEST_D_MODEL, TEST_HEADS, signature_id
 
 SIGNATURES = [Signature("self", "padding-causal"), Signature("cross", "padding")]

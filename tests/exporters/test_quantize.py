@@ -13,7 +13,7 @@ from mha_deploy.exporters.export import INT8_REL_ERR_BUDGET
 from mha_deploy.exporters.quantize import quantize_int8
 from mha_deploy.metadata import Signature
 from mha_deploy.models import MultiHeadAttention
-from mha_deploy.serving import MHASession
+from mha_deploy.runtime import MHASession
 from tests.conftest import TEST_D_MODEL, TEST_HEADS
 
 

@@ -7,11 +7,12 @@ import pytest
 import torch
 from click.testing import CliRunner
 
+from mha_deploy.batch import BatchRunner
 from mha_deploy.cli import main
 from mha_deploy.errors import ExportError, InputError
 from mha_deploy.exporters import export_stack
 from mha_deploy.models import Decoder, Encoder
-from mha_deploy.serving import BatchRunner, MHASession
+from mha_deploy.runtime import MHASession
 from tests.conftest import TEST_D_MODEL, TEST_HEADS
 
 D = TEST_D_MODEL

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 from mha_deploy.metadata import Signature
-from mha_deploy.serving import MHASession
+from mha_deploy.runtime import MHASession
 from tests.conftest import TEST_D_MODEL
 
 pytest.importorskip("starlette")

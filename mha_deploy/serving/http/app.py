@@ -38,6 +38,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from mha_deploy.runtime.session import MHASession
 from mha_deploy.serving.http.batcher import MicroBatcher
 from mha_deploy.serving.http.metrics import ServerMetrics
 from mha_deploy.serving.http.parsing import (
@@ -50,7 +51,6 @@ from mha_deploy.serving.http.parsing import (
     media_type,
     parse_request,
 )
-from mha_deploy.serving.session import MHASession
 
 try:  # ~15x faster than tolist() + json.dumps for arrays of floats (part of the 'serve' extra)
     import orjson

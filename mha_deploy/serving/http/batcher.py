@@ -23,8 +23,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from mha_deploy.metadata import Signature
-from mha_deploy.serving.batching import (
+from mha_deploy.batch.planner import (
     Item,
     can_pad_keys,
     collate,
@@ -33,9 +32,10 @@ from mha_deploy.serving.batching import (
     require_batchable,
     split_outputs,
 )
+from mha_deploy.metadata import Signature
+from mha_deploy.runtime.session import MHASession
 from mha_deploy.serving.http.metrics import ServerMetrics
 from mha_deploy.serving.http.parsing import RequestError
-from mha_deploy.serving.session import MHASession
 
 Result = dict[str, np.ndarray]
 logger = logging.getLogger("mha_deploy.serve")

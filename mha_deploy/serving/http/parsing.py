@@ -26,9 +26,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from mha_deploy.batch.planner import Item
 from mha_deploy.errors import InputError
 from mha_deploy.metadata import ModelMetadata
-from mha_deploy.serving.batching import Item
 
 try:  # orjson parses a body of floats ~6x faster than the stdlib (part of the 'serve' extra)
     from orjson import loads as _fast_json_loads

@@ -52,7 +52,7 @@ def serve(config: ServeConfig) -> None:
         from mha_deploy.serving.http.app import BatchingConfig, create_app
     except ImportError as exc:
         raise ServeError(f"the server needs the 'serve' extra: pip install 'mha-deploy[serve]' ({exc})") from exc
-    from mha_deploy.serving.session import MHASession
+    from mha_deploy.runtime.session import MHASession
 
     _configure_logging(config.log_level)
     failures: list[BaseException] = []

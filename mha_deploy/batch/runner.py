@@ -5,7 +5,7 @@ sorts that window by length (length bucketing), cuts it into batches of at most
 ``batch_size`` items and ``max_tokens`` padded positions, runs them, and hands
 back the window's results in input order. Memory is bounded by one window, not
 by the dataset. Whole datasets of shards (resume, manifests) are
-``mha_deploy.serving.job``'s concern.
+``mha_deploy.batch.job``'s concern.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from mha_deploy.errors import InputError
-from mha_deploy.serving.batching import (
+from mha_deploy.batch.base import RawItem
+from mha_deploy.batch.planner import (
     Item,
     check_batch_limits,
     collate,
@@ -25,8 +25,8 @@ from mha_deploy.serving.batching import (
     require_batchable,
     split_outputs,
 )
-from mha_deploy.serving.datasets import RawItem
-from mha_deploy.serving.session import MHASession
+from mha_deploy.errors import InputError
+from mha_deploy.runtime.session import MHASession
 
 ON_ERROR_CHOICES = ("stop", "skip")
 DEFAULT_BUCKET_WINDOW = 256

@@ -13,8 +13,8 @@ import onnxruntime as ort
 from mha_deploy.atomic import atomic_path
 from mha_deploy.errors import InputError, ModelFileError, ProviderUnavailableError
 from mha_deploy.metadata import ModelMetadata
-from mha_deploy.serving.providers import CUDA_EP, check_providers, plan_providers
-from mha_deploy.serving.validation import validate_inputs
+from mha_deploy.runtime.providers import CUDA_EP, check_providers, plan_providers
+from mha_deploy.runtime.validation import validate_inputs
 
 OPTIMIZATION_LEVELS = {
     "disabled": ort.GraphOptimizationLevel.ORT_DISABLE_ALL,

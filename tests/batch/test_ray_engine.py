@@ -8,13 +8,13 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
+from mha_deploy.batch.job import DatasetJob
+from mha_deploy.batch.ray_engine import RayOptions, run_dataset_on_ray
 from mha_deploy.cli import main
 from mha_deploy.errors import InputError, ProviderUnavailableError
 from mha_deploy.metadata import Signature
-from mha_deploy.serving.job import DatasetJob
-from mha_deploy.serving.ray_engine import RayOptions, run_dataset_on_ray
 from tests.conftest import TEST_D_MODEL
-from tests.serving.test_resume import files, write_dataset
+from tests.batch.test_resume import files, write_dataset
 
 D = TEST_D_MODEL
 SIGNATURE = Signature("self", "padding")
@@ -40,7 +40,7 @@ def ray_cluster():
 
 @pytest.mark.slow
 def test_ray_engine_equals_local_engine(tmp_path, export_model, ray_cluster):
-    from tests.serving.test_datasets import write_parquet
+    from tests.batch.test_datasets import write_parquet
 
     model = export_model(SIGNATURE)[0]
     write_dataset(tmp_path / "in", shards=3, items=12, mean_log_length=3.5)

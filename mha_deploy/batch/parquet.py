@@ -23,9 +23,9 @@ from pathlib import Path
 
 import numpy as np
 
+from mha_deploy.batch.base import RawItem
 from mha_deploy.errors import InputError
 from mha_deploy.metadata import Signature
-from mha_deploy.serving.datasets import RawItem
 
 ID_COLUMN = "id"
 # Rows decoded, and rows per written row group, at a time: bounds pyarrow's transient buffers.

@@ -24,11 +24,11 @@ from pathlib import Path
 
 import numpy as np
 
+from mha_deploy.batch.datasets import Shard
+from mha_deploy.batch.job import DatasetJob, count_items, run_shard
+from mha_deploy.batch.runner import BatchCallback, BatchRunner, ItemError, RunStats
 from mha_deploy.errors import InputError, MHADeployError, ProviderUnavailableError
-from mha_deploy.serving.datasets import Shard
-from mha_deploy.serving.job import DatasetJob, count_items, run_shard
-from mha_deploy.serving.runner import BatchCallback, BatchRunner, ItemError, RunStats
-from mha_deploy.serving.session import MHASession
+from mha_deploy.runtime.session import MHASession
 
 
 @dataclass(frozen=True)

@@ -15,11 +15,12 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
+from mha_deploy.batch import BatchRunner
+from mha_deploy.batch.job import DatasetJob, run_dataset
 from mha_deploy.cli import main
 from mha_deploy.errors import InputError
 from mha_deploy.metadata import Signature
-from mha_deploy.serving import BatchRunner, MHASession
-from mha_deploy.serving.job import DatasetJob, run_dataset
+from mha_deploy.runtime import MHASession
 from tests.conftest import TEST_D_MODEL
 
 D = TEST_D_MODEL
@@ -150,7 +151,7 @@ def test_sigkill_then_rerun_equals_an_uninterrupted_run(tmp_path, export_model, 
     model = export_model(SIGNATURE)[0]
     write_dataset(tmp_path / "in", shards=6, items=120, mean_log_length=4.3)
     if suffix == ".parquet":
-        from tests.serving.test_datasets import write_parquet
+        from tests.batch.test_datasets import write_parquet
 
         for path in sorted((tmp_path / "in").iterdir()):
             with np.load(path) as arrays:

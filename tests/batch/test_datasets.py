@@ -7,18 +7,19 @@ import json
 import numpy as np
 import pytest
 
+from mha_deploy.batch import BatchRunner
+from mha_deploy.batch.datasets import item_arrays, list_shards, open_reader
+from mha_deploy.batch.items import read_arrays, write_arrays
+from mha_deploy.batch.job import DatasetJob, run_dataset
 from mha_deploy.errors import InputError
 from mha_deploy.metadata import Signature
-from mha_deploy.serving import BatchRunner, MHASession
-from mha_deploy.serving.datasets import item_arrays, list_shards, open_reader
-from mha_deploy.serving.items import read_arrays, write_arrays
-from mha_deploy.serving.job import DatasetJob, run_dataset
+from mha_deploy.runtime import MHASession
 from tests.conftest import TEST_D_MODEL
-from tests.serving.test_runner import make_items
+from tests.batch.test_runner import make_items
 
 pa = pytest.importorskip("pyarrow")
 pq = pytest.importorskip("pyarrow.parquet")
-from mha_deploy.serving.parquet import decode_sequences, encode_nested  # noqa: E402
+from mha_deploy.batch.parquet import decode_sequences, encode_nested  # noqa: E402
 
 D = TEST_D_MODEL
 

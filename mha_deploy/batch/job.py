@@ -20,9 +20,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 from mha_deploy.atomic import atomic_path
+from mha_deploy.batch.datasets import Shard, list_shards, open_reader, open_writer
+from mha_deploy.batch.runner import BatchCallback, BatchRunner, RunStats
 from mha_deploy.errors import InputError
-from mha_deploy.serving.datasets import Shard, list_shards, open_reader, open_writer
-from mha_deploy.serving.runner import BatchCallback, BatchRunner, RunStats
 
 MANIFEST_NAME = "_mha_deploy_manifest.json"
 MANIFEST_FORMAT = 1

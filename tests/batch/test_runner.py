@@ -5,10 +5,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from mha_deploy.batch import BatchRunner
+from mha_deploy.batch.planner import can_pad_keys, plan_batches
 from mha_deploy.errors import InputError
 from mha_deploy.metadata import Signature
-from mha_deploy.serving import BatchRunner, MHASession
-from mha_deploy.serving.batching import can_pad_keys, plan_batches
+from mha_deploy.runtime import MHASession
 from tests.conftest import SIGNATURES, TEST_D_MODEL, signature_id
 
 D = TEST_D_MODEL
@@ -162,7 +163,7 @@ def test_serving_imports_no_heavy_optional_modules():
     import sys
 
     code = (
-        "import sys, mha_deploy.serving, mha_deploy.serving.job, mha_deploy.serving.datasets; "
+        "import sys, mha_deploy.serving, mha_deploy.batch.job, mha_deploy.batch.datasets; "
         "print(sorted({'torch', 'pyarrow', 'ray'} & set(sys.modules)))"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

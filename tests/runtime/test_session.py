@@ -12,8 +12,8 @@ import pytest
 
 from mha_deploy.errors import InputError, ModelFileError, ProviderUnavailableError
 from mha_deploy.metadata import Signature
-from mha_deploy.serving import MHASession
-from mha_deploy.serving.providers import cuda_unavailable_reason
+from mha_deploy.runtime import MHASession
+from mha_deploy.runtime.providers import cuda_unavailable_reason
 from tests.conftest import TEST_D_MODEL
 
 D = TEST_D_MODEL
@@ -139,7 +139,8 @@ def test_serving_runs_without_torch(export_model):
         sys.modules["torch"] = None  # any 'import torch' now raises ImportError
         sys.modules["onnxscript"] = None
         import numpy as np
-        from mha_deploy.serving import MHASession, BatchRunner
+        from mha_deploy.batch import BatchRunner
+        from mha_deploy.runtime import MHASession
         session = MHASession({str(path)!r}, provider="cpu")
         x = np.ones((1, 4, {D}), np.float32)
         out = session.run({{"x": x, "key_padding_mask": np.ones((1, 4), bool)}})["output"]

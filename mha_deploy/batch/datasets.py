@@ -6,11 +6,11 @@ do). Readers hand out items one at a time, so a runner never holds more than
 its read-ahead window of inputs; writers stream outputs into a temporary file
 that is renamed onto the shard's output path only when the shard is complete.
 
-Layouts (``npz``/``safetensors`` as in ``mha_deploy.serving.items``):
+Layouts (``npz``/``safetensors`` as in ``mha_deploy.batch.items``):
 
 - self-attention: ``<id>`` -> [seq, d_model]; cross: ``<id>.query``, ``<id>.key``, ``<id>.value``
 - outputs: ``<id>`` -> [q_seq, d_model] and ``<id>.attn_weights`` -> [heads, q_seq, kv_seq]
-- Parquet: see ``mha_deploy.serving.parquet``.
+- Parquet: see ``mha_deploy.batch.parquet``.
 """
 
 from __future__ import annotations
@@ -21,40 +21,19 @@ import zipfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import NamedTuple, Protocol
 
 import numpy as np
 
 from mha_deploy.atomic import atomic_path
+from mha_deploy.batch.base import ItemReader, ItemWriter, RawItem
+from mha_deploy.batch.items import CROSS_PARTS, ITEM_SUFFIXES
 from mha_deploy.errors import InputError
 from mha_deploy.metadata import Signature
-from mha_deploy.serving.batching import Item
-from mha_deploy.serving.items import CROSS_PARTS, ITEM_SUFFIXES
 
 PARQUET_SUFFIX = ".parquet"
 DATASET_SUFFIXES = (*ITEM_SUFFIXES, PARQUET_SUFFIX)
 # Zip entries carry a timestamp; a fixed one makes an output shard's bytes depend on its contents only.
 _ZIP_EPOCH = (1980, 1, 1, 0, 0, 0)
-
-
-class RawItem(NamedTuple):
-    """One item as read: its arrays, or why they could not be read."""
-
-    item_id: str
-    item: Item | None
-    problem: str | None = None
-
-
-class ItemReader(Protocol):
-    def count(self) -> int:
-        """How many items the shard holds, read from its index or footer only."""
-
-    def __iter__(self) -> Iterator[RawItem]: ...
-
-
-class ItemWriter(Protocol):
-    def write(self, results: list[tuple[str, dict[str, np.ndarray]]]) -> None:
-        """Append results (id, {output name: array}) in order."""
 
 
 @dataclass(frozen=True)
@@ -102,7 +81,7 @@ def open_reader(
 ) -> contextlib.AbstractContextManager[ItemReader]:
     """A reader of ``path``'s items; ``window`` is how many rows a Parquet reader decodes at a time."""
     if path.suffix == PARQUET_SUFFIX:
-        from mha_deploy.serving.parquet import ParquetItemReader
+        from mha_deploy.batch.parquet import ParquetItemReader
 
         return ParquetItemReader(path, signature, window, d_model)
     if path.suffix == ".npz":
@@ -116,7 +95,7 @@ def open_writer(path: Path, like: Path) -> contextlib.AbstractContextManager[Ite
     ``like`` is the input shard: a Parquet output copies its tensor column type.
     """
     if path.suffix == PARQUET_SUFFIX:
-        from mha_deploy.serving.parquet import ParquetItemWriter
+        from mha_deploy.batch.parquet import ParquetItemWriter
 
         return _atomic_writer(path, lambda tmp: ParquetItemWriter(tmp, like))
     if path.suffix == ".npz":

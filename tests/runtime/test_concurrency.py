@@ -11,8 +11,8 @@ import pytest
 
 from mha_deploy.errors import InputError, ProviderUnavailableError
 from mha_deploy.metadata import Signature
-from mha_deploy.serving import MHASession
-from mha_deploy.serving.providers import cuda_unavailable_reason
+from mha_deploy.runtime import MHASession
+from mha_deploy.runtime.providers import cuda_unavailable_reason
 from tests.conftest import TEST_D_MODEL, signature_id
 
 D = TEST_D_MODEL
@@ -171,7 +171,7 @@ def test_cuda_graph_replays_fixed_shape_and_serialises(export_model):
 
 def test_fixed_buffer_replay_path_on_cpu(export_model):
     """The CUDA graph mode's buffers, shape check and lock, driven on CPU (ORT captures no graph there)."""
-    from mha_deploy.serving.session import _CudaGraph
+    from mha_deploy.runtime.session import _CudaGraph
 
     signature = Signature("cross", "padding")
     session = MHASession(export_model(signature)[0], provider="cpu")

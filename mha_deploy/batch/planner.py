@@ -14,10 +14,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from mha_deploy.batch.base import Item
 from mha_deploy.errors import InputError
 from mha_deploy.metadata import Signature
-
-Item = dict[str, np.ndarray]  # sequence input name -> [seq, d_model]
 
 
 def require_batchable(signature: Signature) -> None:
