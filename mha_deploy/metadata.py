@@ -11,83 +11,33 @@ from dataclasses import asdict, dataclass, field
 
 from mha_deploy.errors import ExportError, ModelFileError
 
-ATTENTION_KINDS = ("self", "cross")
-# A lone reference MHA, or a post-norm Transformer stack built from it.
-MODEL_KINDS = ("mha", "encoder", "decoder")
-MASK_MODES = ("none", "padding", "causal", "padding-causal")
+# The I/O contract lives in its own module; re-exported here, where it was first defined.
+from mha_deploy.signature import ATTENTION_KINDS, MASK_MODES, MODEL_KINDS, Signature
+
+__all__ = [
+    "ATTENTION_KINDS", "DTYPES", "DTYPE_CHOICES", "FUSE_CHOICES", "MASK_MODES", "MAX_OPSET", "METADATA_KEY",
+    "MIN_OPSET", "MODEL_KINDS", "ON_ERROR_CHOICES", "PROVIDER_CHOICES", "QUANTIZE_CHOICES", "TRITON_KINDS",
+    "ModelMetadata", "ParityReport", "Signature",
+]
+
 METADATA_KEY = "mha_deploy"
 # Bumped when the meaning of a recorded field changes.
 METADATA_FORMAT = 1
 
-
-@dataclass(frozen=True)
-class Signature:
-    """Which inputs and outputs an exported model has, and what they mean."""
-
-    attention: str = "self"
-    mask: str = "none"
-    return_weights: bool = False
-    # "encoder": x -> output with self-attention layers; "decoder": x (target) and
-    # memory -> output, causal self-attention then cross-attention over memory.
-    model: str = "mha"
-
-    def __post_init__(self):
-        if self.model not in MODEL_KINDS:
-            raise ExportError(f"model must be one of {', '.join(MODEL_KINDS)}, got {self.model!r}")
-        if self.attention not in ATTENTION_KINDS:
-            raise ExportError(f"attention must be one of {', '.join(ATTENTION_KINDS)}, got {self.attention!r}")
-        if self.mask not in MASK_MODES:
-            raise ExportError(f"mask must be one of {', '.join(MASK_MODES)}, got {self.mask!r}")
-        if self.model != "mha":
-            self._check_stack()
-        elif self.is_causal and self.attention == "cross":
-            raise ExportError(
-                f"mask {self.mask!r} needs self-attention: a causal mask orders queries and keys of "
-                "one sequence, which cross-attention does not have (use --mask padding or none)"
-            )
-
-    def _check_stack(self) -> None:
-        attention = "self" if self.model == "encoder" else "cross"
-        if self.attention != attention:
-            raise ExportError(f"--model {self.model} has {attention}-attention inputs, not {self.attention!r}")
-        if self.mask not in ("none", "padding"):
-            raise ExportError(
-                f"--model {self.model} takes --mask none or padding"
-                + (" (its self-attention is always causal)" if self.model == "decoder" else "")
-            )
-        if self.return_weights:
-            raise ExportError(f"--model {self.model} has several attentions: --return-weights is for a lone MHA")
-
-    @property
-    def has_padding_mask(self) -> bool:
-        return self.mask in ("padding", "padding-causal")
-
-    @property
-    def is_causal(self) -> bool:
-        return self.mask in ("causal", "padding-causal")
-
-    @property
-    def sequence_inputs(self) -> tuple[str, ...]:
-        if self.model == "decoder":
-            return ("x", "memory")
-        return ("x",) if self.attention == "self" else ("query", "key", "value")
-
-    @property
-    def padding_masks(self) -> dict[str, str]:
-        """Each bool padding-mask input -> the sequence input whose positions it marks."""
-        if not self.has_padding_mask:
-            return {}
-        if self.model == "decoder":
-            return {"key_padding_mask": "x", "memory_padding_mask": "memory"}
-        return {"key_padding_mask": "x" if self.attention == "self" else "key"}
-
-    @property
-    def input_names(self) -> tuple[str, ...]:
-        return self.sequence_inputs + tuple(self.padding_masks)
-
-    @property
-    def output_names(self) -> tuple[str, ...]:
-        return ("output", "attn_weights") if self.return_weights else ("output",)
+# The choices the exporter, the runtime and serving accept, defined here (no torch, no
+# onnxruntime) so that the CLI lists them without importing either; the modules that
+# check them re-export them.
+FUSE_CHOICES = ("auto", "mha", "onnx", "none")
+QUANTIZE_CHOICES = ("none", "int8")
+# dtype option -> element type of the model's float tensors (recorded as ModelMetadata.dtype).
+DTYPES = {"fp32": "float32", "fp16": "float16"}
+DTYPE_CHOICES = tuple(DTYPES)
+# torch's ONNX exporter needs opset >= 18; 23, the default, is the newest this project exports and checks.
+MIN_OPSET, MAX_OPSET = 18, 23
+PROVIDER_CHOICES = ("auto", "cpu", "cuda")
+ON_ERROR_CHOICES = ("stop", "skip")
+# Triton instance kind -> its config.pbtxt spelling.
+TRITON_KINDS = {"cpu": "KIND_CPU", "gpu": "KIND_GPU"}
 
 
 @dataclass

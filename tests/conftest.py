@@ -20,18 +20,27 @@ SIGNATURES = [
 
 
 def signature_id(signature: Signature) -> str:
-    return f"{signature.attention}-{signature.mask}" + ("-weights" if signature.return_weights else "")
+    prefix = f"{signature.model}-" if signature.model != "mha" else f"{signature.attention}-"
+    return prefix + signature.mask + ("-weights" if signature.return_weights else "")
 
 
 has_torch = importlib.util.find_spec("torch") is not None
 
 
+# What users get: the default (auto: contrib MultiHeadAttention, or ONNX Attention when returning
+# weights), the other fused target, and the plain graph.
+USER_TARGETS = ("auto", "onnx", "none")
+
+
 @pytest.fixture(scope="session")
 def export_model(tmp_path_factory):
-    """``export_model(signature, fuse) -> (path, reference torch module)``, exported once per argument pair."""
+    """``export_model(signature, fuse) -> (path, reference torch module)``, exported once per argument pair.
+
+    ``fuse`` defaults to "auto", what ``mha-deploy export`` writes unless told otherwise.
+    """
     cache = {}
 
-    def export(signature: Signature, fuse: str = "none"):
+    def export(signature: Signature, fuse: str = "auto"):
         if (signature, fuse) not in cache:
             import torch
 
@@ -47,3 +56,27 @@ def export_model(tmp_path_factory):
         return cache[signature, fuse]
 
     return export
+
+
+@pytest.fixture
+def defective_export(monkeypatch):
+    """Make every export produce a subtly wrong graph: the output projection's bias off by 1e-3.
+
+    Far smaller than any mask or head-split bug, and larger than the default
+    tolerance: what parity at export must refuse.
+    """
+    import onnx
+
+    from mha_deploy.exporters import export as export_module
+
+    real_export = export_module.export_onnx
+
+    def export_with_defect(*args, **kwargs):
+        model = real_export(*args, **kwargs)
+        biases = [t for t in model.graph.initializer if "W_o" in t.name and t.name.endswith("bias")]
+        assert biases, [t.name for t in model.graph.initializer]
+        for tensor in biases:
+            tensor.CopyFrom(onnx.numpy_helper.from_array(onnx.numpy_helper.to_array(tensor) + 1e-3, tensor.name))
+        return model
+
+    monkeypatch.setattr(export_module, "export_onnx", export_with_defect)

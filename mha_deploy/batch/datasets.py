@@ -26,7 +26,7 @@ import numpy as np
 
 from mha_deploy.atomic import atomic_path
 from mha_deploy.batch.base import ItemReader, ItemWriter, RawItem
-from mha_deploy.batch.items import CROSS_PARTS, ITEM_SUFFIXES
+from mha_deploy.batch.items import ITEM_SUFFIXES
 from mha_deploy.errors import InputError
 from mha_deploy.metadata import Signature
 
@@ -89,7 +89,7 @@ def open_reader(
     return SafetensorsItemReader(path, signature)
 
 
-def open_writer(path: Path, like: Path) -> contextlib.AbstractContextManager[ItemWriter]:
+def open_writer(path: Path, like: Path, signature: Signature) -> contextlib.AbstractContextManager[ItemWriter]:
     """A writer that streams into a temporary file beside ``path`` and renames it onto ``path`` on success.
 
     ``like`` is the input shard: a Parquet output copies its tensor column type.
@@ -97,7 +97,7 @@ def open_writer(path: Path, like: Path) -> contextlib.AbstractContextManager[Ite
     if path.suffix == PARQUET_SUFFIX:
         from mha_deploy.batch.parquet import ParquetItemWriter
 
-        return _atomic_writer(path, lambda tmp: ParquetItemWriter(tmp, like))
+        return _atomic_writer(path, lambda tmp: ParquetItemWriter(tmp, like, signature.query_input))
     if path.suffix == ".npz":
         return _atomic_writer(path, NpzItemWriter)
     return _atomic_writer(path, SafetensorsItemWriter)
@@ -115,15 +115,15 @@ def _read_error(path: Path, exc: Exception) -> InputError:
 
 def _group_names(names: list[str], signature: Signature, source: Path) -> dict[str, dict[str, str]]:
     """File keys -> item id -> {input name: file key}, in order of first appearance."""
-    if signature.attention == "self":
-        return {name: {"x": name} for name in names}
+    parts = signature.sequence_inputs
+    if len(parts) == 1:  # one sequence per item: the key is the id
+        return {name: {parts[0]: name} for name in names}
     items: dict[str, dict[str, str]] = {}
     for name in names:
         item_id, _, part = name.rpartition(".")
-        if part not in CROSS_PARTS or not item_id:
-            raise InputError(
-                f"{source}: key {name!r} is not <id>.query, <id>.key or <id>.value, which a cross-attention model needs"
-            )
+        if part not in parts or not item_id:
+            expected = ", ".join(f"<id>.{p}" for p in parts)
+            raise InputError(f"{source}: key {name!r} is not one of {expected}, which this model reads per item")
         items.setdefault(item_id, {})[part] = name
     return items
 
@@ -152,7 +152,7 @@ class _KeyedFileReader:
 
     def __iter__(self) -> Iterator[RawItem]:
         for item_id, keys in self._items.items():
-            missing = [p for p in CROSS_PARTS if p not in keys] if self.signature.attention == "cross" else []
+            missing = [p for p in self.signature.sequence_inputs if p not in keys]
             if missing:
                 yield RawItem(item_id, None, f"lacks {', '.join(f'{item_id}.{p}' for p in missing)}")
                 continue

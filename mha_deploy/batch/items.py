@@ -1,9 +1,10 @@
 """Files of arrays keyed by name: ``.npz`` or ``.safetensors``, read and written whole, without torch.
 
-Item files use these keys: self-attention items ``<id>`` -> [seq, d_model];
-cross-attention items ``<id>.query``, ``<id>.key``, ``<id>.value``; outputs
+Item files use these keys: for a model with one sequence input, ``<id>`` ->
+[seq, d_model]; with several, ``<id>.<input>`` (cross-attention ``<id>.query``,
+``<id>.key``, ``<id>.value``; a decoder ``<id>.x``, ``<id>.memory``); outputs
 ``<id>`` (and ``<id>.attn_weights``). The runner streams them through
-``serving.datasets``; these two functions are for making inputs and reading
+``batch.datasets``; these two functions are for making inputs and reading
 outputs whole.
 """
 
@@ -19,7 +20,6 @@ from mha_deploy.atomic import atomic_path
 from mha_deploy.errors import InputError
 
 ITEM_SUFFIXES = (".npz", ".safetensors")
-CROSS_PARTS = ("query", "key", "value")
 
 
 def _check_suffix(path: Path, role: str) -> None:

@@ -155,7 +155,7 @@ def run_shard(runner: BatchRunner, shard: Shard, on_batch: BatchCallback | None 
     _remove_stale_temporaries(shard.output)
     with (
         open_reader(shard.path, session.signature, session.metadata.d_model, runner.window_items) as reader,
-        open_writer(shard.output, like=shard.path) as writer,
+        open_writer(shard.output, like=shard.path, signature=session.signature) as writer,
     ):
         for window in runner.run_stream(reader, stats, on_batch, source=shard.name):
             writer.write(window)

@@ -111,7 +111,7 @@ class ParquetItemReader:
         missing = [c for c in self.columns if c not in names]
         if missing:
             raise InputError(
-                f"{self.path}: no column {', '.join(missing)}; a {self.signature.attention}-attention model reads "
+                f"{self.path}: no column {', '.join(missing)}; this model reads "
                 f"columns {', '.join(self.columns)} (has {', '.join(names)})"
             )
         return self
@@ -144,15 +144,15 @@ class ParquetItemReader:
 class ParquetItemWriter:
     """One row group per ``write`` call, into ``path`` (a temporary file the caller renames)."""
 
-    def __init__(self, path: Path, like: Path):
+    def __init__(self, path: Path, like: Path, column: str = "x"):
         pa, pq = _pyarrow()
         self.path = path
         self._fixed_inner = False
         if like.suffix == ".parquet":
             schema = pq.read_schema(like)
-            name = "x" if "x" in schema.names else "query"
-            if name in schema.names:
-                value_type = schema.field(name).type
+            # The output keeps the input's vector type: the query column's, whose rows it has.
+            if column in schema.names:
+                value_type = schema.field(column).type
                 self._fixed_inner = pa.types.is_fixed_size_list(getattr(value_type, "value_type", None))
         self._writer = None
 

@@ -1,31 +1,32 @@
-"""Padding variable-length items into batches, and cutting the results back.
+"""The one batch planner: variable-length items grouped into padded batches, and cut back after the run.
 
-Whether padding keys changes the result depends on the model: with a
-``key_padding_mask`` input it never does; with causal self-attention right
-padding does not either (padded keys come after every real query); with no
-mask at all keys cannot be padded, so such batches hold items of one length.
-Query rows never influence each other, so queries can always be padded.
+Used by ``BatchRunner`` (offline, token budget and batch size) and by the HTTP
+server's micro-batcher (online, with a padding budget too). Everything follows
+the Signature's axes: an item is one array [length, d_model] per sequence
+input, each length on a named axis (``seq``; ``q_seq``/``kv_seq``;
+``tgt_seq``/``mem_seq``).
+
+Whether padding an axis changes the result depends on the model
+(``Signature.paddable_axes``): an axis read only as queries can always be
+padded; keys can be padded when a padding mask marks them, or when the
+attention over them is causal (right padding comes after every real query).
+Items whose unpaddable axes differ never share a batch.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
-from mha_deploy.batch.base import Item
+from mha_deploy.batch.base import Item, Result
 from mha_deploy.errors import InputError
-from mha_deploy.metadata import Signature
+from mha_deploy.signature import Signature
 
-
-def require_batchable(signature: Signature) -> None:
-    """Batching pads one sequence per item: a decoder's two (target and memory) are not supported."""
-    if signature.model == "decoder":
-        raise InputError(
-            "decoder models take two sequences per item (x and memory), which the batch runner and the "
-            "HTTP server do not pad; call MHASession.run with padded batches and both padding masks"
-        )
+# Padding an item by up to this many positions is cheaper than a run of its own,
+# whatever the share: a run costs about as much as that many extra positions on a CPU.
+PAD_SLACK_TOKENS = 8
 
 
 def check_batch_limits(batch_size: int | None, max_tokens: int | None) -> None:
@@ -38,68 +39,84 @@ def check_batch_limits(batch_size: int | None, max_tokens: int | None) -> None:
         raise InputError("give a batch size, a token budget (max tokens), or both")
 
 
-def query_name(signature: Signature) -> str:
-    return "x" if signature.attention == "self" else "query"
+def item_lengths(item: Item, signature: Signature) -> dict[str, int]:
+    """Length axis -> length, for one item."""
+    return {signature.axis_of(name): item[name].shape[0] for name in signature.sequence_inputs}
 
 
-def key_name(signature: Signature) -> str:
-    return "x" if signature.attention == "self" else "key"
+@dataclass(frozen=True)
+class BatchLimits:
+    """What one batch may hold."""
+
+    batch_size: int | None = None  # items
+    max_tokens: int | None = None  # padded positions on any axis: items x longest
+    # Share of padded positions allowed on any axis (beyond PAD_SLACK_TOKENS per item); None: any.
+    max_padding: float | None = None
 
 
-def can_pad_keys(signature: Signature) -> bool:
-    return signature.has_padding_mask or (signature.attention == "self" and signature.is_causal)
+class _Group:
+    """A batch being filled: its items and, per axis, the longest and the total length."""
 
+    def __init__(self) -> None:
+        self.indices: list[int] = []
+        self.longest: dict[str, int] = {}
+        self.total: dict[str, int] = {}
 
-def item_lengths(item: Item, signature: Signature) -> tuple[int, int]:
-    """(query length, key length) of one item."""
-    return item[query_name(signature)].shape[0], item[key_name(signature)].shape[0]
+    def admits(self, lengths: dict[str, int], limits: BatchLimits, paddable: frozenset[str]) -> bool:
+        if not self.indices:
+            return True
+        count = len(self.indices) + 1
+        if limits.batch_size is not None and count > limits.batch_size:
+            return False
+        for axis, length in lengths.items():
+            longest, total = max(self.longest[axis], length), self.total[axis] + length
+            if axis not in paddable and length != self.longest[axis]:
+                return False
+            padded = count * longest
+            if limits.max_tokens is not None and padded > limits.max_tokens:
+                return False
+            padding = padded - total
+            if limits.max_padding is not None and padding > max(limits.max_padding * padded, PAD_SLACK_TOKENS * count):
+                return False
+        return True
+
+    def add(self, index: int, lengths: dict[str, int]) -> None:
+        self.indices.append(index)
+        for axis, length in lengths.items():
+            self.longest[axis] = max(self.longest.get(axis, 0), length)
+            self.total[axis] = self.total.get(axis, 0) + length
 
 
 def plan_batches(
-    items: Sequence[Item],
-    signature: Signature,
-    batch_size: int | None = 16,
-    max_tokens: int | None = None,
-    sort: bool = True,
-) -> Iterator[list[int]]:
-    """Indices of ``items`` grouped into batches.
+    items: Sequence[Item], signature: Signature, limits: BatchLimits, sort: bool = True
+) -> list[list[int]]:
+    """Indices of ``items`` grouped into batches within ``limits``.
 
-    A batch holds at most ``batch_size`` items and, when ``max_tokens`` is set,
-    at most ``max_tokens`` padded positions (items × longest query, and items ×
-    longest key for cross-attention); an item longer than the budget goes alone.
-    With ``sort`` the items are ordered by length first, so that a batch holds
-    items of similar length and little of it is padding; without it batches
-    follow the order of ``items`` (the naive baseline).
+    With ``sort`` the items are ordered by length first (keys, then queries), so
+    that a batch holds items of similar length and little of it is padding;
+    without it batches follow the order of ``items`` (the naive baseline). An
+    item longer than the token budget goes alone.
     """
-    check_batch_limits(batch_size, max_tokens)
     lengths = [item_lengths(item, signature) for item in items]
+    axes = signature.sequence_axes[::-1]  # key axes first: they are the ones that may not be paddable
     order = range(len(items))
     if sort:
-        order = sorted(order, key=lambda i: (lengths[i][1], lengths[i][0]))
-    pad_keys = can_pad_keys(signature)
-    batch: list[int] = []
-    longest_q = longest_kv = 0
+        order = sorted(order, key=lambda i: tuple(lengths[i][axis] for axis in axes))
+    paddable = signature.paddable_axes
+    batches: list[list[int]] = []
+    group = _Group()
     for index in order:
-        q_len, kv_len = lengths[index]
-        if batch:
-            grown_q, grown_kv = max(longest_q, q_len), max(longest_kv, kv_len)
-            full = (
-                (batch_size is not None and len(batch) == batch_size)
-                or (max_tokens is not None and (len(batch) + 1) * max(grown_q, grown_kv) > max_tokens)
-                or (not pad_keys and kv_len != longest_kv)
-            )
-            if full:
-                yield batch
-                batch, longest_q, longest_kv = [], 0, 0
-        batch.append(index)
-        longest_q, longest_kv = max(longest_q, q_len), max(longest_kv, kv_len)
-    if batch:
-        yield batch
+        if not group.admits(lengths[index], limits, paddable):
+            batches.append(group.indices)
+            group = _Group()
+        group.add(index, lengths[index])
+    if group.indices:
+        batches.append(group.indices)
+    return batches
 
 
-def _pad(arrays: list[np.ndarray]) -> np.ndarray:
-    longest = max(a.shape[0] for a in arrays)
-    out = np.zeros((len(arrays), longest, arrays[0].shape[1]), dtype=arrays[0].dtype)
+def _pad(arrays: list[np.ndarray], longest: int) -> np.ndarray:
+    out = np.zeros((len(arrays), longest, *arrays[0].shape[1:]), dtype=arrays[0].dtype)
     for row, array in enumerate(arrays):
         out[row, : array.shape[0]] = array
     return out
@@ -108,35 +125,40 @@ def _pad(arrays: list[np.ndarray]) -> np.ndarray:
 @dataclass
 class Batch:
     feeds: dict[str, np.ndarray]
-    q_lengths: list[int]
-    kv_lengths: list[int]
+    lengths: list[dict[str, int]]  # per item: axis -> real length
+    query_axis: str
 
     @property
     def real_tokens(self) -> int:
-        return sum(self.q_lengths)
+        return sum(lengths[self.query_axis] for lengths in self.lengths)
 
     @property
     def padded_tokens(self) -> int:
-        return len(self.q_lengths) * self.feeds[next(iter(self.feeds))].shape[1]
+        return len(self.lengths) * max(lengths[self.query_axis] for lengths in self.lengths)
 
 
 def collate(items: Sequence[Item], signature: Signature) -> Batch:
-    """Right-pad ``items`` into one batch of feeds, with a key_padding_mask when the model takes one."""
-    feeds = {name: _pad([item[name] for item in items]) for name in signature.sequence_inputs}
-    kv_lengths = [item[key_name(signature)].shape[0] for item in items]
-    if signature.has_padding_mask:
-        kv_len = feeds[key_name(signature)].shape[1]
-        feeds["key_padding_mask"] = np.arange(kv_len)[None, :] < np.array(kv_lengths)[:, None]
-    q_lengths = [item[query_name(signature)].shape[0] for item in items]
-    return Batch(feeds, q_lengths, kv_lengths)
+    """Right-pad ``items`` into one batch of feeds, with the padding masks the model takes."""
+    lengths = [item_lengths(item, signature) for item in items]
+    longest = {axis: max(item[axis] for item in lengths) for axis in signature.sequence_axes}
+    feeds = {
+        name: _pad([item[name] for item in items], longest[signature.axis_of(name)])
+        for name in signature.sequence_inputs
+    }
+    for mask_name in signature.padding_masks:
+        axis = signature.axis_of(mask_name)
+        real = np.array([item[axis] for item in lengths])
+        feeds[mask_name] = np.arange(longest[axis])[None, :] < real[:, None]
+    return Batch(feeds, lengths, signature.query_axis)
 
 
-def split_outputs(outputs: dict[str, np.ndarray], batch: Batch) -> list[dict[str, np.ndarray]]:
-    """Per item, the outputs without padding: output [q_len, d_model], attn_weights [heads, q_len, kv_len]."""
+def split_outputs(outputs: dict[str, np.ndarray], batch: Batch, signature: Signature) -> list[Result]:
+    """Per item, each output cut to the item's real lengths on every length axis."""
     results = []
-    for row, (q_len, kv_len) in enumerate(zip(batch.q_lengths, batch.kv_lengths, strict=True)):
-        result = {"output": outputs["output"][row, :q_len]}
-        if "attn_weights" in outputs:
-            result["attn_weights"] = outputs["attn_weights"][row, :, :q_len, :kv_len]
+    for row, lengths in enumerate(batch.lengths):
+        result = {}
+        for spec in signature.outputs:
+            cut = tuple(slice(0, lengths[axis]) if axis in lengths else slice(None) for axis in spec.axes[1:])
+            result[spec.name] = outputs[spec.name][row][cut]
         results.append(result)
     return results

@@ -16,21 +16,14 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from mha_deploy.batch.base import RawItem
-from mha_deploy.batch.planner import (
-    Item,
-    check_batch_limits,
-    collate,
-    plan_batches,
-    require_batchable,
-    split_outputs,
-)
+from mha_deploy.batch.base import Item, RawItem, Result
+from mha_deploy.batch.planner import BatchLimits, check_batch_limits, collate, plan_batches, split_outputs
 from mha_deploy.errors import InputError
+from mha_deploy.metadata import ON_ERROR_CHOICES  # re-exported: defined without onnxruntime for the CLI
 from mha_deploy.runtime.session import MHASession
+from mha_deploy.runtime.validation import item_problem
 
-ON_ERROR_CHOICES = ("stop", "skip")
 DEFAULT_BUCKET_WINDOW = 256
-Result = dict[str, np.ndarray]
 BatchCallback = Callable[[int, int], None]
 
 
@@ -134,7 +127,6 @@ class BatchRunner:
         bucket_window: int = DEFAULT_BUCKET_WINDOW,
         on_error: str = "stop",
     ):
-        require_batchable(session.signature)
         check_batch_limits(batch_size, max_tokens)
         if bucket_window < 0:
             raise InputError(f"bucket window must be 0 (no bucketing) or more, got {bucket_window}")
@@ -153,23 +145,8 @@ class BatchRunner:
 
     def item_problem(self, item_id: str, item: Mapping[str, np.ndarray]) -> str | None:
         """What makes the item unusable (naming ``item_id``), or None."""
-        metadata = self.session.metadata
-        for name in self.session.signature.sequence_inputs:
-            where = f"item {item_id!r}" + (f" ({name})" if name != "x" else "")
-            array = item.get(name)
-            if array is None:
-                return f"{where}: missing"
-            if array.dtype != np.dtype(metadata.dtype):
-                return f"{where}: dtype {array.dtype}, the model takes {metadata.dtype}"
-            if array.ndim != 2 or array.shape[1] != metadata.d_model:
-                return f"{where}: shape {array.shape}, expected [seq, {metadata.d_model}]"
-            if array.shape[0] == 0:
-                return f"{where}: empty sequence"
-            if not np.isfinite(array).all():
-                return f"{where}: contains NaN or Inf"
-        if self.session.signature.attention == "cross" and item["key"].shape[0] != item["value"].shape[0]:
-            return f"item {item_id!r}: key and value lengths differ"
-        return None
+        problem = item_problem(self.session.metadata, item)
+        return f"item {item_id!r}: {problem}" if problem else None
 
     def check_item(self, item_id: str, item: Mapping[str, np.ndarray]) -> None:
         """Raise ``InputError`` naming ``item_id`` if the item cannot go into a batch."""
@@ -225,13 +202,14 @@ class BatchRunner:
         signature = self.session.signature
         values = [item for _, item in window]
         results: list[Result | None] = [None] * len(window)
-        plan = plan_batches(values, signature, self.batch_size, self.max_tokens, sort=self.bucket_window > 0)
+        limits = BatchLimits(self.batch_size, self.max_tokens)
+        plan = plan_batches(values, signature, limits, sort=self.bucket_window > 0)
         for indices in plan:
             batch = collate([values[i] for i in indices], signature)
             t0 = time.perf_counter()
             outputs = self.session.run(batch.feeds)
             stats.batch_ms.append((time.perf_counter() - t0) * 1e3)
-            for index, result in zip(indices, split_outputs(outputs, batch), strict=True):
+            for index, result in zip(indices, split_outputs(outputs, batch, signature), strict=True):
                 results[index] = result
             stats.items += len(indices)
             stats.tokens += batch.real_tokens

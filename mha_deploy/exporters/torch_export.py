@@ -12,7 +12,7 @@ import torch
 from torch.export import Dim
 
 from mha_deploy.errors import ExportError
-from mha_deploy.metadata import Signature
+from mha_deploy.signature import PADDING_MASK, Signature
 
 # Tracing sizes: all >= 2 and pairwise different, so that torch.export cannot
 # specialise a dynamic axis to a constant or unify two axes that are independent.
@@ -23,31 +23,24 @@ MAX_IR_VERSION = 10
 
 
 def sample_inputs(signature: Signature, d_model: int) -> tuple[torch.Tensor, ...]:
+    """Tracing inputs, one per input of the signature, at the tracing sizes."""
     gen = torch.Generator().manual_seed(0)
-    kv_len = TRACE_Q_LEN if signature.attention == "self" else TRACE_KV_LEN
-    q = torch.randn(TRACE_BATCH, TRACE_Q_LEN, d_model, generator=gen)
-    if signature.attention == "self":
-        inputs = [q]
-    else:
-        kv = torch.randn(TRACE_BATCH, kv_len, d_model, generator=gen)
-        inputs = [q, kv, kv.clone()]
-    if signature.has_padding_mask:
-        inputs.append(torch.ones(TRACE_BATCH, kv_len, dtype=torch.bool))
-    return tuple(inputs)
+    sizes = signature.axis_sizes(TRACE_BATCH, TRACE_Q_LEN, TRACE_KV_LEN, d_model=d_model)
+    return tuple(
+        torch.ones(spec.shape(sizes), dtype=torch.bool)
+        if spec.role == PADDING_MASK
+        else torch.randn(spec.shape(sizes), generator=gen)
+        for spec in signature.inputs
+    )
 
 
 def dynamic_shapes(signature: Signature) -> tuple[dict[int, Dim], ...]:
-    batch = Dim("batch")
-    if signature.attention == "self":
-        seq = Dim("seq")
-        shapes = [{0: batch, 1: seq}]
-        kv = seq
-    else:
-        q_seq, kv = Dim("q_seq"), Dim("kv_seq")
-        shapes = [{0: batch, 1: q_seq}, {0: batch, 1: kv}, {0: batch, 1: kv}]
-    if signature.has_padding_mask:
-        shapes.append({0: batch, 1: kv})
-    return tuple(shapes)
+    """One ``Dim`` per named axis of the signature, shared by every input that has that axis."""
+    dims: dict[str, Dim] = {}
+    return tuple(
+        {index: dims.setdefault(axis, Dim(axis)) for index, axis in spec.dynamic_axes.items()}
+        for spec in signature.inputs
+    )
 
 
 @contextlib.contextmanager
@@ -69,32 +62,19 @@ def _quiet_exporter():
 def export_onnx(
     module: torch.nn.Module, signature: Signature, d_model: int, opset: int = DEFAULT_OPSET
 ) -> onnx.ModelProto:
-    """Export ``module`` (an eval-mode graph from ``attention_graph``) to an in-memory ONNX model."""
-    return export_traced(
-        module,
-        sample_inputs(signature, d_model),
-        dynamic_shapes(signature),
-        signature.input_names,
-        signature.output_names,
-        opset,
-    )
-
-
-def export_traced(
-    module: torch.nn.Module, args: tuple, shapes: tuple, input_names, output_names, opset: int = DEFAULT_OPSET
-) -> onnx.ModelProto:
-    """torch.onnx.export (dynamo) of ``module`` traced on ``args``, quietly, with an IR version ORT accepts."""
+    """torch.onnx.export (dynamo) of ``module``, an eval-mode graph whose forward takes ``signature``'s
+    inputs in order, traced at the tracing sizes, quietly, with an IR version ORT accepts."""
     if opset < 18:
         raise ExportError(f"opset {opset} is too old: torch's ONNX exporter needs opset >= 18")
     try:
         with _quiet_exporter(), torch.no_grad():
             program = torch.onnx.export(
                 module,
-                args,
+                sample_inputs(signature, d_model),
                 dynamo=True,
-                dynamic_shapes=shapes,
-                input_names=list(input_names),
-                output_names=list(output_names),
+                dynamic_shapes=dynamic_shapes(signature),
+                input_names=list(signature.input_names),
+                output_names=list(signature.output_names),
                 opset_version=opset,
                 verbose=False,
             )

@@ -9,8 +9,8 @@ from dataclasses import dataclass
 import onnxruntime as ort
 
 from mha_deploy.errors import ProviderUnavailableError
+from mha_deploy.metadata import PROVIDER_CHOICES  # re-exported: defined without onnxruntime for the CLI
 
-PROVIDER_CHOICES = ("auto", "cpu", "cuda")
 CUDA_EP, CPU_EP = "CUDAExecutionProvider", "CPUExecutionProvider"
 
 

@@ -12,6 +12,7 @@ import onnxruntime as ort
 
 from mha_deploy.atomic import atomic_path
 from mha_deploy.errors import InputError, ModelFileError, ProviderUnavailableError
+from mha_deploy.inputs import placeholder_inputs
 from mha_deploy.metadata import ModelMetadata
 from mha_deploy.runtime.providers import CUDA_EP, check_providers, plan_providers
 from mha_deploy.runtime.validation import validate_inputs
@@ -146,7 +147,7 @@ class MHASession:
 
     def warmup(self) -> None:
         """Run one tiny batch (or, in CUDA graph mode, one batch of the graph's shape)."""
-        self.run(_tiny_inputs(self.metadata, self._graph.shape if self._graph else None))
+        self.run(_placeholders(self.metadata, self._graph.shape if self._graph else None))
 
     def _run_with_binding(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         # A binding per call: IOBinding objects are not safe to share between threads.
@@ -194,26 +195,26 @@ class _CudaGraph:
         # ``device`` is "cuda" in use; tests drive the same buffers and locking on "cpu", where no graph exists.
         signature = metadata.signature
         self.shape = tuple(int(n) for n in shape)
-        if len(self.shape) != (2 if signature.attention == "self" else 3) or min(self.shape) < 1:
+        if len(self.shape) != 1 + len(signature.sequence_axes) or min(self.shape) < 1:
             raise InputError(
                 f"cuda_graph shape must be (batch, seq) for self-attention or (batch, q_seq, kv_seq) for "
                 f"cross-attention, all >= 1; got {shape}"
             )
-        self.feed_shapes = _feed_shapes(metadata, self.shape)
+        tiny = _placeholders(metadata, self.shape)
+        self.feed_shapes = {name: array.shape for name, array in tiny.items()}
         self._session = session
         self._lock = threading.Lock()
         self._output_names = signature.output_names
-        tiny = _tiny_inputs(metadata, self.shape)
         # Device buffers live as long as the session: the captured graph points at them.
         self._inputs = {name: ort.OrtValue.ortvalue_from_numpy(tiny[name], device, 0) for name in tiny}
-        batch, q_len, kv_len = self.shape[0], self.shape[1], self.shape[-1]
-        output_shapes = {
-            "output": (batch, q_len, metadata.d_model),
-            "attn_weights": (batch, metadata.num_heads, q_len, kv_len),
-        }
+        sizes = signature.axis_sizes(
+            self.shape[0], self.shape[1], self.shape[-1], d_model=metadata.d_model, heads=metadata.num_heads
+        )
         self._outputs = {
-            name: ort.OrtValue.ortvalue_from_shape_and_type(output_shapes[name], np.dtype(metadata.dtype), device, 0)
-            for name in self._output_names
+            spec.name: ort.OrtValue.ortvalue_from_shape_and_type(
+                spec.shape(sizes), np.dtype(spec.numpy_dtype(metadata.dtype)), device, 0
+            )
+            for spec in signature.outputs
         }
         self._binding = session.io_binding()
         for name, value in self._inputs.items():
@@ -237,26 +238,10 @@ class _CudaGraph:
             return dict(zip(self._output_names, self._binding.copy_outputs_to_cpu(), strict=True))
 
 
-def _feed_shapes(metadata: ModelMetadata, shape: tuple[int, ...]) -> dict[str, tuple[int, ...]]:
-    """Input shapes for ``shape`` = (batch, seq) or (batch, q_seq, kv_seq)."""
-    signature, d_model = metadata.signature, metadata.d_model
-    batch, q_len, kv_len = shape[0], shape[1], shape[-1]
-    # The first sequence input (x or query) sets q_len; the others (key, value, memory) kv_len.
-    query, *others = signature.sequence_inputs
-    shapes = {query: (batch, q_len, d_model), **{name: (batch, kv_len, d_model) for name in others}}
-    for mask_name, sequence_name in signature.padding_masks.items():
-        shapes[mask_name] = shapes[sequence_name][:2]
-    return shapes
-
-
-def _tiny_inputs(metadata: ModelMetadata, shape: tuple[int, ...] | None) -> dict[str, np.ndarray]:
-    """Zeros of ``shape`` (default batch 1, length 1), with a mask that hides nothing."""
-    shapes = _feed_shapes(metadata, shape or (1, 1, 1))
-    masks = metadata.signature.padding_masks
-    return {
-        name: np.ones(dims, bool) if name in masks else np.zeros(dims, np.dtype(metadata.dtype))
-        for name, dims in shapes.items()
-    }
+def _placeholders(metadata: ModelMetadata, shape: tuple[int, ...] | None) -> dict[str, np.ndarray]:
+    """Zeros with masks that hide nothing, for ``shape`` = (batch, seq) or (batch, q_seq, kv_seq); default 1 x 1."""
+    batch, q_len, kv_len = (shape[0], shape[1], shape[-1]) if shape else (1, 1, 1)
+    return placeholder_inputs(metadata.signature, metadata.d_model, metadata.dtype, batch, q_len, kv_len)
 
 
 def _session_options(

@@ -1,44 +1,126 @@
-"""Checks inputs against a model's metadata before ONNX Runtime sees them.
+"""The one validator: inputs checked against a model's Signature before ONNX Runtime sees them.
 
 ORT's own errors name internal node ids and often come late (or not at all,
 e.g. for a mask of the wrong length that still broadcasts); these say what the
 caller passed and what the model expects.
+
+Two entry points share the rules:
+
+- ``validate_inputs``: a batch of feeds for ``MHASession.run`` (raises ``InputError``);
+- ``item_problem``: one unbatched item (sequence input -> [seq, d_model]), as the
+  batch runner and the HTTP server receive them. It returns a ``Problem`` instead
+  of raising, so that the runner can skip the item and the server can answer
+  with a status code chosen by ``Problem.kind``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 import numpy as np
 
 from mha_deploy.errors import InputError
 from mha_deploy.metadata import ModelMetadata
+from mha_deploy.signature import Signature
+
+
+@dataclass(frozen=True)
+class Problem:
+    """What is wrong with an item: ``kind`` is a stable label (for clients and metrics), ``message`` for people."""
+
+    kind: str
+    message: str
+
+    def __str__(self) -> str:
+        return self.message
+
+
+def name_problem(names, expected: tuple[str, ...]) -> Problem | None:
+    """Missing or unexpected input names."""
+    missing = [name for name in expected if name not in names]
+    unexpected = sorted(set(names) - set(expected))
+    if not missing and not unexpected:
+        return None
+    parts = ([f"missing {', '.join(missing)}"] if missing else []) + (
+        [f"unexpected {', '.join(unexpected)}"] if unexpected else []
+    )
+    return Problem("wrong_inputs", f"{'; '.join(parts)}: this model takes {', '.join(expected)}")
+
+
+def shape_problem(
+    metadata: ModelMetadata, name: str, shape: tuple[int, ...], max_tokens: int | None = None
+) -> Problem | None:
+    """One item's sequence must be [seq, d_model] with 1 <= seq (<= ``max_tokens`` when given)."""
+    d_model = metadata.d_model
+    if len(shape) >= 1 and shape[0] == 0:
+        return Problem("empty_sequence", f"{name} is empty: a sequence needs at least one token")
+    if len(shape) != 2:
+        return Problem("wrong_rank", f"{name} has shape {tuple(shape)}, expected [seq, {d_model}]")
+    if shape[1] != d_model:
+        return Problem("wrong_d_model", f"{name} has d_model {shape[1]}, this model expects {d_model}")
+    if max_tokens is not None and shape[0] > max_tokens:
+        return Problem("too_many_tokens", f"{name} has {shape[0]} tokens, at most {max_tokens} are accepted")
+    return None
+
+
+def _length_problem(signature: Signature, lengths: Mapping[str, int]) -> Problem | None:
+    """Sequence inputs that share a length axis (cross-attention's key and value) must agree."""
+    by_axis: dict[str, dict[str, int]] = {}
+    for name, length in lengths.items():
+        by_axis.setdefault(signature.axis_of(name), {})[name] = length
+    for group in by_axis.values():
+        if len(set(group.values())) > 1:
+            names, sizes = " and ".join(group), " and ".join(str(n) for n in group.values())
+            return Problem("length_mismatch", f"{names} must have the same length, got {sizes}")
+    return None
+
+
+def item_problem(
+    metadata: ModelMetadata, item: Mapping[str, object], max_tokens: int | None = None
+) -> Problem | None:
+    """What makes one item (sequence input name -> [seq, d_model]) unusable, or None."""
+    signature = metadata.signature
+    problem = name_problem(item, signature.sequence_inputs)
+    if problem:
+        return problem
+    dtype = np.dtype(metadata.dtype)
+    for name in signature.sequence_inputs:
+        array = item[name]
+        if not isinstance(array, np.ndarray) or array.dtype.kind not in "fiu":
+            kind = getattr(getattr(array, "dtype", None), "name", type(array).__name__)
+            return Problem("not_numeric", f"{name} holds {kind}: expected an array of numbers")
+        problem = shape_problem(metadata, name, array.shape, max_tokens)
+        if problem:
+            return problem
+        if array.dtype != dtype:
+            return Problem("wrong_dtype", f"{name} has dtype {array.dtype}, the model takes {dtype.name}")
+        if not np.isfinite(array).all():
+            return Problem("not_finite", f"{name} contains NaN or Inf (or a value beyond {dtype.name}'s range)")
+    return _length_problem(signature, {name: item[name].shape[0] for name in signature.sequence_inputs})
+
+
+def check_item(metadata: ModelMetadata, item: Mapping[str, object], max_tokens: int | None = None) -> None:
+    """Raise ``InputError`` if ``item_problem`` finds something."""
+    problem = item_problem(metadata, item, max_tokens)
+    if problem:
+        raise InputError(problem.message)
 
 
 def validate_inputs(metadata: ModelMetadata, inputs: Mapping[str, object]) -> dict[str, np.ndarray]:
-    """Return the inputs as ORT-ready arrays, or raise ``InputError`` saying what is wrong."""
+    """Return a batch of inputs as ORT-ready arrays, or raise ``InputError`` saying what is wrong."""
     signature = metadata.signature
-    expected = set(signature.input_names)
-    missing = [name for name in signature.input_names if name not in inputs]
-    unexpected = sorted(set(inputs) - expected)
-    if missing or unexpected:
-        parts = []
-        if missing:
-            parts.append(f"missing {', '.join(missing)}")
-        if unexpected:
-            parts.append(f"unexpected {', '.join(unexpected)}")
-        raise InputError(f"{'; '.join(parts)}: this model takes {', '.join(signature.input_names)}")
-
+    problem = name_problem(inputs, signature.input_names)
+    if problem:
+        raise InputError(problem.message)
     dtype = np.dtype(metadata.dtype)
     arrays = {name: _sequence_array(name, inputs[name], dtype, metadata.d_model) for name in signature.sequence_inputs}
     batch = {name: array.shape[0] for name, array in arrays.items()}
     if len(set(batch.values())) > 1:
-        raise InputError(f"batch sizes differ: {_describe(batch)}")
-    key_value = signature.model == "mha" and signature.attention == "cross"
-    if key_value and arrays["key"].shape[1] != arrays["value"].shape[1]:
-        raise InputError(
-            f"key and value must have the same length, got {arrays['key'].shape[1]} and {arrays['value'].shape[1]}"
-        )
+        raise InputError(f"batch sizes differ: {', '.join(f'{name} {size}' for name, size in batch.items())}")
+    problem = _length_problem(signature, {name: array.shape[1] for name, array in arrays.items()})
+    if problem:
+        raise InputError(problem.message)
     for mask_name, sequence_name in signature.padding_masks.items():
         arrays[mask_name] = _padding_mask(mask_name, inputs[mask_name], arrays[sequence_name].shape[:2], sequence_name)
     return arrays
@@ -75,7 +157,3 @@ def _padding_mask(name: str, value: object, kv_shape: tuple[int, int], kv_name: 
     if empty_rows.size:
         raise InputError(f"{name} rows {empty_rows.tolist()[:10]} have no real token: every item needs at least one")
     return np.ascontiguousarray(mask)
-
-
-def _describe(sizes: dict[str, int]) -> str:
-    return ", ".join(f"{name} {size}" for name, size in sizes.items())

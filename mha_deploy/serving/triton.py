@@ -29,9 +29,9 @@ from pathlib import Path
 import onnx
 
 from mha_deploy.errors import MHADeployError, ModelFileError
+from mha_deploy.metadata import TRITON_KINDS as KINDS  # re-exported: defined without onnx for the CLI
 from mha_deploy.metadata import ModelMetadata
 
-KINDS = {"cpu": "KIND_CPU", "gpu": "KIND_GPU"}
 # ONNX element types -> Triton data types, for the types this project's models use.
 TRITON_DTYPES = {
     onnx.TensorProto.FLOAT: "TYPE_FP32",
@@ -58,7 +58,7 @@ class TritonConfig:
 
 
 @dataclass(frozen=True)
-class TensorSpec:
+class TritonTensor:
     name: str
     data_type: str
     dims: tuple[int, ...]  # without the batch axis when max_batch_size > 0
@@ -93,30 +93,25 @@ def write_triton_model(
 
 def tensor_specs(
     proto: onnx.ModelProto, metadata: ModelMetadata, max_batch_size: int
-) -> tuple[list[TensorSpec], list[TensorSpec]]:
+) -> tuple[list[TritonTensor], list[TritonTensor]]:
     """Inputs and outputs as Triton sees them, from the graph's types and the recorded metadata.
 
     Shapes come from the metadata (sequence axes are -1, d_model and heads fixed)
     rather than the graph's value_info, which an exporter may leave incomplete.
     """
-    d, heads = metadata.d_model, metadata.num_heads
     signature = metadata.signature
-    # [batch, seq, d] etc., with -1 for every dynamic axis; the names are the signature's.
-    shapes = {
-        **{name: (-1, -1, d) for name in signature.sequence_inputs},
-        **{name: (-1, -1) for name in signature.padding_masks},
-        "output": (-1, -1, d),
-        "attn_weights": (-1, heads, -1, -1),
-    }
+    sizes = {"d_model": metadata.d_model, "heads": metadata.num_heads}
+    # -1 for every dynamic axis; the batch axis is Triton's when it batches.
+    shapes = {spec.name: spec.dims(sizes) for spec in (*signature.inputs, *signature.outputs)}
     types = {v.name: v.type.tensor_type.elem_type for v in (*proto.graph.input, *proto.graph.output)}
 
-    def spec(name: str) -> TensorSpec:
+    def spec(name: str) -> TritonTensor:
         if name not in types:
             raise ModelFileError(f"the graph has no {name!r}, which its metadata lists; was it edited after export?")
         if types[name] not in TRITON_DTYPES:
             raise TritonExportError(f"{name}: ONNX element type {types[name]} has no Triton mapping here")
         dims = shapes[name][1:] if max_batch_size > 0 else shapes[name]
-        return TensorSpec(name, TRITON_DTYPES[types[name]], dims)
+        return TritonTensor(name, TRITON_DTYPES[types[name]], dims)
 
     return [spec(n) for n in signature.input_names], [spec(n) for n in signature.output_names]
 
@@ -141,7 +136,7 @@ def config_pbtxt(proto: onnx.ModelProto, metadata: ModelMetadata, config: Triton
     return "\n".join(lines) + "\n"
 
 
-def _tensors(field: str, specs: list[TensorSpec]) -> str:
+def _tensors(field: str, specs: list[TritonTensor]) -> str:
     blocks = [
         f'  {{\n    name: "{s.name}"\n    data_type: {s.data_type}\n    dims: [ {", ".join(map(str, s.dims))} ]\n  }}'
         for s in specs

@@ -5,21 +5,20 @@ from __future__ import annotations
 import json
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 
 from mha_deploy.batch import BatchRunner
 from mha_deploy.batch.datasets import item_arrays, list_shards, open_reader
 from mha_deploy.batch.items import read_arrays, write_arrays
 from mha_deploy.batch.job import DatasetJob, run_dataset
+from mha_deploy.batch.parquet import decode_sequences, encode_nested
 from mha_deploy.errors import InputError
 from mha_deploy.metadata import Signature
 from mha_deploy.runtime import MHASession
-from tests.conftest import TEST_D_MODEL
 from tests.batch.test_runner import make_items
-
-pa = pytest.importorskip("pyarrow")
-pq = pytest.importorskip("pyarrow.parquet")
-from mha_deploy.batch.parquet import decode_sequences, encode_nested  # noqa: E402
+from tests.conftest import TEST_D_MODEL
 
 D = TEST_D_MODEL
 
@@ -153,9 +152,9 @@ def test_bad_parquet_items_skipped_and_listed(tmp_path, export_model):
     errors = {e.item_id: e for e in stats.errors}
     assert sorted(errors) == ["empty", "nan", "null", "ragged", "wide"]
     assert all(e.shard == "in.parquet" for e in errors.values())
-    assert "shape (2, 65), expected [seq, 64]" in errors["wide"].message
+    assert "x has d_model 65, this model expects 64" in errors["wide"].message
     assert "vectors of different lengths" in errors["ragged"].message
-    assert "NaN" in errors["nan"].message and "empty sequence" in errors["empty"].message
+    assert "NaN" in errors["nan"].message and "x is empty" in errors["empty"].message
     manifest = json.loads(job.manifest_path.read_text())
     assert len(manifest["shards"]["in.parquet"]["skipped_items"]) == 5
     assert "5 bad items skipped" in stats.summary()
@@ -165,7 +164,7 @@ def test_bad_item_stops_with_its_shard_and_id(tmp_path, export_model):
     session = MHASession(export_model(Signature("self", "padding"))[0], provider="cpu")
     bad_parquet(tmp_path / "in.parquet")
     job = DatasetJob(tmp_path / "in.parquet", tmp_path / "out.parquet", session.source)
-    with pytest.raises(InputError, match=r"in.parquet: item 'wide': shape \(2, 65\)"):
+    with pytest.raises(InputError, match=r"in.parquet: item 'wide': x has d_model 65"):
         run_dataset(job, BatchRunner(session, bucket_window=1))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["in.parquet"], "no output, temporary file or manifest"
 
@@ -222,7 +221,7 @@ def test_item_files_round_trip(tmp_path, suffix, attention):
 def test_cross_item_file_with_a_foreign_key(tmp_path):
     path = tmp_path / "items.npz"
     np.savez(path, a=np.zeros((1, D), np.float32))
-    with pytest.raises(InputError, match=r"key 'a' is not <id>.query"), open_reader(
+    with pytest.raises(InputError, match=r"key 'a' is not one of <id>.query"), open_reader(
         path, Signature("cross", "padding"), D, window=2
     ):
         pass

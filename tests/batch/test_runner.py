@@ -6,11 +6,10 @@ import numpy as np
 import pytest
 
 from mha_deploy.batch import BatchRunner
-from mha_deploy.batch.planner import can_pad_keys, plan_batches
 from mha_deploy.errors import InputError
 from mha_deploy.metadata import Signature
 from mha_deploy.runtime import MHASession
-from tests.conftest import SIGNATURES, TEST_D_MODEL, signature_id
+from tests.conftest import SIGNATURES, TEST_D_MODEL, USER_TARGETS, signature_id
 
 D = TEST_D_MODEL
 LENGTHS = [5, 1, 17, 5, 9, 33, 2, 17, 1, 40]
@@ -20,33 +19,28 @@ def make_items(signature: Signature, seed: int = 0) -> dict[str, dict[str, np.nd
     rng = np.random.default_rng(seed)
     items = {}
     for index, length in enumerate(LENGTHS):
-        if signature.attention == "self":
-            item = {"x": rng.standard_normal((length, D), dtype=np.float32)}
-        else:
-            kv_len = LENGTHS[-1 - index]
-            item = {
-                "query": rng.standard_normal((length, D), dtype=np.float32),
-                "key": rng.standard_normal((kv_len, D), dtype=np.float32),
-                "value": rng.standard_normal((kv_len, D), dtype=np.float32),
-            }
-        items[f"item-{index}"] = item
+        lengths = signature.axis_sizes(1, length, LENGTHS[-1 - index])
+        items[f"item-{index}"] = {
+            name: rng.standard_normal((lengths[signature.axis_of(name)], D), dtype=np.float32)
+            for name in signature.sequence_inputs
+        }
     return items
 
 
 def run_one(session: MHASession, item: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     feeds = {name: array[None] for name, array in item.items()}
-    if session.signature.has_padding_mask:
-        kv = item["x" if session.signature.attention == "self" else "key"]
-        feeds["key_padding_mask"] = np.ones((1, kv.shape[0]), bool)
+    for mask_name, sequence_name in session.signature.padding_masks.items():
+        feeds[mask_name] = np.ones((1, item[sequence_name].shape[0]), bool)
     return {name: out[0] for name, out in session.run(feeds).items()}
 
 
 WITH_WEIGHTS = [Signature("self", "padding", True), Signature("cross", "padding", True)]
 
 
+@pytest.mark.parametrize("fuse", USER_TARGETS)
 @pytest.mark.parametrize("signature", SIGNATURES + WITH_WEIGHTS, ids=signature_id)
-def test_batched_equals_one_by_one(export_model, signature):
-    session = MHASession(export_model(signature)[0], provider="cpu")
+def test_batched_equals_one_by_one(export_model, signature, fuse):
+    session = MHASession(export_model(signature, fuse)[0], provider="cpu")
     items = make_items(signature)
     results, stats = BatchRunner(session, batch_size=4).run(items)
     assert list(results) == list(items), "results come back in input order"
@@ -58,25 +52,14 @@ def test_batched_equals_one_by_one(export_model, signature):
     assert 0 <= stats.padding_ratio < 1
 
 
-@pytest.mark.parametrize("signature", SIGNATURES, ids=signature_id)
-def test_batches_pad_keys_only_when_the_model_allows(signature):
-    items = list(make_items(signature).values())
-    kv = "x" if signature.attention == "self" else "key"
-    batches = list(plan_batches(items, signature, batch_size=4))
-    assert sorted(i for b in batches for i in b) == list(range(len(items)))
-    assert all(len(b) <= 4 for b in batches)
-    if not can_pad_keys(signature):
-        assert all(len({items[i][kv].shape[0] for i in b}) == 1 for b in batches)
-
-
 @pytest.mark.parametrize(
     ("change", "message"),
     [
-        (lambda a: a[:, :-1], r"item 'item-3': shape \(5, 63\), expected \[seq, 64\]"),
-        (lambda a: a.astype(np.float64), r"item 'item-3': dtype float64"),
-        (lambda a: a[:0], r"item 'item-3': empty sequence"),
+        (lambda a: a[:, :-1], r"item 'item-3': x has d_model 63, this model expects 64"),
+        (lambda a: a.astype(np.float64), r"item 'item-3': x has dtype float64"),
+        (lambda a: a[:0], r"item 'item-3': x is empty"),
         (lambda a: np.where(np.arange(len(a))[:, None] == 0, np.nan, a).astype(np.float32), "NaN or Inf"),
-        (lambda a: a[0], r"item 'item-3': shape \(64,\)"),
+        (lambda a: a[0], r"item 'item-3': x has shape \(64,\), expected \[seq, 64\]"),
     ],
 )
 def test_bad_item_is_named(export_model, change, message):
@@ -86,31 +69,6 @@ def test_bad_item_is_named(export_model, change, message):
     with pytest.raises(InputError, match=message):
         BatchRunner(session).run(items)
 
-
-
-def _self_items(lengths) -> list[dict[str, np.ndarray]]:
-    return [{"x": np.zeros((n, 2), np.float32)} for n in lengths]
-
-
-def test_token_budget_bounds_padded_positions():
-    signature = Signature("self", "padding")
-    items = _self_items([3, 9, 4, 20, 2, 8, 8, 1])
-    batches = list(plan_batches(items, signature, batch_size=None, max_tokens=16))
-    assert sorted(i for b in batches for i in b) == list(range(len(items)))
-    for batch in batches:
-        longest = max(items[i]["x"].shape[0] for i in batch)
-        assert len(batch) * longest <= 16 or len(batch) == 1, "only an item longer than the budget goes over it"
-    assert [3] in batches, "the 20-token item goes alone"
-    both = list(plan_batches(items, signature, batch_size=2, max_tokens=16))
-    assert all(len(b) <= 2 for b in both)
-
-
-def test_without_sorting_batches_keep_input_order():
-    items = _self_items([5, 1, 7, 2, 2])
-    assert list(plan_batches(items, Signature("self", "padding"), batch_size=2, sort=False)) == [[0, 1], [2, 3], [4]]
-    assert list(plan_batches(items, Signature("self", "padding"), batch_size=2)) == [[1, 3], [4, 0], [2]]
-    with pytest.raises(ValueError, match="batch size, a token budget"):
-        list(plan_batches(items, Signature(), batch_size=None))
 
 
 @pytest.mark.parametrize("signature", [Signature("self", "padding"), Signature("cross", "none")], ids=signature_id)
@@ -124,7 +82,7 @@ def test_bucketing_pads_less_and_gives_the_same_results(export_model, signature)
         for item_id in items:
             np.testing.assert_allclose(results[item_id]["output"], naive[item_id]["output"], atol=1e-5, rtol=1e-4)
     _, bucketed_stats = BatchRunner(session, batch_size=3, bucket_window=256).run(items)
-    if can_pad_keys(signature):
+    if signature.key_axis in signature.paddable_axes:
         assert bucketed_stats.padding_ratio < naive_stats.padding_ratio
     else:  # in input order unequal key lengths cannot share a batch: more batches, each of one length
         assert len(bucketed_stats.batch_ms) < len(naive_stats.batch_ms)
@@ -136,7 +94,9 @@ def test_skip_leaves_bad_items_out(export_model):
     items["item-3"]["x"] = items["item-3"]["x"][:0]
     results, stats = BatchRunner(session, on_error="skip").run(items)
     assert "item-3" not in results and len(results) == len(items) - 1
-    assert [(e.item_id, e.message) for e in stats.errors] == [("item-3", "item 'item-3': empty sequence")]
+    assert [(e.item_id, e.message) for e in stats.errors] == [
+        ("item-3", "item 'item-3': x is empty: a sequence needs at least one token")
+    ]
     summary = stats.to_dict()
     assert summary["items"] == len(items) - 1 and summary["batch_ms_p99"] >= summary["batch_ms_p50"] > 0
     assert "p50" in stats.summary() and "1 bad items skipped" in stats.summary()

@@ -60,9 +60,16 @@ def test_decoder_session_warms_up(decoder_model):
     assert session.metadata.signature.model == "decoder"
 
 
-def test_batch_runner_refuses_decoders(decoder_model):
-    with pytest.raises(InputError, match="decoder models take two sequences"):
-        BatchRunner(MHASession(decoder_model.path, provider="cpu"))
+def test_batch_runner_pads_both_sequences_of_a_decoder(decoder_model):
+    """Items of a decoder are (x, memory) pairs of different lengths; batched equals one by one."""
+    from tests.batch.test_runner import make_items, run_one
+
+    session = MHASession(decoder_model.path, provider="cpu")
+    items = make_items(session.signature)
+    results, stats = BatchRunner(session, batch_size=4).run(items)
+    assert len(stats.batch_ms) < len(items), "items of different lengths share batches"
+    for item_id, item in items.items():
+        np.testing.assert_allclose(results[item_id]["output"], run_one(session, item)["output"], atol=1e-5, rtol=1e-4)
 
 
 @pytest.mark.parametrize(

@@ -23,10 +23,6 @@ from mha_deploy.metadata import Signature
 from mha_deploy.runtime import MHASession
 from tests.conftest import TEST_D_MODEL
 
-pytest.importorskip("starlette")
-pytest.importorskip("uvicorn")
-pytest.importorskip("prometheus_client")
-
 D = TEST_D_MODEL
 TIMEOUT = 20.0  # seconds, for any one request
 MAX_TOKENS, MAX_BODY_MB = 256, 1
@@ -444,26 +440,6 @@ def test_server_and_triton_modules_import_without_torch():
     plain = subprocess.run([sys.executable, "-c", "import sys, mha_deploy.serving; print('starlette' in sys.modules)"],
                            capture_output=True, text=True, timeout=60)
     assert plain.stdout.strip() == "False", "embedding MHASession does not load the HTTP stack"
-
-
-def test_length_groups_bound_padding_and_tokens():
-    from mha_deploy.serving.http.batcher import length_groups
-
-    def items(*lengths):
-        return [{"x": np.zeros((n, 4), np.float32)} for n in lengths]
-
-    padded = Signature("self", "padding")
-    # Similar lengths share a run; a long one does not drag the short ones to its length.
-    groups = length_groups(items(10, 200, 11, 12, 190), padded, max_padding=0.1)
-    assert sorted(sorted(g) for g in groups) == [[0, 2, 3], [1, 4]]
-    # A few positions of padding per item are always fine, whatever the share.
-    assert length_groups(items(1, 3, 5, 8), padded, max_padding=0.0) == [[0, 1, 2, 3]]
-    # The token budget (items × longest) splits runs and leaves an over-long item alone.
-    assert [len(g) for g in length_groups(items(*[100] * 5), padded, max_tokens=250)] == [2, 2, 1]
-    assert length_groups(items(300), padded, max_tokens=250) == [[0]]
-    # Without a mask keys cannot be padded: one run per length.
-    groups = length_groups(items(5, 6, 5, 6, 7), Signature("self", "none"), max_padding=0.5)
-    assert sorted(sorted(g) for g in groups) == [[0, 2], [1, 3], [4]]
 
 
 def test_batcher_groups_concurrent_items_and_isolates_a_failing_one(export_model):

@@ -5,15 +5,14 @@ from __future__ import annotations
 import onnx
 import pytest
 from click.testing import CliRunner
+from google.protobuf import text_format
+from tritonclient.grpc import model_config_pb2
 
 from mha_deploy.cli import main
 from mha_deploy.errors import ModelFileError
 from mha_deploy.metadata import Signature
 from mha_deploy.serving.triton import TritonConfig, TritonExportError, write_triton_model
 from tests.conftest import TEST_D_MODEL, TEST_HEADS, signature_id
-
-model_config_pb2 = pytest.importorskip("tritonclient.grpc.model_config_pb2")
-text_format = pytest.importorskip("google.protobuf.text_format")
 
 ONNX_TO_TRITON = {onnx.TensorProto.FLOAT: "TYPE_FP32", onnx.TensorProto.BOOL: "TYPE_BOOL"}
 SIGNATURES = [

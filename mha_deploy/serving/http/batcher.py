@@ -6,9 +6,11 @@ and keeps collecting until it has ``max_batch`` items or the oldest has waited
 waited long enough already and go at once, so under load batches fill up
 without adding latency, and at low load an item waits at most ``max_wait_ms``.
 
-The batch is padded with ``collate`` (a key_padding_mask marks the padding when
-the model has one; models that cannot pad keys get one run per key length, see
-``can_pad_keys``), run in a worker thread so the event loop keeps accepting
+The collected items are cut into runs of similar length by the batch planner
+(``mha_deploy.batch.planner``: at most ``max_padding`` of a run is padding, at
+most ``max_batch_tokens`` padded positions, and items whose unpaddable axes
+differ run apart), padded with ``collate`` (padding masks mark the padding when
+the model has them), run in a worker thread so the event loop keeps accepting
 requests, and cut back with ``split_outputs``.
 """
 
@@ -21,23 +23,13 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-import numpy as np
-
-from mha_deploy.batch.planner import (
-    Item,
-    can_pad_keys,
-    collate,
-    key_name,
-    query_name,
-    require_batchable,
-    split_outputs,
-)
-from mha_deploy.metadata import Signature
+from mha_deploy.batch.base import Item, Result
+from mha_deploy.batch.planner import BatchLimits, collate, plan_batches, split_outputs
+from mha_deploy.errors import BatcherStoppedError, BatchingConfigError
 from mha_deploy.runtime.session import MHASession
 from mha_deploy.serving.http.metrics import ServerMetrics
 from mha_deploy.serving.http.parsing import RequestError
 
-Result = dict[str, np.ndarray]
 logger = logging.getLogger("mha_deploy.serve")
 
 
@@ -65,9 +57,8 @@ class MicroBatcher:
         max_padding: float = 0.10,
         metrics: ServerMetrics | None = None,
     ):
-        require_batchable(session.signature)
         if min(max_batch, workers, max_queue, max_batch_tokens) < 1 or max_wait_ms < 0 or not 0 <= max_padding < 1:
-            raise ValueError(
+            raise BatchingConfigError(
                 "max_batch, workers, max_queue, max_batch_tokens must be >= 1, max_wait_ms >= 0, 0 <= max_padding < 1"
             )
         self.session = session
@@ -101,7 +92,7 @@ class MicroBatcher:
         if self._stopping or self._loop_task is None:
             raise RequestError(503, "not_ready", "the server is not running batches (starting up or shutting down)")
         if self._loop_task.done():
-            raise RuntimeError("the batcher has died") from self._loop_task.exception()
+            raise BatcherStoppedError("the batcher has died") from self._loop_task.exception()
         if len(self._queue) >= self.max_queue:
             raise RequestError(503, "overloaded", f"{len(self._queue)} items are already waiting; retry later")
         waiting = _Waiting(item, asyncio.get_running_loop().create_future())
@@ -170,67 +161,17 @@ class MicroBatcher:
         start = time.perf_counter()
         signature = self.session.signature
         results: list[Result | None] = [None] * len(items)
-        for indices in length_groups(items, signature, self.max_padding, self.max_batch_tokens):
+        limits = BatchLimits(max_tokens=self.max_batch_tokens, max_padding=self.max_padding)
+        for indices in plan_batches(items, signature, limits):
             batch = collate([items[i] for i in indices], signature)
             outputs = self.session.run(batch.feeds)
-            for index, result in zip(indices, split_outputs(outputs, batch), strict=True):
+            for index, result in zip(indices, split_outputs(outputs, batch, signature), strict=True):
                 results[index] = result
             self.metrics.batch_size.observe(len(indices))
             self.metrics.padding.labels("real").inc(batch.real_tokens)
             self.metrics.padding.labels("padding").inc(batch.padded_tokens - batch.real_tokens)
         self.metrics.batch_run.observe(time.perf_counter() - start)
         return results  # type: ignore[return-value]
-
-
-# Padding an item by up to this many positions is cheaper than a run of its own,
-# whatever the share: a run costs about as much as that many extra positions on a CPU.
-PAD_SLACK_TOKENS = 8
-
-
-def length_groups(
-    items: list[Item], signature: Signature, max_padding: float = 0.10, max_tokens: int | None = None
-) -> list[list[int]]:
-    """Indices of ``items`` in runs of similar length, each at most ``max_tokens`` padded positions.
-
-    Padding every item to the longest of a mixed-length batch can cost more than
-    the batching saves (a 200-token item makes 31 short ones compute 200 positions
-    each), so a batch is cut, shortest first, where the next item would make the
-    padded positions (queries, and keys for cross-attention) more than
-    ``max_padding`` of the total and more than ``PAD_SLACK_TOKENS`` per item.
-    Models that cannot pad keys get one run per key length. The token budget
-    (items × longest sequence) bounds a run's memory: attention scores grow with
-    items × heads × q_len × kv_len. An item longer than the budget runs alone.
-    """
-    q_name, kv_name = query_name(signature), key_name(signature)
-    lengths = [(item[q_name].shape[0], item[kv_name].shape[0]) for item in items]
-    order = sorted(range(len(items)), key=lambda i: (lengths[i][1], lengths[i][0]))
-    pad_keys = can_pad_keys(signature)
-    groups: list[list[int]] = []
-    group: list[int] = []
-    for index in order:
-        if group and not _fits([*group, index], lengths, pad_keys, max_padding, max_tokens):
-            groups.append(group)
-            group = []
-        group.append(index)
-    if group:
-        groups.append(group)
-    return groups
-
-
-def _fits(
-    group: list[int], lengths: list[tuple[int, int]], pad_keys: bool, max_padding: float, max_tokens: int | None
-) -> bool:
-    if not pad_keys and len({lengths[i][1] for i in group}) > 1:
-        return False
-    for axis in (0, 1):
-        sizes = [lengths[i][axis] for i in group]
-        padded = len(sizes) * max(sizes)
-        padding = padded - sum(sizes)
-        if max_tokens is not None and padded > max_tokens:
-            return False
-        if padding > max_padding * padded and padding > PAD_SLACK_TOKENS * len(sizes):
-            return False
-    return True
 
 
 def _settle(future: asyncio.Future, result: Result | None = None, error: Exception | None = None) -> None:

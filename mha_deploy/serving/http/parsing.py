@@ -26,9 +26,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from mha_deploy.batch.planner import Item
+from mha_deploy.batch.base import Item
 from mha_deploy.errors import InputError
 from mha_deploy.metadata import ModelMetadata
+from mha_deploy.runtime.validation import item_problem, name_problem, shape_problem
 
 try:  # orjson parses a body of floats ~6x faster than the stdlib (part of the 'serve' extra)
     from orjson import loads as _fast_json_loads
@@ -85,55 +86,29 @@ def parse_request(body: bytes, content_type: str | None, metadata: ModelMetadata
 
 
 def check_item(arrays: dict[str, np.ndarray], metadata: ModelMetadata, limits: RequestLimits) -> Item:
-    """Shapes, lengths and values of one item's arrays (name -> [seq, d_model]), cast to the model's dtype."""
-    signature = metadata.signature
+    """One item's arrays cast to the model's dtype and checked by the runtime's validator; problems are 422s."""
     item = {}
-    for name in signature.sequence_inputs:
+    for name in metadata.signature.sequence_inputs:
         check_shape(name, arrays[name].shape, metadata, limits)
-        with np.errstate(over="ignore"):  # values beyond float32's range become inf, refused just below
-            array = np.ascontiguousarray(arrays[name], dtype=np.dtype(metadata.dtype))
-        if not np.isfinite(array).all():
-            raise RequestError(
-                422, "not_finite", f"{name} contains NaN or Inf (or a value beyond {metadata.dtype}'s range)"
-            )
-        item[name] = array
-    if signature.attention == "cross" and item["key"].shape[0] != item["value"].shape[0]:
-        raise RequestError(
-            422,
-            "length_mismatch",
-            f"key and value must have the same length, got {item['key'].shape[0]} and {item['value'].shape[0]}",
-        )
+        with np.errstate(over="ignore"):  # values beyond float32's range become inf, which the validator refuses
+            item[name] = np.ascontiguousarray(arrays[name], dtype=np.dtype(metadata.dtype))
+    problem = item_problem(metadata, item, limits.max_tokens)
+    if problem:
+        raise RequestError(422, problem.kind, problem.message)
     return item
 
 
 def check_shape(name: str, shape: tuple[int, ...], metadata: ModelMetadata, limits: RequestLimits) -> None:
-    """One input's shape must be [seq, d_model] with 1 <= seq <= ``limits.max_tokens``."""
-    if 0 in shape[:1]:
-        raise RequestError(422, "empty_sequence", f"{name} is empty: a sequence needs at least one token")
-    if len(shape) != 2:
-        raise RequestError(
-            422, "wrong_rank", f"{name} must have rank 2 [seq, {metadata.d_model}], got shape {list(shape)}"
-        )
-    if shape[1] != metadata.d_model:
-        raise RequestError(
-            422, "wrong_d_model", f"{name} has d_model {shape[1]}, this model expects {metadata.d_model}"
-        )
-    if shape[0] > limits.max_tokens:
-        raise RequestError(
-            422, "too_many_tokens", f"{name} has {shape[0]} tokens, this server accepts at most {limits.max_tokens}"
-        )
+    """One input's shape, checked before its data is cast (or, for .npy bodies, even read)."""
+    problem = shape_problem(metadata, name, shape, limits.max_tokens)
+    if problem:
+        raise RequestError(422, problem.kind, problem.message)
 
 
 def _check_names(names: set[str], metadata: ModelMetadata, kind: str) -> None:
-    expected = set(metadata.signature.sequence_inputs)
-    missing, unexpected = sorted(expected - names), sorted(names - expected)
-    if missing or unexpected:
-        parts = ([f"missing {', '.join(missing)}"] if missing else []) + (
-            [f"unexpected {', '.join(unexpected)}"] if unexpected else []
-        )
-        raise RequestError(
-            422, "wrong_inputs", f"{kind} {'; '.join(parts)}: this model takes {', '.join(sorted(expected))}"
-        )
+    problem = name_problem(names, metadata.signature.sequence_inputs)
+    if problem:
+        raise RequestError(422, problem.kind, f"{kind} {problem.message}")
 
 
 def _from_json(body: bytes, metadata: ModelMetadata) -> dict[str, np.ndarray]:
@@ -165,13 +140,13 @@ def _json_array(name: str, value: object) -> np.ndarray:
 
 def _from_npy(body: bytes, metadata: ModelMetadata, limits: RequestLimits) -> dict[str, np.ndarray]:
     names = metadata.signature.sequence_inputs
-    if names != ("x",):
+    if len(names) != 1:
         raise RequestError(
             415,
             "unsupported_media_type",
-            f"{NPY} carries one array; this cross-attention model takes {', '.join(names)}: send them as {NPZ}",
+            f"{NPY} carries one array; this model takes {', '.join(names)}: send them as {NPZ}",
         )
-    return {"x": _read_npy(io.BytesIO(body), "x", metadata, limits)}
+    return {names[0]: _read_npy(io.BytesIO(body), names[0], metadata, limits)}
 
 
 def _from_npz(body: bytes, metadata: ModelMetadata, limits: RequestLimits) -> dict[str, np.ndarray]:

@@ -35,6 +35,7 @@ class ServeConfig:
     optimized_model_path: str | os.PathLike | None = None
     # Let idle ORT intra-op threads spin-wait for work (lower latency alone, less CPU for everything else).
     spin: bool = False
+    # On SIGTERM: longest wait for accepted requests to finish before exiting anyway (CLI --drain-timeout).
     graceful_timeout_s: float = 30.0
     log_level: str = "info"
     access_log: bool = False

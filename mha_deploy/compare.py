@@ -1,0 +1,137 @@
+"""The one comparator: outputs against a reference, on real query rows. numpy only.
+
+Used by export-time parity, the bench (every row's error against torch), the
+fp16 and int8 budgets, and the tests. Per output it reports max and mean
+absolute and relative error, the relative error of the whole tensor, and the
+smallest atol (at the given rtol) and rtol (at the given atol) that would have
+passed, so a failure says how far off it was.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+import numpy as np
+
+from mha_deploy.signature import Signature
+
+# Below this |reference| a relative error says nothing (division by ~0).
+_TINY = 1e-30
+
+
+@dataclass
+class Comparison:
+    """One output compared with its reference (float64 statistics over real query rows)."""
+
+    name: str
+    atol: float
+    rtol: float
+    max_abs_err: float
+    mean_abs_err: float
+    max_rel_err: float  # max |a - r| / |r| over elements with |r| > 0
+    mean_rel_err: float
+    rel_err: float  # ||a - r|| / ||r||: the whole tensor's relative error
+    required_atol: float  # smallest atol that passes at this rtol
+    required_rtol: float  # smallest rtol that passes at this atol (inf if some |r| == 0 needs it)
+    finite: bool  # every position (real or padding) is finite
+    rel_budget: float | None = None  # when set, passing means rel_err <= rel_budget
+
+    @property
+    def passed(self) -> bool:
+        if not self.finite:
+            return False
+        if self.rel_budget is not None:
+            return self.rel_err <= self.rel_budget
+        return self.required_atol <= self.atol
+
+    def summary(self) -> str:
+        verdict = "PASSED" if self.passed else "FAILED"
+        if not self.finite:
+            return f"{self.name}: FAILED | non-finite values"
+        if self.rel_budget is not None:
+            return (
+                f"{self.name}: {verdict} | relative error {self.rel_err:.3%} (budget {self.rel_budget:.1%}), "
+                f"max abs err {self.max_abs_err:.3g}"
+            )
+        return (
+            f"{self.name}: {verdict} | max abs err {self.max_abs_err:.3g}, mean {self.mean_abs_err:.3g}; "
+            f"max rel err {self.max_rel_err:.3g} (tolerance atol={self.atol:g} rtol={self.rtol:g}; "
+            f"would pass with atol >= {self.required_atol:.3g} or rtol >= {self.required_rtol:.3g})"
+        )
+
+
+def _rows_first(signature: Signature, name: str, array: np.ndarray) -> np.ndarray:
+    """Move the output's query axis next to batch, so that [batch, q_len] rows index it."""
+    axes = signature.tensors[name].axes
+    return np.moveaxis(np.asarray(array), axes.index(signature.query_axis), 1)
+
+
+def compare_arrays(
+    name: str,
+    actual: np.ndarray,
+    expected: np.ndarray,
+    atol: float,
+    rtol: float,
+    rel_budget: float | None = None,
+) -> Comparison:
+    """Compare two arrays of the same shape (already restricted to the positions that matter)."""
+    finite = bool(np.isfinite(actual).all())
+    actual64, expected64 = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
+    if actual64.shape != expected64.shape:
+        raise ValueError(f"{name}: shape {actual64.shape} differs from the reference's {expected64.shape}")
+    abs_err = np.abs(actual64 - expected64)
+    reference = np.abs(expected64)
+    if abs_err.size == 0:
+        return Comparison(name, atol, rtol, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, finite, rel_budget)
+    nonzero = reference > _TINY
+    rel = abs_err[nonzero] / reference[nonzero]
+    excess = abs_err - atol
+    over = excess > 0
+    if not over.any():
+        required_rtol = 0.0
+    elif (reference[over] <= _TINY).any():
+        required_rtol = float("inf")
+    else:
+        required_rtol = float((excess[over] / reference[over]).max())
+    return Comparison(
+        name=name,
+        atol=atol,
+        rtol=rtol,
+        max_abs_err=float(abs_err.max()),
+        mean_abs_err=float(abs_err.mean()),
+        max_rel_err=float(rel.max()) if rel.size else 0.0,
+        mean_rel_err=float(rel.mean()) if rel.size else 0.0,
+        rel_err=float(np.linalg.norm(abs_err) / max(float(np.linalg.norm(expected64)), _TINY)),
+        required_atol=float(max(0.0, (abs_err - rtol * reference).max())),
+        required_rtol=required_rtol,
+        finite=finite,
+        rel_budget=rel_budget,
+    )
+
+
+def compare_outputs(
+    signature: Signature,
+    actual: Mapping[str, np.ndarray],
+    expected: Mapping[str, np.ndarray],
+    rows: np.ndarray | None = None,
+    atol: float = 1e-5,
+    rtol: float = 1e-4,
+    rel_budget: float | None = None,
+    names: Iterable[str] | None = None,
+) -> list[Comparison]:
+    """Compare each output (default: every output of ``signature``) on the real query ``rows`` [batch, q_len].
+
+    Padded query rows are never returned to users, so only their finiteness is checked.
+    """
+    results = []
+    for name in names or signature.output_names:
+        got, want = _rows_first(signature, name, actual[name]), _rows_first(signature, name, expected[name])
+        if rows is not None:
+            got_real, want_real = got[rows], want[rows]
+        else:
+            got_real, want_real = got, want
+        comparison = compare_arrays(name, got_real, want_real, atol, rtol, rel_budget)
+        comparison.finite = bool(np.isfinite(got).all())
+        results.append(comparison)
+    return results

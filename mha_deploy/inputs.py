@@ -1,0 +1,86 @@
+"""Inputs generated from a model's Signature: seeded, with padding on either side. numpy only.
+
+The one data loader: export-time parity, the bench, the precision budgets, the
+session's warm-up and the tests all draw their inputs here, so a new input kind
+is generated once, from its ``TensorSpec``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from mha_deploy.signature import PADDING_MASK, SEQUENCE, Signature
+
+PADDING_SIDES = ("none", "right", "left", "mixed")
+
+
+@dataclass(frozen=True)
+class InputCase:
+    """One shape to generate: batch, query length, key length, and where padding goes (if the model has a mask)."""
+
+    batch: int
+    q_len: int
+    kv_len: int
+    padding: str = "right"
+
+    def label(self, signature: Signature) -> str:
+        one_sequence = len(signature.sequence_axes) == 1
+        shape = f"{self.batch}x{self.q_len}" if one_sequence else f"{self.batch}x{self.q_len}x{self.kv_len}"
+        return f"{shape}/{self.padding}" if signature.has_padding_mask and self.padding != "none" else shape
+
+
+def padding_mask(batch: int, length: int, padding: str, rng: np.random.Generator) -> np.ndarray:
+    """bool [batch, length], True = real token, random lengths >= 1; row 0 is always full length."""
+    if padding not in PADDING_SIDES:
+        raise ValueError(f"padding must be one of {', '.join(PADDING_SIDES)}, got {padding!r}")
+    lengths = rng.integers(1, length + 1, size=batch)
+    lengths[0] = length
+    positions = np.arange(length)[None, :]
+    right = positions < lengths[:, None]
+    left = positions >= (length - lengths)[:, None]
+    if padding == "none":
+        return np.ones((batch, length), dtype=bool)
+    if padding == "right":
+        return right
+    if padding == "left":
+        return left
+    return np.where((np.arange(batch) % 2 == 0)[:, None], left, right)
+
+
+def make_inputs(
+    signature: Signature, d_model: int, case: InputCase, seed: int = 0, dtype: str = "float32"
+) -> dict[str, np.ndarray]:
+    """Standard-normal sequences and padding masks for every input of ``signature`` at ``case``'s shape."""
+    rng = np.random.default_rng(seed)
+    sizes = signature.axis_sizes(case.batch, case.q_len, case.kv_len, d_model=d_model)
+    feeds: dict[str, np.ndarray] = {}
+    for spec in signature.inputs:
+        if spec.role == SEQUENCE:
+            feeds[spec.name] = rng.standard_normal(spec.shape(sizes), dtype=np.float32).astype(dtype, copy=False)
+        elif spec.role == PADDING_MASK:
+            feeds[spec.name] = padding_mask(case.batch, sizes[spec.axes[1]], case.padding, rng)
+    return feeds
+
+
+def placeholder_inputs(
+    signature: Signature, d_model: int, dtype: str, batch: int = 1, q_len: int = 1, kv_len: int | None = None
+) -> dict[str, np.ndarray]:
+    """Zeros of the given shape with masks that hide nothing: for warm-up runs and device buffers."""
+    sizes = signature.axis_sizes(batch, q_len, kv_len, d_model=d_model)
+    return {
+        spec.name: np.ones(spec.shape(sizes), bool)
+        if spec.role == PADDING_MASK
+        else np.zeros(spec.shape(sizes), np.dtype(spec.numpy_dtype(dtype)))
+        for spec in signature.inputs
+    }
+
+
+def real_query_rows(signature: Signature, feeds: dict[str, np.ndarray]) -> np.ndarray:
+    """bool [batch, q_len]: the query positions whose outputs users read."""
+    query = signature.query_input
+    for mask_name, sequence_name in signature.padding_masks.items():
+        if sequence_name == query:
+            return feeds[mask_name]
+    return np.ones(feeds[query].shape[:2], dtype=bool)

@@ -1,0 +1,235 @@
+"""The exported model's I/O contract: every input and output, its role, dtype and named axes.
+
+The one description of what a model takes and returns. The exporter traces and
+declares dynamic axes from it, ``MHASession`` validates feeds and builds warm-up
+inputs from it, the batch planner pads and cuts by its axes, the HTTP server and
+Triton describe tensors with it, and parity, bench and tests generate inputs
+from it. Adding an input kind means adding its ``TensorSpec`` here and the code
+that computes it in the graph.
+
+No torch and no onnx here: both sides of the file boundary import this module.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from mha_deploy.errors import ExportError
+
+ATTENTION_KINDS = ("self", "cross")
+# A lone reference MHA, or a post-norm Transformer stack built from it.
+MODEL_KINDS = ("mha", "encoder", "decoder")
+MASK_MODES = ("none", "padding", "causal", "padding-causal")
+
+# Roles of a tensor in the contract.
+SEQUENCE = "sequence"  # float [batch, <sequence axis>, d_model]
+PADDING_MASK = "padding_mask"  # bool [batch, <sequence axis>], True = real token
+OUTPUT = "output"  # float [batch, <query axis>, d_model]
+WEIGHTS = "weights"  # float [batch, heads, <query axis>, <key axis>]: the softmax probabilities
+
+# Axes whose size is fixed by the model (recorded in its metadata); every other axis is dynamic.
+FIXED_AXES = ("d_model", "heads")
+BATCH_AXIS = "batch"
+# dtype of a float tensor: whatever the model was exported in (float32, or float16).
+MODEL_DTYPE = "model"
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """One input or output of the contract."""
+
+    name: str
+    role: str
+    dtype: str  # MODEL_DTYPE or "bool"
+    axes: tuple[str, ...]  # e.g. ("batch", "seq", "d_model")
+    marks: str | None = None  # padding masks: the sequence input whose positions it marks
+
+    @property
+    def sequence_axis(self) -> str | None:
+        """The length axis of a sequence input or padding mask (axis 1), else None."""
+        return self.axes[1] if self.role in (SEQUENCE, PADDING_MASK) else None
+
+    @property
+    def dynamic_axes(self) -> dict[int, str]:
+        """Position -> name of every axis whose size varies from call to call."""
+        return {i: axis for i, axis in enumerate(self.axes) if axis not in FIXED_AXES}
+
+    def numpy_dtype(self, model_dtype: str) -> str:
+        return model_dtype if self.dtype == MODEL_DTYPE else self.dtype
+
+    def shape(self, sizes: Mapping[str, int]) -> tuple[int, ...]:
+        """The concrete shape for axis sizes ``sizes`` (name -> size; must cover every axis)."""
+        return tuple(int(sizes[axis]) for axis in self.axes)
+
+    def dims(self, sizes: Mapping[str, int], dynamic: int = -1) -> tuple[int, ...]:
+        """The shape with ``dynamic`` (Triton and the v2 protocol use -1) for every dynamic axis."""
+        return tuple(int(sizes[axis]) if axis in FIXED_AXES else dynamic for axis in self.axes)
+
+
+@dataclass(frozen=True)
+class Signature:
+    """Which inputs and outputs an exported model has, and what they mean."""
+
+    attention: str = "self"
+    mask: str = "none"
+    return_weights: bool = False
+    # "encoder": x -> output with self-attention layers; "decoder": x (target) and
+    # memory -> output, causal self-attention then cross-attention over memory.
+    model: str = "mha"
+
+    def __post_init__(self):
+        if self.model not in MODEL_KINDS:
+            raise ExportError(f"model must be one of {', '.join(MODEL_KINDS)}, got {self.model!r}")
+        if self.attention not in ATTENTION_KINDS:
+            raise ExportError(f"attention must be one of {', '.join(ATTENTION_KINDS)}, got {self.attention!r}")
+        if self.mask not in MASK_MODES:
+            raise ExportError(f"mask must be one of {', '.join(MASK_MODES)}, got {self.mask!r}")
+        if self.model != "mha":
+            self._check_stack()
+        elif self.is_causal and self.attention == "cross":
+            raise ExportError(
+                f"mask {self.mask!r} needs self-attention: a causal mask orders queries and keys of "
+                "one sequence, which cross-attention does not have (use --mask padding or none)"
+            )
+
+    def _check_stack(self) -> None:
+        attention = "self" if self.model == "encoder" else "cross"
+        if self.attention != attention:
+            raise ExportError(f"--model {self.model} has {attention}-attention inputs, not {self.attention!r}")
+        if self.mask not in ("none", "padding"):
+            raise ExportError(
+                f"--model {self.model} takes --mask none or padding"
+                + (" (its self-attention is always causal)" if self.model == "decoder" else "")
+            )
+        if self.return_weights:
+            raise ExportError(f"--model {self.model} has several attentions: --return-weights is for a lone MHA")
+
+    @property
+    def has_padding_mask(self) -> bool:
+        return self.mask in ("padding", "padding-causal")
+
+    @property
+    def is_causal(self) -> bool:
+        """Whether the mask mode is causal (a decoder's self-attention is causal whatever the mask mode)."""
+        return self.mask in ("causal", "padding-causal")
+
+    # --- the tensors -------------------------------------------------------------------------
+
+    @property
+    def _sequences(self) -> tuple[tuple[str, str], ...]:
+        """(input name, its length axis) of each sequence input; the first one's positions are the output rows."""
+        if self.model == "decoder":
+            return (("x", "tgt_seq"), ("memory", "mem_seq"))
+        if self.attention == "self":
+            return (("x", "seq"),)
+        return (("query", "q_seq"), ("key", "kv_seq"), ("value", "kv_seq"))
+
+    @property
+    def _masks(self) -> tuple[tuple[str, str], ...]:
+        """(mask name, the sequence input it marks)."""
+        if not self.has_padding_mask:
+            return ()
+        if self.model == "decoder":
+            return (("key_padding_mask", "x"), ("memory_padding_mask", "memory"))
+        return (("key_padding_mask", "x" if self.attention == "self" else "key"),)
+
+    @property
+    def inputs(self) -> tuple[TensorSpec, ...]:
+        axis_of = dict(self._sequences)
+        specs = [
+            TensorSpec(name, SEQUENCE, MODEL_DTYPE, (BATCH_AXIS, axis, "d_model")) for name, axis in axis_of.items()
+        ]
+        specs += [
+            TensorSpec(name, PADDING_MASK, "bool", (BATCH_AXIS, axis_of[marks]), marks=marks)
+            for name, marks in self._masks
+        ]
+        return tuple(specs)
+
+    @property
+    def outputs(self) -> tuple[TensorSpec, ...]:
+        specs = [TensorSpec("output", OUTPUT, MODEL_DTYPE, (BATCH_AXIS, self.query_axis, "d_model"))]
+        if self.return_weights:
+            axes = (BATCH_AXIS, "heads", self.query_axis, self.key_axis)
+            specs.append(TensorSpec("attn_weights", WEIGHTS, MODEL_DTYPE, axes))
+        return tuple(specs)
+
+    @property
+    def tensors(self) -> dict[str, TensorSpec]:
+        """Every input and output by name."""
+        return {spec.name: spec for spec in (*self.inputs, *self.outputs)}
+
+    @property
+    def sequence_inputs(self) -> tuple[str, ...]:
+        return tuple(name for name, _ in self._sequences)
+
+    @property
+    def padding_masks(self) -> dict[str, str]:
+        """Each bool padding-mask input -> the sequence input whose positions it marks."""
+        return dict(self._masks)
+
+    @property
+    def input_names(self) -> tuple[str, ...]:
+        return tuple(spec.name for spec in self.inputs)
+
+    @property
+    def output_names(self) -> tuple[str, ...]:
+        return tuple(spec.name for spec in self.outputs)
+
+    # --- the axes ----------------------------------------------------------------------------
+
+    @property
+    def query_input(self) -> str:
+        """The sequence input whose positions are the output's rows (x or query)."""
+        return self._sequences[0][0]
+
+    @property
+    def query_axis(self) -> str:
+        return self._sequences[0][1]
+
+    @property
+    def key_axis(self) -> str:
+        """The length axis of the keys the (first) attention reads."""
+        return self._sequences[0][1] if self.attention == "self" else self._sequences[1][1]
+
+    @property
+    def sequence_axes(self) -> tuple[str, ...]:
+        """Every dynamic length axis, query axis first."""
+        return tuple(dict.fromkeys(axis for _, axis in self._sequences))
+
+    def axis_of(self, name: str) -> str:
+        """The length axis of a sequence input or padding mask."""
+        axis = self.tensors[name].sequence_axis
+        if axis is None:
+            raise KeyError(f"{name} has no sequence axis")
+        return axis
+
+    @property
+    def paddable_axes(self) -> frozenset[str]:
+        """Length axes that can be right-padded without changing any real position's output.
+
+        A query position never influences another, so an axis read only as
+        queries can always be padded. An axis read as keys can be padded when a
+        padding mask marks it, or when the attention over it is causal (right
+        padding comes after every real query, which never sees it).
+        """
+        attended = {self.key_axis}
+        if self.model == "decoder":
+            attended = {"tgt_seq", "mem_seq"}
+        causal = {self.query_axis} if self.is_causal or self.model == "decoder" else set()
+        masked = {self.axis_of(mask) for mask in self.padding_masks}
+        return frozenset(axis for axis in self.sequence_axes if axis not in attended - causal - masked)
+
+    def axis_sizes(self, batch: int, q_len: int, kv_len: int | None = None, **fixed: int) -> dict[str, int]:
+        """Axis sizes for a batch whose query axis has ``q_len`` and every other length axis ``kv_len``.
+
+        ``fixed`` gives the model's fixed axes (d_model=..., heads=...).
+        """
+        kv_len = q_len if kv_len is None else kv_len
+        sizes = {BATCH_AXIS: batch, **fixed}
+        for axis in self.sequence_axes:
+            sizes[axis] = q_len if axis == self.query_axis else kv_len
+        return sizes
+
+    def input_shapes(self, sizes: Mapping[str, int]) -> dict[str, tuple[int, ...]]:
+        return {spec.name: spec.shape(sizes) for spec in self.inputs}
