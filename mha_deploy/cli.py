@@ -6,6 +6,7 @@ them, so ``--help`` is instant and serving commands never load torch.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 from pathlib import Path
@@ -13,15 +14,31 @@ from pathlib import Path
 import click
 
 from mha_deploy import __version__
-from mha_deploy.errors import MHADeployError
-from mha_deploy.metadata import ATTENTION_KINDS, MASK_MODES
+from mha_deploy.cli_options import DEFAULT_D_MODEL, DEFAULT_HEADS, model_options, session_options
+from mha_deploy.errors import MHADeployError, ModelConfigError
+from mha_deploy.metadata import (
+    ATTENTION_KINDS,
+    DTYPE_CHOICES,
+    FUSE_CHOICES,
+    MASK_MODES,
+    MAX_OPSET,
+    MIN_OPSET,
+    MODEL_KINDS,
+    ON_ERROR_CHOICES,
+    QUANTIZE_CHOICES,
+    TRITON_KINDS,
+)
 
-PROVIDERS = ("auto", "cpu", "cuda")
-DEFAULT_D_MODEL, DEFAULT_HEADS = 512, 8
+# ServeConfig.graceful_timeout_s (not imported: the serving package loads onnxruntime).
+DEFAULT_DRAIN_TIMEOUT_S = 30.0
 
 
 class _Group(click.Group):
-    """Turns errors into one line on stderr (a traceback only with ``--debug``)."""
+    """Turns errors into one line on stderr (a traceback only with ``--debug``).
+
+    Usage mistakes are ``click.UsageError`` (exit 2, Click's format); an
+    ``MHADeployError`` exits 1 with its message; anything else exits 1 as unexpected.
+    """
 
     def invoke(self, ctx: click.Context):
         try:
@@ -32,10 +49,15 @@ class _Group(click.Group):
             if ctx.obj and ctx.obj.get("debug"):
                 raise
             if isinstance(exc, MHADeployError):
-                click.echo(f"error: {exc}", err=True)
+                click.echo(f"error: {_one_line(exc)}", err=True)
             else:
-                click.echo(f"error: unexpected {type(exc).__name__}: {exc} (rerun with --debug for details)", err=True)
+                click.echo(f"error: unexpected {type(exc).__name__}: {_one_line(exc)} (rerun with --debug for details)",
+                           err=True)
             ctx.exit(1)
+
+
+def _one_line(exc: BaseException) -> str:
+    return "; ".join(line.strip() for line in str(exc).splitlines() if line.strip())
 
 
 @click.group(cls=_Group)
@@ -54,11 +76,8 @@ def main(ctx: click.Context, debug: bool) -> None:
 
 
 @main.command()
-@click.option("--checkpoint", type=click.Path(dir_okay=False, path_type=Path),
-              help="State dict (.safetensors, .pt, .pth) in any common naming; omit for a seeded random model.")
-@click.option("--d-model", type=int, help=f"Model width (default {DEFAULT_D_MODEL}; read from the checkpoint).")
-@click.option("--heads", type=int, help=f"Number of heads (default {DEFAULT_HEADS}, or the checkpoint's metadata).")
-@click.option("--model", "model_kind", type=click.Choice(("mha", "encoder", "decoder")), default="mha",
+@model_options
+@click.option("--model", "model_kind", type=click.Choice(MODEL_KINDS), default="mha",
               show_default=True, help="A lone MHA, or a post-norm Transformer stack of --layers layers built from it "
                                       "(random init; decoder inputs: x, memory).")
 @click.option("--layers", type=click.IntRange(min=1), default=1, show_default=True, help="Layers of a stack.")
@@ -68,18 +87,26 @@ def main(ctx: click.Context, debug: bool) -> None:
 @click.option("--mask", type=click.Choice(MASK_MODES), default="none", show_default=True,
               help="padding adds input key_padding_mask (bool, True = real token); causal is built into the graph.")
 @click.option("--return-weights", is_flag=True, help="Also output attn_weights [batch, heads, q_seq, kv_seq].")
-@click.option("--fuse", type=click.Choice(("auto", "mha", "onnx", "none")), default="auto", show_default=True,
-              help="Fuse each attention into one op: mha = ORT contrib MultiHeadAttention, onnx = standard "
-                   "Attention (opset 23), none = plain graph, auto = fastest measured (falls back to none).")
-@click.option("--quantize", type=click.Choice(("none", "int8")), default="none", show_default=True,
+@click.option("--fuse", type=click.Choice(FUSE_CHOICES), default="auto", show_default=True,
+              help="Fuse each attention into one op. mha: ORT contrib MultiHeadAttention; it takes the padding "
+                   "mask and causal flag as they are, so no [batch, q_len, kv_len] mask is built in the graph "
+                   "(onnx builds one for a padding mask, which costs memory). onnx: standard Attention (opset 23), "
+                   "the only op that can also output the probabilities. none: the plain graph. auto picks mha for "
+                   "that memory saving, or onnx when --return-weights asks for the probabilities; it falls back to "
+                   "none with a warning if fusion or parity fails.")
+@click.option("--quantize", type=click.Choice(QUANTIZE_CHOICES), default="none", show_default=True,
               help="int8: dynamic int8 projections for ORT's CPU provider, attention kept fused; parity then "
                    "means a relative error within 5%.")
-@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the random-init model.")
-@click.option("--opset", type=int, default=23, show_default=True)
-@click.option("--dtype", type=click.Choice(("fp32", "fp16")), default="fp32", show_default=True,
+@click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True, help="Seed of the random-init model.")
+@click.option("--opset", type=click.IntRange(MIN_OPSET, MAX_OPSET), default=MAX_OPSET, show_default=True,
+              help=f"ONNX opset (torch's exporter needs >= {MIN_OPSET}; --fuse onnx, the standard Attention op, "
+                   f"needs {MAX_OPSET}).")
+@click.option("--dtype", type=click.Choice(DTYPE_CHOICES), default="fp32", show_default=True,
               help="fp16: half-precision weights and I/O (for CUDA), checked against the fp32 torch reference.")
-@click.option("--atol", type=float, help="Parity tolerance, absolute (default 1e-5 for fp32, 5e-3 for fp16).")
-@click.option("--rtol", type=float, help="Parity tolerance, relative (default 1e-4 for fp32, 5e-3 for fp16).")
+@click.option("--atol", type=click.FloatRange(min=0),
+              help="Parity tolerance, absolute (default 1e-5 for fp32, 5e-3 for fp16).")
+@click.option("--rtol", type=click.FloatRange(min=0),
+              help="Parity tolerance, relative (default 1e-4 for fp32, 5e-3 for fp16).")
 @click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path), required=True,
               help="Where to write the .onnx file (written only if parity passes).")
 def export(checkpoint, d_model, heads, model_kind, layers, d_ff, attention, mask, return_weights, fuse, quantize, seed,
@@ -112,7 +139,7 @@ def export(checkpoint, d_model, heads, model_kind, layers, d_ff, attention, mask
             raise click.UsageError(
                 f"--model {model_kind} exports a seeded random stack: no --checkpoint or --return-weights"
             )
-        stack = _build_stack(model_kind, layers, d_model or DEFAULT_D_MODEL, heads or DEFAULT_HEADS, d_ff, seed)
+        stack = _build_stack(model_kind, layers, d_model, heads, d_ff, seed)
         click.echo(f"exporting a {layers}-layer {model_kind}, mask={mask}", err=True)
         result = export_stack(stack, output, mask=mask, **options)
     for warning in result.warnings:
@@ -122,31 +149,43 @@ def export(checkpoint, d_model, heads, model_kind, layers, d_ff, attention, mask
     click.echo(f"wrote {result.path}")
 
 
-def _build_stack(kind: str, layers: int, d_model: int, heads: int, d_ff: int | None, seed: int):
+def _build_stack(kind: str, layers: int, d_model: int | None, heads: int | None, d_ff: int | None, seed: int):
     import torch
 
     from mha_deploy.models.transformer import Decoder, Encoder
 
+    d_model = DEFAULT_D_MODEL if d_model is None else d_model
+    heads = DEFAULT_HEADS if heads is None else heads
     torch.manual_seed(seed)
     stack_cls = Encoder if kind == "encoder" else Decoder
-    try:
-        return stack_cls(layers, d_model, heads, d_ff or 4 * d_model).eval()
-    except ValueError as exc:  # heads not dividing d_model
-        raise click.UsageError(str(exc)) from None
+    with _sizes_from_flags():
+        return stack_cls(layers, d_model, heads, 4 * d_model if d_ff is None else d_ff).eval()
 
 
-def _load_model(checkpoint, d_model, heads, seed):
+def _load_model(checkpoint, d_model: int | None, heads: int | None, seed: int):
     import torch
 
     from mha_deploy.models import MultiHeadAttention, load_checkpoint
 
     if checkpoint is None:
         torch.manual_seed(seed)
-        return MultiHeadAttention(d_model or DEFAULT_D_MODEL, heads or DEFAULT_HEADS).eval()
+        with _sizes_from_flags():
+            return MultiHeadAttention(
+                DEFAULT_D_MODEL if d_model is None else d_model, DEFAULT_HEADS if heads is None else heads
+            ).eval()
     mha = load_checkpoint(checkpoint, num_heads=heads)
     if d_model is not None and d_model != mha.d_model:
         raise click.UsageError(f"--d-model {d_model} disagrees with the checkpoint's d_model {mha.d_model}")
     return mha
+
+
+@contextlib.contextmanager
+def _sizes_from_flags():
+    """Sizes the model refuses (e.g. heads not dividing d_model) came from the flags: a usage error (exit 2)."""
+    try:
+        yield
+    except ModelConfigError as exc:
+        raise click.UsageError(str(exc)) from None
 
 
 @main.command()
@@ -164,7 +203,7 @@ def _load_model(checkpoint, d_model, heads, seed):
               help="At most this many padded positions (items × longest sequence) per batch.")
 @click.option("--bucket-window", type=click.IntRange(min=0), default=256, show_default=True,
               help="Items read ahead and sorted by length before batching (bounds memory); 0 keeps input order.")
-@click.option("--on-error", type=click.Choice(["stop", "skip"]), default="stop", show_default=True,
+@click.option("--on-error", type=click.Choice(ON_ERROR_CHOICES), default="stop", show_default=True,
               help="At a bad item (wrong shape or dtype, NaN, empty): stop with an error, or skip it and list it.")
 @click.option("--overwrite", is_flag=True, help="Redo every shard, even those a previous run finished.")
 @click.option("--engine", type=click.Choice(["local", "ray"]), default="local", show_default=True,
@@ -174,8 +213,7 @@ def _load_model(checkpoint, d_model, heads, seed):
               help="Ray actors, each holding one session.")
 @click.option("--num-gpus", type=click.FloatRange(min=0), default=0, show_default=True,
               help="GPUs per Ray actor (use with --provider cuda).")
-@click.option("--provider", type=click.Choice(PROVIDERS), default="auto", show_default=True)
-@click.option("--threads", type=click.IntRange(min=1), help="ORT intra-op threads (default: all cores).")
+@session_options()
 @click.option("--progress/--no-progress", default=True, show_default=True, help="Progress bar on stderr.")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON on stdout.")
 def infer(model, input_path, output_path, batch_size, max_tokens, bucket_window, on_error, overwrite, engine,
@@ -305,8 +343,7 @@ def inspect(model, as_json):
               help="Most padded positions (requests x longest sequence) in one run; bounds its memory.")
 @click.option("--workers", type=click.IntRange(min=1), default=1, show_default=True,
               help="Batches run at once, each in its own thread.")
-@click.option("--provider", type=click.Choice(PROVIDERS), default="auto", show_default=True)
-@click.option("--threads", type=click.IntRange(min=1), help="ORT intra-op threads (default: all cores).")
+@session_options()
 @click.option("--max-body-mb", type=click.FloatRange(min=0, min_open=True), default=64, show_default=True,
               help="Larger request bodies get 413.")
 @click.option("--max-tokens", type=click.IntRange(min=1), default=1024, show_default=True,
@@ -318,14 +355,16 @@ def inspect(model, as_json):
 @click.option("--log-level", type=click.Choice(("debug", "info", "warning", "error")), default="info",
               show_default=True)
 @click.option("--access-log", is_flag=True, help="Log every request (costs throughput).")
+@click.option("--drain-timeout", type=click.FloatRange(min=0), default=DEFAULT_DRAIN_TIMEOUT_S, show_default=True,
+              help="Seconds a SIGTERM waits for accepted requests to finish before the server exits anyway.")
 def serve(model, host, port, max_batch, max_wait_ms, max_batch_tokens, workers, provider, threads, max_body_mb,
-          max_tokens, optimized_model, spin, log_level, access_log):
+          max_tokens, optimized_model, spin, log_level, access_log, drain_timeout):
     """Serve a model over HTTP with dynamic micro-batching (needs the 'serve' extra).
 
     POST /v1/infer takes {"x": [[...d_model floats] x seq]} (cross-attention: query, key,
     value) as JSON, an .npy body (application/x-npy) or an .npz body (application/x-npz);
     GET /healthz, /readyz and /metrics (Prometheus) are for orchestration. SIGTERM
-    finishes every accepted request before exiting.
+    finishes every accepted request (up to --drain-timeout) before exiting.
 
     \b
     Example:
@@ -341,6 +380,7 @@ def serve(model, host, port, max_batch, max_wait_ms, max_batch_tokens, workers, 
         model, host=host, port=port, provider=provider, threads=threads, max_batch=max_batch,
         max_wait_ms=max_wait_ms, max_batch_tokens=max_batch_tokens, workers=workers, limits=limits,
         optimized_model_path=optimized_model, spin=spin, log_level=log_level, access_log=access_log,
+        graceful_timeout_s=drain_timeout,
     ))
 
 
@@ -351,7 +391,7 @@ def serve(model, host, port, max_batch, max_wait_ms, max_batch_tokens, workers, 
 @click.option("--name", help="Model name in the repository (default: the file's stem).")
 @click.option("--instances", type=click.IntRange(min=1), default=1, show_default=True,
               help="Model instances Triton runs at once.")
-@click.option("--kind", type=click.Choice(("cpu", "gpu")), default="cpu", show_default=True)
+@click.option("--kind", type=click.Choice(tuple(TRITON_KINDS)), default="cpu", show_default=True)
 @click.option("--max-batch-size", type=click.IntRange(min=0), default=32, show_default=True,
               help="Largest batch Triton's dynamic batcher forms; 0 disables batching.")
 @click.option("--max-queue-delay-us", type=click.IntRange(min=0), default=500, show_default=True,
@@ -379,16 +419,12 @@ def triton(model, repo, name, instances, kind, max_batch_size, max_queue_delay_u
 
 @main.command()
 @click.argument("model", type=click.Path(path_type=Path), required=False)
-@click.option("--checkpoint", type=click.Path(dir_okay=False, path_type=Path),
-              help="Weights for every compared path; omit for the seeded built-in default.")
-@click.option("--d-model", type=int, help=f"Model width of the built-in default (default {DEFAULT_D_MODEL}).")
-@click.option("--heads", type=int, help=f"Heads of the built-in default (default {DEFAULT_HEADS}).")
+@model_options
 @click.option("--mask", type=click.Choice(MASK_MODES), default="none", show_default=True)
 @click.option("--shapes", default="8x128,1x1024,32x64,1x4096", show_default=True, help="BATCHxSEQ,...")
-@click.option("--provider", type=click.Choice(PROVIDERS), default="cpu", show_default=True)
-@click.option("--threads", type=click.IntRange(min=1), default=2, show_default=True,
-              help="Threads for torch and ORT alike.")
-@click.option("--budget-s", type=float, default=2.0, show_default=True, help="Timing budget per backend and shape.")
+@session_options(provider="cpu", threads=2)
+@click.option("--budget-s", type=click.FloatRange(min=0, min_open=True), default=2.0, show_default=True,
+              help="Timing budget per backend and shape.")
 @click.option("--memory-shapes", default="1x4096,32x512", show_default=True,
               help="Shapes at which peak RSS of each ORT path is measured (in fresh processes); '' to skip.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON on stdout.")

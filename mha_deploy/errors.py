@@ -31,3 +31,15 @@ class InputError(MHADeployError, ValueError):
 
 class ProviderUnavailableError(MHADeployError):
     """The requested execution provider cannot run on this machine."""
+
+
+class ModelConfigError(MHADeployError, ValueError):
+    """A reference model was asked for with sizes it cannot have (e.g. heads not dividing d_model)."""
+
+
+class BatchingConfigError(MHADeployError, ValueError):
+    """Micro-batching options are out of range."""
+
+
+class BatcherStoppedError(MHADeployError, RuntimeError):
+    """The micro-batcher's collecting loop has died, so no request can run; restart the server."""

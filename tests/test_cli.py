@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import importlib
 import json
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
+import click
 import numpy as np
 import pytest
 import torch
@@ -98,9 +100,7 @@ def test_export_from_checkpoint(tmp_path):
     ("args", "fragment"),
     [
         (["--attention", "cross", "--mask", "causal"], "needs self-attention"),
-        (["--d-model", "10", "--heads", "3"], "must be divisible by num_heads"),
         (["--checkpoint", "missing.pt"], "missing.pt"),
-        (["--atol", "0", "--rtol", "0", *SMALL], "parity FAILED"),
     ],
 )
 def test_export_errors_leave_nothing(tmp_path, monkeypatch, args, fragment):
@@ -108,6 +108,101 @@ def test_export_errors_leave_nothing(tmp_path, monkeypatch, args, fragment):
     result = invoke("export", *args, "-o", "mha.onnx")
     assert_one_line_error(result, fragment)
     assert not Path("mha.onnx").exists()
+
+
+def test_export_refuses_a_model_that_fails_parity(tmp_path, monkeypatch, defective_export):
+    monkeypatch.chdir(tmp_path)
+    result = invoke("export", *SMALL, "--fuse", "mha", "-o", "mha.onnx")
+    assert_one_line_error(result, "parity FAILED")
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    ("args", "fragment"),
+    [
+        (["--heads", "0"], "Invalid value for '--heads': 0 is not in the range x>=1"),
+        (["--d-model", "0"], "Invalid value for '--d-model': 0 is not in the range x>=1"),
+        (["--model", "encoder", "--layers", "0"], "Invalid value for '--layers': 0 is not in the range x>=1"),
+        (["--model", "decoder", "--d-ff", "0"], "Invalid value for '--d-ff': 0 is not in the range x>=1"),
+        (["--opset", "99"], "Invalid value for '--opset': 99 is not in the range 18<=x<=23"),
+        (["--opset", "17"], "Invalid value for '--opset': 17 is not in the range 18<=x<=23"),
+        (["--d-model", "10", "--heads", "3"], "d_model (10) must be divisible by num_heads (3)"),
+        (["--model", "encoder", "--d-model", "10", "--heads", "3"], "d_model (10) must be divisible by num_heads (3)"),
+        (["--layers", "2"], "--layers is for --model encoder or decoder"),
+    ],
+)
+def test_export_usage_errors_exit_2_and_leave_nothing(tmp_path, monkeypatch, args, fragment):
+    monkeypatch.chdir(tmp_path)
+    result = invoke("export", *args, "-o", "mha.onnx")
+    assert result.exit_code == 2, result.output
+    errors = [line for line in result.stderr.splitlines() if line.startswith("Error")]
+    assert errors == [result.stderr.strip().splitlines()[-1]] and fragment in errors[0], result.stderr
+    assert "Traceback" not in result.output and "unexpected" not in result.output
+    assert list(tmp_path.iterdir()) == []
+
+
+def _constant(dotted: str):
+    module, _, name = dotted.rpartition(".")
+    return getattr(importlib.import_module(module), name)
+
+
+@pytest.mark.parametrize(
+    ("command", "param", "constant"),
+    [
+        ("export", "fuse", "mha_deploy.exporters.export.FUSE_CHOICES"),
+        ("export", "quantize", "mha_deploy.exporters.export.QUANTIZE_CHOICES"),
+        ("export", "dtype", "mha_deploy.exporters.precision.DTYPES"),
+        ("export", "model_kind", "mha_deploy.metadata.MODEL_KINDS"),
+        ("export", "attention", "mha_deploy.metadata.ATTENTION_KINDS"),
+        ("export", "mask", "mha_deploy.metadata.MASK_MODES"),
+        ("infer", "provider", "mha_deploy.runtime.providers.PROVIDER_CHOICES"),
+        ("serve", "provider", "mha_deploy.runtime.providers.PROVIDER_CHOICES"),
+        ("bench", "provider", "mha_deploy.runtime.providers.PROVIDER_CHOICES"),
+        ("infer", "on_error", "mha_deploy.batch.runner.ON_ERROR_CHOICES"),
+        ("triton", "kind", "mha_deploy.serving.triton.KINDS"),
+    ],
+)
+def test_choices_are_the_library_constants(command, param, constant):
+    assert tuple(_param(command, param).type.choices) == tuple(_constant(constant))
+
+
+def _param(command: str, name: str) -> click.Parameter:
+    return next(p for p in main.commands[command].params if p.name == name)
+
+
+def test_opset_range_is_what_the_exporter_supports():
+    from mha_deploy.exporters.torch_export import DEFAULT_OPSET
+
+    opset = _param("export", "opset")
+    assert (opset.type.min, opset.type.max, opset.default) == (18, DEFAULT_OPSET, DEFAULT_OPSET)
+
+
+@pytest.mark.parametrize("names", [("checkpoint", "d_model", "heads"), ("provider", "threads")])
+def test_shared_options_mean_the_same_everywhere(names):
+    commands = [c for c in main.commands.values() if {p.name for p in c.params} >= set(names)]
+    assert len(commands) >= 2
+    for name in names:
+        params = [_param(c.name, name) for c in commands]
+        assert len({(p.help, repr(p.type)) for p in params}) == 1, name
+
+
+def test_drain_timeout_reaches_the_serve_config(monkeypatch):
+    import mha_deploy.serving.http as http
+
+    configs = []
+    monkeypatch.setattr(http, "serve", configs.append)
+    result = invoke("serve", "mha.onnx", "--drain-timeout", "7.5", "--provider", "cpu", "--threads", "3")
+    assert result.exit_code == 0, result.output
+    assert (configs[0].graceful_timeout_s, configs[0].provider, configs[0].threads) == (7.5, "cpu", 3)
+    assert invoke("serve", "mha.onnx").exit_code == 0
+    assert configs[1].graceful_timeout_s == http.ServeConfig("m.onnx").graceful_timeout_s
+    assert invoke("serve", "mha.onnx", "--drain-timeout", "-1").exit_code == 2
+
+
+def test_cli_imports_neither_torch_nor_onnxruntime():
+    code = "import mha_deploy.cli, sys; print(sorted(m for m in ('torch','onnxruntime') if m in sys.modules))"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    assert result.stdout.strip() == "[]"
 
 
 def test_export_checkpoint_with_unknown_keys(tmp_path):
@@ -127,9 +222,12 @@ def padded_model(export_model):
 @pytest.mark.parametrize(
     ("make_input", "fragment"),
     [
-        (lambda p: write_items(p, d_model=D + 2), "item 'id0': shape (3, 66)"),
-        (lambda p: np.savez(p, good=np.ones((2, D), np.float32), bad=np.ones((2, D))), "item 'bad': dtype float64"),
-        (lambda p: np.savez(p, empty=np.ones((0, D), np.float32)), "item 'empty': empty sequence"),
+        (lambda p: write_items(p, d_model=D + 2), "item 'id0': x has d_model 66"),
+        (
+            lambda p: np.savez(p, good=np.ones((2, D), np.float32), bad=np.ones((2, D))),
+            "item 'bad': x has dtype float64",
+        ),
+        (lambda p: np.savez(p, empty=np.ones((0, D), np.float32)), "item 'empty': x is empty"),
         (lambda p: p.write_bytes(b"not a zip"), "cannot read arrays"),
     ],
 )

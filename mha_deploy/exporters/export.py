@@ -17,22 +17,32 @@ from mha_deploy.exporters.graphs import attention_graph
 from mha_deploy.exporters.parity import DEFAULT_ATOL, DEFAULT_RTOL, ParityCase, check_parity
 from mha_deploy.exporters.precision import DTYPES, FP16_ATOL, FP16_RTOL, to_float16
 from mha_deploy.exporters.quantize import quantize_int8
-from mha_deploy.exporters.stack_graphs import DecoderGraph, EncoderGraph, export_stack_onnx
+from mha_deploy.exporters.stack_graphs import export_stack_onnx, stack_graph
 from mha_deploy.exporters.torch_export import DEFAULT_OPSET, export_onnx
-from mha_deploy.metadata import METADATA_KEY, ModelMetadata, ParityReport, Signature
+from mha_deploy.metadata import (
+    FUSE_CHOICES,
+    MAX_OPSET,
+    METADATA_KEY,
+    MIN_OPSET,
+    QUANTIZE_CHOICES,
+    ModelMetadata,
+    ParityReport,
+    Signature,
+)
 from mha_deploy.models.attention import MultiHeadAttention
 from mha_deploy.models.transformer import Decoder, Encoder
 from mha_deploy.runtime.session import MHASession
 
-# Chosen from benchmarks/fusion.py on ORT's CPU provider (fp32): see the README's figures.
+# The contrib MultiHeadAttention takes the padding mask as int32 [batch, kv_len] and
+# the causal mask as a flag, so no [batch, q_len, kv_len] mask is built in the graph;
+# ONNX Attention needs a float [batch, 1, q_len, kv_len] mask (512 MiB at 8 x 4096).
+# Speed on ORT's CPU provider is within noise of each other (README, Fusion).
 AUTO_TARGET = "mha"
 # Only the standard Attention op can also output the softmax probabilities.
 AUTO_TARGET_RETURNING_WEIGHTS = "onnx"
 _RECORDED_PACKAGES = ("mha-deploy", "torch", "onnx", "onnxscript", "onnxruntime-gpu", "onnxruntime")
 
 
-FUSE_CHOICES = ("auto", "mha", "onnx", "none")
-QUANTIZE_CHOICES = ("none", "int8")
 # Dynamic int8 projections, d_model 512, measured ||int8 - fp32|| / ||fp32||: 1.2% at
 # 8x128, up to 2.9% on short padded sequences (each query averages few keys, so
 # quantization noise averages out less). 5% passes those and still refuses a
@@ -71,7 +81,7 @@ def write_model_atomically(model: onnx.ModelProto, path: Path) -> None:
 
 
 def auto_fusion_target(signature: Signature) -> str:
-    """The fusion target measured fastest for this model on ORT's CPU provider (benchmarks/fusion.py)."""
+    """What ``--fuse auto`` picks: ``mha`` for its memory (no mask tensor in the graph); ``onnx`` to return weights."""
     return AUTO_TARGET_RETURNING_WEIGHTS if signature.return_weights else AUTO_TARGET
 
 
@@ -122,6 +132,11 @@ class ExportOptions:
             raise ExportError(f"quantize must be one of {', '.join(QUANTIZE_CHOICES)}, got {self.quantize!r}")
         if self.dtype not in DTYPES:
             raise ExportError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if not MIN_OPSET <= self.opset <= MAX_OPSET:
+            raise ExportError(
+                f"opset {self.opset} is not supported: the exporter writes opsets {MIN_OPSET} to {MAX_OPSET} "
+                f"(default {DEFAULT_OPSET})"
+            )
         if self.dtype != "fp32" and self.quantize != "none":
             raise ExportError("--quantize int8 quantizes an fp32 model: use it with --dtype fp32")
 
@@ -157,7 +172,7 @@ def export_mha(
     """Export ``mha`` for ``signature``, fuse its attention, check parity against torch, and write ``output``.
 
     ``fuse``: "mha" (ORT contrib MultiHeadAttention), "onnx" (standard Attention,
-    opset 23), "none", or "auto" (the fastest measured target; falls back to
+    opset 23), "none", or "auto" (``auto_fusion_target``; falls back to
     "none" with a warning when fusion fails or breaks parity).
     ``quantize="int8"``: dynamic int8 projections (CPU only); parity then means a
     relative error within ``INT8_REL_ERR_BUDGET`` instead of atol/rtol.
@@ -187,14 +202,9 @@ def export_stack(
     export_options = ExportOptions(**options)
     export_options.check()
     output = _check_output(output)
-    padding = mask == "padding"
-    if isinstance(stack, Encoder):
-        signature = Signature("self", mask, model="encoder")
-        graph, attention_ops = EncoderGraph(stack.eval(), padding=padding), len(stack.layers)
-    else:
-        signature = Signature("cross", mask, model="decoder")
-        graph = DecoderGraph(stack.eval(), target_padding=padding, memory_padding=padding)
-        attention_ops = 2 * len(stack.layers)
+    graph = stack_graph(stack, mask)
+    signature = graph.signature
+    attention_ops = len(stack.layers) * (1 if isinstance(stack, Encoder) else 2)
     plain = export_stack_onnx(graph, export_options.opset)
     layer = stack.layers[0]
     attention = layer.self_attn

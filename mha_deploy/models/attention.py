@@ -7,6 +7,8 @@ import math
 import torch
 from torch import nn
 
+from mha_deploy.errors import ModelConfigError
+
 # The reference replaces masked scores by this value before the softmax. It is
 # part of the numerics users rely on (it is not -inf, so a fully masked row
 # gives a uniform distribution instead of NaN).
@@ -25,9 +27,9 @@ class MultiHeadAttention(nn.Module):
     def __init__(self, d_model: int, num_heads: int, dropout: float = 0.1):
         super().__init__()
         if d_model <= 0 or num_heads <= 0:
-            raise ValueError(f"d_model and num_heads must be positive, got {d_model} and {num_heads}")
+            raise ModelConfigError(f"d_model and num_heads must be positive, got {d_model} and {num_heads}")
         if d_model % num_heads != 0:
-            raise ValueError(
+            raise ModelConfigError(
                 f"d_model ({d_model}) must be divisible by num_heads ({num_heads}); "
                 f"each head gets d_model / num_heads features"
             )

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from mha_deploy.atomic import atomic_path
-from mha_deploy.errors import CheckpointError
+from mha_deploy.errors import CheckpointError, ModelConfigError
 from mha_deploy.models.attention import MultiHeadAttention
 
 SAFETENSORS_SUFFIXES = (".safetensors",)
@@ -240,7 +240,7 @@ def load_checkpoint(
     heads = _num_heads(num_heads, metadata, source)
     try:
         module = MultiHeadAttention(d_model, heads, dropout=dropout)
-    except ValueError as exc:
+    except ModelConfigError as exc:
         raise CheckpointError(f"{source}: {exc}") from exc
     module.load_state_dict({key: value.to(torch.float32) for key, value in weights.items()})
     return module.eval()

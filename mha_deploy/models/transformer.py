@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from mha_deploy.errors import ModelConfigError
 from mha_deploy.models.attention import MultiHeadAttention
 
 
@@ -72,9 +73,12 @@ class DecoderLayer(nn.Module):
         return self.norm3(x + self.dropout(self.feed_forward(x)))
 
 
-def _check_layers(num_layers: int) -> None:
+def _check_sizes(num_layers: int, d_ff: int) -> None:
+    # The attention checks d_model and num_heads itself.
     if num_layers <= 0:
-        raise ValueError(f"num_layers must be positive, got {num_layers}")
+        raise ModelConfigError(f"num_layers must be positive, got {num_layers}")
+    if d_ff <= 0:
+        raise ModelConfigError(f"d_ff (the feed-forward width) must be positive, got {d_ff}")
 
 
 class Encoder(nn.Module):
@@ -82,7 +86,7 @@ class Encoder(nn.Module):
 
     def __init__(self, num_layers: int, d_model: int, num_heads: int, d_ff: int, dropout: float = 0.1):
         super().__init__()
-        _check_layers(num_layers)
+        _check_sizes(num_layers, d_ff)
         self.d_model, self.num_heads = d_model, num_heads
         self.layers = nn.ModuleList(EncoderLayer(d_model, num_heads, d_ff, dropout) for _ in range(num_layers))
 
@@ -97,7 +101,7 @@ class Decoder(nn.Module):
 
     def __init__(self, num_layers: int, d_model: int, num_heads: int, d_ff: int, dropout: float = 0.1):
         super().__init__()
-        _check_layers(num_layers)
+        _check_sizes(num_layers, d_ff)
         self.d_model, self.num_heads = d_model, num_heads
         self.layers = nn.ModuleList(DecoderLayer(d_model, num_heads, d_ff, dropout) for _ in range(num_layers))
 

@@ -93,12 +93,19 @@ def test_fully_masked_rows_are_finite(export_model):
     assert np.isfinite(session.run({"x": x, "key_padding_mask": mask})["output"]).all()
 
 
-def test_parity_failure_writes_nothing(tmp_path):
+@pytest.mark.parametrize("fuse", ["auto", "onnx", "none"])
+def test_parity_failure_writes_nothing(tmp_path, defective_export, fuse):
     target = tmp_path / "mha.onnx"
     torch.manual_seed(0)
-    with pytest.raises(ParityError, match=r"parity FAILED.*nothing written"):
-        # atol = rtol = 0 cannot pass: ORT and torch round differently.
-        export_mha(MultiHeadAttention(TEST_D_MODEL, TEST_HEADS), target, Signature(), atol=0, rtol=0, fuse="none")
+    with pytest.raises(ParityError, match=r"parity FAILED.*max abs err 0\.001.*nothing written"):
+        export_mha(MultiHeadAttention(TEST_D_MODEL, TEST_HEADS), target, Signature("self", "padding"), fuse=fuse)
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("opset", [17, 24, 99])
+def test_unsupported_opset_is_refused(tmp_path, opset):
+    with pytest.raises(ExportError, match=f"opset {opset}"):
+        export_mha(MultiHeadAttention(TEST_D_MODEL, TEST_HEADS), tmp_path / "m.onnx", Signature(), opset=opset)
     assert list(tmp_path.iterdir()) == []
 
 
@@ -119,7 +126,7 @@ def test_export_overwrites_atomically(tmp_path):
         ({"signature_args": ("self", "sliding")}, "mask must be one of"),
         ({"signature_args": ("both", "none")}, "attention must be one of"),
         ({"output": "mha.onx"}, "must end in .onnx"),
-        ({"opset": 11}, "opset 11 is too old"),
+        ({"opset": 11}, "opset 11 is not supported"),
     ],
 )
 def test_bad_export_requests(tmp_path, kwargs, message):

@@ -7,13 +7,31 @@ import math
 import pytest
 import torch
 
-from mha_deploy.models import MASK_FILL_VALUE, MultiHeadAttention
+from mha_deploy.errors import ModelConfigError
+from mha_deploy.models import MASK_FILL_VALUE, Decoder, Encoder, MultiHeadAttention
 
 
 @pytest.mark.parametrize(("d_model", "heads"), [(10, 3), (64, 5), (7, 2)])
 def test_heads_must_divide_d_model(d_model, heads):
-    with pytest.raises(ValueError, match=rf"d_model \({d_model}\) must be divisible by num_heads \({heads}\)"):
+    with pytest.raises(ModelConfigError, match=rf"d_model \({d_model}\) must be divisible by num_heads \({heads}\)"):
         MultiHeadAttention(d_model, heads)
+
+
+@pytest.mark.parametrize(
+    ("build", "fragment"),
+    [
+        (lambda: MultiHeadAttention(0, 8), "d_model and num_heads must be positive, got 0 and 8"),
+        (lambda: MultiHeadAttention(64, 0), "d_model and num_heads must be positive, got 64 and 0"),
+        (lambda: Encoder(0, 16, 2, 32), "num_layers must be positive, got 0"),
+        (lambda: Decoder(1, 16, 2, 0), "d_ff (the feed-forward width) must be positive, got 0"),
+        (lambda: Decoder(1, 16, 3, 32), "d_model (16) must be divisible by num_heads (3)"),
+    ],
+)
+def test_bad_sizes_raise_a_catchable_error(build, fragment):
+    # A ValueError too, so that code written against earlier releases still catches it.
+    with pytest.raises(ModelConfigError) as info:
+        build()
+    assert isinstance(info.value, ValueError) and fragment in str(info.value)
 
 
 def test_matches_hand_written_attention():

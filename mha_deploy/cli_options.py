@@ -1,0 +1,54 @@
+"""Option groups shared by several ``mha-deploy`` commands.
+
+Each flag is declared once here, so ``--provider`` or ``--heads`` means the same
+in every command that takes it. Only torch-free, onnxruntime-free modules are
+imported, so that ``mha-deploy --help`` stays instant.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import click
+
+from mha_deploy.metadata import PROVIDER_CHOICES
+
+DEFAULT_D_MODEL, DEFAULT_HEADS = 512, 8
+
+Decorator = Callable[[Callable], Callable]
+
+
+def option_group(*options: Decorator) -> Decorator:
+    """One decorator applying ``options``, listed in ``--help`` in the order given."""
+
+    def apply(command: Callable) -> Callable:
+        for option in reversed(options):
+            command = option(command)
+        return command
+
+    return apply
+
+
+# The reference MHA a command builds (see ``cli._load_model``): from a checkpoint, or seeded random weights.
+model_options = option_group(
+    click.option("--checkpoint", type=click.Path(dir_okay=False, path_type=Path),
+                 help="State dict (.safetensors, .pt, .pth) in any common naming; omit for a seeded random model."),
+    click.option("--d-model", type=click.IntRange(min=1),
+                 help=f"Model width (default {DEFAULT_D_MODEL}; with --checkpoint, read from it)."),
+    click.option("--heads", type=click.IntRange(min=1),
+                 help=f"Number of heads, dividing the model width (default {DEFAULT_HEADS}, "
+                      "or the checkpoint's num_heads metadata)."),
+)
+
+
+def session_options(provider: str = "auto", threads: int | None = None) -> Decorator:
+    """--provider and --threads: where ONNX Runtime runs and how wide; the defaults may differ per command."""
+    return option_group(
+        click.option("--provider", type=click.Choice(PROVIDER_CHOICES), default=provider, show_default=True,
+                     help="Execution provider. auto: CUDA if it can load here, else CPU with a note saying why; "
+                          "cuda: CUDA or an error saying what is missing."),
+        click.option("--threads", type=click.IntRange(min=1), default=threads,
+                     show_default=True if threads is not None else "one per core",
+                     help="Intra-op threads of ONNX Runtime (and of torch where it runs)."),
+    )
