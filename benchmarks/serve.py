@@ -60,18 +60,8 @@ def model_d_model(path: Path) -> int:
 
 
 def start_server(model: Path, port: int, args: list[str], threads: int | None, log: Path) -> subprocess.Popen:
-    command = [
-        sys.executable,
-        "-m",
-        "mha_deploy.cli",
-        "serve",
-        str(model),
-        "--port",
-        str(port),
-        "--log-level",
-        "warning",
-        *args,
-    ]
+    command = [sys.executable, "-m", "mha_deploy.cli", "serve", str(model), "--port", str(port)]
+    command += ["--log-level", "warning", *args]
     if threads:
         command += ["--threads", str(threads)]
     process = subprocess.Popen(command, stdout=log.open("wb"), stderr=subprocess.STDOUT)

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from mha_deploy.errors import InputError
 from mha_deploy.signature import Signature
 
 # Below this |reference| a relative error says nothing (division by ~0).
@@ -79,7 +80,7 @@ def compare_arrays(
     finite = bool(np.isfinite(actual).all())
     actual64, expected64 = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
     if actual64.shape != expected64.shape:
-        raise ValueError(f"{name}: shape {actual64.shape} differs from the reference's {expected64.shape}")
+        raise InputError(f"{name}: shape {actual64.shape} differs from the reference's {expected64.shape}")
     abs_err = np.abs(actual64 - expected64)
     reference = np.abs(expected64)
     if abs_err.size == 0:

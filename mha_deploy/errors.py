@@ -43,3 +43,7 @@ class BatchingConfigError(MHADeployError, ValueError):
 
 class BatcherStoppedError(MHADeployError, RuntimeError):
     """The micro-batcher's collecting loop has died, so no request can run; restart the server."""
+
+
+class OptionError(MHADeployError, ValueError):
+    """An option was given a value it does not take (e.g. an unknown optimization level)."""

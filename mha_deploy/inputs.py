@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from mha_deploy.errors import OptionError
 from mha_deploy.signature import PADDING_MASK, SEQUENCE, Signature
 
 PADDING_SIDES = ("none", "right", "left", "mixed")
@@ -34,7 +35,7 @@ class InputCase:
 def padding_mask(batch: int, length: int, padding: str, rng: np.random.Generator) -> np.ndarray:
     """bool [batch, length], True = real token, random lengths >= 1; row 0 is always full length."""
     if padding not in PADDING_SIDES:
-        raise ValueError(f"padding must be one of {', '.join(PADDING_SIDES)}, got {padding!r}")
+        raise OptionError(f"padding must be one of {', '.join(PADDING_SIDES)}, got {padding!r}")
     lengths = rng.integers(1, length + 1, size=batch)
     lengths[0] = length
     positions = np.arange(length)[None, :]

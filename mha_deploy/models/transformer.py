@@ -81,14 +81,22 @@ def _check_sizes(num_layers: int, d_ff: int) -> None:
         raise ModelConfigError(f"d_ff (the feed-forward width) must be positive, got {d_ff}")
 
 
-class Encoder(nn.Module):
-    """``num_layers`` ``EncoderLayer``s; ``forward(x, mask=None)``."""
+class _Stack(nn.Module):
+    """``num_layers`` layers of ``layer_type``, each with its own weights."""
+
+    layer_type: type[nn.Module]
 
     def __init__(self, num_layers: int, d_model: int, num_heads: int, d_ff: int, dropout: float = 0.1):
         super().__init__()
         _check_sizes(num_layers, d_ff)
         self.d_model, self.num_heads = d_model, num_heads
-        self.layers = nn.ModuleList(EncoderLayer(d_model, num_heads, d_ff, dropout) for _ in range(num_layers))
+        self.layers = nn.ModuleList(self.layer_type(d_model, num_heads, d_ff, dropout) for _ in range(num_layers))
+
+
+class Encoder(_Stack):
+    """``num_layers`` ``EncoderLayer``s; ``forward(x, mask=None)``."""
+
+    layer_type = EncoderLayer
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         for layer in self.layers:
@@ -96,14 +104,10 @@ class Encoder(nn.Module):
         return x
 
 
-class Decoder(nn.Module):
+class Decoder(_Stack):
     """``num_layers`` ``DecoderLayer``s; ``forward(x, memory, self_mask=None, memory_mask=None)``."""
 
-    def __init__(self, num_layers: int, d_model: int, num_heads: int, d_ff: int, dropout: float = 0.1):
-        super().__init__()
-        _check_sizes(num_layers, d_ff)
-        self.d_model, self.num_heads = d_model, num_heads
-        self.layers = nn.ModuleList(DecoderLayer(d_model, num_heads, d_ff, dropout) for _ in range(num_layers))
+    layer_type = DecoderLayer
 
     def forward(
         self,

@@ -11,7 +11,7 @@ import numpy as np
 import onnxruntime as ort
 
 from mha_deploy.atomic import atomic_path
-from mha_deploy.errors import InputError, ModelFileError, ProviderUnavailableError
+from mha_deploy.errors import InputError, ModelFileError, OptionError, ProviderUnavailableError
 from mha_deploy.inputs import placeholder_inputs
 from mha_deploy.metadata import ModelMetadata
 from mha_deploy.runtime.providers import CUDA_EP, check_providers, plan_providers
@@ -80,7 +80,7 @@ class MHASession:
         if not isinstance(model, bytes):
             _check_model_path(Path(model))
         if optimization not in OPTIMIZATION_LEVELS:
-            raise ValueError(f"optimization must be one of {', '.join(OPTIMIZATION_LEVELS)}, got {optimization!r}")
+            raise OptionError(f"optimization must be one of {', '.join(OPTIMIZATION_LEVELS)}, got {optimization!r}")
         if cuda_graph is not None and provider != "cuda":
             raise ProviderUnavailableError(
                 f"cuda_graph needs provider='cuda' (got {provider!r}): CUDA graphs exist only on the CUDA provider"

@@ -9,7 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 
-from mha_deploy.errors import InputError, ProviderUnavailableError
+from mha_deploy.errors import InputError, OptionError, ProviderUnavailableError
 from mha_deploy.metadata import Signature
 from mha_deploy.runtime import MHASession
 from mha_deploy.runtime.providers import cuda_unavailable_reason
@@ -127,7 +127,7 @@ def test_warmup_and_thread_options(export_model, signature):
 
 def test_bad_options(export_model):
     path = export_model(Signature())[0]
-    with pytest.raises(ValueError, match="optimization must be one of"):
+    with pytest.raises(OptionError, match="optimization must be one of"):
         MHASession(path, provider="cpu", optimization="max")
     with pytest.raises(ProviderUnavailableError, match="cuda_graph needs provider='cuda'"):
         MHASession(path, provider="cpu", cuda_graph=(1, 8))
