@@ -16,9 +16,10 @@ from mha_deploy.errors import ExportError
 from mha_deploy.exporters.export import set_metadata
 from mha_deploy.exporters.fusion import FusionReport, fuse_attention
 from mha_deploy.exporters.graphs import attention_graph
-from mha_deploy.exporters.parity import ParityCase, check_parity, padding_mask
+from mha_deploy.exporters.parity import ParityCase, check_parity
 from mha_deploy.exporters.stack_graphs import DecoderGraph, EncoderGraph, export_stack_onnx
 from mha_deploy.exporters.torch_export import export_onnx
+from mha_deploy.inputs import InputCase, make_inputs
 from mha_deploy.metadata import ModelMetadata, Signature
 from mha_deploy.models.attention import MultiHeadAttention
 from mha_deploy.models.transformer import Decoder, Encoder
@@ -125,6 +126,7 @@ def test_one_attention_op_per_mha(fused, signature, target_id):
     assert op.describe().startswith(f"{op.op_type}(")
     softmaxes = [n for n in model.graph.node if n.op_type == "Softmax"]
     assert not softmaxes
+    assert not report.unfused_reasons
 
 
 @pytest.mark.parametrize(("signature", "target_id"), FUSION_CASES)
@@ -232,6 +234,49 @@ def test_unrecognised_mask_is_fused_with_an_explicit_bias(dense_mask_model, targ
     np.testing.assert_allclose(actual, expected, atol=1e-5, rtol=1e-4)
 
 
+def _attention_softmax(model: onnx.ModelProto) -> onnx.NodeProto:
+    (softmax,) = [n for n in model.graph.node if n.op_type == "Softmax"]
+    return softmax
+
+
+def _with_fill(model: onnx.ModelProto, fill: float) -> onnx.ModelProto:
+    """A copy of ``model`` whose masked_fill writes ``fill`` instead of -1e9."""
+    changed = onnx.ModelProto()
+    changed.CopyFrom(model)
+    (where,) = [n for n in changed.graph.node if n.output[0] == _attention_softmax(changed).input[0]]
+    (initializer,) = [i for i in changed.graph.initializer if i.name == where.input[1]]
+    initializer.CopyFrom(onnx.numpy_helper.from_array(np.array(fill, np.float32), initializer.name))
+    return changed
+
+
+@pytest.mark.parametrize("target_id", list(TARGETS))
+def test_unfused_attention_is_reported_with_the_check_that_failed(unfused, target_id):
+    # A fill of -1.0 is a soft penalty, not a mask: masked_fill_bias must refuse it, and then
+    # nothing downstream matches. The report says which check failed, not just "1 left unfused".
+    _, model = unfused(Signature("self", "padding"))
+    target, packed = TARGETS[target_id]
+    _, report = fuse_attention(_with_fill(model, -1.0), target, packed_qkv=packed)
+    assert (report.found, report.fused, report.remaining) == (1, 0, 1) and not report.complete
+    assert report.unfused_reasons == {"masked_fill_bias": ["fill -1.0 is not a masking value (needs <= -10000)"]}
+    assert report.summary().endswith(
+        "1 left unfused (masked_fill_bias: fill -1.0 is not a masking value (needs <= -10000))"
+    )
+
+
+def test_unfused_attention_without_a_failed_check_says_where_the_patterns_stopped(unfused):
+    # A Softmax over another axis than the keys': no rule gets as far as its checks.
+    _, model = unfused(Signature("self", "none"))
+    changed = onnx.ModelProto()
+    changed.CopyFrom(model)
+    (axis,) = _attention_softmax(changed).attribute
+    axis.i = 1
+    _, report = fuse_attention(changed, "onnx")
+    assert report.remaining == 1
+    assert set(report.unfused_reasons) == {"onnx_attention_weights", "sdpa"}
+    assert all(any("axis" in why for why in reasons) for reasons in report.unfused_reasons.values())
+    assert "axis" in report.summary()
+
+
 def test_target_none_returns_model_unchanged(unfused):
     _, model = unfused(Signature("self", "padding"))
     result, report = fuse_attention(model, "none")
@@ -304,15 +349,7 @@ def stacks():
 
 
 def _stack_feeds(graph, batch, tgt_len, mem_len, padding, seed) -> dict[str, np.ndarray]:
-    rng = np.random.default_rng(seed)
-    feeds = {"x": rng.standard_normal((batch, tgt_len, D_MODEL), dtype=np.float32)}
-    if "memory" in graph.input_names:
-        feeds["memory"] = rng.standard_normal((batch, mem_len, D_MODEL), dtype=np.float32)
-    if "key_padding_mask" in graph.input_names:
-        feeds["key_padding_mask"] = padding_mask(batch, tgt_len, padding, rng)
-    if "memory_padding_mask" in graph.input_names:
-        feeds["memory_padding_mask"] = padding_mask(batch, mem_len, "left" if padding == "right" else "right", rng)
-    return feeds
+    return make_inputs(graph.signature, D_MODEL, InputCase(batch, tgt_len, mem_len, padding), seed)
 
 
 STACK_CASES = [(1, 1, 1, "none"), (3, 17, 9, "right"), (4, 23, 41, "left"), (2, 70, 33, "mixed")]
@@ -335,7 +372,7 @@ def test_stack_fuses_every_layer_and_matches_torch(stacks, stack, target_id):
         feeds = _stack_feeds(graph, batch, tgt_len, mem_len, padding, seed)
         (actual,) = session.run(["output"], feeds)
         with torch.no_grad():
-            expected_out = graph(*(torch.from_numpy(feeds[name]) for name in graph.input_names)).numpy()
+            expected_out = graph(*(torch.from_numpy(feeds[name]) for name in graph.signature.input_names)).numpy()
         assert np.isfinite(actual).all()
         rows = feeds["key_padding_mask"]
         np.testing.assert_allclose(actual[rows], expected_out[rows], atol=1e-5, rtol=1e-4)

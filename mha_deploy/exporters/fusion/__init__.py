@@ -2,7 +2,8 @@
 
 One module per own rewrite rule (each says why upstream's
 ``onnxscript.rewriter.ort_fusions`` needs it); ``pipeline`` composes them with
-the upstream fusions.
+the upstream fusions and says why an attention stayed unfused. ``mask_analysis``
+and ``constant_values`` are what the rules read the graph with.
 """
 
 from mha_deploy.exporters.fusion.pipeline import FUSION_TARGETS, FusedOp, FusionReport, fuse_attention

@@ -19,7 +19,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import onnx_ir as ir
-from onnxscript.rewriter import _ir_utils
+
+from mha_deploy.exporters.fusion.constant_values import constant_array, scalar_constant
 
 
 @dataclass(frozen=True)
@@ -45,12 +46,12 @@ def _producer(value: ir.Value | None, op_type: str) -> ir.Node | None:
 
 
 def _ints(value: ir.Value | None) -> list[int] | None:
-    array = _ir_utils.get_numpy_value(value)
+    array = constant_array(value)
     return None if array is None else [int(v) for v in array.reshape(-1)]
 
 
 def _is_scalar(value: ir.Value | None, expected: float) -> bool:
-    return value is not None and _ir_utils.get_singleton_value(value) == expected
+    return scalar_constant(value) == expected
 
 
 def _positions(value: ir.Value, axis: int) -> ir.Value | None:
@@ -97,7 +98,7 @@ def analyse_bias(bias: ir.Value | None) -> MaskParts | None:
     where = _producer(expand.inputs[0] if expand is not None else bias, "Where")
     if where is None or not _is_scalar(where.inputs[2], 0):
         return None
-    fill = _ir_utils.get_singleton_value(where.inputs[1])
+    fill = scalar_constant(where.inputs[1])
     equal = _producer(where.inputs[0], "Equal")
     if fill is None or equal is None or not _is_scalar(equal.inputs[1], 0):
         return None

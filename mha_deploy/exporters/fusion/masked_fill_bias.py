@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import numpy as np
 import onnx_ir as ir
-from onnxscript.rewriter import _fusion_utils, _ir_utils, pattern
+from onnxscript.rewriter import pattern
+
+from mha_deploy.exporters.fusion.constant_values import scalar_constant
 
 # Anything at least this negative is a "masked" fill: exp of it underflows to 0.
 _MIN_FILL_MAGNITUDE = 1e4
@@ -32,7 +34,7 @@ class MaskedFillToBias(pattern.RewriteRuleClassBase):
 
     def check(self, context, cond, fill, scores, **_):
         result = pattern.MatchResult()
-        value = _ir_utils.get_singleton_value(fill)
+        value = scalar_constant(fill)
         if value is None:
             return result.fail("the fill is not a scalar constant", fill)
         if value > -_MIN_FILL_MAGNITUDE:
@@ -50,4 +52,7 @@ class MaskedFillToBias(pattern.RewriteRuleClassBase):
 
 masked_fill_bias_rules = pattern.RewriteRuleSet([MaskedFillToBias.rule()])
 
-fuse_masked_fill_bias = _fusion_utils.apply_fusion_rules(masked_fill_bias_rules)
+
+def fuse_masked_fill_bias(model: ir.Model) -> int:
+    """Apply the rule everywhere in ``model``; the number of rewrites."""
+    return masked_fill_bias_rules.apply_to_model(model)

@@ -16,7 +16,7 @@ padding + causal) are finite.
 from __future__ import annotations
 
 import onnx_ir as ir
-from onnxscript.rewriter import _fusion_utils, pattern
+from onnxscript.rewriter import pattern
 
 from mha_deploy.exporters.fusion.mask_analysis import MaskParts, analyse_bias_for
 
@@ -85,4 +85,7 @@ def _kv_len(node: ir.Node):
 
 native_mask_rules = pattern.RewriteRuleSet([NativeMask.rule("MultiHeadAttention"), NativeMask.rule("Attention")])
 
-fuse_native_mask = _fusion_utils.apply_fusion_rules(native_mask_rules)
+
+def fuse_native_mask(model: ir.Model) -> int:
+    """Apply the rule everywhere in ``model``; the number of rewrites."""
+    return native_mask_rules.apply_to_model(model)

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import numpy as np
 import onnx_ir as ir
-from onnxscript.rewriter import _fusion_utils, pattern
+from onnxscript.rewriter import pattern
 
 from mha_deploy.exporters.fusion.mask_analysis import analyse_bias_for
 
@@ -91,4 +91,7 @@ class OnnxAttentionFromMHA(pattern.RewriteRuleClassBase):
 
 onnx_attention_rules = pattern.RewriteRuleSet([OnnxAttentionFromMHA.rule()])
 
-fuse_onnx_attention = _fusion_utils.apply_fusion_rules(onnx_attention_rules)
+
+def fuse_onnx_attention(model: ir.Model) -> int:
+    """Apply the rule everywhere in ``model``; the number of rewrites."""
+    return onnx_attention_rules.apply_to_model(model)

@@ -15,12 +15,21 @@ from __future__ import annotations
 
 import math
 
-from onnxscript.rewriter import _fusion_utils, _ir_utils, pattern
+import onnx_ir as ir
+from onnxscript.rewriter import pattern
 
+from mha_deploy.exporters.fusion.constant_values import scalar_constant
 from mha_deploy.exporters.fusion.mask_analysis import analyse_bias_for
 from mha_deploy.exporters.fusion.onnx_attention import padding_attn_mask
 
 _QK_AFTER_SOFTMAX = 3
+
+
+def _bind_dims(bindings: dict, value: ir.Value, names: list[str]) -> bool:
+    """True when ``value``'s shape is known and agrees with ``names``; binds each new name to its dim."""
+    if value.shape is None or value.shape.rank() != len(names):
+        return False
+    return all(bindings.setdefault(name, dim) == dim for name, dim in zip(names, value.shape, strict=True))
 
 
 class OnnxAttentionWithWeights(pattern.RewriteRuleClassBase):
@@ -53,12 +62,12 @@ class OnnxAttentionWithWeights(pattern.RewriteRuleClassBase):
             (query_BHSD, ["B", "H", "S", "Dh"]),
             (output, ["B", "S", "D"]),
         ):
-            if not _fusion_utils.check_shape_bool(bindings, value, dims):
+            if not _bind_dims(bindings, value, dims):
                 return result.fail(f"{value.name} is not {dims}", value)
         heads, head_size, d_model = bindings["H"], bindings["Dh"], bindings["D"]
         if not all(isinstance(v, int) for v in (heads, head_size, d_model)) or heads * head_size != d_model:
             return result.fail("heads * head size must equal d_model, all known", query_BHSD)
-        factor = _ir_utils.get_singleton_value(scale)
+        factor = scalar_constant(scale)
         if factor is None or factor == 0:
             return result.fail("the score scale is not a constant", scale)
         self._heads = heads
@@ -95,4 +104,7 @@ class OnnxAttentionWithWeights(pattern.RewriteRuleClassBase):
 
 onnx_attention_weights_rules = pattern.RewriteRuleSet([OnnxAttentionWithWeights.rule()])
 
-fuse_onnx_attention_weights = _fusion_utils.apply_fusion_rules(onnx_attention_weights_rules)
+
+def fuse_onnx_attention_weights(model: ir.Model) -> int:
+    """Apply the rule everywhere in ``model``; the number of rewrites."""
+    return onnx_attention_weights_rules.apply_to_model(model)

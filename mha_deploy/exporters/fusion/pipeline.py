@@ -13,6 +13,10 @@ The chain, per target (own rules marked *, the rest is upstream
     * native_mask             float bias -> key_padding_mask / mask_index + unidirectional
     onnx:
     * onnx_attention          MHA -> standard Attention (attn_mask bool, is_causal)
+
+When attentions stay unfused, the rules that start from a Softmax are run again
+with the rewriter's match tracing, and the checks that failed on those
+attentions go into the report (``FusionReport.unfused_reasons``).
 """
 
 from __future__ import annotations
@@ -22,17 +26,21 @@ from dataclasses import dataclass, field
 import onnx
 import onnx_ir as ir
 import onnx_ir.passes.common as common_passes
+from onnxscript.rewriter import pattern
 from onnxscript.rewriter.ort_fusions.attention import fuse_attention as fuse_packed_attention
 from onnxscript.rewriter.ort_fusions.mha import fuse_mha2
 from onnxscript.rewriter.ort_fusions.mha_bias import fuse_mha_bias
-from onnxscript.rewriter.ort_fusions.sdpa import fuse_sdpa
+from onnxscript.rewriter.ort_fusions.sdpa import fuse_sdpa, sdpa_rules
 from onnxscript.rewriter.ort_fusions.sdpa_via_mha import replace_sdpa_by_mha
 
 from mha_deploy.errors import ExportError
-from mha_deploy.exporters.fusion.masked_fill_bias import fuse_masked_fill_bias
+from mha_deploy.exporters.fusion.masked_fill_bias import fuse_masked_fill_bias, masked_fill_bias_rules
 from mha_deploy.exporters.fusion.native_mask import fuse_native_mask
 from mha_deploy.exporters.fusion.onnx_attention import fuse_onnx_attention
-from mha_deploy.exporters.fusion.onnx_attention_weights import fuse_onnx_attention_weights
+from mha_deploy.exporters.fusion.onnx_attention_weights import (
+    fuse_onnx_attention_weights,
+    onnx_attention_weights_rules,
+)
 from mha_deploy.exporters.fusion.projection_shape import fuse_projection_shape
 from mha_deploy.model_report import ATTENTION_INPUT_ROLES
 
@@ -77,6 +85,9 @@ class FusionReport:
     remaining: int  # attention Softmaxes still in the output model (unfused subgraphs)
     ops: list[FusedOp] = field(default_factory=list)
     rule_counts: dict[str, int] = field(default_factory=dict)
+    # Rule -> why it did not match the attentions left unfused: the checks that failed or,
+    # when no check was reached, where the pattern stopped. Empty when nothing is left.
+    unfused_reasons: dict[str, list[str]] = field(default_factory=dict)
 
     @property
     def fused(self) -> int:
@@ -88,33 +99,38 @@ class FusionReport:
         return self.target == "none" or (self.remaining == 0 and self.fused == self.found)
 
     def summary(self) -> str:
+        """One line, e.g. ``fusion mha: 1 attention subgraph(s) found, 0 fused, 1 left unfused
+        (masked_fill_bias: fill -1.0 is not a masking value (needs <= -10000))``."""
         kinds = sorted({op.op_type for op in self.ops})
+        reasons = "; ".join(f"{rule}: {' / '.join(why)}" for rule, why in self.unfused_reasons.items())
         return (
             f"fusion {self.target}: {self.found} attention subgraph(s) found, {self.fused} fused"
             f"{' into ' + ', '.join(kinds) if kinds else ''}, {self.remaining} left unfused"
+            f"{f' ({reasons})' if reasons else ''}"
         )
 
 
-def _producer_type(value: ir.Value | None) -> str | None:
-    node = value.producer() if value is not None else None
-    return node.op_type if node is not None else None
+def _score_nodes(softmax: ir.Node) -> list[ir.Node] | None:
+    """The nodes from ``softmax``'s input back to the scores MatMul (included); None without such a MatMul."""
+    nodes: list[ir.Node] = []
+    value = softmax.inputs[0]
+    for _ in range(6):
+        producer = value.producer() if value is not None else None
+        if producer is None:
+            return None
+        nodes.append(producer)
+        if producer.op_type == "MatMul":
+            return nodes
+        if producer.op_type not in _SCORE_OPS:
+            return None
+        # Walk towards the scores: the operand that is not a constant/mask.
+        value = producer.inputs[2] if producer.op_type == "Where" else producer.inputs[0]
+    return None
 
 
 def _is_attention_softmax(node: ir.Node) -> bool:
     """A Softmax over MatMul scores whose probabilities feed a MatMul: the heart of an attention."""
-    if node.op_type != "Softmax" or node.domain not in ("", "ai.onnx"):
-        return False
-    value = node.inputs[0]
-    for _ in range(6):
-        op_type = _producer_type(value)
-        if op_type == "MatMul":
-            break
-        if op_type not in _SCORE_OPS:
-            return False
-        # Walk towards the scores: the operand that is not a constant/mask.
-        producer = value.producer()
-        value = producer.inputs[2] if op_type == "Where" else producer.inputs[0]
-    else:
+    if node.op_type != "Softmax" or node.domain not in ("", "ai.onnx") or _score_nodes(node) is None:
         return False
     consumers = [use.node for use in node.outputs[0].uses()]
     return any(c.op_type == "MatMul" for c in consumers) or any(
@@ -159,7 +175,9 @@ def _check_weights_supported(model: ir.Model, target: str) -> None:
 
 def _run_chain(model: ir.Model, target: str, packed_qkv: bool) -> dict[str, int]:
     counts = {}
-    counts["masked_fill_bias"] = fuse_masked_fill_bias(model, apply_shape_inference=True)
+    counts["masked_fill_bias"] = fuse_masked_fill_bias(model)
+    # sdpa and onnx_attention_weights check the shapes of values this rule created.
+    common_passes.ShapeInferencePass()(model)
     if target == "onnx":
         counts["onnx_attention_weights"] = fuse_onnx_attention_weights(model)
     counts["sdpa"] = fuse_sdpa(model, apply_shape_inference=True)
@@ -182,6 +200,78 @@ def _run_chain(model: ir.Model, target: str, packed_qkv: bool) -> dict[str, int]
     common_passes.CommonSubexpressionEliminationPass()(model)
     common_passes.RemoveUnusedNodesPass()(model)
     return counts
+
+
+class _FailedMatches(pattern.MatchingTracer):
+    """Every failed match that touches ``nodes``.
+
+    The stock tracer keeps only each rule's best match in the whole model, which
+    may be anywhere (one layer of a stack, a MatMul of a projection).
+    """
+
+    def __init__(self, nodes: set[ir.Node]) -> None:
+        super().__init__()
+        self._nodes = nodes
+        self.failures: list[tuple[pattern.MatchResult, pattern.MatchStatus]] = []
+
+    def log(self, rule, container, node, match_result, status) -> None:
+        if status == pattern.MatchStatus.SUCCESS or match_result is None:
+            return
+        if node in self._nodes or not self._nodes.isdisjoint(match_result.nodes):
+            self.failures.append((match_result, status))
+
+
+# Rules that only prepare an attention for the fusing ones: where their pattern does not
+# match there was nothing to prepare (no masked_fill, or already rewritten), which is no reason.
+_PREPARING_RULES = {"masked_fill_bias"}
+
+
+def _softmax_rules(target: str) -> dict[str, pattern.RewriteRuleSet]:
+    """The chain's rules that start from an attention's Softmax: while it is there, none of them matched."""
+    rules = {"masked_fill_bias": masked_fill_bias_rules}
+    if target == "onnx":
+        rules["onnx_attention_weights"] = onnx_attention_weights_rules
+    rules["sdpa"] = sdpa_rules
+    return rules
+
+
+def _unfused_nodes(model: ir.Model) -> set[ir.Node]:
+    """Each unfused attention's Softmax, score nodes and the MatMul(s) reading its probabilities."""
+    nodes: set[ir.Node] = set()
+    for softmax in attention_softmaxes(model):
+        nodes |= {softmax, *(_score_nodes(softmax) or []), *(use.node for use in softmax.outputs[0].uses())}
+    return nodes
+
+
+def _unfused_reasons(model: ir.Model, target: str) -> dict[str, list[str]]:
+    """Rule -> why it did not match the attentions of ``model`` that are still unfused.
+
+    Replays the rules with the rewriter's match tracing, which changes nothing in
+    ``model``. Failed checks are returned when there are any: they name the
+    condition that was not met, and the patterns that merely stopped (sdpa's "None
+    of the alternatives matched." on a Where-masked score) follow from them.
+    Otherwise each rule's furthest partial matches say where its pattern stopped.
+    """
+    unfused = _unfused_nodes(model)
+    checks: dict[str, list[str]] = {}
+    stops: dict[str, list[str]] = {}
+    for name, rules in _softmax_rules(target).items():
+        tracer = _FailedMatches(unfused)
+        rules.apply_to_model(model, tracer=tracer)
+        failed = [(match, status) for match, status in tracer.failures if status != pattern.MatchStatus.NO_MATCH]
+        if failed:
+            checks[name] = list(dict.fromkeys(_reason(*failure) for failure in failed))
+            continue
+        # A pattern that matched no node only says the attention does not start where it was tried.
+        depth = max((len(match.nodes) for match, _ in tracer.failures), default=0)
+        if depth and name not in _PREPARING_RULES:
+            furthest = [failure for failure in tracer.failures if len(failure[0].nodes) == depth]
+            stops[name] = list(dict.fromkeys(_reason(*failure) for failure in furthest))
+    return checks or stops
+
+
+def _reason(match: pattern.MatchResult, status: pattern.MatchStatus) -> str:
+    return match.reason or status.name.lower().replace("_", " ")
 
 
 def _omit_unused_present_outputs(model: ir.Model) -> None:
@@ -236,6 +326,10 @@ def fuse_attention(
     _finish_opsets(ir_model, original_domains)
     report = FusionReport(target, found, len(attention_softmaxes(ir_model)), _fused_ops(ir_model), counts)
     fused = ir.serde.serialize_model(ir_model)
+    if report.remaining:
+        # After serializing: the tracing pass is told to change nothing, but it still runs
+        # the rewriter's constant propagation over the graph.
+        report.unfused_reasons = _unfused_reasons(ir_model, target)
     fused.ir_version = min(model.ir_version, MAX_IR_VERSION)
     _check_interface_kept(model, fused)
     # The rewriter merges the shapes it infers for new values into the graph

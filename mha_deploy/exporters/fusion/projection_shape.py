@@ -11,7 +11,8 @@ input instead.
 
 from __future__ import annotations
 
-from onnxscript.rewriter import _fusion_utils, pattern
+import onnx_ir as ir
+from onnxscript.rewriter import pattern
 
 
 class ShapeThroughProjection(pattern.RewriteRuleClassBase):
@@ -42,4 +43,7 @@ class ShapeThroughProjection(pattern.RewriteRuleClassBase):
 
 projection_shape_rules = pattern.RewriteRuleSet([ShapeThroughProjection.rule()])
 
-fuse_projection_shape = _fusion_utils.apply_fusion_rules(projection_shape_rules)
+
+def fuse_projection_shape(model: ir.Model) -> int:
+    """Apply the rule everywhere in ``model``; the number of rewrites."""
+    return projection_shape_rules.apply_to_model(model)
