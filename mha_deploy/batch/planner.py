@@ -22,6 +22,7 @@ import numpy as np
 
 from mha_deploy.batch.base import Item, Result
 from mha_deploy.errors import InputError
+from mha_deploy.metadata import ModelMetadata
 from mha_deploy.signature import Signature
 
 # Padding an item by up to this many positions is cheaper than a run of its own,
@@ -44,6 +45,10 @@ def item_lengths(item: Item, signature: Signature) -> dict[str, int]:
     return {signature.axis_of(name): item[name].shape[0] for name in signature.sequence_inputs}
 
 
+# Attention scores one padded batch may materialise (see BatchLimits.max_score_bytes).
+DEFAULT_MAX_SCORE_BYTES = 256 * 2**20
+
+
 @dataclass(frozen=True)
 class BatchLimits:
     """What one batch may hold."""
@@ -52,6 +57,13 @@ class BatchLimits:
     max_tokens: int | None = None  # padded positions on any axis: items x longest
     # Share of padded positions allowed on any axis (beyond PAD_SLACK_TOKENS per item); None: any.
     max_padding: float | None = None
+    # A batch whose masked keys are padded runs ORT's masked attention kernel, which
+    # materialises [batch, heads, q_len, kv_len] scores; a batch of equal key lengths
+    # takes the flash path and does not. ``score_bytes`` is heads x the dtype's size,
+    # the cost of one (query, key) pair; padded batches are cut to stay within
+    # ``max_score_bytes``, so long sequences run in exact-length groups or alone.
+    max_score_bytes: int | None = None
+    score_bytes: int = 0
 
 
 class _Group:
@@ -62,11 +74,16 @@ class _Group:
         self.longest: dict[str, int] = {}
         self.total: dict[str, int] = {}
 
-    def admits(self, lengths: dict[str, int], limits: BatchLimits, paddable: frozenset[str]) -> bool:
+    def admits(
+        self, lengths: dict[str, int], limits: BatchLimits, paddable: frozenset[str], signature: Signature
+    ) -> bool:
         if not self.indices:
             return True
         count = len(self.indices) + 1
         if limits.batch_size is not None and count > limits.batch_size:
+            return False
+        max_scores = limits.max_score_bytes
+        if max_scores is not None and self.score_bytes(lengths, limits, signature) > max_scores:
             return False
         for axis, length in lengths.items():
             longest, total = max(self.longest[axis], length), self.total[axis] + length
@@ -80,11 +97,31 @@ class _Group:
                 return False
         return True
 
+    def score_bytes(self, lengths: dict[str, int], limits: BatchLimits, signature: Signature) -> int:
+        """Attention scores the group with ``lengths`` added would materialise: 0 when no masked key is padded."""
+        masked = {signature.axis_of(mask) for mask in signature.padding_masks}
+        count = len(self.indices) + 1
+        padded = any(
+            max(self.longest[axis], length) * count != self.total[axis] + length
+            for axis, length in lengths.items()
+            if axis in masked
+        )
+        if not padded:
+            return 0
+        q_len = max(self.longest[signature.query_axis], lengths[signature.query_axis])
+        kv_len = max(self.longest[signature.key_axis], lengths[signature.key_axis])
+        return count * q_len * kv_len * limits.score_bytes
+
     def add(self, index: int, lengths: dict[str, int]) -> None:
         self.indices.append(index)
         for axis, length in lengths.items():
             self.longest[axis] = max(self.longest.get(axis, 0), length)
             self.total[axis] = self.total.get(axis, 0) + length
+
+
+def score_bytes(metadata: ModelMetadata) -> int:
+    """Bytes one (query, key) pair costs in a materialised score tensor: heads x the model's float size."""
+    return metadata.num_heads * np.dtype(metadata.dtype).itemsize
 
 
 def plan_batches(
@@ -106,7 +143,7 @@ def plan_batches(
     batches: list[list[int]] = []
     group = _Group()
     for index in order:
-        if not group.admits(lengths[index], limits, paddable):
+        if not group.admits(lengths[index], limits, paddable, signature):
             batches.append(group.indices)
             group = _Group()
         group.add(index, lengths[index])

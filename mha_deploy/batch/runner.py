@@ -17,7 +17,15 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 
 from mha_deploy.batch.base import Item, RawItem, Result
-from mha_deploy.batch.planner import BatchLimits, check_batch_limits, collate, plan_batches, split_outputs
+from mha_deploy.batch.planner import (
+    DEFAULT_MAX_SCORE_BYTES,
+    BatchLimits,
+    check_batch_limits,
+    collate,
+    plan_batches,
+    score_bytes,
+    split_outputs,
+)
 from mha_deploy.errors import InputError
 from mha_deploy.metadata import ON_ERROR_CHOICES  # re-exported: defined without onnxruntime for the CLI
 from mha_deploy.runtime.session import MHASession
@@ -202,7 +210,12 @@ class BatchRunner:
         signature = self.session.signature
         values = [item for _, item in window]
         results: list[Result | None] = [None] * len(window)
-        limits = BatchLimits(self.batch_size, self.max_tokens)
+        limits = BatchLimits(
+            self.batch_size,
+            self.max_tokens,
+            max_score_bytes=DEFAULT_MAX_SCORE_BYTES,
+            score_bytes=score_bytes(self.session.metadata),
+        )
         plan = plan_batches(values, signature, limits, sort=self.bucket_window > 0)
         for indices in plan:
             batch = collate([values[i] for i in indices], signature)

@@ -100,3 +100,15 @@ def test_collate_masks_padding_and_split_cuts_it_off(signature):
         assert result["output"].shape == (q_len, 3)
         if "attn_weights" in result:
             assert result["attn_weights"].shape == (2, q_len, items[row]["key"].shape[0])
+
+
+def test_padded_batches_stay_within_the_score_budget():
+    """Padding masked keys costs batch x heads x q x kv scores; equal lengths take the flash path and cost none."""
+    limits = BatchLimits(max_score_bytes=4 * 1000 * 1000 * 4, score_bytes=4 * 4)  # 4 heads, float32
+    mixed = plan_batches(_self_items(1000, 990, 1000, 995), PADDED, limits)
+    assert all(len(b) == 1 or len({[1000, 990, 1000, 995][i] for i in b}) == 1 for b in mixed), mixed
+    # 4 x 1000 x 1000 x 16 bytes = 64 MB > the 16 MB budget only if padded: equal lengths go together.
+    assert plan_batches(_self_items(1000, 1000, 1000, 1000), PADDED, limits) == [[0, 1, 2, 3]]
+    # A model without a padding mask pads no masked key: the budget does not apply.
+    causal = Signature("self", "causal")
+    assert plan_batches(_self_items(1000, 990), causal, limits) == [[1, 0]]
