@@ -1,21 +1,52 @@
 """Write a file so that readers see either the old file or the whole new one, never a part.
 
 Shared by the exporters (models), checkpoints and serving (outputs): no torch here.
+
+A temporary is named ``.<name>.<12 hex digits>.tmp<suffix>`` beside its
+destination ``<name>``: the whole destination name is in it, so the temporaries
+of ``a.npz`` and of ``a.b.npz`` can never be taken for one another, and
+``stale_temporaries`` finds them by exact match (no glob, so ``[``, ``*`` or
+``?`` in a name mean nothing).
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import re
 import secrets
 from collections.abc import Iterator
 from pathlib import Path
+
+_TOKEN_HEX = 12
 
 
 def _umask() -> int:
     mask = os.umask(0)
     os.umask(mask)
     return mask
+
+
+def temporary_name(path: str | os.PathLike) -> Path:
+    """A fresh temporary path for ``path`` (in the same directory, so that the rename is atomic)."""
+    path = Path(path)
+    # Keep the real suffix last: np.savez appends ".npz" to names without it.
+    return path.with_name(f".{path.name}.{secrets.token_hex(_TOKEN_HEX // 2)}.tmp{path.suffix}")
+
+
+def stale_temporaries(path: str | os.PathLike) -> list[Path]:
+    """The temporaries of ``path`` that exist now: left by a killed writer, or being written by a live one.
+
+    Only the caller knows which: remove them only while holding whatever keeps
+    other writers of ``path`` away (``mha_deploy.batch.lock.OutputLock`` for outputs).
+    """
+    path = Path(path)
+    pattern = re.compile(rf"\.{re.escape(path.name)}\.[0-9a-f]{{{_TOKEN_HEX}}}\.tmp{re.escape(path.suffix)}")
+    try:
+        entries = list(os.scandir(path.parent))
+    except FileNotFoundError:
+        return []
+    return [Path(entry.path) for entry in entries if pattern.fullmatch(entry.name) and entry.is_file()]
 
 
 @contextlib.contextmanager
@@ -27,8 +58,7 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    # Keep the real suffix last: np.savez appends ".npz" to names without it.
-    tmp = path.with_name(f".{path.stem}.{secrets.token_hex(6)}.tmp{path.suffix}")
+    tmp = temporary_name(path)
     try:
         yield tmp
         os.chmod(tmp, 0o666 & ~_umask())

@@ -3,5 +3,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
+# Every extra the tests exercise must be installed: a missing one fails here, by name,
+# instead of letting its tests skip.
+.venv/bin/python -c "import torch, onnxscript, starlette, uvicorn, prometheus_client, orjson, pyarrow, ray.data, \
+tritonclient.grpc, tritonclient.http, matplotlib"
 .venv/bin/ruff check mha_deploy tests benchmarks
 .venv/bin/python -m pytest -q "$@"

@@ -10,14 +10,21 @@ Layouts (``npz``/``safetensors`` as in ``mha_deploy.batch.items``):
 
 - self-attention: ``<id>`` -> [seq, d_model]; cross: ``<id>.query``, ``<id>.key``, ``<id>.value``
 - outputs: ``<id>`` -> [q_seq, d_model] and ``<id>.attn_weights`` -> [heads, q_seq, kv_seq]
+  (``output_keys``; the job refuses an item whose keys another item of the shard already takes)
 - Parquet: see ``mha_deploy.batch.parquet``.
+
+A member that cannot be read (damaged, pickled objects, a header declaring
+more data than the archive holds) is a bad item, named by its id, that
+``--on-error`` stops at or skips; a file that cannot be opened at all stops the run.
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import zipfile
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,7 +52,7 @@ class Shard:
     output: Path
 
     def fingerprint(self) -> dict[str, int]:
-        """What identifies this input's contents cheaply: size and modification time (as make and rsync do)."""
+        """Size and modification time: enough to notice a change while the shard runs (the manifest keys on SHA-256)."""
         stat = self.path.stat()
         return {"size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
 
@@ -85,7 +92,7 @@ def open_reader(
 
         return ParquetItemReader(path, signature, window, d_model)
     if path.suffix == ".npz":
-        return NpzItemReader(path, signature)
+        return NpzItemReader(path, signature, d_model)
     return SafetensorsItemReader(path, signature)
 
 
@@ -141,7 +148,10 @@ class _KeyedFileReader:
             raise
         except Exception as exc:  # zipfile, OSError, safetensors' own error type
             raise _read_error(self.path, exc) from exc
-        self._items = _group_names(self._names(), self.signature, self.path)
+        names = self._names()
+        # A hand-made zip can hold one name twice; which copy is meant is unknown.
+        self._duplicates = {name for name, count in Counter(names).items() if count > 1}
+        self._items = _group_names(list(dict.fromkeys(names)), self.signature, self.path)
         return self
 
     def __exit__(self, *exc_info):
@@ -156,28 +166,95 @@ class _KeyedFileReader:
             if missing:
                 yield RawItem(item_id, None, f"lacks {', '.join(f'{item_id}.{p}' for p in missing)}")
                 continue
-            try:
-                yield RawItem(item_id, {name: self._load(key) for name, key in keys.items()})
-            except Exception as exc:
-                raise _read_error(self.path, exc) from exc
+            twice = [key for key in keys.values() if key in self._duplicates]
+            if twice:
+                problem = f"key {twice[0]!r} appears twice in the file: which copy is meant is unknown"
+                yield RawItem(item_id, None, problem)
+                continue
+            arrays, problem = {}, None
+            for name, key in keys.items():
+                try:
+                    arrays[name] = self._load(key)
+                except _UnusableMember as exc:
+                    problem = f"{key!r} {exc}"
+                    break
+                except Exception as exc:  # a damaged member: the item is bad, the rest of the file may be fine
+                    problem = f"cannot read {key!r} ({type(exc).__name__}: {exc})"
+                    break
+            yield RawItem(item_id, None, problem) if problem else RawItem(item_id, arrays)
+
+
+class _UnusableMember(Exception):
+    """A member refused from its header alone (the message completes "'<key>' ...")."""
+
+
+_NPY_HEADERS = {(1, 0): np.lib.format.read_array_header_1_0, (2, 0): np.lib.format.read_array_header_2_0}
+_PICKLE_MESSAGE = "holds pickled Python objects, which are never unpickled (unsafe: unpickling can run any code)"
+
+
+def _memory_bytes() -> int | None:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):  # not POSIX
+        return None
 
 
 class NpzItemReader(_KeyedFileReader):
+    """Reads each member's .npy header before its data: a member declaring more data than the archive holds or
+    than the machine's memory, or a shape the model cannot take (zip bombs among them), is refused unread."""
+
+    def __init__(self, path: Path, signature: Signature, d_model: int = 0):
+        super().__init__(path, signature)
+        self.d_model = d_model
+
     def _open(self):
-        # allow_pickle=False: an .npz of object arrays would otherwise run code on load.
-        self._archive = np.load(self.path, allow_pickle=False)
-        if not isinstance(self._archive, np.lib.npyio.NpzFile):
-            raise InputError(f"{self.path}: not an .npz archive")
+        if not zipfile.is_zipfile(self.path):
+            raise InputError(f"{self.path}: cannot read arrays (not an .npz archive: not a zip file)")
+        self._zip = zipfile.ZipFile(self.path)
+        self._members = {_npz_key(info.filename): info for info in self._zip.infolist()}
 
     def _names(self) -> list[str]:
-        return list(self._archive.files)
+        return [_npz_key(name) for name in self._zip.namelist()]
 
     def _load(self, key: str) -> np.ndarray:
-        return self._archive[key]
+        info = self._members[key]
+        fmt = np.lib.format
+        with self._zip.open(info) as stream:
+            version = fmt.read_magic(stream)
+            read_header = _NPY_HEADERS.get(version)
+            if read_header is None:
+                raise _UnusableMember(f"is an .npy file of version {version}, which is not read here")
+            shape, _fortran_order, dtype = read_header(stream)
+            header_bytes = stream.tell()
+        if dtype.hasobject:
+            raise _UnusableMember(_PICKLE_MESSAGE)
+        declared = math.prod(shape) * dtype.itemsize
+        if declared > info.file_size - header_bytes:
+            raise _UnusableMember(
+                f"is damaged: its header declares {declared} bytes of data, the archive holds "
+                f"{info.file_size - header_bytes}"
+            )
+        if len(shape) != 2 or (self.d_model and shape[1] != self.d_model) or dtype.kind not in "fiu":
+            # Not an item the model takes: a stand-in of the declared shape and dtype, without the data,
+            # lets the one validator name what is wrong.
+            return np.broadcast_to(np.zeros((), dtype), shape)
+        memory = _memory_bytes()
+        if memory is not None and declared > memory:
+            raise _UnusableMember(
+                f"declares {declared / 2**30:.1f} GiB of data (shape {tuple(shape)}), more than this "
+                f"machine's {memory / 2**30:.1f} GiB of memory"
+            )
+        with self._zip.open(info) as stream:
+            return fmt.read_array(stream, allow_pickle=False)
 
     def _close(self):
-        if getattr(self, "_archive", None) is not None:
-            self._archive.close()
+        if getattr(self, "_zip", None) is not None:
+            self._zip.close()
+
+
+def _npz_key(member: str) -> str:
+    """np.savez's member name -> the key np.load shows (``.npy`` removed)."""
+    return member.removesuffix(".npy")
 
 
 class SafetensorsItemReader(_KeyedFileReader):
@@ -196,11 +273,37 @@ class SafetensorsItemReader(_KeyedFileReader):
         self._file = None
 
 
+def output_key(item_id: str, output_name: str) -> str:
+    """The npz/safetensors key of one output of an item: ``<id>`` for ``output``, else ``<id>.<output name>``."""
+    return item_id if output_name == "output" else f"{item_id}.{output_name}"
+
+
+def output_keys(item_id: str, signature: Signature, suffix: str) -> tuple[str, ...]:
+    """What an item's results are stored under in an output of ``suffix``: its keys, or its Parquet id."""
+    if suffix == PARQUET_SUFFIX:
+        return (item_id,)
+    return tuple(output_key(item_id, name) for name in signature.output_names)
+
+
 def item_arrays(item_id: str, result: dict[str, np.ndarray]) -> Iterator[tuple[str, np.ndarray]]:
     """The file keys of one item's results: ``<id>`` and ``<id>.attn_weights``."""
     yield item_id, result["output"]
-    if "attn_weights" in result:
-        yield f"{item_id}.attn_weights", result["attn_weights"]
+    for name, array in result.items():
+        if name != "output":
+            yield output_key(item_id, name), array
+
+
+class _UniqueKeys:
+    """The last guard before a key is written twice (npz would keep both, safetensors the last): refuse it."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self._seen: set[str] = set()
+
+    def add(self, key: str) -> None:
+        if key in self._seen:
+            raise InputError(f"{self.path}: key {key!r} would be written twice; an item's outputs would be lost")
+        self._seen.add(key)
 
 
 class NpzItemWriter:
@@ -208,6 +311,7 @@ class NpzItemWriter:
 
     def __init__(self, path: Path):
         self._zip = zipfile.ZipFile(path, "w", zipfile.ZIP_STORED, allowZip64=True)
+        self._keys = _UniqueKeys(path)
 
     def __enter__(self):
         return self
@@ -218,6 +322,7 @@ class NpzItemWriter:
     def write(self, results):
         for item_id, result in results:
             for key, array in item_arrays(item_id, result):
+                self._keys.add(key)
                 info = zipfile.ZipInfo(f"{key}.npy", date_time=_ZIP_EPOCH)
                 info.external_attr = 0o644 << 16
                 with self._zip.open(info, "w", force_zip64=True) as entry:
@@ -230,6 +335,7 @@ class SafetensorsItemWriter:
     def __init__(self, path: Path):
         self.path = path
         self._arrays: dict[str, np.ndarray] = {}
+        self._keys = _UniqueKeys(path)
 
     def __enter__(self):
         return self
@@ -243,4 +349,5 @@ class SafetensorsItemWriter:
     def write(self, results):
         for item_id, result in results:
             for key, array in item_arrays(item_id, result):
+                self._keys.add(key)
                 self._arrays[key] = np.ascontiguousarray(array)

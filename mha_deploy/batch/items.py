@@ -41,6 +41,11 @@ def read_arrays(path: str | os.PathLike) -> dict[str, np.ndarray]:
 
         return load_file(str(path))
     except (OSError, ValueError, zipfile.BadZipFile, EOFError) as exc:
+        if "allow_pickle=False" in str(exc):  # numpy's refusal of an object array
+            raise InputError(
+                f"{path}: cannot read arrays (it holds pickled Python objects, which are never unpickled: "
+                "unsafe, as unpickling can run any code)"
+            ) from exc
         raise InputError(f"{path}: cannot read arrays ({exc})") from exc
     except Exception as exc:  # safetensors raises its own SafetensorError
         raise InputError(f"{path}: cannot read arrays ({exc})") from exc

@@ -29,7 +29,7 @@ from mha_deploy.batch.planner import (
 from mha_deploy.errors import InputError
 from mha_deploy.metadata import ON_ERROR_CHOICES  # re-exported: defined without onnxruntime for the CLI
 from mha_deploy.runtime.session import MHASession
-from mha_deploy.runtime.validation import item_problem
+from mha_deploy.runtime.validation import item_problem, output_problem
 
 DEFAULT_BUCKET_WINDOW = 256
 BatchCallback = Callable[[int, int], None]
@@ -125,6 +125,8 @@ class BatchRunner:
     ``bucket_window`` items are read ahead and sorted by length; 0 keeps input
     order (no bucketing). ``on_error``: "stop" raises ``InputError`` at the
     first bad item, "skip" leaves it out and records it in ``RunStats.errors``.
+    An item whose outputs hold NaN or Inf (finite inputs that overflowed) is a
+    bad item too, found after its batch ran.
     """
 
     def __init__(
@@ -199,13 +201,24 @@ class BatchRunner:
                 continue
             window.append((raw.item_id, raw.item))
             if len(window) >= self.window_items:
-                yield self._run_window(window, stats, on_batch)
+                yield self._run_window(window, stats, on_batch, source)
                 window = []
         if window:
-            yield self._run_window(window, stats, on_batch)
+            yield self._run_window(window, stats, on_batch, source)
+
+    def _bad_output(self, source: str, item_id: str, result: Result, stats: RunStats) -> bool:
+        """Whether ``result`` must be left out (recorded, or raised with ``on_error="stop"``)."""
+        problem = output_problem(result)
+        if problem is None:
+            return False
+        error = ItemError(source, item_id, f"item {item_id!r}: {problem.message}")
+        if self.on_error == "stop":
+            raise InputError(str(error))
+        stats.errors.append(error)
+        return True
 
     def _run_window(
-        self, window: list[tuple[str, Item]], stats: RunStats, on_batch: BatchCallback | None
+        self, window: list[tuple[str, Item]], stats: RunStats, on_batch: BatchCallback | None, source: str = ""
     ) -> list[tuple[str, Result]]:
         signature = self.session.signature
         values = [item for _, item in window]
@@ -223,10 +236,11 @@ class BatchRunner:
             outputs = self.session.run(batch.feeds)
             stats.batch_ms.append((time.perf_counter() - t0) * 1e3)
             for index, result in zip(indices, split_outputs(outputs, batch, signature), strict=True):
-                results[index] = result
-            stats.items += len(indices)
+                if not self._bad_output(source, window[index][0], result, stats):
+                    results[index] = result
+                    stats.items += 1
             stats.tokens += batch.real_tokens
             stats.padded_tokens += batch.padded_tokens
             if on_batch:
                 on_batch(len(indices), batch.real_tokens)
-        return [(item_id, result) for (item_id, _), result in zip(window, results, strict=True)]
+        return [(item_id, result) for (item_id, _), result in zip(window, results, strict=True) if result is not None]

@@ -84,14 +84,17 @@ def _read_torch(path: Path, source: str) -> object:
         # weights_only: a pickle may run arbitrary code, so only tensors and plain containers load.
         return torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as exc:
-        found = re.search(r"Unsupported global: GLOBAL (\S+)", str(exc))
+        # torch words it "Unsupported global: GLOBAL x.y" or "unsupported GLOBAL x.y whose module x is blocked".
+        found = re.search(r"GLOBAL (\S+)", str(exc))
         if found is None:
             raise CheckpointError(
-                f"{source}: cannot read it as a torch file (corrupt or not a pickle)"
+                f"{source}: cannot read it as a torch file (corrupt, not a pickle, or pickle opcodes a "
+                "state dict never holds, which are refused unread)"
             ) from exc
         raise CheckpointError(
-            f"{source}: not a plain state dict of tensors (it pickles {found.group(1)}, "
-            f"which is never unpickled for safety); {_HOW_TO_SAVE}"
+            f"{source}: unsafe pickle refused: it pickles {found.group(1)}, which loading would import and "
+            "call (how a malicious pickle runs code), so it is never unpickled; not a plain state dict of "
+            f"tensors; {_HOW_TO_SAVE}"
         ) from exc
     except Exception as exc:  # damaged files surface as many exception types
         raise CheckpointError(

@@ -2,20 +2,33 @@
 
 from __future__ import annotations
 
+import json
 import os
 import threading
 from collections.abc import Mapping
 from pathlib import Path
 
 import numpy as np
+import onnx
 import onnxruntime as ort
 
 from mha_deploy.atomic import atomic_path
 from mha_deploy.errors import InputError, ModelFileError, OptionError, ProviderUnavailableError
 from mha_deploy.inputs import placeholder_inputs
 from mha_deploy.metadata import ModelMetadata
+from mha_deploy.runtime.digest import sha256_digest
+from mha_deploy.runtime.model_check import (
+    check_batching,
+    check_causal_behaviour,
+    check_causality,
+    check_declared_io,
+    check_heads,
+)
 from mha_deploy.runtime.providers import CUDA_EP, check_providers, plan_providers
 from mha_deploy.runtime.validation import validate_inputs
+
+# metadata_props entry of an optimized-model cache: what it was built from (see ``_cache_key``).
+CACHE_KEY_PROP = "mha_deploy.optimized_from"
 
 OPTIMIZATION_LEVELS = {
     "disabled": ort.GraphOptimizationLevel.ORT_DISABLE_ALL,
@@ -42,11 +55,14 @@ class MHASession:
       ``inter_op_threads``: threads running independent graph nodes at once;
       setting it switches ORT to parallel execution mode, the only mode that uses them.
     - ``optimization``: ORT graph optimization level, one of ``OPTIMIZATION_LEVELS``.
-    - ``optimized_model_path``: cache of the ORT-optimized graph. Written (atomically)
-      when missing, unreadable or older than ``model``, loaded with optimizations off
-      otherwise, which makes later starts faster (``loaded_from`` says which file ORT
-      loaded). ORT's "all" level can bake in optimizations for this machine's CPU or
-      GPU: keep one cache per model, provider and machine type.
+    - ``optimized_model_path``: cache of the ORT-optimized graph. It records what it was
+      built from: the SHA-256 of ``model``'s bytes, the ORT version, the optimization
+      level and the providers. Loaded with optimizations off when all of these match,
+      which makes later starts faster (``loaded_from`` says which file ORT loaded);
+      rebuilt (atomically) when it is missing, unreadable or built from anything else,
+      such as a model replaced with ``cp -p`` (same mtime, other bytes). ORT's "all"
+      level can bake in optimizations for this machine's CPU or GPU: keep one cache per
+      model, provider and machine type.
     - ``session_config``: raw ORT session config entries, e.g.
       ``{"session.intra_op.allow_spinning": "0"}`` to stop idle ORT threads spinning.
     - ``warmup``: run one tiny batch on load, so the first real request does not pay
@@ -60,6 +76,14 @@ class MHASession:
       on fixed device buffers, so every call must have exactly that shape (else
       ``InputError``) and calls are serialised with a lock. The graph is captured
       on load.
+
+    A model file's metadata is checked against its graph on load
+    (``mha_deploy.runtime.model_check``): declared inputs and outputs, heads and
+    causality where the graph states them, and probe batches that must give the
+    same outputs padded as alone (skipped in CUDA graph mode, whose shape is
+    fixed). A file that fails is refused with ``ModelFileError``. In-memory models
+    (bytes, what the exporter checks parity on) get the input and output names
+    check only.
     """
 
     def __init__(
@@ -95,6 +119,8 @@ class MHASession:
         self.provider_note = plan.note
         self.metadata = ModelMetadata.from_props(self._session.get_modelmeta().custom_metadata_map, self.source)
         self._check_io_names()
+        if not isinstance(model, bytes):
+            self._check_against_graph(Path(model), probe=cuda_graph is None)
         self._io_binding = io_binding
         self._graph = _CudaGraph(self._session, self.metadata, cuda_graph) if cuda_graph is not None else None
         if warmup:
@@ -108,20 +134,46 @@ class MHASession:
             if optimized_model_path is None:
                 return ort.InferenceSession(source, options, providers=providers)
             cache = Path(optimized_model_path)
-            if _is_fresh(cache, model):
-                level = options.graph_optimization_level
-                options.graph_optimization_level = OPTIMIZATION_LEVELS["disabled"]  # done once, when it was saved
-                try:
-                    session = ort.InferenceSession(str(cache), options, providers=providers)
-                    self.loaded_from = str(cache)
-                    return session
-                except Exception:  # unreadable cache (another ORT version wrote it?): rebuild it from the model
-                    options.graph_optimization_level = level
-            with atomic_path(cache) as tmp:
-                options.optimized_model_filepath = str(tmp)
-                return ort.InferenceSession(source, options, providers=providers)
+            key = _cache_key(model, options, providers)
+            cached = _load_cache(cache, key, options, providers)
+            if cached is not None:
+                self.loaded_from = str(cache)
+                return cached
+            try:
+                with atomic_path(cache) as tmp:
+                    options.optimized_model_filepath = str(tmp)
+                    session = ort.InferenceSession(source, options, providers=providers)
+                    _append_metadata_prop(tmp, CACHE_KEY_PROP, key)
+            except OSError as exc:
+                raise ModelFileError(f"{cache}: cannot write the optimized-model cache ({exc})") from exc
+            return session
+        except ModelFileError:
+            raise
         except Exception as exc:  # ORT raises its own Fail/InvalidProtobuf/... types
             raise ModelFileError(f"{self.loaded_from}: ONNX Runtime cannot load it: {exc}") from exc
+
+    def _check_against_graph(self, path: Path, probe: bool) -> None:
+        """Refuse a file whose metadata does not describe its graph (see ``mha_deploy.runtime.model_check``)."""
+        try:
+            proto = onnx.load(str(path), load_external_data=False)
+        except Exception as exc:  # DecodeError and friends; ORT read it, so this is a race with a writer
+            raise ModelFileError(f"{path}: not a readable ONNX file: {exc}") from exc
+        check_declared_io(proto, self.metadata, self.source)
+        check_heads(proto, self.metadata, self.source)
+        check_causality(proto, self.metadata, self.source)
+        del proto
+        if not probe:
+            return
+
+        def run(feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+            try:
+                outputs = self._session.run(list(self.output_names), feeds)
+            except Exception as exc:  # ORT's own types
+                raise ModelFileError(f"{self.source}: a probe batch of 1-2 items fails to run: {exc}") from exc
+            return dict(zip(self.output_names, outputs, strict=True))
+
+        check_batching(run, self.metadata, self.source)
+        check_causal_behaviour(run, self.metadata, self.source)
 
     @property
     def signature(self):
@@ -263,11 +315,62 @@ def _session_options(
     return options
 
 
-def _is_fresh(cache: Path, model: str | os.PathLike | bytes) -> bool:
-    """Whether an optimized-model cache exists and was written after its source model."""
-    if isinstance(model, bytes) or not cache.is_file():
-        return False
-    return cache.stat().st_mtime_ns >= Path(model).stat().st_mtime_ns
+def _cache_key(model: str | os.PathLike | bytes, options: ort.SessionOptions, providers: list) -> str:
+    """What an optimized graph depends on: the source's bytes (not its mtime), ORT, the level, the providers."""
+    return json.dumps(
+        {
+            "source": sha256_digest(model if isinstance(model, bytes) else Path(model)),
+            "onnxruntime": ort.__version__,
+            "optimization": int(options.graph_optimization_level),
+            "providers": [str(p) for p in providers],
+        },
+        sort_keys=True,
+    )
+
+
+def _load_cache(
+    cache: Path, key: str, options: ort.SessionOptions, providers: list
+) -> ort.InferenceSession | None:
+    """A session on the cached graph if it was built from exactly ``key``, else None (it is then rebuilt)."""
+    if not cache.is_file():
+        return None
+    level = options.graph_optimization_level
+    options.graph_optimization_level = OPTIMIZATION_LEVELS["disabled"]  # done once, when it was saved
+    try:
+        session = ort.InferenceSession(str(cache), options, providers=providers)
+    except Exception:  # unreadable cache (another ORT version wrote it?): rebuild it from the model
+        return None
+    finally:
+        options.graph_optimization_level = level
+    if session.get_modelmeta().custom_metadata_map.get(CACHE_KEY_PROP) != key:
+        return None
+    return session
+
+
+def _append_metadata_prop(path: Path, key: str, value: str) -> None:
+    """Add a metadata_props entry to the ONNX file ORT just wrote, without parsing it.
+
+    A protobuf message followed by more encoded fields parses as the message with
+    those fields merged in, and a repeated field appends: so appending one encoded
+    ``metadata_props`` entry (ModelProto field 14; StringStringEntryProto key 1,
+    value 2) adds it. The cache then carries its own key: no sidecar to keep in step.
+    """
+    entry = _length_delimited(1, key.encode()) + _length_delimited(2, value.encode())
+    with open(path, "ab") as f:
+        f.write(_length_delimited(14, entry))
+
+
+def _length_delimited(field: int, payload: bytes) -> bytes:
+    return _varint(field << 3 | 2) + _varint(len(payload)) + payload
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while True:
+        low, value = value & 0x7F, value >> 7
+        out.append(low | (0x80 if value else 0))
+        if not value:
+            return bytes(out)
 
 
 def _check_model_path(path: Path) -> None:

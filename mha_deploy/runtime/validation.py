@@ -11,6 +11,11 @@ Two entry points share the rules:
   batch runner and the HTTP server receive them. It returns a ``Problem`` instead
   of raising, so that the runner can skip the item and the server can answer
   with a status code chosen by ``Problem.kind``.
+
+And one check of what comes out: ``output_problem`` finds NaN or Inf in one
+item's outputs, which finite inputs can still produce (values near the dtype's
+limit overflow in the projections or the scores); the runner and the server
+treat such an item as a bad one instead of returning NaN.
 """
 
 from __future__ import annotations
@@ -98,6 +103,19 @@ def item_problem(
         if not np.isfinite(array).all():
             return Problem("not_finite", f"{name} contains NaN or Inf (or a value beyond {dtype.name}'s range)")
     return _length_problem(signature, {name: item[name].shape[0] for name in signature.sequence_inputs})
+
+
+def output_problem(outputs: Mapping[str, np.ndarray]) -> Problem | None:
+    """NaN or Inf in one item's outputs (output name -> array), or None. Kind ``not_finite_output``."""
+    for name, array in outputs.items():
+        array = np.asarray(array)
+        if array.dtype.kind in "fc" and not np.isfinite(array).all():
+            return Problem(
+                "not_finite_output",
+                f"{name} holds NaN or Inf although every input value is finite: values overflowed "
+                f"{array.dtype.name} inside the model (scale the inputs down)",
+            )
+    return None
 
 
 def check_item(metadata: ModelMetadata, item: Mapping[str, object], max_tokens: int | None = None) -> None:

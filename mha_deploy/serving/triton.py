@@ -1,8 +1,13 @@
 """A Triton Inference Server model repository entry for an exported model (onnxruntime backend).
 
-Writes ``REPO/NAME/config.pbtxt`` and ``REPO/NAME/1/model.onnx``. The whole
-``NAME/`` directory is built beside its destination and renamed into place, so
-the repository never holds a half-written model (Triton may be polling it).
+Writes ``REPO/NAME/config.pbtxt`` and ``REPO/NAME/<version>/model.onnx``
+(version 1 unless told). The whole ``NAME/`` directory is built beside its
+destination and renamed into place, so the repository never holds a
+half-written model (Triton may be polling it). Replacing an existing entry
+(``overwrite``) replaces the config and the version written, nothing else: the
+new ``NAME/`` is staged with hard links to every other file and version
+directory the old one held (copies where the filesystem has no hard links),
+then swapped in with one rename.
 
 Batching choice: with ``max_batch_size > 0`` Triton owns the batch axis (dims
 omit it) and its dynamic batcher concatenates requests along it, which works
@@ -42,6 +47,7 @@ TRITON_DTYPES = {
     onnx.TensorProto.INT64: "TYPE_INT64",
 }
 _NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
+CONFIG_NAME = "config.pbtxt"
 
 
 class TritonExportError(MHADeployError):
@@ -55,6 +61,7 @@ class TritonConfig:
     kind: str = "cpu"
     max_batch_size: int = 32  # 0: no batching, dims carry the batch axis
     max_queue_delay_us: int = 500
+    version: int = 1  # the version directory written
 
 
 @dataclass(frozen=True)
@@ -67,7 +74,10 @@ class TritonTensor:
 def write_triton_model(
     model: str | os.PathLike, repo: str | os.PathLike, config: TritonConfig | None = None, overwrite: bool = False
 ) -> Path:
-    """Write ``repo/NAME/{config.pbtxt,1/model.onnx}`` and return ``repo/NAME``."""
+    """Write ``repo/NAME/{config.pbtxt,VERSION/model.onnx}`` and return ``repo/NAME``.
+
+    With ``overwrite``, an existing ``NAME/`` keeps every other version and file it holds.
+    """
     config = config or TritonConfig()
     model, repo = Path(model), Path(repo)
     name = config.name or re.sub(r"[^A-Za-z0-9_.-]", "_", model.stem)
@@ -79,16 +89,49 @@ def write_triton_model(
     target = repo / name
     if target.exists() and not overwrite:
         raise TritonExportError(f"{target} already exists; pass --overwrite to replace it")
-    repo.mkdir(parents=True, exist_ok=True)
+    if target.exists() and not target.is_dir():
+        raise TritonExportError(f"{target} exists and is not a directory; remove it or choose another --name")
+    version = str(config.version)
     staging = repo / f".{name}.{secrets.token_hex(6)}.tmp"
     try:
-        (staging / "1").mkdir(parents=True)
-        shutil.copyfile(model, staging / "1" / "model.onnx")
-        (staging / "config.pbtxt").write_text(text)
-        _replace_dir(staging, target)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
+        repo.mkdir(parents=True, exist_ok=True)
+        try:
+            if target.exists():
+                _link_tree(target, staging, skip={version, CONFIG_NAME})
+            (staging / version).mkdir(parents=True)
+            shutil.copyfile(model, staging / version / "model.onnx")
+            (staging / CONFIG_NAME).write_text(text)
+            _replace_dir(staging, target)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+    except OSError as exc:
+        raise TritonExportError(f"{target}: cannot write the model repository entry ({exc})") from exc
     return target
+
+
+def other_versions(target: Path, version: int) -> list[str]:
+    """Version directories of ``target`` besides ``version``: Triton serves the latest one by default."""
+    return sorted(
+        (p.name for p in target.iterdir() if p.is_dir() and p.name.isdigit() and int(p.name) != version), key=int
+    )
+
+
+def _link_tree(source: Path, destination: Path, skip: set[str]) -> None:
+    """Recreate ``source`` at ``destination`` (but its top-level entries in ``skip``) with hard links to its files."""
+    destination.mkdir(parents=True)
+    for entry in source.iterdir():
+        if entry.name in skip:
+            continue
+        copy = destination / entry.name
+        if entry.is_symlink():
+            copy.symlink_to(os.readlink(entry))
+        elif entry.is_dir():
+            _link_tree(entry, copy, skip=set())
+        else:
+            try:
+                os.link(entry, copy)
+            except OSError:  # a filesystem without hard links
+                shutil.copy2(entry, copy)
 
 
 def tensor_specs(
@@ -151,6 +194,8 @@ def _check_config(config: TritonConfig, name: str) -> None:
         raise TritonExportError(f"kind must be one of {', '.join(KINDS)}, got {config.kind!r}")
     if config.instances < 1 or config.max_batch_size < 0 or config.max_queue_delay_us < 0:
         raise TritonExportError("instances must be >= 1, max_batch_size and max_queue_delay_us >= 0")
+    if config.version < 1:
+        raise TritonExportError(f"version must be >= 1 (Triton numbers versions 1, 2, ...), got {config.version}")
 
 
 def _load(model: Path) -> onnx.ModelProto:

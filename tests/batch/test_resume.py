@@ -134,8 +134,11 @@ def test_cli_skip_lists_bad_items_and_json_summary(tmp_path, session):
     assert "skipped shard-1.npz: item 'nan': x contains NaN or Inf" in result.stderr
     with np.load(tmp_path / "out" / "shard-1.npz") as out:
         assert out.files == ["ok"]
-    result = CliRunner().invoke(main, [str(a) for a in [*args, "--on-error", "stop"]])
+    result = CliRunner().invoke(main, [str(a) for a in [*args, "--on-error", "skip"]])
     assert result.exit_code == 0 and "0 items" in result.stdout and "2 already done" in result.stdout
+    # A shard finished by leaving a bad item out is not done for a run told to stop at bad items.
+    result = CliRunner().invoke(main, [str(a) for a in [*args, "--on-error", "stop"]])
+    assert result.exit_code == 1 and result.stderr.strip() == NAN_ERROR, result.stderr
     result = CliRunner().invoke(main, [str(a) for a in [*args, "--overwrite"]])
     assert result.exit_code == 1 and result.stderr.strip() == NAN_ERROR, (
         result.stderr

@@ -102,6 +102,25 @@ def test_skip_leaves_bad_items_out(export_model):
     assert "p50" in stats.summary() and "1 bad items skipped" in stats.summary()
 
 
+@pytest.mark.parametrize("on_error", ["stop", "skip"])
+def test_outputs_that_overflow_are_bad_items(export_model, on_error):
+    """1e30 is a finite float32, but its attention scores are not: NaN out, which is never returned."""
+    session = MHASession(export_model(Signature("self", "padding"))[0], provider="cpu")
+    items = make_items(Signature("self", "padding"))
+    items["item-3"]["x"] = np.full_like(items["item-3"]["x"], 1e30)
+    runner = BatchRunner(session, batch_size=4, on_error=on_error)
+    message = "item 'item-3': output holds NaN or Inf although every input value is finite"
+    if on_error == "stop":
+        with pytest.raises(InputError, match=message):
+            runner.run(items)
+        return
+    results, stats = runner.run(items)
+    assert list(results) == [item_id for item_id in items if item_id != "item-3"]
+    assert all(np.isfinite(r["output"]).all() for r in results.values())
+    assert [e.item_id for e in stats.errors] == ["item-3"] and stats.errors[0].message.startswith(message)
+    assert stats.items == len(items) - 1
+
+
 @pytest.mark.parametrize(
     ("options", "message"),
     [

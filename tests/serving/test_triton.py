@@ -122,7 +122,7 @@ def test_failed_export_leaves_nothing(export_model, tmp_path, monkeypatch):
         raise OSError("disk full")
 
     monkeypatch.setattr(triton.shutil, "copyfile", broken_copy)
-    with pytest.raises(OSError, match="disk full"):
+    with pytest.raises(TritonExportError, match=r"repo/mha: cannot write the model repository entry \(disk full\)"):
         write_triton_model(path, repo, TritonConfig(name="mha"))
     assert list(repo.iterdir()) == []
 
@@ -134,6 +134,7 @@ def test_failed_export_leaves_nothing(export_model, tmp_path, monkeypatch):
         (TritonConfig(name=".hidden"), "model name"),
         (TritonConfig(kind="tpu"), "kind must be one of"),
         (TritonConfig(instances=0), "instances must be >= 1"),
+        (TritonConfig(version=0), "version must be >= 1"),
     ],
 )
 def test_bad_config(export_model, tmp_path, config, message):

@@ -1,0 +1,169 @@
+"""An exclusive lock on a job's output, held for the whole run, so that two jobs never write one output.
+
+``flock`` on a lock file beside the output file (``.<name>.mha-deploy.lock``) or
+inside the output directory (``_mha_deploy.lock``: readers of datasets skip
+``_`` names). The holder writes its pid and host into the file, so a refused
+job can say who holds the output. The kernel drops the lock when its holder
+exits, however it exits (SIGKILL included): a lock file left behind is never
+mistaken for a live holder.
+
+The holder removes the file before it lets go. A job that opened the file just
+before that removal would then hold a lock on a file no longer at the path, so
+after locking, the inode open is compared with the one at the path, and the
+attempt is retried when they differ (the usual protocol for removable lock files).
+
+POSIX only: Windows has no ``flock``, and ``mha-deploy infer`` refuses to run
+there rather than write without a lock. ``flock`` on NFS is emulated with
+byte-range locks by Linux (2.6.12 and later), which an NFS server arbitrates
+between machines.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import weakref
+from pathlib import Path
+
+from mha_deploy.errors import MHADeployError
+
+_ATTEMPTS = 16
+
+
+class OutputError(MHADeployError):
+    """A job's output cannot be written, or holds something the job will not overwrite."""
+
+
+class OutputInUseError(OutputError):
+    """Another process holds the output's lock: it is writing that output now."""
+
+
+def lock_path(output: Path, output_is_directory: bool) -> Path:
+    """Where the lock of ``output`` lives: inside an output directory, beside an output file."""
+    if output_is_directory:
+        return output / "_mha_deploy.lock"
+    return output.with_name(f".{output.name}.mha-deploy.lock")
+
+
+def _fcntl():
+    try:
+        import fcntl
+    except ImportError:  # Windows
+        raise OutputError(
+            "locking an output needs POSIX flock, which this platform lacks: `mha-deploy infer` "
+            "does not support Windows (use WSL or Linux)"
+        ) from None
+    return fcntl
+
+
+class OutputLock:
+    """``flock(LOCK_EX | LOCK_NB)`` on ``path`` for ``output``; ``acquire`` is idempotent, ``release`` too."""
+
+    def __init__(self, path: Path, output: Path):
+        self.path, self.output = Path(path), Path(output)
+        self._fd: int | None = None
+        self._created: list[Path] = []
+
+    @property
+    def held(self) -> bool:
+        return self._fd is not None
+
+    def acquire(self) -> None:
+        if self._fd is not None:
+            return
+        fcntl = _fcntl()
+        self._make_parent()
+        for _ in range(_ATTEMPTS):
+            fd = self._open()
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                owner = _owner(fd)
+                os.close(fd)
+                self._remove_created()
+                raise OutputInUseError(
+                    f"{self.output} is in use by {owner} (another mha-deploy job writing it, lock "
+                    f"{self.path.name}); wait for it to finish or choose another --output"
+                ) from None
+            except OSError as exc:  # e.g. ENOLCK: an NFS mount without a lock manager
+                os.close(fd)
+                self._remove_created()
+                raise OutputError(f"{self.output}: cannot lock {self.path} ({exc.strerror or exc})") from exc
+            if _same_file(fd, self.path):
+                break
+            os.close(fd)  # the previous holder removed the file after we opened it: try the new one
+        else:
+            self._remove_created()
+            raise OutputError(f"{self.output}: could not lock {self.path} in {_ATTEMPTS} attempts")
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()} {socket.gethostname()}\n".encode())
+        self._fd = fd
+        # A lock never released (its job dropped after an error) is let go when it is collected.
+        self._finalizer = weakref.finalize(self, os.close, fd)
+
+    def release(self) -> None:
+        if self._fd is None:
+            return
+        try:
+            self.path.unlink(missing_ok=True)  # while still locked: see the module docstring
+        finally:
+            self._finalizer.detach()
+            os.close(self._fd)
+            self._fd = None
+        self._remove_created()
+
+    def __enter__(self) -> OutputLock:
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.release()
+
+    def _open(self) -> int:
+        try:
+            return os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as exc:
+            self._remove_created()
+            reason = exc.strerror or exc
+            raise OutputError(f"{self.output}: cannot create its lock file {self.path} ({reason})") from exc
+
+    def _make_parent(self) -> None:
+        """Create the lock's directory (the output directory, or an output file's parent) if missing."""
+        missing = []
+        for directory in (self.path.parent, *self.path.parent.parents):
+            if directory.exists():
+                break
+            missing.append(directory)
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise OutputError(f"{self.output}: cannot create {self.path.parent} ({exc.strerror or exc})") from exc
+        self._created = missing  # deepest first
+
+    def _remove_created(self) -> None:
+        """Directories this lock created and nothing filled: a failed job leaves no empty output directory."""
+        for directory in self._created:
+            with contextlib.suppress(OSError):  # not empty (the job wrote something), or already gone
+                directory.rmdir()
+        self._created = []
+
+
+def _same_file(fd: int, path: Path) -> bool:
+    try:
+        at_path = os.stat(path)
+    except FileNotFoundError:
+        return False
+    opened = os.fstat(fd)
+    return (opened.st_dev, opened.st_ino) == (at_path.st_dev, at_path.st_ino)
+
+
+def _owner(fd: int) -> str:
+    """``pid N`` (``on host H`` when it is another machine), from what the holder wrote into the lock file."""
+    try:
+        pid, _, host = os.pread(fd, 256, 0).decode(errors="replace").strip().partition(" ")
+    except OSError:
+        pid, host = "", ""
+    if not pid.isdigit():
+        return "another process"
+    return f"pid {pid}" + (f" on host {host}" if host and host != socket.gethostname() else "")

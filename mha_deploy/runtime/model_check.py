@@ -1,0 +1,236 @@
+"""A model file's recorded metadata checked against its graph when the file is loaded.
+
+The metadata (d_model, heads, dtype, signature) decides how inputs are checked
+and how items are batched. A file whose metadata was edited, or whose graph was
+replaced under it, would otherwise be trusted into wrong answers: keys
+right-padded for a model that is not causal, a mask the graph does not read.
+So a session refuses such a file with ``ModelFileError``, after three checks:
+
+- the declared inputs and outputs: element types, ranks, d_model and heads
+  where the graph fixes them, and no axis fixed that the metadata says varies;
+- heads and causality, where the graph states them: fused attention nodes'
+  attributes, or the constant ``[heads, d_k]`` of an unfused graph's head split;
+- the mask mode, by behaviour (it cannot be read off every graph): a probe item
+  is run alone, then in a batch with a longer item, padded as the batch planner
+  pads (zeros at the end of each axis the metadata says may be padded, padding
+  masks marking them): its outputs must not change beyond rounding (or the int8
+  budget), nor the longer item's. A model said to be causal must also give the
+  same outputs for earlier positions when its last token changes.
+
+Behaviour is checked only in the direction that can never refuse a sound
+model: a model that is causal, or reads its mask, without saying so is slower
+to batch but never wrong, and "this output does not depend on that token"
+cannot be told from "depends on it by less than a float's resolution".
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+
+import numpy as np
+import onnx
+from onnx import numpy_helper
+
+from mha_deploy.errors import ModelFileError
+from mha_deploy.metadata import ModelMetadata
+from mha_deploy.signature import FIXED_AXES, PADDING_MASK, SEQUENCE, TensorSpec
+
+_ELEMENT_TYPES = {"float32": onnx.TensorProto.FLOAT, "float16": onnx.TensorProto.FLOAT16, "bool": onnx.TensorProto.BOOL}
+# Largest relative error ||batched - alone|| / ||alone|| that padding may cause, by the model's float type.
+# A mask the graph ignores, or padding a model that is not causal, moves outputs by 10% and more.
+PROBE_REL_ERR = {"float32": 1e-3, "float16": 2e-2}
+INT8_PROBE_REL_ERR = 0.05
+
+# ORT's contrib attention ops (com.microsoft), with a num_heads attribute; ONNX's own Attention has q_num_heads.
+_CONTRIB_ATTENTION = ("MultiHeadAttention", "Attention", "GroupQueryAttention")
+
+RunFn = Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]]
+
+
+def check_declared_io(proto: onnx.ModelProto, metadata: ModelMetadata, source: str) -> None:
+    """Element type, rank and fixed sizes of every input and output the metadata lists, as the graph declares them."""
+    declared = {v.name: v.type.tensor_type for v in (*proto.graph.input, *proto.graph.output)}
+    sizes = {"d_model": metadata.d_model, "heads": metadata.num_heads}
+    for spec in (*metadata.signature.inputs, *metadata.signature.outputs):
+        if spec.name not in declared:
+            _refuse(source, f"its metadata lists {spec.name!r}, which the graph lacks")
+        tensor = declared[spec.name]
+        dtype = spec.numpy_dtype(metadata.dtype)
+        if tensor.elem_type != _ELEMENT_TYPES.get(dtype):
+            found = onnx.helper.tensor_dtype_to_np_dtype(tensor.elem_type) if tensor.elem_type else "no type"
+            _refuse(source, f"{spec.name} is {found} in the graph, {dtype} in its metadata")
+        if not tensor.HasField("shape"):
+            continue
+        dims = tensor.shape.dim
+        if len(dims) != len(spec.axes):
+            _refuse(source, f"{spec.name} has rank {len(dims)} in the graph, {len(spec.axes)} ({_axes(spec)}) in "
+                            "its metadata")
+        for position, (axis, dim) in enumerate(zip(spec.axes, dims, strict=True)):
+            fixed = dim.dim_value if dim.HasField("dim_value") and dim.dim_value > 0 else None
+            if axis in FIXED_AXES and fixed is not None and fixed != sizes[axis]:
+                _refuse(source, f"{spec.name} has {axis} {fixed} in the graph, {sizes[axis]} in its metadata")
+            if axis not in FIXED_AXES and fixed is not None:
+                _refuse(source, f"{spec.name}'s axis {position} ({axis}) is fixed at {fixed} in the graph; its "
+                                "metadata says it varies")
+
+
+def graph_heads(proto: onnx.ModelProto, d_model: int) -> set[int]:
+    """Head counts the graph states: fused attention attributes, or an unfused head split's constant [heads, d_k]."""
+    found = set()
+    for node in proto.graph.node:
+        attributes = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+        if node.op_type in _CONTRIB_ATTENTION and "num_heads" in attributes:
+            found.add(int(attributes["num_heads"]))
+        elif node.op_type == "Attention" and "q_num_heads" in attributes:  # ONNX Attention (opset 23)
+            found.add(int(attributes["q_num_heads"]))
+    if found:
+        return found
+    # Unfused: Reshape(x, Concat(batch, seq, [heads], [d_k])) splits the heads.
+    constants = {t.name: t for t in proto.graph.initializer}
+    for node in proto.graph.node:
+        if node.op_type == "Constant":
+            for attribute in node.attribute:
+                if attribute.name == "value":
+                    constants[node.output[0]] = attribute.t
+    for node in proto.graph.node:
+        if node.op_type != "Concat" or len(node.input) != 4:
+            continue
+        tail = [_scalar(constants.get(name)) for name in node.input[2:]]
+        if None not in tail and tail[0] * tail[1] == d_model:
+            found.add(tail[0])
+    return found
+
+
+def check_heads(proto: onnx.ModelProto, metadata: ModelMetadata, source: str) -> None:
+    heads = graph_heads(proto, metadata.d_model)
+    if heads and heads != {metadata.num_heads}:
+        _refuse(source, f"the graph splits {', '.join(map(str, sorted(heads)))} heads, its metadata says "
+                        f"{metadata.num_heads}")
+
+
+def graph_causality(proto: onnx.ModelProto) -> set[bool]:
+    """Whether each fused attention node of the graph is causal (empty for an unfused graph)."""
+    found = set()
+    for node in proto.graph.node:
+        attributes = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+        if node.op_type == "GroupQueryAttention":  # ORT's GQA always masks causally
+            found.add(True)
+        elif node.op_type in _CONTRIB_ATTENTION and "num_heads" in attributes:
+            found.add(bool(attributes.get("unidirectional", 0)))
+        elif node.op_type == "Attention":
+            found.add(bool(attributes.get("is_causal", 0)))
+    return found
+
+
+def check_causality(proto: onnx.ModelProto, metadata: ModelMetadata, source: str) -> None:
+    """A lone MHA's fused attention is causal exactly when its mask mode says so (stacks mix both kinds)."""
+    signature = metadata.signature
+    causal = graph_causality(proto)
+    if signature.model == "mha" and causal and causal != {signature.is_causal}:
+        _refuse(source, f"the graph's attention is {'' if True in causal else 'not '}causal, its metadata's mask "
+                        f"mode is {signature.mask!r}")
+
+
+def check_batching(run: RunFn, metadata: ModelMetadata, source: str) -> None:
+    """A probe item's outputs alone and padded in a batch agree; so do a longer item's alone and batched."""
+    signature = metadata.signature
+    paddable = signature.paddable_axes
+    rng = np.random.default_rng(0)
+    short = {axis: 2 + i for i, axis in enumerate(signature.sequence_axes)}
+    long = {axis: length + 3 if axis in paddable else length for axis, length in short.items()}
+
+    def item(lengths: Mapping[str, int]) -> dict[str, np.ndarray]:
+        return {
+            name: rng.standard_normal((lengths[signature.axis_of(name)], metadata.d_model)).astype(metadata.dtype)
+            for name in signature.sequence_inputs
+        }
+
+    probe, longer = item(short), item(long)
+    together = run(_padded_batch([probe, longer], metadata))
+    budget = _budget(metadata)
+    for row, (one, lengths) in enumerate(((probe, short), (longer, long))):
+        alone = run(_padded_batch([one], metadata))
+        for spec in signature.outputs:
+            cut = (row, *(slice(0, lengths[axis]) if axis in lengths else slice(None) for axis in spec.axes[1:]))
+            batched, expected = together[spec.name][cut].astype(np.float64), alone[spec.name][0].astype(np.float64)
+            error = np.linalg.norm(batched - expected) / max(float(np.linalg.norm(expected)), 1e-30)
+            if not error <= budget:  # NaN fails too
+                padded = ", ".join(sorted(axis for axis in paddable if short[axis] != long[axis])) or "none"
+                _refuse(
+                    source,
+                    f"its {spec.name} changes by {error:.1%} when a {'shorter' if row == 0 else 'longer'} item "
+                    f"shares its batch (padded axes: {padded}), so its mask mode {signature.mask!r} "
+                    f"({metadata.signature.attention}-attention, {signature.model}) does not describe the graph",
+                )
+
+
+def check_causal_behaviour(run: RunFn, metadata: ModelMetadata, source: str) -> None:
+    """If the metadata says the queries' own sequence is causal, a later token cannot move an earlier output."""
+    signature = metadata.signature
+    if not (signature.is_causal or signature.model == "decoder"):
+        return
+    rng = np.random.default_rng(1)
+    lengths = {axis: 4 for axis in signature.sequence_axes}
+    item = {
+        name: rng.standard_normal((lengths[signature.axis_of(name)], metadata.d_model)).astype(metadata.dtype)
+        for name in signature.sequence_inputs
+    }
+    changed = {**item, signature.query_input: item[signature.query_input].copy()}
+    changed[signature.query_input][-1] = rng.standard_normal(metadata.d_model)
+    before, after = run(_padded_batch([item], metadata)), run(_padded_batch([changed], metadata))
+    for spec in signature.outputs:
+        earlier = (0, *(slice(0, 3) if axis == signature.query_axis else slice(None) for axis in spec.axes[1:]))
+        expected, got = before[spec.name][earlier].astype(np.float64), after[spec.name][earlier].astype(np.float64)
+        error = np.linalg.norm(got - expected) / max(float(np.linalg.norm(expected)), 1e-30)
+        if not error <= _budget(metadata):
+            _refuse(
+                source,
+                f"its {spec.name} at earlier positions changes by {error:.1%} when the last token changes, so "
+                f"its mask mode {signature.mask!r} (causal) does not describe the graph",
+            )
+
+
+def _padded_batch(items: list[dict[str, np.ndarray]], metadata: ModelMetadata) -> dict[str, np.ndarray]:
+    """Right-padded with zeros, masks marking real positions: what ``mha_deploy.batch.planner.collate`` feeds."""
+    signature = metadata.signature
+    feeds: dict[str, np.ndarray] = {}
+    lengths: dict[str, list[int]] = {}
+    for spec in signature.inputs:
+        if spec.role == SEQUENCE:
+            arrays = [item[spec.name] for item in items]
+            longest = max(len(a) for a in arrays)
+            batch = np.zeros((len(arrays), longest, metadata.d_model), metadata.dtype)
+            for row, array in enumerate(arrays):
+                batch[row, : len(array)] = array
+            feeds[spec.name] = batch
+            lengths[spec.name] = [len(a) for a in arrays]
+    for spec in signature.inputs:
+        if spec.role == PADDING_MASK:
+            real = np.array(lengths[spec.marks])
+            feeds[spec.name] = np.arange(feeds[spec.marks].shape[1])[None, :] < real[:, None]
+    return feeds
+
+
+def _budget(metadata: ModelMetadata) -> float:
+    if metadata.quantization != "none":
+        # Dynamic int8 quantizes each batch with its own scale: other items move an item's outputs a little.
+        parity = metadata.parity
+        return max(INT8_PROBE_REL_ERR, parity.rel_budget if parity and parity.rel_budget else 0.0)
+    return PROBE_REL_ERR.get(metadata.dtype, PROBE_REL_ERR["float16"])
+
+
+def _scalar(tensor: onnx.TensorProto | None) -> int | None:
+    if tensor is None or tensor.data_type not in (onnx.TensorProto.INT64, onnx.TensorProto.INT32):
+        return None
+    values = numpy_helper.to_array(tensor).ravel()
+    return int(values[0]) if values.size == 1 and values[0] > 0 else None
+
+
+def _axes(spec: TensorSpec) -> str:
+    return "[" + ", ".join(spec.axes) + "]"
+
+
+def _refuse(source: str, problem: str) -> None:
+    raise ModelFileError(
+        f"{source}: {problem}; the file was edited after export or is damaged: export it again with `mha-deploy export`"
+    )

@@ -1,0 +1,119 @@
+"""Model files that lie: a cache keyed by mtime (tracker #6), edited metadata, malicious pickles.
+
+- ``cp -p`` keeps a file's mtime: the optimized-model cache, keyed by mtime,
+  kept serving the model that had been replaced.
+- Metadata edited after export (or a graph swapped under it) used to be
+  trusted into wrong batching; it is refused with ``ModelFileError``.
+- A checkpoint that pickles code is refused without unpickling it, and called unsafe.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import shutil
+
+import numpy as np
+import onnx
+import pytest
+from click.testing import CliRunner
+
+from mha_deploy.cli import main
+from mha_deploy.errors import ModelFileError
+from mha_deploy.metadata import METADATA_KEY, Signature
+from mha_deploy.runtime import MHASession
+from tests.adversarial.conftest import assert_loud, infer, sequences
+
+
+def test_optimized_model_cache_follows_a_model_replaced_with_its_mtime_kept(export_model, tmp_path):
+    """`cp -p new.onnx mha.onnx` with new.onnx older than the cache: the cache must not serve the old model."""
+    source, cache = tmp_path / "mha.onnx", tmp_path / "mha.opt.onnx"
+    shutil.copy2(export_model(Signature("self", "causal"))[0], source)
+    x = sequences((6,))[0][None]
+    old = MHASession(source, provider="cpu", optimized_model_path=cache).run({"x": x})["output"]
+    assert MHASession(source, provider="cpu", optimized_model_path=cache).loaded_from == str(cache)
+
+    replacement = tmp_path / "new.onnx"
+    shutil.copy2(export_model(Signature("self", "none"))[0], replacement)
+    older = cache.stat().st_mtime_ns - 10**9
+    os.utime(replacement, ns=(older, older))
+    shutil.copy2(replacement, source)  # cp -p
+    assert source.stat().st_mtime_ns < cache.stat().st_mtime_ns
+
+    reloaded = MHASession(source, provider="cpu", optimized_model_path=cache)
+    assert reloaded.loaded_from == str(source) and reloaded.signature == Signature("self", "none")
+    expected = MHASession(replacement, provider="cpu").run({"x": x})["output"]
+    np.testing.assert_allclose(reloaded.run({"x": x})["output"], expected, atol=1e-6)
+    assert not np.allclose(expected, old, atol=1e-3), "the two models differ (causal or not)"
+    assert MHASession(source, provider="cpu", optimized_model_path=cache).loaded_from == str(cache)
+
+
+def _edit_metadata(source, target, **changes) -> None:
+    model = onnx.load(source)
+    for prop in model.metadata_props:
+        if prop.key == METADATA_KEY:
+            recorded = json.loads(prop.value)
+            for key, value in changes.items():
+                (recorded["signature"] if key in recorded["signature"] else recorded)[key] = value
+            prop.value = json.dumps(recorded)
+    onnx.save(model, target)
+
+
+@pytest.mark.parametrize(
+    ("signature", "fuse", "changes", "message"),
+    [
+        (Signature("self", "none"), "auto", {"num_heads": 8}, "the graph splits 4 heads, its metadata says 8"),
+        (Signature("self", "none"), "none", {"num_heads": 2}, "the graph splits 4 heads, its metadata says 2"),
+        (Signature("self", "padding", True), "auto", {"num_heads": 8}, "attn_weights has heads 4 in the graph, 8"),
+        (Signature("self", "none"), "auto", {"d_model": 32}, "x has d_model 64 in the graph, 32 in its metadata"),
+        (Signature("self", "none"), "auto", {"dtype": "float16"}, "x is float32 in the graph, float16 in its"),
+        # Trusted, these would right-pad the keys of a model that sees them: wrong answers for every batch.
+        (Signature("self", "none"), "auto", {"mask": "causal"}, "the graph's attention is not causal"),
+        (Signature("self", "none"), "none", {"mask": "causal"}, "changes by"),
+        (Signature("self", "padding"), "none", {"mask": "padding-causal"}, "when the last token changes"),
+        (Signature("self", "none"), "auto", {"return_weights": True}, "do not match its metadata"),
+    ],
+    ids=["heads-fused", "heads-unfused", "heads-weights", "d_model", "dtype", "causal-fused", "causal-unfused",
+         "padding-causal", "weights"],
+)
+def test_edited_metadata_is_refused(tmp_path, export_model, signature, fuse, changes, message):
+    edited = tmp_path / "edited.onnx"
+    _edit_metadata(export_model(signature, fuse)[0], edited, **changes)
+    with pytest.raises(ModelFileError, match=str(edited)) as refused:
+        MHASession(edited, provider="cpu")
+    assert message in str(refused.value) and "\n" not in str(refused.value)
+
+
+def test_edited_metadata_is_refused_by_infer_in_one_line(tmp_path, export_model):
+    edited = tmp_path / "edited.onnx"
+    _edit_metadata(export_model(Signature("self", "none"), "none")[0], edited, mask="causal")
+    np.savez(tmp_path / "in.npz", a=sequences((3,))[0], b=sequences((7,), seed=1)[0])
+    assert_loud(infer(edited, tmp_path / "in.npz", tmp_path / "out.npz"), f"{edited}: its output changes by")
+    assert not (tmp_path / "out.npz").exists()
+
+
+class _Payload:
+    """Unpickling this runs ``open(marker, "w")``: a stand-in for any code a malicious file would run."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+@pytest.mark.parametrize("protocol", [2, pickle.HIGHEST_PROTOCOL])
+def test_malicious_checkpoint_is_called_unsafe_and_never_runs(tmp_path, protocol):
+    pytest.importorskip("torch")
+    marker, checkpoint = tmp_path / "pwned", tmp_path / "evil.pt"
+    if protocol == 2:  # a plain pickle, as an attacker writes it
+        checkpoint.write_bytes(pickle.dumps({"W_q.weight": _Payload(marker)}, protocol=2))
+    else:  # inside torch.save's zip container
+        import torch
+
+        torch.save({"W_q.weight": _Payload(marker)}, checkpoint)
+    result = CliRunner().invoke(main, ["export", "--checkpoint", str(checkpoint), "-o", str(tmp_path / "m.onnx")])
+    assert_loud(result, f"checkpoint {checkpoint}: unsafe pickle refused", "io.open" if protocol != 2 else "open")
+    assert not marker.exists(), "the payload never ran"
+    assert not (tmp_path / "m.onnx").exists()
