@@ -47,3 +47,11 @@ class BatcherStoppedError(MHADeployError, RuntimeError):
 
 class OptionError(MHADeployError, ValueError):
     """An option was given a value it does not take (e.g. an unknown optimization level)."""
+
+
+class OutputError(MHADeployError):
+    """A job's output cannot be written, or holds something the job will not overwrite."""
+
+
+class OutputInUseError(OutputError):
+    """Another process holds the output's lock: it is writing that output now."""

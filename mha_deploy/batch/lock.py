@@ -26,17 +26,9 @@ import socket
 import weakref
 from pathlib import Path
 
-from mha_deploy.errors import MHADeployError
+from mha_deploy.errors import OutputError, OutputInUseError
 
 _ATTEMPTS = 16
-
-
-class OutputError(MHADeployError):
-    """A job's output cannot be written, or holds something the job will not overwrite."""
-
-
-class OutputInUseError(OutputError):
-    """Another process holds the output's lock: it is writing that output now."""
 
 
 def lock_path(output: Path, output_is_directory: bool) -> Path:

@@ -111,6 +111,7 @@ def run_dataset_on_ray(
     local = BatchRunner(MHASession(model, provider="cpu", threads=1), **runner_options)
     stats = RunStats(provider="ray")
     start = time.perf_counter()
+    owns_lock = not job.lock.held  # as run_dataset: release the output only if this call took it
     todo, done = job.plan()
     stats.shards_skipped = len(done)
     started_ray = False
@@ -156,4 +157,6 @@ def run_dataset_on_ray(
         stats.seconds = time.perf_counter() - start
         if started_ray:
             ray_module.shutdown()
+        if owns_lock:
+            job.close()
     return stats
