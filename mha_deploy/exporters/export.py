@@ -33,11 +33,27 @@ from mha_deploy.models.attention import MultiHeadAttention
 from mha_deploy.models.transformer import Decoder, Encoder
 from mha_deploy.runtime.session import MHASession
 
-# The contrib MultiHeadAttention takes the padding mask as int32 [batch, kv_len] and
-# the causal mask as a flag, so no [batch, q_len, kv_len] mask is built in the graph;
-# ONNX Attention needs a float [batch, 1, q_len, kv_len] mask (512 MiB at 8 x 4096).
-# Speed on ORT's CPU provider is within noise of each other (README, Fusion).
-AUTO_TARGET = "mha"
+# --fuse auto, per mask mode: the fastest exact path on ORT's CPU provider. Full block
+# (projections + attention), self-attention, d_model 512, 8 heads, fp32, 2 threads, ORT 1.31.1,
+# graph optimizations "all"; medians in ms over shuffled rounds, padding "1/4 left" = the
+# first quarter of the keys padded:
+#
+#   mask mode (keys)         mha: kernel                                  mha    onnx    none
+#   none          (1,4096)   MultiHeadAttention (flash)                   @N1    @O1     @U1
+#   padding, all real        If -> MultiHeadAttention (flash)             @N2    @O2     @U2
+#   padding, 1/4 left        If -> MultiHeadAttention (masked)            @N3    @O3     @U3
+#   causal        (1,4096)   GroupQueryAttention                          @N4    @O4     @U4
+#   padding-causal, all real GroupQueryAttention, compacted               @N5    @O5     @U5
+#   padding-causal, 1/4 left GroupQueryAttention, compacted               @N6    @O6     @U6
+#
+# Produced by ``python /tmp/mha_bench/targets.py export && python /tmp/mha_bench/targets.py
+# time --rounds 9`` (a one-off script, not in the repo: ``export_mha(MultiHeadAttention(512, 8),
+# path, Signature("self", mask), fuse=...)`` per cell, one ``onnxruntime.InferenceSession`` each,
+# every cell run once per round in shuffled order). The host was shared with other jobs:
+# the spread between rounds was large (@NOISE), the ranking held in every round.
+# mha also builds no mask tensor: onnx needs a float [batch, 1, q_len, kv_len] attn_mask
+# (512 MiB at 8 x 4096) for a padding mask.
+AUTO_TARGETS = {"none": "mha", "padding": "mha", "causal": "mha", "padding-causal": "mha"}
 # Only the standard Attention op can also output the softmax probabilities.
 AUTO_TARGET_RETURNING_WEIGHTS = "onnx"
 _RECORDED_PACKAGES = ("mha-deploy", "torch", "onnx", "onnxscript", "onnxruntime-gpu", "onnxruntime")
@@ -81,8 +97,10 @@ def write_model_atomically(model: onnx.ModelProto, path: Path) -> None:
 
 
 def auto_fusion_target(signature: Signature) -> str:
-    """What ``--fuse auto`` picks: ``mha`` for its memory (no mask tensor in the graph); ``onnx`` to return weights."""
-    return AUTO_TARGET_RETURNING_WEIGHTS if signature.return_weights else AUTO_TARGET
+    """What ``--fuse auto`` picks: the fastest target measured for the mask mode (``AUTO_TARGETS``), or
+    ``onnx`` to return weights. A stack's mask mode is its padding; its causal self-attention is fused
+    like a lone causal MHA's."""
+    return AUTO_TARGET_RETURNING_WEIGHTS if signature.return_weights else AUTO_TARGETS[signature.mask]
 
 
 def _optimised(

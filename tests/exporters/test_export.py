@@ -9,8 +9,10 @@ import torch
 
 from mha_deploy.errors import ExportError, ParityError
 from mha_deploy.exporters import export_mha
+from mha_deploy.exporters.export import AUTO_TARGETS
 from mha_deploy.exporters.parity import ParityCase, check_parity
-from mha_deploy.metadata import METADATA_KEY, ModelMetadata, Signature
+from mha_deploy.metadata import FUSE_CHOICES, MASK_MODES, METADATA_KEY, ModelMetadata, Signature
+from mha_deploy.model_report import PADDING_FLASH_KERNEL, describe_model
 from mha_deploy.models import MultiHeadAttention
 from mha_deploy.runtime import MHASession
 from tests.conftest import SIGNATURES, TEST_D_MODEL, TEST_HEADS, signature_id
@@ -178,3 +180,25 @@ def test_auto_fuses_and_records_the_target(tmp_path, signature):
     result = export_mha(MultiHeadAttention(TEST_D_MODEL, TEST_HEADS), tmp_path / "m.onnx", signature, fuse="auto")
     assert result.fusion.complete and result.fusion.fused == 1 and not result.warnings
     assert MHASession(result.path, provider="cpu").metadata.fusion == result.fusion.target != "none"
+
+
+# What --fuse auto must run each self-attention mask mode on (ORT CPU kernels, see export.AUTO_TARGETS).
+AUTO_KERNELS = {
+    "none": "MultiHeadAttention (flash)",
+    "padding": PADDING_FLASH_KERNEL,
+    "causal": "GroupQueryAttention (causal)",
+    "padding-causal": "GroupQueryAttention (causal, padded tokens compacted out: any padding side)",
+}
+
+
+def test_auto_has_a_measured_choice_for_every_mask_mode():
+    assert set(AUTO_TARGETS) == set(MASK_MODES)
+    assert all(target in FUSE_CHOICES and target != "auto" for target in AUTO_TARGETS.values())
+
+
+@pytest.mark.parametrize("mask", MASK_MODES)
+def test_auto_runs_each_mask_mode_on_its_fastest_kernel(export_model, mask):
+    path, _ = export_model(Signature("self", mask))
+    (attention,) = describe_model(path).attention_ops
+    assert attention.kernel == AUTO_KERNELS[mask]
+    assert MHASession(path, provider="cpu").metadata.fusion == AUTO_TARGETS[mask]

@@ -21,9 +21,11 @@ from mha_deploy.exporters.stack_graphs import DecoderGraph, EncoderGraph, export
 from mha_deploy.exporters.torch_export import export_onnx
 from mha_deploy.inputs import InputCase, make_inputs
 from mha_deploy.metadata import ModelMetadata, Signature
+from mha_deploy.model_report import PADDING_FLASH_KERNEL
 from mha_deploy.models.attention import MultiHeadAttention
 from mha_deploy.models.transformer import Decoder, Encoder
 from mha_deploy.runtime.session import MHASession
+from tests.exporters.fusion.hand_graphs import executed_nodes
 
 D_MODEL, HEADS, D_FF, LAYERS = 64, 4, 128, 2
 
@@ -48,6 +50,26 @@ PADDING_INPUT = {
     "com.microsoft.Attention": "mask_index",
     "Attention": "attn_mask",
 }
+GQA = "com.microsoft.GroupQueryAttention"
+GQA_CAUSAL = "GroupQueryAttention (causal)"
+GQA_COMPACTED = "GroupQueryAttention (causal, padded tokens compacted out: any padding side)"
+
+
+def _is_causal(op) -> bool:
+    """GroupQueryAttention is always causal; the other ops say so in an attribute."""
+    return op.op_type == GQA or bool(op.attributes.get(CAUSAL_ATTR[op.op_type], 0))
+
+
+def _expected_kernel(signature: Signature, target_id: str) -> tuple[str, str | None]:
+    """(op type, ORT CPU kernel) that ``target_id`` must give ``signature``'s attention (kernel None: not checked)."""
+    if target_id == "onnx":
+        return "Attention", None
+    if target_id == "mha-packed":
+        return "com.microsoft.Attention", None
+    if signature.is_causal:
+        return GQA, GQA_COMPACTED if signature.has_padding_mask else GQA_CAUSAL
+    mha = "com.microsoft.MultiHeadAttention"
+    return mha, PADDING_FLASH_KERNEL if signature.has_padding_mask else "MultiHeadAttention (flash)"
 
 
 def _sig_id(signature: Signature) -> str:
@@ -115,15 +137,18 @@ def test_one_attention_op_per_mha(fused, signature, target_id):
     assert (report.found, report.fused, report.remaining) == (1, 1, 0), report.summary()
     assert report.complete
     op = report.ops[0]
-    expected = {"onnx": "Attention", "mha": "com.microsoft.MultiHeadAttention"}.get(target_id)
-    if target_id == "mha-packed":
-        expected = "com.microsoft.Attention"
-    assert op.op_type == expected
+    op_type, kernel = _expected_kernel(signature, target_id)
+    assert op.op_type == op_type
+    if kernel is not None:
+        assert op.kernel == kernel
     # Masks go through the op's native inputs: no float bias survives.
     assert "attention_bias" not in op.mask_inputs
-    assert (PADDING_INPUT[op.op_type] in op.mask_inputs) == signature.has_padding_mask
-    assert bool(op.attributes.get(CAUSAL_ATTR[op.op_type], 0)) == signature.is_causal
-    assert op.describe().startswith(f"{op.op_type}(")
+    if op.op_type == GQA:  # the padding mask is what compacts q/k/v and sets seqlens_k
+        assert "seqlens_k" in op.mask_inputs
+    else:
+        assert (PADDING_INPUT[op.op_type] in op.mask_inputs) == signature.has_padding_mask
+    assert _is_causal(op) == signature.is_causal
+    assert op.describe().startswith(f"{op.op_type}(") and op.describe().endswith(f"-> {op.kernel}")
     softmaxes = [n for n in model.graph.node if n.op_type == "Softmax"]
     assert not softmaxes
     assert not report.unfused_reasons
@@ -148,6 +173,53 @@ def test_fused_matches_torch_on_more_shapes(fused, signature, target_id):
         cases = (ParityCase(1, 9, 9, "left"), ParityCase(5, 2, 33, "right"), ParityCase(2, 64, 5, "left"))
     report = check_parity(module, _session(model), cases, seed=11)
     assert report.passed, f"{report.summary()}: {report.failures}"
+
+
+@pytest.mark.parametrize("signature", [Signature("self", "causal"), Signature("self", "padding-causal")], ids=_sig_id)
+def test_group_query_attention_keeps_its_present_outputs(fused, signature):
+    # Unused, but ORT 1.31's CPU GroupQueryAttention takes its flash path only when they are
+    # requested: the pipeline's clean-up passes must not drop them.
+    _, _, model, _ = fused(signature, "mha")
+    (gqa,) = [n for n in model.graph.node if n.op_type == "GroupQueryAttention"]
+    assert len(gqa.output) == 3 and all(gqa.output)
+
+
+def _torch_outputs(module, signature: Signature, feeds: dict[str, np.ndarray]) -> np.ndarray:
+    with torch.no_grad():
+        return module(*(torch.from_numpy(feeds[name]) for name in signature.input_names)).numpy()
+
+
+@pytest.mark.parametrize("signature", [Signature("self", "padding"), Signature("cross", "padding")], ids=_sig_id)
+@pytest.mark.parametrize("padded", [False, True], ids=["all-real", "padded"])
+def test_padding_mask_takes_the_flash_branch_only_when_no_key_is_padded(fused, signature, padded):
+    module, _, model, _ = fused(signature, "mha")
+    (if_node,) = [n for n in model.graph.node if n.op_type == "If"]
+    branch_op = {a.name: a.g.node[0].name for a in if_node.attribute}
+    case = InputCase(3, 11, 11 if signature.attention == "self" else 14, "mixed" if padded else "none")
+    feeds = make_inputs(signature, D_MODEL, case, seed=4)
+    assert feeds["key_padding_mask"].all() != padded
+    ran = executed_nodes(model, feeds)
+    taken, skipped = ("then_branch", "else_branch") if padded else ("else_branch", "then_branch")
+    assert branch_op[taken] in ran and branch_op[skipped] not in ran
+    (actual,) = _ort_session(model).run(["output"], feeds)
+    rows = feeds["key_padding_mask"] if signature.attention == "self" else np.ones(actual.shape[:2], bool)
+    assert np.isfinite(actual).all()
+    np.testing.assert_allclose(actual[rows], _torch_outputs(module, signature, feeds)[rows], atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("padding", ["right", "left", "mixed", "empty-row"])
+def test_causal_padding_of_any_side_matches_torch_on_real_rows(fused, padding):
+    # GroupQueryAttention over compacted tokens; "empty-row": a sequence with no real token, whose
+    # rows are padding and only need to be finite. MHASession refuses such input: plain ORT here.
+    signature = Signature("self", "padding-causal")
+    module, _, model, _ = fused(signature, "mha")
+    feeds = make_inputs(signature, D_MODEL, InputCase(4, 37, 37, "mixed" if padding == "empty-row" else padding), 8)
+    if padding == "empty-row":
+        feeds["key_padding_mask"][-1] = False
+    (actual,) = _ort_session(model).run(["output"], feeds)
+    rows = feeds["key_padding_mask"]
+    assert np.isfinite(actual).all()
+    np.testing.assert_allclose(actual[rows], _torch_outputs(module, signature, feeds)[rows], atol=1e-5, rtol=1e-4)
 
 
 @pytest.mark.parametrize("target_id", list(TARGETS))
@@ -364,8 +436,12 @@ def test_stack_fuses_every_layer_and_matches_torch(stacks, stack, target_id):
     expected = LAYERS if stack == "encoder" else 2 * LAYERS
     assert (report.found, report.fused, report.remaining) == (expected, expected, 0), report.summary()
     assert all("attention_bias" not in op.mask_inputs for op in report.ops)
-    causal = [bool(op.attributes.get(CAUSAL_ATTR[op.op_type], 0)) for op in report.ops]
+    causal = [_is_causal(op) for op in report.ops]
     assert sum(causal) == (0 if stack == "encoder" else LAYERS)
+    if target_id == "mha":  # the decoder's causal self-attention, padded: GQA over compacted tokens
+        kernels = sorted(op.kernel for op in report.ops)
+        decoder = [GQA_COMPACTED] * LAYERS + [PADDING_FLASH_KERNEL] * LAYERS
+        assert kernels == sorted(decoder if stack == "decoder" else [PADDING_FLASH_KERNEL] * LAYERS)
 
     session = _ort_session(fused_model)
     for seed, (batch, tgt_len, mem_len, padding) in enumerate(STACK_CASES):

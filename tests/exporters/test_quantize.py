@@ -12,6 +12,7 @@ from mha_deploy.exporters import export_mha
 from mha_deploy.exporters.export import INT8_REL_ERR_BUDGET
 from mha_deploy.exporters.quantize import quantize_int8
 from mha_deploy.metadata import Signature
+from mha_deploy.model_report import describe_model
 from mha_deploy.models import MultiHeadAttention
 from mha_deploy.runtime import MHASession
 from tests.conftest import TEST_D_MODEL, TEST_HEADS
@@ -23,7 +24,11 @@ def test_int8_export(tmp_path, signature):
     result = export_mha(MultiHeadAttention(TEST_D_MODEL, TEST_HEADS), tmp_path / "q.onnx", signature,
                         fuse="mha", quantize="int8")
     ops = {n.op_type for n in onnx.load(result.path).graph.node}
-    assert "MatMulInteger" in ops and "MultiHeadAttention" in ops and "MatMul" not in ops
+    assert "MatMulInteger" in ops and "MatMul" not in ops
+    # The attention stays one float op (under an If for the padding mask's flash path).
+    (attention,) = describe_model(result.path).attention_ops
+    assert attention.op == ("com.microsoft::GroupQueryAttention" if signature.is_causal
+                            else "com.microsoft::MultiHeadAttention")
     assert result.parity.passed and 0 < result.parity.rel_err <= INT8_REL_ERR_BUDGET
     assert result.parity.rel_budget == INT8_REL_ERR_BUDGET
     session = MHASession(result.path, provider="cpu")

@@ -11,6 +11,7 @@ from mha_deploy.batch import BatchRunner
 from mha_deploy.cli import main
 from mha_deploy.errors import ExportError, InputError
 from mha_deploy.exporters import export_stack
+from mha_deploy.model_report import PADDING_FLASH_KERNEL
 from mha_deploy.models import Decoder, Encoder
 from mha_deploy.runtime import MHASession
 from tests.conftest import TEST_D_MODEL, TEST_HEADS
@@ -97,6 +98,24 @@ def test_cli_exports_an_encoder_that_the_runner_can_use(tmp_path):
     assert results["b"]["output"].shape == (9, D)
     inspect = CliRunner().invoke(main, ["inspect", str(model)]).stdout
     assert "encoder x3" in inspect and inspect.count("fused  com.microsoft::MultiHeadAttention") == 3
+    assert inspect.count(f"kernel: {PADDING_FLASH_KERNEL}") == 3
+
+
+def test_default_decoder_runs_causal_self_attention_on_group_query_attention(tmp_path):
+    # Its self-attention is causal and padded: GQA over compacted tokens; its cross-attention is
+    # padded: the flash path whenever no memory token is padded.
+    torch.manual_seed(0)
+    result = export_stack(Decoder(2, D, TEST_HEADS, 2 * D), tmp_path / "decoder.onnx", mask="padding")
+    assert result.parity.passed and result.metadata.fusion == "mha"
+    inspect = CliRunner().invoke(main, ["inspect", str(result.path)]).stdout
+    assert inspect.count("fused  com.microsoft::GroupQueryAttention") == 2
+    assert inspect.count("kernel: GroupQueryAttention (causal, padded tokens compacted out: any padding side)") == 2
+    assert inspect.count(f"kernel: {PADDING_FLASH_KERNEL}") == 2
+    session = MHASession(result.path, provider="cpu")
+    items = {"a": {"x": np.ones((4, D), np.float32), "memory": np.ones((6, D), np.float32)},
+             "b": {"x": np.ones((9, D), np.float32), "memory": np.ones((3, D), np.float32)}}
+    results, _ = BatchRunner(session).run(items)
+    assert results["b"]["output"].shape == (9, D) and np.isfinite(results["a"]["output"]).all()
 
 
 def test_cli_layers_need_a_stack(tmp_path):

@@ -11,8 +11,19 @@ The chain, per target (own rules marked *, the rest is upstream
       mha_bias                fold q/k/v projection biases into the op
       attention (packed_qkv)  self-attention MHA -> com.microsoft.Attention (packed weights)
     * native_mask             float bias -> key_padding_mask / mask_index + unidirectional
+    * causal_gqa              causal MHA -> GroupQueryAttention (tiled, skips masked blocks);
+                              padding compacted to the front in the graph, any side
+    * padding_flash           MHA with key_padding_mask -> If(any key padded, masked MHA,
+                              mask-free MHA: ORT's CPU flash path)
     onnx:
-    * onnx_attention          MHA -> standard Attention (attn_mask bool, is_causal)
+    * onnx_attention          MHA -> standard Attention (float attn_mask, is_causal)
+
+The onnx target keeps the causal flag on standard ``Attention`` instead of taking
+causal_gqa: GroupQueryAttention is an ORT contrib op, and that target exists for
+runtimes and providers without them (ORT's CUDA provider has no fp32
+GroupQueryAttention kernel, it takes standard Attention in fp32). On ORT's CPU
+provider it is the slower choice for every mask mode (the table in
+``mha_deploy.exporters.export``), so ``--fuse auto`` does not pick it.
 
 When attentions stay unfused, the rules that start from a Softmax are run again
 with the rewriter's match tracing, and the checks that failed on those
@@ -34,6 +45,7 @@ from onnxscript.rewriter.ort_fusions.sdpa import fuse_sdpa, sdpa_rules
 from onnxscript.rewriter.ort_fusions.sdpa_via_mha import replace_sdpa_by_mha
 
 from mha_deploy.errors import ExportError
+from mha_deploy.exporters.fusion.causal_gqa import fuse_causal_gqa
 from mha_deploy.exporters.fusion.masked_fill_bias import fuse_masked_fill_bias, masked_fill_bias_rules
 from mha_deploy.exporters.fusion.native_mask import fuse_native_mask
 from mha_deploy.exporters.fusion.onnx_attention import fuse_onnx_attention
@@ -41,8 +53,9 @@ from mha_deploy.exporters.fusion.onnx_attention_weights import (
     fuse_onnx_attention_weights,
     onnx_attention_weights_rules,
 )
+from mha_deploy.exporters.fusion.padding_flash import fuse_padding_flash
 from mha_deploy.exporters.fusion.projection_shape import fuse_projection_shape
-from mha_deploy.model_report import ATTENTION_INPUT_ROLES
+from mha_deploy.model_report import attention_ops
 
 FUSION_TARGETS = ("mha", "onnx", "none")
 # ORT 1.31 rejects IR version 14; 10 is what it accepts for opset 23.
@@ -51,7 +64,7 @@ MIN_ONNX_ATTENTION_OPSET = 23
 _FUSION_DOMAIN = "ai.onnxruntime._fusion"
 # The mask inputs worth reporting; the ops a fusion produces and their input
 # roles are the ones `mha-deploy inspect` knows (model_report).
-_MASK_ROLES = {"key_padding_mask", "attention_bias", "mask_index", "attn_mask"}
+_MASK_ROLES = {"key_padding_mask", "attention_bias", "mask_index", "attn_mask", "seqlens_k"}
 # Ops that sit between the scores MatMul and the Softmax in an attention subgraph.
 _SCORE_OPS = {"Add", "Sub", "Mul", "Div", "Where", "Cast"}
 
@@ -65,15 +78,18 @@ class FusedOp:
     # Which mask inputs the op reads (input role -> tensor name); empty when unmasked.
     mask_inputs: dict[str, str] = field(default_factory=dict)
     attributes: dict[str, object] = field(default_factory=dict)
+    # Which ORT CPU kernel runs it, e.g. "GroupQueryAttention (causal)" (model_report).
+    kernel: str = ""
 
     def describe(self) -> str:
-        """One line, e.g. ``com.microsoft.MultiHeadAttention(key_padding_mask; num_heads=8, unidirectional=1)``."""
+        """One line, e.g. ``com.microsoft.MultiHeadAttention(key_padding_mask; num_heads=8)``, then the kernel
+        (``-> MultiHeadAttention (flash when no key is padded, else masked)``)."""
         attributes = ", ".join(
             f"{name}={value:g}" if isinstance(value, float) else f"{name}={value}"
             for name, value in sorted(self.attributes.items())
         )
         masks = ", ".join(self.mask_inputs) or "no mask"
-        return f"{self.op_type}({masks}; {attributes})"
+        return f"{self.op_type}({masks}; {attributes})" + (f" -> {self.kernel}" if self.kernel else "")
 
 
 @dataclass
@@ -142,21 +158,13 @@ def attention_softmaxes(model: ir.Model) -> list[ir.Node]:
     return [node for node in model.graph.all_nodes() if _is_attention_softmax(node)]
 
 
-def _fused_ops(model: ir.Model) -> list[FusedOp]:
+def _fused_ops(model: onnx.ModelProto) -> list[FusedOp]:
+    """One entry per fused attention, as ``mha-deploy inspect`` reads them (an If over two ops is one)."""
     ops = []
-    for node in model.graph.all_nodes():
-        key = (node.domain if node.domain != "ai.onnx" else "", node.op_type)
-        if key not in ATTENTION_INPUT_ROLES:
-            continue
-        masks = {
-            role: value.name
-            for role, value in zip(ATTENTION_INPUT_ROLES[key], node.inputs, strict=False)
-            if role in _MASK_ROLES and value is not None
-        }
-        attributes = {name: attr.value for name, attr in node.attributes.items()}
-        attributes = {k: list(v) if isinstance(v, tuple) else v for k, v in attributes.items()}
-        op_type = f"{key[0]}.{key[1]}" if key[0] else key[1]
-        ops.append(FusedOp(op_type, node.name or "", masks, attributes))
+    for info in attention_ops(list(model.graph.node)):
+        masks = {role: name for role, name in info.inputs.items() if role in _MASK_ROLES}
+        attributes = {k: list(v) if isinstance(v, tuple) else v for k, v in info.attributes.items()}
+        ops.append(FusedOp(info.op.replace("::", "."), info.name, masks, attributes, info.kernel))
     return ops
 
 
@@ -193,6 +201,10 @@ def _run_chain(model: ir.Model, target: str, packed_qkv: bool) -> dict[str, int]
     counts["sdpa_via_mha"] = replace_sdpa_by_mha(model)
     if target == "mha":
         counts["native_mask"] = fuse_native_mask(model)
+        # causal_gqa and padding_flash check the shapes of the mask/bias values the rules before created.
+        common_passes.ShapeInferencePass()(model)
+        counts["causal_gqa"] = fuse_causal_gqa(model)
+        counts["padding_flash"] = fuse_padding_flash(model)
     else:
         counts["onnx_attention"] = fuse_onnx_attention(model)
     _omit_unused_present_outputs(model)
@@ -324,8 +336,8 @@ def fuse_attention(
     original_domains = set(ir_model.opset_imports)
     counts = _run_chain(ir_model, target, packed_qkv)
     _finish_opsets(ir_model, original_domains)
-    report = FusionReport(target, found, len(attention_softmaxes(ir_model)), _fused_ops(ir_model), counts)
     fused = ir.serde.serialize_model(ir_model)
+    report = FusionReport(target, found, len(attention_softmaxes(ir_model)), _fused_ops(fused), counts)
     if report.remaining:
         # After serializing: the tracing pass is told to change nothing, but it still runs
         # the rewriter's constant propagation over the graph.

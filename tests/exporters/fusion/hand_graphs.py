@@ -7,6 +7,10 @@ fusions can neither hide a rewrite that went wrong nor one that did not happen.
 
 from __future__ import annotations
 
+import json
+import tempfile
+from pathlib import Path
+
 import numpy as np
 import onnx
 import onnx_ir as ir
@@ -108,15 +112,41 @@ def run(model: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> dict[str, np.nd
     return dict(zip(names, session.run(names, feeds), strict=True))
 
 
+def executed_nodes(model: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> set[str]:
+    """Names of the nodes ORT ran for ``feeds`` (from its profile): shows which branch of an If was taken."""
+    with tempfile.TemporaryDirectory() as tmp:
+        options = ort.SessionOptions()
+        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+        options.enable_profiling = True
+        options.profile_file_prefix = str(Path(tmp, "profile"))
+        session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+        session.run(None, feeds)
+        events = json.loads(Path(session.end_profiling()).read_text())
+    suffix = "_kernel_time"
+    return {e["name"][: -len(suffix)] for e in events if e.get("cat") == "Node" and e["name"].endswith(suffix)}
+
+
 def assert_same_outputs(
-    before: onnx.ModelProto, after: onnx.ModelProto, feeds: dict[str, np.ndarray], atol=1e-5, rtol=1e-4
+    before: onnx.ModelProto,
+    after: onnx.ModelProto,
+    feeds: dict[str, np.ndarray],
+    atol=1e-5,
+    rtol=1e-4,
+    rows: np.ndarray | None = None,
 ) -> None:
-    """Every output of ``after`` equals ``before``'s; on failure, says which elements differ and by how much."""
+    """Every output of ``after`` equals ``before``'s; on failure, says which elements differ and by how much.
+
+    ``rows`` (bool [batch, seq]): compare only those rows of each output, and require the others to be
+    finite (padded query rows, which the parity contract leaves free).
+    """
     expected, actual = run(before, feeds), run(after, feeds)
     assert list(actual) == list(expected)
     for name, want in expected.items():
         got = actual[name]
         assert got.shape == want.shape, f"{name}: shape {got.shape}, expected {want.shape}"
+        assert np.isfinite(got).all(), f"{name}: {int((~np.isfinite(got)).sum())} elements are not finite"
+        if rows is not None:
+            got, want = np.where(rows[..., None], got, 0), np.where(rows[..., None], want, 0)
         bad = ~np.isclose(got, want, atol=atol, rtol=rtol)
         if bad.any():
             where = [tuple(int(i) for i in index) for index in np.argwhere(bad)[:5]]
@@ -154,6 +184,24 @@ def mask_bias(g: Graph, mask: str, fill: float = FILL, expand_to: list[int] | No
     masked = g.op("Equal", g.op("Cast", mask, to=onnx.TensorProto.INT64), g.const(0, np.int64))
     bias = g.op("Where", masked, g.const(fill), g.const(0.0))
     return g.op("Expand", bias, g.const(expand_to, np.int64)) if expand_to else bias
+
+
+def padding_sides(batch: int, seq: int, side: str, seed: int = 0) -> np.ndarray:
+    """bool [batch, seq], True = real: random lengths >= 1 with padding on the ``side`` ("right", "left",
+    "mixed": alternating), row 0 full length; "empty-row": the last row is all padding."""
+    lengths = np.random.default_rng(seed).integers(1, seq + 1, size=batch)
+    lengths[0] = seq
+    positions = np.arange(seq)[None, :]
+    right, left = positions < lengths[:, None], positions >= (seq - lengths)[:, None]
+    if side == "right":
+        return right
+    if side == "left":
+        return left
+    if side == "mixed":
+        return np.where((np.arange(batch) % 2 == 0)[:, None], left, right)
+    mask = right.copy()
+    mask[-1] = False
+    return mask
 
 
 def padding_feeds(batch: int, kv_len: int, seed: int = 0) -> np.ndarray:
