@@ -1,118 +1,215 @@
-"""The deployment paths a bench compares, each as ``prepare(batch, seq) -> run()`` for one shape."""
+"""The deployment paths a bench compares, each as ``prepare(feeds) -> run()`` for one set of inputs.
+
+Every backend takes the bench's float32 inputs (from ``mha_deploy.inputs``) and
+converts them, untimed, to its own device and dtype; ``run()`` returns the
+output [batch, q_len, d_model] as float32 numpy, which the suite compares with
+the torch reference.
+"""
 
 from __future__ import annotations
 
+import copy
 import math
 import tempfile
-from collections.abc import Callable
-from dataclasses import dataclass
+import warnings
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
+from mha_deploy.bench.target import CPU_FP32, BenchTarget
+from mha_deploy.errors import ExportError
 from mha_deploy.exporters import export_mha
 from mha_deploy.exporters.graphs import attention_graph, build_attention_mask
-from mha_deploy.exporters.parity import ParityCase, make_inputs
 from mha_deploy.metadata import Signature
 from mha_deploy.models import MultiHeadAttention
 from mha_deploy.runtime import MHASession
 
-Runner = Callable[[], np.ndarray]  # runs one shape once, returns the output [batch, seq, d_model]
+Feeds = Mapping[str, np.ndarray]
+Runner = Callable[[], np.ndarray]  # runs one set of inputs once, returns the output [batch, q_len, d_model]
+TORCH_DTYPES = {"fp32": torch.float32, "fp16": torch.float16}
 
 
 @dataclass
 class Backend:
     name: str
-    prepare: Callable[[int, int], Runner]  # (batch, seq) -> a call that runs that shape once
-    # Not exact by design (int8): the bench reports its relative error vs torch at each shape.
-    approximate: bool = False
+    prepare: Callable[[Feeds], Runner]  # the bench's float32 inputs -> a call that runs them once
+    # Which parity tolerance its error is judged by: "fp32", "fp16" or "int8" (a relative budget).
+    precision: str = "fp32"
+    # The inputs it takes; None: whatever the mode's signature says.
+    signature: Signature | None = None
     # The ONNX file, for ORT backends (memory is probed on it in a fresh process).
     path: Path | None = None
 
 
-def _inputs(batch: int, seq: int, d_model: int, signature: Signature) -> dict[str, np.ndarray]:
-    """Self-attention inputs of one shape, every position real (no padding to skew the timing)."""
-    return make_inputs(signature, d_model, ParityCase(batch, seq, seq, "none"))
+def _on_target(mha: MultiHeadAttention, target: BenchTarget) -> MultiHeadAttention:
+    """A copy of ``mha`` on the target's device and dtype (the exports keep using the fp32 CPU original)."""
+    return copy.deepcopy(mha).to(device=target.torch_device, dtype=TORCH_DTYPES[target.dtype]).eval()
 
 
-def torch_eager(mha: MultiHeadAttention, signature: Signature) -> Backend:
-    module = attention_graph(mha, signature)
+def cast_floats(feeds: Feeds, dtype: str) -> dict[str, np.ndarray]:
+    """``feeds`` with float arrays in ``dtype`` (a numpy name); bool masks unchanged."""
+    return {name: a.astype(dtype) if a.dtype.kind == "f" else a for name, a in feeds.items()}
 
-    def prepare(batch: int, seq: int) -> Runner:
-        args = [torch.from_numpy(a) for a in _inputs(batch, seq, mha.d_model, signature).values()]
+
+def _host_inputs(feeds: Feeds, signature: Signature, target: BenchTarget) -> list[np.ndarray]:
+    """The signature's inputs in order, float ones in the target's dtype, still on the host."""
+    cast = cast_floats(feeds, target.numpy_dtype)
+    return [cast[name] for name in signature.input_names]
+
+
+def _to_device(arrays: list[np.ndarray], target: BenchTarget) -> list[torch.Tensor]:
+    # Timed, like ORT's copy of its feeds: every row starts from host arrays and ends with one.
+    return [torch.from_numpy(a).to(target.torch_device) for a in arrays]
+
+
+def _numpy(output: torch.Tensor) -> np.ndarray:
+    # .cpu() waits for a GPU to finish, as ORT's copy of its output back to the host does.
+    return output.float().cpu().numpy()
+
+
+def torch_eager(mha: MultiHeadAttention, signature: Signature, target: BenchTarget = CPU_FP32) -> Backend:
+    """The reference module itself on the target's device, always in fp32.
+
+    The reference fills masked scores with -1e9, which fp16 cannot hold (torch
+    refuses the masked_fill), so on an fp16 target it stays what users run: fp32.
+    """
+    target = replace(target, dtype="fp32")
+    module = attention_graph(_on_target(mha, target), signature)
+
+    def prepare(feeds: Feeds) -> Runner:
+        arrays = _host_inputs(feeds, signature, target)
 
         def run():
             with torch.inference_mode():
-                out = module(*args)
-            return (out[0] if isinstance(out, tuple) else out).numpy()
+                out = module(*_to_device(arrays, target))
+            return _numpy(out[0] if isinstance(out, tuple) else out)
 
         return run
 
-    return Backend("torch eager", prepare)
+    return Backend("torch eager", prepare, target.dtype, signature)
 
 
-def torch_sdpa(mha: MultiHeadAttention, signature: Signature) -> Backend:
-    """The same weights through F.scaled_dot_product_attention (torch's fused kernels)."""
+def sdpa_mask(
+    signature: Signature, key_padding_mask: torch.Tensor | None, q_len: int, kv_len: int
+) -> tuple[torch.Tensor | None, bool]:
+    """(attn_mask, is_causal) for F.scaled_dot_product_attention computing the reference's masking.
 
-    def prepare(batch: int, seq: int) -> Runner:
-        feeds = _inputs(batch, seq, mha.d_model, signature)
-        x = torch.from_numpy(feeds["x"])
-        padding = torch.from_numpy(feeds["key_padding_mask"]) if "key_padding_mask" in feeds else None
-        mask = build_attention_mask(padding, seq, seq, causal=False)
+    Causal alone uses SDPA's own causal path (it can skip masked blocks). SDPA
+    refuses attn_mask together with is_causal, so padding-causal folds both into
+    one bool mask, [batch, 1, q_len, kv_len], True = attend, as the reference builds it.
+    """
+    if key_padding_mask is None:
+        return None, signature.is_causal
+    mask = build_attention_mask(key_padding_mask, q_len, kv_len, signature.is_causal, key_padding_mask.device)
+    return mask, False
+
+
+def torch_sdpa(mha: MultiHeadAttention, signature: Signature, target: BenchTarget = CPU_FP32) -> Backend:
+    """The same weights through F.scaled_dot_product_attention (torch's fused kernels), in the target's dtype."""
+    mha = _on_target(mha, target)
+    names = signature.input_names
+
+    def attend(*args: torch.Tensor) -> torch.Tensor:
+        inputs = dict(zip(names, args, strict=True))
+        query = inputs[signature.query_input]
+        key, value = (query, query) if signature.attention == "self" else (inputs["key"], inputs["value"])
+        padding = next((inputs[name] for name in signature.padding_masks), None)
+        mask, is_causal = sdpa_mask(signature, padding, query.shape[1], key.shape[1])
+        # [batch, seq, d_model] -> [batch, heads, seq, d_k]
+        q, k, v = (mha.split_heads(proj(x)) for proj, x in ((mha.W_q, query), (mha.W_k, key), (mha.W_v, value)))
+        context = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal,
+                                                 scale=1 / math.sqrt(mha.d_k))
+        return mha.W_o(mha.merge_heads(context))
+
+    def prepare(feeds: Feeds) -> Runner:
+        arrays = _host_inputs(feeds, signature, target)
 
         def run():
             with torch.inference_mode():
-                q, k, v = (mha.split_heads(proj(x)) for proj in (mha.W_q, mha.W_k, mha.W_v))
-                context = F.scaled_dot_product_attention(
-                    q, k, v, attn_mask=mask, is_causal=signature.is_causal and mask is None,
-                    scale=1 / math.sqrt(mha.d_k),
-                )
-                return mha.W_o(mha.merge_heads(context)).numpy()
+                return _numpy(attend(*_to_device(arrays, target)))
 
         return run
 
-    return Backend("torch SDPA", prepare)
+    return Backend("torch SDPA", prepare, target.dtype, signature)
+
+
+def ort_file(path: str | Path, target: BenchTarget, threads: int, label: str) -> Backend:
+    """An exported file run by ``MHASession`` on the target's provider, fed in the file's own dtype."""
+    session = MHASession(path, provider=target.provider, threads=threads)
+    metadata = session.metadata
+
+    def prepare(feeds: Feeds) -> Runner:
+        cast = cast_floats(feeds, metadata.dtype)
+        return lambda: session.run(cast)["output"].astype(np.float32)
+
+    if metadata.quantization != "none":
+        precision = metadata.quantization
+    else:
+        precision = "fp16" if metadata.dtype == "float16" else "fp32"
+    return Backend(label, prepare, precision, metadata.signature, Path(path))
 
 
 def ort_exported(
-    mha: MultiHeadAttention, signature: Signature, fuse: str, threads: int, provider: str, workdir: Path,
-    quantize: str = "none", label: str | None = None,
+    mha: MultiHeadAttention, signature: Signature, target: BenchTarget, threads: int, workdir: Path, fuse: str,
+    quantize: str = "none",
 ) -> Backend:
-    path = workdir / f"{fuse}-{quantize}-{signature.mask}.onnx"
-    # fp16 is what one deploys on CUDA; on the CPU it measured no faster than fp32 (README).
-    dtype = "fp16" if provider == "cuda" else "fp32"
-    export_mha(mha, path, signature, fuse=fuse, quantize=quantize, dtype=dtype)
-    backend = ort_file(path, threads, provider, label or f"ORT {fuse}" + (f" {quantize}" if quantize != "none" else ""))
-    backend.approximate = quantize != "none"
-    return backend
+    """``export_mha`` with ``fuse`` (and ``quantize``) in the target's dtype, then run from the file."""
+    path = Path(workdir) / f"{fuse}-{quantize}-{target.dtype}-{signature.mask}.onnx"
+    export_mha(mha, path, signature, fuse=fuse, quantize=quantize, dtype=target.dtype)
+    return ort_file(path, target, threads, f"ORT {fuse}" + (f" {quantize}" if quantize != "none" else ""))
 
 
-def ort_file(path: Path, threads: int, provider: str, label: str) -> Backend:
-    session = MHASession(path, provider=provider, threads=threads)
+def ort_packed(
+    mha: MultiHeadAttention, signature: Signature, target: BenchTarget, threads: int, workdir: Path
+) -> Backend:
+    """Self-attention fused into packed-QKV contrib ``Attention``; ``ExportError`` when the rules do not get there.
 
-    def prepare(batch: int, seq: int) -> Runner:
-        feeds = _inputs(batch, seq, session.metadata.d_model, session.signature)
-        dtype = np.dtype(session.metadata.dtype)
-        feeds = {name: a.astype(dtype) if a.dtype.kind == "f" else a for name, a in feeds.items()}
-        return lambda: session.run(feeds)["output"].astype(np.float32)
+    Not an export target (it measured no faster than ``mha``), so no parity check
+    at export: the bench's error column is its check.
+    """
+    from mha_deploy.exporters.export import set_metadata, write_model_atomically
+    from mha_deploy.exporters.fusion import fuse_attention
+    from mha_deploy.exporters.precision import to_float16
+    from mha_deploy.exporters.torch_export import export_onnx
+    from mha_deploy.metadata import ModelMetadata
 
-    return Backend(label, prepare, path=Path(path))
+    plain = export_onnx(attention_graph(mha.eval(), signature), signature, mha.d_model)
+    model, report = fuse_attention(plain, "mha", packed_qkv=True)
+    if not report.complete or {op.op_type for op in report.ops} != {"com.microsoft.Attention"}:
+        raise ExportError(f"mask {signature.mask}: no packed-QKV Attention ({report.summary()})")
+    if target.dtype == "fp16":
+        model = to_float16(model)
+    metadata = ModelMetadata(mha.d_model, mha.num_heads, signature, dtype=target.numpy_dtype, fusion="mha")
+    set_metadata(model, metadata)
+    path = Path(workdir) / f"packed-{target.dtype}-{signature.mask}.onnx"
+    write_model_atomically(model, path)
+    return ort_file(path, target, threads, "ORT packed Attention")
 
 
-def default_backends(mha: MultiHeadAttention, signature: Signature, threads: int, provider: str,
-                     workdir: str | Path | None = None) -> list[Backend]:
-    """torch eager and SDPA, ORT unfused, ORT fused per target, ORT int8 (CPU), and causal when unmasked."""
+BackendFactory = Callable[[Signature], list[Backend]]
+
+
+def default_backends(
+    mha: MultiHeadAttention, signature: Signature, target: BenchTarget = CPU_FP32, threads: int = 2,
+    workdir: str | Path | None = None, packed_qkv: bool = False,
+) -> list[Backend]:
+    """torch eager (the ratios' baseline) and SDPA, ORT unfused and fused per target, int8 on CPU fp32.
+
+    ``packed_qkv`` adds the packed-QKV contrib ``Attention`` when its rules fuse this signature.
+    """
     workdir = Path(workdir or tempfile.mkdtemp(prefix="mha-bench-"))
     ort_paths = [("none", "none"), ("mha", "none"), ("onnx", "none")]
-    if provider != "cuda":
-        ort_paths.append(("mha", "int8"))
-    backends = [torch_eager(mha, signature), torch_sdpa(mha, signature)]
-    backends += [ort_exported(mha, signature, f, threads, provider, workdir, q) for f, q in ort_paths]
-    if signature.mask == "none":
-        causal = Signature(signature.attention, "causal")
-        backends += [
-            ort_exported(mha, causal, f, threads, provider, workdir, label=f"ORT {f} causal") for f in ("mha", "onnx")
-        ]
+    if target.provider == "cpu" and target.dtype == "fp32":
+        ort_paths.append(("mha", "int8"))  # dynamic int8 projections: CPU fp32 models only
+    backends = [torch_eager(mha, signature, target), torch_sdpa(mha, signature, target)]
+    backends += [ort_exported(mha, signature, target, threads, workdir, f, q) for f, q in ort_paths]
+    if packed_qkv:
+        try:
+            backends.append(ort_packed(mha, signature, target, threads, workdir))
+        except ExportError as exc:
+            warnings.warn(f"bench: packed-QKV row skipped: {exc}", stacklevel=2)
     return backends

@@ -1,4 +1,10 @@
-"""Peak memory of one inference, measured in a fresh process so that earlier runs cannot inflate it."""
+"""Peak memory of one inference, measured in a fresh process so that earlier runs cannot inflate it.
+
+The probe knows the model only through its file: it reads the mha-deploy
+metadata (signature, d_model, dtype) and draws its inputs from the one data
+loader, so self- and cross-attention, padding masks and fp16 models all work.
+It runs on the bench's provider; on CUDA the figure is the host's RSS only.
+"""
 
 from __future__ import annotations
 
@@ -11,10 +17,13 @@ from pathlib import Path
 
 from mha_deploy.errors import MHADeployError
 
+# torch-free: mha_deploy.inputs, metadata and runtime.providers import numpy and onnxruntime only.
 _PROBE = textwrap.dedent("""
     import json, resource, sys
-    import numpy as np
     import onnxruntime as ort
+    from mha_deploy.inputs import InputCase, make_inputs
+    from mha_deploy.metadata import ModelMetadata
+    from mha_deploy.runtime.providers import check_providers, plan_providers
 
     def peak_kb():
         # VmHWM belongs to this address space; ru_maxrss would carry the parent's peak across fork+exec.
@@ -24,25 +33,29 @@ _PROBE = textwrap.dedent("""
         except OSError:
             return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 
-    path, batch, seq, threads, arena = sys.argv[1], *map(int, sys.argv[2:6])
+    path, provider = sys.argv[1], sys.argv[2]
+    batch, seq, threads, arena = map(int, sys.argv[3:7])
     options = ort.SessionOptions()
     options.intra_op_num_threads = threads
     options.enable_cpu_mem_arena = bool(arena)
-    session = ort.InferenceSession(path, options, providers=["CPUExecutionProvider"])
-    d_model = session.get_inputs()[0].shape[-1]
-    feeds = {"x": np.random.default_rng(0).standard_normal((batch, seq, d_model), dtype=np.float32)}
-    if len(session.get_inputs()) > 1:
-        feeds["key_padding_mask"] = np.ones((batch, seq), dtype=bool)
+    plan = plan_providers(provider)
+    session = ort.InferenceSession(path, options, providers=list(plan.ort_providers))
+    check_providers(plan, session)
+    metadata = ModelMetadata.from_props(session.get_modelmeta().custom_metadata_map, path)
+    # Every key real, every sequence of length seq, in the model's own dtype.
+    case = InputCase(batch, seq, seq, "none")
+    feeds = make_inputs(metadata.signature, metadata.d_model, case, dtype=metadata.dtype)
     before = peak_kb()
     session.run(None, feeds)
     after = peak_kb()
-    print(json.dumps({"before_kb": before, "peak_kb": after}))
+    print(json.dumps({"before_kb": before, "peak_kb": after, "mask": metadata.signature.mask}))
 """)
 
 
 @dataclass
 class MemoryRow:
     backend: str
+    mask: str
     batch: int
     seq: int
     arena: bool
@@ -50,12 +63,14 @@ class MemoryRow:
     run_mb: float  # growth of the peak during the one run: what inference itself allocated
 
 
-def measure_peak_rss(path: Path, backend: str, batch: int, seq: int, threads: int, arena: bool) -> MemoryRow:
-    """Peak RSS of loading a self-attention model and running it once at (batch, seq), in a subprocess."""
-    args = [sys.executable, "-c", _PROBE, str(path), str(batch), str(seq), str(threads), str(int(arena))]
+def measure_peak_rss(
+    path: Path, backend: str, batch: int, seq: int, threads: int, arena: bool, provider: str = "cpu"
+) -> MemoryRow:
+    """Peak RSS of loading a model file and running it once at (batch, seq), in a subprocess on ``provider``."""
+    args = [sys.executable, "-c", _PROBE, str(path), provider, str(batch), str(seq), str(threads), str(int(arena))]
     result = subprocess.run(args, capture_output=True, text=True, timeout=600)
     if result.returncode != 0:
         raise MHADeployError(f"memory probe failed for {backend} at {batch}x{seq}: {result.stderr.strip()[-500:]}")
     probe = json.loads(result.stdout.strip().splitlines()[-1])
     peak_mb, before_mb = probe["peak_kb"] / 1024, probe["before_kb"] / 1024
-    return MemoryRow(backend, batch, seq, arena, peak_mb, peak_mb - before_mb)
+    return MemoryRow(backend, probe["mask"], batch, seq, arena, peak_mb, peak_mb - before_mb)

@@ -1,12 +1,13 @@
-"""Latency vs sequence length per backend, log axes, as a PNG.
+"""Time per token of every backend, one panel per mask mode, as a PNG.
 
-Shapes sharing a sequence length (e.g. 8x64 and 1x64) would share an x position:
-pass shapes with distinct lengths, as the default set has.
+The shapes of a bench mix batch sizes (8x128, 1x1024, 32x64, ...), so no one
+axis is "sequence length": each panel groups bars by shape, labelled
+``batch x seq``, and shows microseconds per token (median latency / (batch · seq)),
+which puts shapes of different sizes on one scale. Lower is faster.
 """
 
 from __future__ import annotations
 
-from collections import defaultdict
 from pathlib import Path
 
 from mha_deploy.atomic import atomic_path
@@ -22,24 +23,40 @@ def plot_latency(report: BenchReport, path: str | Path) -> None:
         import matplotlib.pyplot as plt
     except ImportError:
         raise MHADeployError("--plot needs matplotlib: pip install 'mha-deploy[bench]'") from None
-    series: dict[str, list[tuple[int, float, str]]] = defaultdict(list)
-    for row in report.rows:
-        series[row.backend].append((row.seq, row.median_ms, f"{row.batch}x{row.seq}"))
-    fig, ax = plt.subplots(figsize=(8, 5))
-    for backend, points in series.items():
-        points.sort()
-        ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=backend)
-    labels = sorted({(p[0], p[2]) for points in series.values() for p in points})
-    ax.set_xscale("log")
-    ax.set_yscale("log")
-    ax.set_xticks([n for n, _ in labels], [label for _, label in labels])
-    ax.minorticks_off()
-    ax.set_xlabel("sequence length (labels: batch x seq)")
-    ax.set_ylabel("median latency (ms)")
-    ax.set_title(f"MHA d_model {report.d_model}, {report.heads} heads, {report.threads} threads, {report.provider}")
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
+    modes = list(dict.fromkeys(row.mask for row in report.rows))
+    backends = list(dict.fromkeys(row.backend for row in report.rows))
+    shapes = list(dict.fromkeys((row.batch, row.seq) for row in report.rows))
+    us_per_token = {(r.mask, r.backend, r.batch, r.seq): r.median_ms * 1e3 / (r.batch * r.seq) for r in report.rows}
+    colors = plt.get_cmap("tab10")
+    width = 0.8 / max(1, len(backends))
+    height = 3.0 * len(modes) + 0.7  # inches: the panels, and a strip on top for the title and legend
+    fig, axes = plt.subplots(
+        len(modes), 1, figsize=(max(7.0, 1.4 * len(shapes) + 3), height), sharey=True, squeeze=False
+    )
+    for ax, mode in zip(axes[:, 0], modes, strict=True):
+        for index, backend in enumerate(backends):
+            positions, heights = [], []
+            for slot, (batch, seq) in enumerate(shapes):
+                value = us_per_token.get((mode, backend, batch, seq))
+                if value is not None:
+                    positions.append(slot + (index - (len(backends) - 1) / 2) * width)
+                    heights.append(value)
+            ax.bar(positions, heights, width, label=backend, color=colors(index % 10))
+        ax.set_yscale("log")
+        ax.set_xticks(range(len(shapes)), [f"{batch}x{seq}" for batch, seq in shapes])
+        ax.set_title(f"mask {mode}", fontsize=10, loc="left")
+        ax.set_ylabel("µs per token")
+        ax.grid(True, axis="y", which="both", alpha=0.3)
+    axes[-1, 0].set_xlabel("shape (batch x seq)")
+    handles, labels = axes[0, 0].get_legend_handles_labels()
+    fig.suptitle(
+        f"MHA d_model {report.d_model}, {report.heads} heads, {report.threads} threads, {report.provider} "
+        f"{report.dtype}: median time per token (lower is faster)",
+        fontsize=10, x=0.01, y=1 - 0.08 / height, ha="left", va="top",
+    )
+    fig.legend(handles, labels, loc="upper left", bbox_to_anchor=(0.01, 1 - 0.32 / height), fontsize=8,
+               ncol=min(4, len(labels)), frameon=False)
+    fig.tight_layout(rect=(0, 0, 1, 1 - 0.7 / height))
     with atomic_path(path) as tmp:
         fig.savefig(tmp, format="png", dpi=110)
     plt.close(fig)

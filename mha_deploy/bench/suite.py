@@ -1,47 +1,65 @@
-"""One bench run: every backend at every shape, with the machine's GEMM rate as the yardstick."""
+"""One bench run: every backend of every mask mode at every shape, each row with its error against torch.
+
+Per mask mode and shape, the inputs come from the one data loader
+(``MaskMode.inputs``), the torch eager reference runs once on them in fp32 on
+the CPU, and every backend's output is compared with it on real query rows
+(``mha_deploy.compare``) before the backends are timed together in blocks.
+Efficiency is against ORT's own MatMul rate on the same device, in the same run.
+Figures only: nothing here asserts a timing.
+"""
 
 from __future__ import annotations
 
+import tempfile
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
+from functools import partial
+from pathlib import Path
 
-import numpy as np
 import torch
 
-from mha_deploy.bench.backends import Backend
-from mha_deploy.bench.gemm import peak_gemm_gflops
+from mha_deploy.bench.backends import Backend, BackendFactory, default_backends, ort_file
+from mha_deploy.bench.cases import DEFAULT_SHAPES, MaskMode
+from mha_deploy.bench.gemm import GEMM_SIZES, peak_gemm_gflops
 from mha_deploy.bench.memory import MemoryRow, measure_peak_rss
-from mha_deploy.bench.timing import mha_flops, time_calls
-from mha_deploy.errors import MHADeployError
+from mha_deploy.bench.target import CPU_FP32, BenchTarget
+from mha_deploy.bench.timing import QuietGate, load_average, mha_flops, time_blocks
+from mha_deploy.compare import compare_outputs
+from mha_deploy.errors import OptionError
+from mha_deploy.exporters.export import INT8_REL_ERR_BUDGET
+from mha_deploy.exporters.graphs import attention_graph
+from mha_deploy.exporters.parity import DEFAULT_ATOL, DEFAULT_RTOL, torch_reference
+from mha_deploy.exporters.precision import FP16_ATOL, FP16_RTOL
+from mha_deploy.inputs import real_query_rows
+from mha_deploy.models import MultiHeadAttention
+from mha_deploy.signature import Signature
 
-DEFAULT_SHAPES = ((8, 128), (1, 1024), (32, 64), (1, 4096))
-DEFAULT_MEMORY_SHAPES = ((1, 4096), (32, 512))
-
-
-def parse_shapes(text: str) -> tuple[tuple[int, int], ...]:
-    """'8x128,1x1024' -> ((8, 128), (1, 1024))."""
-    shapes = []
-    for part in text.split(","):
-        try:
-            batch, seq = (int(v) for v in part.strip().lower().split("x"))
-        except ValueError:
-            raise MHADeployError(f"shape {part!r} is not BATCHxSEQ (e.g. 8x128)") from None
-        if batch < 1 or seq < 1:
-            raise MHADeployError(f"shape {part!r} must have batch and seq >= 1")
-        shapes.append((batch, seq))
-    return tuple(shapes)
+# The row every "vs eager" ratio divides by, in the same mask mode and shape.
+BASELINE = "torch eager"
+# precision -> (atol, rtol, relative budget): the export's own parity test for models of that precision.
+TOLERANCES = {
+    "fp32": (DEFAULT_ATOL, DEFAULT_RTOL, None),
+    "fp16": (FP16_ATOL, FP16_RTOL, None),
+    "int8": (DEFAULT_ATOL, DEFAULT_RTOL, INT8_REL_ERR_BUDGET),
+}
 
 
 @dataclass
 class BenchRow:
+    mask: str  # the mask mode's label, e.g. "padding-25%"
     backend: str
     batch: int
     seq: int
     median_ms: float
     p90_ms: float
     gflops: float
-    vs_torch_eager: float  # torch eager median / this median: > 1 is faster
+    vs_torch_eager: float | None  # torch eager median / this median: > 1 is faster (None without that row)
     efficiency: float  # gflops / the run's ORT MatMul rate
-    rel_err: float | None = None
+    # Against the torch eager reference (fp32, CPU) on the same inputs, over real query rows.
+    max_abs_err: float
+    rel_err: float  # ||output - reference|| / ||reference||
+    # Whether the error is within what export-time parity accepts at this backend's precision.
+    within_tolerance: bool
 
 
 @dataclass
@@ -50,77 +68,204 @@ class BenchReport:
     heads: int
     threads: int
     provider: str
-    gemm_gflops: float  # the best ORT fp32 MatMul rate of the run
+    dtype: str
+    gemm_gflops: float  # the best ORT MatMul rate of the run, on the bench's provider and dtype
     gemm_size: int  # ... reached at gemm_size³
+    mask_modes: list[str] = field(default_factory=list)
     rows: list[BenchRow] = field(default_factory=list)
     memory: list[MemoryRow] = field(default_factory=list)
+    # 1/5/15-minute load averages around the run: other processes on the same cores inflate every figure.
+    load_before: list[float] | None = None
+    load_after: list[float] | None = None
+    quiet: str = ""  # what the QuietGate saw, when one held the timed blocks
+    notes: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict:
         return asdict(self)
 
     def table(self) -> str:
         lines = [
-            f"d_model {self.d_model}, {self.heads} heads, {self.threads} threads, provider {self.provider}; "
-            f"ORT fp32 MatMul peak {self.gemm_gflops:.0f} GFLOP/s (at {self.gemm_size}^3; efficiency = GFLOP/s / this)",
-            f"{'shape':>8}  {'backend':<20} {'median ms':>10} {'p90 ms':>9} {'GFLOP/s':>8} "
-            f"{'vs eager':>8} {'effic.':>7}  note",
+            f"d_model {self.d_model}, {self.heads} heads, {self.threads} threads, provider {self.provider}, "
+            f"{self.dtype}; ORT {self.dtype} MatMul peak {self.gemm_gflops:.0f} GFLOP/s "
+            f"(at {self.gemm_size}^3; efficiency = GFLOP/s / this)",
+            "errors: output vs the torch eager reference (fp32, CPU) on the same inputs, real query rows; "
+            "rel err = ||out - ref|| / ||ref||",
+            *(f"note: {note}" for note in self.notes),
+            f"{'mask':<14} {'shape':<9} {'backend':<22} {'median ms':>10} {'p90 ms':>9} {'GFLOP/s':>8} "
+            f"{'vs eager':>8} {'effic.':>7} {'max abs err':>11} {'rel err':>9}  note",
         ]
         for r in self.rows:
-            note = f"rel err {r.rel_err:.2%}" if r.rel_err is not None else ""
+            ratio = f"{r.vs_torch_eager:7.2f}x" if r.vs_torch_eager is not None else f"{'-':>8}"
+            note = "" if r.within_tolerance else "DIFFERS from torch beyond parity tolerance"
             lines.append(
-                f"{r.batch}x{r.seq:<6}  {r.backend:<20} {r.median_ms:10.2f} {r.p90_ms:9.2f} {r.gflops:8.0f} "
-                f"{r.vs_torch_eager:7.2f}x {r.efficiency:7.0%}  {note}"
+                f"{r.mask:<14} {f'{r.batch}x{r.seq}':<9} {r.backend:<22} {r.median_ms:10.2f} {r.p90_ms:9.2f} "
+                f"{r.gflops:8.0f} {ratio} {r.efficiency:7.0%} {r.max_abs_err:11.1e} {r.rel_err:9.1e}  {note}".rstrip()
             )
         if self.memory:
-            lines.append("")
-            lines.append(f"{'shape':>8}  {'backend':<20} {'peak RSS MB':>11} {'run MB':>8} {'no-arena run MB':>16}")
-            by_key = {(m.backend, m.batch, m.seq, m.arena): m for m in self.memory}
+            lines += ["", f"{'mask':<14} {'shape':<9} {'backend':<22} {'peak RSS MB':>11} {'run MB':>8} "
+                          f"{'no-arena run MB':>16}"]
+            by_key = {(m.mask, m.backend, m.batch, m.seq, m.arena): m for m in self.memory}
             for m in self.memory:
                 if m.arena:
-                    plain = by_key.get((m.backend, m.batch, m.seq, False))
+                    plain = by_key.get((m.mask, m.backend, m.batch, m.seq, False))
                     lines.append(
-                        f"{m.batch}x{m.seq:<6}  {m.backend:<20} {m.peak_rss_mb:11.0f} {m.run_mb:8.0f} "
-                        f"{plain.run_mb if plain else float('nan'):16.0f}"
+                        f"{m.mask:<14} {f'{m.batch}x{m.seq}':<9} {m.backend:<22} {m.peak_rss_mb:11.0f} "
+                        f"{m.run_mb:8.0f} {plain.run_mb if plain else float('nan'):16.0f}"
                     )
+        lines += ["", self._load_line()]
+        if self.quiet:
+            lines.append(self.quiet)
         return "\n".join(lines)
 
+    def _load_line(self) -> str:
+        if self.load_before is None or self.load_after is None:
+            return "load average: unknown on this OS"
+        before, after = (" ".join(f"{v:.2f}" for v in load) for load in (self.load_before, self.load_after))
+        return (
+            f"load average {before} before, {after} after (1/5/15 min; above {self.threads} means "
+            "the cores were shared)"
+        )
 
-def measure_memory(report: BenchReport, backends: list[Backend], shapes, threads: int) -> None:
+
+def _tolerance(precision: str) -> dict:
+    atol, rtol, rel_budget = TOLERANCES[precision]
+    return {"atol": atol, "rtol": rtol, "rel_budget": rel_budget}
+
+
+def _bench_case(
+    report: BenchReport, mode: MaskMode, backends: list[Backend], reference: torch.nn.Module, batch: int, seq: int,
+    budget_s: float, gate: QuietGate | None,
+) -> list[BenchRow]:
+    """One mask mode at one shape: every backend checked against the reference, then timed together."""
+    signature = mode.signature
+    feeds = mode.inputs(report.d_model, batch, seq)
+    expected = torch_reference(reference, signature, feeds)
+    real_rows = real_query_rows(signature, feeds)
+    runs = {backend.name: backend.prepare(feeds) for backend in backends}
+    comparisons = {
+        backend.name: compare_outputs(
+            signature, {"output": runs[backend.name]()}, expected, real_rows, names=("output",),
+            **_tolerance(backend.precision),
+        )[0]
+        for backend in backends
+    }
+    timings = time_blocks(runs, budget_s, gate=gate)
+    flops = mha_flops(batch, seq, report.d_model)
+    baseline = timings.get(BASELINE)
+    rows = []
+    for backend in backends:
+        timing, comparison = timings[backend.name], comparisons[backend.name]
+        gflops = flops / (timing.median_ms * 1e-3) / 1e9
+        rows.append(BenchRow(
+            mode.label, backend.name, batch, seq, timing.median_ms, timing.p90_ms, gflops,
+            baseline.median_ms / timing.median_ms if baseline else None, gflops / report.gemm_gflops,
+            comparison.max_abs_err, comparison.rel_err, comparison.passed,
+        ))
+    return rows
+
+
+def measure_memory(
+    report: BenchReport, backends: Sequence[Backend], shapes, threads: int, provider: str = "cpu"
+) -> None:
     """Peak RSS of each ORT backend at each shape, with ORT's CPU arena on and off."""
     for batch, seq in shapes:
         for backend in backends:
             if backend.path is not None:
                 for arena in (True, False):
-                    report.memory.append(measure_peak_rss(backend.path, backend.name, batch, seq, threads, arena))
+                    report.memory.append(
+                        measure_peak_rss(backend.path, backend.name, batch, seq, threads, arena, provider)
+                    )
 
 
-def _relative_error(output: np.ndarray, reference: np.ndarray) -> float:
-    return float(np.linalg.norm(output - reference) / np.linalg.norm(reference))
+def _check_backends(signature: Signature, backends: list[Backend]) -> None:
+    names = [backend.name for backend in backends]
+    if len(set(names)) != len(names):
+        raise OptionError(f"bench backends need distinct names, got {names}")
+    for backend in backends:
+        if backend.signature is not None and backend.signature != signature:
+            raise OptionError(f"backend {backend.name!r} takes {backend.signature}, not the mode's {signature}")
+
+
+def _file_backends(models: Sequence[str | Path], modes: Sequence[MaskMode], target: BenchTarget,
+                   threads: int) -> list[Backend]:
+    """One backend per ONNX file, each checked to match the signature of one of the modes."""
+    files = [ort_file(path, target, threads, Path(path).name) for path in models]
+    signatures = {mode.signature for mode in modes}
+    for file in files:
+        if file.signature in signatures:
+            continue
+        if file.signature == Signature("self", file.signature.mask):
+            fix = f"add --mask {file.signature.mask}"
+        else:
+            fix = "the bench compares self-attention MHA files that return no weights"
+        raise OptionError(
+            f"{file.name} takes {file.signature}, which none of the mask modes "
+            f"({', '.join(mode.label for mode in modes)}) benches: {fix}"
+        )
+    return files
 
 
 def run_bench(
-    backends: list[Backend], shapes, d_model: int, heads: int, threads: int, provider: str,
-    budget_s: float = 2.0, on_row=None,
+    mha: MultiHeadAttention,
+    modes: Sequence[MaskMode] = (MaskMode(),),
+    shapes: Sequence[tuple[int, int]] = DEFAULT_SHAPES,
+    *,
+    target: BenchTarget = CPU_FP32,
+    threads: int = 2,
+    budget_s: float = 2.0,
+    backends: BackendFactory | None = None,
+    models: Sequence[str | Path] = (),
+    packed_qkv: bool = False,
+    memory_shapes: Sequence[tuple[int, int]] = (),
+    gemm_sizes: Sequence[int] = GEMM_SIZES,
+    gate: QuietGate | None = None,
+    workdir: str | Path | None = None,
+    on_row: Callable[[BenchRow], None] | None = None,
 ) -> BenchReport:
-    """Time every backend at every shape (the first backend is the ratios' baseline)."""
+    """Time every backend of every mask mode at every shape; every row carries its error against torch eager.
+
+    ``backends(signature)`` builds the compared backends of a signature (default:
+    ``default_backends`` of ``mha`` on ``target``, exported into ``workdir``,
+    a temporary directory by default). Each ONNX file of ``models`` joins the
+    modes whose signature it has. ``budget_s`` is the timing budget per backend
+    and shape; ``gate`` holds each timed block until the machine is quiet.
+    ``memory_shapes``: peak RSS of every ORT file at those shapes, in fresh processes.
+    """
     torch.set_num_threads(threads)
-    report = BenchReport(d_model, heads, threads, provider, *peak_gemm_gflops(threads))
-    for batch, seq in shapes:
-        baseline_ms = reference = None
-        flops = mha_flops(batch, seq, d_model)
-        for backend in backends:
-            run = backend.prepare(batch, seq)
-            output = run()
-            reference = output if reference is None else reference
-            timing = time_calls(run, budget_s=budget_s)
-            baseline_ms = baseline_ms or timing.median_ms
-            gflops = flops / (timing.median_ms * 1e-3) / 1e9
-            rel_err = _relative_error(output, reference) if backend.approximate else None
-            row = BenchRow(
-                backend.name, batch, seq, timing.median_ms, timing.p90_ms, gflops,
-                baseline_ms / timing.median_ms, gflops / report.gemm_gflops, rel_err,
-            )
-            report.rows.append(row)
-            if on_row:
-                on_row(row)
+    with tempfile.TemporaryDirectory(prefix="mha-bench-") as tmp:
+        workdir = Path(workdir or tmp)
+        factory = backends or partial(
+            default_backends, mha, target=target, threads=threads, workdir=workdir, packed_qkv=packed_qkv
+        )
+        files = _file_backends(models, modes, target, threads)
+        report = BenchReport(
+            mha.d_model, mha.num_heads, threads, target.provider, target.dtype,
+            *peak_gemm_gflops(threads, target, gemm_sizes), mask_modes=[mode.label for mode in modes],
+            load_before=_load(), notes=[target.note] if target.note else [],
+        )
+        if backends is None and target.dtype != "fp32":
+            report.notes.append(f"torch eager runs in fp32 (its -1e9 mask fill overflows {target.dtype})")
+        by_signature: dict[Signature, list[Backend]] = {}
+        for mode in modes:
+            signature = mode.signature
+            if signature not in by_signature:
+                by_signature[signature] = factory(signature) + [f for f in files if f.signature == signature]
+                _check_backends(signature, by_signature[signature])
+            reference = attention_graph(mha, signature)
+            for batch, seq in shapes:
+                for row in _bench_case(report, mode, by_signature[signature], reference, batch, seq, budget_s, gate):
+                    report.rows.append(row)
+                    if on_row:
+                        on_row(row)
+        if memory_shapes:
+            every = [backend for group in by_signature.values() for backend in group]
+            measure_memory(report, every, memory_shapes, threads, target.provider)
+    report.load_after = _load()
+    report.quiet = gate.summary() if gate is not None else ""
     return report
+
+
+def _load() -> list[float] | None:
+    load = load_average()
+    return list(load) if load is not None else None
+

@@ -1,22 +1,49 @@
-"""mha-deploy bench: shapes, FLOP counting, a tiny real run, the plot, and the memory probe."""
+"""mha-deploy bench: cases, the error column against torch, the SDPA masks, the memory probe, CUDA, the CLI.
+
+Kept fast: d_model 64, 4 heads, shapes of a few dozen tokens, budgets of a few
+milliseconds, a 32³ GEMM yardstick, and torch-only backends wherever no ONNX
+file is needed. Timings are never asserted, only that every row has them.
+"""
 
 from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 import torch
 from click.testing import CliRunner
 
-from mha_deploy.bench import parse_shapes, run_bench
-from mha_deploy.bench.backends import default_backends
+from mha_deploy.bench import Backend, BenchTarget, MaskMode, QuietGate, parse_mask_modes, parse_shapes, run_bench
+from mha_deploy.bench.backends import torch_eager, torch_sdpa
 from mha_deploy.bench.memory import measure_peak_rss
+from mha_deploy.bench.plot import plot_latency
+from mha_deploy.bench.target import resolve_target
 from mha_deploy.bench.timing import mha_flops
 from mha_deploy.cli import main
-from mha_deploy.errors import MHADeployError
+from mha_deploy.errors import MHADeployError, OptionError, ProviderUnavailableError
+from mha_deploy.exporters import export_mha
 from mha_deploy.metadata import Signature
 from mha_deploy.models import MultiHeadAttention
-from tests.conftest import TEST_D_MODEL, TEST_HEADS
+from tests.conftest import TEST_D_MODEL, TEST_HEADS, signature_id
+
+MODES = parse_mask_modes(["none,padding,padding-25%,causal,padding-causal"])
+SHAPES = ((2, 16), (1, 33))
+FAST = {"threads": 1, "budget_s": 0.01, "gemm_sizes": (32,)}
+
+
+def _cuda_reason() -> str | None:
+    try:
+        resolve_target("cuda")
+    except ProviderUnavailableError as exc:
+        return str(exc)
+    return None
+
+
+CUDA_REASON = _cuda_reason()
+
+
+# --- cases -------------------------------------------------------------------------------------
 
 
 def test_parse_shapes():
@@ -34,45 +61,207 @@ def test_mha_flops_counts_projections_and_attention():
     assert mha_flops(8, 128, 512) == 4 * 2 * 8 * 128 * 512**2 + 2 * 2 * 8 * 128**2 * 512
 
 
+@pytest.mark.parametrize(("text", "mask", "padded"), [
+    ("padding", "padding", 0.0), ("padding-25%", "padding", 25.0), ("Padding-Causal-12.5%", "padding-causal", 12.5),
+])
+def test_mask_mode_labels(text, mask, padded):
+    mode = MaskMode.parse(text)
+    assert (mode.mask, mode.padded_pct, mode.label) == (mask, padded, text.lower())
+
+
+@pytest.mark.parametrize("text", ["bogus", "causal-25%", "padding-100%", "none-0%x", ""])
+def test_bad_mask_modes(text):
+    with pytest.raises(OptionError, match="mask mode"):
+        parse_mask_modes([text])
+
+
+@pytest.mark.parametrize(("mode", "real_keys"), [("padding", 32), ("padding-25%", 24), ("padding-causal-25%", 24)])
+def test_padding_inputs_keep_every_key_real_unless_asked(mode, real_keys):
+    feeds = MaskMode.parse(mode).inputs(TEST_D_MODEL, 3, 32)
+    assert feeds["x"].dtype == np.float32
+    assert (feeds["key_padding_mask"].sum(axis=1) == real_keys).all()
+
+
+# --- one torch-only run over every mask mode, with defective backends -------------------------
+
+
 @pytest.fixture(scope="module")
-def tiny_backends(tmp_path_factory):
+def mha():
     torch.manual_seed(0)
-    mha = MultiHeadAttention(TEST_D_MODEL, TEST_HEADS).eval()
-    workdir = tmp_path_factory.mktemp("bench")
-    return default_backends(mha, Signature(), threads=1, provider="cpu", workdir=workdir)
+    return MultiHeadAttention(TEST_D_MODEL, TEST_HEADS).eval()
 
 
-def test_bench_compares_every_path(tiny_backends):
-    report = run_bench(tiny_backends, ((2, 16), (1, 33)), TEST_D_MODEL, TEST_HEADS, 1, "cpu", budget_s=0.05)
-    names = [r.backend for r in report.rows[: len(tiny_backends)]]
-    assert names == ["torch eager", "torch SDPA", "ORT none", "ORT mha", "ORT onnx", "ORT mha int8",
-                     "ORT mha causal", "ORT onnx causal"]
-    assert len(report.rows) == 2 * len(tiny_backends) and report.gemm_gflops > 0
-    for row in report.rows:
-        assert row.median_ms > 0 and row.p90_ms >= row.median_ms and row.gflops > 0
-    eager = [r for r in report.rows if r.backend == "torch eager"]
-    assert all(r.vs_torch_eager == 1.0 for r in eager)
-    int8 = [r for r in report.rows if r.backend == "ORT mha int8"]
-    assert all(0 < r.rel_err < 0.05 for r in int8), "int8 error is measured against torch at each shape"
-    assert all(r.rel_err is None for r in report.rows if "int8" not in r.backend)
-    assert "GFLOP/s" in report.table()
+def scaled(backend: Backend, factor: float) -> Backend:
+    """A backend computing a different function: ``backend``'s output times ``factor``."""
+
+    def prepare(feeds):
+        run = backend.prepare(feeds)
+        return lambda: run() * factor
+
+    return Backend(f"{backend.name} x{factor}", prepare, backend.precision, backend.signature)
 
 
-def test_memory_probe_sees_the_attention_matrix(tiny_backends):
+def causality_dropped(mha: MultiHeadAttention, signature: Signature) -> Backend:
+    """SDPA built for the signature without its causal mask: the bug the SDPA row once had."""
+    acausal = torch_sdpa(mha, Signature(signature.attention, "padding" if signature.has_padding_mask else "none"))
+    return Backend("SDPA, causal dropped", acausal.prepare, signature=signature)
+
+
+DEFECTS = {"output x1.1": "torch eager x1.1", "causal dropped": "SDPA, causal dropped"}
+
+
+@pytest.fixture(scope="module")
+def torch_report(mha):
+    def backends(signature):
+        eager = torch_eager(mha, signature)
+        return [eager, torch_sdpa(mha, signature), scaled(eager, 1.1), causality_dropped(mha, signature)]
+
+    gate = QuietGate(wait_s=0.0, probe_s=0.001)
+    return run_bench(mha, MODES, SHAPES, backends=backends, gate=gate, **FAST)
+
+
+def rows_of(report, mask: str, backend: str):
+    rows = [r for r in report.rows if r.mask == mask and r.backend == backend]
+    assert len(rows) == len(SHAPES), (mask, backend, [(r.mask, r.backend) for r in report.rows])
+    return rows
+
+
+def test_every_row_has_its_mode_timing_and_error(torch_report):
+    assert torch_report.mask_modes == [mode.label for mode in MODES]
+    assert {r.mask for r in torch_report.rows} == {mode.label for mode in MODES}
+    assert len(torch_report.rows) == len(MODES) * len(SHAPES) * 4
+    for row in torch_report.rows:
+        assert row.median_ms > 0 and row.p90_ms >= row.median_ms and row.gflops > 0 and row.vs_torch_eager > 0
+        assert np.isfinite(row.max_abs_err) and np.isfinite(row.rel_err)
+    assert all(r.max_abs_err == 0 and r.vs_torch_eager == 1 for r in torch_report.rows if r.backend == "torch eager")
+    table = torch_report.table()
+    assert "max abs err" in table and "rel err" in table and "padding-25%" in table and "load average" in table
+    assert "timed blocks" in torch_report.quiet
+
+
+@pytest.mark.parametrize("mask", [mode.label for mode in MODES])
+def test_sdpa_computes_the_reference_under_every_mask(torch_report, mask):
+    """SDPA with the same mask: is_causal for causal, one bool mask of padding and causality for padding-causal."""
+    for row in rows_of(torch_report, mask, "torch SDPA"):
+        assert row.max_abs_err < 1e-4 and row.within_tolerance, row
+
+
+@pytest.mark.parametrize(("defect", "mask"), [
+    *(("output x1.1", mode.label) for mode in MODES),
+    ("causal dropped", "causal"),
+    ("causal dropped", "padding-causal"),
+])
+def test_a_backend_computing_another_function_shows_a_large_error(torch_report, defect, mask):
+    for row in rows_of(torch_report, mask, DEFECTS[defect]):
+        assert row.max_abs_err > 1e-2 and row.rel_err > 1e-2 and not row.within_tolerance, row
+    assert "DIFFERS" in torch_report.table()
+
+
+def test_plot_has_one_panel_per_mask_mode(torch_report, tmp_path):
+    pytest.importorskip("matplotlib")
+    plot = tmp_path / "bench.png"
+    plot_latency(torch_report, plot)
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+# --- the memory probe: inputs from the model file's own metadata --------------------------------
+
+
+@pytest.mark.parametrize("signature", [Signature("self", "padding"), Signature("cross", "padding")],
+                         ids=signature_id)
+def test_memory_probe_sees_the_attention_matrix(export_model, signature):
     """Unfused, the scores [1, heads, 2048, 2048] fp32 (64 MiB at 4 heads) must show up in the run's peak."""
-    unfused = next(b for b in tiny_backends if b.name == "ORT none")
-    small = measure_peak_rss(unfused.path, unfused.name, 1, 64, threads=1, arena=False)
-    large = measure_peak_rss(unfused.path, unfused.name, 1, 2048, threads=1, arena=False)
+    path, _ = export_model(signature, "none")
+    small = measure_peak_rss(path, "ORT none", 1, 64, threads=1, arena=False)
+    large = measure_peak_rss(path, "ORT none", 1, 2048, threads=1, arena=False)
+    assert (small.mask, large.batch, large.seq) == (signature.mask, 1, 2048)
     assert large.run_mb - small.run_mb > 60
+
+
+# --- CUDA: one device and one dtype for every row, or refused up front -------------------------
+
+
+@pytest.fixture(scope="module")
+def fp16_model(mha, tmp_path_factory):
+    path = tmp_path_factory.mktemp("bench-fp16") / "fp16.onnx"
+    export_mha(mha, path, Signature("self", "padding"), dtype="fp16")
+    return path
+
+
+def test_fp16_target_feeds_every_row_and_the_probe_in_fp16(mha, fp16_model):
+    """What --provider cuda does (fp16 torch, fp16 feeds, probe and GEMM in fp16), on the CPU provider."""
+    target = BenchTarget("cpu", "fp16")
+
+    def backends(signature):
+        return [torch_eager(mha, signature, target), torch_sdpa(mha, signature, target)]
+
+    modes = parse_mask_modes(["padding-25%"])
+    report = run_bench(mha, modes, ((2, 16),), target=target, backends=backends, models=[fp16_model],
+                       memory_shapes=((1, 16),), **FAST)
+    assert report.dtype == "fp16" and report.gemm_gflops > 0
+    assert [r.backend for r in report.rows] == ["torch eager", "torch SDPA", "fp16.onnx"]
+    eager, *half = report.rows
+    assert eager.max_abs_err == 0, "the reference module stays fp32: its -1e9 mask fill overflows fp16"
+    for row in half:
+        # fp16 against the fp32 reference: rounding, judged by the fp16 export tolerance.
+        assert 0 < row.max_abs_err < 5e-3 and row.within_tolerance, row
+    assert [(m.backend, m.mask, m.arena) for m in report.memory] == [
+        ("fp16.onnx", "padding", True), ("fp16.onnx", "padding", False),
+    ]
+
+
+def test_a_model_file_must_match_a_mask_mode(mha, fp16_model):
+    with pytest.raises(OptionError, match="--mask padding"):
+        run_bench(mha, parse_mask_modes(["none"]), ((1, 4),), backends=lambda s: [], models=[fp16_model], **FAST)
+
+
+@pytest.mark.skipif(CUDA_REASON is None, reason="CUDA is usable here; this tests its absence")
+def test_cli_bench_refuses_cuda_up_front():
+    result = CliRunner().invoke(main, ["bench", "--provider", "cuda", "--d-model", "64", "--heads", "4"])
+    assert result.exit_code == 1
+    assert "bench --provider cuda runs torch and ONNX Runtime on the GPU, but" in result.stderr
+    assert "exporting" not in result.stderr  # refused before any work
+
+
+@pytest.mark.skipif(CUDA_REASON is None, reason="CUDA is usable here; this tests its absence")
+def test_auto_provider_falls_back_to_cpu_with_a_note():
+    target = resolve_target("auto")
+    assert (target.provider, target.dtype) == ("cpu", "fp32") and target.note.startswith("using CPU:")
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(CUDA_REASON is not None, reason=f"needs CUDA for torch and ORT: {CUDA_REASON}")
+def test_cuda_bench_runs_every_row_on_the_gpu(mha):
+    target = resolve_target("cuda")
+    report = run_bench(mha, parse_mask_modes(["padding-causal"]), ((2, 16),), target=target,
+                       memory_shapes=((1, 16),), **FAST)
+    assert (report.provider, report.dtype) == ("cuda", "fp16")
+    assert all(r.within_tolerance for r in report.rows), report.table()
+
+
+# --- the CLI: default backends end to end ------------------------------------------------------
 
 
 def test_cli_bench_json_and_plot(tmp_path):
     plot = tmp_path / "bench.png"
     result = CliRunner().invoke(main, [
-        "bench", "--d-model", str(TEST_D_MODEL), "--heads", str(TEST_HEADS), "--shapes", "1x8", "--budget-s",
-        "0.02", "--threads", "1", "--memory-shapes", "", "--json", "--plot", str(plot),
+        "bench", "--d-model", str(TEST_D_MODEL), "--heads", str(TEST_HEADS), "--mask", "padding-causal",
+        "--shapes", "2x8", "--budget-s", "0.01", "--threads", "1", "--memory-shapes", "", "--gemm-sizes", "32",
+        "--json", "--plot", str(plot),
     ])
     assert result.exit_code == 0, result.output
     report = json.loads(result.stdout)
-    assert {r["backend"] for r in report["rows"]} >= {"torch eager", "ORT mha", "ORT onnx"}
+    rows = {r["backend"]: r for r in report["rows"]}
+    assert list(rows) == ["torch eager", "torch SDPA", "ORT none", "ORT mha", "ORT onnx", "ORT mha int8"]
+    assert all(r["mask"] == "padding-causal" for r in report["rows"])
+    for name, row in rows.items():
+        assert row["within_tolerance"], row
+        assert row["rel_err"] < (0.05 if name.endswith("int8") else 1e-5), row
+    assert rows["ORT mha int8"]["rel_err"] > 0  # int8 error is measured, not assumed
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize(("option", "value"), [("--mask", "causal-25%"), ("--shapes", "8"), ("--gemm-sizes", "a")])
+def test_cli_bench_bad_values_are_usage_errors(option, value):
+    result = CliRunner().invoke(main, ["bench", option, value])
+    assert result.exit_code == 2 and "Traceback" not in result.output, result.output
