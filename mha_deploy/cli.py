@@ -220,8 +220,10 @@ def infer(model, input_path, output_path, batch_size, max_tokens, bucket_window,
           ray_address, concurrency, num_gpus, provider, threads, progress, as_json):
     """Run a model over items (a file or a directory of shards), batched by length and streamed.
 
-    Rerunning the same command resumes: finished shards are skipped (see the
-    manifest beside or inside the output); --overwrite redoes them.
+    Rerunning the same command resumes: finished shards are skipped once their
+    outputs are verified against the manifest beside or inside the output (a
+    damaged one is redone); --overwrite redoes them. The output is locked while
+    a run writes it: a second run on it fails at once, naming the first one's pid.
 
     \b
     Examples:
@@ -238,23 +240,29 @@ def infer(model, input_path, output_path, batch_size, max_tokens, bucket_window,
         raise click.UsageError("--output must differ from --input (the input would be overwritten)")
     if batch_size is None and max_tokens is None:
         batch_size = 16
-    job = DatasetJob(input_path, output_path, model, overwrite=overwrite)
     options = dict(batch_size=batch_size, max_tokens=max_tokens, bucket_window=bucket_window, on_error=on_error)
-    if engine == "ray":
-        from mha_deploy.batch.ray_engine import RayOptions, run_dataset_on_ray
+    job = DatasetJob(input_path, output_path, model, overwrite=overwrite, options=options)
+    with job:  # the output is locked from here to the end: a second run on it fails at once, naming this pid
+        if engine == "ray":
+            from mha_deploy.batch.ray_engine import RayOptions, run_dataset_on_ray
 
-        ray_options = RayOptions(address=ray_address, concurrency=concurrency, num_gpus=num_gpus)
-        stats = _run_with_progress(
-            lambda on_start, on_batch: run_dataset_on_ray(
-                job, model, provider=provider, threads=threads, ray=ray_options, on_start=on_start,
-                on_batch=on_batch, **options),
-            progress)
-    else:
-        session = MHASession(model, provider=provider, threads=threads)
-        if session.provider_note:
-            click.echo(session.provider_note, err=True)
-        runner = BatchRunner(session, **options)
-        stats = _run_with_progress(lambda on_start, on_batch: run_dataset(job, runner, on_start, on_batch), progress)
+            ray_options = RayOptions(address=ray_address, concurrency=concurrency, num_gpus=num_gpus)
+            stats = _run_with_progress(
+                lambda on_start, on_batch: run_dataset_on_ray(
+                    job, model, provider=provider, threads=threads, ray=ray_options, on_start=on_start,
+                    on_batch=on_batch, **options),
+                progress)
+        else:
+            session = MHASession(model, provider=provider, threads=threads)
+            if session.provider_note:
+                click.echo(session.provider_note, err=True)
+            runner = BatchRunner(session, **options)
+            stats = _run_with_progress(
+                lambda on_start, on_batch: run_dataset(job, runner, on_start, on_batch), progress)
+    for name, reason in job.redo_reasons.items():
+        click.echo(f"redid {name}: {reason}", err=True)
+    for name in job.unrecorded:
+        click.echo(f"warning: {name} changed while it ran; not recorded as done, the next run redoes it", err=True)
     for error in stats.errors[:20]:
         click.echo(f"skipped {error}", err=True)
     if len(stats.errors) > 20:
@@ -293,7 +301,8 @@ def _run_with_progress(run, show: bool):
 @click.argument("model", type=click.Path(path_type=Path))
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 def inspect(model, as_json):
-    """Show a model's inputs and outputs (with dynamic dims), opsets, ops and recorded metadata.
+    """Show a model's inputs and outputs (with dynamic dims), opsets, ops, the kernel each attention runs on
+    ORT's CPU provider, and recorded metadata.
 
     \b
     Example:
@@ -315,6 +324,7 @@ def inspect(model, as_json):
         attrs = ", ".join(f"{k}={_json_default(v) if isinstance(v, bytes) else v}" for k, v in op.attributes.items())
         inputs = ", ".join(f"{role}={name}" for role, name in op.inputs.items())
         click.echo(f"  fused  {op.op}({inputs}) {attrs}")
+        click.echo(f"         kernel: {op.kernel}")
     meta = report.metadata
     if meta is None:
         click.echo("  metadata: none (not exported by mha-deploy)")
@@ -357,30 +367,54 @@ def inspect(model, as_json):
 @click.option("--access-log", is_flag=True, help="Log every request (costs throughput).")
 @click.option("--drain-timeout", type=click.FloatRange(min=0), default=DEFAULT_DRAIN_TIMEOUT_S, show_default=True,
               help="Seconds a SIGTERM waits for accepted requests to finish before the server exits anyway.")
+@click.option("--name", help="Model name in the v2 protocol (/v2/models/NAME; default: the file's stem).")
+@click.option("--grpc-port", type=click.IntRange(0, 65535),
+              help="Also serve the v2 protocol over gRPC (inference.GRPCInferenceService) on this port.")
+@click.option("--max-queue", type=click.IntRange(min=1), default=4096, show_default=True,
+              help="Items waiting for a batch; beyond it requests get 503 with Retry-After (gRPC: UNAVAILABLE).")
+@click.option("--api-key-file", type=click.Path(dir_okay=False, path_type=Path),
+              help="File of API keys, one per line: every route but health then needs 'Authorization: Bearer KEY'.")
+@click.option("--ssl-certfile", type=click.Path(dir_okay=False, path_type=Path),
+              help="PEM certificate (chain): serve REST and gRPC over TLS (with --ssl-keyfile).")
+@click.option("--ssl-keyfile", type=click.Path(dir_okay=False, path_type=Path), help="PEM private key for TLS.")
+@click.option("--body-timeout", type=click.FloatRange(min=0, min_open=True), default=10.0, show_default=True,
+              help="Seconds a request body may take to arrive; slower ones get 408.")
+@click.option("--max-connections", type=click.IntRange(min=1), default=1000, show_default=True,
+              help="Open HTTP connections (and gRPC calls) at once; beyond it 503 (RESOURCE_EXHAUSTED).")
+@click.option("--keep-alive-timeout", type=click.FloatRange(min=0, min_open=True), default=5.0, show_default=True,
+              help="Seconds an idle keep-alive connection stays open.")
 def serve(model, host, port, max_batch, max_wait_ms, max_batch_tokens, workers, provider, threads, max_body_mb,
-          max_tokens, optimized_model, spin, log_level, access_log, drain_timeout):
-    """Serve a model over HTTP with dynamic micro-batching (needs the 'serve' extra).
+          max_tokens, optimized_model, spin, log_level, access_log, drain_timeout, name, grpc_port, max_queue,
+          api_key_file, ssl_certfile, ssl_keyfile, body_timeout, max_connections, keep_alive_timeout):
+    """Serve a model over HTTP (and gRPC) with dynamic micro-batching (needs the 'serve' extra).
 
+    The Open Inference Protocol (KServe v2, what Triton's and KServe's clients
+    speak): GET /v2, /v2/models/NAME, /v2/health/live|ready, POST
+    /v2/models/NAME/infer with JSON or binary tensors; over gRPC with --grpc-port.
     POST /v1/infer takes {"x": [[...d_model floats] x seq]} (cross-attention: query, key,
-    value) as JSON, an .npy body (application/x-npy) or an .npz body (application/x-npz);
-    GET /healthz, /readyz and /metrics (Prometheus) are for orchestration. SIGTERM
-    finishes every accepted request (up to --drain-timeout) before exiting.
+    value) as JSON, an .npy body (application/x-npy) or an .npz body (application/x-npz).
+    All share one micro-batcher. GET /healthz, /readyz and /metrics (Prometheus) are
+    for orchestration. SIGTERM finishes every accepted request (up to --drain-timeout)
+    before exiting.
 
     \b
     Example:
-      mha-deploy serve mha.onnx --port 8000 --max-batch 32 --max-wait-ms 2
+      mha-deploy serve mha.onnx --port 8000 --grpc-port 8001 --max-batch 32 --max-wait-ms 2
       curl -s localhost:8000/v1/infer -H 'Content-Type: application/json' -d '{"x": [[0.1, ...]]}'
+      curl -s localhost:8000/v2/models/mha
     """
     from mha_deploy.serving.http import ServeConfig
     from mha_deploy.serving.http import serve as run_server
     from mha_deploy.serving.http.parsing import RequestLimits
 
-    limits = RequestLimits(max_body_bytes=int(max_body_mb * 2**20), max_tokens=max_tokens)
+    limits = RequestLimits(max_body_bytes=int(max_body_mb * 2**20), max_tokens=max_tokens, body_timeout_s=body_timeout)
     run_server(ServeConfig(
         model, host=host, port=port, provider=provider, threads=threads, max_batch=max_batch,
-        max_wait_ms=max_wait_ms, max_batch_tokens=max_batch_tokens, workers=workers, limits=limits,
-        optimized_model_path=optimized_model, spin=spin, log_level=log_level, access_log=access_log,
-        graceful_timeout_s=drain_timeout,
+        max_wait_ms=max_wait_ms, max_batch_tokens=max_batch_tokens, workers=workers, max_queue=max_queue,
+        limits=limits, optimized_model_path=optimized_model, spin=spin, log_level=log_level, access_log=access_log,
+        graceful_timeout_s=drain_timeout, name=name, grpc_port=grpc_port, api_key_file=api_key_file,
+        ssl_certfile=ssl_certfile, ssl_keyfile=ssl_keyfile, max_connections=max_connections,
+        keep_alive_timeout_s=keep_alive_timeout,
     ))
 
 
@@ -396,8 +430,11 @@ def serve(model, host, port, max_batch, max_wait_ms, max_batch_tokens, workers, 
               help="Largest batch Triton's dynamic batcher forms; 0 disables batching.")
 @click.option("--max-queue-delay-us", type=click.IntRange(min=0), default=500, show_default=True,
               help="Longest a request waits in Triton's dynamic batcher for others.")
-@click.option("--overwrite", is_flag=True, help="Replace an existing model of that name.")
-def triton(model, repo, name, instances, kind, max_batch_size, max_queue_delay_us, overwrite):
+@click.option("--version", "version", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Version directory to write (REPO/NAME/VERSION/model.onnx).")
+@click.option("--overwrite", is_flag=True,
+              help="Replace the config and this version of an existing model; its other versions and files stay.")
+def triton(model, repo, name, instances, kind, max_batch_size, max_queue_delay_us, version, overwrite):
     """Write a Triton Inference Server model repository entry for a model (onnxruntime backend).
 
     Writes REPO/NAME/config.pbtxt and REPO/NAME/1/model.onnx, all or nothing. Triton's
@@ -409,61 +446,77 @@ def triton(model, repo, name, instances, kind, max_batch_size, max_queue_delay_u
       mha-deploy triton mha.onnx --repo models --name mha --instances 2 --kind cpu
       tritonserver --model-repository models
     """
-    from mha_deploy.serving.triton import TritonConfig, write_triton_model
+    from mha_deploy.serving.triton import TritonConfig, other_versions, write_triton_model
 
     config = TritonConfig(name=name, instances=instances, kind=kind, max_batch_size=max_batch_size,
-                          max_queue_delay_us=max_queue_delay_us)
+                          max_queue_delay_us=max_queue_delay_us, version=version)
     path = write_triton_model(model, repo, config, overwrite=overwrite)
+    others = other_versions(path, version)
+    if others and int(others[-1]) > version:
+        click.echo(f"note: {path} also holds version(s) {', '.join(others)}; Triton serves the latest by default "
+                   f"(version {others[-1]}), not the {version} just written", err=True)
     click.echo(f"wrote {path}")
 
 
 @main.command()
 @click.argument("model", type=click.Path(path_type=Path), required=False)
 @model_options
-@click.option("--mask", type=click.Choice(MASK_MODES), default="none", show_default=True)
+@click.option("--mask", "masks", multiple=True, default=("none", "causal"), show_default=True,
+              help=f"Mask mode(s) to bench, repeatable or comma-separated: {', '.join(MASK_MODES)}; a padding "
+                   "mode keeps every key real unless suffixed with the share of keys to pad, e.g. padding-25%.")
 @click.option("--shapes", default="8x128,1x1024,32x64,1x4096", show_default=True, help="BATCHxSEQ,...")
 @session_options(provider="cpu", threads=2)
 @click.option("--budget-s", type=click.FloatRange(min=0, min_open=True), default=2.0, show_default=True,
               help="Timing budget per backend and shape.")
 @click.option("--memory-shapes", default="1x4096,32x512", show_default=True,
               help="Shapes at which peak RSS of each ORT path is measured (in fresh processes); '' to skip.")
+@click.option("--gemm-sizes", default="512,1024,2048,4096", show_default=True,
+              help="Square MatMul sizes tried for the efficiency yardstick (ORT's best rate over them).")
+@click.option("--quiet-wait-s", type=click.FloatRange(min=0), default=0.0, show_default=True,
+              help="Before each timed block, wait up to this long for other processes to leave the CPUs "
+                   "(0: do not wait).")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON on stdout.")
-@click.option("--plot", type=click.Path(dir_okay=False, path_type=Path), help="Write a latency plot (PNG).")
-def bench(model, checkpoint, d_model, heads, mask, shapes, provider, threads, budget_s, memory_shapes, as_json,
-          plot):
-    """Compare torch eager, torch SDPA, ORT unfused, ORT fused per target and int8, in one run.
+@click.option("--plot", type=click.Path(dir_okay=False, path_type=Path),
+              help="Write a plot of time per token, one panel per mask mode (PNG).")
+def bench(model, checkpoint, d_model, heads, masks, shapes, provider, threads, budget_s, memory_shapes, gemm_sizes,
+          quiet_wait_s, as_json, plot):
+    """Compare torch eager, torch SDPA, ORT unfused, ORT fused per target and int8, per mask mode, in one run.
 
-    Reports median and p90 latency, GFLOP/s, the ratio to torch eager, and
-    efficiency against ORT's own fp32 MatMul rate measured in the same run.
-    MODEL, an exported .onnx file, is added as one more row. With --provider
-    cuda the ORT paths are exported in fp16, what one deploys there.
+    Reports median and p90 latency, GFLOP/s, the ratio to torch eager,
+    efficiency against ORT's own MatMul rate measured in the same run, and each
+    row's error against the torch eager reference on the same inputs (max abs
+    err, relative err). MODEL, an exported self-attention .onnx file, is added
+    as one more row in the mask modes it matches. With --provider cuda, torch
+    and ORT both run on the GPU in fp16, what one deploys there.
 
     \b
     Example:
-      mha-deploy bench --shapes 8x128,1x1024 --threads 2 --plot bench.png
+      mha-deploy bench --mask none --mask padding-25% --shapes 8x128,1x1024 --threads 2 --plot bench.png
     """
-    import tempfile
+    from mha_deploy.bench import QuietGate, parse_mask_modes, parse_shapes, parse_sizes, resolve_target, run_bench
+    from mha_deploy.errors import OptionError
 
-    from mha_deploy.bench import parse_shapes, run_bench
-    from mha_deploy.bench.backends import default_backends, ort_file
-    from mha_deploy.bench.suite import measure_memory
-    from mha_deploy.metadata import Signature
-
-    shape_list = parse_shapes(shapes)
-    memory_list = parse_shapes(memory_shapes) if memory_shapes else ()
+    try:
+        modes = parse_mask_modes(masks)
+        shape_list = parse_shapes(shapes)
+        memory_list = parse_shapes(memory_shapes) if memory_shapes else ()
+        gemm_list = parse_sizes(gemm_sizes)
+    except OptionError as exc:
+        raise click.UsageError(str(exc)) from None
+    target = resolve_target(provider)  # before any export: --provider cuda fails here if it cannot run
+    if target.note:
+        click.echo(f"note: {target.note}", err=True)
     mha = _load_model(checkpoint, d_model, heads, seed=0)
-    with tempfile.TemporaryDirectory(prefix="mha-bench-") as workdir:
-        click.echo("exporting the compared models...", err=True)
-        backends = default_backends(mha, Signature("self", mask), threads, provider, workdir)
-        if model is not None:
-            backends.append(ort_file(model, threads, provider, f"{model.name}"))
-        report = run_bench(
-            backends, shape_list, mha.d_model, mha.num_heads, threads, provider, budget_s,
-            on_row=lambda r: click.echo(f"  {r.batch}x{r.seq} {r.backend}: {r.median_ms:.2f} ms", err=True),
-        )
-        if memory_list:
-            click.echo("measuring peak memory...", err=True)
-            measure_memory(report, backends, memory_list, threads)
+    click.echo(f"exporting the compared models for mask modes {', '.join(m.label for m in modes)}...", err=True)
+    report = run_bench(
+        mha, modes, shape_list, target=target, threads=threads, budget_s=budget_s,
+        models=[model] if model is not None else (), memory_shapes=memory_list, gemm_sizes=gemm_list,
+        gate=QuietGate(wait_s=quiet_wait_s) if quiet_wait_s > 0 else None,
+        on_row=lambda r: click.echo(
+            f"  {r.mask} {r.batch}x{r.seq} {r.backend}: {r.median_ms:.2f} ms, max abs err {r.max_abs_err:.1e}",
+            err=True,
+        ),
+    )
     if plot:
         from mha_deploy.bench.plot import plot_latency
 

@@ -2,19 +2,16 @@
 
 from __future__ import annotations
 
-import contextlib
 import http.client
 import io
 import json
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -22,63 +19,10 @@ import pytest
 from mha_deploy.metadata import Signature
 from mha_deploy.runtime import MHASession
 from tests.conftest import TEST_D_MODEL
+from tests.serving.helpers import NETWORK_ERRORS, TIMEOUT, Server, free_port
 
 D = TEST_D_MODEL
-TIMEOUT = 20.0  # seconds, for any one request
 MAX_TOKENS, MAX_BODY_MB = 256, 1
-NETWORK_ERRORS = (ConnectionError, http.client.HTTPException, OSError)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
-    """``mha-deploy serve`` in a subprocess, its log in a file."""
-
-    def __init__(self, model: Path, log: Path, *args: str):
-        self.port = free_port()
-        self.log_path = log
-        self._log = open(log, "wb")  # noqa: SIM115 - closed in stop()
-        command = [sys.executable, "-m", "mha_deploy.cli", "serve", str(model), "--port", str(self.port), *args]
-        self.process = subprocess.Popen(command, stdout=self._log, stderr=subprocess.STDOUT)
-
-    def wait_ready(self, timeout: float = 60.0) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise AssertionError(f"server exited with {self.process.returncode}:\n{self.log()}")
-            with contextlib.suppress(*NETWORK_ERRORS):
-                if get(self.port, "/readyz")[0] == 200:
-                    return
-            time.sleep(0.1)
-        raise AssertionError(f"server not ready after {timeout} s:\n{self.log()}")
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.kill()
-        self.process.wait(timeout=30)
-        self._log.close()
-
-
-@pytest.fixture(scope="module")
-def start_server(tmp_path_factory):
-    servers = []
-
-    def start(model: Path, *args: str) -> Server:
-        server = Server(model, tmp_path_factory.mktemp("server") / "server.log", *args)
-        servers.append(server)
-        server.wait_ready()
-        return server
-
-    yield start
-    for server in servers:
-        server.stop()
 
 
 def request(port: int, method: str, path: str, body: bytes | None = None, content_type: str | None = None,
@@ -275,6 +219,13 @@ def test_bad_input_gets_4xx_and_the_server_keeps_serving(self_server, case, body
     np.testing.assert_allclose(output, direct(session, good), atol=1e-5)
 
 
+def test_finite_inputs_that_overflow_get_422_not_nan(self_server):
+    server, _ = self_server
+    body = npy(np.full((3, D), 1e30, np.float32))
+    got, _, payload = request(server.port, "POST", "/v1/infer", body, "application/x-npy")
+    assert got == 422 and json.loads(payload)["error"]["kind"] == "not_finite_output", payload[:300]
+
+
 def test_body_over_the_limit_without_content_length(self_server):
     """A chunked body is counted as it arrives and refused once over the limit."""
     server, _ = self_server
@@ -424,6 +375,8 @@ def test_help_shows_an_example():
 
     result = CliRunner().invoke(main, ["serve", "--help"])
     assert result.exit_code == 0 and "Example" in result.output and "mha-deploy serve" in result.output
+    for option in ("--grpc-port", "--api-key-file", "--ssl-certfile", "--max-queue", "--body-timeout", "--name"):
+        assert option in result.output
 
 
 def test_server_and_triton_modules_import_without_torch():
@@ -433,6 +386,7 @@ def test_server_and_triton_modules_import_without_torch():
         "for name in ('torch', 'onnxscript', 'mha_deploy.models', 'mha_deploy.exporters'):\n"
         "    sys.modules[name] = None\n"
         "import mha_deploy.serving.http.app, mha_deploy.serving.http.server, mha_deploy.serving.triton\n"
+        "import mha_deploy.serving.http.grpc_server, mha_deploy.serving.http.rest_v2\n"
         "import mha_deploy.serving\n"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)

@@ -4,11 +4,17 @@ Needs the ``serve`` extra (``pip install "mha-deploy[serve]"``). ``mha_deploy.se
 does not import this package, and this package imports starlette and uvicorn only
 in ``app`` and ``serve``, so embedding ``MHASession`` needs neither.
 
-- ``parsing``: request bodies -> one checked item (no starlette)
+- ``parsing``: /v1 request bodies -> one checked item (no starlette)
 - ``batcher``: ``MicroBatcher``, grouping concurrent items into padded runs
+- ``service``: ``InferenceService``, what every protocol shares (session, batcher, readiness)
+- ``v2``: the Open Inference Protocol without a transport: metadata, tensors, batch requests
+  split into items and put back
+- ``rest_v2``: the protocol's REST routes, with the binary tensor data extension
+- ``grpc_server``: the protocol over gRPC (grpc.aio, tritonclient's stubs), same event loop
+- ``auth``: API keys; ``body``: reading a body within size and time limits
 - ``metrics``: the Prometheus metrics
-- ``app``: ``create_app``, the routes
-- ``server``: ``serve``, uvicorn with graceful shutdown
+- ``app``: ``create_app``, the /v1 routes and the app's lifetime
+- ``server``: ``serve``, uvicorn (and gRPC) with TLS, limits and graceful shutdown
 """
 
 from mha_deploy.serving.http.server import ServeConfig, ServeError, serve

@@ -1,6 +1,6 @@
-"""The ASGI app: routes, body limits, errors as JSON, readiness, and the batcher's lifetime.
+"""The ASGI app: the /v1 and /v2 REST routes, API keys, the gRPC server's lifetime, and the batcher's.
 
-Routes:
+Routes (the Open Inference Protocol's ``/v2/...`` routes are in ``rest_v2``):
 
 - ``POST /v1/infer``: one item (see ``parsing``) -> its output. A JSON request gets
   ``{"output": [[...]], "provider": ..., "latency_ms": ...}`` (plus ``attn_weights``
@@ -13,9 +13,15 @@ Routes:
   after a failed load, and while draining on shutdown (readiness).
 - ``GET /metrics``: Prometheus text.
 
-Refused requests get ``{"error": {"kind": ..., "message": ...}}`` with a 4xx status
-(400 unparsable, 413 body too large, 415 content type, 422 wrong shape or values,
-503 not ready or overloaded); an unexpected failure gets a 500 of the same form.
+Refused /v1 requests get ``{"error": {"kind": ..., "message": ...}}`` with a 4xx status
+(400 unparsable, 408 body too slow, 413 body too large, 415 content type, 422 wrong
+shape or values, 503 not ready or overloaded, with ``Retry-After``); an unexpected
+failure gets a 500 of the same form that says only that (details go to the log).
+
+With API keys, every route but liveness and readiness needs ``Authorization:
+Bearer <key>`` (401 otherwise, before the body is read). With a ``GrpcConfig``,
+the lifespan starts a gRPC server in the same event loop, serving the same
+``InferenceService``: REST and gRPC requests share one batcher.
 """
 
 from __future__ import annotations
@@ -28,19 +34,19 @@ import json
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import numpy as np
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from mha_deploy.runtime.session import MHASession
-from mha_deploy.serving.http.batcher import MicroBatcher
-from mha_deploy.serving.http.metrics import ServerMetrics
+from mha_deploy.serving.http.auth import ApiKeys, is_health_path
+from mha_deploy.serving.http.body import read_body
 from mha_deploy.serving.http.parsing import (
     CONTENT_TYPES,
     JSON,
@@ -51,34 +57,17 @@ from mha_deploy.serving.http.parsing import (
     media_type,
     parse_request,
 )
+from mha_deploy.serving.http.rest_v2 import v2_routes
+from mha_deploy.serving.http.service import THREAD_THRESHOLD_BYTES, BatchingConfig, InferenceService
 
 try:  # ~15x faster than tolist() + json.dumps for arrays of floats (part of the 'serve' extra)
     import orjson
 except ImportError:  # pragma: no cover - depends on the environment
     orjson = None
 
+__all__ = ["BatchingConfig", "create_app", "read_body"]
 logger = logging.getLogger("mha_deploy.serve")
-# Parsing and encoding bodies larger than this would hold the event loop for milliseconds: do it in a thread.
-THREAD_THRESHOLD_BYTES = 256 * 1024
-
-
-@dataclass(frozen=True)
-class BatchingConfig:
-    max_batch: int = 32
-    max_wait_ms: float = 2.0
-    workers: int = 1
-    max_queue: int = 4096
-    # Padded positions (items × longest sequence) in one ORT run: bounds a run's memory.
-    max_batch_tokens: int = 8192
-
-
-@dataclass
-class _State:
-    status: str = "loading"  # loading -> ready -> draining; or failed
-    session: MHASession | None = None
-    batcher: MicroBatcher | None = None
-    accepted: int = 0
-    answered: int = 0
+INTERNAL_ERROR = "internal error (the server log has the details)"
 
 
 def create_app(
@@ -86,62 +75,58 @@ def create_app(
     batching: BatchingConfig | None = None,
     limits: RequestLimits | None = None,
     on_load_error: Callable[[BaseException], None] | None = None,
+    *,
+    model_name: str = "model",
+    api_keys: ApiKeys | None = None,
+    grpc_config=None,
 ) -> Starlette:
-    """The app. ``load_session`` runs in a thread at startup (the port is open and /healthz answers meanwhile)."""
+    """The app. ``load_session`` runs in a thread at startup (the port is open and /healthz answers meanwhile).
+
+    ``model_name`` is the name the v2 protocol serves the model under; ``grpc_config``, a
+    ``grpc_server.GrpcConfig``, adds the gRPC server.
+    """
     batching = batching or BatchingConfig()
     limits = limits or RequestLimits()
-    state = _State()
-    metrics = ServerMetrics()
+    service = InferenceService(load_session, batching, limits, model_name, on_load_error)
+    metrics = service.metrics
+    frontend = None
+    if grpc_config is not None:
+        from mha_deploy.serving.http.grpc_server import GrpcFrontend
 
-    async def load() -> None:
-        try:
-            session = await asyncio.to_thread(load_session)
-            batcher = MicroBatcher(session, **dataclasses.asdict(batching), metrics=metrics)
-            await batcher.start()
-        except Exception as exc:
-            state.status = "failed"
-            logger.error("cannot load the model: %s", exc)
-            if on_load_error is not None:
-                on_load_error(exc)
-            return
-        state.session, state.batcher, state.status = session, batcher, "ready"
-        metrics.ready.set(1)
-        logger.info("ready: %r, max_batch=%d max_wait_ms=%g", session, batching.max_batch, batching.max_wait_ms)
+        frontend = GrpcFrontend(service, grpc_config, api_keys)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
-        loading = asyncio.create_task(load())
+        loading = asyncio.create_task(service.load())
+        if frontend is not None:
+            try:
+                await frontend.start()
+            except Exception as exc:
+                # Reported like a model that does not load: the server exits with this one message.
+                logger.error("%s", exc)
+                service.status = "failed"
+                if on_load_error is not None:
+                    on_load_error(exc)
         yield
         # Runs after uvicorn stopped accepting and every open request got its response.
-        if state.status == "ready":
-            state.status = "draining"
-        metrics.ready.set(0)
+        if frontend is not None:
+            await frontend.stop()
         await loading
-        if state.batcher is not None:
-            await state.batcher.stop()
-        logger.info("stopped: %d requests accepted, %d answered", state.accepted, state.answered)
+        await service.drain()
+        logger.info("stopped: %d requests accepted, %d answered", service.accepted, service.answered)
 
     async def infer(request: Request) -> Response:
         start = time.perf_counter()
-        state.accepted += 1
-        metrics.in_flight.inc()
-        try:
-            response = await _infer(request, start)
-        finally:
-            metrics.in_flight.dec()
-            state.answered += 1
+        kind = media_type(request.headers.get("content-type"))
+        with service.track(kind if kind in CONTENT_TYPES else "other"):
+            response = await _infer(request, kind, start)
         metrics.responses.labels(str(response.status_code)).inc()
-        metrics.latency.observe(time.perf_counter() - start)
         return response
 
-    async def _infer(request: Request, start: float) -> Response:
-        kind = media_type(request.headers.get("content-type"))
-        metrics.requests.labels(kind if kind in CONTENT_TYPES else "other").inc()
+    async def _infer(request: Request, kind: str, start: float) -> Response:
         try:
-            if state.status != "ready":
-                raise RequestError(503, "not_ready", f"the server is {state.status}")
-            session, batcher = state.session, state.batcher
-            body = await read_body(request, limits.max_body_bytes)
+            session, batcher = service.require_ready()
+            body = await read_body(request, limits)
             if len(body) > THREAD_THRESHOLD_BYTES:
                 item = await run_in_threadpool(parse_request, body, kind, session.metadata, limits)
             else:
@@ -151,33 +136,34 @@ def create_app(
             return await _respond(kind, result, session.provider, latency_ms)
         except RequestError as exc:
             metrics.errors.labels(exc.kind).inc()
-            return JSONResponse(exc.to_json(), status_code=exc.status)
-        except Exception as exc:
+            return _v1_error(exc)
+        except Exception:
             logger.exception("request failed")
             metrics.errors.labels("internal").inc()
-            message = f"internal error: {type(exc).__name__}: {exc}"
-            return JSONResponse({"error": {"kind": "internal", "message": message}}, status_code=500)
+            return JSONResponse({"error": {"kind": "internal", "message": INTERNAL_ERROR}}, status_code=500)
 
     async def healthz(request: Request) -> Response:
         return JSONResponse({"status": "ok"})
 
     async def readyz(request: Request) -> Response:
-        body = {"status": state.status}
-        if state.status == "ready":
-            body["provider"] = state.session.provider
-        return JSONResponse(body, status_code=200 if state.status == "ready" else 503)
+        body = {"status": service.status}
+        if service.ready:
+            body["provider"] = service.session.provider
+        return JSONResponse(body, status_code=200 if service.ready else 503)
 
     async def model_info(request: Request) -> Response:
-        if state.session is None:
-            return JSONResponse({"error": {"kind": "not_ready", "message": f"the server is {state.status}"}}, 503)
-        meta = state.session.metadata
-        return JSONResponse({**dataclasses.asdict(meta), "provider": state.session.provider})
+        if service.session is None:
+            return JSONResponse({"error": {"kind": "not_ready", "message": f"the server is {service.status}"}}, 503)
+        meta = service.session.metadata
+        return JSONResponse({**dataclasses.asdict(meta), "provider": service.session.provider})
 
     async def metrics_endpoint(request: Request) -> Response:
         content, content_type = metrics.render()
         return Response(content, media_type=content_type)
 
     async def http_error(request: Request, exc: HTTPException) -> Response:
+        if request.url.path.startswith("/v2"):
+            return JSONResponse({"error": str(exc.detail)}, status_code=exc.status_code)
         kind = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
         return JSONResponse({"error": {"kind": kind, "message": str(exc.detail)}}, status_code=exc.status_code)
 
@@ -187,29 +173,41 @@ def create_app(
         Route("/healthz", healthz, methods=["GET"]),
         Route("/readyz", readyz, methods=["GET"]),
         Route("/metrics", metrics_endpoint, methods=["GET"]),
+        *v2_routes(service),
     ]
-    app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={HTTPException: http_error})
-    app.state.mha = state
+    middleware = [Middleware(RequireApiKey, keys=api_keys)] if api_keys is not None else []
+    app = Starlette(
+        routes=routes, lifespan=lifespan, middleware=middleware, exception_handlers={HTTPException: http_error}
+    )
+    app.state.mha = service
     app.state.metrics = metrics
+    app.state.grpc = frontend
     return app
 
 
-async def read_body(request: Request, max_bytes: int) -> bytes:
-    """The whole body, refused with 413 as soon as it is known to exceed ``max_bytes``."""
-    too_large = RequestError(413, "body_too_large", f"request body exceeds this server's limit of {max_bytes} bytes")
-    declared = request.headers.get("content-length")
-    if declared is not None:
-        if not declared.isdigit():
-            raise RequestError(400, "bad_content_length", f"Content-Length {declared!r} is not a number")
-        if int(declared) > max_bytes:
-            raise too_large
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > max_bytes:
-            raise too_large
-        chunks.append(chunk)
-    return b"".join(chunks)
+class RequireApiKey:
+    """ASGI middleware: 401 for any HTTP request but health checks without ``Authorization: Bearer <key>``."""
+
+    def __init__(self, app, keys: ApiKeys):
+        self.app = app
+        self.keys = keys
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or is_health_path(scope["path"]):
+            return await self.app(scope, receive, send)
+        header = next((value for name, value in scope["headers"] if name == b"authorization"), None)
+        if self.keys.allows(header.decode("latin-1") if header is not None else None):
+            return await self.app(scope, receive, send)
+        message = "missing or wrong API key: send 'Authorization: Bearer <key>'"
+        body = {"error": message} if scope["path"].startswith("/v2") else {
+            "error": {"kind": "unauthenticated", "message": message}}
+        # Connection: close, since the request body (if any) is not read.
+        headers = {"WWW-Authenticate": "Bearer", "Connection": "close"}
+        await JSONResponse(body, status_code=401, headers=headers)(scope, receive, send)
+
+
+def _v1_error(exc: RequestError) -> Response:
+    return JSONResponse(exc.to_json(), status_code=exc.status, headers=exc.headers)
 
 
 async def _respond(kind: str, result: dict[str, np.ndarray], provider: str, latency_ms: float) -> Response:

@@ -12,6 +12,11 @@ most ``max_batch_tokens`` padded positions, and items whose unpaddable axes
 differ run apart), padded with ``collate`` (padding masks mark the padding when
 the model has them), run in a worker thread so the event loop keeps accepting
 requests, and cut back with ``split_outputs``.
+
+``submit_many`` queues the rows of one protocol request together (all admitted
+or none), and ``run_formed`` queues a batch the caller formed itself, which runs
+as given: for a request whose padding mask is not right padding, the only layout
+the planner can re-pad exactly.
 """
 
 from __future__ import annotations
@@ -23,10 +28,20 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from mha_deploy.batch.base import Item, Result
-from mha_deploy.batch.planner import BatchLimits, collate, plan_batches, split_outputs
+from mha_deploy.batch.planner import (
+    DEFAULT_MAX_SCORE_BYTES,
+    BatchLimits,
+    collate,
+    plan_batches,
+    score_bytes,
+    split_outputs,
+)
 from mha_deploy.errors import BatcherStoppedError, BatchingConfigError
 from mha_deploy.runtime.session import MHASession
+from mha_deploy.runtime.validation import output_problem
 from mha_deploy.serving.http.metrics import ServerMetrics
 from mha_deploy.serving.http.parsing import RequestError
 
@@ -35,9 +50,10 @@ logger = logging.getLogger("mha_deploy.serve")
 
 @dataclass
 class _Waiting:
-    item: Item
+    item: Item  # or, when ``formed``, a whole batch of feeds
     future: asyncio.Future
     enqueued: float = field(default_factory=time.perf_counter)
+    formed: bool = False
 
 
 class MicroBatcher:
@@ -89,17 +105,39 @@ class MicroBatcher:
             self._executor.shutdown(wait=True)
 
     async def submit(self, item: Item) -> Result:
+        return (await self.submit_many([item]))[0]
+
+    async def submit_many(self, items: list[Item]) -> list[Result]:
+        """Each item's outputs; the items are queued together or, when the queue has no room for all, refused."""
+        futures = self._enqueue([_Waiting(item, self._new_future()) for item in items])
+        if len(futures) == 1:  # the common case, without gather's wrapper future
+            return [await futures[0]]
+        return list(await asyncio.gather(*futures))
+
+    async def run_formed(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """The outputs of ``feeds``, a batch run as given (not re-padded), in its turn with the queued items."""
+        (future,) = self._enqueue([_Waiting(feeds, self._new_future(), formed=True)])
+        return await future
+
+    def _new_future(self) -> asyncio.Future:
+        return asyncio.get_running_loop().create_future()
+
+    def _enqueue(self, waiting: list[_Waiting]) -> list[asyncio.Future]:
+        # No await between the room check and the append: requests cannot interleave here.
         if self._stopping or self._loop_task is None:
             raise RequestError(503, "not_ready", "the server is not running batches (starting up or shutting down)")
         if self._loop_task.done():
             raise BatcherStoppedError("the batcher has died") from self._loop_task.exception()
-        if len(self._queue) >= self.max_queue:
+        if len(waiting) > self.max_queue:
+            raise RequestError(
+                400, "too_many_rows", f"{len(waiting)} rows in one request; this server queues at most {self.max_queue}"
+            )
+        if len(self._queue) + len(waiting) > self.max_queue:
             raise RequestError(503, "overloaded", f"{len(self._queue)} items are already waiting; retry later")
-        waiting = _Waiting(item, asyncio.get_running_loop().create_future())
-        self._queue.append(waiting)
+        self._queue.extend(waiting)
         self.metrics.queued.set(len(self._queue))
         self._arrived.set()
-        return await waiting.future
+        return [w.future for w in waiting]
 
     async def _collect(self) -> None:
         slots = asyncio.Semaphore(self.workers)
@@ -141,9 +179,8 @@ class MicroBatcher:
         for waiting in batch:
             self.metrics.queue_wait.observe(started - waiting.enqueued)
         loop = asyncio.get_running_loop()
-        items = [w.item for w in batch]
         try:
-            results = await loop.run_in_executor(self._executor, self._run_items, items)
+            results = await loop.run_in_executor(self._executor, self._run_waiting, batch)
         except Exception as exc:
             if len(batch) == 1:
                 logger.error("inference failed: %s: %s", type(exc).__name__, exc)
@@ -154,14 +191,39 @@ class MicroBatcher:
                 await self._run([waiting])
             return
         for waiting, result in zip(batch, results, strict=True):
-            _settle(waiting.future, result)
+            # Finite inputs can still overflow inside the model: never answer NaN as a number.
+            problem = output_problem(result)
+            if problem:
+                _settle(waiting.future, error=RequestError(422, problem.kind, problem.message))
+            else:
+                _settle(waiting.future, result)
+
+    def _run_waiting(self, batch: list[_Waiting]) -> list[Result]:
+        """Runs in a worker thread: the queued items batched by the planner, and each formed batch as it is."""
+        results: list[Result | None] = [None] * len(batch)
+        plain = [i for i, waiting in enumerate(batch) if not waiting.formed]
+        if plain:
+            for index, result in zip(plain, self._run_items([batch[i].item for i in plain]), strict=True):
+                results[index] = result
+        for index, waiting in enumerate(batch):
+            if waiting.formed:
+                start = time.perf_counter()
+                results[index] = self.session.run(waiting.item)
+                self.metrics.batch_size.observe(len(next(iter(waiting.item.values()))))
+                self.metrics.batch_run.observe(time.perf_counter() - start)
+        return results  # type: ignore[return-value]
 
     def _run_items(self, items: list[Item]) -> list[Result]:
         """Runs in a worker thread: pad, run, cut back (one run per key length if keys cannot be padded)."""
         start = time.perf_counter()
         signature = self.session.signature
         results: list[Result | None] = [None] * len(items)
-        limits = BatchLimits(max_tokens=self.max_batch_tokens, max_padding=self.max_padding)
+        limits = BatchLimits(
+            max_tokens=self.max_batch_tokens,
+            max_padding=self.max_padding,
+            max_score_bytes=DEFAULT_MAX_SCORE_BYTES,
+            score_bytes=score_bytes(self.session.metadata),
+        )
         for indices in plan_batches(items, signature, limits):
             batch = collate([items[i] for i in indices], signature)
             outputs = self.session.run(batch.feeds)

@@ -14,8 +14,15 @@ class ServerMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
-        self.requests = Counter("mha_requests", "Inference requests received, by body format.", ["format"], registry=r)
-        self.responses = Counter("mha_responses", "Inference responses sent, by HTTP status.", ["status"], registry=r)
+        self.requests = Counter(
+            "mha_requests",
+            "Inference requests received, by protocol and body format (v1: content type; v2_json, v2_binary, grpc).",
+            ["format"],
+            registry=r,
+        )
+        self.responses = Counter(
+            "mha_responses", "Inference responses sent, by HTTP status (gRPC: code name).", ["status"], registry=r
+        )
         self.errors = Counter(
             "mha_request_errors", "Refused or failed inference requests, by kind.", ["kind"], registry=r
         )

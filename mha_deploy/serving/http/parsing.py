@@ -52,6 +52,16 @@ class RequestError(InputError):
     def to_json(self) -> dict:
         return {"error": {"kind": self.kind, "message": self.message}}
 
+    @property
+    def headers(self) -> dict[str, str]:
+        """HTTP headers its response carries: when to retry, and closing a connection whose body was not all read."""
+        headers = {}
+        if self.status == 503:
+            headers["Retry-After"] = "1"
+        if self.status in (408, 413):
+            headers["Connection"] = "close"
+        return headers
+
 
 @dataclass(frozen=True)
 class RequestLimits:
@@ -60,6 +70,8 @@ class RequestLimits:
     max_body_bytes: int = 64 * 2**20
     # Longest sequence accepted in one request (each of query and key/value for cross-attention).
     max_tokens: int = 1024
+    # Longest a request body may take to arrive: a slow or stalled upload is cut off with 408 after this.
+    body_timeout_s: float = 10.0
 
 
 def media_type(content_type: str | None) -> str:
@@ -111,15 +123,23 @@ def _check_names(names: set[str], metadata: ModelMetadata, kind: str) -> None:
         raise RequestError(422, problem.kind, f"{kind} {problem.message}")
 
 
-def _from_json(body: bytes, metadata: ModelMetadata) -> dict[str, np.ndarray]:
+def load_json(body: bytes | memoryview, what: str = "body") -> object:
+    """Parsed JSON, or a 400 (also for nesting too deep to parse, which must not become a 500)."""
     try:
-        payload = _fast_json_loads(body)
+        return _fast_json_loads(body)
     except ValueError:
-        # The stdlib parser takes NaN and Infinity (refused below with a clear message) and words errors well.
-        try:
-            payload = json.loads(body)
-        except (ValueError, UnicodeDecodeError) as exc:
-            raise RequestError(400, "malformed_json", f"body is not valid JSON: {exc}") from None
+        pass
+    # The stdlib parser takes NaN and Infinity (refused later with a clear message) and words errors well.
+    try:
+        return json.loads(bytes(body))
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise RequestError(400, "malformed_json", f"{what} is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise RequestError(400, "malformed_json", f"{what} is nested too deeply") from None
+
+
+def _from_json(body: bytes, metadata: ModelMetadata) -> dict[str, np.ndarray]:
+    payload = load_json(body)
     if not isinstance(payload, dict):
         raise RequestError(400, "malformed_json", f"body must be a JSON object, got {type(payload).__name__}")
     _check_names(set(payload), metadata, "JSON body:")

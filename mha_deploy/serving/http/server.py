@@ -1,20 +1,28 @@
-"""``serve``: the app under uvicorn, with a clean exit on a bad model and a graceful one on SIGTERM.
+"""``serve``: the app under uvicorn (and gRPC), a clean exit on a bad model and a graceful one on SIGTERM.
 
-On SIGTERM (or Ctrl+C) uvicorn stops accepting connections, lets every request
-it has accepted finish (up to ``graceful_timeout_s``), then the app drains the
-batcher and logs how many requests it accepted and answered. uvicorn re-raises
-the signal afterwards, so the process ends as killed by SIGTERM (exit 143), as
-process supervisors expect.
+On SIGTERM (or Ctrl+C) uvicorn stops accepting connections and the gRPC server
+stops accepting calls at the same moment; every request either has accepted
+finishes (up to ``graceful_timeout_s``), then the app drains the batcher and
+logs how many requests it accepted and answered. uvicorn re-raises the signal
+afterwards, so the process ends as killed by SIGTERM (exit 143), as process
+supervisors expect. A body still arriving cannot hold the drain for longer
+than ``limits.body_timeout_s``.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import re
+import ssl
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from mha_deploy.errors import MHADeployError
 from mha_deploy.serving.http.parsing import RequestLimits
+
+# Names usable in a URL path segment unescaped (what Triton accepts too).
+_MODEL_NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
 
 
 @dataclass(frozen=True)
@@ -39,6 +47,24 @@ class ServeConfig:
     graceful_timeout_s: float = 30.0
     log_level: str = "info"
     access_log: bool = False
+    # The model's name in the v2 protocol (None: the model file's stem).
+    name: str | None = None
+    # gRPC (inference.GRPCInferenceService) on this port, same host; None: no gRPC.
+    grpc_port: int | None = None
+    # One key per line; when given, every route and call but health needs "Authorization: Bearer <key>".
+    api_key_file: str | os.PathLike | None = None
+    # TLS for REST and gRPC alike: a PEM certificate (chain) and its private key.
+    ssl_certfile: str | os.PathLike | None = None
+    ssl_keyfile: str | os.PathLike | None = None
+    # Open connections (REST) and calls in progress (gRPC) at once; more get 503 / RESOURCE_EXHAUSTED.
+    max_connections: int = 1000
+    # Idle keep-alive connections are closed after this many seconds.
+    keep_alive_timeout_s: float = 5.0
+
+    @property
+    def model_name(self) -> str:
+        """``name``, or the model file's stem with anything but letters, digits, ``_.-`` replaced by ``_``."""
+        return self.name or re.sub(r"[^A-Za-z0-9_.-]", "_", Path(self.model).stem)
 
 
 class ServeError(MHADeployError):
@@ -54,10 +80,28 @@ def serve(config: ServeConfig) -> None:
     except ImportError as exc:
         raise ServeError(f"the server needs the 'serve' extra: pip install 'mha-deploy[serve]' ({exc})") from exc
     from mha_deploy.runtime.session import MHASession
+    from mha_deploy.serving.http.auth import ApiKeys
 
+    if not _MODEL_NAME.match(config.model_name):
+        raise ServeError(f"model name {config.model_name!r}: use letters, digits, '_', '.' and '-' only")
+    _check_tls(config)
+    api_keys = ApiKeys.from_file(config.api_key_file) if config.api_key_file is not None else None
+    grpc_config = _grpc_config(config)
     _configure_logging(config.log_level)
     failures: list[BaseException] = []
     server: uvicorn.Server | None = None
+
+    class _Server(uvicorn.Server):
+        """uvicorn's server, stopping the gRPC server's intake at the moment it stops its own."""
+
+        def __init__(self, config: uvicorn.Config, grpc_frontend=None):
+            super().__init__(config)
+            self.grpc_frontend = grpc_frontend
+
+        async def shutdown(self, sockets=None) -> None:
+            if self.grpc_frontend is not None:
+                self.grpc_frontend.begin_stop()
+            await super().shutdown(sockets)
 
     def load_session() -> MHASession:
         return MHASession(
@@ -78,7 +122,10 @@ def serve(config: ServeConfig) -> None:
     batching = BatchingConfig(
         config.max_batch, config.max_wait_ms, config.workers, config.max_queue, config.max_batch_tokens
     )
-    app = create_app(load_session, batching, config.limits, on_load_error)
+    app = create_app(
+        load_session, batching, config.limits, on_load_error,
+        model_name=config.model_name, api_keys=api_keys, grpc_config=grpc_config,
+    )
     uvicorn_config = uvicorn.Config(
         app,
         host=config.host,
@@ -87,13 +134,53 @@ def serve(config: ServeConfig) -> None:
         access_log=config.access_log,
         timeout_graceful_shutdown=config.graceful_timeout_s,
         lifespan="on",
+        ssl_certfile=config.ssl_certfile,
+        ssl_keyfile=config.ssl_keyfile,
+        # uvicorn counts the new connection too: + 1 lets max_connections connections be served at once.
+        limit_concurrency=config.max_connections + 1,
+        timeout_keep_alive=config.keep_alive_timeout_s,
     )
-    server = uvicorn.Server(uvicorn_config)
+    server = _Server(uvicorn_config, app.state.grpc)
     server.run()
     if failures:
         raise failures[0]
     if not server.started:
         raise ServeError(f"the server did not start on {config.host}:{config.port} (see the log above)")
+
+
+def _check_tls(config: ServeConfig) -> None:
+    """Both files or neither, and usable: refused here with one line rather than by uvicorn with a traceback."""
+    if (config.ssl_certfile is None) != (config.ssl_keyfile is None):
+        raise ServeError("TLS needs both --ssl-certfile and --ssl-keyfile")
+    if config.ssl_certfile is None:
+        return
+    try:
+        ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(config.ssl_certfile, config.ssl_keyfile)
+    except (OSError, ssl.SSLError) as exc:
+        raise ServeError(
+            f"cannot use the TLS certificate {config.ssl_certfile} with key {config.ssl_keyfile}: {exc}"
+        ) from None
+
+
+def _grpc_config(config: ServeConfig):
+    if config.grpc_port is None:
+        return None
+    try:
+        from mha_deploy.serving.http.grpc_server import GrpcConfig
+    except ImportError as exc:
+        raise ServeError(
+            f"gRPC needs grpcio and tritonclient[grpc] (in the 'serve' extra): pip install 'mha-deploy[serve]' ({exc})"
+        ) from exc
+    return GrpcConfig(
+        host=config.host,
+        port=config.grpc_port,
+        ssl_certfile=str(config.ssl_certfile) if config.ssl_certfile else None,
+        ssl_keyfile=str(config.ssl_keyfile) if config.ssl_keyfile else None,
+        max_message_bytes=config.limits.max_body_bytes,
+        max_concurrent_rpcs=config.max_connections,
+        grace_s=config.graceful_timeout_s,
+        receive_timeout_s=config.limits.body_timeout_s,
+    )
 
 
 def _configure_logging(level: str) -> None:

@@ -1,0 +1,67 @@
+"""API keys: ``Authorization: Bearer <key>`` on every route but health, for REST and gRPC alike.
+
+The key file holds one key per line (several keys let a key be rotated without
+downtime); blank lines and lines starting with ``#`` are ignored. A presented
+key is compared with every key in constant time (``hmac.compare_digest``), so
+the response time says nothing about how much of a key was right.
+"""
+
+from __future__ import annotations
+
+import hmac
+import os
+import re
+from pathlib import Path
+
+from mha_deploy.errors import MHADeployError
+
+# Paths anyone may GET: liveness and readiness, which orchestrators probe without credentials.
+_HEALTH_PATH = re.compile(r"^/(healthz|readyz|v2/health/(live|ready)|v2/models/[^/]+(/versions/[^/]+)?/ready)$")
+# gRPC methods that are health checks (the same set as the REST paths above).
+HEALTH_METHODS = frozenset(
+    f"/inference.GRPCInferenceService/{name}" for name in ("ServerLive", "ServerReady", "ModelReady")
+)
+MIN_KEY_LENGTH = 16
+
+
+class ApiKeyError(MHADeployError):
+    """The API key file cannot be used."""
+
+
+def is_health_path(path: str) -> bool:
+    return _HEALTH_PATH.match(path) is not None
+
+
+class ApiKeys:
+    def __init__(self, keys: list[str]):
+        if not keys:
+            raise ApiKeyError("no API key given")
+        short = [key for key in keys if len(key) < MIN_KEY_LENGTH or any(c.isspace() for c in key)]
+        if short:
+            raise ApiKeyError(f"API keys must be at least {MIN_KEY_LENGTH} characters without spaces")
+        self._keys = [key.encode() for key in keys]
+
+    @classmethod
+    def from_file(cls, path: str | os.PathLike) -> ApiKeys:
+        try:
+            text = Path(path).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ApiKeyError(f"cannot read the API key file {path}: {exc}") from exc
+        keys = [line.strip() for line in text.splitlines() if line.strip() and not line.lstrip().startswith("#")]
+        if not keys:
+            raise ApiKeyError(f"the API key file {path} holds no key (one key per line)")
+        return cls(keys)
+
+    def allows(self, authorization: str | None) -> bool:
+        """Whether an ``Authorization`` header value is ``Bearer <one of the keys>``."""
+        if not authorization:
+            return False
+        scheme, _, presented = authorization.partition(" ")
+        if scheme.lower() != "bearer":
+            return False
+        candidate = presented.strip().encode()
+        # Compare with every key, whatever matched: no early exit that timing could reveal.
+        matched = False
+        for key in self._keys:
+            matched |= hmac.compare_digest(candidate, key)
+        return matched

@@ -1,0 +1,134 @@
+"""What every protocol of one server process shares: the model's lifetime, the micro-batcher, and the counters.
+
+REST (/v1 and /v2) and gRPC are thin adapters over one ``InferenceService``:
+requests from all of them go into the same ``MicroBatcher`` and so share ORT
+runs, and readiness, draining and the accepted/answered counts are the same
+for all.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import time
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+
+import numpy as np
+
+from mha_deploy.runtime.session import MHASession
+from mha_deploy.serving.http import v2
+from mha_deploy.serving.http.batcher import MicroBatcher
+from mha_deploy.serving.http.metrics import ServerMetrics
+from mha_deploy.serving.http.parsing import RequestError, RequestLimits
+
+logger = logging.getLogger("mha_deploy.serve")
+# Decoding and checking requests larger than this would hold the event loop for milliseconds: do it in a thread.
+THREAD_THRESHOLD_BYTES = 256 * 1024
+
+
+@dataclass(frozen=True)
+class BatchingConfig:
+    max_batch: int = 32
+    max_wait_ms: float = 2.0
+    workers: int = 1
+    max_queue: int = 4096
+    # Padded positions (items × longest sequence) in one ORT run: bounds a run's memory.
+    max_batch_tokens: int = 8192
+
+
+class InferenceService:
+    """The loaded model and its batcher, with a status: loading -> ready -> draining (or failed)."""
+
+    def __init__(
+        self,
+        load_session: Callable[[], MHASession],
+        batching: BatchingConfig,
+        limits: RequestLimits,
+        model_name: str,
+        on_load_error: Callable[[BaseException], None] | None = None,
+    ):
+        self._load_session = load_session
+        self.batching = batching
+        self.limits = limits
+        self.model_name = model_name
+        self._on_load_error = on_load_error
+        self.metrics = ServerMetrics()
+        self.status = "loading"
+        self.session: MHASession | None = None
+        self.batcher: MicroBatcher | None = None
+        self.accepted = 0
+        self.answered = 0
+
+    async def load(self) -> None:
+        try:
+            session = await asyncio.to_thread(self._load_session)
+            batcher = MicroBatcher(session, **dataclasses.asdict(self.batching), metrics=self.metrics)
+            await batcher.start()
+        except Exception as exc:
+            self.status = "failed"
+            logger.error("cannot load the model: %s", exc)
+            if self._on_load_error is not None:
+                self._on_load_error(exc)
+            return
+        self.session, self.batcher = session, batcher
+        if self.status != "loading":  # another part failed to start (the gRPC port): the server is exiting
+            return
+        self.status = "ready"
+        self.metrics.ready.set(1)
+        logger.info(
+            "ready: model %r %r, max_batch=%d max_wait_ms=%g",
+            self.model_name, session, self.batching.max_batch, self.batching.max_wait_ms,
+        )
+
+    async def drain(self) -> None:
+        """Run everything already submitted, then stop the batcher."""
+        if self.status == "ready":
+            self.status = "draining"
+        self.metrics.ready.set(0)
+        if self.batcher is not None:
+            await self.batcher.stop()
+
+    @property
+    def ready(self) -> bool:
+        return self.status == "ready"
+
+    def require_ready(self) -> tuple[MHASession, MicroBatcher]:
+        if self.status != "ready":
+            raise RequestError(503, "not_ready", f"the server is {self.status}")
+        return self.session, self.batcher  # type: ignore[return-value]
+
+    def check_model(self, name: str, version: str = "") -> None:
+        """404 unless ``name`` (and ``version``, when given) is the model this server serves."""
+        if name != self.model_name:
+            raise RequestError(404, "unknown_model", f"unknown model {name!r}: this server serves {self.model_name!r}")
+        if version not in ("", v2.MODEL_VERSION):
+            raise RequestError(404, "unknown_version", f"model {name!r} has version {v2.MODEL_VERSION} only")
+
+    @contextlib.contextmanager
+    def track(self, protocol: str) -> Iterator[None]:
+        """Count one inference request from arrival to response (what the SIGTERM log line reports)."""
+        start = time.perf_counter()
+        self.accepted += 1
+        self.metrics.in_flight.inc()
+        self.metrics.requests.labels(protocol).inc()
+        try:
+            yield
+        finally:
+            self.metrics.in_flight.dec()
+            self.answered += 1
+            self.metrics.latency.observe(time.perf_counter() - start)
+
+    async def infer_v2(
+        self, inputs: Mapping[str, np.ndarray], in_thread: bool = False
+    ) -> dict[str, np.ndarray]:
+        """A v2 batch request's outputs (every output, shaped as the request's batch)."""
+        session, batcher = self.require_ready()
+        metadata = session.metadata
+        if in_thread:
+            plan = await asyncio.to_thread(v2.plan_request, metadata, inputs, self.limits.max_tokens)
+        else:
+            plan = v2.plan_request(metadata, inputs, self.limits.max_tokens)
+        return await v2.run_plan(plan, batcher, metadata)
