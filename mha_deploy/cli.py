@@ -475,12 +475,16 @@ def triton(model, repo, name, instances, kind, max_batch_size, max_queue_delay_u
 @click.option("--quiet-wait-s", type=click.FloatRange(min=0), default=0.0, show_default=True,
               help="Before each timed block, wait up to this long for other processes to leave the CPUs "
                    "(0: do not wait).")
+@click.option("--openvino/--no-openvino", default=None,
+              help="Add OpenVINO (CPU plugin, fp32) on the unfused graph; default: when the 'openvino' extra is "
+                   "installed.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON on stdout.")
 @click.option("--plot", type=click.Path(dir_okay=False, path_type=Path),
               help="Write a plot of time per token, one panel per mask mode (PNG).")
 def bench(model, checkpoint, d_model, heads, masks, shapes, provider, threads, budget_s, memory_shapes, gemm_sizes,
-          quiet_wait_s, as_json, plot):
-    """Compare torch eager, torch SDPA, ORT unfused, ORT fused per target and int8, per mask mode, in one run.
+          quiet_wait_s, openvino, as_json, plot):
+    """Compare torch eager, torch SDPA, ORT unfused, ORT fused per target and int8, and OpenVINO, per mask mode,
+    in one run.
 
     Reports median and p90 latency, GFLOP/s, the ratio to torch eager,
     efficiency against ORT's own MatMul rate measured in the same run, and each
@@ -511,7 +515,7 @@ def bench(model, checkpoint, d_model, heads, masks, shapes, provider, threads, b
     report = run_bench(
         mha, modes, shape_list, target=target, threads=threads, budget_s=budget_s,
         models=[model] if model is not None else (), memory_shapes=memory_list, gemm_sizes=gemm_list,
-        gate=QuietGate(wait_s=quiet_wait_s) if quiet_wait_s > 0 else None,
+        openvino=openvino, gate=QuietGate(wait_s=quiet_wait_s) if quiet_wait_s > 0 else None,
         on_row=lambda r: click.echo(
             f"  {r.mask} {r.batch}x{r.seq} {r.backend}: {r.median_ms:.2f} ms, max abs err {r.max_abs_err:.1e}",
             err=True,

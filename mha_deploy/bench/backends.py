@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from mha_deploy.bench.target import CPU_FP32, BenchTarget
-from mha_deploy.errors import ExportError
+from mha_deploy.errors import ExportError, OptionError
 from mha_deploy.exporters import export_mha
 from mha_deploy.exporters.graphs import attention_graph, build_attention_mask
 from mha_deploy.metadata import Signature
@@ -190,23 +190,62 @@ def ort_packed(
     return ort_file(path, target, threads, "ORT packed Attention")
 
 
+def openvino_file(path: str | Path, signature: Signature, threads: int, label: str = "OpenVINO") -> Backend:
+    """An ONNX file compiled by OpenVINO for its CPU plugin, in fp32 (the optional 'openvino' extra).
+
+    OpenVINO's CPU plugin defaults to bf16 inference on CPUs with bf16 units
+    (this host reports ``INFERENCE_PRECISION_HINT`` bfloat16), which would time a
+    different computation: the hint is pinned to f32, and the error column checks it.
+    """
+    try:
+        import openvino
+    except ImportError as exc:
+        message = f"the OpenVINO row needs the 'openvino' extra: pip install 'mha-deploy[openvino]' ({exc})"
+        raise OptionError(message) from None
+    core = openvino.Core()
+    compiled = core.compile_model(
+        str(path), "CPU", {"INFERENCE_NUM_THREADS": threads, "INFERENCE_PRECISION_HINT": "f32"}
+    )
+    output = compiled.output("output")
+
+    def prepare(feeds: Feeds) -> Runner:
+        request = compiled.create_infer_request()
+        inputs = {name: feeds[name] for name in signature.input_names}
+        return lambda: np.asarray(request.infer(inputs)[output], dtype=np.float32)
+
+    return Backend(label, prepare, "fp32", signature, None)
+
+
+def openvino_available() -> bool:
+    try:
+        import openvino  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 BackendFactory = Callable[[Signature], list[Backend]]
 
 
 def default_backends(
     mha: MultiHeadAttention, signature: Signature, target: BenchTarget = CPU_FP32, threads: int = 2,
-    workdir: str | Path | None = None, packed_qkv: bool = False,
+    workdir: str | Path | None = None, packed_qkv: bool = False, openvino: bool = False,
 ) -> list[Backend]:
     """torch eager (the ratios' baseline) and SDPA, ORT unfused and fused per target, int8 on CPU fp32.
 
-    ``packed_qkv`` adds the packed-QKV contrib ``Attention`` when its rules fuse this signature.
+    ``packed_qkv`` adds the packed-QKV contrib ``Attention`` when its rules fuse this signature;
+    ``openvino`` adds OpenVINO on the unfused graph (CPU fp32 only).
     """
     workdir = Path(workdir or tempfile.mkdtemp(prefix="mha-bench-"))
     ort_paths = [("none", "none"), ("mha", "none"), ("onnx", "none")]
     if target.provider == "cpu" and target.dtype == "fp32":
         ort_paths.append(("mha", "int8"))  # dynamic int8 projections: CPU fp32 models only
     backends = [torch_eager(mha, signature, target), torch_sdpa(mha, signature, target)]
-    backends += [ort_exported(mha, signature, target, threads, workdir, f, q) for f, q in ort_paths]
+    ort = [ort_exported(mha, signature, target, threads, workdir, f, q) for f, q in ort_paths]
+    backends += ort
+    if openvino and target.provider == "cpu" and target.dtype == "fp32":
+        # OpenVINO compiles the unfused graph (ort_paths[0]; its own fusions replace ours): what many pick for CPU.
+        backends.append(openvino_file(ort[0].path, signature, threads))
     if packed_qkv:
         try:
             backends.append(ort_packed(mha, signature, target, threads, workdir))

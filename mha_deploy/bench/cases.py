@@ -88,9 +88,14 @@ class MaskMode:
     def real_keys(self, length: int) -> int:
         return max(1, length - round(length * self.padded_pct / 100))
 
-    def inputs(self, d_model: int, batch: int, seq: int, seed: int = 0) -> dict[str, np.ndarray]:
-        """float32 inputs of one shape: every key real, or the last ``padded_pct`` of them padded."""
-        signature = self.signature
+    def inputs(
+        self, d_model: int, batch: int, seq: int, seed: int = 0, signature: Signature | None = None
+    ) -> dict[str, np.ndarray]:
+        """float32 inputs of one shape: every key real, or the last ``padded_pct`` of them padded.
+
+        ``signature``: another model of this mask mode (cross-attention, say); default the mode's own.
+        """
+        signature = signature or self.signature
         feeds = make_inputs(signature, d_model, InputCase(batch, seq, seq, "none"), seed)
         for name in signature.padding_masks:
             feeds[name][:, self.real_keys(feeds[name].shape[1]):] = False

@@ -21,7 +21,7 @@ from mha_deploy.errors import MHADeployError
 _PROBE = textwrap.dedent("""
     import json, resource, sys
     import onnxruntime as ort
-    from mha_deploy.inputs import InputCase, make_inputs
+    from mha_deploy.bench.cases import MaskMode
     from mha_deploy.metadata import ModelMetadata
     from mha_deploy.runtime.providers import check_providers, plan_providers
 
@@ -35,6 +35,7 @@ _PROBE = textwrap.dedent("""
 
     path, provider = sys.argv[1], sys.argv[2]
     batch, seq, threads, arena = map(int, sys.argv[3:7])
+    padded_pct = float(sys.argv[7])
     options = ort.SessionOptions()
     options.intra_op_num_threads = threads
     options.enable_cpu_mem_arena = bool(arena)
@@ -42,13 +43,14 @@ _PROBE = textwrap.dedent("""
     session = ort.InferenceSession(path, options, providers=list(plan.ort_providers))
     check_providers(plan, session)
     metadata = ModelMetadata.from_props(session.get_modelmeta().custom_metadata_map, path)
-    # Every key real, every sequence of length seq, in the model's own dtype.
-    case = InputCase(batch, seq, seq, "none")
-    feeds = make_inputs(metadata.signature, metadata.d_model, case, dtype=metadata.dtype)
+    # The bench's inputs for the mode (every key real, or the last padded_pct of them padded), in the model's dtype.
+    mode = MaskMode(metadata.signature.mask, padded_pct)
+    feeds = {name: a.astype(metadata.dtype) if a.dtype.kind == "f" else a
+             for name, a in mode.inputs(metadata.d_model, batch, seq, signature=metadata.signature).items()}
     before = peak_kb()
     session.run(None, feeds)
     after = peak_kb()
-    print(json.dumps({"before_kb": before, "peak_kb": after, "mask": metadata.signature.mask}))
+    print(json.dumps({"before_kb": before, "peak_kb": after, "mask": mode.label}))
 """)
 
 
@@ -64,10 +66,13 @@ class MemoryRow:
 
 
 def measure_peak_rss(
-    path: Path, backend: str, batch: int, seq: int, threads: int, arena: bool, provider: str = "cpu"
+    path: Path, backend: str, batch: int, seq: int, threads: int, arena: bool, provider: str = "cpu",
+    padded_pct: float = 0.0,
 ) -> MemoryRow:
-    """Peak RSS of loading a model file and running it once at (batch, seq), in a subprocess on ``provider``."""
-    args = [sys.executable, "-c", _PROBE, str(path), provider, str(batch), str(seq), str(threads), str(int(arena))]
+    """Peak RSS of loading a model file and running it once at (batch, seq), in a subprocess on ``provider``,
+    with the last ``padded_pct`` percent of the keys padded (padding masks only)."""
+    args = [sys.executable, "-c", _PROBE, str(path), provider, str(batch), str(seq), str(threads), str(int(arena)),
+            str(padded_pct)]
     result = subprocess.run(args, capture_output=True, text=True, timeout=600)
     if result.returncode != 0:
         raise MHADeployError(f"memory probe failed for {backend} at {batch}x{seq}: {result.stderr.strip()[-500:]}")

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from mha_deploy.bench.backends import Backend, BackendFactory, default_backends, ort_file
+from mha_deploy.bench.backends import Backend, BackendFactory, default_backends, openvino_available, ort_file
 from mha_deploy.bench.cases import DEFAULT_SHAPES, MaskMode
 from mha_deploy.bench.gemm import GEMM_SIZES, peak_gemm_gflops
 from mha_deploy.bench.memory import MemoryRow, measure_peak_rss
@@ -26,7 +26,7 @@ from mha_deploy.bench.target import CPU_FP32, BenchTarget
 from mha_deploy.bench.timing import QuietGate, load_average, mha_flops, time_blocks
 from mha_deploy.compare import compare_outputs
 from mha_deploy.errors import OptionError
-from mha_deploy.exporters.export import INT8_REL_ERR_BUDGET
+from mha_deploy.exporters.export import INT8_REL_ERR_BUDGET, auto_fusion_target
 from mha_deploy.exporters.graphs import attention_graph
 from mha_deploy.exporters.parity import DEFAULT_ATOL, DEFAULT_RTOL, torch_reference
 from mha_deploy.exporters.precision import FP16_ATOL, FP16_RTOL
@@ -165,16 +165,16 @@ def _bench_case(
 
 
 def measure_memory(
-    report: BenchReport, backends: Sequence[Backend], shapes, threads: int, provider: str = "cpu"
+    report: BenchReport, mode: MaskMode, backends: Sequence[Backend], shapes, threads: int, provider: str = "cpu"
 ) -> None:
-    """Peak RSS of each ORT backend at each shape, with ORT's CPU arena on and off."""
+    """Peak RSS of each ORT backend of ``mode`` at each shape, on the mode's inputs, with ORT's CPU arena on and off."""
     for batch, seq in shapes:
         for backend in backends:
             if backend.path is not None:
                 for arena in (True, False):
-                    report.memory.append(
-                        measure_peak_rss(backend.path, backend.name, batch, seq, threads, arena, provider)
-                    )
+                    report.memory.append(measure_peak_rss(
+                        backend.path, backend.name, batch, seq, threads, arena, provider, mode.padded_pct
+                    ))
 
 
 def _check_backends(signature: Signature, backends: list[Backend]) -> None:
@@ -216,6 +216,7 @@ def run_bench(
     backends: BackendFactory | None = None,
     models: Sequence[str | Path] = (),
     packed_qkv: bool = False,
+    openvino: bool | None = None,
     memory_shapes: Sequence[tuple[int, int]] = (),
     gemm_sizes: Sequence[int] = GEMM_SIZES,
     gate: QuietGate | None = None,
@@ -228,14 +229,18 @@ def run_bench(
     ``default_backends`` of ``mha`` on ``target``, exported into ``workdir``,
     a temporary directory by default). Each ONNX file of ``models`` joins the
     modes whose signature it has. ``budget_s`` is the timing budget per backend
-    and shape; ``gate`` holds each timed block until the machine is quiet.
+    and shape; ``gate`` holds each timed block until the machine is quiet. ``openvino`` adds OpenVINO
+    on the unfused graph (None: when it is installed).
     ``memory_shapes``: peak RSS of every ORT file at those shapes, in fresh processes.
     """
     torch.set_num_threads(threads)
     with tempfile.TemporaryDirectory(prefix="mha-bench-") as tmp:
         workdir = Path(workdir or tmp)
+        if openvino is None:
+            openvino = openvino_available()
         factory = backends or partial(
-            default_backends, mha, target=target, threads=threads, workdir=workdir, packed_qkv=packed_qkv
+            default_backends, mha, target=target, threads=threads, workdir=workdir, packed_qkv=packed_qkv,
+            openvino=openvino,
         )
         files = _file_backends(models, modes, target, threads)
         report = BenchReport(
@@ -243,6 +248,9 @@ def run_bench(
             *peak_gemm_gflops(threads, target, gemm_sizes), mask_modes=[mode.label for mode in modes],
             load_before=_load(), notes=[target.note] if target.note else [],
         )
+        if backends is None:
+            defaults = sorted({f"{mode.signature.mask}: ORT {auto_fusion_target(mode.signature)}" for mode in modes})
+            report.notes.append(f"the default export (--fuse auto) is, per mask mode, {'; '.join(defaults)}")
         if backends is None and target.dtype != "fp32":
             report.notes.append(f"torch eager runs in fp32 (its -1e9 mask fill overflows {target.dtype})")
         by_signature: dict[Signature, list[Backend]] = {}
@@ -257,9 +265,8 @@ def run_bench(
                     report.rows.append(row)
                     if on_row:
                         on_row(row)
-        if memory_shapes:
-            every = [backend for group in by_signature.values() for backend in group]
-            measure_memory(report, every, memory_shapes, threads, target.provider)
+        for mode in modes if memory_shapes else ():
+            measure_memory(report, mode, by_signature[mode.signature], memory_shapes, threads, target.provider)
     report.load_after = _load()
     report.quiet = gate.summary() if gate is not None else ""
     return report
