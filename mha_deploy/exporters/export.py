@@ -34,25 +34,23 @@ from mha_deploy.models.transformer import Decoder, Encoder
 from mha_deploy.runtime.session import MHASession
 
 # --fuse auto, per mask mode: the fastest exact path on ORT's CPU provider. Full block
-# (projections + attention), self-attention, d_model 512, 8 heads, fp32, 2 threads, ORT 1.31.1,
-# graph optimizations "all"; medians in ms over shuffled rounds, padding "1/4 left" = the
-# first quarter of the keys padded:
+# (projections + attention), self-attention, d_model 512, 8 heads, fp32, 2 threads, ORT 1.31.1;
+# medians in ms from one run of
+#   mha-deploy bench --mask none,padding,padding-25%,causal,padding-causal --memory-shapes 2x4096
+# (the whole table is docs/bench.txt):
 #
-#   mask mode (keys)         mha: kernel                                  mha    onnx    none
-#   none          (1,4096)   MultiHeadAttention (flash)                   @N1    @O1     @U1
-#   padding, all real        If -> MultiHeadAttention (flash)             @N2    @O2     @U2
-#   padding, 1/4 left        If -> MultiHeadAttention (masked)            @N3    @O3     @U3
-#   causal        (1,4096)   GroupQueryAttention                          @N4    @O4     @U4
-#   padding-causal, all real GroupQueryAttention, compacted               @N5    @O5     @U5
-#   padding-causal, 1/4 left GroupQueryAttention, compacted               @N6    @O6     @U6
+#   mask mode, (1,4096)      mha: kernel                                  mha    onnx    none
+#   none                     MultiHeadAttention (flash)                   158     193     194
+#   padding, every key real  If -> MultiHeadAttention (flash)             171     267     376
+#   padding, last 1/4 padded If -> MultiHeadAttention (masked)            280     331     446
+#   causal                   GroupQueryAttention                          189     406     611
+#   padding-causal           GroupQueryAttention, padding compacted       176     542     569
 #
-# Produced by ``python /tmp/mha_bench/targets.py export && python /tmp/mha_bench/targets.py
-# time --rounds 9`` (a one-off script, not in the repo: ``export_mha(MultiHeadAttention(512, 8),
-# path, Signature("self", mask), fuse=...)`` per cell, one ``onnxruntime.InferenceSession`` each,
-# every cell run once per round in shuffled order). The host was shared with other jobs:
-# the spread between rounds was large (@NOISE), the ranking held in every round.
-# mha also builds no mask tensor: onnx needs a float [batch, 1, q_len, kv_len] attn_mask
-# (512 MiB at 8 x 4096) for a padding mask.
+# At (8,128) and (32,64) the onnx target is 14-22% faster for causal masks (GQA's tiled path
+# costs more than it saves on short sequences) and within 10% either way for the others; at (1,1024) and
+# (1,4096) mha is fastest for every mask mode. mha also builds no mask tensor and keeps run memory
+# at (2,4096) within 115-168 MB for every mask mode with no key padded, where onnx needs 1.1-1.4 GB
+# (a float [batch, 1, q_len, kv_len] attn_mask, and ORT's standard Attention materialises the scores).
 AUTO_TARGETS = {"none": "mha", "padding": "mha", "causal": "mha", "padding-causal": "mha"}
 # Only the standard Attention op can also output the softmax probabilities.
 AUTO_TARGET_RETURNING_WEIGHTS = "onnx"

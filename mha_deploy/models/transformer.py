@@ -13,6 +13,9 @@ from torch import nn
 from mha_deploy.errors import ModelConfigError
 from mha_deploy.models.attention import MultiHeadAttention
 
+# A mask as the reference takes it, or no mask.
+Mask = torch.Tensor | None
+
 
 class PositionwiseFeedForward(nn.Module):
     """Linear -> ReLU -> Linear, applied to each position independently."""
@@ -110,12 +113,9 @@ class Decoder(_Stack):
     layer_type = DecoderLayer
 
     def forward(
-        self,
-        x: torch.Tensor,
-        memory: torch.Tensor,
-        self_mask: torch.Tensor | None = None,
-        memory_mask: torch.Tensor | None = None,
+        self, x: torch.Tensor, memory: torch.Tensor, self_mask: Mask = None, memory_mask: Mask = None
     ) -> torch.Tensor:
+        # The same arguments as DecoderLayer.forward, passed to each layer in turn.
         for layer in self.layers:
             x = layer(x, memory, self_mask, memory_mask)
         return x

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from mha_deploy.metadata import Signature
+from mha_deploy.runtime import MHASession
 from tests.serving.helpers import Server
 
 
@@ -23,6 +24,12 @@ def start_server(tmp_path_factory):
     yield start
     for server in servers:
         server.stop()
+
+
+@pytest.fixture(scope="session")
+def session(export_model):
+    """The model ``v2_server`` serves, run directly: what every answer must equal."""
+    return MHASession(export_model(Signature("self", "padding"))[0], provider="cpu")
 
 
 @pytest.fixture(scope="session")

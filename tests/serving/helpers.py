@@ -6,12 +6,17 @@ import contextlib
 import datetime
 import http.client
 import ipaddress
+import re
 import shutil
+import signal
 import socket
 import ssl
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -21,6 +26,10 @@ from mha_deploy.runtime import MHASession
 
 TIMEOUT = 20.0  # seconds, for any one request
 NETWORK_ERRORS = (ConnectionError, http.client.HTTPException, OSError)
+
+
+# numpy dtype -> the Open Inference Protocol's datatype name.
+V2_DATATYPES = {np.dtype(np.float32): "FP32", np.dtype(np.bool_): "BOOL", np.dtype(np.int32): "INT32"}
 
 
 def free_port() -> int:
@@ -213,3 +222,27 @@ def assert_matches(session: MHASession, inputs: dict[str, np.ndarray], outputs: 
         keep = real_positions(session, inputs, name, actual.shape)
         np.testing.assert_allclose(actual[keep], expected[name][keep], atol=1e-5, err_msg=name)
         assert not actual[~keep].any(), f"{name}: padded positions are not zero"
+
+
+def sigterm_under_load(
+    server: Server, client: Callable[[int], None], clients: int, answered_ok: Callable[[], int],
+    stop: threading.Event, terminating: threading.Event | None = None,
+) -> tuple[int, int, int]:
+    """Run ``client(c)`` for ``clients`` clients; once answers come back, SIGTERM the server and wait for it to
+    exit, then set ``stop`` and wait for the clients (an exception in one fails the test). ``terminating`` is set
+    just before the signal. Returns (exit code, requests accepted, requests answered) from the server's last log
+    line."""
+    with ThreadPoolExecutor(clients) as pool:
+        futures = [pool.submit(client, c) for c in range(clients)]
+        time.sleep(1.0)
+        assert answered_ok() > 0, server.log()
+        if terminating is not None:
+            terminating.set()
+        server.process.send_signal(signal.SIGTERM)
+        code = server.process.wait(timeout=30)
+        stop.set()
+        for future in futures:
+            future.result(timeout=60)
+    match = re.search(r"stopped: (\d+) requests accepted, (\d+) answered", server.log())
+    assert match, server.log()
+    return code, int(match.group(1)), int(match.group(2))

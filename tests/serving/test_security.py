@@ -36,10 +36,6 @@ D = TEST_D_MODEL
 X = np.random.default_rng(0).standard_normal((2, 5, D), dtype=np.float32)
 
 
-@pytest.fixture(scope="module")
-def session(export_model):
-    return MHASession(export_model(Signature("self", "padding"))[0], provider="cpu")
-
 
 @pytest.fixture(scope="module")
 def secure(export_model, start_server, tmp_path_factory):

@@ -19,7 +19,7 @@ import pytest
 from mha_deploy.metadata import Signature
 from mha_deploy.runtime import MHASession
 from tests.conftest import TEST_D_MODEL
-from tests.serving.helpers import NETWORK_ERRORS, TIMEOUT, Server, free_port
+from tests.serving.helpers import NETWORK_ERRORS, TIMEOUT, Server, free_port, sigterm_under_load
 
 D = TEST_D_MODEL
 MAX_TOKENS, MAX_BODY_MB = 256, 1
@@ -300,23 +300,11 @@ def test_sigterm_under_load_answers_every_accepted_request(export_model, tmp_pat
                     else:
                         results["ok"] += 1
 
-        with ThreadPoolExecutor(16) as pool:
-            futures = [pool.submit(client, c) for c in range(16)]
-            time.sleep(1.0)
-            assert results["ok"] > 0, server.log()
-            sent_after_term.set()
-            server.process.send_signal(signal.SIGTERM)
-            code = server.process.wait(timeout=30)
-            stop_sending.set()
-            for future in futures:
-                future.result(timeout=60)
-
+        code, accepted, answered = sigterm_under_load(
+            server, client, 16, lambda: results["ok"], stop_sending, terminating=sent_after_term)
         assert code in (0, -signal.SIGTERM), server.log()
         log = server.log()
-        match = re.search(r"stopped: (\d+) requests accepted, (\d+) answered", log)
-        assert match, log
         assert "Waiting for connections to close" in log, "SIGTERM landed while requests were in flight"
-        accepted, answered = int(match.group(1)), int(match.group(2))
         assert results["http_errors"] == [] and results["wrong"] == 0, results
         assert accepted == answered == results["ok"], (accepted, answered, results, log[-2000:])
     finally:

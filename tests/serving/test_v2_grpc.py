@@ -9,7 +9,7 @@ import pytest
 from mha_deploy.metadata import Signature
 from mha_deploy.runtime import MHASession
 from tests.conftest import TEST_D_MODEL, TEST_HEADS
-from tests.serving.helpers import assert_matches, batch_request
+from tests.serving.helpers import V2_DATATYPES, assert_matches, batch_request
 
 grpcclient = pytest.importorskip("tritonclient.grpc", reason="needs tritonclient[grpc] (the dev extra)")
 from tritonclient.grpc import service_pb2 as pb  # noqa: E402
@@ -17,18 +17,13 @@ from tritonclient.grpc import service_pb2_grpc  # noqa: E402
 from tritonclient.utils import InferenceServerException  # noqa: E402
 
 D = TEST_D_MODEL
-DATATYPES = {np.dtype(np.float32): "FP32", np.dtype(np.bool_): "BOOL", np.dtype(np.int32): "INT32"}
 
-
-@pytest.fixture(scope="module")
-def session(export_model):
-    return MHASession(export_model(Signature("self", "padding"))[0], provider="cpu")
 
 
 def infer(client, model: str, inputs: dict[str, np.ndarray], outputs: list[str] | None = None, **kwargs):
     tensors = []
     for name, array in inputs.items():
-        tensor = grpcclient.InferInput(name, list(array.shape), DATATYPES[array.dtype])
+        tensor = grpcclient.InferInput(name, list(array.shape), V2_DATATYPES[array.dtype])
         tensors.append(tensor.set_data_from_numpy(array))
     requested = [grpcclient.InferRequestedOutput(name) for name in outputs] if outputs else None
     result = client.infer(model, tensors, outputs=requested, **kwargs)
@@ -116,7 +111,8 @@ def test_bad_requests_get_the_protocol_status(v2_server, session, tensors, model
     client = grpcclient.InferenceServerClient(v2_server.grpc_url)
     inputs = []
     for name, array in tensors:
-        inputs.append(grpcclient.InferInput(name, list(array.shape), DATATYPES[array.dtype]).set_data_from_numpy(array))
+        tensor = grpcclient.InferInput(name, list(array.shape), V2_DATATYPES[array.dtype])
+        inputs.append(tensor.set_data_from_numpy(array))
     error = _error(lambda: client.infer(model or v2_server.model.stem, inputs))
     assert error.status() == f"StatusCode.{status}", error
     assert message in error.message(), error.message()
@@ -142,12 +138,10 @@ def test_typed_contents_of_the_wrong_kind_and_unsupported_methods(v2_server):
 
 def test_sigterm_under_grpc_load_answers_every_accepted_call(export_model, session, tmp_path):
     """SIGTERM while 8 gRPC clients keep calling: each call is answered right or refused UNAVAILABLE, none cut."""
-    import re
     import signal
     import threading
-    import time
 
-    from tests.serving.helpers import Server
+    from tests.serving.helpers import Server, sigterm_under_load
 
     path, _ = export_model(Signature("self", "padding"))
     # A long batching window: calls sit in the batcher for 300 ms, so SIGTERM lands while some are accepted.
@@ -181,19 +175,9 @@ def test_sigterm_under_grpc_load_answers_every_accepted_call(export_model, sessi
                     except AssertionError:
                         results["wrong"] += 1
 
-        threads = [threading.Thread(target=client, args=(c,)) for c in range(8)]
-        for thread in threads:
-            thread.start()
-        time.sleep(1.0)
-        assert results["ok"] > 0, server.log()
-        server.process.send_signal(signal.SIGTERM)
-        code = server.process.wait(timeout=30)
-        stop.set()
-        for thread in threads:
-            thread.join(timeout=60)
+        code, accepted, answered = sigterm_under_load(server, client, 8, lambda: results["ok"], stop)
         assert code in (0, -signal.SIGTERM), server.log()
         assert results["other"] == [] and results["wrong"] == 0, results
-        match = re.search(r"stopped: (\d+) requests accepted, (\d+) answered", server.log())
-        assert match and int(match.group(1)) == int(match.group(2)) == results["ok"], (results, server.log()[-2000:])
+        assert accepted == answered == results["ok"], (results, server.log()[-2000:])
     finally:
         server.stop()

@@ -12,26 +12,19 @@ import httpx
 import numpy as np
 import pytest
 
-from mha_deploy.metadata import Signature
-from mha_deploy.runtime import MHASession
 from tests.conftest import TEST_D_MODEL
-from tests.serving.helpers import assert_matches, batch_request
+from tests.serving.helpers import V2_DATATYPES, assert_matches, batch_request
 
 kserve = pytest.importorskip("kserve", reason="needs kserve (the dev extra)")
 
 D = TEST_D_MODEL
-DATATYPES = {np.dtype(np.float32): "FP32", np.dtype(np.bool_): "BOOL"}
 
-
-@pytest.fixture(scope="module")
-def session(export_model):
-    return MHASession(export_model(Signature("self", "padding"))[0], provider="cpu")
 
 
 def _request(model: str, inputs: dict[str, np.ndarray], request_id: str):
     tensors = []
     for name, array in inputs.items():
-        tensor = kserve.InferInput(name, list(array.shape), DATATYPES[array.dtype])
+        tensor = kserve.InferInput(name, list(array.shape), V2_DATATYPES[array.dtype])
         tensor.set_data_from_numpy(array, binary_data=False)
         tensors.append(tensor)
     return kserve.InferRequest(model, tensors, request_id=request_id)

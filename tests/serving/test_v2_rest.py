@@ -10,18 +10,13 @@ import pytest
 from mha_deploy.metadata import Signature
 from mha_deploy.runtime import MHASession
 from tests.conftest import TEST_D_MODEL, TEST_HEADS
-from tests.serving.helpers import assert_matches, batch_request
+from tests.serving.helpers import V2_DATATYPES, assert_matches, batch_request
 
 httpclient = pytest.importorskip("tritonclient.http", reason="needs tritonclient[http] (the dev extra)")
 from tritonclient.utils import InferenceServerException  # noqa: E402
 
 D = TEST_D_MODEL
-DATATYPES = {np.dtype(np.float32): "FP32", np.dtype(np.bool_): "BOOL", np.dtype(np.int32): "INT32"}
 
-
-@pytest.fixture(scope="module")
-def session(export_model):
-    return MHASession(export_model(Signature("self", "padding"))[0], provider="cpu")
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +28,7 @@ def infer(client, model: str, inputs: dict[str, np.ndarray], binary: bool = True
     """One request through tritonclient.http; returns (every output by name, the response JSON)."""
     tensors = []
     for name, array in inputs.items():
-        tensor = httpclient.InferInput(name, list(array.shape), DATATYPES[array.dtype])
+        tensor = httpclient.InferInput(name, list(array.shape), V2_DATATYPES[array.dtype])
         tensor.set_data_from_numpy(array, binary_data=binary)
         tensors.append(tensor)
     requested = None
@@ -107,7 +102,7 @@ def _error(call) -> InferenceServerException:
 
 
 def _tensor(name: str, array: np.ndarray, datatype: str | None = None, binary: bool = True):
-    tensor = httpclient.InferInput(name, list(array.shape), datatype or DATATYPES[array.dtype])
+    tensor = httpclient.InferInput(name, list(array.shape), datatype or V2_DATATYPES[array.dtype])
     return tensor.set_data_from_numpy(array, binary_data=binary)
 
 

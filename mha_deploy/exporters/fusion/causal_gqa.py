@@ -44,29 +44,26 @@ import numpy as np
 import onnx_ir as ir
 from onnxscript.rewriter import pattern
 
+from mha_deploy.exporters.fusion.contrib_mha import (
+    ATTENTION_BIAS,
+    BIAS,
+    KEY_PADDING_MASK,
+    ContribMHARule,
+    has_inputs_from,
+    optional_input,
+)
 from mha_deploy.exporters.fusion.mask_analysis import dims_match
 
-# Indices of MultiHeadAttention's inputs (com.microsoft schema).
-BIAS, KEY_PADDING_MASK, ATTENTION_BIAS = 3, 4, 5
 # GQA's CPU and CUDA kernels both reject other head sizes.
 HEAD_SIZE_MULTIPLE = 8
 _GQA_DTYPES = (ir.DataType.FLOAT, ir.DataType.FLOAT16)
-
-
-def _input(node: ir.Node, index: int) -> ir.Value | None:
-    return node.inputs[index] if index < len(node.inputs) else None
 
 
 def _int64(op, value: int) -> ir.Value:
     return op.Constant(value=ir.tensor(np.array(value, np.int64)))
 
 
-class CausalGQA(pattern.RewriteRuleClassBase):
-    def pattern(self, op, query, key, value):
-        return op.MultiHeadAttention(
-            query, key, value, _allow_other_inputs=True, _domain="com.microsoft", _outputs=["attention"]
-        )
-
+class CausalGQA(ContribMHARule):
     def check(self, context, query, key, value, attention, **_):
         result = pattern.MatchResult()
         node = attention.producer()
@@ -74,7 +71,7 @@ class CausalGQA(pattern.RewriteRuleClassBase):
             return result.fail("the op is not causal", node)
         if len(node.outputs) != 1:
             return result.fail("the op also returns past/present state", node)
-        if any(_input(node, i) is not None for i in range(ATTENTION_BIAS, len(node.inputs))):
+        if has_inputs_from(node, ATTENTION_BIAS):
             return result.fail("the op has an attention_bias or past state", node)
         for value_ in (query, key, value):
             if value_ is None or value_.shape is None or value_.shape.rank() != 3:
@@ -90,10 +87,10 @@ class CausalGQA(pattern.RewriteRuleClassBase):
             return result.fail(f"head size {hidden // num_heads} is not a multiple of {HEAD_SIZE_MULTIPLE}", query)
         if query.dtype not in _GQA_DTYPES:
             return result.fail(f"GroupQueryAttention takes float32/float16, not {query.dtype}", query)
-        bias = _input(node, BIAS)
+        bias = optional_input(node, BIAS)
         if bias is not None and not dims_match(bias, [3 * hidden]):
             return result.fail("bias is not [3 * hidden]", bias)
-        mask = _input(node, KEY_PADDING_MASK)
+        mask = optional_input(node, KEY_PADDING_MASK)
         if mask is not None and not dims_match(mask, [batch, q_len]):
             return result.fail("key_padding_mask is not [batch, seq]", mask)
         return result
@@ -105,7 +102,7 @@ class CausalGQA(pattern.RewriteRuleClassBase):
         if (scale := node.attributes.get_float("scale", None)) is not None:
             attributes["scale"] = scale
         q, k, v = query, key, value
-        if (bias := _input(node, BIAS)) is not None:
+        if (bias := optional_input(node, BIAS)) is not None:
             hidden = query.shape[2]
             split = op.Constant(value=ir.tensor(np.array([hidden] * 3, np.int64)))
             q_bias, k_bias, v_bias = op.Split(bias, split, axis=0, _outputs=3)
@@ -113,7 +110,7 @@ class CausalGQA(pattern.RewriteRuleClassBase):
         # total_sequence_length: the int32 scalar seq
         seq = op.Shape(query, start=1, end=2)
         total = op.Cast(op.Squeeze(seq), to=ir.DataType.INT32)
-        mask = _input(node, KEY_PADDING_MASK)
+        mask = optional_input(node, KEY_PADDING_MASK)
         if mask is None:
             # Every row is full length: seqlens_k = seq - 1 for each batch row.
             last = op.Sub(seq, _int64(op, 1))

@@ -18,14 +18,11 @@ from __future__ import annotations
 import onnx_ir as ir
 from onnxscript.rewriter import pattern
 
+from mha_deploy.exporters.fusion.contrib_mha import has_inputs_from, optional_input
 from mha_deploy.exporters.fusion.mask_analysis import MaskParts, analyse_bias_for
 
 # (op type, index of the key-padding input, index of attention_bias)
 _MASK_INPUTS = {"MultiHeadAttention": (4, 5), "Attention": (3, 5)}
-
-
-def _input(node: ir.Node, index: int) -> ir.Value | None:
-    return node.inputs[index] if index < len(node.inputs) else None
 
 
 class NativeMask(pattern.RewriteRuleClassBase):
@@ -44,16 +41,16 @@ class NativeMask(pattern.RewriteRuleClassBase):
         node = attention.producer()
         if len(node.outputs) != 1:
             return result.fail("the op also returns past/present state", node)
-        if _input(node, self._padding_index) is not None:
+        if optional_input(node, self._padding_index) is not None:
             return result.fail("the op already has a key padding mask", node)
-        if any(_input(node, i) is not None for i in range(self._bias_index + 1, len(node.inputs))):
+        if has_inputs_from(node, self._bias_index + 1):
             return result.fail("the op has past state inputs", node)
         if query.shape is None or query.shape.rank() != 3:
             return result.fail("query is not [batch, seq, hidden]", query)
         batch, q_len = query.shape[0], query.shape[1]
         # Packed Attention is self-attention: its keys are the query sequence.
         kv_len = q_len if self._op_type == "Attention" else _kv_len(node)
-        parts = analyse_bias_for(_input(node, self._bias_index), batch, q_len, kv_len)
+        parts = analyse_bias_for(optional_input(node, self._bias_index), batch, q_len, kv_len)
         if parts is None:
             return result.fail("attention_bias is not a padding/causal mask that fits this op", node)
         if node.attributes.get_int("unidirectional", 0):

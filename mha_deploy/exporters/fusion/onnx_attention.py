@@ -25,6 +25,7 @@ import numpy as np
 import onnx_ir as ir
 from onnxscript.rewriter import pattern
 
+from mha_deploy.exporters.fusion.contrib_mha import ContribMHARule
 from mha_deploy.exporters.fusion.mask_analysis import analyse_bias_for
 
 
@@ -44,12 +45,7 @@ def padding_attn_mask(op, key_padding: ir.Value, query_BSD: ir.Value, fill: floa
     return op.Expand(bias, op.Concat(one, one, q_len, one, axis=0))
 
 
-class OnnxAttentionFromMHA(pattern.RewriteRuleClassBase):
-    def pattern(self, op, query, key, value):
-        return op.MultiHeadAttention(
-            query, key, value, _allow_other_inputs=True, _domain="com.microsoft", _outputs=["attention"]
-        )
-
+class OnnxAttentionFromMHA(ContribMHARule):
     def check(self, context, query, key, value, attention, **_):
         result = pattern.MatchResult()
         node = attention.producer()

@@ -26,18 +26,18 @@ import numpy as np
 import onnx_ir as ir
 from onnxscript.rewriter import pattern
 
-# Index of MultiHeadAttention's inputs (com.microsoft schema).
-KEY_PADDING_MASK, ATTENTION_BIAS = 4, 5
+from mha_deploy.exporters.fusion.contrib_mha import (
+    ATTENTION_BIAS,
+    KEY_PADDING_MASK,
+    has_inputs_from,
+    optional_input,
+)
 
 
 def in_subgraph(context) -> bool:
     """True when the matched node sits in a subgraph (e.g. a branch of an If), not the model's graph."""
     where = context.graph_or_function
     return isinstance(where, ir.Graph) and where is not context.model.graph
-
-
-def _input(node: ir.Node, index: int) -> ir.Value | None:
-    return node.inputs[index] if index < len(node.inputs) else None
 
 
 def _branch(node: ir.Node, inputs: list[ir.Value | None], name: str) -> ir.Graph:
@@ -61,7 +61,7 @@ class PaddingFlash(pattern.RewriteRuleClassBase):
     def check(self, context, query, attention, **_):
         result = pattern.MatchResult()
         node = attention.producer()
-        mask = _input(node, KEY_PADDING_MASK)
+        mask = optional_input(node, KEY_PADDING_MASK)
         if mask is None:
             return result.fail("the op has no key padding mask", node)
         if in_subgraph(context):
@@ -69,7 +69,7 @@ class PaddingFlash(pattern.RewriteRuleClassBase):
             return result.fail("the op is inside a subgraph (an If branch)", node)
         if len(node.outputs) != 1:
             return result.fail("the op also returns past/present state", node)
-        if any(_input(node, i) is not None for i in range(ATTENTION_BIAS, len(node.inputs))):
+        if has_inputs_from(node, ATTENTION_BIAS):
             return result.fail("the op has an attention_bias or past state (no flash path either way)", node)
         if node.attributes.get_int("unidirectional", 0):
             return result.fail("the op is causal (no flash path either way)", node)

@@ -186,6 +186,33 @@ def mask_bias(g: Graph, mask: str, fill: float = FILL, expand_to: list[int] | No
     return g.op("Expand", bias, g.const(expand_to, np.int64)) if expand_to else bias
 
 
+def contrib_mha(
+    batch: int, q_len: int, kv_len: int, hidden: int, heads: int, *, padding: bool = False, bias: bool = False,
+    scale: float | None = None, unidirectional: int = 0, attention_bias: bool = False, mask_index: bool = False,
+    mask_shape: tuple[int, ...] | None = None,
+) -> onnx.ModelProto:
+    """Contrib MHA over query [batch, q_len, hidden] and key/value [batch, kv_len, hidden], as native_mask
+    leaves it: ``padding``, an int32 key_padding_mask [batch, kv_len] (or ``mask_shape``) cast from the bool
+    input; ``mask_index``, a 1-D [batch] lengths input instead; ``attention_bias``, a float [batch, 1, q, kv]."""
+    g = Graph()
+    q = g.input("query", np.float32, [batch, q_len, hidden])
+    k = g.input("key", np.float32, [batch, kv_len, hidden])
+    v = g.input("value", np.float32, [batch, kv_len, hidden])
+    inputs = [q, k, v, g.const(normal((3 * hidden,), 5)) if bias else "", "", ""]
+    if mask_index:
+        inputs[4] = g.input("lengths", np.int32, [batch])
+    elif padding:
+        g.input("key_padding_mask", bool, list(mask_shape or (batch, kv_len)))
+        inputs[4] = g.op("Cast", "key_padding_mask", to=6)  # int32
+    if attention_bias:
+        inputs[5] = g.input("attention_bias", np.float32, [batch, 1, q_len, kv_len])
+    attributes = {"num_heads": heads, "unidirectional": unidirectional, "mask_filter_value": FILL}
+    if scale is not None:
+        attributes["scale"] = scale
+    g.output(g.op("MultiHeadAttention", *inputs, domain="com.microsoft", **attributes))
+    return g.model()
+
+
 def padding_sides(batch: int, seq: int, side: str, seed: int = 0) -> np.ndarray:
     """bool [batch, seq], True = real: random lengths >= 1 with padding on the ``side`` ("right", "left",
     "mixed": alternating), row 0 full length; "empty-row": the last row is all padding."""

@@ -12,34 +12,9 @@ from tests.exporters.fusion import hand_graphs as hg
 BATCH, SEQ, HIDDEN, HEADS = 4, 9, 32, 2
 
 
-def _mha(
-    *,
-    padding=False,
-    bias=False,
-    scale=None,
-    unidirectional=1,
-    kv_len=SEQ,
-    hidden=HIDDEN,
-    mask_shape=None,
-    attention_bias=False,
-):
-    """Contrib MHA over q [BATCH, SEQ, hidden] and k/v [BATCH, kv_len, hidden], as native_mask leaves it:
-    ``unidirectional`` and an int32 key_padding_mask [BATCH, kv_len] (Cast from the bool input)."""
-    g = hg.Graph()
-    q = g.input("query", np.float32, [BATCH, SEQ, hidden])
-    k = g.input("key", np.float32, [BATCH, kv_len, hidden])
-    v = g.input("value", np.float32, [BATCH, kv_len, hidden])
-    inputs = [q, k, v, g.const(hg.normal((3 * hidden,), 5)) if bias else "", "", ""]
-    if padding:
-        g.input("key_padding_mask", bool, list(mask_shape or (BATCH, kv_len)))
-        inputs[4] = g.op("Cast", "key_padding_mask", to=6)  # int32
-    if attention_bias:
-        inputs[5] = g.input("attention_bias", np.float32, [BATCH, 1, SEQ, kv_len])
-    attributes = {"num_heads": HEADS, "unidirectional": unidirectional, "mask_filter_value": hg.FILL}
-    if scale is not None:
-        attributes["scale"] = scale
-    g.output(g.op("MultiHeadAttention", *inputs, domain="com.microsoft", **attributes))
-    return g.model()
+def _mha(*, kv_len=SEQ, hidden=HIDDEN, unidirectional=1, **options):
+    """Causal contrib MHA over q [BATCH, SEQ, hidden] and k/v [BATCH, kv_len, hidden] (hand_graphs.contrib_mha)."""
+    return hg.contrib_mha(BATCH, SEQ, kv_len, hidden, HEADS, unidirectional=unidirectional, **options)
 
 
 def _feeds(model, side="right", seed=0):

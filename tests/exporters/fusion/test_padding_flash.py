@@ -11,24 +11,9 @@ from tests.exporters.fusion import hand_graphs as hg
 BATCH, Q_LEN, KV_LEN, HIDDEN, HEADS = 3, 4, 6, 8, 2
 
 
-def _mha(*, padding=True, bias=False, unidirectional=0, attention_bias=False, mask_index=False):
-    """Contrib MHA (cross-attention shapes) as native_mask leaves it: an int32 key_padding_mask
-    [BATCH, KV_LEN] cast from the bool input; ``mask_index``: a 1-D [BATCH] lengths input instead."""
-    g = hg.Graph()
-    q = g.input("query", np.float32, [BATCH, Q_LEN, HIDDEN])
-    k = g.input("key", np.float32, [BATCH, KV_LEN, HIDDEN])
-    v = g.input("value", np.float32, [BATCH, KV_LEN, HIDDEN])
-    inputs = [q, k, v, g.const(hg.normal((3 * HIDDEN,), 5)) if bias else "", "", ""]
-    if mask_index:
-        inputs[4] = g.input("lengths", np.int32, [BATCH])
-    elif padding:
-        g.input("key_padding_mask", bool, [BATCH, KV_LEN])
-        inputs[4] = g.op("Cast", "key_padding_mask", to=6)  # int32
-    if attention_bias:
-        inputs[5] = g.input("attention_bias", np.float32, [BATCH, 1, Q_LEN, KV_LEN])
-    attributes = {"num_heads": HEADS, "unidirectional": unidirectional, "mask_filter_value": hg.FILL}
-    g.output(g.op("MultiHeadAttention", *inputs, domain="com.microsoft", **attributes))
-    return g.model()
+def _mha(*, padding=True, **options):
+    """Contrib MHA with cross-attention shapes and a key padding mask (hand_graphs.contrib_mha)."""
+    return hg.contrib_mha(BATCH, Q_LEN, KV_LEN, HIDDEN, HEADS, padding=padding, **options)
 
 
 def _feeds(mask: np.ndarray) -> dict[str, np.ndarray]:
