@@ -36,6 +36,7 @@ from mha_deploy.batch.base import ItemReader, ItemWriter, RawItem
 from mha_deploy.batch.items import ITEM_SUFFIXES
 from mha_deploy.errors import InputError
 from mha_deploy.metadata import Signature
+from mha_deploy.runtime.validation import physical_memory_bytes
 
 PARQUET_SUFFIX = ".parquet"
 DATASET_SUFFIXES = (*ITEM_SUFFIXES, PARQUET_SUFFIX)
@@ -192,13 +193,6 @@ _NPY_HEADERS = {(1, 0): np.lib.format.read_array_header_1_0, (2, 0): np.lib.form
 _PICKLE_MESSAGE = "holds pickled Python objects, which are never unpickled (unsafe: unpickling can run any code)"
 
 
-def _memory_bytes() -> int | None:
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (AttributeError, ValueError, OSError):  # not POSIX
-        return None
-
-
 class NpzItemReader(_KeyedFileReader):
     """Reads each member's .npy header before its data: a member declaring more data than the archive holds or
     than the machine's memory, or a shape the model cannot take (zip bombs among them), is refused unread."""
@@ -238,7 +232,7 @@ class NpzItemReader(_KeyedFileReader):
             # Not an item the model takes: a stand-in of the declared shape and dtype, without the data,
             # lets the one validator name what is wrong.
             return np.broadcast_to(np.zeros((), dtype), shape)
-        memory = _memory_bytes()
+        memory = physical_memory_bytes()
         if memory is not None and declared > memory:
             raise _UnusableMember(
                 f"declares {declared / 2**30:.1f} GiB of data (shape {tuple(shape)}), more than this "

@@ -20,6 +20,7 @@ treat such an item as a bad one instead of returning NaN.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -81,6 +82,41 @@ def _length_problem(signature: Signature, lengths: Mapping[str, int]) -> Problem
     return None
 
 
+# How many [heads, q_len, kv_len] float tensors one item's attention holds at once, per fusion target.
+# none runs the plain graph (scores, masked scores, probabilities); onnx's standard Attention materialises
+# the scores, and a padding mask adds a float attn_mask of the same shape. The mha target runs ORT's tiled
+# kernels on a lone item (nothing is padded, so the padding If takes the flash path; causal runs on
+# GroupQueryAttention): no such tensor, so no limit here.
+SCORE_COPIES = {"none": 3, "onnx": 2}
+# The share of the machine's memory one item's attention may take.
+ITEM_MEMORY_SHARE = 0.5
+
+
+def physical_memory_bytes() -> int | None:
+    """The machine's memory, or None where the OS does not say."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):  # not POSIX
+        return None
+
+
+def memory_problem(metadata: ModelMetadata, q_len: int, kv_len: int) -> Problem | None:
+    """An item too long for this machine's memory on a model that materialises its attention scores, or None."""
+    copies = SCORE_COPIES.get(metadata.fusion)
+    memory = physical_memory_bytes()
+    if copies is None or memory is None:
+        return None
+    needed = copies * metadata.num_heads * q_len * kv_len * np.dtype(metadata.dtype).itemsize
+    if needed <= ITEM_MEMORY_SHARE * memory:
+        return None
+    return Problem(
+        "too_long_for_memory",
+        f"{q_len} x {kv_len} tokens need about {needed / 2**30:.1f} GiB of attention scores in this model "
+        f"(--fuse {metadata.fusion} materialises heads x q x kv floats), more than half of this machine's "
+        f"{memory / 2**30:.1f} GiB: split the item, or export with --fuse mha (tiled kernels)",
+    )
+
+
 def item_problem(
     metadata: ModelMetadata, item: Mapping[str, object], max_tokens: int | None = None
 ) -> Problem | None:
@@ -102,7 +138,12 @@ def item_problem(
             return Problem("wrong_dtype", f"{name} has dtype {array.dtype}, the model takes {dtype.name}")
         if not np.isfinite(array).all():
             return Problem("not_finite", f"{name} contains NaN or Inf (or a value beyond {dtype.name}'s range)")
-    return _length_problem(signature, {name: item[name].shape[0] for name in signature.sequence_inputs})
+    lengths = {name: item[name].shape[0] for name in signature.sequence_inputs}
+    problem = _length_problem(signature, lengths)
+    if problem:
+        return problem
+    axes = {signature.axis_of(name): length for name, length in lengths.items()}
+    return memory_problem(metadata, axes[signature.query_axis], axes[signature.key_axis])
 
 
 def output_problem(outputs: Mapping[str, np.ndarray]) -> Problem | None:
