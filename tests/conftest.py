@@ -34,14 +34,15 @@ USER_TARGETS = ("auto", "onnx", "none")
 
 @pytest.fixture(scope="session")
 def export_model(tmp_path_factory):
-    """``export_model(signature, fuse) -> (path, reference torch module)``, exported once per argument pair.
+    """``export_model(signature, fuse, dtype) -> (path, reference torch module)``, exported once per arguments.
 
-    ``fuse`` defaults to "auto", what ``mha-deploy export`` writes unless told otherwise.
+    ``fuse`` defaults to "auto", what ``mha-deploy export`` writes unless told otherwise;
+    ``dtype`` to "fp32" (the reference module stays fp32 either way).
     """
     cache = {}
 
-    def export(signature: Signature, fuse: str = "auto"):
-        if (signature, fuse) not in cache:
+    def export(signature: Signature, fuse: str = "auto", dtype: str = "fp32"):
+        if (signature, fuse, dtype) not in cache:
             import torch
 
             from mha_deploy.exporters import export_mha
@@ -50,10 +51,10 @@ def export_model(tmp_path_factory):
 
             torch.manual_seed(1234)
             mha = MultiHeadAttention(TEST_D_MODEL, TEST_HEADS).eval()
-            path = tmp_path_factory.mktemp("models") / f"{signature_id(signature)}-{fuse}.onnx"
-            export_mha(mha, path, signature, fuse=fuse)
-            cache[signature, fuse] = (path, attention_graph(mha, signature))
-        return cache[signature, fuse]
+            path = tmp_path_factory.mktemp("models") / f"{signature_id(signature)}-{fuse}-{dtype}.onnx"
+            export_mha(mha, path, signature, fuse=fuse, dtype=dtype)
+            cache[signature, fuse, dtype] = (path, attention_graph(mha, signature))
+        return cache[signature, fuse, dtype]
 
     return export
 
