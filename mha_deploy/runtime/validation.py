@@ -84,15 +84,23 @@ def _length_problem(signature: Signature, lengths: Mapping[str, int]) -> Problem
 
 
 def in_model_dtype(metadata: ModelMetadata, item: Mapping[str, object]) -> dict[str, object]:
-    """``item`` with its numeric arrays cast to the model's dtype; anything else is left for ``item_problem``.
+    """``item`` with its numeric sequences cast to the model's dtype; anything else is left for ``item_problem``.
 
-    A float32 value beyond float16's range becomes inf here, which ``item_problem``
-    then refuses as ``not_finite``: the cast never hides an overflow.
+    Only arrays of an acceptable shape are cast: a reader may hand over a
+    zero-stride stand-in for an array it refused to read (``mha_deploy.batch.datasets``),
+    which a copy would materialise. A float32 value beyond float16's range becomes
+    inf here, which ``item_problem`` then refuses as ``not_finite``: the cast never
+    hides an overflow.
     """
     dtype = np.dtype(metadata.dtype)
     cast = dict(item)
-    for name, array in item.items():
-        if isinstance(array, np.ndarray) and array.dtype.kind in "fiu":
+    for name in metadata.signature.sequence_inputs:
+        array = item.get(name)
+        if (
+            isinstance(array, np.ndarray)
+            and array.dtype.kind in "fiu"
+            and shape_problem(metadata, name, array.shape) is None
+        ):
             with np.errstate(over="ignore"):  # no copy when already contiguous in the model's dtype
                 cast[name] = np.ascontiguousarray(array, dtype=dtype)
     return cast
