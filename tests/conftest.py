@@ -81,3 +81,35 @@ def defective_export(monkeypatch):
         return model
 
     monkeypatch.setattr(export_module, "export_onnx", export_with_defect)
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "auto_provider: tests provider 'auto' itself (exempt from the pinning check)")
+
+
+@pytest.fixture(autouse=True)
+def _provider_pinned(request, monkeypatch):
+    """Every session a test creates names its provider, unless the test is about ``auto`` itself.
+
+    On a GPU runner ``auto`` lands on CUDA, where ``session.provider`` is "cuda" and
+    outputs differ from the CPU's beyond fp32 tolerances (TF32, other kernels): a test
+    that expects the CPU must ask for it. This makes ``auto`` an error in tests here,
+    where it would quietly land on the CPU and hide the dependency. Servers and CLIs
+    started in subprocesses escape it: their helpers pass ``--provider cpu``.
+    """
+    if request.node.get_closest_marker("auto_provider"):
+        return
+    from mha_deploy.runtime import providers, session
+
+    real = providers.plan_providers
+
+    def plan(requested: str):
+        if requested == "auto":
+            raise AssertionError(
+                "a session with provider 'auto' lands on CUDA on a GPU runner: pass provider='cpu' "
+                "(--provider cpu), or mark the test cuda and ask for 'cuda'"
+            )
+        return real(requested)
+
+    monkeypatch.setattr(providers, "plan_providers", plan)
+    monkeypatch.setattr(session, "plan_providers", plan)

@@ -83,14 +83,14 @@ def test_integer_mask_means_the_same_as_bool(padded_self):
 
 def test_missing_model(tmp_path):
     with pytest.raises(ModelFileError, match="model file not found"):
-        MHASession(tmp_path / "nope.onnx")
+        MHASession(tmp_path / "nope.onnx", provider="cpu")
 
 
 def test_corrupt_model(tmp_path):
     path = tmp_path / "corrupt.onnx"
     path.write_bytes(b"\x08\x07garbage" * 10)
     with pytest.raises(ModelFileError, match="ONNX Runtime cannot load it"):
-        MHASession(path)
+        MHASession(path, provider="cpu")
 
 
 def test_model_without_metadata(tmp_path, export_model):
@@ -99,7 +99,7 @@ def test_model_without_metadata(tmp_path, export_model):
     path = tmp_path / "plain.onnx"
     onnx.save(model, path)
     with pytest.raises(ModelFileError, match="no mha-deploy metadata"):
-        MHASession(path)
+        MHASession(path, provider="cpu")
 
 
 def test_unknown_provider(export_model):
@@ -113,6 +113,7 @@ def test_cuda_requested_without_cuda_fails_loudly(export_model):
         MHASession(export_model(Signature())[0], provider="cuda")
 
 
+@pytest.mark.auto_provider
 @pytest.mark.skipif(cuda_unavailable_reason() is None, reason="CUDA may be usable here; this tests its absence")
 def test_auto_reports_the_provider_it_got(export_model):
     session = MHASession(export_model(Signature())[0], provider="auto")
