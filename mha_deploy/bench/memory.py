@@ -39,7 +39,7 @@ _PROBE = textwrap.dedent("""
     options.intra_op_num_threads = threads
     options.enable_cpu_mem_arena = bool(arena)
     plan = plan_providers(provider)
-    session = ort.InferenceSession(path, options, providers=list(plan.ort_providers))
+    session = ort.InferenceSession(path, options, providers=plan.session_providers())
     check_providers(plan, session)
     metadata = ModelMetadata.from_props(session.get_modelmeta().custom_metadata_map, path)
     # Every key real, every sequence of length seq, in the model's own dtype.
