@@ -35,6 +35,15 @@ def cuda_unsupported(proto: onnx.ModelProto) -> str | None:
             "every projection on the CPU with copies around it. Run it with --provider cpu, or export "
             "--dtype fp16 (without --quantize) for CUDA"
         )
+    # CUDA registers GroupQueryAttention for float16 and bfloat16 only
+    # (onnxruntime/contrib_ops/cuda/bert/group_query_attention.cc): an fp32 causal
+    # model fused to it would run its attention on the CPU, with copies around it.
+    if "GroupQueryAttention" in ops and _float_type(proto) == onnx.TensorProto.FLOAT:
+        return (
+            "the model is fp32 with GroupQueryAttention (causal --fuse mha/auto), which ORT's CUDA provider "
+            "runs in fp16/bf16 only: it would run attention on the CPU. Export --dtype fp16 for CUDA, or "
+            "--fuse onnx for fp32"
+        )
     for node in _nodes(proto.graph):
         if node.op_type == "Attention" and node.domain in ("", "ai.onnx") and _returns_weights(node):
             return (
@@ -42,6 +51,29 @@ def cuda_unsupported(proto: onnx.ModelProto) -> str | None:
                 "CUDA Attention kernel does not implement. Run it with --provider cpu, or export it with "
                 "--fuse none for CUDA"
             )
+    return None
+
+
+def cuda_graph_unsupported(proto: onnx.ModelProto) -> str | None:
+    """Why ORT cannot capture ``proto`` in a CUDA graph, or None (checked on top of ``cuda_unsupported``)."""
+    # A CUDA graph replays fixed kernels: models with control flow (If, Loop, Scan)
+    # are not supported (ORT's CUDA-ExecutionProvider docs, "Using CUDA Graphs"), and
+    # the padding path of --fuse mha/auto is an If (the padding_flash fusion rule).
+    if any(node.op_type in ("If", "Loop", "Scan") for node in proto.graph.node):
+        return (
+            "the model has control flow (an If: --fuse mha/auto with a padding mask), which ORT cannot capture "
+            "in a CUDA graph; export it with --fuse onnx for cuda_graph"
+        )
+    return None
+
+
+def _float_type(proto: onnx.ModelProto) -> int | None:
+    """The element type of the model's first float input (its sequences: x, or query), or None."""
+    floats = (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16)
+    for value in proto.graph.input:
+        elem_type = value.type.tensor_type.elem_type
+        if elem_type in floats:
+            return elem_type
     return None
 
 

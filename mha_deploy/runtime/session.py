@@ -16,7 +16,7 @@ from mha_deploy.atomic import atomic_path
 from mha_deploy.errors import InputError, ModelFileError, OptionError, ProviderUnavailableError
 from mha_deploy.inputs import placeholder_inputs
 from mha_deploy.metadata import ModelMetadata
-from mha_deploy.runtime.cuda_support import cuda_unsupported
+from mha_deploy.runtime.cuda_support import cuda_graph_unsupported, cuda_unsupported
 from mha_deploy.runtime.digest import sha256_digest
 from mha_deploy.runtime.model_check import (
     check_batching,
@@ -117,7 +117,7 @@ class MHASession:
         options = _session_options(threads, inter_op_threads, optimization, session_config)
         plan = plan_providers(provider)
         if CUDA_EP in plan.ort_providers:
-            reason = _cuda_refusal(model)
+            reason = _cuda_refusal(model, cuda_graph is not None)
             if reason:
                 plan = without_cuda(plan, f"{self.source}: {reason}")
         providers = plan.session_providers(**({"enable_cuda_graph": "1"} if cuda_graph is not None else {}))
@@ -238,16 +238,19 @@ class MHASession:
             )
 
 
-def _cuda_refusal(model: str | os.PathLike | bytes) -> str | None:
-    """Why ORT's CUDA provider cannot run ``model`` as deployed, or None (also when it cannot be parsed: ORT says)."""
+def _cuda_refusal(model: str | os.PathLike | bytes, cuda_graph: bool) -> str | None:
+    """Why ORT's CUDA provider (in a CUDA graph if ``cuda_graph``) cannot run ``model`` as deployed, or None.
+
+    None too when the model cannot be parsed: ORT's own load then says why, with the file name.
+    """
     try:
         if isinstance(model, bytes):
             proto = onnx.load_from_string(model)
         else:
             proto = onnx.load(str(model), load_external_data=False)
-    except Exception:  # DecodeError and friends: ORT's own load reports it next, with the file name
+    except Exception:  # DecodeError and friends
         return None
-    return cuda_unsupported(proto)
+    return cuda_unsupported(proto) or (cuda_graph_unsupported(proto) if cuda_graph else None)
 
 
 class _CudaGraph:

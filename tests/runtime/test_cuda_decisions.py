@@ -19,7 +19,7 @@ import pytest
 from mha_deploy.errors import ProviderUnavailableError
 from mha_deploy.metadata import Signature
 from mha_deploy.runtime import MHASession, providers
-from mha_deploy.runtime.cuda_support import cuda_unsupported
+from mha_deploy.runtime.cuda_support import cuda_graph_unsupported, cuda_unsupported
 from mha_deploy.runtime.providers import CPU_EP, CUDA_EP, ProviderPlan
 from mha_deploy.serving.triton import TritonConfig, TritonExportError, write_triton_model
 from tests.conftest import TEST_D_MODEL, TEST_HEADS
@@ -106,6 +106,20 @@ def test_cuda_unsupported_names_int8_and_returned_weights(export_model, int8_mod
     assert cuda_unsupported(onnx.load(export_model(WEIGHTS, "none")[0])) is None
 
 
+def test_cuda_unsupported_names_fp32_group_query_attention(export_model):
+    """Causal --fuse mha is GroupQueryAttention, which CUDA runs in fp16/bf16 only."""
+    causal = Signature("self", "causal")
+    assert "GroupQueryAttention" in cuda_unsupported(onnx.load(export_model(causal)[0]))
+    assert cuda_unsupported(onnx.load(export_model(causal, dtype="fp16")[0])) is None
+    assert cuda_unsupported(onnx.load(export_model(causal, "onnx")[0])) is None
+
+
+def test_cuda_graphs_refuse_control_flow(export_model):
+    """--fuse mha/auto puts a padding mask behind an If; a CUDA graph cannot hold one."""
+    assert "If" in cuda_graph_unsupported(onnx.load(export_model(PADDING, dtype="fp16")[0]))
+    assert cuda_graph_unsupported(onnx.load(export_model(PADDING, "onnx", dtype="fp16")[0])) is None
+
+
 @pytest.fixture
 def cuda_looks_usable(monkeypatch):
     """The provider plan as on a GPU host: CUDA first. (ORT itself still falls back here; no session gets that far.)"""
@@ -128,6 +142,11 @@ def test_cuda_graph_on_an_int8_model_is_refused_by_name(int8_model, cuda_looks_u
     """Instead of ORT's failure to capture a graph across CPU-placed nodes."""
     with pytest.raises(ProviderUnavailableError, match="the model is int8"):
         MHASession(int8_model, provider="cuda", cuda_graph=(1, 8))
+
+
+def test_cuda_graph_on_a_model_with_an_if_is_refused_by_name(export_model, cuda_looks_usable):
+    with pytest.raises(ProviderUnavailableError, match="cannot capture in a CUDA graph; export it with --fuse onnx"):
+        MHASession(export_model(PADDING, dtype="fp16")[0], provider="cuda", cuda_graph=(1, 8))
 
 
 def test_triton_kind_gpu_refuses_what_cuda_cannot_run(tmp_path, export_model, int8_model):

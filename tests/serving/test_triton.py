@@ -52,8 +52,9 @@ def check_against_model(config, model: onnx.ModelProto) -> None:
 @pytest.mark.parametrize("max_batch_size", [16, 0])
 def test_config_parses_and_matches_the_model(export_model, tmp_path, signature, max_batch_size):
     path, _ = export_model(signature)
-    # Weights come from ONNX Attention's qk_matmul_output, which CUDA cannot run: those go on CPU instances.
-    kind = "cpu" if signature.return_weights else "gpu"
+    # CUDA cannot run ONNX Attention's qk_matmul_output (weights) nor fp32 GroupQueryAttention (causal
+    # --fuse auto): --kind gpu refuses those (tests/runtime/test_cuda_decisions.py), so they go on CPU instances.
+    kind = "cpu" if signature.return_weights or signature.is_causal else "gpu"
     config_in = TritonConfig(name="mha", instances=2, kind=kind, max_batch_size=max_batch_size)
     target = write_triton_model(path, tmp_path / "repo", config_in)
 
