@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 
+import numpy as np
 import pytest
 
 from mha_deploy.metadata import ATTENTION_KINDS, MASK_MODES, Signature
@@ -113,3 +114,42 @@ def _provider_pinned(request, monkeypatch):
 
     monkeypatch.setattr(providers, "plan_providers", plan)
     monkeypatch.setattr(session, "plan_providers", plan)
+
+
+@pytest.fixture(scope="session")
+def cuda_probe() -> str | None:
+    """Why a tiny session does not land on ORT's CUDA provider here, or None when it does.
+
+    Asked of ORT itself (a one-op session created and run with the options every
+    CUDA session gets), not of the libraries: a host can have them all and still
+    no usable GPU, and ORT only falls back to the CPU with a log line.
+    """
+    import onnxruntime as ort
+    from onnx import TensorProto, helper
+
+    from mha_deploy.errors import ProviderUnavailableError
+    from mha_deploy.runtime.providers import CUDA_EP, plan_providers
+
+    try:
+        plan = plan_providers("cuda")
+    except ProviderUnavailableError as exc:
+        return str(exc)
+    value = [helper.make_tensor_value_info(name, TensorProto.FLOAT16, [2]) for name in ("a", "b")]
+    graph = helper.make_graph([helper.make_node("Add", ["a", "a"], ["b"])], "probe", value[:1], value[1:])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    try:
+        session = ort.InferenceSession(model.SerializeToString(), providers=plan.session_providers())
+        session.run(None, {"a": np.ones(2, np.float16)})
+    except Exception as exc:  # ORT's own error types
+        return f"a tiny CUDA session fails: {exc}"
+    if CUDA_EP not in session.get_providers():
+        return "a tiny session fell back to the CPU (no usable GPU, or CUDA could not be initialised)"
+    return None
+
+
+@pytest.fixture
+def on_cuda(cuda_probe):
+    """Skips the test, with the reason, unless a tiny session lands on CUDA."""
+    if cuda_probe is not None:
+        pytest.skip(f"needs a session on CUDA: {cuda_probe}")

@@ -121,17 +121,6 @@ def test_auto_reports_the_provider_it_got(export_model):
     assert "using CPU" in session.provider_note
 
 
-@pytest.mark.cuda
-@pytest.mark.skipif(cuda_unavailable_reason() is not None, reason=f"needs CUDA: {cuda_unavailable_reason()}")
-def test_cuda_matches_cpu(export_model):
-    path, _ = export_model(Signature("self", "padding"))
-    inputs = {"x": _x(2, 33, D), "key_padding_mask": np.ones((2, 33), bool)}
-    cuda = MHASession(path, provider="cuda")
-    assert cuda.provider == "cuda"
-    expected = MHASession(path, provider="cpu").run(inputs)["output"]
-    np.testing.assert_allclose(cuda.run(inputs)["output"], expected, atol=1e-4, rtol=1e-3)
-
-
 def test_serving_runs_without_torch(export_model):
     """A service embedding the session must work where torch is not installed."""
     path, _ = export_model(Signature("self", "padding-causal"))
