@@ -5,8 +5,10 @@
 #      returned weights, IO binding, CUDA graphs; the bench's CUDA test), none of which may skip;
 #   3. runs `mha-deploy bench --provider cuda` (fp16, torch on the same GPU, that GPU's GEMM rate
 #      as yardstick) on every mask mode;
-#   4. writes $OUT/summary.json: the GPU, versions, every test's outcome, the bench's rows.
-# Budget: under 10 minutes on one GPU (the tests ~2-4 min, mostly exports; the bench ~3 min).
+#   4. records which attention kernel ORT picks for every target x dtype x mask (scripts/cuda_kernels.py);
+#   5. writes $OUT/summary.json: the GPU, versions, every test's outcome, the bench's rows, the kernels.
+# Budget: under 10 minutes on one GPU (estimated, not yet timed on one: the tests ~2-4 min, mostly
+# exports; the bench ~3 min; the kernel census ~2 min).
 # Without a GPU it says so and exits 0, so CI can run it everywhere.
 #
 # Environment: GPU_CHECK_OUT (default gpu-check), NVIDIA_SMI (default nvidia-smi).
@@ -37,6 +39,8 @@ status=0
 .venv/bin/mha-deploy bench --provider cuda --mask none,padding,padding-25%,causal,padding-causal \
     --shapes 8x128,1x1024,1x4096 --memory-shapes 1x4096 --budget-s 1 --json \
     >"$OUT/bench.json" 2>"$OUT/bench.log" || status=1
+# The kernel ORT picks per target x dtype x mask, from its own debug printout: the README table's evidence.
+.venv/bin/python scripts/cuda_kernels.py "$OUT/kernels.json" 2>"$OUT/kernels.log" || status=1
 
 .venv/bin/python - "$OUT" "$status" <<'EOF'
 """One JSON summary of the run: where, with what, and what passed."""
@@ -65,18 +69,23 @@ if (out / "cuda-tests.xml").exists():
         tests.append({"test": f"{case.get('classname')}::{case.get('name')}", "outcome": outcome,
                       "seconds": float(case.get("time", 0)), "detail": detail[:500]})
 counts = {outcome: sum(t["outcome"] == outcome for t in tests) for outcome in ("passed", "failure", "error", "skipped")}
-try:
-    bench = json.loads((out / "bench.json").read_text())
-except (OSError, ValueError):
-    bench = None
+def load(name):
+    try:
+        return json.loads((out / name).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+bench, kernels = load("bench.json"), load("kernels.json")
 # Skips count as failures here: on a GPU host every CUDA test must run.
-ok = status == 0 and counts["failure"] == counts["error"] == counts["skipped"] == 0 and bench is not None and tests
+ok = status == 0 and not (counts["failure"] or counts["error"] or counts["skipped"]) and tests and bench and kernels
 summary = {
     "ok": bool(ok),
     "gpu": gpu,
     "versions": {"onnxruntime": onnxruntime.__version__, "torch": torch.__version__, "torch_cuda": torch.version.cuda},
     "tests": {"counts": counts, "cases": tests},
     "bench": bench,
+    "kernels": kernels,
 }
 (out / "summary.json").write_text(json.dumps(summary, indent=2))
 print(f"gpu-check: {'OK' if ok else 'FAILED'}: {counts} -> {out / 'summary.json'}")

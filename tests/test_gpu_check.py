@@ -27,3 +27,11 @@ def test_without_a_gpu_it_says_so_and_exits_0(tmp_path, driver):
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith(NO_GPU) and result.stdout.count("\n") == 1, result.stdout
     assert not (tmp_path / "out").exists()
+
+
+def test_the_kernel_census_compiles():
+    """scripts/cuda_kernels.py runs only on a GPU host: here, at least its code and its child's must parse."""
+    source = SCRIPT.with_name("cuda_kernels.py")
+    namespace: dict = {}
+    exec(compile(source.read_text(), str(source), "exec"), namespace)  # defines, runs nothing (__name__ differs)
+    compile(namespace["_CHILD"], "cuda_kernels child", "exec")
