@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 
+import numpy as np
 import pytest
 
 from mha_deploy.metadata import ATTENTION_KINDS, MASK_MODES, Signature
@@ -34,14 +35,15 @@ USER_TARGETS = ("auto", "onnx", "none")
 
 @pytest.fixture(scope="session")
 def export_model(tmp_path_factory):
-    """``export_model(signature, fuse) -> (path, reference torch module)``, exported once per argument pair.
+    """``export_model(signature, fuse, dtype) -> (path, reference torch module)``, exported once per arguments.
 
-    ``fuse`` defaults to "auto", what ``mha-deploy export`` writes unless told otherwise.
+    ``fuse`` defaults to "auto", what ``mha-deploy export`` writes unless told otherwise;
+    ``dtype`` to "fp32" (the reference module stays fp32 either way).
     """
     cache = {}
 
-    def export(signature: Signature, fuse: str = "auto"):
-        if (signature, fuse) not in cache:
+    def export(signature: Signature, fuse: str = "auto", dtype: str = "fp32"):
+        if (signature, fuse, dtype) not in cache:
             import torch
 
             from mha_deploy.exporters import export_mha
@@ -50,10 +52,10 @@ def export_model(tmp_path_factory):
 
             torch.manual_seed(1234)
             mha = MultiHeadAttention(TEST_D_MODEL, TEST_HEADS).eval()
-            path = tmp_path_factory.mktemp("models") / f"{signature_id(signature)}-{fuse}.onnx"
-            export_mha(mha, path, signature, fuse=fuse)
-            cache[signature, fuse] = (path, attention_graph(mha, signature))
-        return cache[signature, fuse]
+            path = tmp_path_factory.mktemp("models") / f"{signature_id(signature)}-{fuse}-{dtype}.onnx"
+            export_mha(mha, path, signature, fuse=fuse, dtype=dtype)
+            cache[signature, fuse, dtype] = (path, attention_graph(mha, signature))
+        return cache[signature, fuse, dtype]
 
     return export
 
@@ -80,3 +82,74 @@ def defective_export(monkeypatch):
         return model
 
     monkeypatch.setattr(export_module, "export_onnx", export_with_defect)
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "auto_provider: tests provider 'auto' itself (exempt from the pinning check)")
+
+
+@pytest.fixture(autouse=True)
+def _provider_pinned(request, monkeypatch):
+    """Every session a test creates names its provider, unless the test is about ``auto`` itself.
+
+    On a GPU runner ``auto`` lands on CUDA, where ``session.provider`` is "cuda" and
+    outputs differ from the CPU's beyond fp32 tolerances (TF32, other kernels): a test
+    that expects the CPU must ask for it. This makes ``auto`` an error in tests here,
+    where it would quietly land on the CPU and hide the dependency. Servers and CLIs
+    started in subprocesses escape it: their helpers pass ``--provider cpu``.
+    """
+    if request.node.get_closest_marker("auto_provider"):
+        return
+    from mha_deploy.runtime import providers, session
+
+    real = providers.plan_providers
+
+    def plan(requested: str):
+        if requested == "auto":
+            raise AssertionError(
+                "a session with provider 'auto' lands on CUDA on a GPU runner: pass provider='cpu' "
+                "(--provider cpu), or mark the test cuda and ask for 'cuda'"
+            )
+        return real(requested)
+
+    monkeypatch.setattr(providers, "plan_providers", plan)
+    monkeypatch.setattr(session, "plan_providers", plan)
+
+
+@pytest.fixture(scope="session")
+def cuda_probe() -> str | None:
+    """Why a tiny session does not land on ORT's CUDA provider here, or None when it does.
+
+    Asked of ORT itself (a one-op session created and run with the options every
+    CUDA session gets), not of the libraries: a host can have them all and still
+    no usable GPU, and ORT only falls back to the CPU with a log line.
+    """
+    import onnxruntime as ort
+    from onnx import TensorProto, helper
+
+    from mha_deploy.errors import ProviderUnavailableError
+    from mha_deploy.runtime.providers import CUDA_EP, plan_providers
+
+    try:
+        plan = plan_providers("cuda")
+    except ProviderUnavailableError as exc:
+        return str(exc)
+    value = [helper.make_tensor_value_info(name, TensorProto.FLOAT16, [2]) for name in ("a", "b")]
+    graph = helper.make_graph([helper.make_node("Add", ["a", "a"], ["b"])], "probe", value[:1], value[1:])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    try:
+        session = ort.InferenceSession(model.SerializeToString(), providers=plan.session_providers())
+        session.run(None, {"a": np.ones(2, np.float16)})
+    except Exception as exc:  # ORT's own error types
+        return f"a tiny CUDA session fails: {exc}"
+    if CUDA_EP not in session.get_providers():
+        return "a tiny session fell back to the CPU (no usable GPU, or CUDA could not be initialised)"
+    return None
+
+
+@pytest.fixture
+def on_cuda(cuda_probe):
+    """Skips the test, with the reason, unless a tiny session lands on CUDA."""
+    if cuda_probe is not None:
+        pytest.skip(f"needs a session on CUDA: {cuda_probe}")

@@ -59,7 +59,8 @@ def test_export_infer_inspect(tmp_path):
 
     items = write_items(tmp_path / "items.npz")
     out = tmp_path / "out.safetensors"
-    result = invoke("infer", model, "--input", tmp_path / "items.npz", "--output", out, "--batch-size", "3")
+    result = invoke("infer", model, "--input", tmp_path / "items.npz", "--output", out, "--batch-size", "3",
+                    "--provider", "cpu")
     assert result.exit_code == 0, result.output
     assert "4 items, 17 tokens" in result.stdout and "tokens/s" in result.stdout
 
@@ -224,8 +225,8 @@ def padded_model(export_model):
     [
         (lambda p: write_items(p, d_model=D + 2), "item 'id0': x has d_model 66"),
         (
-            lambda p: np.savez(p, good=np.ones((2, D), np.float32), bad=np.ones((2, D))),
-            "item 'bad': x has dtype float64",
+            lambda p: np.savez(p, good=np.ones((2, D), np.float32), bad=np.ones((2, D), bool)),
+            "item 'bad': x holds bool",
         ),
         (lambda p: np.savez(p, empty=np.ones((0, D), np.float32)), "item 'empty': x is empty"),
         (lambda p: p.write_bytes(b"not a zip"), "cannot read arrays"),
@@ -233,9 +234,26 @@ def padded_model(export_model):
 )
 def test_infer_bad_input_writes_nothing(tmp_path, padded_model, make_input, fragment):
     make_input(tmp_path / "items.npz")
-    result = invoke("infer", padded_model, "--input", tmp_path / "items.npz", "--output", tmp_path / "out.npz")
+    result = invoke("infer", padded_model, "--input", tmp_path / "items.npz", "--output", tmp_path / "out.npz",
+                    "--provider", "cpu")
     assert_one_line_error(result, fragment)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["items.npz"]
+
+
+def test_infer_fp16_model_takes_the_float32_dataset(tmp_path, export_model):
+    """The documented dataset formats hold float32: an fp16 model casts them, as the HTTP server does."""
+    model = export_model(Signature("self", "padding"), dtype="fp16")[0]
+    items = write_items(tmp_path / "items.npz")
+    result = invoke("infer", model, "--input", tmp_path / "items.npz", "--output", tmp_path / "out.npz",
+                    "--provider", "cpu", "--no-progress")
+    assert result.exit_code == 0, result.output
+    session = MHASession(model, provider="cpu")
+    with np.load(tmp_path / "out.npz") as outputs:
+        assert sorted(outputs.files) == sorted(items)
+        for item_id, x in items.items():
+            feeds = {"x": x[None].astype(np.float16), "key_padding_mask": np.ones((1, len(x)), bool)}
+            # Batched with padding vs alone: the same fp16 model, a last-bit rounding apart at most.
+            np.testing.assert_allclose(outputs[item_id], session.run(feeds)["output"][0], atol=2e-3, rtol=2e-3)
 
 
 @pytest.mark.parametrize(
@@ -244,7 +262,8 @@ def test_infer_bad_input_writes_nothing(tmp_path, padded_model, make_input, frag
 def test_infer_bad_model(tmp_path, model, fragment):
     (tmp_path / "corrupt.onnx").write_bytes(b"garbage")
     write_items(tmp_path / "items.npz")
-    result = invoke("infer", tmp_path / model, "--input", tmp_path / "items.npz", "--output", tmp_path / "o.npz")
+    result = invoke("infer", tmp_path / model, "--input", tmp_path / "items.npz", "--output", tmp_path / "o.npz",
+                    "--provider", "cpu")
     assert_one_line_error(result, fragment)
     assert not (tmp_path / "o.npz").exists()
 
@@ -265,12 +284,12 @@ def test_real_process(tmp_path):
     result = run("export", *SMALL, "--mask", "causal", "-o", model)
     assert result.returncode == 0, result.stderr
     write_items(items)
-    result = run("infer", model, "--input", items, "--output", out, "--no-progress")
+    result = run("infer", model, "--input", items, "--output", out, "--no-progress", "--provider", "cpu")
     assert result.returncode == 0, result.stderr
     assert "items/s" in result.stdout
     with np.load(out) as outputs:
         assert sorted(outputs.files) == ["id0", "id1", "id2", "id3"] and outputs["id2"].shape == (8, D)
-    result = run("infer", model, "--input", items, "--output", items)
+    result = run("infer", model, "--input", items, "--output", items, "--provider", "cpu")
     assert result.returncode == 2 and "must differ from --input" in result.stderr
     result = run("inspect", tmp_path / "nope.onnx")
     assert result.returncode == 1 and result.stderr.strip() == f"error: model file not found: {tmp_path / 'nope.onnx'}"

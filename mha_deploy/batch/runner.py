@@ -29,7 +29,7 @@ from mha_deploy.batch.planner import (
 from mha_deploy.errors import InputError
 from mha_deploy.metadata import ON_ERROR_CHOICES  # re-exported: defined without onnxruntime for the CLI
 from mha_deploy.runtime.session import MHASession
-from mha_deploy.runtime.validation import item_problem, output_problem
+from mha_deploy.runtime.validation import in_model_dtype, item_problem, output_problem
 
 DEFAULT_BUCKET_WINDOW = 256
 BatchCallback = Callable[[int, int], None]
@@ -153,16 +153,22 @@ class BatchRunner:
         """Items read ahead before batching: the memory bound of a run, in items."""
         return self.bucket_window or max(self.batch_size or 0, DEFAULT_BUCKET_WINDOW)
 
+    def prepare_item(self, item_id: str, item: Mapping[str, np.ndarray]) -> tuple[Item, str | None]:
+        """The item in the model's dtype (see ``in_model_dtype``), and what makes it unusable (naming ``item_id``)."""
+        item = in_model_dtype(self.session.metadata, item)
+        problem = item_problem(self.session.metadata, item)
+        return item, (f"item {item_id!r}: {problem}" if problem else None)
+
     def item_problem(self, item_id: str, item: Mapping[str, np.ndarray]) -> str | None:
         """What makes the item unusable (naming ``item_id``), or None."""
-        problem = item_problem(self.session.metadata, item)
-        return f"item {item_id!r}: {problem}" if problem else None
+        return self.prepare_item(item_id, item)[1]
 
-    def check_item(self, item_id: str, item: Mapping[str, np.ndarray]) -> None:
-        """Raise ``InputError`` naming ``item_id`` if the item cannot go into a batch."""
-        problem = self.item_problem(item_id, item)
+    def check_item(self, item_id: str, item: Mapping[str, np.ndarray]) -> Item:
+        """The item in the model's dtype; raises ``InputError`` naming ``item_id`` if it cannot go into a batch."""
+        item, problem = self.prepare_item(item_id, item)
         if problem:
             raise InputError(problem)
+        return item
 
     def run(
         self, items: Mapping[str, Item], on_batch: BatchCallback | None = None
@@ -173,8 +179,7 @@ class BatchRunner:
         runs, so bad input fails fast. ``on_batch(items, tokens)`` reports progress.
         """
         if self.on_error == "stop":
-            for item_id, item in items.items():
-                self.check_item(item_id, item)
+            items = {item_id: self.check_item(item_id, item) for item_id, item in items.items()}
         stats = RunStats(provider=self.session.provider)
         start = time.perf_counter()
         raw = (RawItem(item_id, item) for item_id, item in items.items())
@@ -191,15 +196,16 @@ class BatchRunner:
         """
         window: list[tuple[str, Item]] = []
         for raw in items:
-            problem = raw.problem and f"item {raw.item_id!r}: {raw.problem}"
-            problem = problem or self.item_problem(raw.item_id, raw.item)
+            item, problem = raw.item, raw.problem and f"item {raw.item_id!r}: {raw.problem}"
+            if not problem:
+                item, problem = self.prepare_item(raw.item_id, raw.item)
             if problem:
                 error = ItemError(source, raw.item_id, problem)
                 if self.on_error == "stop":
                     raise InputError(str(error))
                 stats.errors.append(error)
                 continue
-            window.append((raw.item_id, raw.item))
+            window.append((raw.item_id, item))
             if len(window) >= self.window_items:
                 yield self._run_window(window, stats, on_batch, source)
                 window = []

@@ -49,7 +49,7 @@ def gemm_gflops(threads: int, n: int = 4096, target: BenchTarget = CPU_FP32, bud
     options = ort.SessionOptions()
     options.intra_op_num_threads = threads
     plan = plan_providers(target.provider)
-    session = ort.InferenceSession(matmul_model(n, target.dtype), options, providers=list(plan.ort_providers))
+    session = ort.InferenceSession(matmul_model(n, target.dtype), options, providers=plan.session_providers())
     check_providers(plan, session)  # never a CPU figure labelled CUDA
     rng = np.random.default_rng(0)
     # Operands and result stay on the device: the yardstick is the kernel's rate, not PCIe's.

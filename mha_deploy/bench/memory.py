@@ -21,7 +21,7 @@ from mha_deploy.errors import MHADeployError
 _PROBE = textwrap.dedent("""
     import json, resource, sys
     import onnxruntime as ort
-    from mha_deploy.bench.cases import MaskMode
+    from mha_deploy.inputs import InputCase, make_inputs
     from mha_deploy.metadata import ModelMetadata
     from mha_deploy.runtime.providers import check_providers, plan_providers
 
@@ -40,17 +40,21 @@ _PROBE = textwrap.dedent("""
     options.intra_op_num_threads = threads
     options.enable_cpu_mem_arena = bool(arena)
     plan = plan_providers(provider)
-    session = ort.InferenceSession(path, options, providers=list(plan.ort_providers))
+    session = ort.InferenceSession(path, options, providers=plan.session_providers())
     check_providers(plan, session)
     metadata = ModelMetadata.from_props(session.get_modelmeta().custom_metadata_map, path)
-    # The bench's inputs for the mode (every key real, or the last padded_pct of them padded), in the model's dtype.
-    mode = MaskMode(metadata.signature.mask, padded_pct)
-    feeds = {name: a.astype(metadata.dtype) if a.dtype.kind == "f" else a
-             for name, a in mode.inputs(metadata.d_model, batch, seq, signature=metadata.signature).items()}
+    # The bench's inputs (MaskMode.inputs: every key real, or the last padded_pct of them padded) in the
+    # model's dtype, built here without importing mha_deploy.bench, which imports torch.
+    signature = metadata.signature
+    feeds = make_inputs(signature, metadata.d_model, InputCase(batch, seq, seq, "none"), dtype=metadata.dtype)
+    for name in signature.padding_masks:
+        length = feeds[name].shape[1]
+        feeds[name][:, max(1, length - round(length * padded_pct / 100)):] = False
     before = peak_kb()
     session.run(None, feeds)
     after = peak_kb()
-    print(json.dumps({"before_kb": before, "peak_kb": after, "mask": mode.label}))
+    label = f"{signature.mask}-{padded_pct:g}%" if padded_pct else signature.mask
+    print(json.dumps({"before_kb": before, "peak_kb": after, "mask": label}))
 """)
 
 

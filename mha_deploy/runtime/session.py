@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import json
 import os
-import threading
 from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -16,6 +16,7 @@ from mha_deploy.atomic import atomic_path
 from mha_deploy.errors import InputError, ModelFileError, OptionError, ProviderUnavailableError
 from mha_deploy.inputs import placeholder_inputs
 from mha_deploy.metadata import ModelMetadata
+from mha_deploy.runtime.cuda_support import cuda_graph_unsupported, cuda_unsupported
 from mha_deploy.runtime.digest import sha256_digest
 from mha_deploy.runtime.model_check import (
     check_batching,
@@ -24,7 +25,7 @@ from mha_deploy.runtime.model_check import (
     check_declared_io,
     check_heads,
 )
-from mha_deploy.runtime.providers import CUDA_EP, check_providers, plan_providers
+from mha_deploy.runtime.providers import CUDA_EP, check_providers, plan_providers, without_cuda
 from mha_deploy.runtime.validation import validate_inputs
 
 # metadata_props entry of an optimized-model cache: what it was built from (see ``_cache_key``).
@@ -74,8 +75,12 @@ class MHASession:
       ``(batch, q_seq, kv_seq)`` for cross-attention, to capture a CUDA graph for
       (ORT's ``enable_cuda_graph``). Needs ``provider="cuda"``. The graph replays
       on fixed device buffers, so every call must have exactly that shape (else
-      ``InputError``) and calls are serialised with a lock. The graph is captured
-      on load.
+      ``InputError``) and calls are serialised on one thread of the session's own,
+      where the graph is captured on load and replayed (ORT keeps a graph per thread).
+
+    Models ORT's CUDA provider cannot run as deployed (int8, or attention weights
+    returned through ONNX Attention: ``mha_deploy.runtime.cuda_support``) are
+    refused on ``provider="cuda"`` and run on the CPU with a note on ``"auto"``.
 
     A model file's metadata is checked against its graph on load
     (``mha_deploy.runtime.model_check``): declared inputs and outputs, heads and
@@ -111,9 +116,11 @@ class MHASession:
             )
         options = _session_options(threads, inter_op_threads, optimization, session_config)
         plan = plan_providers(provider)
-        providers: list = list(plan.ort_providers)
-        if cuda_graph is not None:
-            providers = [(CUDA_EP, {"enable_cuda_graph": "1"}) if p == CUDA_EP else p for p in providers]
+        if CUDA_EP in plan.ort_providers:
+            reason = _cuda_refusal(model, cuda_graph is not None)
+            if reason:
+                plan = without_cuda(plan, f"{self.source}: {reason}")
+        providers = plan.session_providers(**({"enable_cuda_graph": "1"} if cuda_graph is not None else {}))
         self._session = self._load(model, options, providers, optimized_model_path)
         self.provider = check_providers(plan, self._session)
         self.provider_note = plan.note
@@ -231,14 +238,37 @@ class MHASession:
             )
 
 
-class _CudaGraph:
-    """Replays one captured CUDA graph on fixed device buffers.
+def _cuda_refusal(model: str | os.PathLike | bytes, cuda_graph: bool) -> str | None:
+    """Why ORT's CUDA provider (in a CUDA graph if ``cuda_graph``) cannot run ``model`` as deployed, or None.
 
-    ORT captures the graph on the first ``run_with_iobinding`` and replays it on
-    later ones, reading inputs from and writing outputs to the device addresses
-    bound at capture time. So the shapes can never change, new inputs are copied
-    into the bound buffers (``update_inplace``), and runs must not interleave:
-    one thread's copy would overwrite another's inputs mid-replay.
+    None too when the model cannot be parsed: ORT's own load then says why, with the file name.
+    """
+    try:
+        if isinstance(model, bytes):
+            proto = onnx.load_from_string(model)
+        else:
+            proto = onnx.load(str(model), load_external_data=False)
+    except Exception:  # DecodeError and friends
+        return None
+    return cuda_unsupported(proto) or (cuda_graph_unsupported(proto) if cuda_graph else None)
+
+
+class _CudaGraph:
+    """Replays one captured CUDA graph on fixed device buffers, always from the same thread.
+
+    ORT captures the graph on a ``run_with_iobinding`` and replays it on later
+    ones, reading inputs from and writing outputs to the device addresses bound
+    at capture time. So the shapes can never change, new inputs are copied into
+    the bound buffers (``update_inplace``), and runs must not interleave: one
+    thread's copy would overwrite another's inputs mid-replay.
+
+    ORT's CUDA provider keeps its CUDA graph, and its count of warm-up runs, per
+    thread (``PerThreadContext`` in onnxruntime/core/providers/cuda/
+    cuda_execution_provider.h; CUDA-ExecutionProvider docs, "Using CUDA Graphs":
+    multi-threaded use is not supported). Called from a new thread, it would
+    capture again and keep one more graph alive per thread. So every run, the
+    capture included, goes through one worker thread owned by this object, which
+    also serialises them.
     """
 
     def __init__(
@@ -255,7 +285,7 @@ class _CudaGraph:
         tiny = _placeholders(metadata, self.shape)
         self.feed_shapes = {name: array.shape for name, array in tiny.items()}
         self._session = session
-        self._lock = threading.Lock()
+        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mha-cuda-graph")
         self._output_names = signature.output_names
         # Device buffers live as long as the session: the captured graph points at them.
         self._inputs = {name: ort.OrtValue.ortvalue_from_numpy(tiny[name], device, 0) for name in tiny}
@@ -273,8 +303,10 @@ class _CudaGraph:
             self._binding.bind_ortvalue_input(name, value)
         for name, value in self._outputs.items():
             self._binding.bind_ortvalue_output(name, value)
-        with self._lock:
-            self._session.run_with_iobinding(self._binding)  # captures the graph
+        # ORT runs a graph-enabled session once normally before it captures (warm-up
+        # allocations): two runs on load, so that no user call pays for the capture.
+        for _ in range(2):
+            self._worker.submit(self._session.run_with_iobinding, self._binding).result()
 
     def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         wrong = {name: array.shape for name, array in feeds.items() if array.shape != self.feed_shapes[name]}
@@ -283,11 +315,13 @@ class _CudaGraph:
                 f"this session replays a CUDA graph captured for shapes {self.feed_shapes}; got {wrong}. "
                 "Pad inputs to the captured shape, or use a session without cuda_graph for other shapes"
             )
-        with self._lock:
-            for name, array in feeds.items():
-                self._inputs[name].update_inplace(array)
-            self._session.run_with_iobinding(self._binding)
-            return dict(zip(self._output_names, self._binding.copy_outputs_to_cpu(), strict=True))
+        return self._worker.submit(self._replay, feeds).result()
+
+    def _replay(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        for name, array in feeds.items():
+            self._inputs[name].update_inplace(array)
+        self._session.run_with_iobinding(self._binding)
+        return dict(zip(self._output_names, self._binding.copy_outputs_to_cpu(), strict=True))
 
 
 def _placeholders(metadata: ModelMetadata, shape: tuple[int, ...] | None) -> dict[str, np.ndarray]:

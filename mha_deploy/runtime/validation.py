@@ -10,7 +10,9 @@ Two entry points share the rules:
 - ``item_problem``: one unbatched item (sequence input -> [seq, d_model]), as the
   batch runner and the HTTP server receive them. It returns a ``Problem`` instead
   of raising, so that the runner can skip the item and the server can answer
-  with a status code chosen by ``Problem.kind``.
+  with a status code chosen by ``Problem.kind``. Both first pass the item through
+  ``in_model_dtype``: datasets and JSON bodies hold float32 (or float64, or
+  integers) whatever the model's dtype, so an fp16 model takes them cast.
 
 And one check of what comes out: ``output_problem`` finds NaN or Inf in one
 item's outputs, which finite inputs can still produce (values near the dtype's
@@ -115,6 +117,29 @@ def memory_problem(metadata: ModelMetadata, q_len: int, kv_len: int) -> Problem 
         f"(--fuse {metadata.fusion} materialises heads x q x kv floats), more than half of this machine's "
         f"{memory / 2**30:.1f} GiB: split the item, or export with --fuse mha (tiled kernels)",
     )
+
+
+def in_model_dtype(metadata: ModelMetadata, item: Mapping[str, object]) -> dict[str, object]:
+    """``item`` with its numeric sequences cast to the model's dtype; anything else is left for ``item_problem``.
+
+    Only arrays of an acceptable shape are cast: a reader may hand over a
+    zero-stride stand-in for an array it refused to read (``mha_deploy.batch.datasets``),
+    which a copy would materialise. A float32 value beyond float16's range becomes
+    inf here, which ``item_problem`` then refuses as ``not_finite``: the cast never
+    hides an overflow.
+    """
+    dtype = np.dtype(metadata.dtype)
+    cast = dict(item)
+    for name in metadata.signature.sequence_inputs:
+        array = item.get(name)
+        if (
+            isinstance(array, np.ndarray)
+            and array.dtype.kind in "fiu"
+            and shape_problem(metadata, name, array.shape) is None
+        ):
+            with np.errstate(over="ignore"):  # no copy when already contiguous in the model's dtype
+                cast[name] = np.ascontiguousarray(array, dtype=dtype)
+    return cast
 
 
 def item_problem(

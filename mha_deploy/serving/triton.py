@@ -84,6 +84,8 @@ def write_triton_model(
     _check_config(config, name)
     proto = _load(model)
     metadata = ModelMetadata.from_props({p.key: p.value for p in proto.metadata_props}, str(model))
+    if config.kind == "gpu":
+        _check_runs_on_cuda(proto, model)
     text = config_pbtxt(proto, metadata, config, name)
 
     target = repo / name
@@ -196,6 +198,16 @@ def _check_config(config: TritonConfig, name: str) -> None:
         raise TritonExportError("instances must be >= 1, max_batch_size and max_queue_delay_us >= 0")
     if config.version < 1:
         raise TritonExportError(f"version must be >= 1 (Triton numbers versions 1, 2, ...), got {config.version}")
+
+
+def _check_runs_on_cuda(proto: onnx.ModelProto, model: Path) -> None:
+    """KIND_GPU puts the instances on Triton's ORT backend with the CUDA provider: refuse what it cannot run."""
+    # Imported here: the rest of the writer needs no onnxruntime, which mha_deploy.runtime loads.
+    from mha_deploy.runtime.cuda_support import cuda_unsupported
+
+    reason = cuda_unsupported(proto)
+    if reason:
+        raise TritonExportError(f"--kind gpu: {model}: {reason}")
 
 
 def _load(model: Path) -> onnx.ModelProto:

@@ -113,7 +113,7 @@ def test_two_real_processes_with_different_inputs_never_both_write(tmp_path, exp
     runs = {
         name: subprocess.Popen(
             [*command, "infer", str(model), "--input", str(tmp_path / name), "--output", str(tmp_path / "out"),
-             "--threads", "1", "--no-progress"],
+             "--threads", "1", "--provider", "cpu", "--no-progress"],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         )
         for name in ("a", "b")

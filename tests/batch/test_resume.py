@@ -177,6 +177,8 @@ def test_sigkill_then_rerun_equals_an_uninterrupted_run(tmp_path, export_model, 
         "4",
         "--bucket-window",
         "0",
+        "--provider",
+        "cpu",
         "--no-progress",
     ]
 

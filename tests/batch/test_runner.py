@@ -56,7 +56,7 @@ def test_batched_equals_one_by_one(export_model, signature, fuse):
     ("change", "message"),
     [
         (lambda a: a[:, :-1], r"item 'item-3': x has d_model 63, this model expects 64"),
-        (lambda a: a.astype(np.float64), r"item 'item-3': x has dtype float64"),
+        (lambda a: a > 0, r"item 'item-3': x holds bool: expected an array of numbers"),
         (lambda a: a[:0], r"item 'item-3': x is empty"),
         (lambda a: np.where(np.arange(len(a))[:, None] == 0, np.nan, a).astype(np.float32), "NaN or Inf"),
         (lambda a: a[0], r"item 'item-3': x has shape \(64,\), expected \[seq, 64\]"),
@@ -69,6 +69,29 @@ def test_bad_item_is_named(export_model, change, message):
     with pytest.raises(InputError, match=message):
         BatchRunner(session).run(items)
 
+
+
+@pytest.mark.parametrize("on_error", ["stop", "skip"])
+def test_fp16_model_takes_float32_items(export_model, on_error):
+    """Datasets hold float32 whatever the model's dtype: items are cast, and an overflow is a bad item, not inf."""
+    signature = Signature("self", "padding")
+    half = MHASession(export_model(signature, dtype="fp16")[0], provider="cpu")
+    full = MHASession(export_model(signature)[0], provider="cpu")
+    items = make_items(signature)
+    results, stats = BatchRunner(half, batch_size=3, on_error=on_error).run(items)
+    expected, _ = BatchRunner(full, batch_size=3).run(items)
+    assert list(results) == list(items) and stats.errors == []
+    for item_id in items:
+        assert results[item_id]["output"].dtype == np.float16
+        # fp16 weights and activations against the fp32 model: the fp16 export's parity tolerance.
+        np.testing.assert_allclose(results[item_id]["output"], expected[item_id]["output"], atol=5e-3, rtol=5e-3)
+    items["item-3"]["x"] = np.full_like(items["item-3"]["x"], 1e5)  # finite in float32, inf in float16
+    runner = BatchRunner(half, on_error=on_error)
+    if on_error == "stop":
+        with pytest.raises(InputError, match="item 'item-3': x contains NaN or Inf"):
+            runner.run(items)
+    else:
+        assert [e.item_id for e in runner.run(items)[1].errors] == ["item-3"]
 
 
 @pytest.mark.parametrize("signature", [Signature("self", "padding"), Signature("cross", "none")], ids=signature_id)

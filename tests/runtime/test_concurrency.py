@@ -12,7 +12,6 @@ import pytest
 from mha_deploy.errors import InputError, OptionError, ProviderUnavailableError
 from mha_deploy.metadata import Signature
 from mha_deploy.runtime import MHASession
-from mha_deploy.runtime.providers import cuda_unavailable_reason
 from tests.conftest import TEST_D_MODEL, signature_id
 
 D = TEST_D_MODEL
@@ -133,40 +132,7 @@ def test_bad_options(export_model):
         MHASession(path, provider="cpu", cuda_graph=(1, 8))
 
 
-CUDA_REASON = cuda_unavailable_reason()
-
-
-@pytest.mark.cuda
-@pytest.mark.skipif(CUDA_REASON is not None, reason=f"needs CUDA: {CUDA_REASON}")
-def test_cuda_io_binding_matches_cpu(export_model):
-    path = export_model(Signature("self", "padding"))[0]
-    case = make_inputs(Signature("self", "padding"), 1, seed=4)[0]
-    expected = MHASession(path, provider="cpu").run(case)["output"]
-    session = MHASession(path, provider="cuda", io_binding=True, warmup=True)
-    np.testing.assert_allclose(session.run(case)["output"], expected, atol=1e-4, rtol=1e-3)
-
-
-@pytest.mark.cuda
-@pytest.mark.skipif(CUDA_REASON is not None, reason=f"needs CUDA: {CUDA_REASON}")
-def test_cuda_graph_replays_fixed_shape_and_serialises(export_model):
-    path = export_model(Signature("self", "padding"))[0]
-    session = MHASession(path, provider="cuda", cuda_graph=(2, 16))
-    reference = MHASession(path, provider="cpu")
-    rng = np.random.default_rng(5)
-    cases = []
-    for _ in range(64):
-        lengths = rng.integers(1, 17, size=2)
-        cases.append({
-            "x": rng.standard_normal((2, 16, D), dtype=np.float32),
-            "key_padding_mask": np.arange(16)[None, :] < lengths[:, None],
-        })
-    expected = [reference.run(case)["output"] for case in cases]
-    with ThreadPoolExecutor(8) as pool:
-        actual = list(pool.map(lambda case: session.run(case)["output"], cases))
-    for want, got in zip(expected, actual, strict=True):
-        np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-3)
-    with pytest.raises(InputError, match="CUDA graph captured for shapes"):
-        session.run({"x": np.zeros((2, 15, D), np.float32), "key_padding_mask": np.ones((2, 15), bool)})
+# The CUDA side of IO binding and CUDA graphs: tests/runtime/test_cuda.py.
 
 
 def test_fixed_buffer_replay_path_on_cpu(export_model):

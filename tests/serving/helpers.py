@@ -68,7 +68,9 @@ class Server:
         self.ca = ca  # the server speaks TLS, with a certificate this file verifies
         self.log_path = log
         self._log = open(log, "wb")  # noqa: SIM115 - closed in stop()
-        command = [sys.executable, "-m", "mha_deploy.cli", "serve", str(model), "--port", str(self.port), *args]
+        # Pinned: on a GPU runner the default (auto) would serve from CUDA, and "provider" in answers says so.
+        command = [sys.executable, "-m", "mha_deploy.cli", "serve", str(model), "--port", str(self.port),
+                   "--provider", "cpu", *args]
         if grpc:
             command += ["--grpc-port", str(self.grpc_port)]
         self.process = subprocess.Popen(command, stdout=self._log, stderr=subprocess.STDOUT)

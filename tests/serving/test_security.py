@@ -134,7 +134,8 @@ def test_server_refuses_unusable_options_with_one_line(export_model, tmp_path):
         (["--api-key-file", str(tmp_path / "missing.txt")], "cannot read the API key file"),
     ]
     for args, message in cases:
-        command = [sys.executable, "-m", "mha_deploy.cli", "serve", str(path), "--port", str(free_port()), *args]
+        command = [sys.executable, "-m", "mha_deploy.cli", "serve", str(path), "--port", str(free_port()),
+                   "--provider", "cpu", *args]
         result = subprocess.run(command, capture_output=True, text=True, timeout=60)
         assert result.returncode == 1 and message in result.stderr.strip().splitlines()[-1], result.stderr
     taken.close()

@@ -316,7 +316,8 @@ def test_sigterm_under_load_answers_every_accepted_request(export_model, tmp_pat
 
 def test_unloadable_model_exits_with_one_line_error(tmp_path):
     missing = tmp_path / "missing.onnx"
-    command = [sys.executable, "-m", "mha_deploy.cli", "serve", str(missing), "--port", str(free_port())]
+    command = [sys.executable, "-m", "mha_deploy.cli", "serve", str(missing), "--port", str(free_port()),
+               "--provider", "cpu"]
     result = subprocess.run(command, capture_output=True, text=True, timeout=60)
     assert result.returncode == 1, result.stderr
     assert result.stderr.strip().splitlines()[-1] == f"error: model file not found: {missing}"

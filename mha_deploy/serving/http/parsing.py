@@ -29,7 +29,7 @@ import numpy as np
 from mha_deploy.batch.base import Item
 from mha_deploy.errors import InputError
 from mha_deploy.metadata import ModelMetadata
-from mha_deploy.runtime.validation import item_problem, name_problem, shape_problem
+from mha_deploy.runtime.validation import in_model_dtype, item_problem, name_problem, shape_problem
 
 try:  # orjson parses a body of floats ~6x faster than the stdlib (part of the 'serve' extra)
     from orjson import loads as _fast_json_loads
@@ -99,11 +99,9 @@ def parse_request(body: bytes, content_type: str | None, metadata: ModelMetadata
 
 def check_item(arrays: dict[str, np.ndarray], metadata: ModelMetadata, limits: RequestLimits) -> Item:
     """One item's arrays cast to the model's dtype and checked by the runtime's validator; problems are 422s."""
-    item = {}
     for name in metadata.signature.sequence_inputs:
         check_shape(name, arrays[name].shape, metadata, limits)
-        with np.errstate(over="ignore"):  # values beyond float32's range become inf, which the validator refuses
-            item[name] = np.ascontiguousarray(arrays[name], dtype=np.dtype(metadata.dtype))
+    item = in_model_dtype(metadata, {name: arrays[name] for name in metadata.signature.sequence_inputs})
     problem = item_problem(metadata, item, limits.max_tokens)
     if problem:
         raise RequestError(422, problem.kind, problem.message)

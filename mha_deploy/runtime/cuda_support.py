@@ -1,0 +1,94 @@
+"""Which exported graphs ORT's CUDA provider cannot run as deployed, decided from the graph alone.
+
+No GPU is needed to decide it, so the session (``provider="cuda"`` or ``"auto"``)
+and the Triton writer (``--kind gpu``) refuse such a model before ORT does
+something worse: fail at the first run, or place the op on the CPU and copy
+tensors to and from the GPU around it without a word.
+"""
+
+from __future__ import annotations
+
+import onnx
+
+# ONNX Attention's qk_matmul_output_mode values other than 0 (the raw scores):
+# ORT's CUDA Attention kernel returns NOT_IMPLEMENTED for modes 1-3 (onnxruntime
+# issue 28351; onnxruntime/core/providers/cuda/llm/attention.cc). mha-deploy's
+# --return-weights models use mode 3, the probabilities after softmax.
+_QK_OUTPUT_MODES_WITHOUT_CUDA = (1, 2, 3)
+
+# Dynamic int8 ops as onnxruntime.quantization.quantize_dynamic writes them (and
+# ORT's CPU fusions of them). DynamicQuantizeLinear has no CUDA kernel (its only
+# kernel is the CPU one, onnxruntime/core/providers/cpu/quantization/), CUDA's
+# MatMulInteger takes int8 x int8 only while the quantizer feeds it uint8
+# activations (onnxruntime/core/providers/cuda/math/matmul_integer.cc), and the
+# contrib DynamicQuantizeMatMul / MatMulIntegerToFloat are CPU kernels.
+_INT8_OPS = frozenset({"DynamicQuantizeLinear", "MatMulInteger", "DynamicQuantizeMatMul", "MatMulIntegerToFloat"})
+
+
+def cuda_unsupported(proto: onnx.ModelProto) -> str | None:
+    """Why ``proto`` cannot run on ORT's CUDA provider as deployed (one line), or None."""
+    ops = {node.op_type for node in _nodes(proto.graph)}
+    int8 = sorted(ops & _INT8_OPS)
+    if int8:
+        return (
+            f"the model is int8 ({', '.join(int8)}), which ORT's CUDA provider has no kernels for: it would run "
+            "every projection on the CPU with copies around it. Run it with --provider cpu, or export "
+            "--dtype fp16 (without --quantize) for CUDA"
+        )
+    # CUDA registers GroupQueryAttention for float16 and bfloat16 only
+    # (onnxruntime/contrib_ops/cuda/bert/group_query_attention.cc): an fp32 causal
+    # model fused to it would run its attention on the CPU, with copies around it.
+    if "GroupQueryAttention" in ops and _float_type(proto) == onnx.TensorProto.FLOAT:
+        return (
+            "the model is fp32 with GroupQueryAttention (causal --fuse mha/auto), which ORT's CUDA provider "
+            "runs in fp16/bf16 only: it would run attention on the CPU. Export --dtype fp16 for CUDA, or "
+            "--fuse onnx for fp32"
+        )
+    for node in _nodes(proto.graph):
+        if node.op_type == "Attention" and node.domain in ("", "ai.onnx") and _returns_weights(node):
+            return (
+                "the model returns attention weights through ONNX Attention's qk_matmul_output, which ORT's "
+                "CUDA Attention kernel does not implement. Run it with --provider cpu, or export it with "
+                "--fuse none for CUDA"
+            )
+    return None
+
+
+def cuda_graph_unsupported(proto: onnx.ModelProto) -> str | None:
+    """Why ORT cannot capture ``proto`` in a CUDA graph, or None (checked on top of ``cuda_unsupported``)."""
+    # A CUDA graph replays fixed kernels: models with control flow (If, Loop, Scan)
+    # are not supported (ORT's CUDA-ExecutionProvider docs, "Using CUDA Graphs"), and
+    # the padding path of --fuse mha/auto is an If (the padding_flash fusion rule).
+    if any(node.op_type in ("If", "Loop", "Scan") for node in proto.graph.node):
+        return (
+            "the model has control flow (an If: --fuse mha/auto with a padding mask), which ORT cannot capture "
+            "in a CUDA graph; export it with --fuse onnx for cuda_graph"
+        )
+    return None
+
+
+def _float_type(proto: onnx.ModelProto) -> int | None:
+    """The element type of the model's first float input (its sequences: x, or query), or None."""
+    floats = (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16)
+    for value in proto.graph.input:
+        elem_type = value.type.tensor_type.elem_type
+        if elem_type in floats:
+            return elem_type
+    return None
+
+
+def _returns_weights(node: onnx.NodeProto) -> bool:
+    mode = next((a.i for a in node.attribute if a.name == "qk_matmul_output_mode"), 0)
+    # qk_matmul_output is the 4th output; the mode matters only when something reads it.
+    return len(node.output) > 3 and bool(node.output[3]) and mode in _QK_OUTPUT_MODES_WITHOUT_CUDA
+
+
+def _nodes(graph: onnx.GraphProto):
+    """Every node, including those in subgraphs (the padding path sits behind an If)."""
+    for node in graph.node:
+        yield node
+        for attribute in node.attribute:
+            if attribute.type == onnx.AttributeProto.GRAPH:
+                yield from _nodes(attribute.g)
+            for subgraph in attribute.graphs:
+                yield from _nodes(subgraph)
