@@ -73,7 +73,11 @@ def _quiet_exporter():
 
 
 def export_onnx(
-    module: torch.nn.Module, signature: Signature, d_model: int, opset: int = DEFAULT_OPSET, heads: int = 1
+    module: torch.nn.Module,
+    signature: Signature,
+    d_model: int,
+    opset: int = DEFAULT_OPSET,
+    heads: int = 1,
 ) -> onnx.ModelProto:
     """torch.onnx.export (dynamo) of ``module``, an eval-mode graph whose forward takes ``signature``'s
     inputs in order, traced at the tracing sizes, quietly, with an IR version ORT accepts."""

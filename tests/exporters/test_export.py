@@ -219,9 +219,10 @@ UNSEEN_CACHE_CASES = (
 )
 
 
+@pytest.mark.parametrize("fuse", ["auto", "none"])
 @pytest.mark.parametrize("signature", KV_SIGNATURES, ids=signature_id)
-def test_kv_cache_parity_on_unseen_decodings(export_model, signature):
-    path, module = export_model(signature)
+def test_kv_cache_parity_on_unseen_decodings(export_model, signature, fuse):
+    path, module = export_model(signature, fuse)
     reference = attention_graph(module.mha, replace(signature, kv_cache=False))
     session = MHASession(path, provider="cpu", optimization="all")
     report = check_cache_parity(reference, session, UNSEEN_CACHE_CASES, atol=ATOL, rtol=RTOL, seed=5)
@@ -254,6 +255,22 @@ def test_kv_cache_io_contract_and_metadata(export_model, signature):
         "past_key": "present_key", "past_value": "present_value"
     }
     assert metadata.parity.passed and "+" in metadata.parity.shapes[0]
+
+
+@pytest.mark.parametrize("signature", KV_SIGNATURES, ids=signature_id)
+def test_kv_cache_prefill_runs_the_causal_kernel(export_model, signature):
+    """auto: the prefill (past_seq 0) is fused as the cache-free causal model is; decode steps run the plain graph."""
+    path, _ = export_model(signature)
+    assert [op.op for op in describe_model(path).attention_ops] == ["com.microsoft::GroupQueryAttention"]
+    assert ModelMetadata.from_props({p.key: p.value for p in onnx.load(path).metadata_props}).fusion == "mha"
+    plain, _ = export_model(signature, "none")
+    assert describe_model(plain).attention_ops == []
+
+
+def test_kv_cache_refuses_int8(tmp_path):
+    with pytest.raises(ExportError, match="not available with --kv-cache"):
+        export_mha(MultiHeadAttention(TEST_D_MODEL, TEST_HEADS), tmp_path / "kv.onnx", KV_SIGNATURES[0],
+                   quantize="int8")
 
 
 def test_metadata_without_cache_stays_readable_by_earlier_versions(export_model):
