@@ -452,7 +452,9 @@ def triton(model, repo, name, instances, kind, max_batch_size, max_queue_delay_u
 
     Writes REPO/NAME/config.pbtxt and REPO/NAME/1/model.onnx, all or nothing. Triton's
     dynamic batcher only batches requests of equal sequence length (see the config's
-    comment); the mha-deploy HTTP server pads across lengths instead.
+    comment); the mha-deploy HTTP server pads across lengths instead. A --kv-cache model gets
+    sequence batching with implicit state (past_key/past_value <- present_key/present_value, empty at the
+    start of a sequence), one sequence per run (max_batch_size 1).
 
     \b
     Example:
