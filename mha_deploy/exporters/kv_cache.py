@@ -26,7 +26,7 @@ from __future__ import annotations
 import hashlib
 
 import onnx
-from onnx import helper
+from onnx import helper, numpy_helper
 
 _PREFIXES = ("prefill/", "decode/")
 
@@ -60,6 +60,8 @@ def prefill_or_decode(prefill: onnx.ModelProto, decode: onnx.ModelProto, cache_i
     then_branch.name, else_branch.name = "prefill", "decode"
     branches = [then_branch, else_branch]
     _share_identical(initializers, branches)
+    # The present keys/values project x as the fused prefill already does: compute those once.
+    _merge_repeated_nodes(then_branch)
     # [1] bool: If takes a one-element condition.
     zero = helper.make_tensor("zero", onnx.TensorProto.INT64, [1], [0])
     nodes = [
@@ -128,15 +130,37 @@ def _rename(graph: onnx.GraphProto, rename) -> None:
                 _rename(sub, rename)
 
 
+def _merge_repeated_nodes(graph: onnx.GraphProto) -> None:
+    """Drop every node that repeats an earlier one (same op, inputs and attributes), reading the earlier
+    one's outputs instead; in graph order, so chains of repeats (MatMul, then its bias Add) collapse."""
+    kept_outputs = {value.name for value in graph.output}
+    alias: dict[str, str] = {}
+    seen: dict[tuple, onnx.NodeProto] = {}
+    keep = []
+    for node in graph.node:
+        node.input[:] = [alias.get(name, name) for name in node.input]
+        nested = any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for a in node.attribute)
+        key = (node.domain, node.op_type, tuple(node.input), tuple(a.SerializeToString() for a in node.attribute))
+        earlier = None if nested or kept_outputs & set(node.output) else seen.get(key)
+        if earlier is not None and len(earlier.output) == len(node.output):
+            alias.update(zip(node.output, earlier.output, strict=True))
+            continue
+        seen.setdefault(key, node)
+        keep.append(node)
+    if alias:
+        _rename(graph, lambda name: alias.get(name, name))
+        del graph.node[:]
+        graph.node.extend(keep)
+
+
 def _share_identical(initializers: list[onnx.TensorProto], graphs: list[onnx.GraphProto]) -> None:
-    """Point every reference to a weight identical to an earlier one at the earlier one's name."""
+    """Point every reference to a weight equal to an earlier one (same type, shape and values, however the
+    exporter stored them) at the earlier one's name."""
     first: dict[str, str] = {}
     alias: dict[str, str] = {}
     for tensor in initializers:
-        copy = onnx.TensorProto()
-        copy.CopyFrom(tensor)
-        copy.name = ""
-        digest = hashlib.sha256(copy.SerializeToString()).hexdigest()
+        values = numpy_helper.to_array(tensor)
+        digest = hashlib.sha256(f"{values.dtype}{values.shape}".encode() + values.tobytes()).hexdigest()
         canonical = first.setdefault(digest, tensor.name)
         if canonical != tensor.name:
             alias[tensor.name] = canonical

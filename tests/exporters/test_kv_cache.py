@@ -34,7 +34,9 @@ def _pair():
         [
             helper.make_node("Mul", ["x", "w"], ["h"]),
             helper.make_node("Identity", ["h"], ["output"]),
-            helper.make_node("Reshape", ["x", "shape"], ["x4"]),
+            # The same Add as the prefill's: the prefill branch must compute it once.
+            helper.make_node("Add", ["x", "w"], ["xw"]),
+            helper.make_node("Reshape", ["xw", "shape"], ["x4"]),
             helper.make_node("Concat", ["past", "x4"], ["present"], axis=2),
         ],
         [x, past], [output, present], (WEIGHT, new),
@@ -52,7 +54,9 @@ def test_the_cache_length_chooses_the_branch():
     x = np.ones((1, 3), np.float32)
     output, present = session.run(None, {"x": x, "past": np.zeros((1, 1, 0, 3), np.float32)})
     np.testing.assert_array_equal(output, x + 2)
-    assert present.shape == (1, 1, 1, 3), "the prefill takes present from the decode graph's Concat"
+    np.testing.assert_array_equal(present, (x + 2).reshape(1, 1, 1, 3))  # from the decode graph's nodes
+    then_branch = next(a.g for a in combined.graph.node[-1].attribute if a.name == "then_branch")
+    assert [n.op_type for n in then_branch.node].count("Add") == 1, "repeated nodes are merged"
     output, present = session.run(None, {"x": x, "past": present})
     np.testing.assert_array_equal(output, x * 2)
-    assert present.shape == (1, 1, 2, 3)
+    np.testing.assert_array_equal(present[0, 0, 1], (x + 2)[0])
