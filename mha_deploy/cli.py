@@ -87,6 +87,10 @@ def main(ctx: click.Context, debug: bool) -> None:
 @click.option("--mask", type=click.Choice(MASK_MODES), default="none", show_default=True,
               help="padding adds input key_padding_mask (bool, True = real token); causal is built into the graph.")
 @click.option("--return-weights", is_flag=True, help="Also output attn_weights [batch, heads, q_seq, kv_seq].")
+@click.option("--kv-cache", is_flag=True,
+              help="Incremental decoding (--mask causal or padding-causal): inputs past_key/past_value "
+                   "[batch, heads, past_seq, d_k] (past_seq 0 for the prefill), outputs present_key/present_value "
+                   "[batch, heads, past_seq + seq, d_k]; key_padding_mask covers past_seq + seq.")
 @click.option("--fuse", type=click.Choice(FUSE_CHOICES), default="auto", show_default=True,
               help="Fuse each attention into one op. mha: ORT contrib MultiHeadAttention; it takes the padding "
                    "mask and causal flag as they are, so no [batch, q_len, kv_len] mask is built in the graph "
@@ -109,8 +113,8 @@ def main(ctx: click.Context, debug: bool) -> None:
               help="Parity tolerance, relative (default 1e-4 for fp32, 5e-3 for fp16).")
 @click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path), required=True,
               help="Where to write the .onnx file (written only if parity passes).")
-def export(checkpoint, d_model, heads, model_kind, layers, d_ff, attention, mask, return_weights, fuse, quantize, seed,
-           opset, dtype, atol, rtol, output):
+def export(checkpoint, d_model, heads, model_kind, layers, d_ff, attention, mask, return_weights, kv_cache, fuse,
+           quantize, seed, opset, dtype, atol, rtol, output):
     """Export a reference MHA to ONNX with dynamic batch and sequence axes, checked against torch.
 
     \b
@@ -118,6 +122,7 @@ def export(checkpoint, d_model, heads, model_kind, layers, d_ff, attention, mask
       mha-deploy export -o mha.onnx
       mha-deploy export --attention cross --mask padding -o cross.onnx
       mha-deploy export --fuse onnx --mask padding-causal -o mha.onnx
+      mha-deploy export --mask padding-causal --kv-cache -o decode.onnx
       mha-deploy export --quantize int8 -o mha-int8.onnx
       mha-deploy export --dtype fp16 --fuse mha --mask padding -o mha-fp16.onnx
       mha-deploy export --model decoder --layers 6 --mask padding -o decoder.onnx
@@ -130,11 +135,14 @@ def export(checkpoint, d_model, heads, model_kind, layers, d_ff, attention, mask
     if model_kind == "mha":
         if layers != 1:
             raise click.UsageError("--layers is for --model encoder or decoder")
-        signature = Signature(attention, mask, return_weights)
+        signature = Signature(attention, mask, return_weights, kv_cache=kv_cache)
         mha = _load_model(checkpoint, d_model, heads, seed)
-        click.echo(f"exporting d_model={mha.d_model} heads={mha.num_heads} attention={attention} mask={mask}", err=True)
+        click.echo(f"exporting d_model={mha.d_model} heads={mha.num_heads} attention={attention} mask={mask}"
+                   + (" kv-cache" if kv_cache else ""), err=True)
         result = export_mha(mha, output, signature, **options)
     else:
+        if kv_cache:
+            raise click.UsageError(f"--kv-cache is implemented for --model mha, not --model {model_kind} yet")
         if checkpoint is not None or return_weights:
             raise click.UsageError(
                 f"--model {model_kind} exports a seeded random stack: no --checkpoint or --return-weights"
@@ -333,6 +341,11 @@ def inspect(model, as_json):
     stack = f"{sig['model']} x{meta['layers']} " if sig.get("model", "mha") != "mha" else ""
     click.echo(f"  model  {stack}d_model={meta['d_model']} heads={meta['num_heads']} attention={sig['attention']} "
                f"mask={sig['mask']} dtype={meta['dtype']} fusion={meta['fusion']}")
+    if sig.get("kv_cache"):
+        click.echo("  cache  past_key -> present_key, past_value -> present_value: [batch, heads, past_seq, d_k] in, "
+                   "[batch, heads, past_seq + seq, d_k] out (past ++ new); key_padding_mask [batch, past_seq + seq]")
+        if meta["fusion"] != "none":
+            click.echo("         prefill (past_seq 0) runs the fused attention above; later calls the plain graph")
     parity = meta.get("parity")
     if parity:
         click.echo(f"  parity {'PASSED' if parity['passed'] else 'FAILED'}: max abs err {parity['max_abs_err']:.3g} "
@@ -439,7 +452,9 @@ def triton(model, repo, name, instances, kind, max_batch_size, max_queue_delay_u
 
     Writes REPO/NAME/config.pbtxt and REPO/NAME/1/model.onnx, all or nothing. Triton's
     dynamic batcher only batches requests of equal sequence length (see the config's
-    comment); the mha-deploy HTTP server pads across lengths instead.
+    comment); the mha-deploy HTTP server pads across lengths instead. A --kv-cache model gets
+    sequence batching with implicit state (past_key/past_value <- present_key/present_value, empty at the
+    start of a sequence), one sequence per run (max_batch_size 1).
 
     \b
     Example:

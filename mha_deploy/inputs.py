@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from mha_deploy.errors import OptionError
-from mha_deploy.signature import PADDING_MASK, SEQUENCE, Signature
+from mha_deploy.signature import PADDING_MASK, PAST, SEQUENCE, Signature
 
 PADDING_SIDES = ("none", "right", "left", "mixed")
 
@@ -51,14 +51,15 @@ def padding_mask(batch: int, length: int, padding: str, rng: np.random.Generator
 
 
 def make_inputs(
-    signature: Signature, d_model: int, case: InputCase, seed: int = 0, dtype: str = "float32"
+    signature: Signature, d_model: int, case: InputCase, seed: int = 0, dtype: str = "float32", heads: int = 1
 ) -> dict[str, np.ndarray]:
-    """Standard-normal sequences and padding masks for every input of ``signature`` at ``case``'s shape."""
+    """Standard-normal sequences (and KV caches: ``case.kv_len`` cached tokens) and padding masks for every
+    input of ``signature`` at ``case``'s shape."""
     rng = np.random.default_rng(seed)
-    sizes = signature.axis_sizes(case.batch, case.q_len, case.kv_len, d_model=d_model)
+    sizes = signature.axis_sizes(case.batch, case.q_len, case.kv_len, d_model=d_model, heads=heads)
     feeds: dict[str, np.ndarray] = {}
     for spec in signature.inputs:
-        if spec.role == SEQUENCE:
+        if spec.role in (SEQUENCE, PAST):
             feeds[spec.name] = rng.standard_normal(spec.shape(sizes), dtype=np.float32).astype(dtype, copy=False)
         elif spec.role == PADDING_MASK:
             feeds[spec.name] = padding_mask(case.batch, sizes[spec.axes[1]], case.padding, rng)
@@ -66,10 +67,16 @@ def make_inputs(
 
 
 def placeholder_inputs(
-    signature: Signature, d_model: int, dtype: str, batch: int = 1, q_len: int = 1, kv_len: int | None = None
+    signature: Signature,
+    d_model: int,
+    dtype: str,
+    batch: int = 1,
+    q_len: int = 1,
+    kv_len: int | None = None,
+    heads: int = 1,
 ) -> dict[str, np.ndarray]:
     """Zeros of the given shape with masks that hide nothing: for warm-up runs and device buffers."""
-    sizes = signature.axis_sizes(batch, q_len, kv_len, d_model=d_model)
+    sizes = signature.axis_sizes(batch, q_len, kv_len, d_model=d_model, heads=heads)
     return {
         spec.name: np.ones(spec.shape(sizes), bool)
         if spec.role == PADDING_MASK
@@ -83,5 +90,6 @@ def real_query_rows(signature: Signature, feeds: dict[str, np.ndarray]) -> np.nd
     query = signature.query_input
     for mask_name, sequence_name in signature.padding_masks.items():
         if sequence_name == query:
-            return feeds[mask_name]
+            # A KV cache's mask covers the cached tokens first: the queries are its last q_len positions.
+            return feeds[mask_name][:, feeds[mask_name].shape[1] - feeds[query].shape[1]:]
     return np.ones(feeds[query].shape[:2], dtype=bool)

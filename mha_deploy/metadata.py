@@ -92,7 +92,11 @@ class ModelMetadata:
     format: int = METADATA_FORMAT
 
     def to_json(self) -> str:
-        return json.dumps(asdict(self), sort_keys=True)
+        raw = asdict(self)
+        if not self.signature.kv_cache:
+            # Written only when set, so that files without a cache stay readable by earlier mha-deploy.
+            del raw["signature"]["kv_cache"]
+        return json.dumps(raw, sort_keys=True)
 
     @classmethod
     def from_json(cls, text: str, source: str = "model") -> ModelMetadata:

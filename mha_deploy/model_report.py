@@ -129,6 +129,10 @@ def attention_ops(nodes: list[onnx.NodeProto]) -> list[AttentionOpInfo]:
         elif node.op_type == "If" and node.domain in ("", "ai.onnx"):
             branches = [_branch_attention(node, name) for name in ("then_branch", "else_branch")]
             if None in branches or branches[0].op_type != branches[1].op_type:
+                # A KV-cache model's If(prefill, decode): whole graphs, each reported as its own.
+                for attribute in node.attribute:
+                    if attribute.type == onnx.AttributeProto.GRAPH:
+                        found.extend(attention_ops(list(attribute.g.node)))
                 continue
             # Report the op as it runs with its mask: the branch given more inputs.
             flash, masked = sorted(branches, key=lambda n: len([name for name in n.input if name]))

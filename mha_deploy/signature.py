@@ -27,10 +27,17 @@ SEQUENCE = "sequence"  # float [batch, <sequence axis>, d_model]
 PADDING_MASK = "padding_mask"  # bool [batch, <sequence axis>], True = real token
 OUTPUT = "output"  # float [batch, <query axis>, d_model]
 WEIGHTS = "weights"  # float [batch, heads, <query axis>, <key axis>]: the softmax probabilities
+# A KV-cache model's keys/values of earlier calls, in and out: float [batch, heads, <length axis>, d_k].
+PAST = "past"  # past_key / past_value: the cache so far (length past_seq, 0 on the first call)
+PRESENT = "present"  # present_key / present_value: past ++ the new tokens' keys/values (length total_seq)
 
 # Axes whose size is fixed by the model (recorded in its metadata); every other axis is dynamic.
-FIXED_AXES = ("d_model", "heads")
+FIXED_AXES = ("d_model", "heads", "d_k")
 BATCH_AXIS = "batch"
+# KV cache: the cached length and the length after this call (past_seq + seq), the cache grows along them.
+PAST_AXIS, TOTAL_AXIS = "past_seq", "total_seq"
+# past input -> the present output the next call feeds back into it (Optimum's names for a lone attention).
+CACHE_PAIRS = {"past_key": "present_key", "past_value": "present_value"}
 # dtype of a float tensor: whatever the model was exported in (float32, or float16).
 MODEL_DTYPE = "model"
 
@@ -77,6 +84,8 @@ class Signature:
     # "encoder": x -> output with self-attention layers; "decoder": x (target) and
     # memory -> output, causal self-attention then cross-attention over memory.
     model: str = "mha"
+    # Incremental decoding: past_key/past_value in, present_key/present_value out (see ``cache_pairs``).
+    kv_cache: bool = False
 
     def __post_init__(self):
         if self.model not in MODEL_KINDS:
@@ -85,6 +94,8 @@ class Signature:
             raise ExportError(f"attention must be one of {', '.join(ATTENTION_KINDS)}, got {self.attention!r}")
         if self.mask not in MASK_MODES:
             raise ExportError(f"mask must be one of {', '.join(MASK_MODES)}, got {self.mask!r}")
+        if self.kv_cache:
+            self._check_kv_cache()
         if self.model != "mha":
             self._check_stack()
         elif self.is_causal and self.attention == "cross":
@@ -104,6 +115,18 @@ class Signature:
             )
         if self.return_weights:
             raise ExportError(f"--model {self.model} has several attentions: --return-weights is for a lone MHA")
+
+    def _check_kv_cache(self) -> None:
+        if self.model != "mha":
+            raise ExportError(f"--kv-cache is implemented for the lone MHA (--model mha), not --model {self.model}")
+        if self.attention != "self" or not self.is_causal:
+            raise ExportError(
+                "--kv-cache needs causal self-attention (--mask causal or padding-causal): a cache holds the "
+                f"keys of earlier tokens, which only causal attention leaves unchanged (got {self.attention}, "
+                f"{self.mask!r})"
+            )
+        if self.return_weights:
+            raise ExportError("--kv-cache returns the cache, not the probabilities: drop --return-weights")
 
     @property
     def has_padding_mask(self) -> bool:
@@ -140,8 +163,12 @@ class Signature:
         specs = [
             TensorSpec(name, SEQUENCE, MODEL_DTYPE, (BATCH_AXIS, axis, "d_model")) for name, axis in axis_of.items()
         ]
+        if self.kv_cache:
+            specs += [TensorSpec(name, PAST, MODEL_DTYPE, _cache_axes(PAST_AXIS)) for name in CACHE_PAIRS]
+        # With a cache, the mask covers the cached tokens and the new ones: [batch, past_seq + seq].
         specs += [
-            TensorSpec(name, PADDING_MASK, "bool", (BATCH_AXIS, axis_of[marks]), marks=marks)
+            TensorSpec(name, PADDING_MASK, "bool", (BATCH_AXIS, TOTAL_AXIS if self.kv_cache else axis_of[marks]),
+                       marks=marks)
             for name, marks in self._masks
         ]
         return tuple(specs)
@@ -152,7 +179,14 @@ class Signature:
         if self.return_weights:
             axes = (BATCH_AXIS, "heads", self.query_axis, self.key_axis)
             specs.append(TensorSpec("attn_weights", WEIGHTS, MODEL_DTYPE, axes))
+        if self.kv_cache:
+            specs += [TensorSpec(name, PRESENT, MODEL_DTYPE, _cache_axes(TOTAL_AXIS)) for name in CACHE_PAIRS.values()]
         return tuple(specs)
+
+    @property
+    def cache_pairs(self) -> dict[str, str]:
+        """Each past input -> the present output that becomes it on the next call; empty without a cache."""
+        return dict(CACHE_PAIRS) if self.kv_cache else {}
 
     @property
     def tensors(self) -> dict[str, TensorSpec]:
@@ -190,6 +224,8 @@ class Signature:
     @property
     def key_axis(self) -> str:
         """The length axis of the keys the (first) attention reads."""
+        if self.kv_cache:
+            return TOTAL_AXIS
         return self._sequences[0][1] if self.attention == "self" else self._sequences[1][1]
 
     @property
@@ -224,12 +260,24 @@ class Signature:
         """Axis sizes for a batch whose query axis has ``q_len`` and every other length axis ``kv_len``.
 
         ``fixed`` gives the model's fixed axes (d_model=..., heads=...).
+        With a KV cache, ``kv_len`` is the cached length (past_seq; default 0, a prefill). ``d_k`` follows
+        from d_model and heads when both are given.
         """
-        kv_len = q_len if kv_len is None else kv_len
         sizes = {BATCH_AXIS: batch, **fixed}
+        if "d_model" in fixed and "heads" in fixed:
+            sizes.setdefault("d_k", fixed["d_model"] // fixed["heads"])
+        if self.kv_cache:
+            past = 0 if kv_len is None else kv_len
+            sizes.update({self.query_axis: q_len, PAST_AXIS: past, TOTAL_AXIS: past + q_len})
+            return sizes
+        kv_len = q_len if kv_len is None else kv_len
         for axis in self.sequence_axes:
             sizes[axis] = q_len if axis == self.query_axis else kv_len
         return sizes
 
     def input_shapes(self, sizes: Mapping[str, int]) -> dict[str, tuple[int, ...]]:
         return {spec.name: spec.shape(sizes) for spec in self.inputs}
+
+
+def _cache_axes(length_axis: str) -> tuple[str, ...]:
+    return (BATCH_AXIS, "heads", length_axis, "d_k")

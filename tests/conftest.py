@@ -22,7 +22,9 @@ SIGNATURES = [
 
 def signature_id(signature: Signature) -> str:
     prefix = f"{signature.model}-" if signature.model != "mha" else f"{signature.attention}-"
-    return prefix + signature.mask + ("-weights" if signature.return_weights else "")
+    return prefix + signature.mask + ("-weights" if signature.return_weights else "") + (
+        "-kv-cache" if signature.kv_cache else ""
+    )
 
 
 has_torch = importlib.util.find_spec("torch") is not None

@@ -130,6 +130,7 @@ def test_export_refuses_a_model_that_fails_parity(tmp_path, monkeypatch, defecti
         (["--d-model", "10", "--heads", "3"], "d_model (10) must be divisible by num_heads (3)"),
         (["--model", "encoder", "--d-model", "10", "--heads", "3"], "d_model (10) must be divisible by num_heads (3)"),
         (["--layers", "2"], "--layers is for --model encoder or decoder"),
+        (["--model", "decoder", "--kv-cache"], "--kv-cache is implemented for --model mha"),
     ],
 )
 def test_export_usage_errors_exit_2_and_leave_nothing(tmp_path, monkeypatch, args, fragment):
@@ -293,3 +294,20 @@ def test_real_process(tmp_path):
     assert result.returncode == 2 and "must differ from --input" in result.stderr
     result = run("inspect", tmp_path / "nope.onnx")
     assert result.returncode == 1 and result.stderr.strip() == f"error: model file not found: {tmp_path / 'nope.onnx'}"
+
+
+def test_export_kv_cache_and_inspect_shows_the_cache(tmp_path):
+    model = tmp_path / "decode.onnx"
+    result = invoke("export", *SMALL, "--mask", "padding-causal", "--kv-cache", "-o", model)
+    assert result.exit_code == 0, result.output
+    assert "parity PASSED" in result.stdout and "+" in result.stdout
+    text = invoke("inspect", model).stdout
+    assert "past_key -> present_key" in text and "[batch, total_seq]" in text
+    assert json.loads(invoke("inspect", model, "--json").stdout)["metadata"]["signature"]["kv_cache"] is True
+
+
+def test_export_kv_cache_without_causal_mask_is_one_line_error(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert_one_line_error(invoke("export", *SMALL, "--mask", "padding", "--kv-cache", "-o", "m.onnx"),
+                          "needs causal self-attention")
+    assert list(tmp_path.iterdir()) == []

@@ -19,7 +19,10 @@ def test_readme_python_example(export_model, tmp_path, monkeypatch, capsys):
     assert blocks, "the README has a Python example"
     path, _ = export_model(Signature("self", "padding"))
     (tmp_path / "mha.onnx").symlink_to(path)
+    (tmp_path / "decode.onnx").symlink_to(export_model(Signature("self", "padding-causal", kv_cache=True))[0])
     monkeypatch.chdir(tmp_path)
     for block in blocks:
         exec(compile(block, str(README), "exec"), {})
-    assert "provider " in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "provider " in printed
+    assert "[1] [9] 12" in printed, "the KV-cache example prints what its comment says"

@@ -28,6 +28,7 @@ from mha_deploy.batch.planner import (
 )
 from mha_deploy.errors import InputError
 from mha_deploy.metadata import ON_ERROR_CHOICES  # re-exported: defined without onnxruntime for the CLI
+from mha_deploy.runtime.decoding import refuse_kv_cache
 from mha_deploy.runtime.session import MHASession
 from mha_deploy.runtime.validation import in_model_dtype, item_problem, output_problem
 
@@ -142,6 +143,7 @@ class BatchRunner:
             raise InputError(f"bucket window must be 0 (no bucketing) or more, got {bucket_window}")
         if on_error not in ON_ERROR_CHOICES:
             raise InputError(f"on_error must be one of {', '.join(ON_ERROR_CHOICES)}, got {on_error!r}")
+        refuse_kv_cache(session.metadata, "the batch runner")
         self.session = session
         self.batch_size = batch_size
         self.max_tokens = max_tokens

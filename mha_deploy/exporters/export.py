@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import importlib.metadata
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import onnx
@@ -14,7 +14,15 @@ from mha_deploy.atomic import atomic_path
 from mha_deploy.errors import ExportError, ParityError
 from mha_deploy.exporters.fusion import FusionReport, fuse_attention
 from mha_deploy.exporters.graphs import attention_graph
-from mha_deploy.exporters.parity import DEFAULT_ATOL, DEFAULT_RTOL, ParityCase, check_parity
+from mha_deploy.exporters.kv_cache import prefill_or_decode
+from mha_deploy.exporters.parity import (
+    DEFAULT_ATOL,
+    DEFAULT_RTOL,
+    CacheCase,
+    ParityCase,
+    check_cache_parity,
+    check_parity,
+)
 from mha_deploy.exporters.precision import DTYPES, FP16_ATOL, FP16_RTOL, to_float16
 from mha_deploy.exporters.quantize import quantize_int8
 from mha_deploy.exporters.stack_graphs import export_stack_onnx, stack_graph
@@ -32,6 +40,7 @@ from mha_deploy.metadata import (
 from mha_deploy.models.attention import MultiHeadAttention
 from mha_deploy.models.transformer import Decoder, Encoder
 from mha_deploy.runtime.session import MHASession
+from mha_deploy.signature import CACHE_PAIRS
 
 # --fuse auto, per mask mode: the fastest exact path on ORT's CPU provider. Full block
 # (projections + attention), self-attention, d_model 512, 8 heads, fp32, 2 threads, ORT 1.31.1;
@@ -52,6 +61,15 @@ from mha_deploy.runtime.session import MHASession
 # at (2,4096) within 115-168 MB for every mask mode with no key padded, where onnx needs 1.1-1.4 GB
 # (a float [batch, 1, q_len, kv_len] attn_mask, and ORT's standard Attention materialises the scores).
 AUTO_TARGETS = {"none": "mha", "padding": "mha", "causal": "mha", "padding-causal": "mha"}
+# A KV-cache model (--kv-cache): its decode steps always run the plain graph, measured by the one-token
+# step it exists for (context 4096, batch 1, d_model 512, 8 heads, 2 threads, ORT 1.31.1, median of 30):
+# the plain graph 5.0 ms (1.4 at context 1024), the pipeline's MultiHeadAttention with the mask as
+# attention_bias over the concatenated cache 15.1 ms (1.5). Both copy the cache once (the Concat that
+# makes present); one numpy copy of both caches took 2.3 ms in the same run. GroupQueryAttention cannot
+# take the cache: its seqlens_k says where each row's real keys end, not where a padded prefill left
+# holes. The target fuses the prefill (past_seq 0), which is the cache-free causal model and is fused
+# like it (exporters.kv_cache); the plain graph's prefill at 4096 took 780 ms in that run.
+AUTO_TARGET_KV_CACHE = "mha"
 # Only the standard Attention op can also output the softmax probabilities.
 AUTO_TARGET_RETURNING_WEIGHTS = "onnx"
 _RECORDED_PACKAGES = ("mha-deploy", "torch", "onnx", "onnxscript", "onnxruntime-gpu", "onnxruntime")
@@ -98,6 +116,8 @@ def auto_fusion_target(signature: Signature) -> str:
     """What ``--fuse auto`` picks: the fastest target measured for the mask mode (``AUTO_TARGETS``), or
     ``onnx`` to return weights. A stack's mask mode is its padding; its causal self-attention is fused
     like a lone causal MHA's."""
+    if signature.kv_cache:
+        return AUTO_TARGET_KV_CACHE
     return AUTO_TARGET_RETURNING_WEIGHTS if signature.return_weights else AUTO_TARGETS[signature.mask]
 
 
@@ -120,12 +140,29 @@ def _optimised(
     return fused, report
 
 
+def _optimised_kv_cache(
+    decode: onnx.ModelProto, prefill: onnx.ModelProto, target: str, dtype: str
+) -> tuple[onnx.ModelProto, FusionReport]:
+    """``none``: the plain KV-cache graph for every call. Otherwise the prefill fused for ``target`` behind
+    an If on the cache's length, decode steps on the plain graph (why: ``AUTO_TARGET_KV_CACHE``)."""
+    if target == "none":
+        return _optimised(decode, "none", "none", dtype, 1)
+    fused_prefill, report = _optimised(prefill, target, "none", "float32", 1)
+    model = prefill_or_decode(fused_prefill, decode, next(iter(CACHE_PAIRS)))
+    if dtype == "float16":
+        model = to_float16(model)
+    return model, report
+
+
 def _checked(module, model: onnx.ModelProto, atol, rtol, parity_cases, quantize) -> ParityReport:
     # Parity runs on the in-memory model on the CPU provider, which every
     # machine has, so that a failed check never leaves a file behind. ORT's own
     # graph optimisations stay off so that they cannot mask a bad fusion.
     session = MHASession(model.SerializeToString(), provider="cpu", optimization="disabled")
     budget = INT8_REL_ERR_BUDGET if quantize == "int8" else None
+    if session.signature.kv_cache:
+        # ``module`` is then the cache-free reference: one causal forward of the whole sequence.
+        return check_cache_parity(module, session, parity_cases, atol=atol, rtol=rtol, rel_budget=budget)
     return check_parity(module, session, parity_cases, atol=atol, rtol=rtol, rel_budget=budget)
 
 
@@ -180,7 +217,7 @@ def export_mha(
     opset: int = DEFAULT_OPSET,
     atol: float | None = None,
     rtol: float | None = None,
-    parity_cases: tuple[ParityCase, ...] | None = None,
+    parity_cases: tuple[ParityCase, ...] | tuple[CacheCase, ...] | None = None,
     fuse: str = "auto",
     quantize: str = "none",
     dtype: str = "fp32",
@@ -196,15 +233,27 @@ def export_mha(
     torch reference at ``FP16_ATOL``/``FP16_RTOL`` unless atol/rtol are given.
     Raises ``ParityError`` (and writes nothing) when ORT and torch disagree
     beyond ``atol + rtol * |reference|`` on any real query position.
+
+    ``signature.kv_cache``: past_key/past_value in, present_key/present_value out, one file for prefill
+    (past_seq 0) and decode; parity decodes ``CacheCase`` s call by call against one causal forward of
+    the whole sequence in torch.
     """
     signature = signature or Signature()
     options = ExportOptions(opset, atol, rtol, parity_cases, fuse, quantize, dtype)
     options.check()
     output = _check_output(output)
     module = attention_graph(mha.eval(), signature)
-    plain = export_onnx(module, signature, mha.d_model, opset)
+    plain = export_onnx(module, signature, mha.d_model, opset, heads=mha.num_heads)
     metadata = ModelMetadata(d_model=mha.d_model, num_heads=mha.num_heads, signature=signature)
-    return _finish(module, plain, metadata, output, options, attention_ops=1)
+    if not signature.kv_cache:
+        return _finish(module, plain, metadata, output, options, attention_ops=1)
+    if quantize != "none":
+        raise ExportError("--quantize int8 is not available with --kv-cache: export the cache model in fp32 or fp16")
+    # The cache-free model is both the prefill's graph and the reference: one causal forward of the whole sequence.
+    cache_free = replace(signature, kv_cache=False)
+    reference = attention_graph(mha.eval(), cache_free)
+    prefill = export_onnx(reference, cache_free, mha.d_model, opset)
+    return _finish(reference, plain, metadata, output, options, 1, prefill)
 
 
 def export_stack(
@@ -235,9 +284,19 @@ def export_stack(
 
 
 def _finish(
-    module, plain: onnx.ModelProto, metadata: ModelMetadata, output: Path, options: ExportOptions, attention_ops: int
+    module,
+    plain: onnx.ModelProto,
+    metadata: ModelMetadata,
+    output: Path,
+    options: ExportOptions,
+    attention_ops: int,
+    prefill: onnx.ModelProto | None = None,
 ) -> ExportResult:
-    """Fuse, quantize or cast, check parity against ``module``, record metadata, and write ``output``."""
+    """Fuse, quantize or cast, check parity against ``module``, record metadata, and write ``output``.
+
+    ``prefill`` (KV-cache models): the graph of the first call, fused in ``plain``'s place for it
+    (``_optimised_kv_cache``).
+    """
     metadata.dtype = DTYPES[options.dtype]
     metadata.opset = options.opset
     metadata.versions = package_versions()
@@ -247,7 +306,10 @@ def _finish(
     target = auto_fusion_target(metadata.signature) if options.fuse == "auto" else options.fuse
 
     def build(fuse_target: str):
-        model, fusion = _optimised(plain, fuse_target, options.quantize, metadata.dtype, attention_ops)
+        if prefill is not None:
+            model, fusion = _optimised_kv_cache(plain, prefill, fuse_target, metadata.dtype)
+        else:
+            model, fusion = _optimised(plain, fuse_target, options.quantize, metadata.dtype, attention_ops)
         return model, fusion, _checked(module, model, atol, rtol, options.parity_cases, options.quantize)
 
     try:

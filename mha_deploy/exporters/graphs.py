@@ -16,9 +16,13 @@ from mha_deploy.models.attention import MultiHeadAttention
 
 
 def build_attention_mask(
-    key_padding_mask: torch.Tensor | None, q_len: int, kv_len: int, causal: bool, device=None
+    key_padding_mask: torch.Tensor | None, q_len: int, kv_len: int, causal: bool, device=None, past_len=0
 ) -> torch.Tensor | None:
-    """The reference mask, broadcastable to [batch, heads, q_len, kv_len]; None when nothing is masked."""
+    """The reference mask, broadcastable to [batch, heads, q_len, kv_len]; None when nothing is masked.
+
+    ``past_len``: how many cached keys come before the queries (KV cache), so query i sits at position
+    past_len + i of the keys.
+    """
     mask = None
     if key_padding_mask is not None:
         # [batch, kv_len] -> [batch, 1, 1, kv_len]
@@ -26,7 +30,7 @@ def build_attention_mask(
     if causal:
         # Built from positions rather than torch.tril so that the exported graph
         # keeps q_len and kv_len symbolic.
-        q_pos = torch.arange(q_len, device=device)[:, None]
+        q_pos = torch.arange(q_len, device=device)[:, None] + past_len
         kv_pos = torch.arange(kv_len, device=device)[None, :]
         causal_mask = kv_pos <= q_pos  # [q_len, kv_len]
         mask = causal_mask if mask is None else mask & causal_mask
@@ -57,7 +61,30 @@ class CrossAttentionGraph(_AttentionGraph):
         return self._attend(query, key, value, key_padding_mask)
 
 
+class KVCacheSelfAttentionGraph(_AttentionGraph):
+    """Causal self-attention over a cache: ``(x, past_key, past_value[, key_padding_mask])`` ->
+    ``(output, present_key, present_value)``, present = past ++ the new tokens' keys/values.
+
+    Query i of ``x`` sits at position past_seq + i, so it sees every cached key the mask marks real and the
+    new keys at or before it: exactly its row of one causal forward over the whole sequence.
+    """
+
+    def forward(self, x, past_key, past_value, key_padding_mask=None):
+        mha = self.mha
+        q = mha.split_heads(mha.W_q(x))
+        # [batch, heads, past_seq, d_k] ++ [batch, heads, seq, d_k] -> [batch, heads, total_seq, d_k]
+        present_key = torch.cat([past_key, mha.split_heads(mha.W_k(x))], dim=2)
+        present_value = torch.cat([past_value, mha.split_heads(mha.W_v(x))], dim=2)
+        mask = build_attention_mask(
+            key_padding_mask, x.shape[1], present_key.shape[2], True, x.device, past_len=past_key.shape[2]
+        )
+        context, _ = mha.scaled_dot_product_attention(q, present_key, present_value, mask)
+        return mha.W_o(mha.merge_heads(context)), present_key, present_value
+
+
 def attention_graph(mha: MultiHeadAttention, signature: Signature) -> _AttentionGraph:
     """The eval-mode module to export for ``signature``."""
+    if signature.kv_cache:
+        return KVCacheSelfAttentionGraph(mha, signature).eval()
     graph_cls = SelfAttentionGraph if signature.attention == "self" else CrossAttentionGraph
     return graph_cls(mha, signature).eval()

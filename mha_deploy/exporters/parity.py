@@ -7,6 +7,8 @@ compute something else there. Every position, padded or not, must be finite.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, replace
+
 import numpy as np
 import torch
 
@@ -19,8 +21,21 @@ DEFAULT_ATOL, DEFAULT_RTOL = 1e-5, 1e-4
 # The name parity has always used for a generated shape.
 ParityCase = InputCase
 __all__ = [
-    "DEFAULT_ATOL", "DEFAULT_RTOL", "PADDING_SIDES", "ParityCase", "check_parity", "default_cases", "make_inputs",
-    "padding_mask", "real_query_rows", "torch_reference",
+    "CACHE_CASES",
+    "DEFAULT_ATOL",
+    "DEFAULT_RTOL",
+    "PADDING_SIDES",
+    "CacheCase",
+    "ParityCase",
+    "check_cache_parity",
+    "check_parity",
+    "decode_in_calls",
+    "default_cases",
+    "full_sequence_inputs",
+    "make_inputs",
+    "padding_mask",
+    "real_query_rows",
+    "torch_reference",
 ]
 
 
@@ -38,6 +53,107 @@ CROSS_CASES = (
     ParityCase(4, 6, 41, "left"),
     ParityCase(2, 259, 300, "mixed"),
 )
+
+
+@dataclass(frozen=True)
+class CacheCase:
+    """A KV-cache model's decoding to check: a prefill of ``prefill`` tokens (padded on ``padding``'s side
+    when the model has a mask), ``steps`` one-token calls, then one call of ``chunk`` tokens."""
+
+    batch: int
+    prefill: int
+    steps: int
+    chunk: int
+    padding: str = "right"
+
+    @property
+    def calls(self) -> tuple[int, ...]:
+        return (self.prefill, *(1,) * self.steps, self.chunk)
+
+    def label(self, signature: Signature) -> str:
+        shape = f"{self.batch}x({self.prefill}+{self.steps}x1+{self.chunk})"
+        return f"{shape}/{self.padding}" if signature.has_padding_mask and self.padding != "none" else shape
+
+
+# Batch 1 with a one-token prefill, both padding sides and a mix, a prefill >= 256.
+CACHE_CASES = (
+    CacheCase(1, 1, 3, 2, "none"),
+    CacheCase(3, 17, 3, 4, "right"),
+    CacheCase(4, 9, 2, 3, "left"),
+    CacheCase(2, 260, 2, 5, "mixed"),
+)
+
+
+def full_sequence_inputs(signature: Signature, d_model: int, case: CacheCase, seed: int) -> dict[str, np.ndarray]:
+    """The whole sequence a ``case`` decodes, as the cache-free ``signature`` takes it: x [batch, total, d_model]
+    (+ key_padding_mask, padded only within the prefill: every later token is real)."""
+    total = sum(case.calls)
+    feeds = make_inputs(signature, d_model, InputCase(case.batch, total, total, "none"), seed)
+    rng = np.random.default_rng(seed + 1)
+    for name in signature.padding_masks:
+        feeds[name][:, : case.prefill] = padding_mask(case.batch, case.prefill, case.padding, rng)
+    return feeds
+
+
+def decode_in_calls(session: MHASession, feeds: dict[str, np.ndarray], calls: tuple[int, ...]) -> np.ndarray:
+    """Run a KV-cache ``session`` over the whole sequence ``feeds`` in calls of ``calls`` tokens, each fed the
+    previous call's present outputs; the outputs of every call, concatenated along the sequence."""
+    signature = session.signature
+    x = feeds[signature.query_input]
+    d_k = session.metadata.d_model // session.metadata.num_heads
+    empty = np.zeros((x.shape[0], session.metadata.num_heads, 0, d_k), x.dtype)
+    past = dict.fromkeys(signature.cache_pairs, empty)
+    outputs, start = [], 0
+    for length in calls:
+        end = start + length
+        masks = {name: feeds[name][:, :end] for name in signature.padding_masks}
+        result = session.run({signature.query_input: x[:, start:end], **past, **masks})
+        outputs.append(result["output"])
+        past = {name: result[present] for name, present in signature.cache_pairs.items()}
+        start = end
+    return np.concatenate(outputs, axis=1)
+
+
+def check_cache_parity(
+    reference: torch.nn.Module,
+    session: MHASession,
+    cases: tuple[CacheCase, ...] | None = None,
+    atol: float = DEFAULT_ATOL,
+    rtol: float = DEFAULT_RTOL,
+    seed: int = 0,
+    rel_budget: float | None = None,
+) -> ParityReport:
+    """A KV-cache ``session`` decoding each case call by call against ``reference``: one causal forward of
+    the whole sequence in torch (the cache-free module of the same mask mode), on every real position."""
+    cache_signature = session.signature
+    signature = replace(cache_signature, kv_cache=False)
+    model_dtype = session.metadata.dtype
+    comparisons, failures, labels = [], [], []
+    for index, case in enumerate(cases or CACHE_CASES):
+        if not signature.has_padding_mask:
+            case = replace(case, padding="none")
+        labels.append(case.label(signature))
+        feeds = full_sequence_inputs(signature, session.metadata.d_model, case, seed + index)
+        expected = torch_reference(reference, signature, feeds)
+        cast = {k: v.astype(model_dtype) if v.dtype.kind == "f" else v for k, v in feeds.items()}
+        actual = {"output": decode_in_calls(session, cast, case.calls)}
+        rows = real_query_rows(signature, feeds)
+        for comparison in compare_outputs(signature, actual, expected, rows, atol, rtol, rel_budget):
+            comparisons.append(comparison)
+            if not comparison.passed:
+                failures.append(f"{labels[-1]}: {comparison.summary()}")
+    return ParityReport(
+        passed=not failures,
+        atol=atol,
+        rtol=rtol,
+        max_abs_err=max(c.max_abs_err for c in comparisons),
+        required_atol=max(c.required_atol for c in comparisons),
+        required_rtol=max(c.required_rtol for c in comparisons),
+        shapes=labels,
+        failures=failures,
+        rel_err=max(c.rel_err for c in comparisons),
+        rel_budget=rel_budget,
+    )
 
 
 def default_cases(signature: Signature) -> tuple[ParityCase, ...]:

@@ -12,7 +12,7 @@ import torch
 from torch.export import Dim
 
 from mha_deploy.errors import ExportError
-from mha_deploy.signature import PADDING_MASK, Signature
+from mha_deploy.signature import PADDING_MASK, TOTAL_AXIS, Signature
 
 # Tracing sizes: all >= 2 and pairwise different, so that torch.export cannot
 # specialise a dynamic axis to a constant or unify two axes that are independent.
@@ -22,10 +22,10 @@ DEFAULT_OPSET = 23
 MAX_IR_VERSION = 10
 
 
-def sample_inputs(signature: Signature, d_model: int) -> tuple[torch.Tensor, ...]:
-    """Tracing inputs, one per input of the signature, at the tracing sizes."""
+def sample_inputs(signature: Signature, d_model: int, heads: int = 1) -> tuple[torch.Tensor, ...]:
+    """Tracing inputs, one per input of the signature, at the tracing sizes (a KV cache of TRACE_KV_LEN)."""
     gen = torch.Generator().manual_seed(0)
-    sizes = signature.axis_sizes(TRACE_BATCH, TRACE_Q_LEN, TRACE_KV_LEN, d_model=d_model)
+    sizes = signature.axis_sizes(TRACE_BATCH, TRACE_Q_LEN, TRACE_KV_LEN, d_model=d_model, heads=heads)
     return tuple(
         torch.ones(spec.shape(sizes), dtype=torch.bool)
         if spec.role == PADDING_MASK
@@ -36,11 +36,24 @@ def sample_inputs(signature: Signature, d_model: int) -> tuple[torch.Tensor, ...
 
 def dynamic_shapes(signature: Signature) -> tuple[dict[int, Dim], ...]:
     """One ``Dim`` per named axis of the signature, shared by every input that has that axis."""
-    dims: dict[str, Dim] = {}
+    # total_seq is past_seq + seq, a sum torch.export cannot declare: AUTO lets it derive the relation.
+    dims: dict[str, Dim] = {TOTAL_AXIS: Dim.AUTO}
     return tuple(
         {index: dims.setdefault(axis, Dim(axis)) for index, axis in spec.dynamic_axes.items()}
         for spec in signature.inputs
     )
+
+
+def name_dynamic_axes(model: onnx.ModelProto, signature: Signature) -> None:
+    """Give every dynamic axis of the graph's inputs and outputs its Signature name (the exporter names a
+    derived axis by its expression, e.g. ``past_seq + seq``, or ``s46``), so that inspect and Triton agree."""
+    specs = signature.tensors
+    for value in (*model.graph.input, *model.graph.output):
+        spec = specs.get(value.name)
+        if spec is None:
+            continue
+        for index, axis in spec.dynamic_axes.items():
+            value.type.tensor_type.shape.dim[index].dim_param = axis
 
 
 @contextlib.contextmanager
@@ -60,7 +73,11 @@ def _quiet_exporter():
 
 
 def export_onnx(
-    module: torch.nn.Module, signature: Signature, d_model: int, opset: int = DEFAULT_OPSET
+    module: torch.nn.Module,
+    signature: Signature,
+    d_model: int,
+    opset: int = DEFAULT_OPSET,
+    heads: int = 1,
 ) -> onnx.ModelProto:
     """torch.onnx.export (dynamo) of ``module``, an eval-mode graph whose forward takes ``signature``'s
     inputs in order, traced at the tracing sizes, quietly, with an IR version ORT accepts."""
@@ -70,7 +87,7 @@ def export_onnx(
         with _quiet_exporter(), torch.no_grad():
             program = torch.onnx.export(
                 module,
-                sample_inputs(signature, d_model),
+                sample_inputs(signature, d_model, heads),
                 dynamo=True,
                 dynamic_shapes=dynamic_shapes(signature),
                 input_names=list(signature.input_names),
@@ -82,4 +99,6 @@ def export_onnx(
         raise ExportError(f"torch.onnx.export failed: {type(exc).__name__}: {exc}") from exc
     model = program.model_proto
     model.ir_version = min(model.ir_version, MAX_IR_VERSION)
+    if signature.kv_cache:
+        name_dynamic_axes(model, signature)
     return model

@@ -50,7 +50,7 @@ RunFn = Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]]
 def check_declared_io(proto: onnx.ModelProto, metadata: ModelMetadata, source: str) -> None:
     """Element type, rank and fixed sizes of every input and output the metadata lists, as the graph declares them."""
     declared = {v.name: v.type.tensor_type for v in (*proto.graph.input, *proto.graph.output)}
-    sizes = {"d_model": metadata.d_model, "heads": metadata.num_heads}
+    sizes = {"d_model": metadata.d_model, "heads": metadata.num_heads, "d_k": metadata.d_model // metadata.num_heads}
     for spec in (*metadata.signature.inputs, *metadata.signature.outputs):
         if spec.name not in declared:
             _refuse(source, f"its metadata lists {spec.name!r}, which the graph lacks")
@@ -134,6 +134,8 @@ def check_causality(proto: onnx.ModelProto, metadata: ModelMetadata, source: str
 def check_batching(run: RunFn, metadata: ModelMetadata, source: str) -> None:
     """A probe item's outputs alone and padded in a batch agree; so do a longer item's alone and batched."""
     signature = metadata.signature
+    if signature.kv_cache:
+        return  # a cache model decodes one batch at a time: check_cache_behaviour probes it instead
     paddable = signature.paddable_axes
     rng = np.random.default_rng(0)
     short = {axis: 2 + i for i, axis in enumerate(signature.sequence_axes)}
@@ -167,7 +169,7 @@ def check_batching(run: RunFn, metadata: ModelMetadata, source: str) -> None:
 def check_causal_behaviour(run: RunFn, metadata: ModelMetadata, source: str) -> None:
     """If the metadata says the queries' own sequence is causal, a later token cannot move an earlier output."""
     signature = metadata.signature
-    if not (signature.is_causal or signature.model == "decoder"):
+    if signature.kv_cache or not (signature.is_causal or signature.model == "decoder"):
         return
     rng = np.random.default_rng(1)
     lengths = {axis: 4 for axis in signature.sequence_axes}
@@ -187,6 +189,40 @@ def check_causal_behaviour(run: RunFn, metadata: ModelMetadata, source: str) -> 
                 source,
                 f"its {spec.name} at earlier positions changes by {error:.1%} when the last token changes, so "
                 f"its mask mode {signature.mask!r} (causal) does not describe the graph",
+            )
+
+
+def check_cache_behaviour(run: RunFn, metadata: ModelMetadata, source: str) -> None:
+    """A KV-cache model's cache must mean what its metadata says: 4 tokens at once, and 3 then 1 fed with
+    the first call's present outputs as past, give the same outputs and the same final cache."""
+    signature = metadata.signature
+    if not signature.kv_cache:
+        return
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal((1, 4, metadata.d_model)).astype(metadata.dtype)
+    empty = np.zeros((1, metadata.num_heads, 0, metadata.d_model // metadata.num_heads), metadata.dtype)
+
+    def call(tokens: np.ndarray, past: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        total = tokens.shape[1] + next(iter(past.values())).shape[2]
+        masks = {name: np.ones((1, total), bool) for name in signature.padding_masks}
+        return run({signature.query_input: tokens, **past, **masks})
+
+    whole = call(x, dict.fromkeys(signature.cache_pairs, empty))
+    first = call(x[:, :3], dict.fromkeys(signature.cache_pairs, empty))
+    second = call(x[:, 3:], {past: first[present] for past, present in signature.cache_pairs.items()})
+    pieces = {
+        "output": np.concatenate([first["output"], second["output"]], axis=1),
+        **{present: second[present] for present in signature.cache_pairs.values()},
+    }
+    for name, got in pieces.items():
+        expected = whole[name].astype(np.float64)
+        shape_ok = got.shape == expected.shape
+        error = np.linalg.norm(got - expected) / max(float(np.linalg.norm(expected)), 1e-30) if shape_ok else np.inf
+        if not error <= _budget(metadata):
+            _refuse(
+                source,
+                f"its {name} differs by {error:.1%} between one call of 4 tokens and 3 then 1 through its cache "
+                f"(shapes {got.shape} and {expected.shape}), so it is not the KV cache its metadata declares",
             )
 
 

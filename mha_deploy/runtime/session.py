@@ -17,9 +17,11 @@ from mha_deploy.errors import InputError, ModelFileError, OptionError, ProviderU
 from mha_deploy.inputs import placeholder_inputs
 from mha_deploy.metadata import ModelMetadata
 from mha_deploy.runtime.cuda_support import cuda_graph_unsupported, cuda_unsupported
+from mha_deploy.runtime.decoding import Decoder
 from mha_deploy.runtime.digest import sha256_digest
 from mha_deploy.runtime.model_check import (
     check_batching,
+    check_cache_behaviour,
     check_causal_behaviour,
     check_causality,
     check_declared_io,
@@ -125,6 +127,8 @@ class MHASession:
         self.provider = check_providers(plan, self._session)
         self.provider_note = plan.note
         self.metadata = ModelMetadata.from_props(self._session.get_modelmeta().custom_metadata_map, self.source)
+        if cuda_graph is not None and self.signature.kv_cache:
+            raise OptionError("cuda_graph replays fixed shapes; a KV-cache model's cache grows every call")
         self._check_io_names()
         if not isinstance(model, bytes):
             self._check_against_graph(Path(model), probe=cuda_graph is None)
@@ -181,6 +185,7 @@ class MHASession:
 
         check_batching(run, self.metadata, self.source)
         check_causal_behaviour(run, self.metadata, self.source)
+        check_cache_behaviour(run, self.metadata, self.source)
 
     @property
     def signature(self):
@@ -203,6 +208,42 @@ class MHASession:
             return self._run_with_binding(feeds)
         outputs = self._session.run(list(self.output_names), feeds)
         return dict(zip(self.output_names, outputs, strict=True))
+
+    def run_into(self, inputs: Mapping[str, object], outputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """``run``, with the outputs named in ``outputs`` written by ORT straight into those caller-owned arrays
+        (C-contiguous, the model's dtype, exactly the output's shape) through an IOBinding: no allocation and
+        no copy for them. ORT allocates the other outputs. CPU provider only: the arrays are host memory.
+
+        What a KV-cache decoder uses to keep its cache in preallocated buffers (``decoder``).
+        """
+        if self.provider != "cpu" or self._graph is not None:
+            raise OptionError(f"run_into writes host arrays: it needs the CPU provider (this session: {self.provider})")
+        feeds = validate_inputs(self.metadata, inputs)
+        binding = self._session.io_binding()
+        for name, array in feeds.items():
+            binding.bind_cpu_input(name, array)
+        dtype = np.dtype(self.metadata.dtype)
+        for name in self.output_names:
+            target = outputs.get(name)
+            if target is None:
+                binding.bind_output(name, "cpu")
+                continue
+            if target.dtype != dtype or not target.flags.c_contiguous or not target.flags.writeable:
+                raise InputError(f"{name}: run_into needs a writable C-contiguous {dtype.name} array")
+            binding.bind_output(name, "cpu", 0, dtype.type, list(target.shape), target.ctypes.data)
+        try:
+            self._session.run_with_iobinding(binding)
+        except Exception as exc:  # ORT's own types; a wrong output shape is the caller's mistake
+            raise InputError(f"run_into failed (is every output array exactly its output's shape?): {exc}") from exc
+        values = binding.get_outputs()
+        return {
+            name: outputs[name] if name in outputs else value.numpy()
+            for name, value in zip(self.output_names, values, strict=True)
+        }
+
+    def decoder(self, capacity: int | None = None) -> Decoder:
+        """Incremental decoding over this KV-cache model: ``prefill`` then ``step`` (see ``Decoder``)."""
+        return Decoder(self, capacity)
 
     def warmup(self) -> None:
         """Run one tiny batch (or, in CUDA graph mode, one batch of the graph's shape)."""
@@ -327,7 +368,9 @@ class _CudaGraph:
 def _placeholders(metadata: ModelMetadata, shape: tuple[int, ...] | None) -> dict[str, np.ndarray]:
     """Zeros with masks that hide nothing, for ``shape`` = (batch, seq) or (batch, q_seq, kv_seq); default 1 x 1."""
     batch, q_len, kv_len = (shape[0], shape[1], shape[-1]) if shape else (1, 1, 1)
-    return placeholder_inputs(metadata.signature, metadata.d_model, metadata.dtype, batch, q_len, kv_len)
+    return placeholder_inputs(
+        metadata.signature, metadata.d_model, metadata.dtype, batch, q_len, kv_len, heads=metadata.num_heads
+    )
 
 
 def _session_options(

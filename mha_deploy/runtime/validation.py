@@ -205,8 +205,35 @@ def validate_inputs(metadata: ModelMetadata, inputs: Mapping[str, object]) -> di
     problem = _length_problem(signature, {name: array.shape[1] for name, array in arrays.items()})
     if problem:
         raise InputError(problem.message)
+    past = _cache_arrays(metadata, inputs, next(iter(batch.values()))) if signature.kv_cache else {}
     for mask_name, sequence_name in signature.padding_masks.items():
-        arrays[mask_name] = _padding_mask(mask_name, inputs[mask_name], arrays[sequence_name].shape[:2], sequence_name)
+        shape = arrays[sequence_name].shape[:2]
+        if past:
+            # The mask covers the cached tokens, then the new ones: [batch, past_seq + seq].
+            shape = (shape[0], next(iter(past.values())).shape[2] + shape[1])
+            sequence_name = f"past_seq + {sequence_name}'s length"
+        arrays[mask_name] = _padding_mask(mask_name, inputs[mask_name], shape, sequence_name)
+    return {**arrays, **past}
+
+
+def _cache_arrays(metadata: ModelMetadata, inputs: Mapping[str, object], batch: int) -> dict[str, np.ndarray]:
+    """The past_key/past_value feeds: model dtype, [batch, heads, past_seq, d_k], one past_seq for both."""
+    dtype = np.dtype(metadata.dtype)
+    heads, d_k = metadata.num_heads, metadata.d_model // metadata.num_heads
+    arrays = {}
+    for name in metadata.signature.cache_pairs:
+        array = np.asarray(inputs[name])
+        if array.dtype != dtype:
+            raise InputError(f"{name} must be {dtype.name}, got {array.dtype}")
+        if array.ndim != 4 or array.shape[0] != batch or array.shape[1] != heads or array.shape[3] != d_k:
+            raise InputError(
+                f"{name} must have shape [batch, heads, past_seq, d_k] = [{batch}, {heads}, past_seq, {d_k}], "
+                f"got {array.shape}; pass the previous call's present output (past_seq 0 on the first call)"
+            )
+        arrays[name] = np.ascontiguousarray(array)
+    lengths = {name: array.shape[2] for name, array in arrays.items()}
+    if len(set(lengths.values())) > 1:
+        raise InputError(f"past_seq differs: {', '.join(f'{name} {n}' for name, n in lengths.items())}")
     return arrays
 
 

@@ -20,6 +20,9 @@ share a length, and clients that want more batching pad to a few bucket lengths
 (with a key_padding_mask model, mark the padding in the mask; a causal-only
 model is unaffected by right padding). The mha-deploy HTTP server pads across
 lengths by itself.
+
+A KV-cache model (``--kv-cache``) is stateful: its config uses Triton's
+sequence batcher with implicit state instead (``_kv_cache_config``).
 """
 
 from __future__ import annotations
@@ -145,7 +148,7 @@ def tensor_specs(
     rather than the graph's value_info, which an exporter may leave incomplete.
     """
     signature = metadata.signature
-    sizes = {"d_model": metadata.d_model, "heads": metadata.num_heads}
+    sizes = {"d_model": metadata.d_model, "heads": metadata.num_heads, "d_k": metadata.d_model // metadata.num_heads}
     # -1 for every dynamic axis; the batch axis is Triton's when it batches.
     shapes = {spec.name: spec.dims(sizes) for spec in (*signature.inputs, *signature.outputs)}
     types = {v.name: v.type.tensor_type.elem_type for v in (*proto.graph.input, *proto.graph.output)}
@@ -163,6 +166,8 @@ def tensor_specs(
 
 def config_pbtxt(proto: onnx.ModelProto, metadata: ModelMetadata, config: TritonConfig, name: str) -> str:
     """The text of config.pbtxt (protobuf text format of Triton's ModelConfig)."""
+    if metadata.signature.kv_cache:
+        return _kv_cache_config(proto, metadata, config, name)
     inputs, outputs = tensor_specs(proto, metadata, config.max_batch_size)
     sig = metadata.signature
     lines = [
@@ -178,6 +183,43 @@ def config_pbtxt(proto: onnx.ModelProto, metadata: ModelMetadata, config: Triton
     if config.max_batch_size > 0:
         lines.append(f"dynamic_batching {{\n  max_queue_delay_microseconds: {config.max_queue_delay_us}\n}}")
     lines.append(f"instance_group [\n  {{\n    count: {config.instances}\n    kind: {KINDS[config.kind]}\n  }}\n]")
+    return "\n".join(lines) + "\n"
+
+
+def _kv_cache_config(proto: onnx.ModelProto, metadata: ModelMetadata, config: TritonConfig, name: str) -> str:
+    """A KV-cache model under Triton's sequence batcher with implicit state: past_* <- present_* of the
+    sequence's previous request, held by Triton (clients send x, and key_padding_mask over every token the
+    sequence has sent, with sequence_id/start/end). max_batch_size is 1 whatever ``config`` asks: each
+    sequence's cache has its own length, and one ORT run takes one past_seq, so sequences are never batched
+    together; instances run sequences side by side. The first request of a sequence gets an empty cache
+    (past_seq 0), the prefill. Checked against Triton's ModelConfig schema, not run against a server here."""
+    signature = metadata.signature
+    inputs, outputs = tensor_specs(proto, metadata, max_batch_size=1)
+    states = signature.cache_pairs
+    inputs = [t for t in inputs if t.name not in states]
+    outputs = [t for t in outputs if t.name not in states.values()]
+    data_type = TRITON_DTYPES[onnx.TensorProto.FLOAT16 if metadata.dtype == "float16" else onnx.TensorProto.FLOAT]
+    heads, d_k = metadata.num_heads, metadata.d_model // metadata.num_heads
+    blocks = [
+        f'    {{\n      input_name: "{past}"\n      output_name: "{present}"\n      data_type: {data_type}\n'
+        f"      dims: [ {heads}, -1, {d_k} ]\n      initial_state: {{\n        data_type: {data_type}\n"
+        f'        dims: [ {heads}, 0, {d_k} ]\n        zero_data: true\n        name: "empty {past}"\n'
+        "      }\n    }"
+        for past, present in states.items()
+    ]
+    lines = [
+        f"# Written by mha-deploy: d_model {metadata.d_model}, {metadata.num_heads} heads, "
+        f"self-attention, mask {signature.mask}, KV cache.",
+        "# Sequence batching with implicit state (past <- present); one sequence per run: see "
+        "mha_deploy/serving/triton.py.",
+        f'name: "{name}"',
+        'backend: "onnxruntime"',
+        "max_batch_size: 1",
+        _tensors("input", inputs),
+        _tensors("output", outputs),
+        "sequence_batching {\n  state [\n" + ",\n".join(blocks) + "\n  ]\n}",
+        f"instance_group [\n  {{\n    count: {config.instances}\n    kind: {KINDS[config.kind]}\n  }}\n]",
+    ]
     return "\n".join(lines) + "\n"
 
 

@@ -170,3 +170,11 @@ def test_serving_imports_no_heavy_optional_modules():
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "[]"
+
+
+def test_runner_refuses_a_kv_cache_model(export_model):
+    from mha_deploy.errors import OptionError
+
+    session = MHASession(export_model(Signature("self", "causal", kv_cache=True))[0], provider="cpu")
+    with pytest.raises(OptionError, match="decoder"):
+        BatchRunner(session)

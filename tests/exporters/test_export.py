@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import onnx
 import pytest
@@ -10,7 +12,8 @@ import torch
 from mha_deploy.errors import ExportError, ParityError
 from mha_deploy.exporters import export_mha
 from mha_deploy.exporters.export import AUTO_TARGETS
-from mha_deploy.exporters.parity import ParityCase, check_parity
+from mha_deploy.exporters.graphs import attention_graph
+from mha_deploy.exporters.parity import CacheCase, ParityCase, check_cache_parity, check_parity
 from mha_deploy.metadata import FUSE_CHOICES, MASK_MODES, METADATA_KEY, ModelMetadata, Signature
 from mha_deploy.model_report import PADDING_FLASH_KERNEL, describe_model
 from mha_deploy.models import MultiHeadAttention
@@ -202,3 +205,97 @@ def test_auto_runs_each_mask_mode_on_its_fastest_kernel(export_model, mask):
     (attention,) = describe_model(path).attention_ops
     assert attention.kernel == AUTO_KERNELS[mask]
     assert MHASession(path, provider="cpu").metadata.fusion == AUTO_TARGETS[mask]
+
+
+# --- KV cache ------------------------------------------------------------------------------------
+
+KV_SIGNATURES = [Signature("self", mask, kv_cache=True) for mask in ("causal", "padding-causal")]
+# Decodings never seen at export: a one-token prefill with one step, long prefills, every padding side.
+UNSEEN_CACHE_CASES = (
+    CacheCase(1, 1, 1, 1, "none"),
+    CacheCase(2, 7, 4, 9, "right"),
+    CacheCase(3, 30, 2, 2, "left"),
+    CacheCase(5, 517, 3, 8, "mixed"),
+)
+
+
+@pytest.mark.parametrize("fuse", ["auto", "none"])
+@pytest.mark.parametrize("signature", KV_SIGNATURES, ids=signature_id)
+def test_kv_cache_parity_on_unseen_decodings(export_model, signature, fuse):
+    path, module = export_model(signature, fuse)
+    reference = attention_graph(module.mha, replace(signature, kv_cache=False))
+    session = MHASession(path, provider="cpu", optimization="all")
+    report = check_cache_parity(reference, session, UNSEEN_CACHE_CASES, atol=ATOL, rtol=RTOL, seed=5)
+    assert report.passed, report.failures
+    assert len(report.shapes) == len(UNSEEN_CACHE_CASES)
+
+
+@pytest.mark.parametrize("signature", KV_SIGNATURES, ids=signature_id)
+def test_kv_cache_io_contract_and_metadata(export_model, signature):
+    path, _ = export_model(signature)
+    model = onnx.load(path)
+    d_k = TEST_D_MODEL // TEST_HEADS
+    dims = {
+        v.name: [d.dim_param or d.dim_value for d in v.type.tensor_type.shape.dim]
+        for v in (*model.graph.input, *model.graph.output)
+    }
+    expected = {
+        "x": ["batch", "seq", TEST_D_MODEL],
+        "past_key": ["batch", TEST_HEADS, "past_seq", d_k],
+        "past_value": ["batch", TEST_HEADS, "past_seq", d_k],
+        "output": ["batch", "seq", TEST_D_MODEL],
+        "present_key": ["batch", TEST_HEADS, "total_seq", d_k],
+        "present_value": ["batch", TEST_HEADS, "total_seq", d_k],
+    }
+    if signature.has_padding_mask:
+        expected["key_padding_mask"] = ["batch", "total_seq"]
+    assert dims == expected
+    metadata = ModelMetadata.from_props({p.key: p.value for p in model.metadata_props})
+    assert metadata.signature == signature and metadata.signature.cache_pairs == {
+        "past_key": "present_key", "past_value": "present_value"
+    }
+    assert metadata.parity.passed and "+" in metadata.parity.shapes[0]
+
+
+@pytest.mark.parametrize("signature", KV_SIGNATURES, ids=signature_id)
+def test_kv_cache_prefill_runs_the_causal_kernel(export_model, signature):
+    """auto: the prefill (past_seq 0) is fused as the cache-free causal model is; decode steps run the plain graph."""
+    path, _ = export_model(signature)
+    assert [op.op for op in describe_model(path).attention_ops] == ["com.microsoft::GroupQueryAttention"]
+    assert ModelMetadata.from_props({p.key: p.value for p in onnx.load(path).metadata_props}).fusion == "mha"
+    plain, _ = export_model(signature, "none")
+    assert describe_model(plain).attention_ops == []
+
+
+def test_kv_cache_refuses_int8(tmp_path):
+    with pytest.raises(ExportError, match="not available with --kv-cache"):
+        export_mha(MultiHeadAttention(TEST_D_MODEL, TEST_HEADS), tmp_path / "kv.onnx", KV_SIGNATURES[0],
+                   quantize="int8")
+
+
+def test_metadata_without_cache_stays_readable_by_earlier_versions(export_model):
+    path, _ = export_model(Signature("self", "causal"))
+    props = {p.key: p.value for p in onnx.load(path).metadata_props}
+    assert "kv_cache" not in props[METADATA_KEY]
+
+
+def test_kv_cache_parity_failure_writes_nothing(tmp_path, defective_export):
+    torch.manual_seed(0)
+    with pytest.raises(ParityError, match=r"parity FAILED.*\+.*nothing written"):
+        export_mha(MultiHeadAttention(TEST_D_MODEL, TEST_HEADS), tmp_path / "kv.onnx", KV_SIGNATURES[1])
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    ("signature_args", "message"),
+    [
+        ({"attention": "cross", "mask": "padding"}, "needs causal self-attention"),
+        ({"mask": "none"}, "needs causal self-attention"),
+        ({"mask": "padding"}, "needs causal self-attention"),
+        ({"mask": "causal", "return_weights": True}, "drop --return-weights"),
+        ({"model": "decoder", "attention": "cross", "mask": "padding"}, "lone MHA"),
+    ],
+)
+def test_kv_cache_needs_a_lone_causal_self_attention(signature_args, message):
+    with pytest.raises(ExportError, match=message):
+        Signature(**signature_args, kv_cache=True)

@@ -139,3 +139,59 @@ def test_serving_runs_without_torch(export_model):
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == f"(1, 4, {D})"
+
+
+# --- KV cache ------------------------------------------------------------------------------------
+
+H, D_K = 4, D // 4
+PAST = np.zeros((2, H, 3, D_K), np.float32)
+
+
+@pytest.fixture(scope="module")
+def kv_session(export_model):
+    return MHASession(export_model(Signature("self", "padding-causal", kv_cache=True))[0], provider="cpu")
+
+
+@pytest.mark.parametrize(
+    ("feeds", "message"),
+    [
+        ({"past_key": np.zeros((2, H + 1, 3, D_K), np.float32)}, r"past_key must have shape \[batch, heads"),
+        ({"past_value": np.zeros((2, H, 3, D_K), np.float64)}, "past_value must be float32"),
+        ({"past_value": np.zeros((2, H, 4, D_K), np.float32)}, "past_seq differs"),
+        ({"past_key": np.zeros((1, H, 3, D_K), np.float32)}, r"\[2, 4, past_seq, 16\]"),
+        ({"key_padding_mask": np.ones((2, 2), bool)}, r"key_padding_mask must have shape \[batch, kv_len\] = \(2, 5\)"),
+        ({"past_key": None}, "missing past_key"),
+    ],
+)
+def test_kv_cache_inputs_are_checked(kv_session, feeds, message):
+    good = {"x": _x(2, 2, D), "past_key": PAST, "past_value": PAST, "key_padding_mask": ONES}
+    inputs = {k: v for k, v in {**good, **feeds}.items() if v is not None}
+    with pytest.raises(InputError, match=message):
+        kv_session.run(inputs)
+
+
+def test_kv_cache_model_runs_prefill_and_decode(kv_session):
+    empty = np.zeros((2, H, 0, D_K), np.float32)
+    prefill = kv_session.run({"x": _x(2, 3, D), "past_key": empty, "past_value": empty,
+                              "key_padding_mask": np.ones((2, 3), bool)})
+    assert prefill["present_key"].shape == (2, H, 3, D_K)
+    step = kv_session.run({"x": _x(2, 1, D), "past_key": prefill["present_key"],
+                           "past_value": prefill["present_value"], "key_padding_mask": np.ones((2, 4), bool)})
+    assert step["output"].shape == (2, 1, D) and step["present_value"].shape == (2, H, 4, D_K)
+
+
+def test_a_cache_that_does_not_concatenate_is_refused(kv_session):
+    """check_cache_behaviour: a graph whose present drops the past is not the cache its metadata declares."""
+    from mha_deploy.runtime.model_check import check_cache_behaviour
+
+    def forgetful(feeds):
+        outputs = kv_session._session.run(None, feeds)
+        result = dict(zip(kv_session.output_names, outputs, strict=True))
+        new = feeds["x"].shape[1]
+        return {**result, "present_key": result["present_key"][:, :, -new:]}
+
+    check_cache_behaviour(lambda f: dict(zip(kv_session.output_names, kv_session._session.run(None, f), strict=True)),
+                          kv_session.metadata, "kv.onnx")
+    with pytest.raises(ModelFileError, match=r"present_key differs.*not the KV cache"):
+        check_cache_behaviour(forgetful, kv_session.metadata, "kv.onnx")
+

@@ -416,3 +416,12 @@ def test_batcher_groups_concurrent_items_and_isolates_a_failing_one(export_model
     for item, first, second in zip(items, good, mixed[:-1], strict=True):
         np.testing.assert_allclose(first["output"], direct(session, item), atol=1e-5)
         np.testing.assert_allclose(second["output"], direct(session, item), atol=1e-5)
+
+
+def test_micro_batcher_refuses_a_kv_cache_model(export_model):
+    from mha_deploy.errors import OptionError
+    from mha_deploy.serving.http.batcher import MicroBatcher
+
+    session = MHASession(export_model(Signature("self", "padding-causal", kv_cache=True))[0], provider="cpu")
+    with pytest.raises(OptionError, match="carries state"):
+        MicroBatcher(session)

@@ -153,3 +153,25 @@ def test_not_an_mha_deploy_model(tmp_path):
     garbage.write_bytes(b"\x08\x07garbage" * 10)
     with pytest.raises(ModelFileError):
         write_triton_model(garbage, tmp_path / "repo")
+
+
+@pytest.mark.parametrize("mask", ["causal", "padding-causal"])
+def test_kv_cache_model_gets_sequence_batching_with_implicit_state(export_model, tmp_path, mask):
+    signature = Signature("self", mask, kv_cache=True)
+    path, _ = export_model(signature)
+    target = write_triton_model(path, tmp_path / "repo", TritonConfig(name="kv", max_batch_size=16))
+    config = parse_config(target / "config.pbtxt")
+    assert config.max_batch_size == 1, "one sequence per run: caches of different lengths cannot share a batch"
+    assert not config.HasField("dynamic_batching") and config.HasField("sequence_batching")
+    assert [t.name for t in config.input] == ["x"] + (["key_padding_mask"] if signature.has_padding_mask else [])
+    assert [t.name for t in config.output] == ["output"]
+    d_k = TEST_D_MODEL // TEST_HEADS
+    states = {(s.input_name, s.output_name): s for s in config.sequence_batching.state}
+    assert set(states) == {("past_key", "present_key"), ("past_value", "present_value")}
+    for state in states.values():
+        assert model_config_pb2.DataType.Name(state.data_type) == "TYPE_FP32"
+        assert list(state.dims) == [TEST_HEADS, -1, d_k]
+        assert list(state.initial_state[0].dims) == [TEST_HEADS, 0, d_k] and state.initial_state[0].zero_data
+    graph = onnx.load(target / "1" / "model.onnx").graph
+    declared = {v.name for v in (*graph.input, *graph.output)}
+    assert {name for pair in states for name in pair} <= declared

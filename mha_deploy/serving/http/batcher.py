@@ -40,6 +40,7 @@ from mha_deploy.batch.planner import (
     split_outputs,
 )
 from mha_deploy.errors import BatcherStoppedError, BatchingConfigError
+from mha_deploy.runtime.decoding import refuse_kv_cache
 from mha_deploy.runtime.session import MHASession
 from mha_deploy.runtime.validation import output_problem
 from mha_deploy.serving.http.metrics import ServerMetrics
@@ -77,6 +78,7 @@ class MicroBatcher:
             raise BatchingConfigError(
                 "max_batch, workers, max_queue, max_batch_tokens must be >= 1, max_wait_ms >= 0, 0 <= max_padding < 1"
             )
+        refuse_kv_cache(session.metadata, "the HTTP server's micro-batcher")
         self.session = session
         self.max_batch = max_batch
         self.max_wait = max_wait_ms / 1e3
