@@ -136,7 +136,7 @@ def test_zip_bombs_cost_nothing(tmp_path, model, monkeypatch):
         # An honest bomb the model could take: refused when it would not fit in memory (1 MiB here).
         archive.writestr("long.npy", _npy_bytes(np.zeros((8192, D), np.float32)), compress_type=zipfile.ZIP_DEFLATED)
     assert (tmp_path / "in.npz").stat().st_size < 2**20
-    monkeypatch.setattr(datasets, "_memory_bytes", lambda: 2**20)
+    monkeypatch.setattr(datasets, "physical_memory_bytes", lambda: 2**20)
 
     tracemalloc.start()
     try:
