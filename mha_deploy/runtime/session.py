@@ -80,9 +80,10 @@ class MHASession:
       ``InputError``) and calls are serialised on one thread of the session's own,
       where the graph is captured on load and replayed (ORT keeps a graph per thread).
 
-    Models ORT's CUDA provider cannot run as deployed (int8, or attention weights
-    returned through ONNX Attention: ``mha_deploy.runtime.cuda_support``) are
-    refused on ``provider="cuda"`` and run on the CPU with a note on ``"auto"``.
+    Models ORT's CUDA provider cannot run as deployed (``mha_deploy.runtime.cuda_support``:
+    int8, weights returned through ONNX Attention, fp32 GroupQueryAttention; control
+    flow under ``cuda_graph``) are refused on ``provider="cuda"`` and run on the CPU
+    with a note on ``"auto"``.
 
     A model file's metadata is checked against its graph on load
     (``mha_deploy.runtime.model_check``): declared inputs and outputs, heads and
@@ -304,10 +305,10 @@ class _CudaGraph:
     thread's copy would overwrite another's inputs mid-replay.
 
     ORT's CUDA provider keeps its CUDA graph, and its count of warm-up runs, per
-    thread (``PerThreadContext`` in onnxruntime/core/providers/cuda/
-    cuda_execution_provider.h; CUDA-ExecutionProvider docs, "Using CUDA Graphs":
-    multi-threaded use is not supported). Called from a new thread, it would
-    capture again and keep one more graph alive per thread. So every run, the
+    thread: they live in ``PerThreadContext`` (onnxruntime/core/providers/cuda/
+    cuda_execution_provider.h, "Cuda graph with multi threads will be supported in
+    the future"). Called from a new thread, it would warm up and capture again
+    and keep one more graph alive per thread. So every run, the
     capture included, goes through one worker thread owned by this object, which
     also serialises them.
     """
@@ -344,8 +345,9 @@ class _CudaGraph:
             self._binding.bind_ortvalue_input(name, value)
         for name, value in self._outputs.items():
             self._binding.bind_ortvalue_output(name, value)
-        # ORT runs a graph-enabled session once normally before it captures (warm-up
-        # allocations): two runs on load, so that no user call pays for the capture.
+        # ORT runs a graph-enabled session normally once before it captures, to make
+        # its allocations (min_num_runs_before_cuda_graph_capture_ = 1 in the same
+        # header): two runs on load, so that no user call pays for the capture.
         for _ in range(2):
             self._worker.submit(self._session.run_with_iobinding, self._binding).result()
 
