@@ -13,9 +13,9 @@ own real tokens.
 
 What a call copies:
 
-- the model's Concat writes past ++ new into present: one copy of the cache per
-  call, the price of the concatenation contract (ORT's MultiHeadAttention and
-  GroupQueryAttention copy the same amount when they concatenate past internally).
+- the model writes past ++ new into present (contrib MultiHeadAttention
+  concatenates internally, the plain graph with a Concat): one copy of the cache
+  per call, the price of the concatenation contract.
 - ``capacity=None``: ORT allocates each present; the previous one is freed when
   the next call replaces it. Nothing else is copied.
 - ``capacity=N``: two preallocated buffers per cache tensor, each for the batch
