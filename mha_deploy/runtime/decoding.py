@@ -51,6 +51,8 @@ def refuse_kv_cache(metadata: ModelMetadata, user: str) -> None:
 class Decoder:
     """Prefill a batch, then step it; rows leave when their sequence is finished.
 
+    A decoder holds one batch's state: use one per thread (they can share the session).
+
     >>> decoder = session.decoder(capacity=1024)
     >>> out = decoder.prefill(x, key_padding_mask=mask)   # x [batch, seq, d_model]
     >>> out = decoder.step(x_next)                        # x_next [batch, new, d_model], every token real
