@@ -194,12 +194,20 @@ class Decoder:
             size = self._rows_allocated * self._head_shape[0] * tokens * self._head_shape[1]
             past = self._past[name]
             # past may live in the old buffer: give it a fresh one of the new size too (one copy).
-            fresh_past = np.empty(size, self._dtype)
+            fresh_past, spare = _resident(size, self._dtype), _resident(size, self._dtype)
             view = _prefix(fresh_past, past.shape)
             view[...] = past
             self._past[name] = view
-            self._buffers[name] = [fresh_past, np.empty(size, self._dtype)]
+            self._buffers[name] = [fresh_past, spare]
         return _prefix(self._buffers[name][1], shape)
+
+
+def _resident(size: int, dtype: np.dtype) -> np.ndarray:
+    """A buffer whose pages are all written now: the OS maps untouched pages lazily, so an unwritten buffer
+    would grow the process token by token, and a preallocated cache should cost its memory up front."""
+    buffer = np.empty(size, dtype)
+    buffer.fill(0)
+    return buffer
 
 
 def _prefix(buffer: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
