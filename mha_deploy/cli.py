@@ -345,7 +345,8 @@ def inspect(model, as_json):
         click.echo("  cache  past_key -> present_key, past_value -> present_value: [batch, heads, past_seq, d_k] in, "
                    "[batch, heads, past_seq + seq, d_k] out (past ++ new); key_padding_mask [batch, past_seq + seq]")
         if meta["fusion"] != "none":
-            click.echo("         prefill (past_seq 0) runs the fused attention above; later calls the plain graph")
+            click.echo("         an If on past_seq picks the prefill (past_seq 0) or the decode graph; each one's "
+                       "attention is listed above")
     parity = meta.get("parity")
     if parity:
         click.echo(f"  parity {'PASSED' if parity['passed'] else 'FAILED'}: max abs err {parity['max_abs_err']:.3g} "

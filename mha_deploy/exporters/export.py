@@ -14,7 +14,7 @@ from mha_deploy.atomic import atomic_path
 from mha_deploy.errors import ExportError, ParityError
 from mha_deploy.exporters.fusion import FusionReport, fuse_attention
 from mha_deploy.exporters.graphs import attention_graph
-from mha_deploy.exporters.kv_cache import prefill_or_decode
+from mha_deploy.exporters.kv_cache import decode_on_mha, prefill_or_decode
 from mha_deploy.exporters.parity import (
     DEFAULT_ATOL,
     DEFAULT_RTOL,
@@ -37,7 +37,7 @@ from mha_deploy.metadata import (
     ParityReport,
     Signature,
 )
-from mha_deploy.models.attention import MultiHeadAttention
+from mha_deploy.models.attention import MASK_FILL_VALUE, MultiHeadAttention
 from mha_deploy.models.transformer import Decoder, Encoder
 from mha_deploy.runtime.session import MHASession
 from mha_deploy.signature import CACHE_PAIRS
@@ -61,14 +61,19 @@ from mha_deploy.signature import CACHE_PAIRS
 # at (2,4096) within 115-168 MB for every mask mode with no key padded, where onnx needs 1.1-1.4 GB
 # (a float [batch, 1, q_len, kv_len] attn_mask, and ORT's standard Attention materialises the scores).
 AUTO_TARGETS = {"none": "mha", "padding": "mha", "causal": "mha", "padding-causal": "mha"}
-# A KV-cache model (--kv-cache): its decode steps always run the plain graph, measured by the one-token
-# step it exists for (context 4096, batch 1, d_model 512, 8 heads, 2 threads, ORT 1.31.1, median of 30):
-# the plain graph 5.0 ms (1.4 at context 1024), the pipeline's MultiHeadAttention with the mask as
-# attention_bias over the concatenated cache 15.1 ms (1.5). Both copy the cache once (the Concat that
-# makes present); one numpy copy of both caches took 2.3 ms in the same run. GroupQueryAttention cannot
-# take the cache: its seqlens_k says where each row's real keys end, not where a padded prefill left
-# holes. The target fuses the prefill (past_seq 0), which is the cache-free causal model and is fused
-# like it (exporters.kv_cache); the plain graph's prefill at 4096 took 780 ms in that run.
+# A KV-cache model (--kv-cache), by the one-token step it exists for (d_model 512, 8 heads, 2 threads,
+# ORT 1.31.1, graph optimizations "all", medians over interleaved blocks of 10 calls, host shared):
+#
+#   decode graph                                              (1,4096)  (8,1024)  (1,1024)
+#   MultiHeadAttention with past_key/past_value (mha)          2.29 ms   5.09      1.41
+#   plain graph: Concat onto the cache, masked attention       3.09      6.22      1.95
+#   the pipeline's MultiHeadAttention, mask as attention_bias  15.1      -         1.5   (an earlier, quieter run;
+#     over the concatenated cache                                                        the plain graph took 5.0
+#                                                                                        and 1.4 there)
+#
+# GroupQueryAttention cannot take this cache: its seqlens_k says where each row's real keys end, not
+# where a padded prefill left holes. The prefill (past_seq 0) is the cache-free causal model and is fused
+# like it (exporters.kv_cache): GroupQueryAttention on the mha target.
 AUTO_TARGET_KV_CACHE = "mha"
 # Only the standard Attention op can also output the softmax probabilities.
 AUTO_TARGET_RETURNING_WEIGHTS = "onnx"
@@ -141,14 +146,20 @@ def _optimised(
 
 
 def _optimised_kv_cache(
-    decode: onnx.ModelProto, prefill: onnx.ModelProto, target: str, dtype: str
+    decode: onnx.ModelProto, prefill: onnx.ModelProto, target: str, metadata: ModelMetadata
 ) -> tuple[onnx.ModelProto, FusionReport]:
     """``none``: the plain KV-cache graph for every call. Otherwise the prefill fused for ``target`` behind
-    an If on the cache's length, decode steps on the plain graph (why: ``AUTO_TARGET_KV_CACHE``)."""
+    an If on the cache's length; decode calls on contrib MultiHeadAttention with past for ``mha``, on the
+    plain graph for ``onnx`` (the target for runtimes without contrib ops). Why: ``AUTO_TARGET_KV_CACHE``."""
+    dtype = metadata.dtype
     if target == "none":
         return _optimised(decode, "none", "none", dtype, 1)
+    plain = decode
+    if target == "mha":
+        mask = next(iter(metadata.signature.padding_masks), None)
+        decode = decode_on_mha(plain, metadata.num_heads, mask, MASK_FILL_VALUE)
     fused_prefill, report = _optimised(prefill, target, "none", "float32", 1)
-    model = prefill_or_decode(fused_prefill, decode, next(iter(CACHE_PAIRS)))
+    model = prefill_or_decode(fused_prefill, decode, next(iter(CACHE_PAIRS)), plain)
     if dtype == "float16":
         model = to_float16(model)
     return model, report
@@ -307,7 +318,7 @@ def _finish(
 
     def build(fuse_target: str):
         if prefill is not None:
-            model, fusion = _optimised_kv_cache(plain, prefill, fuse_target, metadata.dtype)
+            model, fusion = _optimised_kv_cache(plain, prefill, fuse_target, metadata)
         else:
             model, fusion = _optimised(plain, fuse_target, options.quantize, metadata.dtype, attention_ops)
         return model, fusion, _checked(module, model, atol, rtol, options.parity_cases, options.quantize)

@@ -28,23 +28,27 @@ import hashlib
 import onnx
 from onnx import helper, numpy_helper
 
+from mha_deploy.errors import ExportError
+
 _PREFIXES = ("prefill/", "decode/")
 
 
-def prefill_or_decode(prefill: onnx.ModelProto, decode: onnx.ModelProto, cache_input: str) -> onnx.ModelProto:
+def prefill_or_decode(
+    prefill: onnx.ModelProto, decode: onnx.ModelProto, cache_input: str, plain: onnx.ModelProto | None = None
+) -> onnx.ModelProto:
     """One model with ``decode``'s inputs and outputs running ``prefill`` when ``cache_input``'s axis 2 is 0.
 
     ``prefill`` is the cache-free model (a subset of ``decode``'s inputs, its one output named as
-    ``decode``'s first). The prefill branch takes ``decode``'s present outputs from the nodes of ``decode``
-    that compute them (the key/value projections and the Concat onto the empty past), so that the
-    cache-free graph stays exactly as its own fusion left it.
+    ``decode``'s first). The prefill branch takes the present outputs from the nodes of ``plain`` (the
+    unfused KV-cache graph; default ``decode``) that compute them: the key/value projections and the Concat
+    onto the empty past, so that the cache-free graph stays exactly as its own fusion left it.
     """
     outer = {value.name for value in decode.graph.input}
     missing = {value.name for value in prefill.graph.input} - outer
     if missing:
         raise ValueError(f"the prefill graph reads inputs the decode graph lacks: {sorted(missing)}")
     outputs = [value.name for value in decode.graph.output]
-    presents = _slice(decode.graph, outputs[1:])
+    presents = _slice((plain or decode).graph, outputs[1:])
     initializers: list[onnx.TensorProto] = []
     parts = []
     for graph, prefix in ((prefill.graph, "prefill/"), (presents, "prefill/cache/"), (decode.graph, "decode/")):
@@ -84,6 +88,90 @@ def prefill_or_decode(prefill: onnx.ModelProto, decode: onnx.ModelProto, cache_i
     combined.functions.extend([*prefill.functions, *decode.functions])
     combined.metadata_props.extend(decode.metadata_props)
     return combined
+
+
+def decode_on_mha(decode: onnx.ModelProto, num_heads: int, mask_input: str | None, fill: float) -> onnx.ModelProto:
+    """``decode`` (the plain KV-cache graph) with its attention, from the Concat onto the cache to the merged
+    heads, replaced by one ``com.microsoft.MultiHeadAttention`` that takes the cache itself: past_key/past_value
+    in, present_key/present_value out, ``key_padding_mask`` over past_seq + seq (int32), ``unidirectional``
+    (query i at position past_seq + i). The op concatenates as the Concat did and attends without the
+    [batch, heads, 1, total_seq] mask and the transposed copy of the keys the plain graph builds.
+
+    Raises ``ExportError`` naming what it did not find where the plain graph has it.
+    """
+    model = onnx.ModelProto()
+    model.CopyFrom(decode)
+    graph = model.graph
+    producer = {name: node for node in graph.node for name in node.output}
+    consumers: dict[str, list[onnx.NodeProto]] = {}
+    for node in graph.node:
+        for name in node.input:
+            consumers.setdefault(name, []).append(node)
+
+    def expect(node: onnx.NodeProto | None, op_type: str, what: str) -> onnx.NodeProto:
+        if node is None or node.op_type != op_type:
+            found = node.op_type if node is not None else "a graph input"
+            raise ExportError(f"KV-cache decode fusion: expected {op_type} {what}, found {found}")
+        return node
+
+    def projection(present: str) -> str:
+        """The [batch, seq, d_model] projection whose heads the Concat appends to the cache."""
+        concat = expect(producer.get(present), "Concat", f"producing {present}")
+        heads = expect(producer.get(concat.input[1]), "Transpose", "splitting the new keys' heads")
+        return expect(producer.get(heads.input[0]), "Reshape", "splitting the new keys' heads").input[0]
+
+    outputs = [value.name for value in graph.output]
+    key, value = projection(outputs[1]), projection(outputs[2])
+    softmax = [node for node in graph.node if node.op_type == "Softmax"]
+    if len(softmax) != 1:
+        raise ExportError(f"KV-cache decode fusion: expected one Softmax, found {len(softmax)}")
+    # Back from the scores through the mask (Where(mask, fill, scores)) and the scale to Q @ K^T.
+    node = producer.get(softmax[0].input[0])
+    while node is not None and node.op_type != "MatMul":
+        node = producer.get(node.input[2] if node.op_type == "Where" else node.input[0])
+    scores = expect(node, "MatMul", "computing the scores")
+    query_heads = expect(producer.get(scores.input[0]), "Transpose", "splitting the query's heads")
+    query = expect(producer.get(query_heads.input[0]), "Reshape", "splitting the query's heads").input[0]
+    # Forward from the probabilities: P @ V, then the heads merged back to [batch, seq, d_model].
+    context = expect(next(iter(consumers.get(softmax[0].output[0], [])), None), "MatMul", "applying the weights")
+    merge = expect(next(iter(consumers.get(context.output[0], [])), None), "Transpose", "merging the heads")
+    merged = expect(next(iter(consumers.get(merge.output[0], [])), None), "Reshape", "merging the heads")
+
+    fused = []
+    mask = ""
+    if mask_input is not None:
+        mask = "kv_cache_key_padding_mask_int32"
+        fused.append(helper.make_node("Cast", [mask_input], [mask], to=onnx.TensorProto.INT32))
+    attention_output = "kv_cache_attention"
+    past = [value.name for value in graph.input if value.name in ("past_key", "past_value")]
+    fused.append(helper.make_node(
+        "MultiHeadAttention", [query, key, value, "", mask, "", *past], [attention_output, *outputs[1:]],
+        domain="com.microsoft", name="kv_cache_attention", num_heads=num_heads, unidirectional=1,
+        mask_filter_value=fill,
+    ))
+    nodes = []
+    for node in graph.node:
+        if node is merged:
+            nodes.extend(fused)
+            continue
+        if set(node.output) & set(outputs[1:]):
+            continue  # the Concats: the op returns present itself
+        node.input[:] = [attention_output if name == merged.output[0] else name for name in node.input]
+        nodes.append(node)
+    live, needed = [], set(outputs)
+    for node in reversed(nodes):
+        if set(node.output) & needed:
+            live.append(node)
+            needed.update(node.input)
+    del graph.node[:]
+    graph.node.extend(reversed(live))
+    used = {name for node in graph.node for name in node.input}
+    kept = [tensor for tensor in graph.initializer if tensor.name in used]
+    del graph.initializer[:]
+    graph.initializer.extend(kept)
+    if not any(opset.domain == "com.microsoft" for opset in model.opset_import):
+        model.opset_import.append(helper.make_opsetid("com.microsoft", 1))
+    return model
 
 
 def _copy(graph: onnx.GraphProto) -> onnx.GraphProto:

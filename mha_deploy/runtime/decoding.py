@@ -13,9 +13,9 @@ own real tokens.
 
 What a call copies:
 
-- the model's Concat writes past ++ new into present: one copy of the cache per
-  call, the price of the concatenation contract (ORT's MultiHeadAttention and
-  GroupQueryAttention copy the same amount when they concatenate past internally).
+- the model writes past ++ new into present (contrib MultiHeadAttention
+  concatenates internally, the plain graph with a Concat): one copy of the cache
+  per call, the price of the concatenation contract.
 - ``capacity=None``: ORT allocates each present; the previous one is freed when
   the next call replaces it. Nothing else is copied.
 - ``capacity=N``: two preallocated buffers per cache tensor, each for the batch
@@ -50,6 +50,8 @@ def refuse_kv_cache(metadata: ModelMetadata, user: str) -> None:
 
 class Decoder:
     """Prefill a batch, then step it; rows leave when their sequence is finished.
+
+    A decoder holds one batch's state: use one per thread (they can share the session).
 
     >>> decoder = session.decoder(capacity=1024)
     >>> out = decoder.prefill(x, key_padding_mask=mask)   # x [batch, seq, d_model]
@@ -192,12 +194,20 @@ class Decoder:
             size = self._rows_allocated * self._head_shape[0] * tokens * self._head_shape[1]
             past = self._past[name]
             # past may live in the old buffer: give it a fresh one of the new size too (one copy).
-            fresh_past = np.empty(size, self._dtype)
+            fresh_past, spare = _resident(size, self._dtype), _resident(size, self._dtype)
             view = _prefix(fresh_past, past.shape)
             view[...] = past
             self._past[name] = view
-            self._buffers[name] = [fresh_past, np.empty(size, self._dtype)]
+            self._buffers[name] = [fresh_past, spare]
         return _prefix(self._buffers[name][1], shape)
+
+
+def _resident(size: int, dtype: np.dtype) -> np.ndarray:
+    """A buffer whose pages are all written now: the OS maps untouched pages lazily, so an unwritten buffer
+    would grow the process token by token, and a preallocated cache should cost its memory up front."""
+    buffer = np.empty(size, dtype)
+    buffer.fill(0)
+    return buffer
 
 
 def _prefix(buffer: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:

@@ -219,7 +219,7 @@ UNSEEN_CACHE_CASES = (
 )
 
 
-@pytest.mark.parametrize("fuse", ["auto", "none"])
+@pytest.mark.parametrize("fuse", ["auto", "onnx", "none"])
 @pytest.mark.parametrize("signature", KV_SIGNATURES, ids=signature_id)
 def test_kv_cache_parity_on_unseen_decodings(export_model, signature, fuse):
     path, module = export_model(signature, fuse)
@@ -259,9 +259,14 @@ def test_kv_cache_io_contract_and_metadata(export_model, signature):
 
 @pytest.mark.parametrize("signature", KV_SIGNATURES, ids=signature_id)
 def test_kv_cache_prefill_runs_the_causal_kernel(export_model, signature):
-    """auto: the prefill (past_seq 0) is fused as the cache-free causal model is; decode steps run the plain graph."""
+    """auto: the prefill (past_seq 0) is fused as the cache-free causal model is; decode calls run contrib
+    MultiHeadAttention on the cache itself."""
     path, _ = export_model(signature)
-    assert [op.op for op in describe_model(path).attention_ops] == ["com.microsoft::GroupQueryAttention"]
+    ops = {op.op: op for op in describe_model(path).attention_ops}
+    assert set(ops) == {"com.microsoft::GroupQueryAttention", "com.microsoft::MultiHeadAttention"}
+    decode = ops["com.microsoft::MultiHeadAttention"]
+    assert {"past_key", "past_value"} <= set(decode.inputs) and decode.attributes["unidirectional"] == 1
+    assert ("key_padding_mask" in decode.inputs) == signature.has_padding_mask
     assert ModelMetadata.from_props({p.key: p.value for p in onnx.load(path).metadata_props}).fusion == "mha"
     plain, _ = export_model(signature, "none")
     assert describe_model(plain).attention_ops == []

@@ -5,9 +5,11 @@ from __future__ import annotations
 import numpy as np
 import onnx
 import onnxruntime as ort
+import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from mha_deploy.exporters.kv_cache import prefill_or_decode
+from mha_deploy.errors import ExportError
+from mha_deploy.exporters.kv_cache import decode_on_mha, prefill_or_decode
 
 WEIGHT = numpy_helper.from_array(np.full(3, 2.0, np.float32), "w")
 
@@ -60,3 +62,13 @@ def test_the_cache_length_chooses_the_branch():
     output, present = session.run(None, {"x": x, "past": present})
     np.testing.assert_array_equal(output, x * 2)
     np.testing.assert_array_equal(present[0, 0, 1], (x + 2)[0])
+
+
+def test_decode_fusion_names_what_it_did_not_find():
+    """A present that no Concat produces is not the plain KV-cache graph: refused, saying where it looked."""
+    _, decode = _pair()
+    for node in decode.graph.node:
+        if node.op_type == "Concat":
+            node.op_type = "Sum"
+    with pytest.raises(ExportError, match="expected Concat producing present, found Sum"):
+        decode_on_mha(decode, 1, None, -1e9)

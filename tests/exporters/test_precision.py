@@ -54,3 +54,24 @@ def test_fp16_session_wants_fp16_inputs(tmp_path):
 def test_int8_and_fp16_do_not_mix(tmp_path):
     with pytest.raises(ExportError, match="--quantize int8 quantizes an fp32 model"):
         export_mha(MultiHeadAttention(TEST_D_MODEL, TEST_HEADS), tmp_path / "h.onnx", dtype="fp16", quantize="int8")
+
+
+@pytest.mark.parametrize("fuse", ["auto", "none"])
+def test_fp16_kv_cache_decodes_within_the_fp16_budget(tmp_path, fuse):
+    from dataclasses import replace
+
+    from mha_deploy.exporters.parity import CacheCase, check_cache_parity
+
+    torch.manual_seed(0)
+    mha = MultiHeadAttention(TEST_D_MODEL, TEST_HEADS).eval()
+    signature = Signature("self", "padding-causal", kv_cache=True)
+    path = export_mha(mha, tmp_path / "kv16.onnx", signature, fuse=fuse, dtype="fp16").path
+    session = MHASession(path, provider="cpu")
+    reference = attention_graph(mha, replace(signature, kv_cache=False))
+    cases = (CacheCase(3, 13, 3, 2, "left"), CacheCase(2, 8, 2, 4, "mixed"))
+    report = check_cache_parity(reference, session, cases, atol=FP16_ATOL, rtol=FP16_RTOL, seed=3)
+    assert report.passed, report.failures
+    decoder = session.decoder(capacity=32)
+    decoder.prefill(np.zeros((1, 3, TEST_D_MODEL), np.float16))
+    assert decoder.step(np.zeros((1, 1, TEST_D_MODEL), np.float16)).dtype == np.float16
+    assert decoder.cache["past_key"].dtype == np.float16
