@@ -142,6 +142,14 @@ def check_cache_parity(
             comparisons.append(comparison)
             if not comparison.passed:
                 failures.append(f"{labels[-1]}: {comparison.summary()}")
+    return _report(comparisons, failures, labels, atol, rtol, rel_budget)
+
+
+def _report(
+    comparisons: list[Comparison], failures: list[str], shapes: list[str], atol: float, rtol: float,
+    rel_budget: float | None,
+) -> ParityReport:
+    """One report over every output and shape compared: the worst error of each kind."""
     return ParityReport(
         passed=not failures,
         atol=atol,
@@ -149,7 +157,7 @@ def check_cache_parity(
         max_abs_err=max(c.max_abs_err for c in comparisons),
         required_atol=max(c.required_atol for c in comparisons),
         required_rtol=max(c.required_rtol for c in comparisons),
-        shapes=labels,
+        shapes=shapes,
         failures=failures,
         rel_err=max(c.rel_err for c in comparisons),
         rel_budget=rel_budget,
@@ -197,15 +205,4 @@ def check_parity(
             comparisons.append(comparison)
             if not comparison.passed:
                 failures.append(f"{case.label(signature)}: {comparison.summary()}")
-    return ParityReport(
-        passed=not failures,
-        atol=atol,
-        rtol=rtol,
-        max_abs_err=max(c.max_abs_err for c in comparisons),
-        required_atol=max(c.required_atol for c in comparisons),
-        required_rtol=max(c.required_rtol for c in comparisons),
-        shapes=[case.label(signature) for case in cases],
-        failures=failures,
-        rel_err=max(c.rel_err for c in comparisons),
-        rel_budget=rel_budget,
-    )
+    return _report(comparisons, failures, [case.label(signature) for case in cases], atol, rtol, rel_budget)
