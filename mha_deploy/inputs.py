@@ -85,6 +85,11 @@ def placeholder_inputs(
     }
 
 
+def cast_floats(feeds: dict[str, np.ndarray], dtype) -> dict[str, np.ndarray]:
+    """``feeds`` with float arrays in ``dtype`` (a model's dtype); bool masks unchanged."""
+    return {name: a.astype(dtype) if a.dtype.kind == "f" else a for name, a in feeds.items()}
+
+
 def real_query_rows(signature: Signature, feeds: dict[str, np.ndarray]) -> np.ndarray:
     """bool [batch, q_len]: the query positions whose outputs users read."""
     query = signature.query_input

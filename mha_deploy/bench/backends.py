@@ -24,6 +24,7 @@ from mha_deploy.bench.target import CPU_FP32, BenchTarget
 from mha_deploy.errors import ExportError, OptionError
 from mha_deploy.exporters import export_mha
 from mha_deploy.exporters.graphs import attention_graph, build_attention_mask
+from mha_deploy.inputs import cast_floats
 from mha_deploy.metadata import Signature
 from mha_deploy.models import MultiHeadAttention
 from mha_deploy.runtime import MHASession
@@ -48,11 +49,6 @@ class Backend:
 def _on_target(mha: MultiHeadAttention, target: BenchTarget) -> MultiHeadAttention:
     """A copy of ``mha`` on the target's device and dtype (the exports keep using the fp32 CPU original)."""
     return copy.deepcopy(mha).to(device=target.torch_device, dtype=TORCH_DTYPES[target.dtype]).eval()
-
-
-def cast_floats(feeds: Feeds, dtype: str) -> dict[str, np.ndarray]:
-    """``feeds`` with float arrays in ``dtype`` (a numpy name); bool masks unchanged."""
-    return {name: a.astype(dtype) if a.dtype.kind == "f" else a for name, a in feeds.items()}
 
 
 def _host_inputs(feeds: Feeds, signature: Signature, target: BenchTarget) -> list[np.ndarray]:

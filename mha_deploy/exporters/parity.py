@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from mha_deploy.compare import Comparison, compare_outputs
-from mha_deploy.inputs import PADDING_SIDES, InputCase, make_inputs, padding_mask, real_query_rows
+from mha_deploy.inputs import PADDING_SIDES, InputCase, cast_floats, make_inputs, padding_mask, real_query_rows
 from mha_deploy.metadata import ParityReport, Signature
 from mha_deploy.runtime.session import MHASession
 
@@ -135,7 +135,7 @@ def check_cache_parity(
         labels.append(case.label(signature))
         feeds = full_sequence_inputs(signature, session.metadata.d_model, case, seed + index)
         expected = torch_reference(reference, signature, feeds)
-        cast = {k: v.astype(model_dtype) if v.dtype.kind == "f" else v for k, v in feeds.items()}
+        cast = cast_floats(feeds, model_dtype)
         actual = {"output": decode_in_calls(session, cast, case.calls)}
         rows = real_query_rows(signature, feeds)
         for comparison in compare_outputs(signature, actual, expected, rows, atol, rtol, rel_budget):
@@ -199,7 +199,7 @@ def check_parity(
     for index, case in enumerate(cases):
         feeds = make_inputs(signature, session.metadata.d_model, case, seed + index)
         expected = torch_reference(module, signature, feeds)
-        actual = session.run({k: v.astype(model_dtype) if v.dtype.kind == "f" else v for k, v in feeds.items()})
+        actual = session.run(cast_floats(feeds, model_dtype))
         rows = real_query_rows(signature, feeds)
         for comparison in compare_outputs(signature, actual, expected, rows, atol, rtol, rel_budget):
             comparisons.append(comparison)
