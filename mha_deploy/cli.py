@@ -27,6 +27,7 @@ from mha_deploy.metadata import (
     ON_ERROR_CHOICES,
     QUANTIZE_CHOICES,
     TRITON_KINDS,
+    Signature,
 )
 
 # ServeConfig.graceful_timeout_s (not imported: the serving package loads onnxruntime).
@@ -88,9 +89,11 @@ def main(ctx: click.Context, debug: bool) -> None:
               help="padding adds input key_padding_mask (bool, True = real token); causal is built into the graph.")
 @click.option("--return-weights", is_flag=True, help="Also output attn_weights [batch, heads, q_seq, kv_seq].")
 @click.option("--kv-cache", is_flag=True,
-              help="Incremental decoding (--mask causal or padding-causal): inputs past_key/past_value "
-                   "[batch, heads, past_seq, d_k] (past_seq 0 for the prefill), outputs present_key/present_value "
-                   "[batch, heads, past_seq + seq, d_k]; key_padding_mask covers past_seq + seq.")
+              help="Incremental decoding (--mask causal or padding-causal, or --model decoder): inputs "
+                   "past_key/past_value [batch, heads, past_seq, d_k] (past_seq 0 for the prefill), outputs "
+                   "present_key/present_value [batch, heads, past_seq + seq, d_k]; key_padding_mask covers "
+                   "past_seq + seq. A decoder has past_key_values.{i}.key/.value/.encoder_key/.encoder_value and "
+                   "present.{i}.* per layer (see inspect).")
 @click.option("--fuse", type=click.Choice(FUSE_CHOICES), default="auto", show_default=True,
               help="Fuse each attention into one op. mha: ORT contrib MultiHeadAttention; it takes the padding "
                    "mask and causal flag as they are, so no [batch, q_len, kv_len] mask is built in the graph "
@@ -141,15 +144,17 @@ def export(checkpoint, d_model, heads, model_kind, layers, d_ff, attention, mask
                    + (" kv-cache" if kv_cache else ""), err=True)
         result = export_mha(mha, output, signature, **options)
     else:
-        if kv_cache:
-            raise click.UsageError(f"--kv-cache is implemented for --model mha, not --model {model_kind} yet")
         if checkpoint is not None or return_weights:
             raise click.UsageError(
                 f"--model {model_kind} exports a seeded random stack: no --checkpoint or --return-weights"
             )
+        # The flags' I/O contract, checked before a stack is built for it.
+        Signature("self" if model_kind == "encoder" else "cross", mask, model=model_kind, kv_cache=kv_cache,
+                  layers=layers if kv_cache else 1)
         stack = _build_stack(model_kind, layers, d_model, heads, d_ff, seed)
-        click.echo(f"exporting a {layers}-layer {model_kind}, mask={mask}", err=True)
-        result = export_stack(stack, output, mask=mask, **options)
+        click.echo(f"exporting a {layers}-layer {model_kind}, mask={mask}" + (" kv-cache" if kv_cache else ""),
+                   err=True)
+        result = export_stack(stack, output, mask=mask, kv_cache=kv_cache, **options)
     for warning in result.warnings:
         click.echo(f"warning: {warning}", err=True)
     click.echo(result.fusion.summary())
@@ -342,11 +347,7 @@ def inspect(model, as_json):
     click.echo(f"  model  {stack}d_model={meta['d_model']} heads={meta['num_heads']} attention={sig['attention']} "
                f"mask={sig['mask']} dtype={meta['dtype']} fusion={meta['fusion']}")
     if sig.get("kv_cache"):
-        click.echo("  cache  past_key -> present_key, past_value -> present_value: [batch, heads, past_seq, d_k] in, "
-                   "[batch, heads, past_seq + seq, d_k] out (past ++ new); key_padding_mask [batch, past_seq + seq]")
-        if meta["fusion"] != "none":
-            click.echo("         an If on past_seq picks the prefill (past_seq 0) or the decode graph; each one's "
-                       "attention is listed above")
+        _echo_cache_layout(Signature(**sig))
     parity = meta.get("parity")
     if parity:
         click.echo(f"  parity {'PASSED' if parity['passed'] else 'FAILED'}: max abs err {parity['max_abs_err']:.3g} "
@@ -542,6 +543,25 @@ def bench(model, checkpoint, d_model, heads, masks, shapes, provider, threads, b
 
         plot_latency(report, plot)
     click.echo(json.dumps(report.to_dict(), indent=2) if as_json else report.table())
+
+
+def _echo_cache_layout(signature: Signature) -> None:
+    query = signature.query_axis
+    if signature.model == "mha":
+        click.echo("  cache  past_key -> present_key, past_value -> present_value: [batch, heads, past_seq, d_k] in, "
+                   f"[batch, heads, past_seq + {query}, d_k] out (past ++ new)")
+    else:
+        layers = f"i < {signature.layers}"
+        click.echo(f"  cache  past_key_values.{{i}}.key/.value -> present.{{i}}.key/.value ({layers}): "
+                   f"[batch, heads, past_seq, d_k] in, [batch, heads, past_seq + {query}, d_k] out (past ++ new)")
+        click.echo("         past_key_values.{i}.encoder_key/.encoder_value -> present.{i}.encoder_key/"
+                   ".encoder_value: empty on the first call (computed from memory), then [batch, heads, mem_seq, "
+                   "d_k], passed back unchanged (memory is then not read)")
+    if signature.has_padding_mask:
+        click.echo("         key_padding_mask [batch, past_seq + "
+                   f"{query}]: every token of the sequence so far, True = real")
+    click.echo("         an If on past_seq picks the first call's graph (past_seq 0) or the later calls'; each "
+               "one's fused attentions are listed above")
 
 
 def _json_default(value):

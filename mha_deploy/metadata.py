@@ -96,6 +96,7 @@ class ModelMetadata:
         if not self.signature.kv_cache:
             # Written only when set, so that files without a cache stay readable by earlier mha-deploy.
             del raw["signature"]["kv_cache"]
+            del raw["signature"]["layers"]
         return json.dumps(raw, sort_keys=True)
 
     @classmethod
@@ -108,6 +109,10 @@ class ModelMetadata:
             metadata = cls(**raw)
         except (ValueError, TypeError, KeyError, ExportError) as exc:
             raise ModelFileError(f"{source}: unreadable mha-deploy metadata ({exc})") from exc
+        if metadata.signature.layers not in (1, metadata.layers):
+            raise ModelFileError(
+                f"{source}: its metadata says {metadata.layers} layers, its cache layout {metadata.signature.layers}"
+            )
         if metadata.format > METADATA_FORMAT:
             raise ModelFileError(
                 f"{source}: metadata format {metadata.format} is newer than this mha-deploy "

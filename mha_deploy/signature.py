@@ -13,7 +13,7 @@ No torch and no onnx here: both sides of the file boundary import this module.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from mha_deploy.errors import ExportError
 
@@ -36,8 +36,13 @@ FIXED_AXES = ("d_model", "heads", "d_k")
 BATCH_AXIS = "batch"
 # KV cache: the cached length and the length after this call (past_seq + seq), the cache grows along them.
 PAST_AXIS, TOTAL_AXIS = "past_seq", "total_seq"
+# A decoder's cross-attention cache: the memory's keys/values, 0 long on the first call (they are computed
+# from memory then), mem_seq long on every later call (passed back; memory's values are then not read).
+ENCODER_PAST_AXIS, MEMORY_AXIS = "past_mem_seq", "mem_seq"
 # past input -> the present output the next call feeds back into it (Optimum's names for a lone attention).
 CACHE_PAIRS = {"past_key": "present_key", "past_value": "present_value"}
+# A decoder stack's caches per layer i: past_key_values.{i}.<kind> -> present.{i}.<kind> (Optimum's naming).
+SELF_CACHE_KINDS, ENCODER_CACHE_KINDS = ("key", "value"), ("encoder_key", "encoder_value")
 # dtype of a float tensor: whatever the model was exported in (float32, or float16).
 MODEL_DTYPE = "model"
 
@@ -86,6 +91,8 @@ class Signature:
     model: str = "mha"
     # Incremental decoding: past_key/past_value in, present_key/present_value out (see ``cache_pairs``).
     kv_cache: bool = False
+    # A KV-cache decoder stack's layer count: its cache inputs and outputs are per layer. 1 otherwise.
+    layers: int = 1
 
     def __post_init__(self):
         if self.model not in MODEL_KINDS:
@@ -94,6 +101,8 @@ class Signature:
             raise ExportError(f"attention must be one of {', '.join(ATTENTION_KINDS)}, got {self.attention!r}")
         if self.mask not in MASK_MODES:
             raise ExportError(f"mask must be one of {', '.join(MASK_MODES)}, got {self.mask!r}")
+        if self.layers < 1 or (self.layers != 1 and not (self.kv_cache and self.model == "decoder")):
+            raise ExportError(f"layers is the cache's layer count of a --kv-cache decoder, got {self.layers}")
         if self.kv_cache:
             self._check_kv_cache()
         if self.model != "mha":
@@ -117,9 +126,11 @@ class Signature:
             raise ExportError(f"--model {self.model} has several attentions: --return-weights is for a lone MHA")
 
     def _check_kv_cache(self) -> None:
-        if self.model != "mha":
-            raise ExportError(f"--kv-cache is implemented for the lone MHA (--model mha), not --model {self.model}")
-        if self.attention != "self" or not self.is_causal:
+        if self.model == "encoder":
+            raise ExportError(
+                "--kv-cache needs causal self-attention: an encoder's attends both ways (use --model decoder)"
+            )
+        if self.model == "mha" and (self.attention != "self" or not self.is_causal):
             raise ExportError(
                 "--kv-cache needs causal self-attention (--mask causal or padding-causal): a cache holds the "
                 f"keys of earlier tokens, which only causal attention leaves unchanged (got {self.attention}, "
@@ -127,6 +138,11 @@ class Signature:
             )
         if self.return_weights:
             raise ExportError("--kv-cache returns the cache, not the probabilities: drop --return-weights")
+
+    @property
+    def cache_free(self) -> Signature:
+        """The same model without its cache: what one forward over the whole sequence takes."""
+        return replace(self, kv_cache=False, layers=1)
 
     @property
     def has_padding_mask(self) -> bool:
@@ -163,12 +179,14 @@ class Signature:
         specs = [
             TensorSpec(name, SEQUENCE, MODEL_DTYPE, (BATCH_AXIS, axis, "d_model")) for name, axis in axis_of.items()
         ]
-        if self.kv_cache:
-            specs += [TensorSpec(name, PAST, MODEL_DTYPE, _cache_axes(PAST_AXIS)) for name in CACHE_PAIRS]
-        # With a cache, the mask covers the cached tokens and the new ones: [batch, past_seq + seq].
+        specs += [TensorSpec(name, PAST, MODEL_DTYPE, _cache_axes(axis)) for name, (axis, _) in self._caches.items()]
+        # With a cache, the queries' mask covers the cached tokens and the new ones: [batch, past_seq + seq].
         specs += [
-            TensorSpec(name, PADDING_MASK, "bool", (BATCH_AXIS, TOTAL_AXIS if self.kv_cache else axis_of[marks]),
-                       marks=marks)
+            TensorSpec(
+                name, PADDING_MASK, "bool",
+                (BATCH_AXIS, TOTAL_AXIS if self.kv_cache and marks == self.query_input else axis_of[marks]),
+                marks=marks,
+            )
             for name, marks in self._masks
         ]
         return tuple(specs)
@@ -179,14 +197,45 @@ class Signature:
         if self.return_weights:
             axes = (BATCH_AXIS, "heads", self.query_axis, self.key_axis)
             specs.append(TensorSpec("attn_weights", WEIGHTS, MODEL_DTYPE, axes))
-        if self.kv_cache:
-            specs += [TensorSpec(name, PRESENT, MODEL_DTYPE, _cache_axes(TOTAL_AXIS)) for name in CACHE_PAIRS.values()]
+        presents = self.cache_pairs
+        specs += [
+            TensorSpec(presents[past], PRESENT, MODEL_DTYPE, _cache_axes(axis))
+            for past, (_, axis) in self._caches.items()
+        ]
         return tuple(specs)
 
     @property
+    def _caches(self) -> dict[str, tuple[str, str]]:
+        """Each past input -> (its length axis, the length axis of its present output)."""
+        if not self.kv_cache:
+            return {}
+        if self.model == "mha":
+            return dict.fromkeys(CACHE_PAIRS, (PAST_AXIS, TOTAL_AXIS))
+        caches = {}
+        for layer in range(self.layers):
+            caches.update({f"past_key_values.{layer}.{kind}": (PAST_AXIS, TOTAL_AXIS) for kind in SELF_CACHE_KINDS})
+            caches.update(
+                {f"past_key_values.{layer}.{kind}": (ENCODER_PAST_AXIS, MEMORY_AXIS) for kind in ENCODER_CACHE_KINDS}
+            )
+        return caches
+
+    @property
     def cache_pairs(self) -> dict[str, str]:
-        """Each past input -> the present output that becomes it on the next call; empty without a cache."""
-        return dict(CACHE_PAIRS) if self.kv_cache else {}
+        """Each past input -> the present output that becomes it on the next call; empty without a cache.
+
+        A lone MHA: past_key -> present_key, past_value -> present_value. A decoder stack, per layer i:
+        past_key_values.{i}.key/.value -> present.{i}.key/.value (self-attention, grows by each call's
+        tokens) and past_key_values.{i}.encoder_key/.encoder_value -> present.{i}.encoder_key/.encoder_value
+        (cross-attention over memory: empty on the first call, then the same every call).
+        """
+        if self.model == "mha":
+            return {name: CACHE_PAIRS[name] for name in self._caches}
+        return {name: name.replace("past_key_values.", "present.", 1) for name in self._caches}
+
+    @property
+    def growing_caches(self) -> tuple[str, ...]:
+        """The past inputs that grow by each call's tokens (self-attention's); the others hold memory's."""
+        return tuple(name for name, (axis, _) in self._caches.items() if axis == PAST_AXIS)
 
     @property
     def tensors(self) -> dict[str, TensorSpec]:
@@ -256,12 +305,15 @@ class Signature:
         masked = {self.axis_of(mask) for mask in self.padding_masks}
         return frozenset(axis for axis in self.sequence_axes if axis not in attended - causal - masked)
 
-    def axis_sizes(self, batch: int, q_len: int, kv_len: int | None = None, **fixed: int) -> dict[str, int]:
+    def axis_sizes(
+        self, batch: int, q_len: int, kv_len: int | None = None, mem_len: int | None = None, **fixed: int
+    ) -> dict[str, int]:
         """Axis sizes for a batch whose query axis has ``q_len`` and every other length axis ``kv_len``.
 
         ``fixed`` gives the model's fixed axes (d_model=..., heads=...).
-        With a KV cache, ``kv_len`` is the cached length (past_seq; default 0, a prefill). ``d_k`` follows
-        from d_model and heads when both are given.
+        With a KV cache, ``kv_len`` is the cached length (past_seq; default 0, a prefill), and a decoder's
+        memory has ``mem_len`` tokens (default: the longer of past_seq and q_len). ``d_k`` follows from
+        d_model and heads when both are given.
         """
         sizes = {BATCH_AXIS: batch, **fixed}
         if "d_model" in fixed and "heads" in fixed:
@@ -269,6 +321,10 @@ class Signature:
         if self.kv_cache:
             past = 0 if kv_len is None else kv_len
             sizes.update({self.query_axis: q_len, PAST_AXIS: past, TOTAL_AXIS: past + q_len})
+            if self.model == "decoder":
+                memory = mem_len if mem_len is not None else max(past, q_len)
+                # The cross-attention cache is empty on the first call (past_seq 0), memory's length after.
+                sizes.update({MEMORY_AXIS: memory, ENCODER_PAST_AXIS: memory if past else 0})
             return sizes
         kv_len = q_len if kv_len is None else kv_len
         for axis in self.sequence_axes:

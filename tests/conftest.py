@@ -20,6 +20,10 @@ SIGNATURES = [
 ]
 
 
+# A 2-layer KV-cache decoder stack: what `export --model decoder --layers 2 --mask padding --kv-cache` writes.
+KV_DECODER = Signature("cross", "padding", model="decoder", kv_cache=True, layers=2)
+
+
 def signature_id(signature: Signature) -> str:
     prefix = f"{signature.model}-" if signature.model != "mha" else f"{signature.attention}-"
     return prefix + signature.mask + ("-weights" if signature.return_weights else "") + (
@@ -40,7 +44,9 @@ def export_model(tmp_path_factory):
     """``export_model(signature, fuse, dtype) -> (path, reference torch module)``, exported once per arguments.
 
     ``fuse`` defaults to "auto", what ``mha-deploy export`` writes unless told otherwise;
-    ``dtype`` to "fp32" (the reference module stays fp32 either way).
+    ``dtype`` to "fp32" (the reference module stays fp32 either way). A stack's signature
+    (``KV_DECODER``) exports a seeded stack of ``signature.layers`` layers; its reference is
+    the cache-free stack graph: one forward over the whole sequence.
     """
     cache = {}
 
@@ -53,10 +59,20 @@ def export_model(tmp_path_factory):
             from mha_deploy.models import MultiHeadAttention
 
             torch.manual_seed(1234)
-            mha = MultiHeadAttention(TEST_D_MODEL, TEST_HEADS).eval()
             path = tmp_path_factory.mktemp("models") / f"{signature_id(signature)}-{fuse}-{dtype}.onnx"
-            export_mha(mha, path, signature, fuse=fuse, dtype=dtype)
-            cache[signature, fuse, dtype] = (path, attention_graph(mha, signature))
+            if signature.model != "mha":
+                from mha_deploy.exporters import export_stack
+                from mha_deploy.exporters.stack_graphs import stack_graph
+                from mha_deploy.models import Decoder, Encoder
+
+                stack_type = Decoder if signature.model == "decoder" else Encoder
+                stack = stack_type(signature.layers, TEST_D_MODEL, TEST_HEADS, 2 * TEST_D_MODEL).eval()
+                export_stack(stack, path, signature.mask, signature.kv_cache, fuse=fuse, dtype=dtype)
+                cache[signature, fuse, dtype] = (path, stack_graph(stack, signature.mask))
+            else:
+                mha = MultiHeadAttention(TEST_D_MODEL, TEST_HEADS).eval()
+                export_mha(mha, path, signature, fuse=fuse, dtype=dtype)
+                cache[signature, fuse, dtype] = (path, attention_graph(mha, signature))
         return cache[signature, fuse, dtype]
 
     return export

@@ -25,7 +25,7 @@ from mha_deploy.exporters.parity import (
 )
 from mha_deploy.exporters.precision import DTYPES, FP16_ATOL, FP16_RTOL, to_float16
 from mha_deploy.exporters.quantize import quantize_int8
-from mha_deploy.exporters.stack_graphs import export_stack_onnx, stack_graph
+from mha_deploy.exporters.stack_graphs import decoder_cache_graphs, export_stack_onnx, stack_graph
 from mha_deploy.exporters.torch_export import DEFAULT_OPSET, export_onnx
 from mha_deploy.metadata import (
     FUSE_CHOICES,
@@ -40,7 +40,6 @@ from mha_deploy.metadata import (
 from mha_deploy.models.attention import MASK_FILL_VALUE, MultiHeadAttention
 from mha_deploy.models.transformer import Decoder, Encoder
 from mha_deploy.runtime.session import MHASession
-from mha_deploy.signature import CACHE_PAIRS
 
 # --fuse auto, per mask mode: the fastest exact path on ORT's CPU provider. Full block
 # (projections + attention), self-attention, d_model 512, 8 heads, fp32, 2 threads, ORT 1.31.1;
@@ -146,21 +145,22 @@ def _optimised(
 
 
 def _optimised_kv_cache(
-    decode: onnx.ModelProto, prefill: onnx.ModelProto, target: str, metadata: ModelMetadata
+    decode: onnx.ModelProto, prefill: onnx.ModelProto, target: str, metadata: ModelMetadata, attention_ops: int
 ) -> tuple[onnx.ModelProto, FusionReport]:
-    """``none``: the plain KV-cache graph for every call. Otherwise the prefill fused for ``target`` behind
-    an If on the cache's length; decode calls on contrib MultiHeadAttention with past for ``mha``, on the
-    plain graph for ``onnx`` (the target for runtimes without contrib ops). Why: ``AUTO_TARGET_KV_CACHE``."""
-    dtype = metadata.dtype
-    if target == "none":
-        return _optimised(decode, "none", "none", dtype, 1)
-    plain = decode
+    """The prefill (its ``attention_ops`` attentions) fused for ``target`` behind an If on the cache's length;
+    decode calls on contrib MultiHeadAttention with past for ``mha``, on the plain graph for ``onnx`` (the
+    target for runtimes without contrib ops) and ``none``. Why: ``AUTO_TARGET_KV_CACHE``."""
+    signature = metadata.signature
     if target == "mha":
-        mask = next(iter(metadata.signature.padding_masks), None)
-        decode = decode_on_mha(plain, metadata.num_heads, mask, MASK_FILL_VALUE)
-    fused_prefill, report = _optimised(prefill, target, "none", "float32", 1)
-    model = prefill_or_decode(fused_prefill, decode, next(iter(CACHE_PAIRS)), plain)
-    if dtype == "float16":
+        masks = {marks: name for name, marks in signature.padding_masks.items()}
+        memory = next((name for name in signature.sequence_inputs if name != signature.query_input), None)
+        decode = decode_on_mha(
+            decode, metadata.num_heads, MASK_FILL_VALUE, attention_ops, masks.get(signature.query_input),
+            masks.get(memory),
+        )
+    fused_prefill, report = _optimised(prefill, target, "none", "float32", attention_ops)
+    model = prefill_or_decode(fused_prefill, decode, signature.growing_caches[0])
+    if metadata.dtype == "float16":
         model = to_float16(model)
     return model, report
 
@@ -260,28 +260,30 @@ def export_mha(
         return _finish(module, plain, metadata, output, options, attention_ops=1)
     if quantize != "none":
         raise ExportError("--quantize int8 is not available with --kv-cache: export the cache model in fp32 or fp16")
-    # The cache-free model is both the prefill's graph and the reference: one causal forward of the whole sequence.
-    cache_free = replace(signature, kv_cache=False)
-    reference = attention_graph(mha.eval(), cache_free)
-    prefill = export_onnx(reference, cache_free, mha.d_model, opset)
-    return _finish(reference, plain, metadata, output, options, 1, prefill)
+    # The reference is the cache-free model: one causal forward of the whole sequence.
+    cache_free = signature.cache_free
+    prefill = attention_graph(mha.eval(), signature, prefill=True)
+    prefill_model = export_onnx(prefill, cache_free, mha.d_model, opset, output_names=signature.output_names)
+    return _finish(attention_graph(mha.eval(), cache_free), plain, metadata, output, options, 1, prefill_model)
 
 
 def export_stack(
-    stack: Encoder | Decoder, output: str | os.PathLike, mask: str = "padding", **options
+    stack: Encoder | Decoder, output: str | os.PathLike, mask: str = "padding", kv_cache: bool = False, **options
 ) -> ExportResult:
     """Export an encoder or decoder stack; each of its attentions is fused like a lone MHA's.
 
     Inputs: encoder ``x`` (+ ``key_padding_mask``); decoder ``x``, ``memory``
     (+ ``key_padding_mask``, ``memory_padding_mask``). ``options`` as for ``export_mha``.
+    ``kv_cache`` (decoders): per layer past_key_values.{i}.key/.value and .encoder_key/.encoder_value in,
+    present.{i}.* out (``Signature.cache_pairs``), one file for the first call and the later ones; parity
+    decodes ``CacheCase`` s call by call against one forward of the whole target sequence in torch.
     """
     export_options = ExportOptions(**options)
     export_options.check()
     output = _check_output(output)
     graph = stack_graph(stack, mask)
-    signature = graph.signature
     attention_ops = len(stack.layers) * (1 if isinstance(stack, Encoder) else 2)
-    plain = export_stack_onnx(graph, export_options.opset)
+    signature = replace(graph.signature, kv_cache=True, layers=len(stack.layers)) if kv_cache else graph.signature
     layer = stack.layers[0]
     attention = layer.self_attn
     metadata = ModelMetadata(
@@ -291,7 +293,15 @@ def export_stack(
         layers=len(stack.layers),
         d_ff=layer.feed_forward.linear1.out_features,
     )
-    return _finish(graph, plain, metadata, output, export_options, attention_ops)
+    if not kv_cache:
+        return _finish(graph, export_stack_onnx(graph, export_options.opset), metadata, output, export_options,
+                       attention_ops)
+    if export_options.quantize != "none":
+        raise ExportError("--quantize int8 is not available with --kv-cache: export the cache model in fp32 or fp16")
+    prefill, decode = decoder_cache_graphs(stack, signature)
+    prefill_model = export_stack_onnx(prefill, export_options.opset, output_names=signature.output_names)
+    plain = export_stack_onnx(decode, export_options.opset)
+    return _finish(graph, plain, metadata, output, export_options, attention_ops, prefill_model)
 
 
 def _finish(
@@ -305,8 +315,8 @@ def _finish(
 ) -> ExportResult:
     """Fuse, quantize or cast, check parity against ``module``, record metadata, and write ``output``.
 
-    ``prefill`` (KV-cache models): the graph of the first call, fused in ``plain``'s place for it
-    (``_optimised_kv_cache``).
+    ``prefill`` (KV-cache models): the graph of the first call (``plain`` is then the later calls'), the two
+    joined by ``_optimised_kv_cache``.
     """
     metadata.dtype = DTYPES[options.dtype]
     metadata.opset = options.opset
@@ -318,7 +328,7 @@ def _finish(
 
     def build(fuse_target: str):
         if prefill is not None:
-            model, fusion = _optimised_kv_cache(plain, prefill, fuse_target, metadata)
+            model, fusion = _optimised_kv_cache(plain, prefill, fuse_target, metadata, attention_ops)
         else:
             model, fusion = _optimised(plain, fuse_target, options.quantize, metadata.dtype, attention_ops)
         return model, fusion, _checked(module, model, atol, rtol, options.parity_cases, options.quantize)

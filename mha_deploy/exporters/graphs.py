@@ -61,30 +61,55 @@ class CrossAttentionGraph(_AttentionGraph):
         return self._attend(query, key, value, key_padding_mask)
 
 
+def split_keys_values(mha: MultiHeadAttention, source: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``mha``'s keys and values of ``source`` [batch, seq, d_model], heads split: what a cache holds."""
+    return mha.split_heads(mha.W_k(source)), mha.split_heads(mha.W_v(source))
+
+
+def attend_to_heads(mha: MultiHeadAttention, query: torch.Tensor, keys, values, mask) -> torch.Tensor:
+    """``mha``'s output for ``query`` [batch, q_len, d_model] over keys/values already projected and split
+    into heads ([batch, heads, kv_len, d_k], e.g. from a cache)."""
+    context, _ = mha.scaled_dot_product_attention(mha.split_heads(mha.W_q(query)), keys, values, mask)
+    return mha.W_o(mha.merge_heads(context))
+
+
+def attend_with_cache(mha: MultiHeadAttention, x, past_key, past_value, key_padding_mask):
+    """Causal self-attention of ``x`` over the cache: ``(output, present_key, present_value)``, present =
+    past ++ the new tokens' keys/values. Query i of ``x`` sits at position past_seq + i, so it sees every
+    cached key the mask marks real and the new keys at or before it: exactly its row of one causal forward
+    over the whole sequence."""
+    new_key, new_value = split_keys_values(mha, x)
+    # [batch, heads, past_seq, d_k] ++ [batch, heads, seq, d_k] -> [batch, heads, total_seq, d_k]
+    present_key = torch.cat([past_key, new_key], dim=2)
+    present_value = torch.cat([past_value, new_value], dim=2)
+    mask = build_attention_mask(
+        key_padding_mask, x.shape[1], present_key.shape[2], True, x.device, past_len=past_key.shape[2]
+    )
+    return attend_to_heads(mha, x, present_key, present_value, mask), present_key, present_value
+
+
 class KVCacheSelfAttentionGraph(_AttentionGraph):
     """Causal self-attention over a cache: ``(x, past_key, past_value[, key_padding_mask])`` ->
-    ``(output, present_key, present_value)``, present = past ++ the new tokens' keys/values.
-
-    Query i of ``x`` sits at position past_seq + i, so it sees every cached key the mask marks real and the
-    new keys at or before it: exactly its row of one causal forward over the whole sequence.
-    """
+    ``(output, present_key, present_value)`` (``attend_with_cache``). Every call's graph, the plain one."""
 
     def forward(self, x, past_key, past_value, key_padding_mask=None):
-        mha = self.mha
-        q = mha.split_heads(mha.W_q(x))
-        # [batch, heads, past_seq, d_k] ++ [batch, heads, seq, d_k] -> [batch, heads, total_seq, d_k]
-        present_key = torch.cat([past_key, mha.split_heads(mha.W_k(x))], dim=2)
-        present_value = torch.cat([past_value, mha.split_heads(mha.W_v(x))], dim=2)
-        mask = build_attention_mask(
-            key_padding_mask, x.shape[1], present_key.shape[2], True, x.device, past_len=past_key.shape[2]
-        )
-        context, _ = mha.scaled_dot_product_attention(q, present_key, present_value, mask)
-        return mha.W_o(mha.merge_heads(context)), present_key, present_value
+        return attend_with_cache(self.mha, x, past_key, past_value, key_padding_mask)
 
 
-def attention_graph(mha: MultiHeadAttention, signature: Signature) -> _AttentionGraph:
-    """The eval-mode module to export for ``signature``."""
+class KVCachePrefillGraph(_AttentionGraph):
+    """The first call of a KV-cache model (past_seq 0): the cache-free causal attention, unchanged so that
+    its fusion applies, plus its keys and values as present. ``(x[, key_padding_mask])`` ->
+    ``(output, present_key, present_value)``."""
+
+    def forward(self, x, key_padding_mask=None):
+        return (self._attend(x, x, x, key_padding_mask), *split_keys_values(self.mha, x))
+
+
+def attention_graph(mha: MultiHeadAttention, signature: Signature, prefill: bool = False) -> _AttentionGraph:
+    """The eval-mode module to export for ``signature`` (``prefill``: a KV-cache model's first call)."""
     if signature.kv_cache:
+        if prefill:
+            return KVCachePrefillGraph(mha, signature.cache_free).eval()
         return KVCacheSelfAttentionGraph(mha, signature).eval()
     graph_cls = SelfAttentionGraph if signature.attention == "self" else CrossAttentionGraph
     return graph_cls(mha, signature).eval()

@@ -11,10 +11,12 @@ values: the fusion that model gets (GroupQueryAttention with padding compacted,
 any side) applies unchanged. So the file holds both graphs behind one If on the
 cache's length, and each call runs one of them:
 
-- past_seq == 0 (prefill): the fused cache-free graph, also returning its keys
-  and values as present;
-- otherwise (decode): the plain KV-cache graph (projections, Concat onto the
-  cache, the masked attention over it).
+- past_seq == 0 (prefill): the cache-free graph, fused, also returning its keys
+  and values as present (a decoder stack: each layer's, and memory's for each
+  cross-attention);
+- otherwise (decode): the KV-cache graph (projections, the new keys appended to
+  the cache, the masked attention over it), on contrib MultiHeadAttention with
+  past/present for the mha target (``decode_on_mha``).
 
 Both branches read the outer graph's inputs and weights; their own value names
 get a prefix so that they cannot collide. Weights the two exports share
@@ -30,41 +32,34 @@ from onnx import helper, numpy_helper
 
 from mha_deploy.errors import ExportError
 
-_PREFIXES = ("prefill/", "decode/")
 
-
-def prefill_or_decode(
-    prefill: onnx.ModelProto, decode: onnx.ModelProto, cache_input: str, plain: onnx.ModelProto | None = None
-) -> onnx.ModelProto:
+def prefill_or_decode(prefill: onnx.ModelProto, decode: onnx.ModelProto, cache_input: str) -> onnx.ModelProto:
     """One model with ``decode``'s inputs and outputs running ``prefill`` when ``cache_input``'s axis 2 is 0.
 
-    ``prefill`` is the cache-free model (a subset of ``decode``'s inputs, its one output named as
-    ``decode``'s first). The prefill branch takes the present outputs from the nodes of ``plain`` (the
-    unfused KV-cache graph; default ``decode``) that compute them: the key/value projections and the Concat
-    onto the empty past, so that the cache-free graph stays exactly as its own fusion left it.
+    ``prefill`` is the first call's model: a subset of ``decode``'s inputs, and the same outputs in the same
+    order (its presents computed beside the attention: the projections it repeats are merged with the
+    attention's own here, so that each is computed once).
     """
     outer = {value.name for value in decode.graph.input}
     missing = {value.name for value in prefill.graph.input} - outer
     if missing:
         raise ValueError(f"the prefill graph reads inputs the decode graph lacks: {sorted(missing)}")
     outputs = [value.name for value in decode.graph.output]
-    presents = _slice((plain or decode).graph, outputs[1:])
+    if [value.name for value in prefill.graph.output] != outputs:
+        raise ValueError("the prefill and decode graphs must have the same outputs in the same order")
     initializers: list[onnx.TensorProto] = []
-    parts = []
-    for graph, prefix in ((prefill.graph, "prefill/"), (presents, "prefill/cache/"), (decode.graph, "decode/")):
+    branches = []
+    for graph, prefix in ((prefill.graph, "prefill/"), (decode.graph, "decode/")):
         graph = _copy(graph)
         _rename(graph, lambda name, p=prefix: name if not name or name in outer else p + name)
         initializers.extend(graph.initializer)  # read from the outer scope, stored once
         del graph.initializer[:]
         del graph.input[:]
-        parts.append(graph)
-    then_branch, cache, else_branch = parts
-    then_branch.node.extend(cache.node)
-    then_branch.output.extend(cache.output)
-    then_branch.name, else_branch.name = "prefill", "decode"
-    branches = [then_branch, else_branch]
+        graph.name = prefix[:-1]
+        branches.append(graph)
+    then_branch, else_branch = branches
     _share_identical(initializers, branches)
-    # The present keys/values project x as the fused prefill already does: compute those once.
+    # The presents project what the fused attentions already project: compute those once.
     _merge_repeated_nodes(then_branch)
     # [1] bool: If takes a one-element condition.
     zero = helper.make_tensor("zero", onnx.TensorProto.INT64, [1], [0])
@@ -90,14 +85,28 @@ def prefill_or_decode(
     return combined
 
 
-def decode_on_mha(decode: onnx.ModelProto, num_heads: int, mask_input: str | None, fill: float) -> onnx.ModelProto:
-    """``decode`` (the plain KV-cache graph) with its attention, from the Concat onto the cache to the merged
-    heads, replaced by one ``com.microsoft.MultiHeadAttention`` that takes the cache itself: past_key/past_value
-    in, present_key/present_value out, ``key_padding_mask`` over past_seq + seq (int32), ``unidirectional``
-    (query i at position past_seq + i). The op concatenates as the Concat did and attends without the
-    [batch, heads, 1, total_seq] mask and the transposed copy of the keys the plain graph builds.
+def decode_on_mha(
+    decode: onnx.ModelProto,
+    num_heads: int,
+    fill: float,
+    attentions: int,
+    mask_input: str | None = None,
+    memory_mask_input: str | None = None,
+) -> onnx.ModelProto:
+    """``decode`` (the plain KV-cache graph) with each attention, from its keys to the merged heads, replaced
+    by one ``com.microsoft.MultiHeadAttention``:
 
-    Raises ``ExportError`` naming what it did not find where the plain graph has it.
+    - a cached self-attention (its keys a Concat onto a past input) by the op taking the cache itself: past
+      key/value in, present key/value out, ``key_padding_mask`` = ``mask_input`` over past_seq + seq (int32),
+      ``unidirectional`` (query i at position past_seq + i). The op concatenates as the Concat did and
+      attends without the [batch, heads, 1, total_seq] mask and the transposed copy of the keys the plain
+      graph builds;
+    - a decoder's cross-attention over its encoder cache (its keys a graph input, [batch, heads, mem_seq,
+      d_k]) by the op reading that cache as its key and value (the op's BNSH cross-attention layout, which
+      ORT's CPU kernel takes), masked by ``memory_mask_input``.
+
+    ``attentions``: how many attentions the graph has. Raises ``ExportError`` naming what it did not find
+    where the plain graph has it.
     """
     model = onnx.ModelProto()
     model.CopyFrom(decode)
@@ -107,6 +116,8 @@ def decode_on_mha(decode: onnx.ModelProto, num_heads: int, mask_input: str | Non
     for node in graph.node:
         for name in node.input:
             consumers.setdefault(name, []).append(node)
+    graph_inputs = {value.name for value in graph.input}
+    outputs = [value.name for value in graph.output]
 
     def expect(node: onnx.NodeProto | None, op_type: str, what: str) -> onnx.NodeProto:
         if node is None or node.op_type != op_type:
@@ -114,49 +125,71 @@ def decode_on_mha(decode: onnx.ModelProto, num_heads: int, mask_input: str | Non
             raise ExportError(f"KV-cache decode fusion: expected {op_type} {what}, found {found}")
         return node
 
-    def projection(present: str) -> str:
-        """The [batch, seq, d_model] projection whose heads the Concat appends to the cache."""
+    def only_consumer(name: str, op_type: str, what: str) -> onnx.NodeProto:
+        return expect(next(iter(consumers.get(name, [])), None), op_type, what)
+
+    def cache(present: str) -> tuple[str, str]:
+        """(the past input, the [batch, seq, d_model] projection) the Concat producing ``present`` joins."""
         concat = expect(producer.get(present), "Concat", f"producing {present}")
         heads = expect(producer.get(concat.input[1]), "Transpose", "splitting the new keys' heads")
-        return expect(producer.get(heads.input[0]), "Reshape", "splitting the new keys' heads").input[0]
+        projection = expect(producer.get(heads.input[0]), "Reshape", "splitting the new keys' heads").input[0]
+        return concat.input[0], projection
 
-    outputs = [value.name for value in graph.output]
-    key, value = projection(outputs[1]), projection(outputs[2])
-    softmax = [node for node in graph.node if node.op_type == "Softmax"]
-    if len(softmax) != 1:
-        raise ExportError(f"KV-cache decode fusion: expected one Softmax, found {len(softmax)}")
-    # Back from the scores through the mask (Where(mask, fill, scores)) and the scale to Q @ K^T.
-    node = producer.get(softmax[0].input[0])
-    while node is not None and node.op_type != "MatMul":
-        node = producer.get(node.input[2] if node.op_type == "Where" else node.input[0])
-    scores = expect(node, "MatMul", "computing the scores")
-    query_heads = expect(producer.get(scores.input[0]), "Transpose", "splitting the query's heads")
-    query = expect(producer.get(query_heads.input[0]), "Reshape", "splitting the query's heads").input[0]
-    # Forward from the probabilities: P @ V, then the heads merged back to [batch, seq, d_model].
-    context = expect(next(iter(consumers.get(softmax[0].output[0], [])), None), "MatMul", "applying the weights")
-    merge = expect(next(iter(consumers.get(context.output[0], [])), None), "Transpose", "merging the heads")
-    merged = expect(next(iter(consumers.get(merge.output[0], [])), None), "Reshape", "merging the heads")
+    fused_at: dict[int, list[onnx.NodeProto]] = {}  # id(merge Reshape) -> the nodes replacing the attention
+    merged_outputs: dict[str, str] = {}
+    concats: set[int] = set()
+    casts: dict[str, str] = {}  # bool mask input -> its int32 copy, cast once for every op reading it
 
-    fused = []
-    mask = ""
-    if mask_input is not None:
-        mask = "kv_cache_key_padding_mask_int32"
-        fused.append(helper.make_node("Cast", [mask_input], [mask], to=onnx.TensorProto.INT32))
-    attention_output = "kv_cache_attention"
-    past = [value.name for value in graph.input if value.name in ("past_key", "past_value")]
-    fused.append(helper.make_node(
-        "MultiHeadAttention", [query, key, value, "", mask, "", *past], [attention_output, *outputs[1:]],
-        domain="com.microsoft", name="kv_cache_attention", num_heads=num_heads, unidirectional=1,
-        mask_filter_value=fill,
-    ))
+    def int32_mask(name: str | None, fused: list[onnx.NodeProto]) -> str:
+        if name is None:
+            return ""
+        if name not in casts:
+            casts[name] = f"kv_cache_{name}_int32"
+            fused.append(helper.make_node("Cast", [name], [casts[name]], to=onnx.TensorProto.INT32))
+        return casts[name]
+
+    for softmax in (node for node in graph.node if node.op_type == "Softmax"):
+        # Back from the scores through the mask (Where(mask, fill, scores)) and the scale to Q @ K^T.
+        node = producer.get(softmax.input[0])
+        while node is not None and node.op_type != "MatMul":
+            node = producer.get(node.input[2] if node.op_type == "Where" else node.input[0])
+        scores = expect(node, "MatMul", "computing the scores")
+        keys = expect(producer.get(scores.input[1]), "Transpose", "transposing the keys").input[0]
+        if keys not in graph_inputs and keys not in outputs:
+            raise ExportError(f"KV-cache decode fusion: the keys {keys} are neither a cache nor a present output")
+        context = only_consumer(softmax.output[0], "MatMul", "applying the weights")
+        values = context.input[1]
+        query_heads = expect(producer.get(scores.input[0]), "Transpose", "splitting the query's heads")
+        query = expect(producer.get(query_heads.input[0]), "Reshape", "splitting the query's heads").input[0]
+        merge = only_consumer(context.output[0], "Transpose", "merging the heads")
+        merged = only_consumer(merge.output[0], "Reshape", "merging the heads")
+        fused: list[onnx.NodeProto] = []
+        name = f"kv_cache_attention_{len(fused_at)}"
+        if keys in graph_inputs:  # a cross-attention over its encoder cache
+            fused.append(helper.make_node(
+                "MultiHeadAttention", [query, keys, values, "", int32_mask(memory_mask_input, fused)], [name],
+                domain="com.microsoft", name=name, num_heads=num_heads, mask_filter_value=fill,
+            ))
+        else:
+            (past_key, key), (past_value, value) = cache(keys), cache(values)
+            concats.update(id(producer[name]) for name in (keys, values))
+            mask = int32_mask(mask_input, fused)
+            fused.append(helper.make_node(
+                "MultiHeadAttention", [query, key, value, "", mask, "", past_key, past_value], [name, keys, values],
+                domain="com.microsoft", name=name, num_heads=num_heads, unidirectional=1, mask_filter_value=fill,
+            ))
+        fused_at[id(merged)] = fused
+        merged_outputs[merged.output[0]] = name
+    if len(fused_at) != attentions:
+        raise ExportError(f"KV-cache decode fusion: found {len(fused_at)} attentions, expected {attentions}")
     nodes = []
     for node in graph.node:
-        if node is merged:
-            nodes.extend(fused)
+        if id(node) in fused_at:
+            nodes.extend(fused_at[id(node)])
             continue
-        if set(node.output) & set(outputs[1:]):
-            continue  # the Concats: the op returns present itself
-        node.input[:] = [attention_output if name == merged.output[0] else name for name in node.input]
+        if id(node) in concats:
+            continue  # the op returns present itself
+        node.input[:] = [merged_outputs.get(name, name) for name in node.input]
         nodes.append(node)
     live, needed = [], set(outputs)
     for node in reversed(nodes):
@@ -178,27 +211,6 @@ def _copy(graph: onnx.GraphProto) -> onnx.GraphProto:
     copy = onnx.GraphProto()
     copy.CopyFrom(graph)
     return copy
-
-
-def _slice(graph: onnx.GraphProto, outputs: list[str]) -> onnx.GraphProto:
-    """The part of ``graph`` that computes ``outputs``: those nodes, the initializers they read, those outputs."""
-    producer = {name: node for node in graph.node for name in node.output}
-    needed, stack, seen = [], list(outputs), set()
-    while stack:
-        name = stack.pop()
-        node = producer.get(name)
-        if node is None or id(node) in seen:
-            continue
-        seen.add(id(node))
-        needed.append(node)
-        stack.extend(node.input)
-    order = {id(node): index for index, node in enumerate(graph.node)}
-    needed.sort(key=lambda node: order[id(node)])
-    read = {name for node in needed for name in node.input}
-    return helper.make_graph(
-        needed, "slice", list(graph.input), [v for v in graph.output if v.name in outputs],
-        [tensor for tensor in graph.initializer if tensor.name in read],
-    )
 
 
 def _rename(graph: onnx.GraphProto, rename) -> None:

@@ -58,13 +58,15 @@ CROSS_CASES = (
 @dataclass(frozen=True)
 class CacheCase:
     """A KV-cache model's decoding to check: a prefill of ``prefill`` tokens (padded on ``padding``'s side
-    when the model has a mask), ``steps`` one-token calls, then one call of ``chunk`` tokens."""
+    when the model has a mask), ``steps`` one-token calls, then one call of ``chunk`` tokens. A decoder
+    stack attends to ``memory`` tokens too (padded on the same side)."""
 
     batch: int
     prefill: int
     steps: int
     chunk: int
     padding: str = "right"
+    memory: int = 11
 
     @property
     def calls(self) -> tuple[int, ...]:
@@ -72,42 +74,50 @@ class CacheCase:
 
     def label(self, signature: Signature) -> str:
         shape = f"{self.batch}x({self.prefill}+{self.steps}x1+{self.chunk})"
+        if signature.model == "decoder":
+            shape += f"x{self.memory}"
         return f"{shape}/{self.padding}" if signature.has_padding_mask and self.padding != "none" else shape
 
 
-# Batch 1 with a one-token prefill, both padding sides and a mix, a prefill >= 256.
+# Batch 1 with a one-token prefill, both padding sides and a mix, a prefill >= 256; memory of 1 and >= 256.
 CACHE_CASES = (
-    CacheCase(1, 1, 3, 2, "none"),
+    CacheCase(1, 1, 3, 2, "none", memory=1),
     CacheCase(3, 17, 3, 4, "right"),
-    CacheCase(4, 9, 2, 3, "left"),
-    CacheCase(2, 260, 2, 5, "mixed"),
+    CacheCase(4, 9, 2, 3, "left", memory=6),
+    CacheCase(2, 260, 2, 5, "mixed", memory=257),
 )
 
 
 def full_sequence_inputs(signature: Signature, d_model: int, case: CacheCase, seed: int) -> dict[str, np.ndarray]:
     """The whole sequence a ``case`` decodes, as the cache-free ``signature`` takes it: x [batch, total, d_model]
-    (+ key_padding_mask, padded only within the prefill: every later token is real)."""
+    (+ key_padding_mask, padded only within the prefill: every later token is real; a decoder's memory
+    and its mask padded on the case's side)."""
     total = sum(case.calls)
-    feeds = make_inputs(signature, d_model, InputCase(case.batch, total, total, "none"), seed)
+    feeds = make_inputs(signature, d_model, InputCase(case.batch, total, case.memory, case.padding), seed)
     rng = np.random.default_rng(seed + 1)
-    for name in signature.padding_masks:
-        feeds[name][:, : case.prefill] = padding_mask(case.batch, case.prefill, case.padding, rng)
+    for name, marks in signature.padding_masks.items():
+        if marks == signature.query_input:
+            feeds[name][:] = True
+            feeds[name][:, : case.prefill] = padding_mask(case.batch, case.prefill, case.padding, rng)
     return feeds
 
 
 def decode_in_calls(session: MHASession, feeds: dict[str, np.ndarray], calls: tuple[int, ...]) -> np.ndarray:
     """Run a KV-cache ``session`` over the whole sequence ``feeds`` in calls of ``calls`` tokens, each fed the
-    previous call's present outputs; the outputs of every call, concatenated along the sequence."""
+    previous call's present outputs (every cache empty on the first call; a decoder's memory and its mask
+    whole on every call); the outputs of every call, concatenated along the sequence."""
     signature = session.signature
-    x = feeds[signature.query_input]
+    query = signature.query_input
+    x = feeds[query]
     d_k = session.metadata.d_model // session.metadata.num_heads
     empty = np.zeros((x.shape[0], session.metadata.num_heads, 0, d_k), x.dtype)
     past = dict.fromkeys(signature.cache_pairs, empty)
+    whole = {name: array for name, array in feeds.items() if name != query}
     outputs, start = [], 0
     for length in calls:
         end = start + length
-        masks = {name: feeds[name][:, :end] for name in signature.padding_masks}
-        result = session.run({signature.query_input: x[:, start:end], **past, **masks})
+        masks = {name: feeds[name][:, :end] for name, marks in signature.padding_masks.items() if marks == query}
+        result = session.run({**whole, query: x[:, start:end], **past, **masks})
         outputs.append(result["output"])
         past = {name: result[present] for name, present in signature.cache_pairs.items()}
         start = end
@@ -126,7 +136,7 @@ def check_cache_parity(
     """A KV-cache ``session`` decoding each case call by call against ``reference``: one causal forward of
     the whole sequence in torch (the cache-free module of the same mask mode), on every real position."""
     cache_signature = session.signature
-    signature = replace(cache_signature, kv_cache=False)
+    signature = cache_signature.cache_free
     model_dtype = session.metadata.dtype
     comparisons, failures, labels = [], [], []
     for index, case in enumerate(cases or CACHE_CASES):

@@ -12,11 +12,12 @@ import torch
 from torch.export import Dim
 
 from mha_deploy.errors import ExportError
-from mha_deploy.signature import PADDING_MASK, TOTAL_AXIS, Signature
+from mha_deploy.signature import ENCODER_PAST_AXIS, PADDING_MASK, TOTAL_AXIS, Signature
 
 # Tracing sizes: all >= 2 and pairwise different, so that torch.export cannot
 # specialise a dynamic axis to a constant or unify two axes that are independent.
-TRACE_BATCH, TRACE_Q_LEN, TRACE_KV_LEN = 2, 3, 5
+# (A KV-cache decoder's memory gets its own: its cache length is past_seq, not memory's.)
+TRACE_BATCH, TRACE_Q_LEN, TRACE_KV_LEN, TRACE_MEM_LEN = 2, 3, 5, 7
 DEFAULT_OPSET = 23
 # ORT 1.31 rejects IR version 14; 10 is what it accepts for opset 23.
 MAX_IR_VERSION = 10
@@ -25,7 +26,8 @@ MAX_IR_VERSION = 10
 def sample_inputs(signature: Signature, d_model: int, heads: int = 1) -> tuple[torch.Tensor, ...]:
     """Tracing inputs, one per input of the signature, at the tracing sizes (a KV cache of TRACE_KV_LEN)."""
     gen = torch.Generator().manual_seed(0)
-    sizes = signature.axis_sizes(TRACE_BATCH, TRACE_Q_LEN, TRACE_KV_LEN, d_model=d_model, heads=heads)
+    mem_len = TRACE_MEM_LEN if signature.kv_cache else None
+    sizes = signature.axis_sizes(TRACE_BATCH, TRACE_Q_LEN, TRACE_KV_LEN, mem_len, d_model=d_model, heads=heads)
     return tuple(
         torch.ones(spec.shape(sizes), dtype=torch.bool)
         if spec.role == PADDING_MASK
@@ -36,8 +38,9 @@ def sample_inputs(signature: Signature, d_model: int, heads: int = 1) -> tuple[t
 
 def dynamic_shapes(signature: Signature) -> tuple[dict[int, Dim], ...]:
     """One ``Dim`` per named axis of the signature, shared by every input that has that axis."""
-    # total_seq is past_seq + seq, a sum torch.export cannot declare: AUTO lets it derive the relation.
-    dims: dict[str, Dim] = {TOTAL_AXIS: Dim.AUTO}
+    # total_seq is past_seq + seq, a sum torch.export cannot declare: AUTO lets it derive the relation. A
+    # decoder's cross-attention cache is memory-long where the graph reads it: AUTO lets torch.export see so.
+    dims: dict[str, Dim] = {TOTAL_AXIS: Dim.AUTO, ENCODER_PAST_AXIS: Dim.AUTO}
     return tuple(
         {index: dims.setdefault(axis, Dim(axis)) for index, axis in spec.dynamic_axes.items()}
         for spec in signature.inputs
@@ -78,20 +81,31 @@ def export_onnx(
     d_model: int,
     opset: int = DEFAULT_OPSET,
     heads: int = 1,
+    output_names: tuple[str, ...] | None = None,
 ) -> onnx.ModelProto:
     """torch.onnx.export (dynamo) of ``module``, an eval-mode graph whose forward takes ``signature``'s
-    inputs in order, traced at the tracing sizes, quietly, with an IR version ORT accepts."""
+    inputs in order, traced at the tracing sizes, quietly, with an IR version ORT accepts.
+
+    ``output_names``: what the outputs are called when they are not ``signature``'s (a KV-cache model's
+    prefill: its cache-free signature's output, then the present caches). A module whose forward takes
+    its trailing inputs as ``*args`` says from which input on with ``variadic_from``.
+    """
     if opset < 18:
         raise ExportError(f"opset {opset} is too old: torch's ONNX exporter needs opset >= 18")
+    shapes = dynamic_shapes(signature)
+    variadic_from = getattr(module, "variadic_from", None)
+    if variadic_from is not None:
+        # torch.export matches dynamic_shapes to forward's parameters: *args takes one tuple.
+        shapes = (*shapes[:variadic_from], shapes[variadic_from:])
     try:
         with _quiet_exporter(), torch.no_grad():
             program = torch.onnx.export(
                 module,
                 sample_inputs(signature, d_model, heads),
                 dynamo=True,
-                dynamic_shapes=dynamic_shapes(signature),
+                dynamic_shapes=shapes,
                 input_names=list(signature.input_names),
-                output_names=list(signature.output_names),
+                output_names=list(output_names or signature.output_names),
                 opset_version=opset,
                 verbose=False,
             )

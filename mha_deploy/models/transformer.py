@@ -69,10 +69,17 @@ class DecoderLayer(nn.Module):
         memory_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         # x: [batch, tgt_len, d_model], memory: [batch, mem_len, d_model]
-        attended, _ = self.self_attn(x, x, x, self_mask)
-        x = self.norm1(x + self.dropout(attended))
-        attended, _ = self.cross_attn(x, memory, memory, memory_mask)
-        x = self.norm2(x + self.dropout(attended))
+        return self.combine(
+            x,
+            lambda h: self.self_attn(h, h, h, self_mask)[0],
+            lambda h: self.cross_attn(h, memory, memory, memory_mask)[0],
+        )
+
+    def combine(self, x: torch.Tensor, self_attend, cross_attend) -> torch.Tensor:
+        """The layer around its two attentions, each a function of the hidden state [batch, tgt_len, d_model]
+        (a KV-cache export attends over cached keys instead: ``exporters.stack_graphs``)."""
+        x = self.norm1(x + self.dropout(self_attend(x)))
+        x = self.norm2(x + self.dropout(cross_attend(x)))
         return self.norm3(x + self.dropout(self.feed_forward(x)))
 
 

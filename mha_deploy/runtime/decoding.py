@@ -6,6 +6,11 @@ keys/values. The decoder feeds each call's present back as the next call's past,
 keeps the padding mask (a model with ``key_padding_mask``: True = real, covering
 past_seq + seq) and each row's real length, and lets rows leave the batch.
 
+A decoder stack (``--model decoder --kv-cache``) has such a pair per layer for its
+self-attention, and one more for its cross-attention: memory's keys/values, which
+the first call computes from ``memory`` and every later call passes back
+unchanged. The decoder keeps memory (and its mask) and feeds them again.
+
 Every row of a batch shares one cache width (past_seq). A row whose prefill was
 padded keeps its padding as masked holes in the cache; later tokens are appended
 after them, so rows of different lengths decode together, each seeing exactly its
@@ -23,6 +28,9 @@ What a call copies:
   writes present straight into the other (``MHASession.run_into``), then they
   swap. No allocation per call, so memory stays flat. A call beyond N tokens
   grows both buffers (doubling, one copy of the cache).
+- a decoder stack's encoder caches: the graph returns them as they came (an
+  Identity), one copy of memory's keys/values per call; with ``capacity``, into
+  two buffers of memory's size, so that nothing is allocated.
 - ``leave``: the rows that stay are copied once into the other buffer.
 """
 
@@ -72,10 +80,15 @@ class Decoder:
         metadata = session.metadata
         self._head_shape = (metadata.num_heads, metadata.d_model // metadata.num_heads)
         self._dtype = np.dtype(metadata.dtype)
-        self._mask_name = next(iter(signature.padding_masks), None)
+        self._x_name = signature.query_input
+        masks = signature.padding_masks
+        self._mask_name = next((name for name, marks in masks.items() if marks == self._x_name), None)
         self._masked = self._mask_name is not None
         self._pairs = signature.cache_pairs
-        self._x_name = signature.query_input
+        self._growing = frozenset(signature.growing_caches)
+        # A decoder stack's memory and its mask: given with the prefill, fed again on every call.
+        self._memory_name = next((name for name in signature.sequence_inputs if name != self._x_name), None)
+        self._memory_mask_name = next((name for name, marks in masks.items() if marks == self._memory_name), None)
         self._reset(0)
 
     # --- the state ---------------------------------------------------------------------------
@@ -83,6 +96,7 @@ class Decoder:
     def _reset(self, batch: int) -> None:
         self.ids = np.arange(batch)  # the prefill row each batch row came from
         self.mask = np.zeros((batch, 0), bool)  # [batch, width]: True = real token in the cache
+        self._memory: dict[str, np.ndarray] = {}  # a decoder's memory (+ memory_padding_mask), row by row
         self._past = {name: self._empty(batch) for name in self._pairs}
         # capacity mode: per cache tensor, the buffer holding past and the one present is written into
         self._buffers: dict[str, list[np.ndarray]] = {}
@@ -107,7 +121,8 @@ class Decoder:
 
     @property
     def cache(self) -> dict[str, np.ndarray]:
-        """The current past_key/past_value [batch, heads, width, d_k] (views into the decoder's buffers)."""
+        """The current caches (past input name -> [batch, heads, width, d_k]; a decoder's encoder caches are
+        [batch, heads, mem_seq, d_k]), views into the decoder's buffers."""
         return dict(self._past)
 
     # --- calls -------------------------------------------------------------------------------
@@ -117,12 +132,18 @@ class Decoder:
         x: np.ndarray,
         key_padding_mask: np.ndarray | None = None,
         lengths: np.ndarray | list[int] | None = None,
+        memory: np.ndarray | None = None,
+        memory_padding_mask: np.ndarray | None = None,
     ) -> np.ndarray:
         """Start a new batch from ``x`` [batch, seq, d_model]; returns output [batch, seq, d_model].
 
         Padding: ``key_padding_mask`` bool [batch, seq] (True = real, any side), or ``lengths`` (real tokens
         first, right padding), or neither (every token real). A model without key_padding_mask (--mask
         causal) takes only batches whose rows are all real.
+
+        A decoder stack (``--model decoder --kv-cache``) also takes ``memory`` [batch, mem_seq, d_model], and
+        ``memory_padding_mask`` [batch, mem_seq] when exported with --mask padding (default: every memory
+        token real). The first call turns memory into each layer's encoder cache; later calls read those.
         """
         x = np.asarray(x)
         if x.ndim != 3:
@@ -133,8 +154,28 @@ class Decoder:
                 "this model has no key_padding_mask, so every prefill token must be real; export with "
                 "--mask padding-causal --kv-cache to decode rows of different lengths together"
             )
+        memories = self._memory_feeds(x.shape[0], memory, memory_padding_mask)
         self._reset(x.shape[0])
+        self._memory = memories
         return self._call(x, mask)
+
+    def _memory_feeds(self, batch: int, memory, memory_padding_mask) -> dict[str, np.ndarray]:
+        if self._memory_name is None:
+            if memory is not None or memory_padding_mask is not None:
+                raise InputError("this model has no memory: memory and memory_padding_mask are for a decoder stack")
+            return {}
+        if memory is None:
+            raise InputError("a decoder stack's prefill needs memory [batch, mem_seq, d_model]: what it attends to")
+        memory = np.asarray(memory)
+        if memory.ndim != 3 or memory.shape[0] != batch:
+            raise InputError(f"memory must be [batch={batch}, mem_seq, d_model], got shape {memory.shape}")
+        feeds = {self._memory_name: memory}
+        if self._memory_mask_name is not None:
+            mask = np.ones(memory.shape[:2], bool) if memory_padding_mask is None else np.asarray(memory_padding_mask)
+            feeds[self._memory_mask_name] = mask
+        elif memory_padding_mask is not None:
+            raise InputError("this model has no memory_padding_mask: export it with --mask padding to pad memory")
+        return feeds
 
     def step(self, x: np.ndarray) -> np.ndarray:
         """Append ``x`` [batch, new, d_model] (every token real) to every row; returns output [batch, new, d_model]."""
@@ -154,28 +195,31 @@ class Decoder:
         drop[rows] = True
         keep = np.flatnonzero(~drop)
         self.ids, self.mask = self.ids[keep], self.mask[keep]
+        self._memory = {name: array[keep] for name, array in self._memory.items()}
         for name, past in self._past.items():
             if not self._buffers:
                 self._past[name] = past[keep]
                 continue
             # Copy the staying rows into the spare buffer (one copy of what stays) and make it current.
             current, spare = self._buffers[name]
-            view = _prefix(spare, (len(keep), self._head_shape[0], past.shape[2], self._head_shape[1]))
+            view = _prefix(spare, (len(keep), *past.shape[1:]))
             np.take(past, keep, axis=0, out=view)
             self._buffers[name] = [spare, current]
             self._past[name] = view
 
     def _call(self, x: np.ndarray, new_mask: np.ndarray) -> np.ndarray:
         mask = np.concatenate([self.mask, new_mask], axis=1)
-        feeds = {self._x_name: x, **self._past}
+        feeds = {self._x_name: x, **self._memory, **self._past}
         if self._masked:
             feeds[self._mask_name] = mask
         if self.capacity is None:
             result = self.session.run(feeds)
             self._past = {name: result[present] for name, present in self._pairs.items()}
         else:
-            present_shape = (self.batch, self._head_shape[0], mask.shape[1], self._head_shape[1])
-            targets = {present: self._present_buffer(name, present_shape) for name, present in self._pairs.items()}
+            targets = {
+                present: self._present_buffer(name, self._present_shape(name, mask.shape[1]))
+                for name, present in self._pairs.items()
+            }
             result = self.session.run_into(feeds, targets)
             for name in self._pairs:
                 self._buffers[name].reverse()  # present's buffer holds the next call's past
@@ -183,14 +227,24 @@ class Decoder:
         self.mask = mask
         return result["output"]
 
+    def _present_shape(self, name: str, width: int) -> tuple[int, ...]:
+        """The present output of cache ``name`` after a call: ``width`` long, or memory-long (encoder caches)."""
+        length = width if name in self._growing else self._memory[self._memory_name].shape[1]
+        return (self.batch, self._head_shape[0], length, self._head_shape[1])
+
     def _present_buffer(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
-        """A view of ``shape`` at the start of the buffer past is not in, (re)allocating when too small."""
+        """A view of ``shape`` at the start of the buffer past is not in, (re)allocating when too small.
+        Growing caches get ``capacity`` tokens (doubled when exceeded); encoder caches exactly memory's length,
+        allocated by the prefill (the only call after which they are not empty)."""
         needed = int(np.prod(shape))
         pair = self._buffers.get(name)
         if pair is None or pair[1].size < needed:
-            tokens = max(self.capacity, shape[2]) if pair is None else max(2 * self.capacity, shape[2])
-            if pair is not None:
-                self.capacity = tokens  # grown: later calls size against the new capacity
+            if name not in self._growing:
+                tokens = shape[2]
+            else:
+                tokens = max(self.capacity, shape[2]) if pair is None else max(2 * self.capacity, shape[2])
+                if pair is not None:
+                    self.capacity = tokens  # grown: later calls size against the new capacity
             size = self._rows_allocated * self._head_shape[0] * tokens * self._head_shape[1]
             past = self._past[name]
             # past may live in the old buffer: give it a fresh one of the new size too (one copy).

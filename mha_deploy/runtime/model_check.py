@@ -199,13 +199,22 @@ def check_cache_behaviour(run: RunFn, metadata: ModelMetadata, source: str) -> N
     if not signature.kv_cache:
         return
     rng = np.random.default_rng(2)
-    x = rng.standard_normal((1, 4, metadata.d_model)).astype(metadata.dtype)
+    query = signature.query_input
+    # x, and a decoder's memory (3 tokens, the same on every call)
+    sequences = {
+        name: rng.standard_normal((1, 4 if name == query else 3, metadata.d_model)).astype(metadata.dtype)
+        for name in signature.sequence_inputs
+    }
+    x = sequences[query]
     empty = np.zeros((1, metadata.num_heads, 0, metadata.d_model // metadata.num_heads), metadata.dtype)
 
     def call(tokens: np.ndarray, past: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        total = tokens.shape[1] + next(iter(past.values())).shape[2]
-        masks = {name: np.ones((1, total), bool) for name in signature.padding_masks}
-        return run({signature.query_input: tokens, **past, **masks})
+        total = tokens.shape[1] + past[signature.growing_caches[0]].shape[2]
+        masks = {
+            name: np.ones((1, total if marks == query else sequences[marks].shape[1]), bool)
+            for name, marks in signature.padding_masks.items()
+        }
+        return run({**sequences, query: tokens, **past, **masks})
 
     whole = call(x, dict.fromkeys(signature.cache_pairs, empty))
     first = call(x[:, :3], dict.fromkeys(signature.cache_pairs, empty))

@@ -205,35 +205,54 @@ def validate_inputs(metadata: ModelMetadata, inputs: Mapping[str, object]) -> di
     problem = _length_problem(signature, {name: array.shape[1] for name, array in arrays.items()})
     if problem:
         raise InputError(problem.message)
-    past = _cache_arrays(metadata, inputs, next(iter(batch.values()))) if signature.kv_cache else {}
+    past = _cache_arrays(metadata, inputs, arrays) if signature.kv_cache else {}
     for mask_name, sequence_name in signature.padding_masks.items():
         shape = arrays[sequence_name].shape[:2]
-        if past:
-            # The mask covers the cached tokens, then the new ones: [batch, past_seq + seq].
-            shape = (shape[0], next(iter(past.values())).shape[2] + shape[1])
+        if past and sequence_name == signature.query_input:
+            # The queries' mask covers the cached tokens, then the new ones: [batch, past_seq + seq].
+            shape = (shape[0], past[signature.growing_caches[0]].shape[2] + shape[1])
             sequence_name = f"past_seq + {sequence_name}'s length"
         arrays[mask_name] = _padding_mask(mask_name, inputs[mask_name], shape, sequence_name)
     return {**arrays, **past}
 
 
-def _cache_arrays(metadata: ModelMetadata, inputs: Mapping[str, object], batch: int) -> dict[str, np.ndarray]:
-    """The past_key/past_value feeds: model dtype, [batch, heads, past_seq, d_k], one past_seq for both."""
+def _cache_arrays(
+    metadata: ModelMetadata, inputs: Mapping[str, object], sequences: Mapping[str, np.ndarray]
+) -> dict[str, np.ndarray]:
+    """The cache feeds: model dtype, [batch, heads, length, d_k], one past_seq for every growing cache; a
+    decoder's encoder caches empty on the first call (past_seq 0) and memory-long on later ones."""
+    signature = metadata.signature
     dtype = np.dtype(metadata.dtype)
     heads, d_k = metadata.num_heads, metadata.d_model // metadata.num_heads
+    batch = next(iter(sequences.values())).shape[0]
     arrays = {}
-    for name in metadata.signature.cache_pairs:
+    specs = signature.tensors
+    for name in signature.cache_pairs:
         array = np.asarray(inputs[name])
         if array.dtype != dtype:
             raise InputError(f"{name} must be {dtype.name}, got {array.dtype}")
         if array.ndim != 4 or array.shape[0] != batch or array.shape[1] != heads or array.shape[3] != d_k:
+            length = specs[name].axes[2]
             raise InputError(
-                f"{name} must have shape [batch, heads, past_seq, d_k] = [{batch}, {heads}, past_seq, {d_k}], "
-                f"got {array.shape}; pass the previous call's present output (past_seq 0 on the first call)"
+                f"{name} must have shape [batch, heads, {length}, d_k] = [{batch}, {heads}, {length}, {d_k}], "
+                f"got {array.shape}; pass the previous call's present output ({length} 0 on the first call)"
             )
         arrays[name] = np.ascontiguousarray(array)
-    lengths = {name: array.shape[2] for name, array in arrays.items()}
-    if len(set(lengths.values())) > 1:
-        raise InputError(f"past_seq differs: {', '.join(f'{name} {n}' for name, n in lengths.items())}")
+    growing = {name: arrays[name].shape[2] for name in signature.growing_caches}
+    if len(set(growing.values())) > 1:
+        raise InputError(f"past_seq differs: {', '.join(f'{name} {n}' for name, n in growing.items())}")
+    past_seq = next(iter(growing.values()))
+    memory = next((name for name in signature.sequence_inputs if name != signature.query_input), None)
+    if memory is not None:
+        expected = 0 if past_seq == 0 else sequences[memory].shape[1]
+        wrong = {name: a.shape[2] for name, a in arrays.items() if name not in growing and a.shape[2] != expected}
+        if wrong:
+            when = "the first call (past_seq 0)" if past_seq == 0 else f"later calls ({memory}'s length)"
+            raise InputError(
+                f"encoder caches must be {expected} long on {when}, got "
+                f"{', '.join(f'{name} {n}' for name, n in wrong.items())}: pass empty ones with the first call, "
+                "then the present outputs of the first call"
+            )
     return arrays
 
 

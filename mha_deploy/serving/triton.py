@@ -189,10 +189,12 @@ def config_pbtxt(proto: onnx.ModelProto, metadata: ModelMetadata, config: Triton
 def _kv_cache_config(proto: onnx.ModelProto, metadata: ModelMetadata, config: TritonConfig, name: str) -> str:
     """A KV-cache model under Triton's sequence batcher with implicit state: past_* <- present_* of the
     sequence's previous request, held by Triton (clients send x, and key_padding_mask over every token the
-    sequence has sent, with sequence_id/start/end). max_batch_size is 1 whatever ``config`` asks: each
-    sequence's cache has its own length, and one ORT run takes one past_seq, so sequences are never batched
-    together; instances run sequences side by side. The first request of a sequence gets an empty cache
-    (past_seq 0), the prefill. Checked against Triton's ModelConfig schema, not run against a server here."""
+    sequence has sent, with sequence_id/start/end; a decoder's clients send its memory with every request,
+    and memory's keys/values are state too, computed on the first request). max_batch_size is 1 whatever
+    ``config`` asks: each sequence's cache has its own length, and one ORT run takes one past_seq, so
+    sequences are never batched together; instances run sequences side by side. The first request of a
+    sequence gets empty caches (past_seq 0), the prefill. Checked against Triton's ModelConfig schema, not
+    run against a server here."""
     signature = metadata.signature
     inputs, outputs = tensor_specs(proto, metadata, max_batch_size=1)
     states = signature.cache_pairs
@@ -209,7 +211,8 @@ def _kv_cache_config(proto: onnx.ModelProto, metadata: ModelMetadata, config: Tr
     ]
     lines = [
         f"# Written by mha-deploy: d_model {metadata.d_model}, {metadata.num_heads} heads, "
-        f"self-attention, mask {signature.mask}, KV cache.",
+        + (f"{metadata.layers}-layer decoder" if signature.model == "decoder" else "self-attention")
+        + f", mask {signature.mask}, KV cache.",
         "# Sequence batching with implicit state (past <- present); one sequence per run: see "
         "mha_deploy/serving/triton.py.",
         f'name: "{name}"',

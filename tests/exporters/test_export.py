@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import numpy as np
 import onnx
 import pytest
@@ -223,7 +221,7 @@ UNSEEN_CACHE_CASES = (
 @pytest.mark.parametrize("signature", KV_SIGNATURES, ids=signature_id)
 def test_kv_cache_parity_on_unseen_decodings(export_model, signature, fuse):
     path, module = export_model(signature, fuse)
-    reference = attention_graph(module.mha, replace(signature, kv_cache=False))
+    reference = attention_graph(module.mha, signature.cache_free)
     session = MHASession(path, provider="cpu", optimization="all")
     report = check_cache_parity(reference, session, UNSEEN_CACHE_CASES, atol=ATOL, rtol=RTOL, seed=5)
     assert report.passed, report.failures
@@ -298,9 +296,11 @@ def test_kv_cache_parity_failure_writes_nothing(tmp_path, defective_export):
         ({"mask": "none"}, "needs causal self-attention"),
         ({"mask": "padding"}, "needs causal self-attention"),
         ({"mask": "causal", "return_weights": True}, "drop --return-weights"),
-        ({"model": "decoder", "attention": "cross", "mask": "padding"}, "lone MHA"),
+        ({"model": "encoder", "mask": "padding"}, "use --model decoder"),
+        ({"model": "decoder", "attention": "cross", "mask": "padding", "layers": 0}, "layer count"),
+        ({"mask": "causal", "layers": 2}, "layer count"),
     ],
 )
-def test_kv_cache_needs_a_lone_causal_self_attention(signature_args, message):
+def test_kv_cache_needs_causal_self_attention(signature_args, message):
     with pytest.raises(ExportError, match=message):
         Signature(**signature_args, kv_cache=True)

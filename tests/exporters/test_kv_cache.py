@@ -9,7 +9,11 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from mha_deploy.errors import ExportError
+from mha_deploy.exporters.graphs import attention_graph
 from mha_deploy.exporters.kv_cache import decode_on_mha, prefill_or_decode
+from mha_deploy.exporters.torch_export import export_onnx
+from mha_deploy.models.attention import MultiHeadAttention
+from mha_deploy.signature import Signature
 
 WEIGHT = numpy_helper.from_array(np.full(3, 2.0, np.float32), "w")
 
@@ -28,15 +32,22 @@ def _tensor(name, *dims):
 def _pair():
     x, past, output, present = _tensor("x", "b", 3), _tensor("past", "b", 1, "p", 3), _tensor("output", "b", 3), \
         _tensor("present", "b", 1, "t", 3)
-    # Both graphs name an intermediate "h": the branches must not collide.
-    prefill = _model([helper.make_node("Add", ["x", "w"], ["h"]), helper.make_node("Identity", ["h"], ["output"])],
-                     [x], [output])
     new = numpy_helper.from_array(np.array([1, 1, 1, 3], np.int64), "shape")
+    # Both graphs name an intermediate "h": the branches must not collide.
+    prefill = _model(
+        [
+            helper.make_node("Add", ["x", "w"], ["h"]),
+            helper.make_node("Identity", ["h"], ["output"]),
+            # The prefill's present repeats the Add its output computes: merged, computed once.
+            helper.make_node("Add", ["x", "w"], ["xw"]),
+            helper.make_node("Reshape", ["xw", "shape"], ["present"]),
+        ],
+        [x], [output, present], (WEIGHT, new),
+    )
     decode = _model(
         [
             helper.make_node("Mul", ["x", "w"], ["h"]),
             helper.make_node("Identity", ["h"], ["output"]),
-            # The same Add as the prefill's: the prefill branch must compute it once.
             helper.make_node("Add", ["x", "w"], ["xw"]),
             helper.make_node("Reshape", ["xw", "shape"], ["x4"]),
             helper.make_node("Concat", ["past", "x4"], ["present"], axis=2),
@@ -51,12 +62,12 @@ def test_the_cache_length_chooses_the_branch():
     combined = prefill_or_decode(prefill, decode, "past")
     onnx.checker.check_model(combined, full_check=True)
     assert [t.name for t in combined.graph.initializer].count("prefill/w") == 1
-    assert len(combined.graph.initializer) == 2, "the weight both graphs hold is stored once"
+    assert len(combined.graph.initializer) == 2, "the weights both graphs hold are stored once"
     session = ort.InferenceSession(combined.SerializeToString())
     x = np.ones((1, 3), np.float32)
     output, present = session.run(None, {"x": x, "past": np.zeros((1, 1, 0, 3), np.float32)})
     np.testing.assert_array_equal(output, x + 2)
-    np.testing.assert_array_equal(present, (x + 2).reshape(1, 1, 1, 3))  # from the decode graph's nodes
+    np.testing.assert_array_equal(present, (x + 2).reshape(1, 1, 1, 3))
     then_branch = next(a.g for a in combined.graph.node[-1].attribute if a.name == "then_branch")
     assert [n.op_type for n in then_branch.node].count("Add") == 1, "repeated nodes are merged"
     output, present = session.run(None, {"x": x, "past": present})
@@ -64,11 +75,25 @@ def test_the_cache_length_chooses_the_branch():
     np.testing.assert_array_equal(present[0, 0, 1], (x + 2)[0])
 
 
+def test_the_branches_must_return_the_same_outputs():
+    prefill, decode = _pair()
+    del prefill.graph.output[1]
+    with pytest.raises(ValueError, match="same outputs"):
+        prefill_or_decode(prefill, decode, "past")
+
+
 def test_decode_fusion_names_what_it_did_not_find():
     """A present that no Concat produces is not the plain KV-cache graph: refused, saying where it looked."""
-    _, decode = _pair()
+    signature = Signature("self", "causal", kv_cache=True)
+    decode = export_onnx(attention_graph(MultiHeadAttention(16, 2), signature), signature, 16, heads=2)
     for node in decode.graph.node:
-        if node.op_type == "Concat":
+        if node.op_type == "Concat" and node.output[0] == "present_key":
             node.op_type = "Sum"
-    with pytest.raises(ExportError, match="expected Concat producing present, found Sum"):
-        decode_on_mha(decode, 1, None, -1e9)
+    with pytest.raises(ExportError, match="expected Concat producing present_key, found Sum"):
+        decode_on_mha(decode, 2, -1e9, attentions=1)
+
+
+def test_decode_fusion_counts_the_attentions_it_rewrites():
+    _, decode = _pair()  # no attention at all
+    with pytest.raises(ExportError, match="found 0 attentions, expected 1"):
+        decode_on_mha(decode, 1, -1e9, attentions=1)

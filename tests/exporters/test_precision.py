@@ -58,7 +58,6 @@ def test_int8_and_fp16_do_not_mix(tmp_path):
 
 @pytest.mark.parametrize("fuse", ["auto", "none"])
 def test_fp16_kv_cache_decodes_within_the_fp16_budget(tmp_path, fuse):
-    from dataclasses import replace
 
     from mha_deploy.exporters.parity import CacheCase, check_cache_parity
 
@@ -67,7 +66,7 @@ def test_fp16_kv_cache_decodes_within_the_fp16_budget(tmp_path, fuse):
     signature = Signature("self", "padding-causal", kv_cache=True)
     path = export_mha(mha, tmp_path / "kv16.onnx", signature, fuse=fuse, dtype="fp16").path
     session = MHASession(path, provider="cpu")
-    reference = attention_graph(mha, replace(signature, kv_cache=False))
+    reference = attention_graph(mha, signature.cache_free)
     cases = (CacheCase(3, 13, 3, 2, "left"), CacheCase(2, 8, 2, 4, "mixed"))
     report = check_cache_parity(reference, session, cases, atol=FP16_ATOL, rtol=FP16_RTOL, seed=3)
     assert report.passed, report.failures

@@ -12,7 +12,7 @@ from mha_deploy.cli import main
 from mha_deploy.errors import ModelFileError
 from mha_deploy.metadata import Signature
 from mha_deploy.serving.triton import TritonConfig, TritonExportError, write_triton_model
-from tests.conftest import TEST_D_MODEL, TEST_HEADS, signature_id
+from tests.conftest import KV_DECODER, TEST_D_MODEL, TEST_HEADS, signature_id
 
 ONNX_TO_TRITON = {onnx.TensorProto.FLOAT: "TYPE_FP32", onnx.TensorProto.BOOL: "TYPE_BOOL"}
 SIGNATURES = [
@@ -155,19 +155,25 @@ def test_not_an_mha_deploy_model(tmp_path):
         write_triton_model(garbage, tmp_path / "repo")
 
 
-@pytest.mark.parametrize("mask", ["causal", "padding-causal"])
-def test_kv_cache_model_gets_sequence_batching_with_implicit_state(export_model, tmp_path, mask):
-    signature = Signature("self", mask, kv_cache=True)
+@pytest.mark.parametrize(
+    "signature", [Signature("self", mask, kv_cache=True) for mask in ("causal", "padding-causal")] + [KV_DECODER],
+    ids=signature_id,
+)
+def test_kv_cache_model_gets_sequence_batching_with_implicit_state(export_model, tmp_path, signature):
     path, _ = export_model(signature)
     target = write_triton_model(path, tmp_path / "repo", TritonConfig(name="kv", max_batch_size=16))
     config = parse_config(target / "config.pbtxt")
     assert config.max_batch_size == 1, "one sequence per run: caches of different lengths cannot share a batch"
     assert not config.HasField("dynamic_batching") and config.HasField("sequence_batching")
-    assert [t.name for t in config.input] == ["x"] + (["key_padding_mask"] if signature.has_padding_mask else [])
+    # Clients send the new tokens (a decoder: and its memory, with every request); Triton holds the caches.
+    sent = [name for name in signature.input_names if name not in signature.cache_pairs]
+    assert [t.name for t in config.input] == sent
     assert [t.name for t in config.output] == ["output"]
     d_k = TEST_D_MODEL // TEST_HEADS
     states = {(s.input_name, s.output_name): s for s in config.sequence_batching.state}
-    assert set(states) == {("past_key", "present_key"), ("past_value", "present_value")}
+    assert set(states) == set(signature.cache_pairs.items())
+    if signature.model == "decoder":
+        assert ("past_key_values.1.encoder_value", "present.1.encoder_value") in states and len(states) == 8
     for state in states.values():
         assert model_config_pb2.DataType.Name(state.data_type) == "TYPE_FP32"
         assert list(state.dims) == [TEST_HEADS, -1, d_k]
