@@ -14,7 +14,7 @@ from mha_deploy.atomic import atomic_path
 from mha_deploy.errors import ExportError, ParityError
 from mha_deploy.exporters.fusion import FusionReport, fuse_attention
 from mha_deploy.exporters.graphs import attention_graph
-from mha_deploy.exporters.kv_cache import decode_on_mha, prefill_or_decode
+from mha_deploy.exporters.kv_cache import CacheProjection, attach_caches, decode_on_mha, prefill_or_decode
 from mha_deploy.exporters.parity import (
     DEFAULT_ATOL,
     DEFAULT_RTOL,
@@ -144,12 +144,29 @@ def _optimised(
     return fused, report
 
 
+@dataclass
+class FirstCall:
+    """A KV-cache model's first call (past_seq 0): the cache-free graph, and how its caches are computed."""
+
+    model: onnx.ModelProto
+    projections: list[CacheProjection]
+
+
+def _cache_projection(source: str, attention: MultiHeadAttention, present_key: str, present_value: str):
+    def weights(linear):
+        # nn.Linear computes x @ weight.T + bias
+        return linear.weight.detach().numpy().T, linear.bias.detach().numpy()
+
+    return CacheProjection(source, present_key, present_value, *weights(attention.W_k), *weights(attention.W_v))
+
+
 def _optimised_kv_cache(
-    decode: onnx.ModelProto, prefill: onnx.ModelProto, target: str, metadata: ModelMetadata, attention_ops: int
+    decode: onnx.ModelProto, first: FirstCall, target: str, metadata: ModelMetadata, attention_ops: int
 ) -> tuple[onnx.ModelProto, FusionReport]:
-    """The prefill (its ``attention_ops`` attentions) fused for ``target`` behind an If on the cache's length;
-    decode calls on contrib MultiHeadAttention with past for ``mha``, on the plain graph for ``onnx`` (the
-    target for runtimes without contrib ops) and ``none``. Why: ``AUTO_TARGET_KV_CACHE``."""
+    """The first call (its ``attention_ops`` attentions) fused for ``target``, its caches attached, behind an
+    If on the cache's length; decode calls on contrib MultiHeadAttention with past for ``mha``, on the plain
+    graph for ``onnx`` (the target for runtimes without contrib ops) and ``none``. Why:
+    ``AUTO_TARGET_KV_CACHE``."""
     signature = metadata.signature
     if target == "mha":
         masks = {marks: name for name, marks in signature.padding_masks.items()}
@@ -158,8 +175,9 @@ def _optimised_kv_cache(
             decode, metadata.num_heads, MASK_FILL_VALUE, attention_ops, masks.get(signature.query_input),
             masks.get(memory),
         )
-    fused_prefill, report = _optimised(prefill, target, "none", "float32", attention_ops)
-    model = prefill_or_decode(fused_prefill, decode, signature.growing_caches[0])
+    fused, report = _optimised(first.model, target, "none", "float32", attention_ops)
+    prefill = attach_caches(fused, first.projections, metadata.num_heads, signature.output_names)
+    model = prefill_or_decode(prefill, decode, signature.growing_caches[0])
     if metadata.dtype == "float16":
         model = to_float16(model)
     return model, report
@@ -260,11 +278,14 @@ def export_mha(
         return _finish(module, plain, metadata, output, options, attention_ops=1)
     if quantize != "none":
         raise ExportError("--quantize int8 is not available with --kv-cache: export the cache model in fp32 or fp16")
-    # The reference is the cache-free model: one causal forward of the whole sequence.
-    cache_free = signature.cache_free
-    prefill = attention_graph(mha.eval(), signature, prefill=True)
-    prefill_model = export_onnx(prefill, cache_free, mha.d_model, opset, output_names=signature.output_names)
-    return _finish(attention_graph(mha.eval(), cache_free), plain, metadata, output, options, 1, prefill_model)
+    # The cache-free model is both the first call's graph and the reference: one causal forward of the whole
+    # sequence.
+    reference = attention_graph(mha.eval(), signature.cache_free)
+    first = FirstCall(
+        export_onnx(reference, signature.cache_free, mha.d_model, opset),
+        [_cache_projection(signature.query_input, mha, *signature.cache_pairs.values())],
+    )
+    return _finish(reference, plain, metadata, output, options, 1, first)
 
 
 def export_stack(
@@ -299,9 +320,15 @@ def export_stack(
     if export_options.quantize != "none":
         raise ExportError("--quantize int8 is not available with --kv-cache: export the cache model in fp32 or fp16")
     prefill, decode = decoder_cache_graphs(stack, signature)
-    prefill_model = export_stack_onnx(prefill, export_options.opset, output_names=signature.output_names)
+    layer_inputs = prefill.layer_inputs()
+    presents = iter(signature.cache_pairs.values())  # per layer: key, value, encoder_key, encoder_value
+    projections = []
+    for source, layer in zip((signature.query_input, *layer_inputs), stack.layers, strict=True):
+        projections.append(_cache_projection(source, layer.self_attn, next(presents), next(presents)))
+        projections.append(_cache_projection("memory", layer.cross_attn, next(presents), next(presents)))
+    first = FirstCall(export_stack_onnx(prefill, export_options.opset, ("output", *layer_inputs)), projections)
     plain = export_stack_onnx(decode, export_options.opset)
-    return _finish(graph, plain, metadata, output, export_options, attention_ops, prefill_model)
+    return _finish(graph, plain, metadata, output, export_options, attention_ops, first)
 
 
 def _finish(
@@ -311,12 +338,12 @@ def _finish(
     output: Path,
     options: ExportOptions,
     attention_ops: int,
-    prefill: onnx.ModelProto | None = None,
+    first_call: FirstCall | None = None,
 ) -> ExportResult:
     """Fuse, quantize or cast, check parity against ``module``, record metadata, and write ``output``.
 
-    ``prefill`` (KV-cache models): the graph of the first call (``plain`` is then the later calls'), the two
-    joined by ``_optimised_kv_cache``.
+    ``first_call`` (KV-cache models): the graph of the first call (``plain`` is then the later calls'), the
+    two joined by ``_optimised_kv_cache``.
     """
     metadata.dtype = DTYPES[options.dtype]
     metadata.opset = options.opset
@@ -327,8 +354,8 @@ def _finish(
     target = auto_fusion_target(metadata.signature) if options.fuse == "auto" else options.fuse
 
     def build(fuse_target: str):
-        if prefill is not None:
-            model, fusion = _optimised_kv_cache(plain, prefill, fuse_target, metadata, attention_ops)
+        if first_call is not None:
+            model, fusion = _optimised_kv_cache(plain, first_call, fuse_target, metadata, attention_ops)
         else:
             model, fusion = _optimised(plain, fuse_target, options.quantize, metadata.dtype, attention_ops)
         return model, fusion, _checked(module, model, atol, rtol, options.parity_cases, options.quantize)

@@ -96,20 +96,9 @@ class KVCacheSelfAttentionGraph(_AttentionGraph):
         return attend_with_cache(self.mha, x, past_key, past_value, key_padding_mask)
 
 
-class KVCachePrefillGraph(_AttentionGraph):
-    """The first call of a KV-cache model (past_seq 0): the cache-free causal attention, unchanged so that
-    its fusion applies, plus its keys and values as present. ``(x[, key_padding_mask])`` ->
-    ``(output, present_key, present_value)``."""
-
-    def forward(self, x, key_padding_mask=None):
-        return (self._attend(x, x, x, key_padding_mask), *split_keys_values(self.mha, x))
-
-
-def attention_graph(mha: MultiHeadAttention, signature: Signature, prefill: bool = False) -> _AttentionGraph:
-    """The eval-mode module to export for ``signature`` (``prefill``: a KV-cache model's first call)."""
+def attention_graph(mha: MultiHeadAttention, signature: Signature) -> _AttentionGraph:
+    """The eval-mode module to export for ``signature``."""
     if signature.kv_cache:
-        if prefill:
-            return KVCachePrefillGraph(mha, signature.cache_free).eval()
         return KVCacheSelfAttentionGraph(mha, signature).eval()
     graph_cls = SelfAttentionGraph if signature.attention == "self" else CrossAttentionGraph
     return graph_cls(mha, signature).eval()

@@ -13,7 +13,11 @@ cache's length, and each call runs one of them:
 
 - past_seq == 0 (prefill): the cache-free graph, fused, also returning its keys
   and values as present (a decoder stack: each layer's, and memory's for each
-  cross-attention);
+  cross-attention). The presents are attached after fusion (``attach_caches``):
+  exported beside the attention, torch's exporter may share the key projection
+  between the two, and a projection the graph also returns keeps the fusion
+  rules off the attention (measured: d_model 512 fell back from
+  GroupQueryAttention to a masked MultiHeadAttention);
 - otherwise (decode): the KV-cache graph (projections, the new keys appended to
   the cache, the masked attention over it), on contrib MultiHeadAttention with
   past/present for the mha target (``decode_on_mha``).
@@ -26,11 +30,70 @@ get a prefix so that they cannot collide. Weights the two exports share
 from __future__ import annotations
 
 import hashlib
+from dataclasses import dataclass
 
+import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
 from mha_deploy.errors import ExportError
+
+
+@dataclass(frozen=True)
+class CacheProjection:
+    """How a first call computes one attention's present key and value: ``source`` (a [batch, seq, d_model]
+    value of the prefill graph: its input x, a decoder layer's input, or memory) through the attention's key
+    and value projections (``source @ weight + bias``, weights [d_model, d_model]), heads split."""
+
+    source: str
+    present_key: str
+    present_value: str
+    key_weight: np.ndarray
+    key_bias: np.ndarray
+    value_weight: np.ndarray
+    value_bias: np.ndarray
+
+
+def attach_caches(
+    prefill: onnx.ModelProto, projections: list[CacheProjection], heads: int, outputs: tuple[str, ...]
+) -> onnx.ModelProto:
+    """``prefill`` (fused) with the present outputs of ``projections`` added, its outputs then exactly
+    ``outputs`` (its own first output, then the presents; any other output it had, e.g. a decoder layer's
+    input exposed for a projection's ``source``, is dropped). The projections repeat the MatMuls the fused
+    attentions already run: ``prefill_or_decode`` merges those."""
+    model = onnx.ModelProto()
+    model.CopyFrom(prefill)
+    graph = model.graph
+    d_model = projections[0].key_weight.shape[0]
+    shape = "kv_cache_heads_shape"
+    graph.initializer.append(numpy_helper.from_array(np.array([0, 0, heads, d_model // heads], np.int64), shape))
+    for index, projection in enumerate(projections):
+        for kind, present, weight, bias in (
+            ("key", projection.present_key, projection.key_weight, projection.key_bias),
+            ("value", projection.present_value, projection.value_weight, projection.value_bias),
+        ):
+            name = f"kv_cache.{index}.{kind}"
+            graph.initializer.extend([
+                numpy_helper.from_array(np.ascontiguousarray(weight, np.float32), f"{name}.weight"),
+                numpy_helper.from_array(np.ascontiguousarray(bias, np.float32), f"{name}.bias"),
+            ])
+            graph.node.extend([
+                helper.make_node("MatMul", [projection.source, f"{name}.weight"], [f"{name}.projected"]),
+                helper.make_node("Add", [f"{name}.projected", f"{name}.bias"], [f"{name}.biased"]),
+                # [batch, seq, d_model] -> [batch, seq, heads, d_k] -> [batch, heads, seq, d_k]
+                helper.make_node("Reshape", [f"{name}.biased", shape], [f"{name}.heads"]),
+                helper.make_node("Transpose", [f"{name}.heads"], [present], perm=[0, 2, 1, 3]),
+            ])
+    first = graph.output[0]
+    if first.name != outputs[0]:
+        raise ValueError(f"the prefill's first output is {first.name}, expected {outputs[0]}")
+    kept = onnx.ValueInfoProto()
+    kept.CopyFrom(first)
+    element = first.type.tensor_type.elem_type
+    del graph.output[:]
+    graph.output.append(kept)
+    graph.output.extend(helper.make_tensor_value_info(name, element, [None] * 4) for name in outputs[1:])
+    return model
 
 
 def prefill_or_decode(prefill: onnx.ModelProto, decode: onnx.ModelProto, cache_input: str) -> onnx.ModelProto:

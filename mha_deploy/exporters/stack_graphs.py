@@ -14,8 +14,9 @@ boolean key padding masks (True = real token) and become the reference's
   is causal, cross-attention sees every real memory position.
 - A KV-cache decoder (``Signature.cache_pairs``) is two graphs behind one If
   (``exporters.kv_cache``): ``DecoderPrefillGraph``, the first call, is
-  ``DecoderGraph`` plus each layer's keys/values as present; ``DecoderKVCacheGraph``,
-  every later call, attends over the caches and reads memory only through them.
+  ``DecoderGraph`` (each layer's keys/values are attached to it after fusion);
+  ``DecoderKVCacheGraph``, every later call, attends over the caches and reads
+  memory only through them.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from __future__ import annotations
 import onnx
 from torch import nn
 
-from mha_deploy.exporters.graphs import attend_to_heads, attend_with_cache, build_attention_mask, split_keys_values
+from mha_deploy.exporters.graphs import attend_to_heads, attend_with_cache, build_attention_mask
 from mha_deploy.exporters.torch_export import DEFAULT_OPSET, export_onnx
 from mha_deploy.models.transformer import Decoder, Encoder
 from mha_deploy.signature import Signature
@@ -55,20 +56,24 @@ class DecoderGraph(nn.Module):
 
 
 class DecoderPrefillGraph(DecoderGraph):
-    """A KV-cache decoder's first call: ``DecoderGraph``'s inputs -> ``output``, then per layer the present
-    key, value, encoder_key and encoder_value (``Signature.cache_pairs`` order). The stack runs exactly as in
-    ``DecoderGraph`` (so that its fusion applies); the caches are each layer's projections of its input and
-    of memory, computed beside it (the exporter merges them with the attentions' own)."""
+    """A KV-cache decoder's first call before its caches are attached: ``DecoderGraph`` (so that its fusion
+    applies unchanged), also returning the input of each layer after the first (``layer_inputs``), from
+    which ``exporters.kv_cache.attach_caches`` projects that layer's keys and values."""
 
     def forward(self, x, memory, key_padding_mask=None, memory_padding_mask=None):
         tgt_len, mem_len = x.shape[1], memory.shape[1]
         self_mask = build_attention_mask(key_padding_mask, tgt_len, tgt_len, True, x.device)
         memory_mask = build_attention_mask(memory_padding_mask, tgt_len, mem_len, False, x.device)
-        presents = []
-        for layer in self.decoder.layers:
-            presents += [*split_keys_values(layer.self_attn, x), *split_keys_values(layer.cross_attn, memory)]
+        layer_inputs = []
+        for index, layer in enumerate(self.decoder.layers):
+            if index:
+                layer_inputs.append(x)
             x = layer(x, memory, self_mask, memory_mask)
-        return (x, *presents)
+        return (x, *layer_inputs)
+
+    def layer_inputs(self) -> tuple[str, ...]:
+        """The names of the extra outputs, in order: layer i's input for i >= 1 (layer 0's is ``x``)."""
+        return tuple(f"layer_input.{index}" for index in range(1, len(self.decoder.layers)))
 
 
 class DecoderKVCacheGraph(nn.Module):

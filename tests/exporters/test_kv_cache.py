@@ -1,18 +1,24 @@
-"""prefill_or_decode: one file, the prefill graph when the cache is empty, the decode graph otherwise."""
+"""prefill_or_decode: one file, the prefill graph when the cache is empty, the decode graph otherwise; the caches
+attached to the fused first call; the decode graph on contrib MultiHeadAttention."""
 
 from __future__ import annotations
+
+from collections import Counter
 
 import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
+import torch
 from onnx import TensorProto, helper, numpy_helper
 
 from mha_deploy.errors import ExportError
+from mha_deploy.exporters import export_mha, export_stack
 from mha_deploy.exporters.graphs import attention_graph
 from mha_deploy.exporters.kv_cache import decode_on_mha, prefill_or_decode
+from mha_deploy.exporters.parity import CacheCase
 from mha_deploy.exporters.torch_export import export_onnx
-from mha_deploy.models.attention import MultiHeadAttention
+from mha_deploy.models import Decoder, MultiHeadAttention
 from mha_deploy.signature import Signature
 
 WEIGHT = numpy_helper.from_array(np.full(3, 2.0, np.float32), "w")
@@ -97,3 +103,31 @@ def test_decode_fusion_counts_the_attentions_it_rewrites():
     _, decode = _pair()  # no attention at all
     with pytest.raises(ExportError, match="found 0 attentions, expected 1"):
         decode_on_mha(decode, 1, -1e9, attentions=1)
+
+
+# Small decodings: these exports are about the graph, the parity tests are elsewhere.
+QUICK_CASES = (CacheCase(1, 3, 1, 2, "none", memory=2), CacheCase(2, 5, 1, 2, "left", memory=3))
+
+
+def _branch_ops(path) -> dict[str, Counter]:
+    node = next(n for n in onnx.load(path).graph.node if n.op_type == "If")
+    return {a.name: Counter(n.op_type for n in a.g.node) for a in node.attribute}
+
+
+@pytest.mark.parametrize("model", ["mha", "decoder"])
+def test_first_call_keeps_its_fused_kernel_at_d_model_512(tmp_path, model):
+    """At d_model 512 torch's exporter shares a key projection computed beside the attention with the
+    attention's own, and a shared projection kept the fusion off (a masked MultiHeadAttention instead of
+    GroupQueryAttention). The caches are attached after fusion: the first call runs GroupQueryAttention for
+    each causal self-attention, and each projection once."""
+    torch.manual_seed(0)
+    path = tmp_path / "kv.onnx"
+    if model == "mha":
+        export_mha(MultiHeadAttention(512, 8), path, Signature("self", "padding-causal", kv_cache=True),
+                   parity_cases=QUICK_CASES)
+        layers, projections = 1, 4  # q, k, v, o
+    else:
+        export_stack(Decoder(2, 512, 8, 1024), path, "padding", kv_cache=True, parity_cases=QUICK_CASES)
+        layers, projections = 2, 2 * 10  # per layer: 4 self-attention, 4 cross-attention, 2 feed-forward
+    ops = _branch_ops(path)["then_branch"]
+    assert ops["GroupQueryAttention"] == layers and ops["MatMul"] == projections, ops
