@@ -30,6 +30,12 @@ ATTENTION_INPUT_ROLES = {
 _MHA_NON_FLASH_INPUTS = ("key_padding_mask", "attention_bias", "past_key", "past_value")
 # What the fusion's padding_flash rule builds: If(any key padded) masked op else mask-free op.
 PADDING_FLASH_KERNEL = "MultiHeadAttention (flash when no key is padded, else masked)"
+# What the causal_gqa rule builds: If(score bytes <= N) GQA without present outputs (ORT's CPU kernel
+# then materialises [batch, heads, q, kv]) else GQA with them (its tiled path). N read from the graph.
+GQA_BY_SIZE = "scores materialised up to {} MB, tiled beyond"
+_GQA_CAUSAL = "GroupQueryAttention (causal{})"
+# causal_gqa moves real tokens to the front (GatherND) so that seqlens_k can describe any padding.
+_GQA_COMPACTED = ", padded tokens compacted out: any padding side"
 
 
 @dataclass
@@ -67,6 +73,17 @@ class ModelReport:
         return asdict(self)
 
 
+def all_nodes(graph: onnx.GraphProto):
+    """Every node of ``graph``, including those in its subgraphs (the branches of the fusions' Ifs)."""
+    for node in graph.node:
+        yield node
+        for attribute in node.attribute:
+            if attribute.type == onnx.AttributeProto.GRAPH:
+                yield from all_nodes(attribute.g)
+            for subgraph in attribute.graphs:
+                yield from all_nodes(subgraph)
+
+
 def _tensor_info(value: onnx.ValueInfoProto) -> TensorInfo:
     tensor = value.type.tensor_type
     dims: list[str | int] = [d.dim_param or (d.dim_value if d.HasField("dim_value") else "?") for d in tensor.shape.dim]
@@ -94,10 +111,7 @@ def _kernel(node: onnx.NodeProto, producers: dict[str, onnx.NodeProto]) -> str:
     causal = bool(info.attributes.get("unidirectional", 0) or info.attributes.get("is_causal", 0))
     if node.op_type == "GroupQueryAttention":
         query = producers.get(info.inputs.get("query", ""))
-        # causal_gqa moves real tokens to the front (GatherND) so that seqlens_k can describe any padding.
-        if query is not None and query.op_type == "GatherND":
-            return "GroupQueryAttention (causal, padded tokens compacted out: any padding side)"
-        return "GroupQueryAttention (causal)"
+        return _GQA_CAUSAL.format(_GQA_COMPACTED if query is not None and query.op_type == "GatherND" else "")
     if node.op_type == "MultiHeadAttention":
         reasons = [role for role in _MHA_NON_FLASH_INPUTS if role in info.inputs] + (["causal"] if causal else [])
         if not reasons:
@@ -119,8 +133,48 @@ def _branch_attention(node: onnx.NodeProto, branch: str) -> onnx.NodeProto | Non
     return nodes[0] if len(nodes) == 1 and _roles(nodes[0]) is not None else None
 
 
-def attention_ops(nodes: list[onnx.NodeProto]) -> list[AttentionOpInfo]:
-    """One entry per attention among ``nodes`` (one graph's): fused ops, and Ifs choosing between two of them."""
+def gqa_by_size_kernel(compacted: bool, max_mb: float | None) -> str:
+    """The kernel string of causal_gqa's If: GQA materialising scores up to ``max_mb``, tiled beyond."""
+    limit = GQA_BY_SIZE.format(f"{max_mb:g}" if max_mb is not None else "?")
+    return _GQA_CAUSAL.format(f"{_GQA_COMPACTED if compacted else ''}; {limit}")
+
+
+def _constant(name: str, producers: dict[str, onnx.NodeProto], initializers: dict[str, onnx.TensorProto]):
+    """The value of ``name`` when a Constant node or an initializer holds it, else None."""
+    if name in initializers:
+        return onnx.numpy_helper.to_array(initializers[name])
+    node = producers.get(name)
+    if node is not None and node.op_type == "Constant":
+        value = next((a.t for a in node.attribute if a.name == "value"), None)
+        return onnx.numpy_helper.to_array(value) if value is not None else None
+    return None
+
+
+def _materialise_max_mb(condition: str, producers, initializers) -> float | None:
+    """The N of ``LessOrEqual(score_bytes, N)``, causal_gqa's If condition, in MB; None if not found there."""
+    node = producers.get(condition)
+    if node is None or node.op_type != "LessOrEqual":
+        return None
+    limit = _constant(node.input[1], producers, initializers)
+    return float(limit) / 2**20 if limit is not None and limit.size == 1 else None
+
+
+def _by_size(branches: list[onnx.NodeProto]) -> tuple[onnx.NodeProto, onnx.NodeProto] | None:
+    """(materialising, tiled) when an If's two branches are GroupQueryAttention on the same inputs, one asking
+    for present outputs (causal_gqa): else None."""
+    if any(b.op_type != "GroupQueryAttention" for b in branches) or branches[0].input != branches[1].input:
+        return None
+    materialising, tiled = sorted(branches, key=lambda n: len([name for name in n.output if name]))
+    asks_presents = len([name for name in tiled.output if name]) > 1
+    return (materialising, tiled) if asks_presents and len(materialising.output) == 1 else None
+
+
+def attention_ops(
+    nodes: list[onnx.NodeProto], initializers: dict[str, onnx.TensorProto] | None = None
+) -> list[AttentionOpInfo]:
+    """One entry per attention among ``nodes`` (one graph's, whose ``initializers`` and those of the graphs
+    enclosing it are given): fused ops, and Ifs choosing between two of them."""
+    initializers = initializers or {}
     producers = {output: node for node in nodes for output in node.output if output}
     found = []
     for node in nodes:
@@ -132,7 +186,15 @@ def attention_ops(nodes: list[onnx.NodeProto]) -> list[AttentionOpInfo]:
                 # A KV-cache model's If(prefill, decode): whole graphs, each reported as its own.
                 for attribute in node.attribute:
                     if attribute.type == onnx.AttributeProto.GRAPH:
-                        found.extend(attention_ops(list(attribute.g.node)))
+                        inner = {**initializers, **{t.name: t for t in attribute.g.initializer}}
+                        found.extend(attention_ops(list(attribute.g.node), inner))
+                continue
+            if (by_size := _by_size(branches)) is not None:
+                materialising, _ = by_size
+                # The branches read the outer graph's values: its producers say whether q was compacted.
+                compacted = "compacted" in _kernel(materialising, producers)
+                max_mb = _materialise_max_mb(node.input[0], producers, initializers)
+                found.append(_attention_op(materialising, gqa_by_size_kernel(compacted, max_mb), node.name))
                 continue
             # Report the op as it runs with its mask: the branch given more inputs.
             flash, masked = sorted(branches, key=lambda n: len([name for name in n.input if name]))
@@ -154,7 +216,7 @@ def describe_model(path: str | os.PathLike) -> ModelReport:
     if not model.graph.node and not model.graph.input:
         raise ModelFileError(f"{path}: not a readable ONNX model (empty graph)")
     nodes = list(model.graph.node)
-    attention = attention_ops(nodes)
+    attention = attention_ops(nodes, {t.name: t for t in model.graph.initializer})
     for function in model.functions:
         nodes.extend(function.node)
         attention += attention_ops(list(function.node))

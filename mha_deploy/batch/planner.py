@@ -62,6 +62,13 @@ class BatchLimits:
     # takes the flash path and does not. ``score_bytes`` is heads x the dtype's size,
     # the cost of one (query, key) pair; padded batches are cut to stay within
     # ``max_score_bytes``, so long sequences run in exact-length groups or alone.
+    # Causal attention (--fuse mha) runs GroupQueryAttention whatever the padding, and
+    # materialises its scores only while they take at most 64 MB (the causal_gqa fusion's
+    # If), tiled beyond: within the default budget either way. The count here is then an
+    # upper bound, never short: it may cut a long padded causal batch that would have run
+    # tiled, which costs batching, not memory. The planner sees the Signature, not the
+    # fused graph, and the same causal Signature exported with --fuse onnx or none does
+    # materialise every batch's scores.
     max_score_bytes: int | None = None
     score_bytes: int = 0
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import onnx
 
+from mha_deploy.model_report import all_nodes
+
 # ONNX Attention's qk_matmul_output_mode values other than 0 (the raw scores):
 # ORT's CUDA Attention kernel returns NOT_IMPLEMENTED for modes 1-3 (onnxruntime
 # issue 28351; onnxruntime/core/providers/cuda/llm/attention.cc). mha-deploy's
@@ -27,7 +29,7 @@ _INT8_OPS = frozenset({"DynamicQuantizeLinear", "MatMulInteger", "DynamicQuantiz
 
 def cuda_unsupported(proto: onnx.ModelProto) -> str | None:
     """Why ``proto`` cannot run on ORT's CUDA provider as deployed (one line), or None."""
-    ops = {node.op_type for node in _nodes(proto.graph)}
+    ops = {node.op_type for node in all_nodes(proto.graph)}
     int8 = sorted(ops & _INT8_OPS)
     if int8:
         return (
@@ -44,7 +46,7 @@ def cuda_unsupported(proto: onnx.ModelProto) -> str | None:
             "runs in fp16/bf16 only: it would run attention on the CPU. Export --dtype fp16 for CUDA, or "
             "--fuse onnx for fp32"
         )
-    for node in _nodes(proto.graph):
+    for node in all_nodes(proto.graph):
         if node.op_type == "Attention" and node.domain in ("", "ai.onnx") and _returns_weights(node):
             return (
                 "the model returns attention weights through ONNX Attention's qk_matmul_output, which ORT's "
@@ -58,11 +60,12 @@ def cuda_graph_unsupported(proto: onnx.ModelProto) -> str | None:
     """Why ORT cannot capture ``proto`` in a CUDA graph, or None (checked on top of ``cuda_unsupported``)."""
     # A CUDA graph replays fixed kernels: models with control flow (If, Loop, Scan)
     # are not supported (ORT's CUDA-ExecutionProvider docs, "Using CUDA Graphs"), and
-    # the padding path of --fuse mha/auto is an If (the padding_flash fusion rule).
+    # --fuse mha/auto puts an If around a padded attention (the padding_flash fusion
+    # rule) and around a causal one (causal_gqa: ORT's CPU GroupQueryAttention path by size).
     if any(node.op_type in ("If", "Loop", "Scan") for node in proto.graph.node):
         return (
-            "the model has control flow (an If: --fuse mha/auto with a padding mask), which ORT cannot capture "
-            "in a CUDA graph; export it with --fuse onnx for cuda_graph"
+            "the model has control flow (an If: --fuse mha/auto with a padding or causal mask), which ORT cannot "
+            "capture in a CUDA graph; export it with --fuse onnx for cuda_graph"
         )
     return None
 
@@ -81,14 +84,3 @@ def _returns_weights(node: onnx.NodeProto) -> bool:
     mode = next((a.i for a in node.attribute if a.name == "qk_matmul_output_mode"), 0)
     # qk_matmul_output is the 4th output; the mode matters only when something reads it.
     return len(node.output) > 3 and bool(node.output[3]) and mode in _QK_OUTPUT_MODES_WITHOUT_CUDA
-
-
-def _nodes(graph: onnx.GraphProto):
-    """Every node, including those in subgraphs (the padding path sits behind an If)."""
-    for node in graph.node:
-        yield node
-        for attribute in node.attribute:
-            if attribute.type == onnx.AttributeProto.GRAPH:
-                yield from _nodes(attribute.g)
-            for subgraph in attribute.graphs:
-                yield from _nodes(subgraph)

@@ -33,6 +33,7 @@ from onnx import numpy_helper
 
 from mha_deploy.errors import ModelFileError
 from mha_deploy.metadata import ModelMetadata
+from mha_deploy.model_report import all_nodes
 from mha_deploy.signature import FIXED_AXES, PADDING_MASK, SEQUENCE, TensorSpec
 
 _ELEMENT_TYPES = {"float32": onnx.TensorProto.FLOAT, "float16": onnx.TensorProto.FLOAT16, "bool": onnx.TensorProto.BOOL}
@@ -77,7 +78,8 @@ def check_declared_io(proto: onnx.ModelProto, metadata: ModelMetadata, source: s
 def graph_heads(proto: onnx.ModelProto, d_model: int) -> set[int]:
     """Head counts the graph states: fused attention attributes, or an unfused head split's constant [heads, d_k]."""
     found = set()
-    for node in proto.graph.node:
+    # Fused ops may sit in an If's branches (the fusion's padding and causal rules put them there).
+    for node in all_nodes(proto.graph):
         attributes = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
         if node.op_type in _CONTRIB_ATTENTION and "num_heads" in attributes:
             found.add(int(attributes["num_heads"]))
@@ -111,7 +113,7 @@ def check_heads(proto: onnx.ModelProto, metadata: ModelMetadata, source: str) ->
 def graph_causality(proto: onnx.ModelProto) -> set[bool]:
     """Whether each fused attention node of the graph is causal (empty for an unfused graph)."""
     found = set()
-    for node in proto.graph.node:
+    for node in all_nodes(proto.graph):  # in If branches too, as in graph_heads
         attributes = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
         if node.op_type == "GroupQueryAttention":  # ORT's GQA always masks causally
             found.add(True)

@@ -87,8 +87,9 @@ def _length_problem(signature: Signature, lengths: Mapping[str, int]) -> Problem
 # How many [heads, q_len, kv_len] float tensors one item's attention holds at once, per fusion target.
 # none runs the plain graph (scores, masked scores, probabilities); onnx's standard Attention materialises
 # the scores, and a padding mask adds a float attn_mask of the same shape. The mha target runs ORT's tiled
-# kernels on a lone item (nothing is padded, so the padding If takes the flash path; causal runs on
-# GroupQueryAttention): no such tensor, so no limit here.
+# kernels on a lone item when the scores would be large: nothing is padded, so the padding If takes the
+# flash path; causal runs on GroupQueryAttention, which materialises its scores only while they take at
+# most 64 MB (the causal_gqa fusion's If) and runs tiled beyond. So no limit here.
 SCORE_COPIES = {"none": 3, "onnx": 2}
 # The share of the machine's memory one item's attention may take.
 ITEM_MEMORY_SHARE = 0.5

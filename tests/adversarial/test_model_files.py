@@ -73,9 +73,13 @@ def _edit_metadata(source, target, **changes) -> None:
         (Signature("self", "none"), "none", {"mask": "causal"}, "changes by"),
         (Signature("self", "padding"), "none", {"mask": "padding-causal"}, "when the last token changes"),
         (Signature("self", "none"), "auto", {"return_weights": True}, "do not match its metadata"),
+        # Fused ops under the fusion's Ifs (GroupQueryAttention by size, the padding flash path) are read too.
+        (Signature("self", "causal"), "auto", {"num_heads": 8}, "the graph splits 4 heads, its metadata says 8"),
+        (Signature("self", "causal"), "auto", {"mask": "none"}, "the graph's attention is causal"),
+        (Signature("self", "padding"), "auto", {"mask": "padding-causal"}, "the graph's attention is not causal"),
     ],
     ids=["heads-fused", "heads-unfused", "heads-weights", "d_model", "dtype", "causal-fused", "causal-unfused",
-         "padding-causal", "weights"],
+         "padding-causal", "weights", "heads-in-if", "causal-in-if", "not-causal-in-if"],
 )
 def test_edited_metadata_is_refused(tmp_path, export_model, signature, fuse, changes, message):
     edited = tmp_path / "edited.onnx"

@@ -187,8 +187,11 @@ def test_auto_fuses_and_records_the_target(tmp_path, signature):
 AUTO_KERNELS = {
     "none": "MultiHeadAttention (flash)",
     "padding": PADDING_FLASH_KERNEL,
-    "causal": "GroupQueryAttention (causal)",
-    "padding-causal": "GroupQueryAttention (causal, padded tokens compacted out: any padding side)",
+    "causal": "GroupQueryAttention (causal; scores materialised up to 64 MB, tiled beyond)",
+    "padding-causal": (
+        "GroupQueryAttention (causal, padded tokens compacted out: any padding side; "
+        "scores materialised up to 64 MB, tiled beyond)"
+    ),
 }
 
 
@@ -262,6 +265,8 @@ def test_kv_cache_prefill_runs_the_causal_kernel(export_model, signature):
     path, _ = export_model(signature)
     ops = {op.op: op for op in describe_model(path).attention_ops}
     assert set(ops) == {"com.microsoft::GroupQueryAttention", "com.microsoft::MultiHeadAttention"}
+    # The prefill branch holds causal_gqa's If (GQA's path by size), read as in a cache-free model.
+    assert ops["com.microsoft::GroupQueryAttention"].kernel == AUTO_KERNELS[signature.mask]
     decode = ops["com.microsoft::MultiHeadAttention"]
     assert {"past_key", "past_value"} <= set(decode.inputs) and decode.attributes["unidirectional"] == 1
     assert ("key_padding_mask" in decode.inputs) == signature.has_padding_mask

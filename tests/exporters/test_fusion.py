@@ -14,7 +14,7 @@ import torch
 
 from mha_deploy.errors import ExportError
 from mha_deploy.exporters.export import set_metadata
-from mha_deploy.exporters.fusion import FusionReport, fuse_attention
+from mha_deploy.exporters.fusion import FusionReport, causal_gqa, fuse_attention
 from mha_deploy.exporters.graphs import attention_graph
 from mha_deploy.exporters.parity import ParityCase, check_parity
 from mha_deploy.exporters.stack_graphs import DecoderGraph, EncoderGraph, export_stack_onnx
@@ -51,8 +51,12 @@ PADDING_INPUT = {
     "Attention": "attn_mask",
 }
 GQA = "com.microsoft.GroupQueryAttention"
-GQA_CAUSAL = "GroupQueryAttention (causal)"
-GQA_COMPACTED = "GroupQueryAttention (causal, padded tokens compacted out: any padding side)"
+# causal_gqa's If: GQA materialising scores of up to 64 MB (MATERIALISE_MAX_BYTES), tiled beyond.
+GQA_CAUSAL = "GroupQueryAttention (causal; scores materialised up to 64 MB, tiled beyond)"
+GQA_COMPACTED = (
+    "GroupQueryAttention (causal, padded tokens compacted out: any padding side; "
+    "scores materialised up to 64 MB, tiled beyond)"
+)
 
 
 def _is_causal(op) -> bool:
@@ -175,13 +179,42 @@ def test_fused_matches_torch_on_more_shapes(fused, signature, target_id):
     assert report.passed, f"{report.summary()}: {report.failures}"
 
 
-@pytest.mark.parametrize("signature", [Signature("self", "causal"), Signature("self", "padding-causal")], ids=_sig_id)
-def test_group_query_attention_keeps_its_present_outputs(fused, signature):
-    # Unused, but ORT 1.31's CPU GroupQueryAttention takes its flash path only when they are
-    # requested: the pipeline's clean-up passes must not drop them.
+def _gqa_branches(model: onnx.ModelProto) -> dict[str, onnx.NodeProto]:
+    """causal_gqa's If: "materialised" (then) and "tiled" (else) -> the GroupQueryAttention each runs."""
+    (if_node,) = [n for n in model.graph.node if n.op_type == "If"]
+    graphs = {a.name: a.g for a in if_node.attribute}
+    branches = {"materialised": graphs["then_branch"].node, "tiled": graphs["else_branch"].node}
+    assert all([n.op_type for n in nodes] == ["GroupQueryAttention"] for nodes in branches.values())
+    return {name: nodes[0] for name, nodes in branches.items()}
+
+
+CAUSAL_SIGNATURES = [Signature("self", "causal"), Signature("self", "padding-causal")]
+
+
+@pytest.mark.parametrize("signature", CAUSAL_SIGNATURES, ids=_sig_id)
+def test_group_query_attention_keeps_its_present_outputs_on_the_tiled_branch(fused, signature):
+    # Unused, but ORT 1.31's CPU GroupQueryAttention takes its tiled path only when they are
+    # requested: the pipeline's clean-up passes must not drop them, nor add them to the other branch.
     _, _, model, _ = fused(signature, "mha")
-    (gqa,) = [n for n in model.graph.node if n.op_type == "GroupQueryAttention"]
-    assert len(gqa.output) == 3 and all(gqa.output)
+    branches = _gqa_branches(model)
+    assert len(branches["tiled"].output) == 3 and all(branches["tiled"].output)
+    assert len(branches["materialised"].output) == 1
+
+
+@pytest.mark.parametrize("signature", CAUSAL_SIGNATURES, ids=_sig_id)
+def test_causal_matches_torch_on_both_sides_of_the_score_threshold(unfused, monkeypatch, signature):
+    # A threshold between (2,17) and (2,41) of this model's fp32 scores: 2 x 4 heads x 24 x 24 x 4 bytes.
+    monkeypatch.setattr(causal_gqa, "causal_gqa_rules", causal_gqa.causal_gqa_rules_with(2 * HEADS * 24 * 24 * 4))
+    module, model = unfused(signature)
+    fused_model, _ = fuse_attention(model, "mha")
+    names = {branch: node.name for branch, node in _gqa_branches(fused_model).items()}
+    padding = "mixed" if signature.has_padding_mask else "none"
+    for seq, branch, other in ((17, "materialised", "tiled"), (41, "tiled", "materialised")):
+        case = ParityCase(2, seq, seq, padding)
+        ran = executed_nodes(fused_model, make_inputs(signature, D_MODEL, case, seed=3))
+        assert names[branch] in ran and names[other] not in ran
+        report = check_parity(module, _session(fused_model), (case,), seed=3)
+        assert report.passed, f"{branch}: {report.summary()}: {report.failures}"
 
 
 def _torch_outputs(module, signature: Signature, feeds: dict[str, np.ndarray]) -> np.ndarray:

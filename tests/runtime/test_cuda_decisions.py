@@ -115,8 +115,10 @@ def test_cuda_unsupported_names_fp32_group_query_attention(export_model):
 
 
 def test_cuda_graphs_refuse_control_flow(export_model):
-    """--fuse mha/auto puts a padding mask behind an If; a CUDA graph cannot hold one."""
+    """--fuse mha/auto puts a padding mask, and GroupQueryAttention's choice of path, behind an If; a CUDA graph
+    cannot hold one."""
     assert "If" in cuda_graph_unsupported(onnx.load(export_model(PADDING, dtype="fp16")[0]))
+    assert "If" in cuda_graph_unsupported(onnx.load(export_model(Signature("self", "causal"), dtype="fp16")[0]))
     assert cuda_graph_unsupported(onnx.load(export_model(PADDING, "onnx", dtype="fp16")[0])) is None
 
 

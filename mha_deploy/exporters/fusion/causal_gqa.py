@@ -33,6 +33,23 @@ reference's (it sees the real keys of its row and no padding), as the parity
 contract allows. ``seqlens_k`` = max(count - 1, 0): GQA rejects -1, and a row
 without any real token only has to stay finite.
 
+Kernel by size: ORT 1.31's CPU GQA has two paths for one op. Asked for
+``present_key``/``present_value`` it runs the tiled flash kernel; without them it
+computes and stores the [batch, heads, q, kv] probabilities, which is about twice
+as fast on short sequences and slower on long ones. GQA op alone, d_model 512,
+8 heads, 2 threads, fp32, medians of interleaved blocks (materialising vs tiled,
+ms): (8,128) 2.6 vs 5.2, (32,64) 5.0 vs 8.0, (1,1024) 9.8 vs 20.1, (2,1024)
+21.3 vs 41.5, (4,1024) 47 vs 85, (1,2048) 44 vs 53, (2,2048) 87 vs 105,
+(1,3072) 95 vs 100, (1,4096) 179 vs 144; the materialising run adds about 1.1x
+the score bytes to the process's peak (77 MB at (2,1024), 289 MB at (2,2048),
+1.1 GB at (2,4096) against 70 MB tiled). So the op goes under an ``If`` on
+``batch * heads * seq * seq * itemsize <= MATERIALISE_MAX_BYTES``: then GQA
+without presents, else GQA with them. Both run the same op on the same inputs,
+so the output is the same either way. The gain per byte is not a function of
+the bytes alone: 128 MB is (4,1024), 1.8x faster materialised, and (1,2048),
+1.2x. 64 MB admits only shapes that measured at least 1.9x faster, and bounds
+what a run can add to about 75 MB.
+
 CUDA: ORT 1.31 registers GroupQueryAttention for float16 and bfloat16 only on
 the CUDA provider (the kernels the installed libonnxruntime_providers_cuda.so
 instantiates), so an fp32 model runs this op on the CPU provider there.
@@ -53,10 +70,13 @@ from mha_deploy.exporters.fusion.contrib_mha import (
     optional_input,
 )
 from mha_deploy.exporters.fusion.mask_analysis import dims_match
+from mha_deploy.exporters.fusion.op_branches import op_branch
 
 # GQA's CPU and CUDA kernels both reject other head sizes.
 HEAD_SIZE_MULTIPLE = 8
 _GQA_DTYPES = (ir.DataType.FLOAT, ir.DataType.FLOAT16)
+# Largest [batch, heads, seq, seq] score tensor for which GQA runs its materialising path (module docstring).
+MATERIALISE_MAX_BYTES = 64 * 2**20
 
 
 def _int64(op, value: int) -> ir.Value:
@@ -64,6 +84,10 @@ def _int64(op, value: int) -> ir.Value:
 
 
 class CausalGQA(ContribMHARule):
+    def __init__(self, materialise_max_bytes: int = MATERIALISE_MAX_BYTES) -> None:
+        super().__init__()
+        self.materialise_max_bytes = materialise_max_bytes
+
     def check(self, context, query, key, value, attention, **_):
         result = pattern.MatchResult()
         node = attention.producer()
@@ -115,23 +139,31 @@ class CausalGQA(ContribMHARule):
             # Every row is full length: seqlens_k = seq - 1 for each batch row.
             last = op.Sub(seq, _int64(op, 1))
             seqlens = op.Cast(op.Expand(last, op.Shape(query, start=0, end=1)), to=ir.DataType.INT32)
-            return _gqa(op, q, k, v, seqlens, total, attributes)
+            return self._gqa(op, q, k, v, seqlens, total, attributes, attention, query.dtype)
         dest, src, seqlens = _compaction(op, mask, seq)
         # [batch, seq] -> [batch, seq, 1]: the row index GatherND takes within each batch row
         src, dest = op.Unsqueeze(src, _int64(op, -1)), op.Unsqueeze(dest, _int64(op, -1))
         q, k, v = (op.GatherND(x, src, batch_dims=1) for x in (q, k, v))
-        compact = _gqa(op, q, k, v, seqlens, total, attributes)
+        compact = self._gqa(op, q, k, v, seqlens, total, attributes, attention, query.dtype)
         return op.GatherND(compact, dest, batch_dims=1)
 
-
-def _gqa(op, q, k, v, seqlens, total, attributes) -> ir.Value:
-    # present_key/present_value are not needed, but ORT 1.31's CPU kernel takes its flash path only when
-    # they are requested: without them it materialises [batch, heads, q, kv] (1.1 GB instead of 101 MB at
-    # (2,4096), d_model 512, 8 heads).
-    output, _present_key, _present_value = op.GroupQueryAttention(
-        q, k, v, None, None, seqlens, total, _domain="com.microsoft", _outputs=3, **attributes
-    )
-    return output
+    def _gqa(self, op, q, k, v, seqlens, total, attributes, attention: ir.Value, dtype: ir.DataType) -> ir.Value:
+        """If(scores small) GQA materialising them, else GQA tiled: the present_key/present_value outputs,
+        unused, are what makes ORT 1.31's CPU kernel take its flash path (module docstring)."""
+        # [1] int64 each, as If takes a one-element condition
+        batch, seq = op.Shape(q, start=0, end=1), op.Shape(q, start=1, end=2)
+        # one (query, key) pair's scores over all heads; the check made sure the dtype is known
+        pair_bytes = attributes["num_heads"] * int(dtype.itemsize)
+        score_bytes = op.Mul(op.Mul(op.Mul(batch, seq), seq), _int64(op, pair_bytes))
+        small = op.LessOrEqual(score_bytes, _int64(op, self.materialise_max_bytes))
+        inputs = [q, k, v, None, None, seqlens, total]
+        # Named after the op's output, which is unique in the model (node names need not be).
+        base = attention.name or "attention"
+        materialised, tiled = (
+            op_branch("com.microsoft", "GroupQueryAttention", inputs, attributes, f"{base}_{name}", attention, n)
+            for name, n in (("gqa_materialised", 1), ("gqa_tiled", 3))
+        )
+        return op.If(small, then_branch=materialised, else_branch=tiled)
 
 
 def _compaction(op, mask: ir.Value, seq: ir.Value) -> tuple[ir.Value, ir.Value, ir.Value]:
@@ -151,7 +183,12 @@ def _compaction(op, mask: ir.Value, seq: ir.Value) -> tuple[ir.Value, ir.Value, 
     return dest, src, op.Cast(last, to=ir.DataType.INT32)
 
 
-causal_gqa_rules = pattern.RewriteRuleSet([CausalGQA.rule()])
+def causal_gqa_rules_with(materialise_max_bytes: int) -> pattern.RewriteRuleSet:
+    """The rule, with GQA materialising scores of up to ``materialise_max_bytes`` (tests cross it on small shapes)."""
+    return pattern.RewriteRuleSet([CausalGQA.rule(materialise_max_bytes)])
+
+
+causal_gqa_rules = causal_gqa_rules_with(MATERIALISE_MAX_BYTES)
 
 
 def fuse_causal_gqa(model: ir.Model) -> int:

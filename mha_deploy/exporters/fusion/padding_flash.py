@@ -32,24 +32,7 @@ from mha_deploy.exporters.fusion.contrib_mha import (
     has_inputs_from,
     optional_input,
 )
-
-
-def in_subgraph(context) -> bool:
-    """True when the matched node sits in a subgraph (e.g. a branch of an If), not the model's graph."""
-    where = context.graph_or_function
-    return isinstance(where, ir.Graph) and where is not context.model.graph
-
-
-def _branch(node: ir.Node, inputs: list[ir.Value | None], name: str) -> ir.Graph:
-    """A graph holding one copy of ``node`` on ``inputs`` (values of the enclosing graph)."""
-    attributes = [ir.convenience.convert_attribute(k, attr.value, attr.type) for k, attr in node.attributes.items()]
-    while inputs and inputs[-1] is None:
-        inputs = inputs[:-1]
-    copy = ir.Node(node.domain, node.op_type, inputs, attributes=attributes, num_outputs=1, name=f"{name}_op")
-    output = copy.outputs[0]
-    output.name = f"{name}_output"
-    output.dtype, output.shape = node.outputs[0].dtype, node.outputs[0].shape
-    return ir.Graph(inputs=(), outputs=(output,), nodes=(copy,), name=name)
+from mha_deploy.exporters.fusion.op_branches import copied_attributes, in_subgraph, op_branch
 
 
 class PaddingFlash(pattern.RewriteRuleClassBase):
@@ -86,10 +69,12 @@ class PaddingFlash(pattern.RewriteRuleClassBase):
         any_padded = op.Cast(op.ReduceMax(padded, keepdims=0), to=ir.DataType.BOOL)
         # Named after the op's output, which is unique in the model (node names need not be).
         base = attention.name or node.name or "attention"
-        masked = _branch(node, list(node.inputs), f"{base}_masked")
         unmasked_inputs = list(node.inputs)
         unmasked_inputs[KEY_PADDING_MASK] = None
-        flash = _branch(node, unmasked_inputs, f"{base}_flash")
+        masked, flash = (
+            op_branch(node.domain, node.op_type, inputs, copied_attributes(node), f"{base}_{name}", like=attention)
+            for inputs, name in ((node.inputs, "masked"), (unmasked_inputs, "flash"))
+        )
         return op.If(any_padded, then_branch=masked, else_branch=flash)
 
 

@@ -11,8 +11,9 @@ The chain, per target (own rules marked *, the rest is upstream
       mha_bias                fold q/k/v projection biases into the op
       attention (packed_qkv)  self-attention MHA -> com.microsoft.Attention (packed weights)
     * native_mask             float bias -> key_padding_mask / mask_index + unidirectional
-    * causal_gqa              causal MHA -> GroupQueryAttention (tiled, skips masked blocks);
-                              padding compacted to the front in the graph, any side
+    * causal_gqa              causal MHA -> If(scores <= 64 MB, GroupQueryAttention materialising
+                              them, GroupQueryAttention tiled); padding compacted to the front
+                              in the graph, any side
     * padding_flash           MHA with key_padding_mask -> If(any key padded, masked MHA,
                               mask-free MHA: ORT's CPU flash path)
     onnx:
@@ -78,7 +79,7 @@ class FusedOp:
     # Which mask inputs the op reads (input role -> tensor name); empty when unmasked.
     mask_inputs: dict[str, str] = field(default_factory=dict)
     attributes: dict[str, object] = field(default_factory=dict)
-    # Which ORT CPU kernel runs it, e.g. "GroupQueryAttention (causal)" (model_report).
+    # Which ORT CPU kernel runs it, e.g. "MultiHeadAttention (flash)" (model_report).
     kernel: str = ""
 
     def describe(self) -> str:
@@ -161,7 +162,7 @@ def attention_softmaxes(model: ir.Model) -> list[ir.Node]:
 def _fused_ops(model: onnx.ModelProto) -> list[FusedOp]:
     """One entry per fused attention, as ``mha-deploy inspect`` reads them (an If over two ops is one)."""
     ops = []
-    for info in attention_ops(list(model.graph.node)):
+    for info in attention_ops(list(model.graph.node), {t.name: t for t in model.graph.initializer}):
         masks = {role: name for role, name in info.inputs.items() if role in _MASK_ROLES}
         attributes = {k: list(v) if isinstance(v, tuple) else v for k, v in info.attributes.items()}
         ops.append(FusedOp(info.op.replace("::", "."), info.name, masks, attributes, info.kernel))

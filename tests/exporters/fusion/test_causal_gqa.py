@@ -1,20 +1,36 @@
-"""causal_gqa: causal contrib MultiHeadAttention -> GroupQueryAttention, padding compacted to the front."""
+"""causal_gqa: causal contrib MultiHeadAttention -> If(scores small, GroupQueryAttention materialising,
+GroupQueryAttention tiled), padding compacted to the front."""
 
 from __future__ import annotations
 
 import numpy as np
+import onnx
 import pytest
 
-from mha_deploy.exporters.fusion.causal_gqa import causal_gqa_rules
+from mha_deploy.exporters.fusion.causal_gqa import MATERIALISE_MAX_BYTES, causal_gqa_rules, causal_gqa_rules_with
 from tests.exporters.fusion import hand_graphs as hg
 
 # GQA wants head sizes that are multiples of 8: 32 / 2 heads = 16.
 BATCH, SEQ, HIDDEN, HEADS = 4, 9, 32, 2
+# The [batch, heads, seq, seq] fp32 scores of these graphs: far below the default threshold.
+SCORE_BYTES = BATCH * HEADS * SEQ * SEQ * 4
 
 
 def _mha(*, kv_len=SEQ, hidden=HIDDEN, unidirectional=1, **options):
     """Causal contrib MHA over q [BATCH, SEQ, hidden] and k/v [BATCH, kv_len, hidden] (hand_graphs.contrib_mha)."""
     return hg.contrib_mha(BATCH, SEQ, kv_len, hidden, HEADS, unidirectional=unidirectional, **options)
+
+
+def _branches(model) -> dict[str, object]:
+    """"materialised" (then) and "tiled" (else) -> the GroupQueryAttention node that branch runs."""
+    (if_node,) = [n for n in model.graph.node if n.op_type == "If"]
+    graphs = {a.name: a.g for a in if_node.attribute}
+    found = {}
+    for branch, name in (("materialised", "then_branch"), ("tiled", "else_branch")):
+        (gqa,) = graphs[name].node
+        assert gqa.op_type == "GroupQueryAttention"
+        found[branch] = gqa
+    return found
 
 
 def _feeds(model, side="right", seed=0):
@@ -38,14 +54,59 @@ def test_causal_becomes_group_query_attention(options):
     rewritten, count = hg.rewrite(model, causal_gqa_rules)
     assert count == 1
     assert "com.microsoft.MultiHeadAttention" not in hg.op_types(rewritten)
-    gqa = hg.node(rewritten, "GroupQueryAttention")
-    attributes = hg.attributes(gqa)
-    assert (attributes["num_heads"], attributes["kv_num_heads"]) == (HEADS, HEADS)
-    # present_key/value are unused, but without them ORT's CPU kernel leaves its flash path.
-    assert len(gqa.output) == 3 and all(gqa.output)
-    assert attributes.get("scale") == (pytest.approx(options["scale"]) if "scale" in options else None)
+    branches = _branches(rewritten)
+    materialised, tiled = branches["materialised"], branches["tiled"]
+    for gqa in (materialised, tiled):
+        attributes = hg.attributes(gqa)
+        assert (attributes["num_heads"], attributes["kv_num_heads"]) == (HEADS, HEADS)
+        assert attributes.get("scale") == (pytest.approx(options["scale"]) if "scale" in options else None)
+    assert list(materialised.input) == list(tiled.input)  # the same op on the same values
+    # present_key/value are unused; asking for them is what sends ORT's CPU kernel down its tiled path.
+    assert len(materialised.output) == 1
+    assert len(tiled.output) == 3 and all(tiled.output)
     assert "GatherND" not in hg.op_types(rewritten)  # nothing to compact without a padding mask
     hg.assert_same_outputs(model, rewritten, _feeds(model))
+
+
+@pytest.mark.parametrize(
+    ("threshold", "branch"),
+    [
+        (MATERIALISE_MAX_BYTES, "materialised"),
+        (SCORE_BYTES, "materialised"),  # "up to": equal is still small
+        (SCORE_BYTES - 1, "tiled"),
+        (0, "tiled"),
+    ],
+    ids=["default", "at-threshold", "one-byte-over", "always-tiled"],
+)
+@pytest.mark.parametrize("padding", [False, True], ids=["no-mask", "padding"])
+def test_the_score_size_chooses_the_branch_and_both_equal_the_op(threshold, branch, padding):
+    model = _mha(padding=padding, bias=True)
+    rewritten, count = hg.rewrite(model, causal_gqa_rules_with(threshold))
+    assert count == 1
+    feeds = _feeds(model, "mixed", seed=5)
+    hg.assert_same_outputs(model, rewritten, feeds, rows=feeds.get("key_padding_mask"))
+    ran = hg.executed_nodes(rewritten, feeds)
+    names = {name: gqa.name for name, gqa in _branches(rewritten).items()}
+    assert names[branch] in ran
+    assert names["tiled" if branch == "materialised" else "materialised"] not in ran
+
+
+def test_the_threshold_counts_half_precision_scores_at_two_bytes():
+    # fp16 scores take half the bytes: the same shape stays under a threshold fp32 would exceed.
+    model = _mha()
+    rewritten, _ = hg.rewrite(model, causal_gqa_rules_with(SCORE_BYTES // 2))
+    fp16 = onnx.ModelProto()
+    fp16.CopyFrom(model)
+    for value in (*fp16.graph.input, *fp16.graph.output, *fp16.graph.value_info):
+        if value.type.tensor_type.elem_type == onnx.TensorProto.FLOAT:
+            value.type.tensor_type.elem_type = onnx.TensorProto.FLOAT16
+    rewritten16, _ = hg.rewrite(fp16, causal_gqa_rules_with(SCORE_BYTES // 2))
+    feeds = _feeds(model)
+    names32 = {name: gqa.name for name, gqa in _branches(rewritten).items()}
+    names16 = {name: gqa.name for name, gqa in _branches(rewritten16).items()}
+    assert names32["tiled"] in hg.executed_nodes(rewritten, feeds)
+    feeds16 = {name: x.astype(np.float16) for name, x in feeds.items()}
+    assert names16["materialised"] in hg.executed_nodes(rewritten16, feeds16)
 
 
 @pytest.mark.parametrize("side", ["right", "left", "mixed", "empty-row"])

@@ -1,0 +1,55 @@
+"""Branches of an ``If`` that choose between two copies of one attention op, for the rules that build them.
+
+padding_flash (masked op or mask-free op) and causal_gqa (GroupQueryAttention
+materialising its scores or tiled) both put one op under an ``If`` whose
+branches differ only in the op's inputs or outputs. Each branch is a graph of
+that one op reading values of the enclosing graph, and returning its first
+output; the rules must not match the ops they put inside the branches again.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import onnx_ir as ir
+
+
+def in_subgraph(context) -> bool:
+    """True when the matched node sits in a subgraph (e.g. a branch of an If), not the model's graph."""
+    where = context.graph_or_function
+    return isinstance(where, ir.Graph) and where is not context.model.graph
+
+
+def op_branch(
+    domain: str,
+    op_type: str,
+    inputs: Sequence[ir.Value | None],
+    attributes: Mapping[str, object] | Sequence[ir.Attr],
+    name: str,
+    like: ir.Value,
+    num_outputs: int = 1,
+) -> ir.Graph:
+    """A graph named ``name`` holding one ``op_type`` node on ``inputs`` (values of the enclosing graph),
+    returning the node's first output, typed and shaped as ``like``. The other ``num_outputs`` are produced
+    but not returned: asking for an output can change the kernel an op runs (causal_gqa)."""
+    inputs = list(inputs)
+    while inputs and inputs[-1] is None:
+        inputs = inputs[:-1]
+    node = ir.Node(
+        domain,
+        op_type,
+        inputs,
+        attributes=ir.convenience.convert_attributes(attributes) if isinstance(attributes, Mapping) else attributes,
+        num_outputs=num_outputs,
+        name=f"{name}_op",
+    )
+    for index, value in enumerate(node.outputs):
+        value.name = f"{name}_output" if index == 0 else f"{name}_output_{index}"
+    output = node.outputs[0]
+    output.dtype, output.shape = like.dtype, like.shape
+    return ir.Graph(inputs=(), outputs=(output,), nodes=(node,), name=name)
+
+
+def copied_attributes(node: ir.Node) -> list[ir.Attr]:
+    """New attributes equal to ``node``'s (types kept), for ``op_branch`` to copy the node."""
+    return [ir.convenience.convert_attribute(name, attr.value, attr.type) for name, attr in node.attributes.items()]
