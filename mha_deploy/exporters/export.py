@@ -44,21 +44,24 @@ from mha_deploy.runtime.session import MHASession
 # --fuse auto, per mask mode: the fastest exact path on ORT's CPU provider. Full block
 # (projections + attention), self-attention, d_model 512, 8 heads, fp32, 2 threads, ORT 1.31.1;
 # medians in ms from one run of
-#   mha-deploy bench --mask none,padding,padding-25%,causal,padding-causal --memory-shapes 2x4096
+#   mha-deploy bench --mask none,padding,padding-25%,causal,padding-causal \
+#       --shapes 8x128,1x1024,32x64,1x4096 --memory-shapes 2x4096 --quiet-wait-s 300
 # (the whole table is docs/bench.txt):
 #
 #   mask mode, (1,4096)      mha: kernel                                  mha    onnx    none
-#   none                     MultiHeadAttention (flash)                   158     193     194
-#   padding, every key real  If -> MultiHeadAttention (flash)             171     267     376
-#   padding, last 1/4 padded If -> MultiHeadAttention (masked)            280     331     446
-#   causal                   GroupQueryAttention                          189     406     611
-#   padding-causal           GroupQueryAttention, padding compacted       176     542     569
+#   none                     MultiHeadAttention (flash)                   149     193     177
+#   padding, every key real  If -> MultiHeadAttention (flash)             139     234     354
+#   padding, last 1/4 padded If -> MultiHeadAttention (masked)            246     284     400
+#   causal                   If -> GroupQueryAttention (tiled)            147     359     526
+#   padding-causal           same, padding compacted                      158     372     532
 #
-# At (8,128) and (32,64) the onnx target is 14-22% faster for causal masks (GQA's tiled path
-# costs more than it saves on short sequences) and within 10% either way for the others; at (1,1024) and
-# (1,4096) mha is fastest for every mask mode. mha also builds no mask tensor and keeps run memory
-# at (2,4096) within 115-168 MB for every mask mode with no key padded, where onnx needs 1.1-1.4 GB
-# (a float [batch, 1, q_len, kv_len] attn_mask, and ORT's standard Attention materialises the scores).
+# Causal GroupQueryAttention materialises its scores up to 64 MB and runs tiled beyond (causal_gqa):
+# at (1,1024) causal takes 13.1 ms on mha against 22.4 on onnx. At (8,128) and (32,64) the targets are
+# within 10% of each other for every mask mode (onnx ahead by up to 8% without a causal mask, mha by
+# up to 9% with one); at (1,1024) and (1,4096) mha is fastest for every mask mode. mha also builds no
+# mask tensor and keeps run memory at (2,4096) within 131-169 MB for every mask mode with no key padded,
+# where onnx needs 1.1-1.4 GB (a float [batch, 1, q_len, kv_len] attn_mask, and ORT's standard
+# Attention materialises the scores).
 AUTO_TARGETS = {"none": "mha", "padding": "mha", "causal": "mha", "padding-causal": "mha"}
 # A KV-cache model (--kv-cache), by the one-token step it exists for (d_model 512, 8 heads, 2 threads,
 # ORT 1.31.1, graph optimizations "all", medians over interleaved blocks of 10 calls, host shared):
