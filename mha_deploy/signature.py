@@ -252,6 +252,15 @@ class Signature:
         return dict(self._masks)
 
     @property
+    def memory_input(self) -> str | None:
+        """A decoder stack's ``memory`` (the sequence its cross-attention reads); None for other models."""
+        return self._sequences[1][0] if self.model == "decoder" else None
+
+    def mask_of(self, sequence: str | None) -> str | None:
+        """The padding mask marking ``sequence``'s positions, or None (no such mask, or no such sequence)."""
+        return next((mask for mask, marks in self._masks if marks == sequence), None)
+
+    @property
     def input_names(self) -> tuple[str, ...]:
         return tuple(spec.name for spec in self.inputs)
 

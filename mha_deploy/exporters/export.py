@@ -172,11 +172,9 @@ def _optimised_kv_cache(
     ``AUTO_TARGET_KV_CACHE``."""
     signature = metadata.signature
     if target == "mha":
-        masks = {marks: name for name, marks in signature.padding_masks.items()}
-        memory = next((name for name in signature.sequence_inputs if name != signature.query_input), None)
         decode = decode_on_mha(
-            decode, metadata.num_heads, MASK_FILL_VALUE, attention_ops, masks.get(signature.query_input),
-            masks.get(memory),
+            decode, metadata.num_heads, MASK_FILL_VALUE, attention_ops, signature.mask_of(signature.query_input),
+            signature.mask_of(signature.memory_input),
         )
     fused, report = _optimised(first.model, target, "none", "float32", attention_ops)
     prefill = attach_caches(fused, first.projections, metadata.num_heads, signature.output_names)
@@ -328,7 +326,7 @@ def export_stack(
     projections = []
     for source, layer in zip((signature.query_input, *layer_inputs), stack.layers, strict=True):
         projections.append(_cache_projection(source, layer.self_attn, next(presents), next(presents)))
-        projections.append(_cache_projection("memory", layer.cross_attn, next(presents), next(presents)))
+        projections.append(_cache_projection(signature.memory_input, layer.cross_attn, next(presents), next(presents)))
     first = FirstCall(export_stack_onnx(prefill, export_options.opset, ("output", *layer_inputs)), projections)
     plain = export_stack_onnx(decode, export_options.opset)
     return _finish(graph, plain, metadata, output, export_options, attention_ops, first)

@@ -95,10 +95,10 @@ def full_sequence_inputs(signature: Signature, d_model: int, case: CacheCase, se
     total = sum(case.calls)
     feeds = make_inputs(signature, d_model, InputCase(case.batch, total, case.memory, case.padding), seed)
     rng = np.random.default_rng(seed + 1)
-    for name, marks in signature.padding_masks.items():
-        if marks == signature.query_input:
-            feeds[name][:] = True
-            feeds[name][:, : case.prefill] = padding_mask(case.batch, case.prefill, case.padding, rng)
+    query_mask = signature.mask_of(signature.query_input)
+    if query_mask is not None:
+        feeds[query_mask][:] = True
+        feeds[query_mask][:, : case.prefill] = padding_mask(case.batch, case.prefill, case.padding, rng)
     return feeds
 
 
@@ -112,11 +112,12 @@ def decode_in_calls(session: MHASession, feeds: dict[str, np.ndarray], calls: tu
     d_k = session.metadata.d_model // session.metadata.num_heads
     empty = np.zeros((x.shape[0], session.metadata.num_heads, 0, d_k), x.dtype)
     past = dict.fromkeys(signature.cache_pairs, empty)
-    whole = {name: array for name, array in feeds.items() if name != query}
+    query_mask = signature.mask_of(query)
+    whole = {name: array for name, array in feeds.items() if name not in (query, query_mask)}
     outputs, start = [], 0
     for length in calls:
         end = start + length
-        masks = {name: feeds[name][:, :end] for name, marks in signature.padding_masks.items() if marks == query}
+        masks = {query_mask: feeds[query_mask][:, :end]} if query_mask is not None else {}
         result = session.run({**whole, query: x[:, start:end], **past, **masks})
         outputs.append(result["output"])
         past = {name: result[present] for name, present in signature.cache_pairs.items()}

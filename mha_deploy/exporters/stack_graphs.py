@@ -49,10 +49,15 @@ class DecoderGraph(nn.Module):
         self.signature = Signature("cross", mask, model="decoder")
 
     def forward(self, x, memory, key_padding_mask=None, memory_padding_mask=None):
+        return self.decoder(x, memory, *self.masks(x, memory, key_padding_mask, memory_padding_mask))
+
+    @staticmethod
+    def masks(x, memory, key_padding_mask, memory_padding_mask):
+        """The reference masks of the causal self-attention and of the cross-attention over memory."""
         tgt_len, mem_len = x.shape[1], memory.shape[1]
         self_mask = build_attention_mask(key_padding_mask, tgt_len, tgt_len, True, x.device)
         memory_mask = build_attention_mask(memory_padding_mask, tgt_len, mem_len, False, x.device)
-        return self.decoder(x, memory, self_mask, memory_mask)
+        return self_mask, memory_mask
 
 
 class DecoderPrefillGraph(DecoderGraph):
@@ -61,9 +66,7 @@ class DecoderPrefillGraph(DecoderGraph):
     which ``exporters.kv_cache.attach_caches`` projects that layer's keys and values."""
 
     def forward(self, x, memory, key_padding_mask=None, memory_padding_mask=None):
-        tgt_len, mem_len = x.shape[1], memory.shape[1]
-        self_mask = build_attention_mask(key_padding_mask, tgt_len, tgt_len, True, x.device)
-        memory_mask = build_attention_mask(memory_padding_mask, tgt_len, mem_len, False, x.device)
+        self_mask, memory_mask = self.masks(x, memory, key_padding_mask, memory_padding_mask)
         layer_inputs = []
         for index, layer in enumerate(self.decoder.layers):
             if index:

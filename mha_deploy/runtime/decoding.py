@@ -81,14 +81,13 @@ class Decoder:
         self._head_shape = (metadata.num_heads, metadata.d_model // metadata.num_heads)
         self._dtype = np.dtype(metadata.dtype)
         self._x_name = signature.query_input
-        masks = signature.padding_masks
-        self._mask_name = next((name for name, marks in masks.items() if marks == self._x_name), None)
+        self._mask_name = signature.mask_of(self._x_name)
         self._masked = self._mask_name is not None
         self._pairs = signature.cache_pairs
         self._growing = frozenset(signature.growing_caches)
         # A decoder stack's memory and its mask: given with the prefill, fed again on every call.
-        self._memory_name = next((name for name in signature.sequence_inputs if name != self._x_name), None)
-        self._memory_mask_name = next((name for name, marks in masks.items() if marks == self._memory_name), None)
+        self._memory_name = signature.memory_input
+        self._memory_mask_name = signature.mask_of(self._memory_name)
         self._reset(0)
 
     # --- the state ---------------------------------------------------------------------------

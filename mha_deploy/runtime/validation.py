@@ -227,13 +227,12 @@ def _cache_arrays(
     heads, d_k = metadata.num_heads, metadata.d_model // metadata.num_heads
     batch = next(iter(sequences.values())).shape[0]
     arrays = {}
-    specs = signature.tensors
     for name in signature.cache_pairs:
         array = np.asarray(inputs[name])
         if array.dtype != dtype:
             raise InputError(f"{name} must be {dtype.name}, got {array.dtype}")
         if array.ndim != 4 or array.shape[0] != batch or array.shape[1] != heads or array.shape[3] != d_k:
-            length = specs[name].axes[2]
+            length = signature.tensors[name].axes[2]
             raise InputError(
                 f"{name} must have shape [batch, heads, {length}, d_k] = [{batch}, {heads}, {length}, {d_k}], "
                 f"got {array.shape}; pass the previous call's present output ({length} 0 on the first call)"
@@ -243,7 +242,7 @@ def _cache_arrays(
     if len(set(growing.values())) > 1:
         raise InputError(f"past_seq differs: {', '.join(f'{name} {n}' for name, n in growing.items())}")
     past_seq = next(iter(growing.values()))
-    memory = next((name for name in signature.sequence_inputs if name != signature.query_input), None)
+    memory = signature.memory_input
     if memory is not None:
         expected = 0 if past_seq == 0 else sequences[memory].shape[1]
         wrong = {name: a.shape[2] for name, a in arrays.items() if name not in growing and a.shape[2] != expected}

@@ -18,6 +18,7 @@ from mha_deploy.exporters.graphs import attention_graph
 from mha_deploy.exporters.kv_cache import decode_on_mha, prefill_or_decode
 from mha_deploy.exporters.parity import CacheCase
 from mha_deploy.exporters.torch_export import export_onnx
+from mha_deploy.model_report import all_nodes
 from mha_deploy.models import Decoder, MultiHeadAttention
 from mha_deploy.signature import Signature
 
@@ -114,15 +115,6 @@ def _first_call(path) -> onnx.GraphProto:
     return next(a.g for a in node.attribute if a.name == "then_branch")
 
 
-def _nested_nodes(graph: onnx.GraphProto):
-    """Every node of ``graph`` and of the graphs nested in its nodes (e.g. causal_gqa's If on the size)."""
-    for node in graph.node:
-        yield node
-        for attribute in node.attribute:
-            if attribute.type == onnx.AttributeProto.GRAPH:
-                yield from _nested_nodes(attribute.g)
-
-
 @pytest.mark.parametrize("model", ["mha", "decoder"])
 def test_first_call_keeps_its_fused_kernel_at_d_model_512(tmp_path, model):
     """At d_model 512 torch's exporter shares a key projection computed beside the attention with the
@@ -140,7 +132,7 @@ def test_first_call_keeps_its_fused_kernel_at_d_model_512(tmp_path, model):
         layers, projections = 2, 2 * 10  # per layer: 4 self-attention, 4 cross-attention, 2 feed-forward
     first_call = _first_call(path)
     assert Counter(n.op_type for n in first_call.node)["MatMul"] == projections
-    nodes = list(_nested_nodes(first_call))
+    nodes = list(all_nodes(first_call))  # causal_gqa's If on the size nests the op
     gqa = [n for n in nodes if n.op_type == "GroupQueryAttention"]
     causal_mha = [n for n in nodes if n.op_type == "MultiHeadAttention" and "unidirectional" in str(n.attribute)]
     assert len(gqa) >= layers and not causal_mha
