@@ -28,8 +28,12 @@ ATTENTION_INPUT_ROLES = {
 # Inputs that turn ORT's CPU MultiHeadAttention away from its flash path (onnxruntime
 # contrib_ops/cpu/bert/multihead_attention.cc): it then materialises [batch, heads, q, kv].
 _MHA_NON_FLASH_INPUTS = ("key_padding_mask", "attention_bias", "past_key", "past_value")
-# What the fusion's padding_flash rule builds: If(any key padded) masked op else mask-free op.
-PADDING_FLASH_KERNEL = "MultiHeadAttention (flash when no key is padded, else masked)"
+# What the fusion's padding_flash rule builds: If(any key padded) keys cut to the longest row's real ones,
+# then the op mask-free if every row fills the cut, else masked; else the op mask-free.
+PADDING_FLASH_KERNEL = (
+    "MultiHeadAttention (flash when no key is padded or every row has as many real keys, "
+    "else masked over the longest row's real keys)"
+)
 # What the causal_gqa rule builds: If(score bytes <= N) GQA without present outputs (ORT's CPU kernel
 # then materialises [batch, heads, q, kv]) else GQA with them (its tiled path). N read from the graph.
 GQA_BY_SIZE = "scores materialised up to {} MB, tiled beyond"
@@ -133,6 +137,26 @@ def _branch_attention(node: onnx.NodeProto, branch: str) -> onnx.NodeProto | Non
     return nodes[0] if len(nodes) == 1 and _roles(nodes[0]) is not None else None
 
 
+def _padding_cut(node: onnx.NodeProto, producers: dict[str, onnx.NodeProto]) -> AttentionOpInfo | None:
+    """padding_flash's If, reported as one attention reading the model's mask; None for any other If."""
+    flash = _branch_attention(node, "else_branch")
+    then = next((a.g for a in node.attribute if a.name == "then_branch"), None)
+    if flash is None or then is None or _kernel(flash, {}) != "MultiHeadAttention (flash)":
+        return None
+    inner = [n for n in then.node if n.op_type == "If"]
+    cut = [_branch_attention(inner[0], name) for name in ("then_branch", "else_branch")] if len(inner) == 1 else []
+    if len(cut) != 2 or any(op is None or op.op_type != flash.op_type for op in cut):
+        return None
+    info = _attention_op(flash, PADDING_FLASH_KERNEL, node.name)
+    # The condition is Cast(ReduceMax(Cast(Equal(mask, 0)))): its first Equal input is the model's mask.
+    source = producers.get(node.input[0])
+    while source is not None and source.op_type in ("Cast", "ReduceMax"):
+        source = producers.get(source.input[0])
+    if source is not None and source.op_type == "Equal":
+        info.inputs["key_padding_mask"] = source.input[0]
+    return info
+
+
 def gqa_by_size_kernel(compacted: bool, max_mb: float | None) -> str:
     """The kernel string of causal_gqa's If: GQA materialising scores up to ``max_mb``, tiled beyond."""
     limit = GQA_BY_SIZE.format(f"{max_mb:g}" if max_mb is not None else "?")
@@ -181,6 +205,9 @@ def attention_ops(
         if _roles(node) is not None:
             found.append(_attention_op(node, _kernel(node, producers)))
         elif node.op_type == "If" and node.domain in ("", "ai.onnx"):
+            if (cut := _padding_cut(node, producers)) is not None:
+                found.append(cut)
+                continue
             branches = [_branch_attention(node, name) for name in ("then_branch", "else_branch")]
             if None in branches or branches[0].op_type != branches[1].op_type:
                 # A KV-cache model's If(prefill, decode): whole graphs, each reported as its own.
@@ -196,12 +223,10 @@ def attention_ops(
                 max_mb = _materialise_max_mb(node.input[0], producers, initializers)
                 found.append(_attention_op(materialising, gqa_by_size_kernel(compacted, max_mb), node.name))
                 continue
-            # Report the op as it runs with its mask: the branch given more inputs.
-            flash, masked = sorted(branches, key=lambda n: len([name for name in n.input if name]))
-            kernels = (_kernel(flash, {}), _kernel(masked, {}))
-            padding_flash = kernels[0] == "MultiHeadAttention (flash)" and "key_padding_mask" in kernels[1]
-            kernel = PADDING_FLASH_KERNEL if padding_flash else " or ".join(kernels)
-            found.append(_attention_op(masked, kernel, node.name))
+            # Two copies of one op otherwise: report the one given more inputs (its mask).
+            plain, masked = sorted(branches, key=lambda n: len([name for name in n.input if name]))
+            kernels = dict.fromkeys((_kernel(plain, {}), _kernel(masked, {})))
+            found.append(_attention_op(masked, " or ".join(kernels), node.name))
     return found
 
 

@@ -25,6 +25,7 @@ from mha_deploy.model_report import PADDING_FLASH_KERNEL
 from mha_deploy.models.attention import MultiHeadAttention
 from mha_deploy.models.transformer import Decoder, Encoder
 from mha_deploy.runtime.session import MHASession
+from tests.exporters.fusion import hand_graphs as hg
 from tests.exporters.fusion.hand_graphs import executed_nodes
 
 D_MODEL, HEADS, D_FF, LAYERS = 64, 4, 128, 2
@@ -223,21 +224,25 @@ def _torch_outputs(module, signature: Signature, feeds: dict[str, np.ndarray]) -
 
 
 @pytest.mark.parametrize("signature", [Signature("self", "padding"), Signature("cross", "padding")], ids=_sig_id)
-@pytest.mark.parametrize("padded", [False, True], ids=["all-real", "padded"])
-def test_padding_mask_takes_the_flash_branch_only_when_no_key_is_padded(fused, signature, padded):
+@pytest.mark.parametrize(
+    ("padding", "branch"),
+    [("none", "flash"), ("equal-counts", "cut_flash"), ("mixed", "cut_masked")],
+    ids=["all-real", "padded-to-one-length", "padded"],
+)
+def test_padding_mask_takes_the_flash_kernel_unless_rows_hold_unequal_real_keys(fused, signature, padding, branch):
     module, _, model, _ = fused(signature, "mha")
-    (if_node,) = [n for n in model.graph.node if n.op_type == "If"]
-    branch_op = {a.name: a.g.node[0].name for a in if_node.attribute}
-    case = InputCase(3, 11, 11 if signature.attention == "self" else 14, "mixed" if padded else "none")
+    case = InputCase(3, 11, 11 if signature.attention == "self" else 14, "mixed" if padding == "mixed" else "none")
     feeds = make_inputs(signature, D_MODEL, case, seed=4)
-    assert feeds["key_padding_mask"].all() != padded
-    ran = executed_nodes(model, feeds)
-    taken, skipped = ("then_branch", "else_branch") if padded else ("else_branch", "then_branch")
-    assert branch_op[taken] in ran and branch_op[skipped] not in ran
+    if padding == "equal-counts":
+        # Every row holds 8 real keys, on a different side each: a bucket padded to a fixed length.
+        kv_len = feeds["key_padding_mask"].shape[1]
+        positions = np.arange(kv_len)
+        scattered = np.isin(positions, [0, 1, 3, 4, 5, 7, 8, 9])
+        feeds["key_padding_mask"] = np.stack([positions < 8, positions >= kv_len - 8, scattered])
+    assert hg.padding_flash_ran(model, feeds) == {branch}
     (actual,) = _ort_session(model).run(["output"], feeds)
-    rows = feeds["key_padding_mask"] if signature.attention == "self" else np.ones(actual.shape[:2], bool)
-    assert np.isfinite(actual).all()
-    np.testing.assert_allclose(actual[rows], _torch_outputs(module, signature, feeds)[rows], atol=1e-5, rtol=1e-4)
+    # The mask is over keys: a padded query row sees its row's real keys, in the reference and here alike.
+    np.testing.assert_allclose(actual, _torch_outputs(module, signature, feeds), atol=1e-5, rtol=1e-4)
 
 
 @pytest.mark.parametrize("padding", ["right", "left", "mixed", "empty-row"])

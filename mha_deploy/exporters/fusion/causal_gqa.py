@@ -17,18 +17,11 @@ Padding: ``seqlens_k`` can only say "the first n keys are real" (right padding),
 while the contract allows left and mixed padding. An attention has no positions:
 under a causal mask a real query's output depends only on the real keys at or
 before it, in their order. So the real tokens of each row are moved to the
-front in order (padding after them, in order) and moved back after the op:
-
-    dest[b, s] = CumSum(real)[b, s] - 1            for a real token
-               = count[b] + CumSum(pad)[b, s] - 1  for padding
-    src        = inverse permutation of dest (ScatterElements)
-    q, k, v    = GatherND(x, src, batch_dims=1)    [batch, seq, hidden], each
-    output     = GatherND(GQA(q, k, v), dest, batch_dims=1)
-
-which is exact for every real query, whatever the padding side. This needs the
-padding mask to mark the queries' positions too (self-attention: q_len is kv_len,
-one sequence, which the causal flag already implies here), as the export's
-contract has it; a padded query row's output is then finite but not the
+front in order (padding after them, in order; ``compaction.real_first``) and
+moved back after the op, which is exact for every real query, whatever the
+padding side. This needs the padding mask to mark the queries' positions too
+(self-attention: q_len is kv_len, one sequence, which the causal flag already
+implies here), as the export's contract has it; a padded query row's output is then finite but not the
 reference's (it sees the real keys of its row and no padding), as the parity
 contract allows. ``seqlens_k`` = max(count - 1, 0): GQA rejects -1, and a row
 without any real token only has to stay finite.
@@ -61,6 +54,7 @@ import numpy as np
 import onnx_ir as ir
 from onnxscript.rewriter import pattern
 
+from mha_deploy.exporters.fusion.compaction import gather_rows, int64, real_first
 from mha_deploy.exporters.fusion.contrib_mha import (
     ATTENTION_BIAS,
     BIAS,
@@ -77,10 +71,6 @@ HEAD_SIZE_MULTIPLE = 8
 _GQA_DTYPES = (ir.DataType.FLOAT, ir.DataType.FLOAT16)
 # Largest [batch, heads, seq, seq] score tensor for which GQA runs its materialising path (module docstring).
 MATERIALISE_MAX_BYTES = 64 * 2**20
-
-
-def _int64(op, value: int) -> ir.Value:
-    return op.Constant(value=ir.tensor(np.array(value, np.int64)))
 
 
 class CausalGQA(ContribMHARule):
@@ -137,15 +127,15 @@ class CausalGQA(ContribMHARule):
         mask = optional_input(node, KEY_PADDING_MASK)
         if mask is None:
             # Every row is full length: seqlens_k = seq - 1 for each batch row.
-            last = op.Sub(seq, _int64(op, 1))
+            last = op.Sub(seq, int64(op, 1))
             seqlens = op.Cast(op.Expand(last, op.Shape(query, start=0, end=1)), to=ir.DataType.INT32)
             return self._gqa(op, q, k, v, seqlens, total, attributes, attention, query.dtype)
-        dest, src, seqlens = _compaction(op, mask, seq)
-        # [batch, seq] -> [batch, seq, 1]: the row index GatherND takes within each batch row
-        src, dest = op.Unsqueeze(src, _int64(op, -1)), op.Unsqueeze(dest, _int64(op, -1))
-        q, k, v = (op.GatherND(x, src, batch_dims=1) for x in (q, k, v))
-        compact = self._gqa(op, q, k, v, seqlens, total, attributes, attention, query.dtype)
-        return op.GatherND(compact, dest, batch_dims=1)
+        compaction = real_first(op, mask)
+        q, k, v = (gather_rows(op, x, compaction.src) for x in (q, k, v))
+        # seqlens_k = max(count - 1, 0): GQA rejects -1, and a row without any real token only has to stay finite.
+        last = op.Max(op.Sub(op.Squeeze(compaction.count, int64(op, [1])), int64(op, 1)), int64(op, 0))
+        compact = self._gqa(op, q, k, v, op.Cast(last, to=ir.DataType.INT32), total, attributes, attention, query.dtype)
+        return gather_rows(op, compact, compaction.dest)
 
     def _gqa(self, op, q, k, v, seqlens, total, attributes, attention: ir.Value, dtype: ir.DataType) -> ir.Value:
         """If(scores small) GQA materialising them, else GQA tiled: the present_key/present_value outputs,
@@ -154,8 +144,8 @@ class CausalGQA(ContribMHARule):
         batch, seq = op.Shape(q, start=0, end=1), op.Shape(q, start=1, end=2)
         # one (query, key) pair's scores over all heads; the check made sure the dtype is known
         pair_bytes = attributes["num_heads"] * int(dtype.itemsize)
-        score_bytes = op.Mul(op.Mul(op.Mul(batch, seq), seq), _int64(op, pair_bytes))
-        small = op.LessOrEqual(score_bytes, _int64(op, self.materialise_max_bytes))
+        score_bytes = op.Mul(op.Mul(op.Mul(batch, seq), seq), int64(op, pair_bytes))
+        small = op.LessOrEqual(score_bytes, int64(op, self.materialise_max_bytes))
         inputs = [q, k, v, None, None, seqlens, total]
         # Named after the op's output, which is unique in the model (node names need not be).
         base = attention.name or "attention"
@@ -164,23 +154,6 @@ class CausalGQA(ContribMHARule):
             for name, n in (("gqa_materialised", 1), ("gqa_tiled", 3))
         )
         return op.If(small, then_branch=materialised, else_branch=tiled)
-
-
-def _compaction(op, mask: ir.Value, seq: ir.Value) -> tuple[ir.Value, ir.Value, ir.Value]:
-    """From a [batch, seq] padding mask (nonzero = real): where each token goes (``dest``), where each
-    compacted position comes from (``src``), both int64 [batch, seq], and GQA's int32 ``seqlens_k`` [batch]."""
-    one, axis = _int64(op, 1), _int64(op, 1)
-    real = op.Cast(mask, to=ir.DataType.BOOL)
-    real_count = op.Cast(real, to=ir.DataType.INT64)
-    count = op.ReduceSum(real_count, op.Constant(value_ints=[1]), keepdims=1)  # [batch, 1]
-    real_rank = op.Sub(op.CumSum(real_count, axis), one)
-    pad_rank = op.Sub(op.CumSum(op.Cast(op.Not(real), to=ir.DataType.INT64), axis), one)
-    dest = op.Where(real, real_rank, op.Add(count, pad_rank))
-    positions = op.Expand(op.Range(_int64(op, 0), op.Squeeze(seq), one), op.Shape(mask))
-    # dest is a permutation of each row, so every element of the data is overwritten.
-    src = op.ScatterElements(positions, dest, positions, axis=1)
-    last = op.Max(op.Sub(op.Squeeze(count, op.Constant(value_ints=[1])), one), _int64(op, 0))
-    return dest, src, op.Cast(last, to=ir.DataType.INT32)
 
 
 def causal_gqa_rules_with(materialise_max_bytes: int) -> pattern.RewriteRuleSet:

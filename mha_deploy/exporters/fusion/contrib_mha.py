@@ -10,6 +10,7 @@ import onnx_ir as ir
 from onnxscript.rewriter import pattern
 
 # Indices of MultiHeadAttention's inputs (com.microsoft schema).
+KEY, VALUE = 1, 2
 BIAS, KEY_PADDING_MASK, ATTENTION_BIAS, PAST_KEY, PAST_VALUE = 3, 4, 5, 6, 7
 
 

@@ -1,4 +1,4 @@
-"""Contrib MHA with ``key_padding_mask`` -> ``If`` (any key padded) masked MHA ``else`` mask-free MHA.
+"""Contrib MHA with ``key_padding_mask`` -> the flash kernel whenever padding can be taken out exactly.
 
 Why this rule exists: ORT's CPU ``com.microsoft.MultiHeadAttention`` takes its
 flash path (MLAS, tiled, no [batch, heads, q_len, kv_len] buffer) only without
@@ -6,12 +6,26 @@ any mask input (onnxruntime ``contrib_ops/cpu/bert/multihead_attention.cc``).
 Given a ``key_padding_mask`` it falls back to a kernel that materialises the
 probabilities, even when every key is real: measured on ORT 1.31 CPU at
 (1,4096), d_model 512, 8 heads, 2 threads, 251 ms instead of 181 for the op,
-and 1.1 GB instead of 65 MB at (2,4096). Batch 1 and equal-length buckets, the
-common serving cases, pad nothing. So the op is put under an ``If`` on
-"is any key padded" (``ReduceMax(key_padding_mask == 0)``, computed in the
-graph on the [batch, kv_len] mask): the else branch is the same op without its
-mask, which is exact when nothing is masked, and the then branch is the op as it
-was. One file, the same inputs and outputs.
+and 1.1 GB instead of 65 MB at (2,4096). So the op becomes::
+
+    If(any key padded,
+       then: keys and values gathered real-first and cut to the longest row's real count,
+             If(every row has that many real keys, mask-free op, op with the cut mask),
+       else: mask-free op)
+
+Batch 1 and equal-length buckets pad nothing and take the outer else branch.
+A non-causal attention does not depend on the order of its keys, so gathering
+each row's real keys to the front (``compaction.real_first``; order kept) and
+dropping the columns that are padding in every row changes no real query's
+output. A batch padded to a fixed length whose rows hold equally many real keys
+(a bucket, a batch of one padded item) then has no padded key left and runs the
+flash kernel over its real keys only; any other padded batch runs the masked
+kernel over [batch, heads, q_len, longest real] instead of the full kv_len. The
+query is untouched: every query row, real or padding, sees the real keys of its
+row as in the reference (the mask is over keys). A row without any real key only
+has to stay finite (the parity contract; MHASession refuses such input): it
+averages the values of the padded keys left in the cut. One file, the same
+inputs and outputs.
 
 The causal flag, a float ``attention_bias`` or past state rule the flash path out
 in both branches, so such ops are left alone (causal ones become
@@ -25,13 +39,18 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 from onnxscript.rewriter import pattern
+from onnxscript.rewriter._context import TapeBuilder
 
+from mha_deploy.exporters.fusion.compaction import gather_rows, int64, real_first
 from mha_deploy.exporters.fusion.contrib_mha import (
     ATTENTION_BIAS,
+    KEY,
     KEY_PADDING_MASK,
+    VALUE,
     has_inputs_from,
     optional_input,
 )
+from mha_deploy.exporters.fusion.mask_analysis import dims_match
 from mha_deploy.exporters.fusion.op_branches import copied_attributes, in_subgraph, op_branch
 
 
@@ -58,6 +77,11 @@ class PaddingFlash(pattern.RewriteRuleClassBase):
             return result.fail("the op is causal (no flash path either way)", node)
         if mask.dtype != ir.DataType.INT32 or mask.shape is None or mask.shape.rank() != 2:
             return result.fail("key_padding_mask is not int32 [batch, kv_len]", mask)
+        for role, name in ((KEY, "key"), (VALUE, "value")):
+            # Gathering keys real-first needs them as [batch, kv_len, hidden] (not packed, not BNSH).
+            kv = optional_input(node, role)
+            if kv is None or kv.shape is None or kv.shape.rank() != 3 or not dims_match(mask, list(kv.shape)[:2]):
+                return result.fail(f"{name} is not [batch, kv_len, hidden] along the key_padding_mask", kv or node)
         return result
 
     def rewrite(self, op, attention, **_):
@@ -69,13 +93,44 @@ class PaddingFlash(pattern.RewriteRuleClassBase):
         any_padded = op.Cast(op.ReduceMax(padded, keepdims=0), to=ir.DataType.BOOL)
         # Named after the op's output, which is unique in the model (node names need not be).
         base = attention.name or node.name or "attention"
-        unmasked_inputs = list(node.inputs)
-        unmasked_inputs[KEY_PADDING_MASK] = None
-        masked, flash = (
-            op_branch(node.domain, node.op_type, inputs, copied_attributes(node), f"{base}_{name}", like=attention)
-            for inputs, name in ((node.inputs, "masked"), (unmasked_inputs, "flash"))
-        )
-        return op.If(any_padded, then_branch=masked, else_branch=flash)
+        flash = _op_branch(node, attention, f"{base}_flash", mask=None)
+        return op.If(any_padded, then_branch=_cut_branch(node, attention, f"{base}_cut"), else_branch=flash)
+
+
+def _op_branch(node: ir.Node, like: ir.Value, name: str, mask: ir.Value | None, **replaced: ir.Value) -> ir.Graph:
+    """A branch running a copy of ``node`` with ``mask`` as its key_padding_mask and other ``replaced`` inputs."""
+    inputs = list(node.inputs)
+    inputs[KEY_PADDING_MASK] = mask
+    for role, value in ((KEY, replaced.get("key")), (VALUE, replaced.get("value"))):
+        inputs[role] = value if value is not None else inputs[role]
+    return op_branch(node.domain, node.op_type, inputs, copied_attributes(node), name, like=like)
+
+
+def _cut_branch(node: ir.Node, attention: ir.Value, name: str) -> ir.Graph:
+    """The padded case: keys and values real-first, cut to the longest row's real count, then the op
+    mask-free when every row fills the cut, else with the cut mask (module docstring)."""
+    op = TapeBuilder()
+    mask = node.inputs[KEY_PADDING_MASK]
+    compaction = real_first(op, mask)
+    # At least one column, so that a batch without any real key still has keys to average (finite).
+    longest = op.Max(op.ReduceMax(compaction.count, keepdims=0), int64(op, 1))
+    src = op.Slice(compaction.src, int64(op, [0]), op.Unsqueeze(longest, int64(op, [0])), int64(op, [1]))
+    key, value = (gather_rows(op, node.inputs[role], src) for role in (KEY, VALUE))
+    # [batch, longest]: right-padded now, real where the position is below the row's count
+    cut_mask = op.Cast(op.Less(op.Range(int64(op, 0), longest, int64(op, 1)), compaction.count), to=ir.DataType.INT32)
+    every_row_full = op.Equal(op.ReduceMin(compaction.count, keepdims=0), longest)
+    output = op.If(
+        every_row_full,
+        then_branch=_op_branch(node, attention, f"{name}_flash", mask=None, key=key, value=value),
+        else_branch=_op_branch(node, attention, f"{name}_masked", mask=cut_mask, key=key, value=value),
+    )
+    output.dtype, output.shape = attention.dtype, attention.shape
+    for index, created in enumerate(op.nodes):
+        # Unique names: a subgraph's values share the model's namespace, and profiles name nodes.
+        created.name = f"{name}_{index}_{created.op_type}"
+        for position, value_ in enumerate(created.outputs):
+            value_.name = f"{name}_{index}_{position}"
+    return ir.Graph(inputs=(), outputs=(output,), nodes=op.nodes, name=name)
 
 
 padding_flash_rules = pattern.RewriteRuleSet([PaddingFlash.rule()])

@@ -126,6 +126,28 @@ def executed_nodes(model: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> set[
     return {e["name"][: -len(suffix)] for e in events if e.get("cat") == "Node" and e["name"].endswith(suffix)}
 
 
+def padding_flash_graphs(model: onnx.ModelProto) -> dict[str, onnx.GraphProto]:
+    """The branches padding_flash builds, by role: "flash" (no key padded), "cut" (padded: keys cut to the
+    longest row's real ones), and within "cut", "cut_flash" (every row fills the cut) and "cut_masked"."""
+    (outer,) = [n for n in model.graph.node if n.op_type == "If"]
+    outer_graphs = {a.name: a.g for a in outer.attribute}
+    (inner,) = [n for n in outer_graphs["then_branch"].node if n.op_type == "If"]
+    inner_graphs = {a.name: a.g for a in inner.attribute}
+    return {
+        "flash": outer_graphs["else_branch"],
+        "cut": outer_graphs["then_branch"],
+        "cut_flash": inner_graphs["then_branch"],
+        "cut_masked": inner_graphs["else_branch"],
+    }
+
+
+def padding_flash_ran(model: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> set[str]:
+    """Which of padding_flash's three attention ops ("flash", "cut_flash", "cut_masked") ORT ran for ``feeds``."""
+    ran = executed_nodes(model, feeds)
+    graphs = padding_flash_graphs(model)
+    return {role for role in ("flash", "cut_flash", "cut_masked") if graphs[role].node[-1].name in ran}
+
+
 def assert_same_outputs(
     before: onnx.ModelProto,
     after: onnx.ModelProto,

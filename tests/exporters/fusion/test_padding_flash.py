@@ -1,4 +1,4 @@
-"""padding_flash: contrib MHA with a key_padding_mask -> If(any key padded, masked op, mask-free op)."""
+"""padding_flash: contrib MHA with a key_padding_mask -> If(any key padded, cut keys (flash or masked), flash)."""
 
 from __future__ import annotations
 
@@ -25,42 +25,41 @@ def _feeds(mask: np.ndarray) -> dict[str, np.ndarray]:
     }
 
 
-def _branch_ops(model) -> dict[str, list]:
-    """Each If branch's op types and inputs."""
-    (if_node,) = [n for n in model.graph.node if n.op_type == "If"]
-    return {a.name: [(n.op_type, list(n.input)) for n in a.g.node] for a in if_node.attribute}
-
-
-def _branch_op_names(model) -> dict[str, str]:
-    """"masked" (then) and "flash" (else) -> the name of the op that branch runs."""
-    (if_node,) = [n for n in model.graph.node if n.op_type == "If"]
-    graphs = {a.name: a.g for a in if_node.attribute}
-    return {"masked": graphs["then_branch"].node[0].name, "flash": graphs["else_branch"].node[0].name}
+def _op(graph):
+    (node,) = graph.node
+    return node
 
 
 ALL_REAL = np.ones((BATCH, KV_LEN), bool)
 PADDED = hg.padding_sides(BATCH, KV_LEN, "mixed", seed=2)
-# A query whose keys are all padding: the reference's uniform average over the values, kept by the masked branch.
+# Four real keys in every row, on different sides: a bucket padded to a fixed length.
+EQUAL_COUNTS = np.array([[1, 1, 1, 1, 0, 0], [0, 0, 1, 1, 1, 1], [1, 0, 1, 1, 0, 1]], bool)
+# A row whose keys are all padding: the parity contract asks only that it stays finite.
 EMPTY_ROW = hg.padding_sides(BATCH, KV_LEN, "empty-row", seed=2)
+ALL_EMPTY = np.zeros((BATCH, KV_LEN), bool)
 
 
 @pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
-def test_masked_op_goes_under_an_if_with_a_mask_free_branch(bias):
+def test_masked_op_becomes_flash_unless_rows_hold_unequal_real_keys(bias):
     model = _mha(bias=bias)
     rewritten, count = hg.rewrite(model, padding_flash_rules)
     assert count == 1
     assert "com.microsoft.MultiHeadAttention" not in hg.op_types(rewritten)
-    branches = _branch_ops(rewritten)
-    masked, flash = branches["then_branch"], branches["else_branch"]
-    assert [op for op, _ in masked] == [op for op, _ in flash] == ["MultiHeadAttention"]
-    assert len(masked[0][1]) == 5 and masked[0][1][4]  # ... bias, key_padding_mask
-    assert len(flash[0][1]) <= 4  # no key_padding_mask: the flash path
+    graphs = hg.padding_flash_graphs(rewritten)
+    flash, cut_flash, cut_masked = (_op(graphs[role]) for role in ("flash", "cut_flash", "cut_masked"))
+    assert {flash.op_type, cut_flash.op_type, cut_masked.op_type} == {"MultiHeadAttention"}
+    assert list(flash.input[:3]) == ["query", "key", "value"] and len(flash.input) <= 4  # no mask: flash path
+    assert len(cut_flash.input) <= 4
+    assert len(cut_masked.input) == 5 and cut_masked.input[4]  # ... bias, key_padding_mask (of the cut)
+    # Both cut ops read the gathered keys and values, not the model's.
+    assert cut_flash.input[1:3] == cut_masked.input[1:3] and "key" not in cut_flash.input[1:3]
+    assert [n.op_type for n in graphs["cut"].node].count("GatherND") == 2
 
 
 @pytest.mark.parametrize(
     ("mask", "branch"),
-    [(ALL_REAL, "flash"), (PADDED, "masked"), (EMPTY_ROW, "masked")],
-    ids=["all-real-takes-flash", "padded-takes-masked", "empty-row-takes-masked"],
+    [(ALL_REAL, "flash"), (EQUAL_COUNTS, "cut_flash"), (PADDED, "cut_masked")],
+    ids=["all-real-takes-flash", "equal-counts-take-flash-on-the-cut", "unequal-counts-take-masked-on-the-cut"],
 )
 @pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
 def test_each_branch_equals_the_masked_op(mask, branch, bias):
@@ -68,18 +67,25 @@ def test_each_branch_equals_the_masked_op(mask, branch, bias):
     rewritten, _ = hg.rewrite(model, padding_flash_rules)
     feeds = _feeds(mask)
     hg.assert_same_outputs(model, rewritten, feeds)
-    ran = hg.executed_nodes(rewritten, feeds)
-    names = _branch_op_names(rewritten)
-    assert names[branch] in ran
-    assert names["masked" if branch == "flash" else "flash"] not in ran
+    assert hg.padding_flash_ran(rewritten, feeds) == {branch}
+
+
+@pytest.mark.parametrize("mask", [EMPTY_ROW, ALL_EMPTY], ids=["one-row", "every-row"])
+def test_rows_without_a_real_key_stay_finite(mask):
+    model = _mha()
+    rewritten, _ = hg.rewrite(model, padding_flash_rules)
+    feeds = _feeds(mask)
+    # Cross-attention: every query row of a batch row with real keys is compared, the others only checked finite.
+    rows = np.repeat(mask.any(axis=1, keepdims=True), Q_LEN, axis=1)
+    hg.assert_same_outputs(model, rewritten, feeds, rows=rows)
 
 
 def test_rewriting_again_changes_nothing():
-    # The masked branch holds the masked op again: the rule must not recurse into it.
+    # The branches hold the masked op again: the rule must not recurse into them.
     rewritten, _ = hg.rewrite(_mha(), padding_flash_rules)
     again, count = hg.rewrite(rewritten, padding_flash_rules)
     assert count == 0
-    assert _branch_ops(again) == _branch_ops(rewritten)
+    assert again.graph == rewritten.graph
 
 
 @pytest.mark.parametrize(
