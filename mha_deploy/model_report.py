@@ -137,23 +137,30 @@ def _branch_attention(node: onnx.NodeProto, branch: str) -> onnx.NodeProto | Non
     return nodes[0] if len(nodes) == 1 and _roles(nodes[0]) is not None else None
 
 
+def _padded_mask(node: onnx.NodeProto, producers: dict[str, onnx.NodeProto]) -> str | None:
+    """The mask an If asks "is any token padded?" of (Cast(ReduceMax(Cast(Equal(mask, 0)))), the fusions'
+    condition), else None."""
+    source = producers.get(node.input[0])
+    for op_type in ("Cast", "ReduceMax", "Cast"):
+        if source is None or source.op_type != op_type:
+            return None
+        source = producers.get(source.input[0])
+    return source.input[0] if source is not None and source.op_type == "Equal" else None
+
+
 def _padding_cut(node: onnx.NodeProto, producers: dict[str, onnx.NodeProto]) -> AttentionOpInfo | None:
     """padding_flash's If, reported as one attention reading the model's mask; None for any other If."""
+    mask = _padded_mask(node, producers)
     flash = _branch_attention(node, "else_branch")
     then = next((a.g for a in node.attribute if a.name == "then_branch"), None)
-    if flash is None or then is None or _kernel(flash, {}) != "MultiHeadAttention (flash)":
+    if mask is None or flash is None or then is None or _kernel(flash, {}) != "MultiHeadAttention (flash)":
         return None
     inner = [n for n in then.node if n.op_type == "If"]
     cut = [_branch_attention(inner[0], name) for name in ("then_branch", "else_branch")] if len(inner) == 1 else []
     if len(cut) != 2 or any(op is None or op.op_type != flash.op_type for op in cut):
         return None
     info = _attention_op(flash, PADDING_FLASH_KERNEL, node.name)
-    # The condition is Cast(ReduceMax(Cast(Equal(mask, 0)))): its first Equal input is the model's mask.
-    source = producers.get(node.input[0])
-    while source is not None and source.op_type in ("Cast", "ReduceMax"):
-        source = producers.get(source.input[0])
-    if source is not None and source.op_type == "Equal":
-        info.inputs["key_padding_mask"] = source.input[0]
+    info.inputs["key_padding_mask"] = mask
     return info
 
 
@@ -210,11 +217,17 @@ def attention_ops(
                 continue
             branches = [_branch_attention(node, name) for name in ("then_branch", "else_branch")]
             if None in branches or branches[0].op_type != branches[1].op_type:
-                # A KV-cache model's If(prefill, decode): whole graphs, each reported as its own.
-                for attribute in node.attribute:
-                    if attribute.type == onnx.AttributeProto.GRAPH:
-                        inner = {**initializers, **{t.name: t for t in attribute.g.initializer}}
-                        found.extend(attention_ops(list(attribute.g.node), inner))
+                inner = [
+                    attention_ops(list(a.g.node), {**initializers, **{t.name: t for t in a.g.initializer}})
+                    for a in node.attribute
+                    if a.type == onnx.AttributeProto.GRAPH
+                ]
+                if _padded_mask(node, producers) is not None and [len(ops) for ops in inner] == [1, 1]:
+                    # causal_gqa's If(any token padded): the op on compacted tokens (then) or as they are.
+                    found.append(inner[0][0])
+                else:
+                    # A KV-cache model's If(prefill, decode): whole graphs, each reported as its own.
+                    found.extend(op for ops in inner for op in ops)
                 continue
             if (by_size := _by_size(branches)) is not None:
                 materialising, _ = by_size

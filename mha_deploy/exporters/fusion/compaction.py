@@ -38,6 +38,23 @@ def int64(op, value: int | list[int]) -> ir.Value:
     return op.Constant(value=ir.tensor(np.array(value, np.int64)))
 
 
+def any_padded(op, mask: ir.Value) -> ir.Value:
+    """bool scalar: whether ``mask`` ([batch, seq], int32, 0 = padding) pads any token (an If's condition)."""
+    zero = op.Constant(value=ir.tensor(np.array(0, np.int32)))
+    padded = op.Cast(op.Equal(mask, zero), to=ir.DataType.INT32)
+    return op.Cast(op.ReduceMax(padded, keepdims=0), to=ir.DataType.BOOL)
+
+
+def longest(op, compaction: Compaction) -> ir.Value:
+    """int64 scalar: the most real tokens in a row, at least 1 (a cut with no position has nothing to average)."""
+    return op.Max(op.ReduceMax(compaction.count, keepdims=0), int64(op, 1))
+
+
+def cut(op, index: ir.Value, length: ir.Value) -> ir.Value:
+    """The first ``length`` (int64 scalar) positions of each row of ``index`` [batch, seq]."""
+    return op.Slice(index, int64(op, [0]), op.Unsqueeze(length, int64(op, [0])), int64(op, [1]))
+
+
 def real_first(op, mask: ir.Value) -> Compaction:
     """The permutation that puts each row's real tokens of ``mask`` ([batch, seq], nonzero = real) first."""
     one, axis = int64(op, 1), int64(op, 1)

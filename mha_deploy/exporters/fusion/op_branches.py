@@ -1,10 +1,12 @@
-"""Branches of an ``If`` that choose between two copies of one attention op, for the rules that build them.
+"""Branches of the ``If``s the rules build around an attention op.
 
 padding_flash (masked op or mask-free op) and causal_gqa (GroupQueryAttention
 materialising its scores or tiled) both put one op under an ``If`` whose
-branches differ only in the op's inputs or outputs. Each branch is a graph of
+branches differ only in the op's inputs or outputs (``op_branch``: a graph of
 that one op reading values of the enclosing graph, and returning its first
-output; the rules must not match the ops they put inside the branches again.
+output). Both also run the op on compacted tokens when a key is padded: that
+branch is several nodes, built on a ``TapeBuilder`` (``tape_branch``). The rules
+must not match the ops they put inside the branches again.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 import onnx_ir as ir
+from onnxscript.rewriter._context import TapeBuilder
 
 
 def in_subgraph(context) -> bool:
@@ -28,10 +31,12 @@ def op_branch(
     name: str,
     like: ir.Value,
     num_outputs: int = 1,
+    shape: ir.Shape | None = None,
 ) -> ir.Graph:
     """A graph named ``name`` holding one ``op_type`` node on ``inputs`` (values of the enclosing graph),
-    returning the node's first output, typed and shaped as ``like``. The other ``num_outputs`` are produced
-    but not returned: asking for an output can change the kernel an op runs (causal_gqa)."""
+    returning the node's first output, typed as ``like`` and shaped as ``shape`` or else ``like``. The other
+    ``num_outputs`` are produced but not returned: asking for an output can change the kernel an op runs
+    (causal_gqa)."""
     inputs = list(inputs)
     while inputs and inputs[-1] is None:
         inputs = inputs[:-1]
@@ -46,8 +51,20 @@ def op_branch(
     for index, value in enumerate(node.outputs):
         value.name = f"{name}_output" if index == 0 else f"{name}_output_{index}"
     output = node.outputs[0]
-    output.dtype, output.shape = like.dtype, like.shape
+    output.dtype, output.shape = like.dtype, shape if shape is not None else like.shape
     return ir.Graph(inputs=(), outputs=(output,), nodes=(node,), name=name)
+
+
+def tape_branch(tape: TapeBuilder, output: ir.Value, like: ir.Value, name: str) -> ir.Graph:
+    """A graph named ``name`` of the nodes recorded on ``tape``, returning ``output`` typed and shaped as
+    ``like``. Its nodes and values are named after ``name``: a subgraph's values share the model's
+    namespace, and ORT's profiles name nodes."""
+    output.dtype, output.shape = like.dtype, like.shape
+    for index, node in enumerate(tape.nodes):
+        node.name = f"{name}_{index}_{node.op_type}"
+        for position, value in enumerate(node.outputs):
+            value.name = f"{name}_{index}_{position}"
+    return ir.Graph(inputs=(), outputs=(output,), nodes=tape.nodes, name=name)
 
 
 def copied_attributes(node: ir.Node) -> list[ir.Attr]:

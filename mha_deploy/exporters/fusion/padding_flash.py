@@ -36,12 +36,11 @@ GroupQueryAttention in ``causal_gqa``). CUDA graphs cannot capture an ``If``
 
 from __future__ import annotations
 
-import numpy as np
 import onnx_ir as ir
 from onnxscript.rewriter import pattern
 from onnxscript.rewriter._context import TapeBuilder
 
-from mha_deploy.exporters.fusion.compaction import gather_rows, int64, real_first
+from mha_deploy.exporters.fusion.compaction import any_padded, cut, gather_rows, int64, longest, real_first
 from mha_deploy.exporters.fusion.contrib_mha import (
     ATTENTION_BIAS,
     KEY,
@@ -51,7 +50,7 @@ from mha_deploy.exporters.fusion.contrib_mha import (
     optional_input,
 )
 from mha_deploy.exporters.fusion.mask_analysis import dims_match
-from mha_deploy.exporters.fusion.op_branches import copied_attributes, in_subgraph, op_branch
+from mha_deploy.exporters.fusion.op_branches import copied_attributes, in_subgraph, op_branch, tape_branch
 
 
 class PaddingFlash(pattern.RewriteRuleClassBase):
@@ -86,15 +85,11 @@ class PaddingFlash(pattern.RewriteRuleClassBase):
 
     def rewrite(self, op, attention, **_):
         node = attention.producer()
-        mask = node.inputs[KEY_PADDING_MASK]
-        # [batch, kv_len] -> one bool: is any key padded?
-        zero = op.Constant(value=ir.tensor(np.array(0, np.int32)))
-        padded = op.Cast(op.Equal(mask, zero), to=ir.DataType.INT32)
-        any_padded = op.Cast(op.ReduceMax(padded, keepdims=0), to=ir.DataType.BOOL)
+        padded = any_padded(op, node.inputs[KEY_PADDING_MASK])
         # Named after the op's output, which is unique in the model (node names need not be).
         base = attention.name or node.name or "attention"
         flash = _op_branch(node, attention, f"{base}_flash", mask=None)
-        return op.If(any_padded, then_branch=_cut_branch(node, attention, f"{base}_cut"), else_branch=flash)
+        return op.If(padded, then_branch=_cut_branch(node, attention, f"{base}_cut"), else_branch=flash)
 
 
 def _op_branch(node: ir.Node, like: ir.Value, name: str, mask: ir.Value | None, **replaced: ir.Value) -> ir.Graph:
@@ -110,27 +105,19 @@ def _cut_branch(node: ir.Node, attention: ir.Value, name: str) -> ir.Graph:
     """The padded case: keys and values real-first, cut to the longest row's real count, then the op
     mask-free when every row fills the cut, else with the cut mask (module docstring)."""
     op = TapeBuilder()
-    mask = node.inputs[KEY_PADDING_MASK]
-    compaction = real_first(op, mask)
-    # At least one column, so that a batch without any real key still has keys to average (finite).
-    longest = op.Max(op.ReduceMax(compaction.count, keepdims=0), int64(op, 1))
-    src = op.Slice(compaction.src, int64(op, [0]), op.Unsqueeze(longest, int64(op, [0])), int64(op, [1]))
+    compaction = real_first(op, node.inputs[KEY_PADDING_MASK])
+    length = longest(op, compaction)
+    src = cut(op, compaction.src, length)
     key, value = (gather_rows(op, node.inputs[role], src) for role in (KEY, VALUE))
-    # [batch, longest]: right-padded now, real where the position is below the row's count
-    cut_mask = op.Cast(op.Less(op.Range(int64(op, 0), longest, int64(op, 1)), compaction.count), to=ir.DataType.INT32)
-    every_row_full = op.Equal(op.ReduceMin(compaction.count, keepdims=0), longest)
+    # [batch, length]: right-padded now, real where the position is below the row's count
+    cut_mask = op.Cast(op.Less(op.Range(int64(op, 0), length, int64(op, 1)), compaction.count), to=ir.DataType.INT32)
+    every_row_full = op.Equal(op.ReduceMin(compaction.count, keepdims=0), length)
     output = op.If(
         every_row_full,
         then_branch=_op_branch(node, attention, f"{name}_flash", mask=None, key=key, value=value),
         else_branch=_op_branch(node, attention, f"{name}_masked", mask=cut_mask, key=key, value=value),
     )
-    output.dtype, output.shape = attention.dtype, attention.shape
-    for index, created in enumerate(op.nodes):
-        # Unique names: a subgraph's values share the model's namespace, and profiles name nodes.
-        created.name = f"{name}_{index}_{created.op_type}"
-        for position, value_ in enumerate(created.outputs):
-            value_.name = f"{name}_{index}_{position}"
-    return ir.Graph(inputs=(), outputs=(output,), nodes=op.nodes, name=name)
+    return tape_branch(op, output, attention, name)
 
 
 padding_flash_rules = pattern.RewriteRuleSet([PaddingFlash.rule()])

@@ -1,5 +1,5 @@
 """causal_gqa: causal contrib MultiHeadAttention -> If(scores small, GroupQueryAttention materialising,
-GroupQueryAttention tiled), padding compacted to the front."""
+GroupQueryAttention tiled); with a padding mask under If(any token padded, compacted and cut, as they are)."""
 
 from __future__ import annotations
 
@@ -21,13 +21,25 @@ def _mha(*, kv_len=SEQ, hidden=HIDDEN, unidirectional=1, **options):
     return hg.contrib_mha(BATCH, SEQ, kv_len, hidden, HEADS, unidirectional=unidirectional, **options)
 
 
-def _branches(model) -> dict[str, object]:
-    """"materialised" (then) and "tiled" (else) -> the GroupQueryAttention node that branch runs."""
+def _graphs(model) -> dict[str, onnx.GraphProto]:
+    """Where the size If sits: the model's graph ("top", no mask), else the padding If's "compacted" (then) and
+    "full" (else) branches."""
     (if_node,) = [n for n in model.graph.node if n.op_type == "If"]
     graphs = {a.name: a.g for a in if_node.attribute}
+    if all(len(g.node) == 1 for g in graphs.values()):
+        return {"top": model.graph}
+    return {"compacted": graphs["then_branch"], "full": graphs["else_branch"]}
+
+
+def _branches(model, where: str | None = None) -> dict[str, onnx.NodeProto]:
+    """"materialised" (then) and "tiled" (else) -> the GroupQueryAttention node that branch of the size If in
+    ``where`` (see _graphs; default: the only one) runs."""
+    graphs = _graphs(model)
+    (if_node,) = [n for n in graphs[where or next(iter(graphs))].node if n.op_type == "If"]
+    branches = {a.name: a.g for a in if_node.attribute}
     found = {}
     for branch, name in (("materialised", "then_branch"), ("tiled", "else_branch")):
-        (gqa,) = graphs[name].node
+        (gqa,) = branches[name].node
         assert gqa.op_type == "GroupQueryAttention"
         found[branch] = gqa
     return found
@@ -64,7 +76,7 @@ def test_causal_becomes_group_query_attention(options):
     # present_key/value are unused; asking for them is what sends ORT's CPU kernel down its tiled path.
     assert len(materialised.output) == 1
     assert len(tiled.output) == 3 and all(tiled.output)
-    assert "GatherND" not in hg.op_types(rewritten)  # nothing to compact without a padding mask
+    assert _graphs(rewritten) == {"top": rewritten.graph}  # nothing to compact without a padding mask
     hg.assert_same_outputs(model, rewritten, _feeds(model))
 
 
@@ -78,17 +90,30 @@ def test_causal_becomes_group_query_attention(options):
     ],
     ids=["default", "at-threshold", "one-byte-over", "always-tiled"],
 )
-@pytest.mark.parametrize("padding", [False, True], ids=["no-mask", "padding"])
-def test_the_score_size_chooses_the_branch_and_both_equal_the_op(threshold, branch, padding):
+@pytest.mark.parametrize(
+    ("padding", "side", "where"),
+    [(False, "right", "top"), (True, "all-real", "full"), (True, "right", "compacted")],
+    ids=["no-mask", "nothing-padded", "padded"],
+)
+def test_the_score_size_chooses_the_branch_and_both_equal_the_op(threshold, branch, padding, side, where):
     model = _mha(padding=padding, bias=True)
     rewritten, count = hg.rewrite(model, causal_gqa_rules_with(threshold))
     assert count == 1
-    feeds = _feeds(model, "mixed", seed=5)
+    feeds = _feeds(model, "right", seed=5)
+    if padding:
+        # Padded: every row at least one token short, so the cut is shorter than seq and its scores smaller.
+        feeds["key_padding_mask"][:, -1] = side == "all-real"
+        if side == "all-real":
+            feeds["key_padding_mask"][:] = True
     hg.assert_same_outputs(model, rewritten, feeds, rows=feeds.get("key_padding_mask"))
     ran = hg.executed_nodes(rewritten, feeds)
-    names = {name: gqa.name for name, gqa in _branches(rewritten).items()}
-    assert names[branch] in ran
-    assert names["tiled" if branch == "materialised" else "materialised"] not in ran
+    gqa_ran = {
+        (graph, kind) for graph in _graphs(rewritten) for kind, gqa in _branches(rewritten, graph).items()
+        if gqa.name in ran
+    }
+    if where == "compacted" and branch == "tiled" and threshold == SCORE_BYTES - 1:
+        branch = "materialised"  # the cut's scores fit where the full ones did not
+    assert gqa_ran == {(where, branch)}
 
 
 def test_the_threshold_counts_half_precision_scores_at_two_bytes():
@@ -117,8 +142,10 @@ def test_padding_is_compacted_for_any_side(side, bias):
     model = _mha(padding=True, bias=bias)
     rewritten, count = hg.rewrite(model, causal_gqa_rules)
     assert count == 1
-    ops = hg.op_types(rewritten)
-    assert ops.count("GatherND") == 4  # q, k, v to the compacted order, the output back
+    graphs = _graphs(rewritten)
+    # q, k, v to the compacted order, the output back; nothing gathered when no token is padded
+    assert [n.op_type for n in graphs["compacted"].node].count("GatherND") == 4
+    assert "GatherND" not in [n.op_type for n in graphs["full"].node]
     feeds = _feeds(model, side, seed=3)
     hg.assert_same_outputs(model, rewritten, feeds, rows=feeds["key_padding_mask"])
 
