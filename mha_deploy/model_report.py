@@ -57,7 +57,7 @@ class AttentionOpInfo:
     name: str
     inputs: dict[str, str]  # role -> tensor name, for the inputs the op is given
     attributes: dict[str, object]
-    # e.g. "GroupQueryAttention (causal)", "MultiHeadAttention (flash when no key is padded, else masked)"
+    # e.g. "GroupQueryAttention (causal)", "MultiHeadAttention (flash)", PADDING_FLASH_KERNEL
     kernel: str = ""
 
 

@@ -20,7 +20,11 @@ dropping the columns that are padding in every row changes no real query's
 output. A batch padded to a fixed length whose rows hold equally many real keys
 (a bucket, a batch of one padded item) then has no padded key left and runs the
 flash kernel over its real keys only; any other padded batch runs the masked
-kernel over [batch, heads, q_len, longest real] instead of the full kv_len. The
+kernel over [batch, heads, q_len, longest real] instead of the full kv_len.
+Measured with the last quarter of the keys padded, whole block, one run of
+``mha-deploy bench --mask padding-25%`` with the previous export (masked over
+every key) as the extra file: 131 vs 275 ms at (1,4096), 13.4 vs 20.6 at
+(1,1024), 7.7 vs 8.7 at (8,128); run memory at (2,4096) 156 vs 1187 MB. The
 query is untouched: every query row, real or padding, sees the real keys of its
 row as in the reference (the mask is over keys). A row without any real key only
 has to stay finite (the parity contract; MHASession refuses such input): it

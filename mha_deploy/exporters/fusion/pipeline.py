@@ -12,10 +12,13 @@ The chain, per target (own rules marked *, the rest is upstream
       attention (packed_qkv)  self-attention MHA -> com.microsoft.Attention (packed weights)
     * native_mask             float bias -> key_padding_mask / mask_index + unidirectional
     * causal_gqa              causal MHA -> If(scores <= 64 MB, GroupQueryAttention materialising
-                              them, GroupQueryAttention tiled); padding compacted to the front
-                              in the graph, any side
-    * padding_flash           MHA with key_padding_mask -> If(any key padded, masked MHA,
-                              mask-free MHA: ORT's CPU flash path)
+                              them, GroupQueryAttention tiled); when a token is padded, real
+                              tokens compacted to the front in the graph (any side) and cut
+                              to the longest row
+    * padding_flash           MHA with key_padding_mask -> If(any key padded, keys gathered
+                              real-first and cut to the longest row: mask-free MHA if every
+                              row fills the cut, else masked MHA; mask-free MHA: ORT's CPU
+                              flash path)
     onnx:
     * onnx_attention          MHA -> standard Attention (float attn_mask, is_causal)
 
@@ -83,8 +86,8 @@ class FusedOp:
     kernel: str = ""
 
     def describe(self) -> str:
-        """One line, e.g. ``com.microsoft.MultiHeadAttention(key_padding_mask; num_heads=8)``, then the kernel
-        (``-> MultiHeadAttention (flash when no key is padded, else masked)``)."""
+        """One line, e.g. ``com.microsoft.GroupQueryAttention(num_heads=8, kv_num_heads=8)``, then the kernel
+        (``-> GroupQueryAttention (causal; ...)``)."""
         attributes = ", ".join(
             f"{name}={value:g}" if isinstance(value, float) else f"{name}={value}"
             for name, value in sorted(self.attributes.items())
