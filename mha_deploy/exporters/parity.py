@@ -7,6 +7,7 @@ compute something else there. Every position, padded or not, must be finite.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -136,31 +137,42 @@ def check_cache_parity(
 ) -> ParityReport:
     """A KV-cache ``session`` decoding each case call by call against ``reference``: one causal forward of
     the whole sequence in torch (the cache-free module of the same mask mode), on every real position."""
-    cache_signature = session.signature
-    signature = cache_signature.cache_free
+    signature = session.signature.cache_free
     model_dtype = session.metadata.dtype
-    comparisons, failures, labels = [], [], []
-    for index, case in enumerate(cases or CACHE_CASES):
-        if not signature.has_padding_mask:
-            case = replace(case, padding="none")
-        labels.append(case.label(signature))
-        feeds = full_sequence_inputs(signature, session.metadata.d_model, case, seed + index)
+
+    def runs():
+        for index, case in enumerate(cases or CACHE_CASES):
+            if not signature.has_padding_mask:
+                case = replace(case, padding="none")
+            feeds = full_sequence_inputs(signature, session.metadata.d_model, case, seed + index)
+            actual = {"output": decode_in_calls(session, cast_floats(feeds, model_dtype), case.calls)}
+            yield case.label(signature), feeds, actual
+
+    return _judge(reference, signature, runs(), atol, rtol, rel_budget)
+
+
+def _judge(
+    reference: torch.nn.Module,
+    signature: Signature,
+    runs: Iterable[tuple[str, dict[str, np.ndarray], dict[str, np.ndarray]]],
+    atol: float,
+    rtol: float,
+    rel_budget: float | None,
+) -> ParityReport:
+    """Each run (label, fp32 feeds, ORT's outputs) against ``reference`` (torch, eager, fp32) on the same feeds,
+    on real query rows; one report over every output and run: the worst error of each kind."""
+    comparisons: list[Comparison] = []
+    failures: list[str] = []
+    labels: list[str] = []
+    for label, feeds, actual in runs:
+        labels.append(label)
+        # The reference stays fp32: a half-precision model is judged against full precision.
         expected = torch_reference(reference, signature, feeds)
-        cast = cast_floats(feeds, model_dtype)
-        actual = {"output": decode_in_calls(session, cast, case.calls)}
         rows = real_query_rows(signature, feeds)
         for comparison in compare_outputs(signature, actual, expected, rows, atol, rtol, rel_budget):
             comparisons.append(comparison)
             if not comparison.passed:
-                failures.append(f"{labels[-1]}: {comparison.summary()}")
-    return _report(comparisons, failures, labels, atol, rtol, rel_budget)
-
-
-def _report(
-    comparisons: list[Comparison], failures: list[str], shapes: list[str], atol: float, rtol: float,
-    rel_budget: float | None,
-) -> ParityReport:
-    """One report over every output and shape compared: the worst error of each kind."""
+                failures.append(f"{label}: {comparison.summary()}")
     return ParityReport(
         passed=not failures,
         atol=atol,
@@ -168,7 +180,7 @@ def _report(
         max_abs_err=max(c.max_abs_err for c in comparisons),
         required_atol=max(c.required_atol for c in comparisons),
         required_rtol=max(c.required_rtol for c in comparisons),
-        shapes=shapes,
+        shapes=labels,
         failures=failures,
         rel_err=max(c.rel_err for c in comparisons),
         rel_budget=rel_budget,
@@ -202,18 +214,11 @@ def check_parity(
     ``||actual - ref|| / ||ref|| <= rel_budget`` per output and shape.
     """
     signature = session.signature
-    cases = cases or default_cases(signature)
-    # The reference stays fp32: a half-precision model is judged against full precision.
     model_dtype = session.metadata.dtype
-    comparisons: list[Comparison] = []
-    failures: list[str] = []
-    for index, case in enumerate(cases):
-        feeds = make_inputs(signature, session.metadata.d_model, case, seed + index)
-        expected = torch_reference(module, signature, feeds)
-        actual = session.run(cast_floats(feeds, model_dtype))
-        rows = real_query_rows(signature, feeds)
-        for comparison in compare_outputs(signature, actual, expected, rows, atol, rtol, rel_budget):
-            comparisons.append(comparison)
-            if not comparison.passed:
-                failures.append(f"{case.label(signature)}: {comparison.summary()}")
-    return _report(comparisons, failures, [case.label(signature) for case in cases], atol, rtol, rel_budget)
+
+    def runs():
+        for index, case in enumerate(cases or default_cases(signature)):
+            feeds = make_inputs(signature, session.metadata.d_model, case, seed + index)
+            yield case.label(signature), feeds, session.run(cast_floats(feeds, model_dtype))
+
+    return _judge(module, signature, runs(), atol, rtol, rel_budget)
