@@ -38,6 +38,11 @@ PADDING_FLASH_KERNEL = (
 # then materialises [batch, heads, q, kv]) else GQA with them (its tiled path). N read from the graph.
 GQA_BY_SIZE = "scores materialised up to {} MB, tiled beyond"
 _GQA_CAUSAL = "GroupQueryAttention (causal{})"
+# What the short_sequence rule builds: If(kv_len <= N and score bytes <= M) standard Attention (ORT's CPU
+# kernel materialises [batch, heads, q, kv]) else MultiHeadAttention's flash kernel; N and M read from the graph.
+SHORT_SEQUENCE_KERNEL = (
+    "MultiHeadAttention (flash; standard Attention, materialising, up to {} keys and {} MB of scores)"
+)
 # causal_gqa moves real tokens to the front (GatherND) so that seqlens_k can describe any padding.
 _GQA_COMPACTED = ", padded tokens compacted out: any padding side"
 
@@ -200,6 +205,23 @@ def _by_size(branches: list[onnx.NodeProto]) -> tuple[onnx.NodeProto, onnx.NodeP
     return (materialising, tiled) if asks_presents and len(materialising.output) == 1 else None
 
 
+def _short_sequence(node: onnx.NodeProto, branches: list, producers, initializers) -> AttentionOpInfo | None:
+    """short_sequence's If (standard Attention, flash MultiHeadAttention on the same inputs), reported as the
+    MultiHeadAttention with both kernels; None for any other If."""
+    labels = [None if b is None else (b.domain or "", b.op_type) for b in branches]
+    if labels != [("", "Attention"), ("com.microsoft", "MultiHeadAttention")] or branches[0].input != branches[1].input:
+        return None
+    condition = producers.get(node.input[0])
+    limits = [producers.get(name) for name in condition.input] if condition is not None else []
+    if condition is None or condition.op_type != "And" or any(n is None or n.op_type != "LessOrEqual" for n in limits):
+        return None
+    keys, score_bytes = (_constant(n.input[1], producers, initializers) for n in limits)
+    if keys is None or score_bytes is None:
+        return None
+    kernel = SHORT_SEQUENCE_KERNEL.format(f"{int(keys):d}", f"{float(score_bytes) / 2**20:g}")
+    return _attention_op(branches[1], kernel, node.name)
+
+
 def attention_ops(
     nodes: list[onnx.NodeProto], initializers: dict[str, onnx.TensorProto] | None = None
 ) -> list[AttentionOpInfo]:
@@ -216,6 +238,9 @@ def attention_ops(
                 found.append(cut)
                 continue
             branches = [_branch_attention(node, name) for name in ("then_branch", "else_branch")]
+            if (short := _short_sequence(node, branches, producers, initializers)) is not None:
+                found.append(short)
+                continue
             if None in branches or branches[0].op_type != branches[1].op_type:
                 inner = [
                     attention_ops(list(a.g.node), {**initializers, **{t.name: t for t in a.g.initializer}})

@@ -185,7 +185,7 @@ def test_auto_fuses_and_records_the_target(tmp_path, signature):
 
 # What --fuse auto must run each self-attention mask mode on (ORT CPU kernels, see export.AUTO_TARGETS).
 AUTO_KERNELS = {
-    "none": "MultiHeadAttention (flash)",
+    "none": "MultiHeadAttention (flash; standard Attention, materialising, up to 256 keys and 64 MB of scores)",
     "padding": PADDING_FLASH_KERNEL,
     "causal": "GroupQueryAttention (causal; scores materialised up to 64 MB, tiled beyond)",
     "padding-causal": (

@@ -54,6 +54,10 @@ PADDING_INPUT = {
 GQA = "com.microsoft.GroupQueryAttention"
 # causal_gqa's If: GQA materialising scores of up to 64 MB (MATERIALISE_MAX_BYTES), tiled beyond.
 GQA_CAUSAL = "GroupQueryAttention (causal; scores materialised up to 64 MB, tiled beyond)"
+# short_sequence: ORT's flash kernel, and the standard Attention op's on short sequences.
+MHA_FLASH_OR_SHORT = (
+    "MultiHeadAttention (flash; standard Attention, materialising, up to 256 keys and 64 MB of scores)"
+)
 GQA_COMPACTED = (
     "GroupQueryAttention (causal, padded tokens compacted out: any padding side; "
     "scores materialised up to 64 MB, tiled beyond)"
@@ -74,7 +78,7 @@ def _expected_kernel(signature: Signature, target_id: str) -> tuple[str, str | N
     if signature.is_causal:
         return GQA, GQA_COMPACTED if signature.has_padding_mask else GQA_CAUSAL
     mha = "com.microsoft.MultiHeadAttention"
-    return mha, PADDING_FLASH_KERNEL if signature.has_padding_mask else "MultiHeadAttention (flash)"
+    return mha, PADDING_FLASH_KERNEL if signature.has_padding_mask else MHA_FLASH_OR_SHORT
 
 
 def _sig_id(signature: Signature) -> str:

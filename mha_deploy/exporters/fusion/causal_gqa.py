@@ -8,8 +8,9 @@ diagonal and never holds the [q, kv] matrix (MLAS ``flashattn_gqa.cpp``).
 Measured at (1,4096), d_model 512, 8 heads, 2 threads: GQA 137 ms against 276
 for MHA unidirectional and 181 for MHA's mask-free flash path; equal to MHA
 unidirectional within 7e-7. With ``kv_num_heads == num_heads`` it is plain
-multi-head attention. Its inputs differ: no projection ``bias`` (the one
-``mha_bias`` folded in is split and added back), ``seqlens_k`` (real length - 1
+multi-head attention. Its inputs differ: no projection ``bias`` (of the one
+``mha_bias`` folded in, the query's is added back, the key's dropped and the
+value's added to the output, as in ``short_sequence``), ``seqlens_k`` (real length - 1
 per batch row, int32 [batch]) and ``total_sequence_length`` (int32 scalar).
 GQA needs head_size to be a multiple of 8.
 
@@ -57,7 +58,6 @@ instantiates), so an fp32 model runs this op on the CPU provider there.
 
 from __future__ import annotations
 
-import numpy as np
 import onnx_ir as ir
 from onnxscript.rewriter import pattern
 from onnxscript.rewriter._context import TapeBuilder
@@ -70,6 +70,7 @@ from mha_deploy.exporters.fusion.contrib_mha import (
     ContribMHARule,
     has_inputs_from,
     optional_input,
+    split_bias,
 )
 from mha_deploy.exporters.fusion.mask_analysis import dims_match
 from mha_deploy.exporters.fusion.op_branches import op_branch, tape_branch
@@ -124,23 +125,27 @@ class CausalGQA(ContribMHARule):
         if (scale := node.attributes.get_float("scale", None)) is not None:
             attributes["scale"] = scale
         q, k, v = query, key, value
+        value_bias = None
         if (bias := optional_input(node, BIAS)) is not None:
-            hidden = query.shape[2]
-            split = op.Constant(value=ir.tensor(np.array([hidden] * 3, np.int64)))
-            q_bias, k_bias, v_bias = op.Split(bias, split, axis=0, _outputs=3)
-            q, k, v = op.Add(q, q_bias), op.Add(k, k_bias), op.Add(v, v_bias)
+            # The key bias shifts each query's scores by one constant: dropped, the softmax is the same. The
+            # value bias passes through the attention (probabilities sum to 1): added to its output, where
+            # output_bias folds it into the output projection (short_sequence's docstring).
+            query_bias, _, value_bias = split_bias(op, bias, query.shape[2])
+            q = op.Add(q, query_bias)
         base = attention.name or "attention"
         mask = optional_input(node, KEY_PADDING_MASK)
         if mask is None:
-            return self._gqa(op, q, k, v, _full_length(op, q), attributes, attention, base)
-        # Nothing padded (batch 1, equal-length buckets): GQA on the tokens as they are, no gathers.
-        full = TapeBuilder()
-        full_output = self._gqa(full, q, k, v, _full_length(full, q), attributes, attention, f"{base}_full")
-        return op.If(
-            any_padded(op, mask),
-            then_branch=self._compacted(q, k, v, mask, attributes, attention, f"{base}_compacted"),
-            else_branch=tape_branch(full, full_output, attention, f"{base}_full"),
-        )
+            output = self._gqa(op, q, k, v, _full_length(op, q), attributes, attention, base)
+        else:
+            # Nothing padded (batch 1, equal-length buckets): GQA on the tokens as they are, no gathers.
+            full = TapeBuilder()
+            full_output = self._gqa(full, q, k, v, _full_length(full, q), attributes, attention, f"{base}_full")
+            output = op.If(
+                any_padded(op, mask),
+                then_branch=self._compacted(q, k, v, mask, attributes, attention, f"{base}_compacted"),
+                else_branch=tape_branch(full, full_output, attention, f"{base}_full"),
+            )
+        return output if value_bias is None else op.Add(output, value_bias)
 
     def _compacted(self, q, k, v, mask, attributes, attention: ir.Value, name: str) -> ir.Graph:
         """The padded case: real tokens first, cut to the longest row's count, GQA, and back in place; the

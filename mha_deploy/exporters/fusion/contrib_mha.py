@@ -6,8 +6,11 @@ reads them by index through ``optional_input``.
 
 from __future__ import annotations
 
+import numpy as np
 import onnx_ir as ir
 from onnxscript.rewriter import pattern
+
+from mha_deploy.exporters.fusion.constant_values import constant_array
 
 # Indices of MultiHeadAttention's inputs (com.microsoft schema).
 KEY, VALUE = 1, 2
@@ -22,6 +25,20 @@ def optional_input(node: ir.Node, index: int) -> ir.Value | None:
 def has_inputs_from(node: ir.Node, first: int) -> bool:
     """Whether any input from index ``first`` on is given (e.g. attention_bias or past state)."""
     return any(optional_input(node, i) is not None for i in range(first, len(node.inputs)))
+
+
+def split_bias(op, bias: ir.Value, hidden: int) -> tuple[ir.Value, ir.Value, ir.Value]:
+    """The op's ``bias`` [3 * hidden] as (b_q, b_k, b_v): Constants when it is a constant or a Concat of
+    constants (as upstream's bias fusion leaves it), so that a later rule can fold them (output_bias);
+    else the outputs of a Split."""
+    array = constant_array(bias)
+    producer = bias.producer()
+    if array is None and producer is not None and producer.op_type == "Concat":
+        parts = [constant_array(value) for value in producer.inputs]
+        array = None if any(part is None for part in parts) else np.concatenate(parts)
+    if array is not None and array.shape == (3 * hidden,):
+        return tuple(op.Constant(value=ir.tensor(array[i * hidden : (i + 1) * hidden])) for i in range(3))
+    return op.Split(bias, op.Constant(value=ir.tensor(np.array([hidden] * 3, np.int64))), axis=0, _outputs=3)
 
 
 class ContribMHARule(pattern.RewriteRuleClassBase):

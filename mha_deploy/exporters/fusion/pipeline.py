@@ -19,6 +19,11 @@ The chain, per target (own rules marked *, the rest is upstream
                               real-first and cut to the longest row: mask-free MHA if every
                               row fills the cut, else masked MHA; mask-free MHA: ORT's CPU
                               flash path)
+    * short_sequence          mask-free MHA -> If(kv_len <= 256 and scores <= 64 MB,
+                              standard Attention, MHA): its materialising kernel is the
+                              faster one on short sequences; key bias dropped, value bias
+                              moved to the output
+    * output_bias             a bias added before the output projection -> folded into its bias
     onnx:
     * onnx_attention          MHA -> standard Attention (float attn_mask, is_causal)
 
@@ -57,8 +62,10 @@ from mha_deploy.exporters.fusion.onnx_attention_weights import (
     fuse_onnx_attention_weights,
     onnx_attention_weights_rules,
 )
+from mha_deploy.exporters.fusion.output_bias import fuse_output_bias
 from mha_deploy.exporters.fusion.padding_flash import fuse_padding_flash
 from mha_deploy.exporters.fusion.projection_shape import fuse_projection_shape
+from mha_deploy.exporters.fusion.short_sequence import fuse_short_sequence
 from mha_deploy.model_report import attention_ops
 
 FUSION_TARGETS = ("mha", "onnx", "none")
@@ -209,6 +216,8 @@ def _run_chain(model: ir.Model, target: str, packed_qkv: bool) -> dict[str, int]
         common_passes.ShapeInferencePass()(model)
         counts["causal_gqa"] = fuse_causal_gqa(model)
         counts["padding_flash"] = fuse_padding_flash(model)
+        counts["short_sequence"] = fuse_short_sequence(model)
+        counts["output_bias"] = fuse_output_bias(model)
     else:
         counts["onnx_attention"] = fuse_onnx_attention(model)
     _omit_unused_present_outputs(model)
