@@ -133,7 +133,9 @@ def _optimised(
     plain: onnx.ModelProto, target: str, quantize: str, dtype: str, attention_ops: int
 ) -> tuple[onnx.ModelProto, FusionReport]:
     """``plain`` fused for ``target``, quantized and cast as asked; ``plain`` itself is left as it was."""
-    fused, report = fuse_attention(plain, target)
+    # fp16 is the CUDA deployment: no short_sequence If there, so that a CUDA graph can capture the mask-free
+    # model (pipeline.fuse_attention).
+    fused, report = fuse_attention(plain, target, short_sequences=dtype != "float16")
     if not report.complete:
         raise ExportError(
             f"{report.summary()}: --fuse {target} needs every attention subgraph fused; "

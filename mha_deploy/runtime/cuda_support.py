@@ -61,11 +61,13 @@ def cuda_graph_unsupported(proto: onnx.ModelProto) -> str | None:
     # A CUDA graph replays fixed kernels: models with control flow (If, Loop, Scan)
     # are not supported (ORT's CUDA-ExecutionProvider docs, "Using CUDA Graphs"), and
     # --fuse mha/auto puts an If around a padded attention (the padding_flash fusion
-    # rule) and around a causal one (causal_gqa: ORT's CPU GroupQueryAttention path by size).
+    # rule), around a causal one (causal_gqa: ORT's CPU GroupQueryAttention path by size)
+    # and, in fp32, around a mask-free one (short_sequence: ORT's CPU kernel by length).
     if any(node.op_type in ("If", "Loop", "Scan") for node in proto.graph.node):
         return (
-            "the model has control flow (an If: --fuse mha/auto with a padding or causal mask), which ORT cannot "
-            "capture in a CUDA graph; export it with --fuse onnx for cuda_graph"
+            "the model has control flow (an If: --fuse mha/auto with a padding or causal mask, or in fp32), which "
+            "ORT cannot capture in a CUDA graph; export it with --fuse onnx (or mask-free, with --dtype fp16) "
+            "for cuda_graph"
         )
     return None
 

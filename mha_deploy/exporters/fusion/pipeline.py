@@ -22,7 +22,8 @@ The chain, per target (own rules marked *, the rest is upstream
     * short_sequence          mask-free MHA -> If(kv_len <= 256 and scores <= 64 MB,
                               standard Attention, MHA): its materialising kernel is the
                               faster one on short sequences; key bias dropped, value bias
-                              moved to the output
+                              moved to the output (not for fp16 exports, made for CUDA,
+                              where the If would stop CUDA graph capture)
     * output_bias             a bias added before the output projection -> folded into its bias
     onnx:
     * onnx_attention          MHA -> standard Attention (float attn_mask, is_causal)
@@ -192,7 +193,7 @@ def _check_weights_supported(model: ir.Model, target: str) -> None:
             )
 
 
-def _run_chain(model: ir.Model, target: str, packed_qkv: bool) -> dict[str, int]:
+def _run_chain(model: ir.Model, target: str, packed_qkv: bool, short_sequences: bool) -> dict[str, int]:
     counts = {}
     counts["masked_fill_bias"] = fuse_masked_fill_bias(model)
     # sdpa and onnx_attention_weights check the shapes of values this rule created.
@@ -216,7 +217,8 @@ def _run_chain(model: ir.Model, target: str, packed_qkv: bool) -> dict[str, int]
         common_passes.ShapeInferencePass()(model)
         counts["causal_gqa"] = fuse_causal_gqa(model)
         counts["padding_flash"] = fuse_padding_flash(model)
-        counts["short_sequence"] = fuse_short_sequence(model)
+        if short_sequences:
+            counts["short_sequence"] = fuse_short_sequence(model)
         counts["output_bias"] = fuse_output_bias(model)
     else:
         counts["onnx_attention"] = fuse_onnx_attention(model)
@@ -319,7 +321,7 @@ def _finish_opsets(model: ir.Model, original: set[str]) -> None:
 
 
 def fuse_attention(
-    model: onnx.ModelProto, target: str, *, packed_qkv: bool = False
+    model: onnx.ModelProto, target: str, *, packed_qkv: bool = False, short_sequences: bool = True
 ) -> tuple[onnx.ModelProto, FusionReport]:
     """Fuse every reference-MHA subgraph of ``model`` into one attention op of ``target``.
 
@@ -333,6 +335,10 @@ def fuse_attention(
     d_model 512, 8 heads, 2 threads) packed ``Attention`` was within about 10% of
     ``MultiHeadAttention`` either way at (8,128), (32,64), (1,1024) and 5-12%
     slower at (1,4096): not measurably faster.
+
+    ``short_sequences`` (mha target) puts mask-free attentions under short_sequence's
+    ``If``: faster on ORT's CPU provider, but an ``If`` cannot be captured in a CUDA
+    graph, so the export leaves it out of fp16 models, which are made for CUDA.
     """
     if target not in FUSION_TARGETS:
         raise ExportError(f"fusion target must be one of {', '.join(FUSION_TARGETS)}, got {target!r}")
@@ -347,7 +353,7 @@ def fuse_attention(
         )
     _check_weights_supported(ir_model, target)
     original_domains = set(ir_model.opset_imports)
-    counts = _run_chain(ir_model, target, packed_qkv)
+    counts = _run_chain(ir_model, target, packed_qkv, short_sequences)
     _finish_opsets(ir_model, original_domains)
     fused = ir.serde.serialize_model(ir_model)
     report = FusionReport(target, found, len(attention_softmaxes(ir_model)), _fused_ops(fused), counts)
