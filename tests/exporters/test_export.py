@@ -144,7 +144,7 @@ def test_bad_export_requests(tmp_path, kwargs, message):
     assert list(tmp_path.iterdir()) == []
 
 
-def _incomplete_fusion(model, target):
+def _incomplete_fusion(model, target, **_options):
     from mha_deploy.exporters.fusion import FusionReport
 
     return model, FusionReport(target, found=1, remaining=1)
