@@ -186,13 +186,14 @@ def _constant(name: str, producers: dict[str, onnx.NodeProto], initializers: dic
     return None
 
 
-def _materialise_max_mb(condition: str, producers, initializers) -> float | None:
-    """The N of ``LessOrEqual(score_bytes, N)``, causal_gqa's If condition, in MB; None if not found there."""
+def _at_most(condition: str, producers, initializers) -> float | None:
+    """The N of ``LessOrEqual(x, N)`` (the size conditions of causal_gqa's and short_sequence's Ifs) producing
+    ``condition``; None if it is not one."""
     node = producers.get(condition)
     if node is None or node.op_type != "LessOrEqual":
         return None
     limit = _constant(node.input[1], producers, initializers)
-    return float(limit) / 2**20 if limit is not None and limit.size == 1 else None
+    return float(limit) if limit is not None and limit.size == 1 else None
 
 
 def _by_size(branches: list[onnx.NodeProto]) -> tuple[onnx.NodeProto, onnx.NodeProto] | None:
@@ -212,13 +213,12 @@ def _short_sequence(node: onnx.NodeProto, branches: list, producers, initializer
     if labels != [("", "Attention"), ("com.microsoft", "MultiHeadAttention")] or branches[0].input != branches[1].input:
         return None
     condition = producers.get(node.input[0])
-    limits = [producers.get(name) for name in condition.input] if condition is not None else []
-    if condition is None or condition.op_type != "And" or any(n is None or n.op_type != "LessOrEqual" for n in limits):
+    if condition is None or condition.op_type != "And":
         return None
-    keys, score_bytes = (_constant(n.input[1], producers, initializers) for n in limits)
+    keys, score_bytes = (_at_most(name, producers, initializers) for name in condition.input)
     if keys is None or score_bytes is None:
         return None
-    kernel = SHORT_SEQUENCE_KERNEL.format(f"{int(keys):d}", f"{float(score_bytes) / 2**20:g}")
+    kernel = SHORT_SEQUENCE_KERNEL.format(f"{int(keys):d}", f"{score_bytes / 2**20:g}")
     return _attention_op(branches[1], kernel, node.name)
 
 
@@ -258,7 +258,8 @@ def attention_ops(
                 materialising, _ = by_size
                 # The branches read the outer graph's values: its producers say whether q was compacted.
                 compacted = "compacted" in _kernel(materialising, producers)
-                max_mb = _materialise_max_mb(node.input[0], producers, initializers)
+                max_bytes = _at_most(node.input[0], producers, initializers)
+                max_mb = max_bytes / 2**20 if max_bytes is not None else None
                 found.append(_attention_op(materialising, gqa_by_size_kernel(compacted, max_mb), node.name))
                 continue
             # Two copies of one op otherwise: report the one given more inputs (its mask).

@@ -73,7 +73,7 @@ from mha_deploy.exporters.fusion.contrib_mha import (
     split_bias,
 )
 from mha_deploy.exporters.fusion.mask_analysis import dims_match
-from mha_deploy.exporters.fusion.op_branches import op_branch, tape_branch
+from mha_deploy.exporters.fusion.op_branches import op_branch, score_bytes, tape_branch
 
 # GQA's CPU and CUDA kernels both reject other head sizes.
 HEAD_SIZE_MULTIPLE = 8
@@ -171,12 +171,9 @@ class CausalGQA(ContribMHARule):
         unused, are what makes ORT 1.31's CPU kernel take its flash path (module docstring). ``lengths`` is
         GQA's (seqlens_k, total_sequence_length)."""
         seqlens, total = lengths
-        # [1] int64 each, as If takes a one-element condition
-        batch, seq = op.Shape(q, start=0, end=1), op.Shape(q, start=1, end=2)
-        # one (query, key) pair's scores over all heads; the check made sure the dtype is known
-        pair_bytes = attributes["num_heads"] * int(attention.dtype.itemsize)
-        score_bytes = op.Mul(op.Mul(op.Mul(batch, seq), seq), int64(op, pair_bytes))
-        small = op.LessOrEqual(score_bytes, int64(op, self.materialise_max_bytes))
+        # the check made sure the dtype is known
+        scores = score_bytes(op, q, k, attributes["num_heads"], attention.dtype.itemsize)
+        small = op.LessOrEqual(scores, int64(op, self.materialise_max_bytes))
         inputs = [q, k, v, None, None, seqlens, total]
         # The cut output's length is the longest row's, not the model's seq.
         known = cut_shape and attention.shape is not None

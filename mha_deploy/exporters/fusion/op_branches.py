@@ -1,18 +1,22 @@
-"""Branches of the ``If``s the rules build around an attention op.
+"""Branches of the ``If``s the rules build around an attention op, and their size condition.
 
-padding_flash (masked op or mask-free op) and causal_gqa (GroupQueryAttention
-materialising its scores or tiled) both put one op under an ``If`` whose
-branches differ only in the op's inputs or outputs (``op_branch``: a graph of
-that one op reading values of the enclosing graph, and returning its first
-output). Both also run the op on compacted tokens when a key is padded: that
-branch is several nodes, built on a ``TapeBuilder`` (``tape_branch``). The rules
-must not match the ops they put inside the branches again.
+padding_flash (masked op or mask-free op), causal_gqa (GroupQueryAttention
+materialising its scores or tiled) and short_sequence (standard Attention or
+flash MultiHeadAttention) put one op under an ``If`` in each branch
+(``op_branch``: a graph of that one op reading values of the enclosing graph,
+and returning its first output). padding_flash and causal_gqa also run the op
+on compacted tokens when a key is padded: that branch is several nodes, built
+on a ``TapeBuilder`` (``tape_branch``). The rules must not match the ops they
+put inside the branches again. causal_gqa and short_sequence choose by the
+bytes of the scores a materialising kernel would hold (``score_bytes``), which
+``mha-deploy inspect`` reads back from ``LessOrEqual(score_bytes, N)``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
+import numpy as np
 import onnx_ir as ir
 from onnxscript.rewriter._context import TapeBuilder
 
@@ -70,3 +74,12 @@ def tape_branch(tape: TapeBuilder, output: ir.Value, like: ir.Value, name: str) 
 def copied_attributes(node: ir.Node) -> list[ir.Attr]:
     """New attributes equal to ``node``'s (types kept), for ``op_branch`` to copy the node."""
     return [ir.convenience.convert_attribute(name, attr.value, attr.type) for name, attr in node.attributes.items()]
+
+
+def score_bytes(op, query: ir.Value, key: ir.Value, num_heads: int, itemsize: int) -> ir.Value:
+    """int64 [1] (as an If's condition takes): the bytes of the [batch, heads, q_len, kv_len] scores of
+    ``query`` [batch, q_len, ...] against ``key`` [batch, kv_len, ...]."""
+    batch, q_len = op.Shape(query, start=0, end=1), op.Shape(query, start=1, end=2)
+    kv_len = op.Shape(key, start=1, end=2)
+    pair_bytes = op.Constant(value=ir.tensor(np.array(num_heads * itemsize, np.int64)))
+    return op.Mul(op.Mul(op.Mul(batch, q_len), kv_len), pair_bytes)

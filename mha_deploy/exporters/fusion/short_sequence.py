@@ -42,8 +42,15 @@ import onnx_ir as ir
 from onnxscript.rewriter import pattern
 
 from mha_deploy.exporters.fusion.compaction import int64
-from mha_deploy.exporters.fusion.contrib_mha import BIAS, KEY_PADDING_MASK, ContribMHARule, optional_input, split_bias
-from mha_deploy.exporters.fusion.op_branches import in_subgraph, op_branch
+from mha_deploy.exporters.fusion.contrib_mha import (
+    BIAS,
+    KEY_PADDING_MASK,
+    ContribMHARule,
+    has_inputs_from,
+    optional_input,
+    split_bias,
+)
+from mha_deploy.exporters.fusion.op_branches import in_subgraph, op_branch, score_bytes
 
 # Longest key sequence that takes the standard Attention op (module docstring).
 SHORT_KEYS_MAX = 256
@@ -65,7 +72,7 @@ class ShortSequence(ContribMHARule):
             return result.fail("the op is inside a subgraph (an If branch)", node)
         if context.model.opset_imports.get("", 0) < _ATTENTION_OPSET:
             return result.fail(f"the model's opset is below {_ATTENTION_OPSET} (no standard Attention)", node)
-        if len(node.outputs) != 1 or any(optional_input(node, i) is not None for i in range(KEY_PADDING_MASK, 8)):
+        if len(node.outputs) != 1 or has_inputs_from(node, KEY_PADDING_MASK):
             return result.fail("the op has a mask, an attention_bias or past/present state", node)
         if node.attributes.get_int("unidirectional", 0):
             return result.fail("the op is causal", node)
@@ -85,12 +92,12 @@ class ShortSequence(ContribMHARule):
         num_heads = node.attributes.get_int("num_heads")
         query_bias, _, value_bias = split_bias(op, optional_input(node, BIAS), query.shape[2])
         q = op.Add(query, query_bias)
-        # [1] int64 each, as If takes a one-element condition
-        batch, q_len, kv_len = op.Shape(q, start=0, end=1), op.Shape(q, start=1, end=2), op.Shape(key, start=1, end=2)
-        score_bytes = op.Mul(op.Mul(op.Mul(batch, q_len), kv_len), int64(op, num_heads * attention.dtype.itemsize))
+        # int64 [1], as If takes a one-element condition
+        kv_len = op.Shape(key, start=1, end=2)
+        scores = score_bytes(op, q, key, num_heads, attention.dtype.itemsize)
         short = op.And(
             op.LessOrEqual(kv_len, int64(op, self.keys_max)),
-            op.LessOrEqual(score_bytes, int64(op, self.scores_max_bytes)),
+            op.LessOrEqual(scores, int64(op, self.scores_max_bytes)),
         )
         scale = node.attributes.get_float("scale", None)
         scaled = {"scale": scale} if scale is not None else {}
