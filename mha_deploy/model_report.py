@@ -39,10 +39,9 @@ PADDING_FLASH_KERNEL = (
 GQA_BY_SIZE = "scores materialised up to {} MB, tiled beyond"
 _GQA_CAUSAL = "GroupQueryAttention (causal{})"
 # What the short_sequence rule builds: If(kv_len <= N and score bytes <= M) standard Attention (ORT's CPU
-# kernel materialises [batch, heads, q, kv]) else MultiHeadAttention's flash kernel; N and M read from the graph.
-SHORT_SEQUENCE_KERNEL = (
-    "MultiHeadAttention (flash; standard Attention, materialising, up to {} keys and {} MB of scores)"
-)
+# kernel materialises [batch, heads, q, kv]) else MultiHeadAttention (flash, or padding_flash's If when masked);
+# N and M read from the graph.
+SHORT_SEQUENCE = "; up to {} keys and {} MB of scores the standard Attention op (materialising)"
 # causal_gqa moves real tokens to the front (GatherND) so that seqlens_k can describe any padding.
 _GQA_COMPACTED = ", padded tokens compacted out: any padding side"
 
@@ -206,20 +205,32 @@ def _by_size(branches: list[onnx.NodeProto]) -> tuple[onnx.NodeProto, onnx.NodeP
     return (materialising, tiled) if asks_presents and len(materialising.output) == 1 else None
 
 
-def _short_sequence(node: onnx.NodeProto, branches: list, producers, initializers) -> AttentionOpInfo | None:
-    """short_sequence's If (standard Attention, flash MultiHeadAttention on the same inputs), reported as the
-    MultiHeadAttention with both kernels; None for any other If."""
-    labels = [None if b is None else (b.domain or "", b.op_type) for b in branches]
-    if labels != [("", "Attention"), ("com.microsoft", "MultiHeadAttention")] or branches[0].input != branches[1].input:
-        return None
+def short_sequence_kernel(long_kernel: str, keys_max: int, scores_max_mb: float) -> str:
+    """The kernel string of short_sequence's If: ``long_kernel`` beyond the bounds, standard Attention within."""
+    return long_kernel + SHORT_SEQUENCE.format(f"{keys_max:d}", f"{scores_max_mb:g}")
+
+
+def _short_sequence(node: onnx.NodeProto, producers, initializers) -> AttentionOpInfo | None:
+    """short_sequence's If (standard Attention within the bounds, MultiHeadAttention or padding_flash's If
+    beyond), reported as the attention of its long branch with both kernels; None for any other If."""
     condition = producers.get(node.input[0])
     if condition is None or condition.op_type != "And":
         return None
     keys, score_bytes = (_at_most(name, producers, initializers) for name in condition.input)
-    if keys is None or score_bytes is None:
+    graphs = {a.name: a.g for a in node.attribute if a.type == onnx.AttributeProto.GRAPH}
+    if keys is None or score_bytes is None or set(graphs) != {"then_branch", "else_branch"}:
         return None
-    kernel = SHORT_SEQUENCE_KERNEL.format(f"{int(keys):d}", f"{score_bytes / 2**20:g}")
-    return _attention_op(branches[1], kernel, node.name)
+    standard = [n for n in graphs["then_branch"].node if _roles(n) is not None]
+    if [(n.domain or "", n.op_type) for n in standard] != [("", "Attention")]:
+        return None
+    inner = {**initializers, **{t.name: t for t in graphs["else_branch"].initializer}}
+    long = attention_ops(list(graphs["else_branch"].node), inner)
+    if len(long) != 1:
+        return None
+    (info,) = long
+    info.name = node.name
+    info.kernel = short_sequence_kernel(info.kernel, int(keys), score_bytes / 2**20)
+    return info
 
 
 def attention_ops(
@@ -237,10 +248,10 @@ def attention_ops(
             if (cut := _padding_cut(node, producers)) is not None:
                 found.append(cut)
                 continue
-            branches = [_branch_attention(node, name) for name in ("then_branch", "else_branch")]
-            if (short := _short_sequence(node, branches, producers, initializers)) is not None:
+            if (short := _short_sequence(node, producers, initializers)) is not None:
                 found.append(short)
                 continue
+            branches = [_branch_attention(node, name) for name in ("then_branch", "else_branch")]
             if None in branches or branches[0].op_type != branches[1].op_type:
                 inner = [
                     attention_ops(list(a.g.node), {**initializers, **{t.name: t for t in a.g.initializer}})

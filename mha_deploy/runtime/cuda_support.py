@@ -62,7 +62,7 @@ def cuda_graph_unsupported(proto: onnx.ModelProto) -> str | None:
     # are not supported (ORT's CUDA-ExecutionProvider docs, "Using CUDA Graphs"), and
     # --fuse mha/auto puts an If around a padded attention (the padding_flash fusion
     # rule), around a causal one (causal_gqa: ORT's CPU GroupQueryAttention path by size)
-    # and, in fp32, around a mask-free one (short_sequence: ORT's CPU kernel by length).
+    # and, in fp32, around a mask-free or padded one (short_sequence: ORT's CPU kernel by length).
     if any(node.op_type in ("If", "Loop", "Scan") for node in proto.graph.node):
         return (
             "the model has control flow (an If: --fuse mha/auto with a padding or causal mask, or in fp32), which "

@@ -13,7 +13,7 @@ from mha_deploy.exporters.export import AUTO_TARGETS
 from mha_deploy.exporters.graphs import attention_graph
 from mha_deploy.exporters.parity import CacheCase, ParityCase, check_cache_parity, check_parity
 from mha_deploy.metadata import FUSE_CHOICES, MASK_MODES, METADATA_KEY, ModelMetadata, Signature
-from mha_deploy.model_report import PADDING_FLASH_KERNEL, describe_model
+from mha_deploy.model_report import PADDING_FLASH_KERNEL, describe_model, short_sequence_kernel
 from mha_deploy.models import MultiHeadAttention
 from mha_deploy.runtime import MHASession
 from tests.conftest import SIGNATURES, TEST_D_MODEL, TEST_HEADS, signature_id
@@ -185,8 +185,8 @@ def test_auto_fuses_and_records_the_target(tmp_path, signature):
 
 # What --fuse auto must run each self-attention mask mode on (ORT CPU kernels, see export.AUTO_TARGETS).
 AUTO_KERNELS = {
-    "none": "MultiHeadAttention (flash; standard Attention, materialising, up to 256 keys and 64 MB of scores)",
-    "padding": PADDING_FLASH_KERNEL,
+    "none": short_sequence_kernel("MultiHeadAttention (flash)", 256, 64),
+    "padding": short_sequence_kernel(PADDING_FLASH_KERNEL, 256, 64),
     "causal": "GroupQueryAttention (causal; scores materialised up to 64 MB, tiled beyond)",
     "padding-causal": (
         "GroupQueryAttention (causal, padded tokens compacted out: any padding side; "

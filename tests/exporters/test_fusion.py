@@ -14,14 +14,14 @@ import torch
 
 from mha_deploy.errors import ExportError
 from mha_deploy.exporters.export import set_metadata
-from mha_deploy.exporters.fusion import FusionReport, causal_gqa, fuse_attention
+from mha_deploy.exporters.fusion import FusionReport, causal_gqa, fuse_attention, short_sequence
 from mha_deploy.exporters.graphs import attention_graph
 from mha_deploy.exporters.parity import ParityCase, check_parity
 from mha_deploy.exporters.stack_graphs import DecoderGraph, EncoderGraph, export_stack_onnx
 from mha_deploy.exporters.torch_export import export_onnx
 from mha_deploy.inputs import InputCase, make_inputs
 from mha_deploy.metadata import ModelMetadata, Signature
-from mha_deploy.model_report import PADDING_FLASH_KERNEL, all_nodes
+from mha_deploy.model_report import PADDING_FLASH_KERNEL, all_nodes, short_sequence_kernel
 from mha_deploy.models.attention import MultiHeadAttention
 from mha_deploy.models.transformer import Decoder, Encoder
 from mha_deploy.runtime.session import MHASession
@@ -54,10 +54,10 @@ PADDING_INPUT = {
 GQA = "com.microsoft.GroupQueryAttention"
 # causal_gqa's If: GQA materialising scores of up to 64 MB (MATERIALISE_MAX_BYTES), tiled beyond.
 GQA_CAUSAL = "GroupQueryAttention (causal; scores materialised up to 64 MB, tiled beyond)"
-# short_sequence: ORT's flash kernel, and the standard Attention op's on short sequences.
-MHA_FLASH_OR_SHORT = (
-    "MultiHeadAttention (flash; standard Attention, materialising, up to 256 keys and 64 MB of scores)"
-)
+# short_sequence: the standard Attention op's kernel on short sequences, beyond them ORT's flash kernel
+# (padding_flash's If with a padding mask).
+MHA_FLASH_OR_SHORT = short_sequence_kernel("MultiHeadAttention (flash)", 256, 64)
+PADDING_FLASH_OR_SHORT = short_sequence_kernel(PADDING_FLASH_KERNEL, 256, 64)
 GQA_COMPACTED = (
     "GroupQueryAttention (causal, padded tokens compacted out: any padding side; "
     "scores materialised up to 64 MB, tiled beyond)"
@@ -78,7 +78,7 @@ def _expected_kernel(signature: Signature, target_id: str) -> tuple[str, str | N
     if signature.is_causal:
         return GQA, GQA_COMPACTED if signature.has_padding_mask else GQA_CAUSAL
     mha = "com.microsoft.MultiHeadAttention"
-    return mha, PADDING_FLASH_KERNEL if signature.has_padding_mask else MHA_FLASH_OR_SHORT
+    return mha, PADDING_FLASH_OR_SHORT if signature.has_padding_mask else MHA_FLASH_OR_SHORT
 
 
 def _sig_id(signature: Signature) -> str:
@@ -236,11 +236,26 @@ def _torch_outputs(module, signature: Signature, feeds: dict[str, np.ndarray]) -
 @pytest.mark.parametrize("signature", [Signature("self", "padding"), Signature("cross", "padding")], ids=_sig_id)
 @pytest.mark.parametrize(
     ("padding", "branch"),
-    [("none", "flash"), ("equal-counts", "cut_flash"), ("mixed", "cut_masked")],
-    ids=["all-real", "padded-to-one-length", "padded"],
+    [
+        ("none", "short"),
+        ("mixed", "short"),
+        ("none", "flash"),
+        ("equal-counts", "cut_flash"),
+        ("mixed", "cut_masked"),
+    ],
+    ids=["short-all-real", "short-padded", "all-real", "padded-to-one-length", "padded"],
 )
-def test_padding_mask_takes_the_flash_kernel_unless_rows_hold_unequal_real_keys(fused, signature, padding, branch):
-    module, _, model, _ = fused(signature, "mha")
+def test_padding_mask_takes_the_flash_kernel_unless_short_or_rows_hold_unequal_real_keys(
+    fused, unfused, monkeypatch, signature, padding, branch
+):
+    if branch == "short":
+        module, _, model, _ = fused(signature, "mha")
+    else:
+        # These shapes are short: bounds of 8 keys send them past short_sequence's If, to padding_flash's.
+        rules = short_sequence.short_sequence_rules_with(8, short_sequence.SHORT_SCORES_MAX_BYTES)
+        monkeypatch.setattr(short_sequence, "short_sequence_rules", rules)
+        module, model = unfused(signature)
+        model, _ = fuse_attention(model, "mha")
     case = InputCase(3, 11, 11 if signature.attention == "self" else 14, "mixed" if padding == "mixed" else "none")
     feeds = make_inputs(signature, D_MODEL, case, seed=4)
     if padding == "equal-counts":
@@ -488,8 +503,8 @@ def test_stack_fuses_every_layer_and_matches_torch(stacks, stack, target_id):
     assert sum(causal) == (0 if stack == "encoder" else LAYERS)
     if target_id == "mha":  # the decoder's causal self-attention, padded: GQA over compacted tokens
         kernels = sorted(op.kernel for op in report.ops)
-        decoder = [GQA_COMPACTED] * LAYERS + [PADDING_FLASH_KERNEL] * LAYERS
-        assert kernels == sorted(decoder if stack == "decoder" else [PADDING_FLASH_KERNEL] * LAYERS)
+        decoder = [GQA_COMPACTED] * LAYERS + [PADDING_FLASH_OR_SHORT] * LAYERS
+        assert kernels == sorted(decoder if stack == "decoder" else [PADDING_FLASH_OR_SHORT] * LAYERS)
 
     session = _ort_session(fused_model)
     for seed, (batch, tgt_len, mem_len, padding) in enumerate(STACK_CASES):

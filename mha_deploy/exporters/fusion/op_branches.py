@@ -2,12 +2,13 @@
 
 padding_flash (masked op or mask-free op), causal_gqa (GroupQueryAttention
 materialising its scores or tiled) and short_sequence (standard Attention or
-flash MultiHeadAttention) put one op under an ``If`` in each branch
+MultiHeadAttention) put one op under an ``If`` in each branch
 (``op_branch``: a graph of that one op reading values of the enclosing graph,
 and returning its first output). padding_flash and causal_gqa also run the op
 on compacted tokens when a key is padded: that branch is several nodes, built
-on a ``TapeBuilder`` (``tape_branch``). The rules must not match the ops they
-put inside the branches again. causal_gqa and short_sequence choose by the
+on a ``TapeBuilder`` (``tape_branch``), as does short_sequence when it expands a
+padding mask for the standard op. The rules must not match the ops they put
+inside the branches again (``in_subgraph``, ``made_in_subgraph``). causal_gqa and short_sequence choose by the
 bytes of the scores a materialising kernel would hold (``score_bytes``), which
 ``mha-deploy inspect`` reads back from ``LessOrEqual(score_bytes, N)``.
 """
@@ -25,6 +26,11 @@ def in_subgraph(context) -> bool:
     """True when the matched node sits in a subgraph (e.g. a branch of an If), not the model's graph."""
     where = context.graph_or_function
     return isinstance(where, ir.Graph) and where is not context.model.graph
+
+
+def made_in_subgraph(value: ir.Value, context) -> bool:
+    """True when ``value`` is computed inside a subgraph, not in the model's graph nor given to it."""
+    return value.graph is not None and value.graph is not context.model.graph
 
 
 def op_branch(

@@ -31,6 +31,10 @@ has to stay finite (the parity contract; MHASession refuses such input): it
 averages the values of the padded keys left in the cut. One file, the same
 inputs and outputs.
 
+With short_sequence on (every fp32 export), the op this rule sees is the long
+branch of short_sequence's If, bias-free: short masked batches run the standard
+Attention op there, and these branches only run past its bounds.
+
 The causal flag, a float ``attention_bias`` or past state rule the flash path out
 in both branches, so such ops are left alone (causal ones become
 GroupQueryAttention in ``causal_gqa``). CUDA graphs cannot capture an ``If``
@@ -54,7 +58,7 @@ from mha_deploy.exporters.fusion.contrib_mha import (
     optional_input,
 )
 from mha_deploy.exporters.fusion.mask_analysis import dims_match
-from mha_deploy.exporters.fusion.op_branches import copied_attributes, in_subgraph, op_branch, tape_branch
+from mha_deploy.exporters.fusion.op_branches import copied_attributes, made_in_subgraph, op_branch, tape_branch
 
 
 class PaddingFlash(pattern.RewriteRuleClassBase):
@@ -69,9 +73,10 @@ class PaddingFlash(pattern.RewriteRuleClassBase):
         mask = optional_input(node, KEY_PADDING_MASK)
         if mask is None:
             return result.fail("the op has no key padding mask", node)
-        if in_subgraph(context):
-            # The If this rule builds holds the masked op again: never rewrite inside it.
-            return result.fail("the op is inside a subgraph (an If branch)", node)
+        if made_in_subgraph(mask, context):
+            # The If this rule builds holds the masked op again, on a mask cut inside it: never rewrite that.
+            # (An op in short_sequence's long branch reads the model's mask, and is rewritten.)
+            return result.fail("the op's mask is made inside a subgraph (this rule's cut)", node)
         if len(node.outputs) != 1:
             return result.fail("the op also returns past/present state", node)
         if has_inputs_from(node, ATTENTION_BIAS):

@@ -15,15 +15,16 @@ The chain, per target (own rules marked *, the rest is upstream
                               them, GroupQueryAttention tiled); when a token is padded, real
                               tokens compacted to the front in the graph (any side) and cut
                               to the longest row
-    * padding_flash           MHA with key_padding_mask -> If(any key padded, keys gathered
-                              real-first and cut to the longest row: mask-free MHA if every
-                              row fills the cut, else masked MHA; mask-free MHA: ORT's CPU
-                              flash path)
-    * short_sequence          mask-free MHA -> If(kv_len <= 256 and scores <= 64 MB,
-                              standard Attention, MHA): its materialising kernel is the
+    * short_sequence          non-causal MHA, mask-free or with key_padding_mask ->
+                              If(kv_len <= 256 and scores <= 64 MB, standard Attention
+                              (additive attn_mask), MHA): its materialising kernel is the
                               faster one on short sequences; key bias dropped, value bias
                               moved to the output (not for fp16 exports, made for CUDA,
                               where the If would stop CUDA graph capture)
+    * padding_flash           MHA with key_padding_mask (short_sequence's long branch) ->
+                              If(any key padded, keys gathered real-first and cut to the
+                              longest row: mask-free MHA if every row fills the cut, else
+                              masked MHA; mask-free MHA: ORT's CPU flash path)
     * output_bias             a bias added before the output projection -> folded into its bias
     onnx:
     * onnx_attention          MHA -> standard Attention (float attn_mask, is_causal)
@@ -216,9 +217,10 @@ def _run_chain(model: ir.Model, target: str, packed_qkv: bool, short_sequences: 
         # causal_gqa and padding_flash check the shapes of the mask/bias values the rules before created.
         common_passes.ShapeInferencePass()(model)
         counts["causal_gqa"] = fuse_causal_gqa(model)
-        counts["padding_flash"] = fuse_padding_flash(model)
         if short_sequences:
+            # Before padding_flash, which then rewrites the masked op in its long branch.
             counts["short_sequence"] = fuse_short_sequence(model)
+        counts["padding_flash"] = fuse_padding_flash(model)
         counts["output_bias"] = fuse_output_bias(model)
     else:
         counts["onnx_attention"] = fuse_onnx_attention(model)
@@ -336,7 +338,7 @@ def fuse_attention(
     ``MultiHeadAttention`` either way at (8,128), (32,64), (1,1024) and 5-12%
     slower at (1,4096): not measurably faster.
 
-    ``short_sequences`` (mha target) puts mask-free attentions under short_sequence's
+    ``short_sequences`` (mha target) puts non-causal attentions under short_sequence's
     ``If``: faster on ORT's CPU provider, but an ``If`` cannot be captured in a CUDA
     graph, so the export leaves it out of fp16 models, which are made for CUDA.
     """

@@ -1,4 +1,5 @@
-"""Mask-free contrib MHA -> ``If(short, standard Attention, MultiHeadAttention)``, with its bias moved out.
+"""Contrib MHA, mask-free or with a key padding mask -> ``If(short, standard Attention, MultiHeadAttention)``,
+with its bias moved out.
 
 Why this rule exists: ORT 1.31's CPU ``MultiHeadAttention`` runs its flash
 kernel whenever it has no mask, and on short sequences that kernel's fixed
@@ -10,12 +11,21 @@ calls (MHA vs Attention, ms): (32,64) 3.3 vs 1.7, (128,64) 15.8 vs 8.0, (8,128)
 (2,512) 5.1 vs 4.7, (1,1024) 9.3 vs 9.5; the flash kernel holds nothing of
 [q_len, kv_len], the other holds all of it.
 
+With a key padding mask the same holds against every path padding_flash has:
+the masked MHA kernel, and the flash one after gathering the real keys. The
+standard op takes the mask as an additive attn_mask, which ORT's CPU kernel
+wants as [batch, 1, q_len, kv_len] (it does not broadcast over the queries), so
+the graph expands it, within the bounds only. Op alone, one run (ms, Attention
+with the expanded mask vs MHA with key_padding_mask): (32,64) 1.8 vs 3.7,
+(8,128) 1.5 vs 2.2, (128,64) 8.8 vs 18.0, (4,256) 3.1 vs 4.2, (16,256) 13.6 vs
+16.5; (2,512) 6.3 vs 6.7 and (1,1024) 12.3 vs 11.0, beyond the bounds.
+
 ``Attention`` has no bias input, and an Add per projection costs what it saves
 (0.3-0.5 ms each at (32,64)). Two of the three are not needed:
 
 - the key bias adds ``(q + b_q) . b_k`` to every score of a query row, the same
   for all its keys, and a softmax does not change when its row is shifted: it is
-  dropped, exactly;
+  dropped, exactly (masked keys included: their fill swamps the shift);
 - the value bias comes out of the attention unchanged (each row of
   probabilities sums to 1: sum_j p_j (v_j + b_v) = sum_j p_j v_j + b_v), so it
   is added to the op's output, where ``output_bias`` folds it into the output
@@ -24,25 +34,31 @@ calls (MHA vs Attention, ms): (32,64) 3.3 vs 1.7, (128,64) 15.8 vs 8.0, (8,128)
 So the op becomes::
 
     Add(If(kv_len <= SHORT_KEYS_MAX and scores <= SHORT_SCORES_MAX_BYTES,
-           Attention(q + b_q, k, v), MultiHeadAttention(q + b_q, k, v)), b_v)
+           Attention(q + b_q, k, v[, attn_mask]), MultiHeadAttention(q + b_q, k, v[, key_padding_mask])), b_v)
 
-Whole block with the value bias folded, against the flash op alone, same
-shapes, one interleaved run (ms): (32,64) 15.6 vs 17.2, (8,128) 9.0 vs 9.8,
-(128,64) 64.4 vs 70.6, (4,256) 9.5 vs 9.9, (16,256) 39.3 vs 41.0; (1,1024)
-16.0 vs 15.5, where the flash kernel stays. The bytes bound keeps a long batch
-of short rows from materialising much: 64 MB is (128,128) at 8 heads.
+and padding_flash, which runs next, rewrites the masked MultiHeadAttention of
+the long branch. Whole block with the value bias folded, against the flash op
+alone, same shapes, one interleaved run (ms): (32,64) 15.6 vs 17.2, (8,128) 9.0
+vs 9.8, (128,64) 64.4 vs 70.6, (4,256) 9.5 vs 9.9, (16,256) 39.3 vs 41.0;
+(1,1024) 16.0 vs 15.5, where the flash kernel stays. The bytes bound keeps a
+long batch of short rows from materialising much: 64 MB is (128,128) at 8 heads.
 
-Only mask-free ops with a [3 * hidden] bias in the model's graph are rewritten
-(padding_flash's and causal_gqa's branches keep their ops).
+Only ops in the model's graph (not in a branch) with a [3 * hidden] bias are
+rewritten; causal ones are causal_gqa's, whose GroupQueryAttention materialises
+short sequences as fast as the standard op with ``is_causal`` (op alone at
+(32,64): 3.1 vs 3.3 ms; at (8,128) 1.9 vs 2.9).
 """
 
 from __future__ import annotations
 
+import numpy as np
 import onnx_ir as ir
 from onnxscript.rewriter import pattern
+from onnxscript.rewriter._context import TapeBuilder
 
 from mha_deploy.exporters.fusion.compaction import int64
 from mha_deploy.exporters.fusion.contrib_mha import (
+    ATTENTION_BIAS,
     BIAS,
     KEY_PADDING_MASK,
     ContribMHARule,
@@ -50,7 +66,7 @@ from mha_deploy.exporters.fusion.contrib_mha import (
     optional_input,
     split_bias,
 )
-from mha_deploy.exporters.fusion.op_branches import in_subgraph, op_branch, score_bytes
+from mha_deploy.exporters.fusion.op_branches import in_subgraph, op_branch, score_bytes, tape_branch
 
 # Longest key sequence that takes the standard Attention op (module docstring).
 SHORT_KEYS_MAX = 256
@@ -72,10 +88,10 @@ class ShortSequence(ContribMHARule):
             return result.fail("the op is inside a subgraph (an If branch)", node)
         if context.model.opset_imports.get("", 0) < _ATTENTION_OPSET:
             return result.fail(f"the model's opset is below {_ATTENTION_OPSET} (no standard Attention)", node)
-        if len(node.outputs) != 1 or has_inputs_from(node, KEY_PADDING_MASK):
-            return result.fail("the op has a mask, an attention_bias or past/present state", node)
+        if len(node.outputs) != 1 or has_inputs_from(node, ATTENTION_BIAS):
+            return result.fail("the op has an attention_bias or past/present state", node)
         if node.attributes.get_int("unidirectional", 0):
-            return result.fail("the op is causal", node)
+            return result.fail("the op is causal (causal_gqa: GroupQueryAttention materialises short ones)", node)
         for value_ in (query, key, value):
             if value_ is None or value_.shape is None or value_.shape.rank() != 3:
                 return result.fail("query/key/value must be 3-D [batch, seq, hidden]", node)
@@ -85,6 +101,9 @@ class ShortSequence(ContribMHARule):
         bias = optional_input(node, BIAS)
         if bias is None or bias.shape is None or list(bias.shape) != [3 * hidden]:
             return result.fail("bias is not [3 * hidden]", bias or node)
+        mask = optional_input(node, KEY_PADDING_MASK)
+        if mask is not None and (mask.dtype != ir.DataType.INT32 or mask.shape is None or mask.shape.rank() != 2):
+            return result.fail("key_padding_mask is not int32 [batch, kv_len]", mask)
         return result
 
     def rewrite(self, op, query, key, value, attention, **_):
@@ -92,6 +111,7 @@ class ShortSequence(ContribMHARule):
         num_heads = node.attributes.get_int("num_heads")
         query_bias, _, value_bias = split_bias(op, optional_input(node, BIAS), query.shape[2])
         q = op.Add(query, query_bias)
+        mask = optional_input(node, KEY_PADDING_MASK)
         # int64 [1], as If takes a one-element condition
         kv_len = op.Shape(key, start=1, end=2)
         scores = score_bytes(op, q, key, num_heads, attention.dtype.itemsize)
@@ -102,24 +122,36 @@ class ShortSequence(ContribMHARule):
         scale = node.attributes.get_float("scale", None)
         scaled = {"scale": scale} if scale is not None else {}
         base = attention.name or node.name or "attention"
-        standard = op_branch(
-            "",
-            "Attention",
-            [q, key, value],
-            {"q_num_heads": num_heads, "kv_num_heads": num_heads, **scaled},
-            f"{base}_short",
-            like=attention,
-        )
-        flash = op_branch(
+        standard = _standard_branch(q, key, value, mask, {"q_num_heads": num_heads, "kv_num_heads": num_heads,
+                                    **scaled}, attention, f"{base}_short")
+        # The masked op stays masked here: padding_flash, which runs next, takes it to the flash kernel.
+        long = op_branch(
             "com.microsoft",
             "MultiHeadAttention",
-            [q, key, value],
+            [q, key, value, None, mask],
             {"num_heads": num_heads, **scaled},
-            f"{base}_flash",
+            f"{base}_flash" if mask is None else f"{base}_long",
             like=attention,
         )
-        output = op.If(short, then_branch=standard, else_branch=flash)
+        output = op.If(short, then_branch=standard, else_branch=long)
         return op.Add(output, value_bias)
+
+
+def _standard_branch(q, key, value, mask, attributes, attention: ir.Value, name: str) -> ir.Graph:
+    """The standard Attention op on ``q``, ``key``, ``value``; with ``mask`` (int32 [batch, kv_len], 0 =
+    padding) as an additive attn_mask [batch, 1, q_len, kv_len]: ORT 1.31's CPU kernel does not broadcast it
+    over the queries. The fill is half the dtype's lowest value: a padded key's probability is 0 in any row
+    with a real key, and a row without one averages its values as the reference does (its scores are all the
+    fill, whatever the products)."""
+    if mask is None:
+        return op_branch("", "Attention", [q, key, value], attributes, name, like=attention)
+    op = TapeBuilder()
+    dtype = attention.dtype.numpy()
+    zero, fill = (op.Constant(value=ir.tensor(np.array(x, dtype))) for x in (0, np.finfo(dtype).min / 2))
+    additive = op.Unsqueeze(op.Where(op.Cast(mask, to=ir.DataType.BOOL), zero, fill), int64(op, [1, 2]))
+    rows = op.Concat(int64(op, [1, 1]), op.Shape(q, start=1, end=2), int64(op, [1]), axis=0)
+    output = op.Attention(q, key, value, op.Expand(additive, rows), **attributes)
+    return tape_branch(op, output, attention, name)
 
 
 def short_sequence_rules_with(keys_max: int, scores_max_bytes: int) -> pattern.RewriteRuleSet:

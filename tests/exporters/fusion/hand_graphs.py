@@ -126,14 +126,28 @@ def executed_nodes(model: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> set[
     return {e["name"][: -len(suffix)] for e in events if e.get("cat") == "Node" and e["name"].endswith(suffix)}
 
 
+def short_sequence_graphs(model: onnx.ModelProto | onnx.GraphProto) -> dict[str, onnx.GraphProto] | None:
+    """The branches of short_sequence's If in the graph: "short" (the standard Attention op) and "long";
+    None when the graph's If is not one (its then branch runs no standard Attention)."""
+    graph = model.graph if isinstance(model, onnx.ModelProto) else model
+    (node,) = [n for n in graph.node if n.op_type == "If"]
+    graphs = {a.name: a.g for a in node.attribute}
+    standard = [n for n in graphs["then_branch"].node if n.op_type == "Attention" and n.domain == ""]
+    return {"short": graphs["then_branch"], "long": graphs["else_branch"]} if standard else None
+
+
 def padding_flash_graphs(model: onnx.ModelProto) -> dict[str, onnx.GraphProto]:
     """The branches padding_flash builds, by role: "flash" (no key padded), "cut" (padded: keys cut to the
-    longest row's real ones), and within "cut", "cut_flash" (every row fills the cut) and "cut_masked"."""
-    (outer,) = [n for n in model.graph.node if n.op_type == "If"]
+    longest row's real ones), and within "cut", "cut_flash" (every row fills the cut) and "cut_masked".
+    Under short_sequence's If they are in its long branch, and its "short" branch is returned too."""
+    short = short_sequence_graphs(model)
+    graph = short["long"] if short else model.graph
+    (outer,) = [n for n in graph.node if n.op_type == "If"]
     outer_graphs = {a.name: a.g for a in outer.attribute}
     (inner,) = [n for n in outer_graphs["then_branch"].node if n.op_type == "If"]
     inner_graphs = {a.name: a.g for a in inner.attribute}
     return {
+        **({"short": short["short"]} if short else {}),
         "flash": outer_graphs["else_branch"],
         "cut": outer_graphs["then_branch"],
         "cut_flash": inner_graphs["then_branch"],
@@ -142,10 +156,12 @@ def padding_flash_graphs(model: onnx.ModelProto) -> dict[str, onnx.GraphProto]:
 
 
 def padding_flash_ran(model: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> set[str]:
-    """Which of padding_flash's three attention ops ("flash", "cut_flash", "cut_masked") ORT ran for ``feeds``."""
+    """Which attention ops of padding_flash ("flash", "cut_flash", "cut_masked") and short_sequence ("short")
+    ORT ran for ``feeds``: each branch's op is its last node."""
     ran = executed_nodes(model, feeds)
     graphs = padding_flash_graphs(model)
-    return {role for role in ("flash", "cut_flash", "cut_masked") if graphs[role].node[-1].name in ran}
+    roles = ("short", "flash", "cut_flash", "cut_masked")
+    return {role for role in roles if role in graphs and graphs[role].node[-1].name in ran}
 
 
 def assert_same_outputs(
