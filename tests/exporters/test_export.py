@@ -184,14 +184,15 @@ def test_auto_fuses_and_records_the_target(tmp_path, signature):
 
 
 # What --fuse auto must run each self-attention mask mode on (ORT CPU kernels, see export.AUTO_TARGETS).
+_GQA = "GroupQueryAttention (causal{}; scores materialised up to 64 MB, tiled beyond)"
 AUTO_KERNELS = {
-    "none": short_sequence_kernel("MultiHeadAttention (flash)", 256, 64),
-    "padding": short_sequence_kernel(PADDING_FLASH_KERNEL, 256, 64),
-    "causal": "GroupQueryAttention (causal; scores materialised up to 64 MB, tiled beyond)",
-    "padding-causal": (
-        "GroupQueryAttention (causal, padded tokens compacted out: any padding side; "
-        "scores materialised up to 64 MB, tiled beyond)"
-    ),
+    mask: short_sequence_kernel(kernel, 256, 64)
+    for mask, kernel in {
+        "none": "MultiHeadAttention (flash)",
+        "padding": PADDING_FLASH_KERNEL,
+        "causal": _GQA.format(""),
+        "padding-causal": _GQA.format(", padded tokens compacted out: any padding side"),
+    }.items()
 }
 
 

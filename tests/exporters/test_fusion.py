@@ -62,6 +62,9 @@ GQA_COMPACTED = (
     "GroupQueryAttention (causal, padded tokens compacted out: any padding side; "
     "scores materialised up to 64 MB, tiled beyond)"
 )
+# What fp32 exports run causal attentions on: the standard Attention op (is_causal) up to 256 keys, GQA beyond.
+GQA_CAUSAL_OR_SHORT = short_sequence_kernel(GQA_CAUSAL, 256, 64)
+GQA_COMPACTED_OR_SHORT = short_sequence_kernel(GQA_COMPACTED, 256, 64)
 
 
 def _is_causal(op) -> bool:
@@ -76,7 +79,7 @@ def _expected_kernel(signature: Signature, target_id: str) -> tuple[str, str | N
     if target_id == "mha-packed":
         return "com.microsoft.Attention", None
     if signature.is_causal:
-        return GQA, GQA_COMPACTED if signature.has_padding_mask else GQA_CAUSAL
+        return GQA, GQA_COMPACTED_OR_SHORT if signature.has_padding_mask else GQA_CAUSAL_OR_SHORT
     mha = "com.microsoft.MultiHeadAttention"
     return mha, PADDING_FLASH_OR_SHORT if signature.has_padding_mask else MHA_FLASH_OR_SHORT
 
@@ -216,6 +219,7 @@ def test_group_query_attention_keeps_its_present_outputs_on_the_tiled_branch(fus
 def test_causal_matches_torch_on_both_sides_of_the_score_threshold(unfused, monkeypatch, signature):
     # A threshold between (2,17) and (2,41) of this model's fp32 scores: 2 x 4 heads x 24 x 24 x 4 bytes.
     monkeypatch.setattr(causal_gqa, "causal_gqa_rules", causal_gqa.causal_gqa_rules_with(2 * HEADS * 24 * 24 * 4))
+    _beyond_short_sequences(monkeypatch)
     module, model = unfused(signature)
     fused_model, _ = fuse_attention(model, "mha")
     names = {branch: {op.name for op in ops} for branch, ops in _gqa_branches(fused_model).items()}
@@ -226,6 +230,13 @@ def test_causal_matches_torch_on_both_sides_of_the_score_threshold(unfused, monk
         assert names[branch] & ran and not names[other] & ran
         report = check_parity(module, _session(fused_model), (case,), seed=3)
         assert report.passed, f"{branch}: {report.summary()}: {report.failures}"
+
+
+def _beyond_short_sequences(monkeypatch, keys_max: int = 8) -> None:
+    """Fusions from here on put short_sequence's bound at ``keys_max`` keys: the small shapes of these tests
+    then reach the kernels the If runs past its bounds (padding_flash's, causal_gqa's)."""
+    rules = short_sequence.short_sequence_rules_with(keys_max, short_sequence.SHORT_SCORES_MAX_BYTES)
+    monkeypatch.setattr(short_sequence, "short_sequence_rules", rules)
 
 
 def _torch_outputs(module, signature: Signature, feeds: dict[str, np.ndarray]) -> np.ndarray:
@@ -251,9 +262,7 @@ def test_padding_mask_takes_the_flash_kernel_unless_short_or_rows_hold_unequal_r
     if branch == "short":
         module, _, model, _ = fused(signature, "mha")
     else:
-        # These shapes are short: bounds of 8 keys send them past short_sequence's If, to padding_flash's.
-        rules = short_sequence.short_sequence_rules_with(8, short_sequence.SHORT_SCORES_MAX_BYTES)
-        monkeypatch.setattr(short_sequence, "short_sequence_rules", rules)
+        _beyond_short_sequences(monkeypatch)
         module, model = unfused(signature)
         model, _ = fuse_attention(model, "mha")
     case = InputCase(3, 11, 11 if signature.attention == "self" else 14, "mixed" if padding == "mixed" else "none")
@@ -503,7 +512,7 @@ def test_stack_fuses_every_layer_and_matches_torch(stacks, stack, target_id):
     assert sum(causal) == (0 if stack == "encoder" else LAYERS)
     if target_id == "mha":  # the decoder's causal self-attention, padded: GQA over compacted tokens
         kernels = sorted(op.kernel for op in report.ops)
-        decoder = [GQA_COMPACTED] * LAYERS + [PADDING_FLASH_OR_SHORT] * LAYERS
+        decoder = [GQA_COMPACTED_OR_SHORT] * LAYERS + [PADDING_FLASH_OR_SHORT] * LAYERS
         assert kernels == sorted(decoder if stack == "decoder" else [PADDING_FLASH_OR_SHORT] * LAYERS)
 
     session = _ort_session(fused_model)

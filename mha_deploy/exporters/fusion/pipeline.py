@@ -216,10 +216,10 @@ def _run_chain(model: ir.Model, target: str, packed_qkv: bool, short_sequences: 
         counts["native_mask"] = fuse_native_mask(model)
         # causal_gqa and padding_flash check the shapes of the mask/bias values the rules before created.
         common_passes.ShapeInferencePass()(model)
-        counts["causal_gqa"] = fuse_causal_gqa(model)
         if short_sequences:
-            # Before padding_flash, which then rewrites the masked op in its long branch.
+            # First: causal_gqa and padding_flash then rewrite the causal or masked op of its long branch.
             counts["short_sequence"] = fuse_short_sequence(model)
+        counts["causal_gqa"] = fuse_causal_gqa(model)
         counts["padding_flash"] = fuse_padding_flash(model)
         counts["output_bias"] = fuse_output_bias(model)
     else:

@@ -66,7 +66,8 @@ from mha_deploy.exporters.fusion.contrib_mha import (
     optional_input,
     split_bias,
 )
-from mha_deploy.exporters.fusion.op_branches import in_subgraph, op_branch, score_bytes, tape_branch
+from mha_deploy.exporters.fusion.mask_analysis import dims_match
+from mha_deploy.exporters.fusion.op_branches import copied_attributes, in_subgraph, op_branch, score_bytes, tape_branch
 
 # Longest key sequence that takes the standard Attention op (module docstring).
 SHORT_KEYS_MAX = 256
@@ -90,11 +91,13 @@ class ShortSequence(ContribMHARule):
             return result.fail(f"the model's opset is below {_ATTENTION_OPSET} (no standard Attention)", node)
         if len(node.outputs) != 1 or has_inputs_from(node, ATTENTION_BIAS):
             return result.fail("the op has an attention_bias or past/present state", node)
-        if node.attributes.get_int("unidirectional", 0):
-            return result.fail("the op is causal (causal_gqa: GroupQueryAttention materialises short ones)", node)
         for value_ in (query, key, value):
             if value_ is None or value_.shape is None or value_.shape.rank() != 3:
                 return result.fail("query/key/value must be 3-D [batch, seq, hidden]", node)
+        causal = node.attributes.get_int("unidirectional", 0)
+        if causal and not (dims_match(key, list(query.shape)) and dims_match(value, list(query.shape))):
+            # is_causal aligns queries and keys at their first position: one sequence only.
+            return result.fail("the op is causal over keys other than its queries' sequence", key)
         hidden = query.shape[2]
         if not isinstance(hidden, int) or attention.dtype is None:
             return result.fail("hidden size or dtype unknown", query)
@@ -111,6 +114,8 @@ class ShortSequence(ContribMHARule):
         num_heads = node.attributes.get_int("num_heads")
         query_bias, _, value_bias = split_bias(op, optional_input(node, BIAS), query.shape[2])
         q = op.Add(query, query_bias)
+        # causal_gqa, next, checks the shapes of the op it rewrites in the long branch.
+        q.dtype, q.shape = query.dtype, query.shape
         mask = optional_input(node, KEY_PADDING_MASK)
         # int64 [1], as If takes a one-element condition
         kv_len = op.Shape(key, start=1, end=2)
@@ -122,15 +127,19 @@ class ShortSequence(ContribMHARule):
         scale = node.attributes.get_float("scale", None)
         scaled = {"scale": scale} if scale is not None else {}
         base = attention.name or node.name or "attention"
-        standard = _standard_branch(q, key, value, mask, {"q_num_heads": num_heads, "kv_num_heads": num_heads,
-                                    **scaled}, attention, f"{base}_short")
-        # The masked op stays masked here: padding_flash, which runs next, takes it to the flash kernel.
+        causal = node.attributes.get_int("unidirectional", 0)
+        attributes = {"q_num_heads": num_heads, "kv_num_heads": num_heads, **scaled}
+        if causal:
+            attributes["is_causal"] = 1
+        standard = _standard_branch(q, key, value, mask, attributes, attention, f"{base}_short")
+        # The op itself, on the biased query and without its bias: causal_gqa and padding_flash, which run
+        # next, rewrite a causal or masked one there.
         long = op_branch(
             "com.microsoft",
             "MultiHeadAttention",
             [q, key, value, None, mask],
-            {"num_heads": num_heads, **scaled},
-            f"{base}_flash" if mask is None else f"{base}_long",
+            copied_attributes(node),
+            f"{base}_flash" if mask is None and not causal else f"{base}_long",
             like=attention,
         )
         output = op.If(short, then_branch=standard, else_branch=long)

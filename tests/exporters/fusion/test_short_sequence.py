@@ -8,6 +8,7 @@ import numpy as np
 import onnx
 import pytest
 
+from mha_deploy.exporters.fusion.causal_gqa import causal_gqa_rules
 from mha_deploy.exporters.fusion.output_bias import output_bias_rules
 from mha_deploy.exporters.fusion.padding_flash import padding_flash_rules
 from mha_deploy.exporters.fusion.short_sequence import (
@@ -16,6 +17,7 @@ from mha_deploy.exporters.fusion.short_sequence import (
     short_sequence_rules,
     short_sequence_rules_with,
 )
+from mha_deploy.model_report import all_nodes
 from tests.exporters.fusion import hand_graphs as hg
 
 BATCH, Q_LEN, KV_LEN, HIDDEN, HEADS = 3, 5, 7, 16, 2
@@ -94,7 +96,8 @@ def test_either_branch_equals_the_op_with_its_bias(keys_max, scores_max, branch,
     ("options", "reason"),
     [
         ({"attention_bias": True}, "the op has an attention_bias or past/present state"),
-        ({"unidirectional": 1}, "the op is causal"),
+        # Cross-attention shapes: is_causal would align the queries with other keys.
+        ({"unidirectional": 1}, "the op is causal over keys other than its queries' sequence"),
         ({"bias": False}, "bias is not [3 * hidden]"),
         # A 1-D mask_index holds lengths, not a [batch, kv_len] mask.
         ({"mask_index": True}, "key_padding_mask is not int32 [batch, kv_len]"),
@@ -170,6 +173,48 @@ def test_padding_flash_then_rewrites_the_masked_op_of_the_long_branch(keys_max, 
     feeds = _feeds(1.0, mask)
     hg.assert_same_outputs(model, rewritten, feeds)
     assert hg.padding_flash_ran(rewritten, feeds) == {branch}
+
+
+# --- causal self-attention -----------------------------------------------------------------------
+
+
+def _causal(padding: bool) -> onnx.ModelProto:
+    """Causal self-attention contrib MHA (q_len = kv_len = KV_LEN) with a projection bias."""
+    return hg.contrib_mha(BATCH, KV_LEN, KV_LEN, HIDDEN, HEADS, bias=True, unidirectional=1, padding=padding)
+
+
+def _causal_feeds(mask: np.ndarray | None) -> dict[str, np.ndarray]:
+    feeds = {name: hg.normal((BATCH, KV_LEN, HIDDEN), seed) for seed, name in enumerate(("query", "key", "value"))}
+    return feeds if mask is None else {**feeds, "key_padding_mask": mask}
+
+
+def test_causal_op_becomes_standard_attention_with_is_causal_and_stays_causal_beyond():
+    rewritten, count = hg.rewrite(_causal(padding=False), short_sequence_rules)
+    assert count == 1
+    ops = _branch_ops(rewritten)
+    assert (ops["short"].domain, ops["short"].op_type) == ("", "Attention")
+    assert hg.attributes(ops["short"]).get("is_causal") == 1
+    # The long branch: the causal op without its bias (query, key, value only), for causal_gqa.
+    assert hg.attributes(ops["flash"]).get("unidirectional") == 1 and len(ops["flash"].input) == 3
+
+
+@pytest.mark.parametrize("padding", [None, "right", "left", "mixed"])
+@pytest.mark.parametrize(("keys_max", "branch"), [(KV_LEN, "short"), (KV_LEN - 1, "long")], ids=["short", "long"])
+def test_causal_branches_equal_the_op_on_real_rows(padding, keys_max, branch):
+    # As the pipeline runs them: short_sequence, then causal_gqa on the causal op of the long branch.
+    model = _causal(padding=padding is not None)
+    short, _ = hg.rewrite(model, short_sequence_rules_with(keys_max, SHORT_SCORES_MAX_BYTES))
+    rewritten, count = hg.rewrite(short, causal_gqa_rules)
+    assert count == 1
+    mask = None if padding is None else hg.padding_sides(BATCH, KV_LEN, padding, seed=3)
+    feeds = _causal_feeds(mask)
+    # A padded query row is free under the parity contract (finite); the real ones must match.
+    hg.assert_same_outputs(model, rewritten, feeds, rows=mask)
+    ran = hg.executed_nodes(rewritten, feeds)
+    graphs = hg.short_sequence_graphs(rewritten)
+    assert (graphs["short"].node[-1].name in ran) == (branch == "short")
+    long_ops = {n.op_type for n in all_nodes(graphs["long"]) if n.name in ran}
+    assert ("GroupQueryAttention" in long_ops) == (branch == "long")
 
 
 def test_a_model_below_opset_23_keeps_its_op():
