@@ -18,6 +18,7 @@ from mha_deploy.inputs import placeholder_inputs
 from mha_deploy.metadata import ModelMetadata
 from mha_deploy.runtime.cuda_support import cuda_graph_unsupported, cuda_unsupported
 from mha_deploy.runtime.decoding import Decoder
+from mha_deploy.runtime.denormals import ORT_CONFIG_ENTRY, flushing_denormals
 from mha_deploy.runtime.digest import sha256_digest
 from mha_deploy.runtime.model_check import (
     check_batching,
@@ -73,6 +74,10 @@ class MHASession:
     - ``io_binding``: run through an ``IOBinding`` (a new one per call, so still
       thread-safe), with outputs allocated on the session's device and copied back
       once. Works on CPU too; it matters on CUDA.
+    - ``flush_denormals`` (default True): flush denormal floats to zero while ORT runs,
+      on its pool threads and on the calling thread for the extent of each call (its
+      floating-point state is restored after): masked attention is 1.4-1.8x faster
+      (``mha_deploy.runtime.denormals``). False leaves ORT's default, which keeps them.
     - ``cuda_graph``: the fixed input shape, ``(batch, seq)`` for self-attention or
       ``(batch, q_seq, kv_seq)`` for cross-attention, to capture a CUDA graph for
       (ORT's ``enable_cuda_graph``). Needs ``provider="cuda"``. The graph replays
@@ -107,6 +112,7 @@ class MHASession:
         warmup: bool = False,
         io_binding: bool = False,
         cuda_graph: tuple[int, ...] | None = None,
+        flush_denormals: bool = True,
     ):
         self.source = "<in-memory model>" if isinstance(model, bytes) else str(model)
         if not isinstance(model, bytes):
@@ -117,14 +123,17 @@ class MHASession:
             raise ProviderUnavailableError(
                 f"cuda_graph needs provider='cuda' (got {provider!r}): CUDA graphs exist only on the CUDA provider"
             )
-        options = _session_options(threads, inter_op_threads, optimization, session_config)
+        self.flush_denormals = flush_denormals
+        options = _session_options(threads, inter_op_threads, optimization, session_config, flush_denormals)
         plan = plan_providers(provider)
         if CUDA_EP in plan.ort_providers:
             reason = _cuda_refusal(model, cuda_graph is not None)
             if reason:
                 plan = without_cuda(plan, f"{self.source}: {reason}")
         providers = plan.session_providers(**({"enable_cuda_graph": "1"} if cuda_graph is not None else {}))
-        self._session = self._load(model, options, providers, optimized_model_path)
+        # ORT sets the loading thread's denormal mode for good on the process's first load: scoped here too.
+        with flushing_denormals(flush_denormals):
+            self._session = self._load(model, options, providers, optimized_model_path)
         self.provider = check_providers(plan, self._session)
         self.provider_note = plan.note
         self.metadata = ModelMetadata.from_props(self._session.get_modelmeta().custom_metadata_map, self.source)
@@ -179,7 +188,8 @@ class MHASession:
 
         def run(feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
             try:
-                outputs = self._session.run(list(self.output_names), feeds)
+                with flushing_denormals(self.flush_denormals):
+                    outputs = self._session.run(list(self.output_names), feeds)
             except Exception as exc:  # ORT's own types
                 raise ModelFileError(f"{self.source}: a probe batch of 1-2 items fails to run: {exc}") from exc
             return dict(zip(self.output_names, outputs, strict=True))
@@ -205,9 +215,10 @@ class MHASession:
         feeds = validate_inputs(self.metadata, inputs)
         if self._graph is not None:
             return self._graph.run(feeds)
-        if self._io_binding:
-            return self._run_with_binding(feeds)
-        outputs = self._session.run(list(self.output_names), feeds)
+        with flushing_denormals(self.flush_denormals):
+            if self._io_binding:
+                return self._run_with_binding(feeds)
+            outputs = self._session.run(list(self.output_names), feeds)
         return dict(zip(self.output_names, outputs, strict=True))
 
     def run_into(self, inputs: Mapping[str, object], outputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -233,7 +244,8 @@ class MHASession:
                 raise InputError(f"{name}: run_into needs a writable C-contiguous {dtype.name} array")
             binding.bind_output(name, "cpu", 0, dtype.type, list(target.shape), target.ctypes.data)
         try:
-            self._session.run_with_iobinding(binding)
+            with flushing_denormals(self.flush_denormals):
+                self._session.run_with_iobinding(binding)
         except Exception as exc:  # ORT's own types; a wrong output shape is the caller's mistake
             raise InputError(f"run_into failed (is every output array exactly its output's shape?): {exc}") from exc
         values = binding.get_outputs()
@@ -376,7 +388,11 @@ def _placeholders(metadata: ModelMetadata, shape: tuple[int, ...] | None) -> dic
 
 
 def _session_options(
-    threads: int | None, inter_op_threads: int | None, optimization: str, session_config: Mapping[str, str] | None
+    threads: int | None,
+    inter_op_threads: int | None,
+    optimization: str,
+    session_config: Mapping[str, str] | None,
+    flush_denormals: bool,
 ) -> ort.SessionOptions:
     options = ort.SessionOptions()
     # Errors only: ORT 1.31 infers a last dim of 0 for ONNX Attention's
@@ -389,6 +405,8 @@ def _session_options(
         options.inter_op_num_threads = inter_op_threads
         options.execution_mode = ort.ExecutionMode.ORT_PARALLEL
     options.graph_optimization_level = OPTIMIZATION_LEVELS[optimization]
+    if flush_denormals:  # ORT's pool threads; the calling thread is flushed around each call
+        options.add_session_config_entry(ORT_CONFIG_ENTRY, "1")
     for key, value in (session_config or {}).items():
         options.add_session_config_entry(key, str(value))
     return options
