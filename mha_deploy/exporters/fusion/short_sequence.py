@@ -1,5 +1,5 @@
-"""Contrib MHA, mask-free or with a key padding mask -> ``If(short, standard Attention, MultiHeadAttention)``,
-with its bias moved out.
+"""Contrib MHA (mask-free, padded, causal) -> ``If(short, standard Attention, MultiHeadAttention)``, with its
+bias moved out.
 
 Why this rule exists: ORT 1.31's CPU ``MultiHeadAttention`` runs its flash
 kernel whenever it has no mask, and on short sequences that kernel's fixed
@@ -34,19 +34,28 @@ with the expanded mask vs MHA with key_padding_mask): (32,64) 1.8 vs 3.7,
 So the op becomes::
 
     Add(If(kv_len <= SHORT_KEYS_MAX and scores <= SHORT_SCORES_MAX_BYTES,
-           Attention(q + b_q, k, v[, attn_mask]), MultiHeadAttention(q + b_q, k, v[, key_padding_mask])), b_v)
+           Attention(q + b_q, k, v[, attn_mask][, is_causal]),
+           MultiHeadAttention(q + b_q, k, v[, key_padding_mask][, unidirectional])), b_v)
 
-and padding_flash, which runs next, rewrites the masked MultiHeadAttention of
-the long branch. Whole block with the value bias folded, against the flash op
+and causal_gqa and padding_flash, which run next, rewrite a causal or masked
+MultiHeadAttention of the long branch. Whole block with the value bias folded, against the flash op
 alone, same shapes, one interleaved run (ms): (32,64) 15.6 vs 17.2, (8,128) 9.0
 vs 9.8, (128,64) 64.4 vs 70.6, (4,256) 9.5 vs 9.9, (16,256) 39.3 vs 41.0;
 (1,1024) 16.0 vs 15.5, where the flash kernel stays. The bytes bound keeps a
 long batch of short rows from materialising much: 64 MB is (128,128) at 8 heads.
 
+Causal self-attention: the standard op with ``is_causal`` (and the padding
+mask, additive, for padding-causal: exact on every real query, which sees a
+real key, itself) against GroupQueryAttention's materialising path, what
+causal_gqa runs on short sequences; op alone, one run, with denormals flushed
+as ``MHASession`` does (``mha_deploy.runtime.denormals``; without, the
+standard op's masked probabilities made it the slower one: 3.3 vs 3.1 ms at
+(32,64)), ms: (32,64) 1.4 vs 2.5, (8,128) 1.2 vs 1.6, (4,256) 2.1 vs 2.4;
+beyond the bounds (1,512) 2.3 vs 2.0, (2,512) 4.3 vs 3.9, (1,1024) 9.5 vs 7.7.
+Causal ops over another sequence (q_len != kv_len) keep their op.
+
 Only ops in the model's graph (not in a branch) with a [3 * hidden] bias are
-rewritten; causal ones are causal_gqa's, whose GroupQueryAttention materialises
-short sequences as fast as the standard op with ``is_causal`` (op alone at
-(32,64): 3.1 vs 3.3 ms; at (8,128) 1.9 vs 2.9).
+rewritten.
 """
 
 from __future__ import annotations
