@@ -13,6 +13,10 @@ Rows (fp32, 8 heads of 64, 2 threads, q/k/v given as [batch, seq, 512]):
   (BNSH): the work a causal kernel could skip, made explicit. Each chunked output is checked against the
   unchunked one.
 
+Denormals are flushed to zero as ``MHASession`` does (``mha_deploy.runtime.denormals``): on the pool
+threads and around each call; ``--keep-denormals`` runs ORT's default, where the masked probabilities of
+the causal ops come out as denormals and every multiply-add on them is slow.
+
 "ns/pair" divides the time by batch × heads × the (query, key) pairs the row must compute: seq² for
 MultiHeadAttention, seq(seq+1)/2 for the causal rows. A kernel that skipped the masked half at the same
 cost per pair as the flash kernel would show the same ns/pair.
@@ -28,9 +32,13 @@ from onnx import TensorProto, helper
 
 from mha_deploy.bench import QuietGate
 from mha_deploy.bench.timing import time_blocks
+from mha_deploy.runtime.denormals import ORT_CONFIG_ENTRY, flushing_denormals
 
 HEADS, HEAD_SIZE = 8, 64
 HIDDEN = HEADS * HEAD_SIZE
+
+
+FLUSH_DENORMALS = True  # main() sets it from --keep-denormals before any session exists
 
 
 def _session(nodes, initializers, threads: int) -> ort.InferenceSession:
@@ -43,7 +51,9 @@ def _session(nodes, initializers, threads: int) -> ort.InferenceSession:
     options.intra_op_num_threads, options.inter_op_num_threads = threads, 1
     # Idle threads of one session must not spin while the next one is timed.
     options.add_session_config_entry("session.intra_op.allow_spinning", "0")
-    return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    options.add_session_config_entry(ORT_CONFIG_ENTRY, "1" if FLUSH_DENORMALS else "0")
+    with flushing_denormals(FLUSH_DENORMALS):  # ORT's first load sets the loading thread's mode for good
+        return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
 
 
 def _gqa(inputs, outputs, name=""):
@@ -96,7 +106,10 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--budget-s", type=float, default=6.0, help="timing budget per row")
     parser.add_argument("--quiet-wait-s", type=float, default=15.0)
+    parser.add_argument("--keep-denormals", action="store_true", help="ORT's default: denormals not flushed")
     args = parser.parse_args()
+    global FLUSH_DENORMALS
+    FLUSH_DENORMALS = not args.keep_denormals
     batch, seq = (int(v) for v in args.shape.lower().split("x"))
     chunk_counts = [int(n) for n in args.chunks.split(",") if n]
     if any(seq % n for n in chunk_counts):
@@ -125,10 +138,15 @@ def main() -> None:
             print(f"{label}: max abs diff from the tiled op {diff:.1e}")
 
     gate = QuietGate(wait_s=args.quiet_wait_s)
-    calls = {label: (lambda s=session: s.run(None, feeds)) for label, session in sessions.items()}
+    def call(session: ort.InferenceSession) -> None:
+        with flushing_denormals(FLUSH_DENORMALS):
+            session.run(None, feeds)
+
+    calls = {label: (lambda s=session: call(s)) for label, session in sessions.items()}
     timings = time_blocks(calls, args.budget_s * len(calls), gate=gate)
     flash_ms = timings["MultiHeadAttention, no mask (flash)"].median_ms
-    setting = f"{HEADS} heads of {HEAD_SIZE}, fp32, {args.threads} threads, ORT {ort.__version__}"
+    flushed = "denormals flushed" if FLUSH_DENORMALS else "denormals kept"
+    setting = f"{HEADS} heads of {HEAD_SIZE}, fp32, {args.threads} threads, ORT {ort.__version__}, {flushed}"
     print(f"\nop alone at ({batch},{seq}), {setting}")
     print(f"{'':48s} {'median ms':>10s} {'vs flash':>9s} {'ns/pair':>8s}")
     for label, timing in timings.items():

@@ -42,26 +42,26 @@ from mha_deploy.models.transformer import Decoder, Encoder
 from mha_deploy.runtime.session import MHASession
 
 # --fuse auto, per mask mode: the fastest exact path on ORT's CPU provider. Full block
-# (projections + attention), self-attention, d_model 512, 8 heads, fp32, 2 threads, ORT 1.31.1;
-# medians in ms from one run of
+# (projections + attention), self-attention, d_model 512, 8 heads, fp32, 2 threads, ORT 1.31.1,
+# denormals flushed (MHASession); medians in ms from one run of
 #   mha-deploy bench --mask none,padding,padding-25%,causal,padding-causal,padding-causal-25% \
-#       --shapes 8x128,1x1024,32x64,1x4096 --memory-shapes 2x4096 --quiet-wait-s 300
+#       --shapes 8x128,1x1024,32x64,1x4096 --memory-shapes 2x4096 --quiet-wait-s 60
 # (the whole table is docs/bench.txt):
 #
 #   mask mode, (1,4096)        mha: kernel                                        mha    onnx    none
-#   none                       MultiHeadAttention (flash)                         138     179     178
-#   padding, every key real    If -> MultiHeadAttention (flash)                   148     234     345
-#   padding, last 1/4 padded   If -> keys cut to the real ones, MHA (flash)       115     296     399
-#   causal                     If -> GroupQueryAttention (tiled)                  144     369     532
-#   padding-causal             If (nothing padded) -> the same                    160     387     544
-#   padding-causal, 1/4 padded If -> tokens compacted and cut, GQA (tiled)        114     382     553
+#   none                       MultiHeadAttention (flash)                         134     175     175
+#   padding, every key real    If -> MultiHeadAttention (flash)                   135     228     340
+#   padding, last 1/4 padded   If -> keys cut to the real ones, MHA (flash)       108     228     337
+#   causal                     If -> GroupQueryAttention (tiled)                  107     230     395
+#   padding-causal             If (nothing padded) -> the same                    108     236     397
+#   padding-causal, 1/4 padded If -> tokens compacted and cut, GQA (tiled)         77     238     401
 #
-# Causal GroupQueryAttention materialises its scores up to 64 MB and runs tiled beyond (causal_gqa):
-# at (1,1024) causal takes 14.5 ms on mha against 25.5 on onnx. At (8,128) and (32,64) the targets are
-# within 10% of each other for every mask mode (onnx ahead by up to 5% without a causal mask and
-# nothing padded, mha ahead with a quarter padded); at (1,1024) and (1,4096) mha is fastest for every
-# mask mode. mha also builds no mask tensor and keeps run memory at (2,4096) within 131-185 MB for every
-# mask mode, where onnx needs 1.1-1.4 GB (a float [batch, 1, q_len, kv_len] attn_mask, and ORT's
+# Up to 256 keys every mask mode runs the standard Attention op under mha too (short_sequence); causal
+# GroupQueryAttention materialises its scores up to 64 MB and runs tiled beyond (causal_gqa): at (1,1024)
+# causal takes 12.7 ms on mha against 14.6 on onnx. At (8,128) and (32,64) the targets are within 3% of
+# each other for every mask mode, mha ahead; at (1,1024) and (1,4096) mha is fastest for every mask mode.
+# mha also builds no mask tensor beyond 256 keys and keeps run memory at (2,4096) within 120-165 MB for
+# every mask mode, where onnx needs 1.1-1.4 GB (a float [batch, 1, q_len, kv_len] attn_mask, and ORT's
 # standard Attention materialises the scores).
 AUTO_TARGETS = {"none": "mha", "padding": "mha", "causal": "mha", "padding-causal": "mha"}
 # A KV-cache model (--kv-cache), by the one-token step it exists for (d_model 512, 8 heads, 2 threads,
