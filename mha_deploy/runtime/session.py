@@ -405,7 +405,9 @@ def _session_options(
         options.inter_op_num_threads = inter_op_threads
         options.execution_mode = ort.ExecutionMode.ORT_PARALLEL
     options.graph_optimization_level = OPTIMIZATION_LEVELS[optimization]
-    if flush_denormals:  # ORT's pool threads; the calling thread is flushed around each call
+    if flush_denormals and ORT_CONFIG_ENTRY not in (session_config or {}):
+        # ORT's pool threads; the calling thread is flushed around each call. An entry of the caller's wins
+        # (ORT warns when one is set twice).
         options.add_session_config_entry(ORT_CONFIG_ENTRY, "1")
     for key, value in (session_config or {}).items():
         options.add_session_config_entry(key, str(value))

@@ -90,3 +90,19 @@ def test_flushing_changes_no_output(export_model, mask):
     for case in (InputCase(2, 40, 40, "mixed"), InputCase(1, 300, 300, "left")):
         feeds = make_inputs(signature, TEST_D_MODEL, case, seed=5)
         np.testing.assert_array_equal(flushed.run(feeds)["output"], kept.run(feeds)["output"])
+
+
+@pytest.mark.parametrize(
+    ("flush", "config", "entry"),
+    [(True, {}, "1"), (False, {}, None), (True, {denormals.ORT_CONFIG_ENTRY: "0"}, "0")],
+    ids=["flushing", "not-flushing", "caller-entry-wins"],
+)
+def test_orts_pool_threads_follow_the_option_unless_the_caller_set_the_entry(export_model, flush, config, entry):
+    path, _ = export_model(Signature("self", "causal"))
+    session = MHASession(path, provider="cpu", flush_denormals=flush, session_config=config)
+    options = session._session.get_session_options()
+    if entry is None:
+        with pytest.raises(RuntimeError):  # ORT's way of saying the entry was never set
+            options.get_session_config_entry(denormals.ORT_CONFIG_ENTRY)
+    else:
+        assert options.get_session_config_entry(denormals.ORT_CONFIG_ENTRY) == entry
