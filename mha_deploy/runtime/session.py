@@ -76,8 +76,8 @@ class MHASession:
       once. Works on CPU too; it matters on CUDA.
     - ``flush_denormals`` (default True): flush denormal floats to zero while ORT runs,
       on its pool threads and on the calling thread for the extent of each call (its
-      floating-point state is restored after): masked attention is 1.4-1.8x faster
-      (``mha_deploy.runtime.denormals``). False leaves ORT's default, which keeps them.
+      floating-point state is restored after): masked attention ops run 1.4-1.8x
+      faster (``mha_deploy.runtime.denormals``). False leaves ORT's default, which keeps them.
     - ``cuda_graph``: the fixed input shape, ``(batch, seq)`` for self-attention or
       ``(batch, q_seq, kv_seq)`` for cross-attention, to capture a CUDA graph for
       (ORT's ``enable_cuda_graph``). Needs ``provider="cuda"``. The graph replays

@@ -8,9 +8,10 @@ and returning its first output). padding_flash and causal_gqa also run the op
 on compacted tokens when a key is padded: that branch is several nodes, built
 on a ``TapeBuilder`` (``tape_branch``), as does short_sequence when it expands a
 padding mask for the standard op. The rules must not match the ops they put
-inside the branches again (``in_subgraph``, ``made_in_subgraph``). causal_gqa and short_sequence choose by the
-bytes of the scores a materialising kernel would hold (``score_bytes``), which
-``mha-deploy inspect`` reads back from ``LessOrEqual(score_bytes, N)``.
+inside the branches again (``in_subgraph``, ``made_in_subgraph``). causal_gqa
+and short_sequence choose by the bytes of the scores a materialising kernel
+would hold (``score_bytes``), which ``mha-deploy inspect`` reads back from
+``LessOrEqual(score_bytes, N)``.
 """
 
 from __future__ import annotations
