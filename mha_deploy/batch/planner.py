@@ -64,7 +64,9 @@ class BatchLimits:
     # ``max_score_bytes``, so long sequences run in exact-length groups or alone.
     # Causal attention (--fuse mha) runs GroupQueryAttention whatever the padding, and
     # materialises its scores only while they take at most 64 MB (the causal_gqa fusion's
-    # If), tiled beyond: within the default budget either way. The count here is then an
+    # If), tiled beyond: within the default budget either way. So does the standard Attention
+    # op that every mask mode runs up to 256 keys and 64 MB of scores (the short_sequence
+    # fusion's If), padded or not. The count here is then an
     # upper bound, never short: it may cut a long padded causal batch that would have run
     # tiled, which costs batching, not memory. The planner sees the Signature, not the
     # fused graph, and the same causal Signature exported with --fuse onnx or none does
