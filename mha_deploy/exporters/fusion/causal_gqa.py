@@ -69,8 +69,8 @@ from mha_deploy.exporters.fusion.contrib_mha import (
     KEY_PADDING_MASK,
     ContribMHARule,
     has_inputs_from,
+    move_bias_out,
     optional_input,
-    split_bias,
 )
 from mha_deploy.exporters.fusion.mask_analysis import dims_match
 from mha_deploy.exporters.fusion.op_branches import op_branch, score_bytes, tape_branch
@@ -127,11 +127,7 @@ class CausalGQA(ContribMHARule):
         q, k, v = query, key, value
         value_bias = None
         if (bias := optional_input(node, BIAS)) is not None:
-            # The key bias shifts each query's scores by one constant: dropped, the softmax is the same. The
-            # value bias passes through the attention (probabilities sum to 1): added to its output, where
-            # output_bias folds it into the output projection (short_sequence's docstring).
-            query_bias, _, value_bias = split_bias(op, bias, query.shape[2])
-            q = op.Add(q, query_bias)
+            q, value_bias = move_bias_out(op, query, bias)
         base = attention.name or "attention"
         mask = optional_input(node, KEY_PADDING_MASK)
         if mask is None:

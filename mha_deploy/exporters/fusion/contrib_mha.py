@@ -41,6 +41,20 @@ def split_bias(op, bias: ir.Value, hidden: int) -> tuple[ir.Value, ir.Value, ir.
     return op.Split(bias, op.Constant(value=ir.tensor(np.array([hidden] * 3, np.int64))), axis=0, _outputs=3)
 
 
+def move_bias_out(op, query: ir.Value, bias: ir.Value) -> tuple[ir.Value, ir.Value]:
+    """``(query + b_q, b_v)`` for the op's projection ``bias`` [3 * hidden], to run the op without it.
+
+    The key bias shifts each query's scores by one constant, ``(q + b_q) . b_k``, which a softmax ignores (a
+    masked key's fill swamps the shift as well): dropped. The value bias passes through the attention (each
+    row of probabilities sums to 1): the caller adds ``b_v`` to the op's output, where ``output_bias`` folds
+    it into the output projection's bias. The biased query keeps the query's type and shape, which the rules
+    rewriting the op later check."""
+    query_bias, _, value_bias = split_bias(op, bias, query.shape[2])
+    biased = op.Add(query, query_bias)
+    biased.dtype, biased.shape = query.dtype, query.shape
+    return biased, value_bias
+
+
 class ContribMHARule(pattern.RewriteRuleClassBase):
     """A rule that starts from one contrib MultiHeadAttention with separate query, key and value."""
 

@@ -72,8 +72,8 @@ from mha_deploy.exporters.fusion.contrib_mha import (
     KEY_PADDING_MASK,
     ContribMHARule,
     has_inputs_from,
+    move_bias_out,
     optional_input,
-    split_bias,
 )
 from mha_deploy.exporters.fusion.mask_analysis import dims_match
 from mha_deploy.exporters.fusion.op_branches import copied_attributes, in_subgraph, op_branch, score_bytes, tape_branch
@@ -121,10 +121,7 @@ class ShortSequence(ContribMHARule):
     def rewrite(self, op, query, key, value, attention, **_):
         node = attention.producer()
         num_heads = node.attributes.get_int("num_heads")
-        query_bias, _, value_bias = split_bias(op, optional_input(node, BIAS), query.shape[2])
-        q = op.Add(query, query_bias)
-        # causal_gqa, next, checks the shapes of the op it rewrites in the long branch.
-        q.dtype, q.shape = query.dtype, query.shape
+        q, value_bias = move_bias_out(op, query, optional_input(node, BIAS))
         mask = optional_input(node, KEY_PADDING_MASK)
         # int64 [1], as If takes a one-element condition
         kv_len = op.Shape(key, start=1, end=2)
