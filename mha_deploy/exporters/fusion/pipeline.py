@@ -11,17 +11,17 @@ The chain, per target (own rules marked *, the rest is upstream
       mha_bias                fold q/k/v projection biases into the op
       attention (packed_qkv)  self-attention MHA -> com.microsoft.Attention (packed weights)
     * native_mask             float bias -> key_padding_mask / mask_index + unidirectional
-    * causal_gqa              causal MHA -> If(scores <= 64 MB, GroupQueryAttention materialising
-                              them, GroupQueryAttention tiled); when a token is padded, real
-                              tokens compacted to the front in the graph (any side) and cut
-                              to the longest row
-    * short_sequence          non-causal MHA, mask-free or with key_padding_mask ->
-                              If(kv_len <= 256 and scores <= 64 MB, standard Attention
-                              (additive attn_mask), MHA): its materialising kernel is the
-                              faster one on short sequences; key bias dropped, value bias
-                              moved to the output (not for fp16 exports, made for CUDA,
+    * short_sequence          MHA, mask-free, with key_padding_mask or causal (self-attention)
+                              -> If(kv_len <= 256 and scores <= 64 MB, standard Attention
+                              (additive attn_mask, is_causal), MHA): its materialising kernel
+                              is the faster one on short sequences; key bias dropped, value
+                              bias moved to the output (not for fp16 exports, made for CUDA,
                               where the If would stop CUDA graph capture)
-    * padding_flash           MHA with key_padding_mask (short_sequence's long branch) ->
+    * causal_gqa              causal MHA (in short_sequence's long branch) -> If(scores <= 64 MB,
+                              GroupQueryAttention materialising them, GroupQueryAttention
+                              tiled); when a token is padded, real tokens compacted to the
+                              front in the graph (any side) and cut to the longest row
+    * padding_flash           MHA with key_padding_mask (in short_sequence's long branch) ->
                               If(any key padded, keys gathered real-first and cut to the
                               longest row: mask-free MHA if every row fills the cut, else
                               masked MHA; mask-free MHA: ORT's CPU flash path)
@@ -338,7 +338,7 @@ def fuse_attention(
     ``MultiHeadAttention`` either way at (8,128), (32,64), (1,1024) and 5-12%
     slower at (1,4096): not measurably faster.
 
-    ``short_sequences`` (mha target) puts non-causal attentions under short_sequence's
+    ``short_sequences`` (mha target) puts every attention under short_sequence's
     ``If``: faster on ORT's CPU provider, but an ``If`` cannot be captured in a CUDA
     graph, so the export leaves it out of fp16 models, which are made for CUDA.
     """
