@@ -43,6 +43,7 @@ def test_a_disabled_block_changes_nothing():
         assert _denormals_survive()
 
 
+@needs_fenv
 def test_the_block_is_per_thread():
     seen = {}
     started, done = threading.Event(), threading.Event()
