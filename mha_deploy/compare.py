@@ -62,9 +62,12 @@ class Comparison:
         )
 
 
-def _rows_first(signature: Signature, name: str, array: np.ndarray) -> np.ndarray:
-    """Move the output's query axis next to batch, so that [batch, q_len] rows index it."""
+def _rows_first(signature: Signature, name: str, array: np.ndarray) -> np.ndarray | None:
+    """Move the output's query axis next to batch, so that [batch, q_len] rows index it; None for an output
+    without one (a custom model's per-item output: every row of it is real)."""
     axes = signature.tensors[name].axes
+    if signature.query_axis not in axes:
+        return None
     return np.moveaxis(np.asarray(array), axes.index(signature.query_axis), 1)
 
 
@@ -128,7 +131,10 @@ def compare_outputs(
     results = []
     for name in names or signature.output_names:
         got, want = _rows_first(signature, name, actual[name]), _rows_first(signature, name, expected[name])
-        if rows is not None:
+        if got is None:
+            got, want = np.asarray(actual[name]), np.asarray(expected[name])
+            got_real, want_real = got, want
+        elif rows is not None:
             got_real, want_real = got[rows], want[rows]
         else:
             got_real, want_real = got, want

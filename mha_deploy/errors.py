@@ -17,6 +17,10 @@ class ExportError(MHADeployError):
     """The requested export is invalid or torch.onnx.export failed."""
 
 
+class SignatureError(MHADeployError, ValueError):
+    """A model's inputs and outputs were declared in a way no model can have (a mask marking no sequence)."""
+
+
 class ParityError(ExportError):
     """ONNX Runtime and the torch reference disagree beyond the tolerance."""
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from mha_deploy.errors import OptionError
-from mha_deploy.signature import PADDING_MASK, PAST, SEQUENCE, Signature
+from mha_deploy.signature import PADDING_MASK, PAST, SEQUENCE, TOKENS, Signature, TensorSpec
 
 PADDING_SIDES = ("none", "right", "left", "mixed")
 
@@ -50,17 +50,35 @@ def padding_mask(batch: int, length: int, padding: str, rng: np.random.Generator
     return np.where((np.arange(batch) % 2 == 0)[:, None], left, right)
 
 
+def random_values(spec: TensorSpec, shape: tuple[int, ...], rng: np.random.Generator, dtype: str) -> np.ndarray:
+    """Values for a tokens, sequence or cache input: ids uniform over the vocabulary, else standard normal."""
+    if spec.role == TOKENS:
+        return rng.integers(0, spec.vocab or 2, size=shape, dtype=np.int64)
+    return rng.standard_normal(shape, dtype=np.float32).astype(dtype, copy=False)
+
+
+def random_item(
+    signature: Signature, fixed: dict[str, int], lengths: dict[str, int], rng: np.random.Generator, dtype: str
+) -> dict[str, np.ndarray]:
+    """One unbatched item: each tokens or sequence input at its axis's length in ``lengths``."""
+    return {
+        spec.name: random_values(spec, spec.item_shape(lengths[spec.axes[1]], fixed), rng, dtype)
+        for spec in signature.inputs
+        if spec.role in (SEQUENCE, TOKENS)
+    }
+
+
 def make_inputs(
     signature: Signature, d_model: int, case: InputCase, seed: int = 0, dtype: str = "float32", heads: int = 1
 ) -> dict[str, np.ndarray]:
-    """Standard-normal sequences (and KV caches: ``case.kv_len`` cached tokens) and padding masks for every
-    input of ``signature`` at ``case``'s shape."""
+    """Standard-normal sequences (and KV caches: ``case.kv_len`` cached tokens), token ids and padding masks
+    for every input of ``signature`` at ``case``'s shape."""
     rng = np.random.default_rng(seed)
     sizes = signature.axis_sizes(case.batch, case.q_len, case.kv_len, d_model=d_model, heads=heads)
     feeds: dict[str, np.ndarray] = {}
     for spec in signature.inputs:
-        if spec.role in (SEQUENCE, PAST):
-            feeds[spec.name] = rng.standard_normal(spec.shape(sizes), dtype=np.float32).astype(dtype, copy=False)
+        if spec.role in (SEQUENCE, PAST, TOKENS):
+            feeds[spec.name] = random_values(spec, spec.shape(sizes), rng, dtype)
         elif spec.role == PADDING_MASK:
             feeds[spec.name] = padding_mask(case.batch, sizes[spec.axes[1]], case.padding, rng)
     return feeds
@@ -91,7 +109,7 @@ def cast_floats(feeds: dict[str, np.ndarray], dtype) -> dict[str, np.ndarray]:
 
 
 def real_query_rows(signature: Signature, feeds: dict[str, np.ndarray]) -> np.ndarray:
-    """bool [batch, q_len]: the query positions whose outputs users read."""
+    """bool [batch, q_len]: the query positions whose outputs users read (per-token outputs' rows)."""
     query = signature.query_input
     for mask_name, sequence_name in signature.padding_masks.items():
         if sequence_name == query:

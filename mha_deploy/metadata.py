@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field
 
-from mha_deploy.errors import ExportError, ModelFileError
+from mha_deploy.errors import ModelFileError, SignatureError
 
 # The I/O contract lives in its own module; re-exported here, where it was first defined.
 from mha_deploy.signature import ATTENTION_KINDS, MASK_MODES, MODEL_KINDS, Signature
@@ -21,8 +21,11 @@ __all__ = [
 ]
 
 METADATA_KEY = "mha_deploy"
-# Bumped when the meaning of a recorded field changes.
-METADATA_FORMAT = 1
+# Bumped when the meaning of a recorded field changes: the newest format this version reads. Files are
+# written in the oldest format that holds them, 1, except a custom model's (declared tensors; 2), which
+# earlier mha-deploy cannot read: it then says to upgrade.
+METADATA_FORMAT = 2
+_CUSTOM_FORMAT = 2
 
 # The choices the exporter, the runtime and serving accept, defined here (no torch, no
 # onnxruntime) so that the CLI lists them without importing either; the modules that
@@ -89,7 +92,13 @@ class ModelMetadata:
     d_ff: int | None = None
     versions: dict[str, str] = field(default_factory=dict)
     parity: ParityReport | None = None
-    format: int = METADATA_FORMAT
+    format: int = 1
+
+    @property
+    def fixed_sizes(self) -> dict[str, int]:
+        """The sizes of the named fixed axes (``signature.FIXED_AXES``); a custom model's are ints in its axes."""
+        heads = max(self.num_heads, 1)
+        return {"d_model": self.d_model, "heads": heads, "d_k": self.d_model // heads}
 
     def to_json(self) -> str:
         raw = asdict(self)
@@ -97,6 +106,11 @@ class ModelMetadata:
             # Written only when set, so that files without a cache stay readable by earlier mha-deploy.
             del raw["signature"]["kv_cache"]
             del raw["signature"]["layers"]
+        if self.signature.model != "custom":
+            for name in ("custom_inputs", "custom_outputs", "custom_paddable"):
+                del raw["signature"][name]
+        else:
+            raw["format"] = max(self.format, _CUSTOM_FORMAT)
         return json.dumps(raw, sort_keys=True)
 
     @classmethod
@@ -107,7 +121,7 @@ class ModelMetadata:
             if raw.get("parity") is not None:
                 raw["parity"] = ParityReport(**raw["parity"])
             metadata = cls(**raw)
-        except (ValueError, TypeError, KeyError, ExportError) as exc:
+        except (ValueError, TypeError, KeyError, SignatureError) as exc:
             raise ModelFileError(f"{source}: unreadable mha-deploy metadata ({exc})") from exc
         if metadata.signature.layers not in (1, metadata.layers):
             raise ModelFileError(

@@ -15,17 +15,19 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
-from mha_deploy.errors import ExportError
+from mha_deploy.errors import SignatureError
 
 ATTENTION_KINDS = ("self", "cross")
-# A lone reference MHA, or a post-norm Transformer stack built from it.
-MODEL_KINDS = ("mha", "encoder", "decoder")
+# A lone reference MHA, a post-norm Transformer stack built from it, or a user's own model built around the
+# attention ("custom": its tensors are declared at export, not derived from the mask mode).
+MODEL_KINDS = ("mha", "encoder", "decoder", "custom")
 MASK_MODES = ("none", "padding", "causal", "padding-causal")
 
 # Roles of a tensor in the contract.
-SEQUENCE = "sequence"  # float [batch, <sequence axis>, d_model]
+SEQUENCE = "sequence"  # float [batch, <sequence axis>, d_model] (a custom model's: [batch, <axis>, features])
+TOKENS = "tokens"  # int64 [batch, <sequence axis>]: token ids (custom models)
 PADDING_MASK = "padding_mask"  # bool [batch, <sequence axis>], True = real token
-OUTPUT = "output"  # float [batch, <query axis>, d_model]
+OUTPUT = "output"  # float [batch, <query axis>, d_model]; a custom model's per token or per item (see ``per_token``)
 WEIGHTS = "weights"  # float [batch, heads, <query axis>, <key axis>]: the softmax probabilities
 # A KV-cache model's keys/values of earlier calls, in and out: float [batch, heads, <length axis>, d_k].
 PAST = "past"  # past_key / past_value: the cache so far (length past_seq, 0 on the first call)
@@ -45,6 +47,10 @@ CACHE_PAIRS = {"past_key": "present_key", "past_value": "present_value"}
 SELF_CACHE_KINDS, ENCODER_CACHE_KINDS = ("key", "value"), ("encoder_key", "encoder_value")
 # dtype of a float tensor: whatever the model was exported in (float32, or float16).
 MODEL_DTYPE = "model"
+# The roles a custom model's inputs may have (the CLI spells padding_mask "padding-mask").
+INPUT_ROLES = (TOKENS, SEQUENCE, PADDING_MASK)
+# Inputs whose axis 1 is a length axis that items are batched along.
+_LENGTH_ROLES = (SEQUENCE, TOKENS, PADDING_MASK)
 
 
 @dataclass(frozen=True)
@@ -53,30 +59,44 @@ class TensorSpec:
 
     name: str
     role: str
-    dtype: str  # MODEL_DTYPE or "bool"
-    axes: tuple[str, ...]  # e.g. ("batch", "seq", "d_model")
+    dtype: str  # MODEL_DTYPE, "bool" or "int64"
+    # e.g. ("batch", "seq", "d_model"); a custom model's fixed sizes are ints: ("batch", "seq", 80), ("batch", 3)
+    axes: tuple[str | int, ...]
     marks: str | None = None  # padding masks: the sequence input whose positions it marks
+    # Token ids: the vocabulary size (ids must be in [0, vocab)); None when unknown.
+    vocab: int | None = None
+
+    def __post_init__(self):
+        object.__setattr__(self, "axes", tuple(self.axes))  # a list when read back from JSON
 
     @property
     def sequence_axis(self) -> str | None:
-        """The length axis of a sequence input or padding mask (axis 1), else None."""
-        return self.axes[1] if self.role in (SEQUENCE, PADDING_MASK) else None
+        """The length axis of a sequence input, token ids or padding mask (axis 1), else None."""
+        return self.axes[1] if self.role in _LENGTH_ROLES else None
 
     @property
     def dynamic_axes(self) -> dict[int, str]:
         """Position -> name of every axis whose size varies from call to call."""
-        return {i: axis for i, axis in enumerate(self.axes) if axis not in FIXED_AXES}
+        return {i: axis for i, axis in enumerate(self.axes) if isinstance(axis, str) and axis not in FIXED_AXES}
 
     def numpy_dtype(self, model_dtype: str) -> str:
         return model_dtype if self.dtype == MODEL_DTYPE else self.dtype
 
     def shape(self, sizes: Mapping[str, int]) -> tuple[int, ...]:
-        """The concrete shape for axis sizes ``sizes`` (name -> size; must cover every axis)."""
-        return tuple(int(sizes[axis]) for axis in self.axes)
+        """The concrete shape for axis sizes ``sizes`` (name -> size; must cover every named axis)."""
+        return tuple(axis if isinstance(axis, int) else int(sizes[axis]) for axis in self.axes)
 
     def dims(self, sizes: Mapping[str, int], dynamic: int = -1) -> tuple[int, ...]:
         """The shape with ``dynamic`` (Triton and the v2 protocol use -1) for every dynamic axis."""
-        return tuple(int(sizes[axis]) if axis in FIXED_AXES else dynamic for axis in self.axes)
+        return tuple(dynamic if i in self.dynamic_axes else size for i, size in enumerate(self.shape(sizes)))
+
+    def item_shape(self, length: int, fixed: Mapping[str, int]) -> tuple[int, ...]:
+        """One item's shape (no batch axis) with ``length`` positions: [length, d_model], [length], [length, 80]."""
+        return self.shape({**fixed, BATCH_AXIS: 1, self.axes[1]: length})[1:]
+
+    def describe(self) -> str:
+        """``[batch, seq, 80]``: the axes as the docs and errors write them."""
+        return "[" + ", ".join(map(str, self.axes)) + "]"
 
 
 @dataclass(frozen=True)
@@ -93,51 +113,113 @@ class Signature:
     kv_cache: bool = False
     # A KV-cache decoder stack's layer count: its cache inputs and outputs are per layer. 1 otherwise.
     layers: int = 1
+    # model "custom" (``Signature.custom``): the tensors as declared at export, and the length axes along
+    # which right-padding was measured to leave every real output unchanged (``paddable_axes``).
+    custom_inputs: tuple[TensorSpec, ...] = ()
+    custom_outputs: tuple[TensorSpec, ...] = ()
+    custom_paddable: tuple[str, ...] = ()
+
+    @classmethod
+    def custom(
+        cls, inputs: tuple[TensorSpec, ...], outputs: tuple[TensorSpec, ...], paddable: tuple[str, ...] = ()
+    ) -> Signature:
+        """A user's own model: ``inputs`` (tokens, sequences, padding masks) and ``outputs`` as declared."""
+        has_masks = any(spec.role == PADDING_MASK for spec in inputs)
+        return cls(
+            "self", "padding" if has_masks else "none", model="custom",
+            custom_inputs=tuple(inputs), custom_outputs=tuple(outputs), custom_paddable=tuple(paddable),
+        )
 
     def __post_init__(self):
+        # Read back from JSON, the declared tensors are dicts and lists.
+        for name in ("custom_inputs", "custom_outputs"):
+            specs = tuple(spec if isinstance(spec, TensorSpec) else TensorSpec(**spec) for spec in getattr(self, name))
+            object.__setattr__(self, name, specs)
+        object.__setattr__(self, "custom_paddable", tuple(self.custom_paddable))
+        if self.model == "custom":
+            self._check_custom()
+            return
+        if self.custom_inputs or self.custom_outputs or self.custom_paddable:
+            raise SignatureError(f"declared inputs and outputs are for a custom model, not --model {self.model}")
         if self.model not in MODEL_KINDS:
-            raise ExportError(f"model must be one of {', '.join(MODEL_KINDS)}, got {self.model!r}")
+            raise SignatureError(f"model must be one of {', '.join(MODEL_KINDS)}, got {self.model!r}")
         if self.attention not in ATTENTION_KINDS:
-            raise ExportError(f"attention must be one of {', '.join(ATTENTION_KINDS)}, got {self.attention!r}")
+            raise SignatureError(f"attention must be one of {', '.join(ATTENTION_KINDS)}, got {self.attention!r}")
         if self.mask not in MASK_MODES:
-            raise ExportError(f"mask must be one of {', '.join(MASK_MODES)}, got {self.mask!r}")
+            raise SignatureError(f"mask must be one of {', '.join(MASK_MODES)}, got {self.mask!r}")
         if self.layers < 1 or (self.layers != 1 and not (self.kv_cache and self.model == "decoder")):
-            raise ExportError(f"layers is the cache's layer count of a --kv-cache decoder, got {self.layers}")
+            raise SignatureError(f"layers is the cache's layer count of a --kv-cache decoder, got {self.layers}")
         if self.kv_cache:
             self._check_kv_cache()
         if self.model != "mha":
             self._check_stack()
         elif self.is_causal and self.attention == "cross":
-            raise ExportError(
+            raise SignatureError(
                 f"mask {self.mask!r} needs self-attention: a causal mask orders queries and keys of "
                 "one sequence, which cross-attention does not have (use --mask padding or none)"
             )
 
+    def _check_custom(self) -> None:
+        inputs, outputs = self.custom_inputs, self.custom_outputs
+        names = [spec.name for spec in (*inputs, *outputs)]
+        if duplicate := next((name for name in names if names.count(name) > 1), None):
+            raise SignatureError(f"{duplicate} is declared twice: every input and output needs its own name")
+        if not any(spec.role in (SEQUENCE, TOKENS) for spec in inputs):
+            raise SignatureError("a model needs at least one tokens or sequence input")
+        if not outputs:
+            raise SignatureError("a model needs at least one output")
+        for spec in inputs:
+            if spec.role not in INPUT_ROLES:
+                raise SignatureError(f"{spec.name}: role must be one of {', '.join(INPUT_ROLES)}, got {spec.role!r}")
+            if len(spec.axes) < 2 or spec.axes[0] != BATCH_AXIS or not isinstance(spec.axes[1], str):
+                raise SignatureError(f"{spec.name}: an input is [batch, <length axis>, ...], got {spec.describe()}")
+        sequences = {spec.name: spec.axes[1] for spec in inputs if spec.role in (SEQUENCE, TOKENS)}
+        for spec in inputs:
+            if spec.role != PADDING_MASK:
+                continue
+            if spec.marks not in sequences or sequences[spec.marks] != spec.axes[1]:
+                along = [name for name, axis in sequences.items() if axis == spec.axes[1]]
+                raise SignatureError(
+                    f"{spec.name}: a padding mask marks a tokens or sequence input on its length axis "
+                    f"{spec.axes[1]!r}, and {'none' if not along else ', '.join(along)} "
+                    f"{'is' if len(along) <= 1 else 'are'} declared on it"
+                    + ("" if along else " (declare the sequence first, or give both the same NAME:ROLE:AXIS)")
+                )
+        axes = set(sequences.values())
+        if unknown := [axis for axis in self.custom_paddable if axis not in axes]:
+            raise SignatureError(f"paddable axes {unknown} are not length axes of the inputs ({sorted(axes)})")
+
+    @property
+    def per_token_outputs(self) -> tuple[str, ...]:
+        """Outputs with a row per position of a length axis (axis 1); the others have one row per item."""
+        lengths = set(self.sequence_axes)
+        return tuple(spec.name for spec in self.outputs if len(spec.axes) > 1 and spec.axes[1] in lengths)
+
     def _check_stack(self) -> None:
         attention = "self" if self.model == "encoder" else "cross"
         if self.attention != attention:
-            raise ExportError(f"--model {self.model} has {attention}-attention inputs, not {self.attention!r}")
+            raise SignatureError(f"--model {self.model} has {attention}-attention inputs, not {self.attention!r}")
         if self.mask not in ("none", "padding"):
-            raise ExportError(
+            raise SignatureError(
                 f"--model {self.model} takes --mask none or padding"
                 + (" (its self-attention is always causal)" if self.model == "decoder" else "")
             )
         if self.return_weights:
-            raise ExportError(f"--model {self.model} has several attentions: --return-weights is for a lone MHA")
+            raise SignatureError(f"--model {self.model} has several attentions: --return-weights is for a lone MHA")
 
     def _check_kv_cache(self) -> None:
         if self.model == "encoder":
-            raise ExportError(
+            raise SignatureError(
                 "--kv-cache needs causal self-attention: an encoder's attends both ways (use --model decoder)"
             )
         if self.model == "mha" and (self.attention != "self" or not self.is_causal):
-            raise ExportError(
+            raise SignatureError(
                 "--kv-cache needs causal self-attention (--mask causal or padding-causal): a cache holds the "
                 f"keys of earlier tokens, which only causal attention leaves unchanged (got {self.attention}, "
                 f"{self.mask!r})"
             )
         if self.return_weights:
-            raise ExportError("--kv-cache returns the cache, not the probabilities: drop --return-weights")
+            raise SignatureError("--kv-cache returns the cache, not the probabilities: drop --return-weights")
 
     @property
     def cache_free(self) -> Signature:
@@ -158,6 +240,15 @@ class Signature:
     @property
     def _sequences(self) -> tuple[tuple[str, str], ...]:
         """(input name, its length axis) of each sequence input; the first one's positions are the output rows."""
+        if self.model == "custom":
+            sequences = [(spec.name, spec.axes[1]) for spec in self.custom_inputs if spec.role in (SEQUENCE, TOKENS)]
+            # The rows users read: the first per-token output's axis (an encoder-decoder's target), first.
+            rows = next(
+                (spec.axes[1] for spec in self.custom_outputs
+                 if len(spec.axes) > 1 and spec.axes[1] in {axis for _, axis in sequences}),
+                sequences[0][1],
+            )
+            return tuple(sorted(sequences, key=lambda pair: pair[1] != rows))
         if self.model == "decoder":
             return (("x", "tgt_seq"), ("memory", "mem_seq"))
         if self.attention == "self":
@@ -167,6 +258,8 @@ class Signature:
     @property
     def _masks(self) -> tuple[tuple[str, str], ...]:
         """(mask name, the sequence input it marks)."""
+        if self.model == "custom":
+            return tuple((spec.name, spec.marks) for spec in self.custom_inputs if spec.role == PADDING_MASK)
         if not self.has_padding_mask:
             return ()
         if self.model == "decoder":
@@ -175,6 +268,8 @@ class Signature:
 
     @property
     def inputs(self) -> tuple[TensorSpec, ...]:
+        if self.model == "custom":
+            return self.custom_inputs
         axis_of = dict(self._sequences)
         specs = [
             TensorSpec(name, SEQUENCE, MODEL_DTYPE, (BATCH_AXIS, axis, "d_model")) for name, axis in axis_of.items()
@@ -193,6 +288,8 @@ class Signature:
 
     @property
     def outputs(self) -> tuple[TensorSpec, ...]:
+        if self.model == "custom":
+            return self.custom_outputs
         specs = [TensorSpec("output", OUTPUT, MODEL_DTYPE, (BATCH_AXIS, self.query_axis, "d_model"))]
         if self.return_weights:
             axes = (BATCH_AXIS, "heads", self.query_axis, self.key_axis)
@@ -284,6 +381,9 @@ class Signature:
         """The length axis of the keys the (first) attention reads."""
         if self.kv_cache:
             return TOTAL_AXIS
+        if self.model == "custom":
+            # Its attentions are the user's: the longest axis bounds what one of them reads.
+            return self._sequences[0][1]
         return self._sequences[0][1] if self.attention == "self" else self._sequences[1][1]
 
     @property
@@ -307,6 +407,9 @@ class Signature:
         padding mask marks it, or when the attention over it is causal (right
         padding comes after every real query, which never sees it).
         """
+        if self.model == "custom":
+            # Measured at export (exporters.own_model): the model's code decides, not a mask mode.
+            return frozenset(self.custom_paddable)
         attended = {self.key_axis}
         if self.model == "decoder":
             attended = {"tgt_seq", "mem_seq"}

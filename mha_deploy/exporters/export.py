@@ -5,16 +5,25 @@ from __future__ import annotations
 import contextlib
 import importlib.metadata
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import onnx
+import torch
 
 from mha_deploy.atomic import atomic_path
 from mha_deploy.errors import ExportError, ParityError
 from mha_deploy.exporters.fusion import FusionReport, fuse_attention
 from mha_deploy.exporters.graphs import attention_graph
 from mha_deploy.exporters.kv_cache import CacheProjection, attach_caches, decode_on_mha, prefill_or_decode
+from mha_deploy.exporters.own_model import (
+    InputDecl,
+    count_attentions,
+    declare_model,
+    load_checkpoint,
+    trace_failure,
+)
 from mha_deploy.exporters.parity import (
     DEFAULT_ATOL,
     DEFAULT_RTOL,
@@ -22,6 +31,7 @@ from mha_deploy.exporters.parity import (
     ParityCase,
     check_cache_parity,
     check_parity,
+    default_cases,
 )
 from mha_deploy.exporters.precision import DTYPES, FP16_ATOL, FP16_RTOL, to_float16
 from mha_deploy.exporters.quantize import quantize_int8
@@ -39,6 +49,7 @@ from mha_deploy.metadata import (
 )
 from mha_deploy.models.attention import MASK_FILL_VALUE, MultiHeadAttention
 from mha_deploy.models.transformer import Decoder, Encoder
+from mha_deploy.runtime.model_check import graph_heads
 from mha_deploy.runtime.session import MHASession
 
 # --fuse auto, per mask mode: the fastest exact path on ORT's CPU provider. Full block
@@ -333,6 +344,59 @@ def export_stack(
     first = FirstCall(export_stack_onnx(prefill, export_options.opset, ("output", *layer_inputs)), projections)
     plain = export_stack_onnx(decode, export_options.opset)
     return _finish(graph, plain, metadata, output, export_options, attention_ops, first)
+
+
+def export_model(
+    module: torch.nn.Module,
+    output: str | os.PathLike,
+    inputs: Sequence[InputDecl | str],
+    *,
+    output_names: Sequence[str] | None = None,
+    checkpoint: str | os.PathLike | None = None,
+    max_length: int | None = None,
+    **options,
+) -> ExportResult:
+    """Export a user's own ``module`` (built around the reference attention) whose forward takes ``inputs``.
+
+    ``inputs``: ``InputDecl`` s or ``"NAME:ROLE[:AXIS][:FEATURES]"`` strings, in the forward's order; roles
+    ``tokens`` (int64 ids [batch, seq]), ``sequence`` (float [batch, seq, features]) and ``padding-mask``
+    ([batch, seq], True/1 = real token; it marks the tokens or sequence input on its axis). Inputs on a second
+    length axis (an encoder-decoder's target) name it: ``tgt:tokens:tgt_seq``. ``checkpoint`` is loaded into
+    ``module`` strictly first. Every attention is fused as a lone block's is, parity against ``module`` is
+    checked at unseen shapes on both padding sides (lengths capped at ``max_length``, for modules with a
+    position table), and the Signature read off the module (``own_model.declare_model``) is recorded in the
+    file. ``options`` as for ``export_mha``.
+    """
+    export_options = ExportOptions(**options)
+    export_options.check()
+    output = _check_output(output)
+    if max_length is not None and max_length < 1:
+        raise ExportError(f"max length must be at least 1, got {max_length}")
+    if checkpoint is not None:
+        load_checkpoint(module, checkpoint)
+    declared = declare_model(module, inputs, output_names)
+    signature = declared.signature
+    try:
+        plain = export_onnx(declared.wrapper, signature, declared.d_model, export_options.opset)
+    except ExportError as exc:
+        raise trace_failure(exc.__cause__ or exc, signature) from exc
+    attention_ops = count_attentions(plain)
+    heads = graph_heads(plain, declared.d_model)
+    metadata = ModelMetadata(
+        d_model=declared.d_model, num_heads=max(heads, default=1), signature=signature, layers=max(attention_ops, 1)
+    )
+    cases = export_options.parity_cases or capped_cases(default_cases(signature), max_length)
+    export_options = replace(export_options, parity_cases=cases)
+    result = _finish(declared.wrapper, plain, metadata, output, export_options, attention_ops)
+    result.warnings[:0] = declared.warnings
+    return result
+
+
+def capped_cases(cases: Sequence[ParityCase], max_length: int | None) -> tuple[ParityCase, ...]:
+    """``cases`` with every length at most ``max_length``."""
+    if max_length is None:
+        return tuple(cases)
+    return tuple(replace(c, q_len=min(c.q_len, max_length), kv_len=min(c.kv_len, max_length)) for c in cases)
 
 
 def _finish(

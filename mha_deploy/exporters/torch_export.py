@@ -12,7 +12,7 @@ import torch
 from torch.export import Dim
 
 from mha_deploy.errors import ExportError
-from mha_deploy.signature import ENCODER_PAST_AXIS, PADDING_MASK, TOTAL_AXIS, Signature
+from mha_deploy.signature import ENCODER_PAST_AXIS, PADDING_MASK, TOKENS, TOTAL_AXIS, Signature, TensorSpec
 
 # Tracing sizes: all >= 2 and pairwise different, so that torch.export cannot
 # specialise a dynamic axis to a constant or unify two axes that are independent.
@@ -28,12 +28,15 @@ def sample_inputs(signature: Signature, d_model: int, heads: int = 1) -> tuple[t
     gen = torch.Generator().manual_seed(0)
     mem_len = TRACE_MEM_LEN if signature.kv_cache else None
     sizes = signature.axis_sizes(TRACE_BATCH, TRACE_Q_LEN, TRACE_KV_LEN, mem_len, d_model=d_model, heads=heads)
-    return tuple(
-        torch.ones(spec.shape(sizes), dtype=torch.bool)
-        if spec.role == PADDING_MASK
-        else torch.randn(spec.shape(sizes), generator=gen)
-        for spec in signature.inputs
-    )
+    return tuple(_sample(spec, spec.shape(sizes), gen) for spec in signature.inputs)
+
+
+def _sample(spec: TensorSpec, shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
+    if spec.role == PADDING_MASK:
+        return torch.ones(shape, dtype=torch.bool)
+    if spec.role == TOKENS:
+        return torch.randint(0, spec.vocab or 2, shape, generator=gen)
+    return torch.randn(shape, generator=gen)
 
 
 def dynamic_shapes(signature: Signature) -> tuple[dict[int, Dim], ...]:
@@ -113,6 +116,6 @@ def export_onnx(
         raise ExportError(f"torch.onnx.export failed: {type(exc).__name__}: {exc}") from exc
     model = program.model_proto
     model.ir_version = min(model.ir_version, MAX_IR_VERSION)
-    if signature.kv_cache:
+    if signature.kv_cache or signature.model == "custom":
         name_dynamic_axes(model, signature)
     return model

@@ -32,11 +32,15 @@ import onnx
 from onnx import numpy_helper
 
 from mha_deploy.errors import ModelFileError
+from mha_deploy.inputs import random_item
 from mha_deploy.metadata import ModelMetadata
 from mha_deploy.model_report import all_nodes
-from mha_deploy.signature import FIXED_AXES, PADDING_MASK, SEQUENCE, TensorSpec
+from mha_deploy.signature import FIXED_AXES, PADDING_MASK, SEQUENCE, TOKENS, TensorSpec
 
-_ELEMENT_TYPES = {"float32": onnx.TensorProto.FLOAT, "float16": onnx.TensorProto.FLOAT16, "bool": onnx.TensorProto.BOOL}
+_ELEMENT_TYPES = {
+    "float32": onnx.TensorProto.FLOAT, "float16": onnx.TensorProto.FLOAT16, "bool": onnx.TensorProto.BOOL,
+    "int64": onnx.TensorProto.INT64,
+}
 # Largest relative error ||batched - alone|| / ||alone|| that padding may cause, by the model's float type.
 # A mask the graph ignores, or padding a model that is not causal, moves outputs by 10% and more.
 PROBE_REL_ERR = {"float32": 1e-3, "float16": 2e-2}
@@ -51,7 +55,7 @@ RunFn = Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]]
 def check_declared_io(proto: onnx.ModelProto, metadata: ModelMetadata, source: str) -> None:
     """Element type, rank and fixed sizes of every input and output the metadata lists, as the graph declares them."""
     declared = {v.name: v.type.tensor_type for v in (*proto.graph.input, *proto.graph.output)}
-    sizes = {"d_model": metadata.d_model, "heads": metadata.num_heads, "d_k": metadata.d_model // metadata.num_heads}
+    sizes = metadata.fixed_sizes
     for spec in (*metadata.signature.inputs, *metadata.signature.outputs):
         if spec.name not in declared:
             _refuse(source, f"its metadata lists {spec.name!r}, which the graph lacks")
@@ -68,6 +72,10 @@ def check_declared_io(proto: onnx.ModelProto, metadata: ModelMetadata, source: s
                             "its metadata")
         for position, (axis, dim) in enumerate(zip(spec.axes, dims, strict=True)):
             fixed = dim.dim_value if dim.HasField("dim_value") and dim.dim_value > 0 else None
+            if isinstance(axis, int):  # a custom model's fixed size
+                if fixed is not None and fixed != axis:
+                    _refuse(source, f"{spec.name}'s axis {position} is {fixed} in the graph, {axis} in its metadata")
+                continue
             if axis in FIXED_AXES and fixed is not None and fixed != sizes[axis]:
                 _refuse(source, f"{spec.name} has {axis} {fixed} in the graph, {sizes[axis]} in its metadata")
             if axis not in FIXED_AXES and fixed is not None:
@@ -105,6 +113,12 @@ def graph_heads(proto: onnx.ModelProto, d_model: int) -> set[int]:
 
 def check_heads(proto: onnx.ModelProto, metadata: ModelMetadata, source: str) -> None:
     heads = graph_heads(proto, metadata.d_model)
+    if metadata.signature.model == "custom":
+        # A user's model may hold attentions of several widths: the recorded count is the largest.
+        if heads and metadata.num_heads != max(heads):
+            _refuse(source, f"the graph's attentions split up to {max(heads)} heads, its metadata says "
+                            f"{metadata.num_heads}")
+        return
     if heads and heads != {metadata.num_heads}:
         _refuse(source, f"the graph splits {', '.join(map(str, sorted(heads)))} heads, its metadata says "
                         f"{metadata.num_heads}")
@@ -144,10 +158,7 @@ def check_batching(run: RunFn, metadata: ModelMetadata, source: str) -> None:
     long = {axis: length + 3 if axis in paddable else length for axis, length in short.items()}
 
     def item(lengths: Mapping[str, int]) -> dict[str, np.ndarray]:
-        return {
-            name: rng.standard_normal((lengths[signature.axis_of(name)], metadata.d_model)).astype(metadata.dtype)
-            for name in signature.sequence_inputs
-        }
+        return random_item(signature, metadata.fixed_sizes, dict(lengths), rng, metadata.dtype)
 
     probe, longer = item(short), item(long)
     together = run(_padded_batch([probe, longer], metadata))
@@ -175,10 +186,7 @@ def check_causal_behaviour(run: RunFn, metadata: ModelMetadata, source: str) -> 
         return
     rng = np.random.default_rng(1)
     lengths = {axis: 4 for axis in signature.sequence_axes}
-    item = {
-        name: rng.standard_normal((lengths[signature.axis_of(name)], metadata.d_model)).astype(metadata.dtype)
-        for name in signature.sequence_inputs
-    }
+    item = random_item(signature, metadata.fixed_sizes, lengths, rng, metadata.dtype)
     changed = {**item, signature.query_input: item[signature.query_input].copy()}
     changed[signature.query_input][-1] = rng.standard_normal(metadata.d_model)
     before, after = run(_padded_batch([item], metadata)), run(_padded_batch([changed], metadata))
@@ -243,10 +251,10 @@ def _padded_batch(items: list[dict[str, np.ndarray]], metadata: ModelMetadata) -
     feeds: dict[str, np.ndarray] = {}
     lengths: dict[str, list[int]] = {}
     for spec in signature.inputs:
-        if spec.role == SEQUENCE:
+        if spec.role in (SEQUENCE, TOKENS):
             arrays = [item[spec.name] for item in items]
             longest = max(len(a) for a in arrays)
-            batch = np.zeros((len(arrays), longest, metadata.d_model), metadata.dtype)
+            batch = np.zeros((len(arrays), longest, *arrays[0].shape[1:]), arrays[0].dtype)
             for row, array in enumerate(arrays):
                 batch[row, : len(array)] = array
             feeds[spec.name] = batch
@@ -274,7 +282,7 @@ def _scalar(tensor: onnx.TensorProto | None) -> int | None:
 
 
 def _axes(spec: TensorSpec) -> str:
-    return "[" + ", ".join(spec.axes) + "]"
+    return spec.describe()
 
 
 def _refuse(source: str, problem: str) -> None:

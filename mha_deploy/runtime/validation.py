@@ -30,7 +30,7 @@ import numpy as np
 
 from mha_deploy.errors import InputError
 from mha_deploy.metadata import ModelMetadata
-from mha_deploy.signature import Signature
+from mha_deploy.signature import BATCH_AXIS, TOKENS, Signature, TensorSpec
 
 
 @dataclass(frozen=True)
@@ -59,14 +59,19 @@ def name_problem(names, expected: tuple[str, ...]) -> Problem | None:
 def shape_problem(
     metadata: ModelMetadata, name: str, shape: tuple[int, ...], max_tokens: int | None = None
 ) -> Problem | None:
-    """One item's sequence must be [seq, d_model] with 1 <= seq (<= ``max_tokens`` when given)."""
-    d_model = metadata.d_model
+    """One item's sequence must be [seq, d_model] ([seq] token ids, [seq, features] for a custom model's
+    sequence) with 1 <= seq (<= ``max_tokens`` when given)."""
+    spec = metadata.signature.tensors[name]
+    expected = spec.item_shape(0, metadata.fixed_sizes)
+    layout = "[" + ", ".join(["seq", *map(str, expected[1:])]) + "]"
     if len(shape) >= 1 and shape[0] == 0:
         return Problem("empty_sequence", f"{name} is empty: a sequence needs at least one token")
-    if len(shape) != 2:
-        return Problem("wrong_rank", f"{name} has shape {tuple(shape)}, expected [seq, {d_model}]")
-    if shape[1] != d_model:
-        return Problem("wrong_d_model", f"{name} has d_model {shape[1]}, this model expects {d_model}")
+    if len(shape) != len(expected):
+        return Problem("wrong_rank", f"{name} has shape {tuple(shape)}, expected {layout}")
+    if tuple(shape[1:]) != expected[1:]:
+        if spec.axes[2:] == ("d_model",):
+            return Problem("wrong_d_model", f"{name} has d_model {shape[1]}, this model expects {expected[1]}")
+        return Problem("wrong_shape", f"{name} has shape {tuple(shape)}, this model expects {layout}")
     if max_tokens is not None and shape[0] > max_tokens:
         return Problem("too_many_tokens", f"{name} has {shape[0]} tokens, at most {max_tokens} are accepted")
     return None
@@ -131,6 +136,7 @@ def in_model_dtype(metadata: ModelMetadata, item: Mapping[str, object]) -> dict[
     """
     dtype = np.dtype(metadata.dtype)
     cast = dict(item)
+    specs = metadata.signature.tensors
     for name in metadata.signature.sequence_inputs:
         array = item.get(name)
         if (
@@ -138,6 +144,11 @@ def in_model_dtype(metadata: ModelMetadata, item: Mapping[str, object]) -> dict[
             and array.dtype.kind in "fiu"
             and shape_problem(metadata, name, array.shape) is None
         ):
+            if specs[name].role == TOKENS:
+                # Ids stay ids: integers of any width become int64; floats are left for item_problem to refuse.
+                if array.dtype.kind in "iu":
+                    cast[name] = np.ascontiguousarray(array, dtype=np.int64)
+                continue
             with np.errstate(over="ignore"):  # no copy when already contiguous in the model's dtype
                 cast[name] = np.ascontiguousarray(array, dtype=dtype)
     return cast
@@ -152,6 +163,7 @@ def item_problem(
     if problem:
         return problem
     dtype = np.dtype(metadata.dtype)
+    specs = signature.tensors
     for name in signature.sequence_inputs:
         array = item[name]
         if not isinstance(array, np.ndarray) or array.dtype.kind not in "fiu":
@@ -160,6 +172,13 @@ def item_problem(
         problem = shape_problem(metadata, name, array.shape, max_tokens)
         if problem:
             return problem
+        if specs[name].role == TOKENS:
+            if array.dtype != np.int64:
+                return Problem("wrong_dtype", f"{name} holds token ids: expected integers, got {array.dtype}")
+            problem = _id_problem(specs[name], array)
+            if problem:
+                return problem
+            continue
         if array.dtype != dtype:
             return Problem("wrong_dtype", f"{name} has dtype {array.dtype}, the model takes {dtype.name}")
         if not np.isfinite(array).all():
@@ -198,8 +217,8 @@ def validate_inputs(metadata: ModelMetadata, inputs: Mapping[str, object]) -> di
     problem = name_problem(inputs, signature.input_names)
     if problem:
         raise InputError(problem.message)
-    dtype = np.dtype(metadata.dtype)
-    arrays = {name: _sequence_array(name, inputs[name], dtype, metadata.d_model) for name in signature.sequence_inputs}
+    specs = signature.tensors
+    arrays = {name: _sequence_array(specs[name], inputs[name], metadata) for name in signature.sequence_inputs}
     batch = {name: array.shape[0] for name, array in arrays.items()}
     if len(set(batch.values())) > 1:
         raise InputError(f"batch sizes differ: {', '.join(f'{name} {size}' for name, size in batch.items())}")
@@ -256,18 +275,54 @@ def _cache_arrays(
     return arrays
 
 
-def _sequence_array(name: str, value: object, dtype: np.dtype, d_model: int) -> np.ndarray:
-    array = np.asarray(value)
-    if array.dtype != dtype:
-        hint = f" (cast with .astype(np.{dtype.name}))" if array.dtype.kind in "fiu" else ""
-        raise InputError(f"{name} must be {dtype.name}, got {array.dtype}{hint}")
-    if array.ndim != 3:
-        raise InputError(f"{name} must have rank 3 [batch, seq, {d_model}], got shape {array.shape}")
-    if array.shape[2] != d_model:
-        raise InputError(f"{name} has d_model {array.shape[2]}, this model expects {d_model} (shape {array.shape})")
+def _sequence_array(spec: TensorSpec, value: object, metadata: ModelMetadata) -> np.ndarray:
+    """A batch of one tokens or sequence input: its dtype, rank and fixed sizes; token ids in the vocabulary."""
+    name, array = spec.name, np.asarray(value)
+    if spec.role == TOKENS:
+        if array.dtype.kind not in "iu":
+            raise InputError(f"{name} holds token ids: it must be an integer array (int64), got {array.dtype}")
+        array = array.astype(np.int64, copy=False)
+    else:
+        dtype = np.dtype(metadata.dtype)
+        if array.dtype != dtype:
+            hint = f" (cast with .astype(np.{dtype.name}))" if array.dtype.kind in "fiu" else ""
+            raise InputError(f"{name} must be {dtype.name}, got {array.dtype}{hint}")
+    expected = spec.shape({**metadata.fixed_sizes, BATCH_AXIS: 0, spec.axes[1]: 0})
+    if array.ndim != len(expected):
+        raise InputError(f"{name} must have rank {len(expected)} {_layout(spec, metadata)}, got shape {array.shape}")
+    wrong = [(i, size) for i, size in enumerate(expected[2:], start=2) if array.shape[i] != size]
+    if wrong:
+        position, size = wrong[0]
+        feature = spec.axes[position] if isinstance(spec.axes[position], str) else f"axis {position}"
+        raise InputError(
+            f"{name} has {feature} {array.shape[position]}, this model expects {size} (shape {array.shape})"
+        )
     if array.shape[0] == 0 or array.shape[1] == 0:
         raise InputError(f"{name} is empty (shape {array.shape}): batch and sequence length must be at least 1")
+    if spec.role == TOKENS:
+        problem = _id_problem(spec, array)
+        if problem:
+            raise InputError(problem.message)
     return np.ascontiguousarray(array)
+
+
+def _layout(spec: TensorSpec, metadata: ModelMetadata) -> str:
+    """``[batch, seq, 512]``: the axes with the model's fixed sizes filled in."""
+    fixed = metadata.fixed_sizes
+    return "[" + ", ".join(str(fixed.get(axis, axis)) if isinstance(axis, str) else str(axis)
+                           for axis in spec.axes) + "]"
+
+
+def _id_problem(spec: TensorSpec, ids: np.ndarray) -> Problem | None:
+    """Token ids outside the model's vocabulary (the embedding would read past its table)."""
+    if spec.vocab is None or ids.size == 0:
+        return None
+    low, high = int(ids.min()), int(ids.max())
+    if low < 0 or high >= spec.vocab:
+        bad = low if low < 0 else high
+        return Problem("id_out_of_range", f"{spec.name} holds id {bad}: this model's vocabulary is ids 0 to "
+                                          f"{spec.vocab - 1}")
+    return None
 
 
 def _padding_mask(name: str, value: object, kv_shape: tuple[int, int], kv_name: str) -> np.ndarray:

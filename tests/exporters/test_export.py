@@ -7,7 +7,7 @@ import onnx
 import pytest
 import torch
 
-from mha_deploy.errors import ExportError, ParityError
+from mha_deploy.errors import ExportError, ParityError, SignatureError
 from mha_deploy.exporters import export_mha
 from mha_deploy.exporters.export import AUTO_TARGETS
 from mha_deploy.exporters.graphs import attention_graph
@@ -133,7 +133,7 @@ def test_export_overwrites_atomically(tmp_path):
     ],
 )
 def test_bad_export_requests(tmp_path, kwargs, message):
-    with pytest.raises(ExportError, match=message):
+    with pytest.raises((ExportError, SignatureError), match=message):
         signature = Signature(*kwargs.get("signature_args", ("self", "none")))
         export_mha(
             MultiHeadAttention(TEST_D_MODEL, TEST_HEADS),
@@ -308,5 +308,5 @@ def test_kv_cache_parity_failure_writes_nothing(tmp_path, defective_export):
     ],
 )
 def test_kv_cache_needs_causal_self_attention(signature_args, message):
-    with pytest.raises(ExportError, match=message):
+    with pytest.raises(SignatureError, match=message):
         Signature(**signature_args, kv_cache=True)

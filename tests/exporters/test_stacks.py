@@ -10,7 +10,7 @@ from click.testing import CliRunner
 
 from mha_deploy.batch import BatchRunner
 from mha_deploy.cli import main
-from mha_deploy.errors import ExportError, InputError
+from mha_deploy.errors import InputError, SignatureError
 from mha_deploy.exporters import export_stack
 from mha_deploy.exporters.parity import CacheCase, check_cache_parity
 from mha_deploy.exporters.precision import FP16_ATOL, FP16_RTOL
@@ -86,7 +86,7 @@ def test_batch_runner_pads_both_sequences_of_a_decoder(decoder_model):
     ],
 )
 def test_stack_masks(tmp_path, stack, mask, message):
-    with pytest.raises(ExportError, match=message):
+    with pytest.raises(SignatureError, match=message):
         export_stack(stack(1, D, TEST_HEADS, D), tmp_path / "s.onnx", mask=mask)
     assert list(tmp_path.iterdir()) == []
 

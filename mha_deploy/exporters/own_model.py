@@ -1,0 +1,426 @@
+"""``export_model``: a user's own ``nn.Module`` built around the reference attention -> a checked ONNX file.
+
+The user declares what the forward takes (``NAME:ROLE[:AXIS][:FEATURES]``: token ids, float sequences,
+padding masks); everything else is read off the module:
+
+- the outputs, and whether each has a row per position (per token) or one per item, from two eager runs
+  at different sizes;
+- the length axes along which right-padding (zeros or id 0 past each item's end, its mask False there)
+  leaves every real output unchanged: the axes the batch runner and the server may pad. A classifier
+  that pools without its mask, or a model that is not causal and reads unmasked keys, is not padded;
+- the vocabulary of each token input, from the embedding its ids index.
+
+Then it goes the way of the lone block: torch.onnx.export with a dynamic batch and every length axis
+dynamic, the fusion chain, parity against the module at unseen shapes on both padding sides, and the
+Signature written into the file, so that runtime, batch and serving take the model like any other.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import onnx
+import torch
+from torch import nn
+
+from mha_deploy.errors import CheckpointError, ExportError
+from mha_deploy.exporters.torch_export import TRACE_BATCH
+from mha_deploy.signature import (
+    BATCH_AXIS,
+    MODEL_DTYPE,
+    OUTPUT,
+    PADDING_MASK,
+    SEQUENCE,
+    TOKENS,
+    Signature,
+    TensorSpec,
+)
+
+# The roles as the CLI spells them -> the Signature's.
+ROLES = {"tokens": TOKENS, "sequence": SEQUENCE, "padding-mask": PADDING_MASK}
+DEFAULT_AXIS = "seq"
+# Tracing lengths per declared axis, in declaration order: >= 2, pairwise different, never the tracing batch
+# (so that torch.export neither specialises an axis nor unifies two), and a second set for the probe run
+# that tells a length axis from a fixed size.
+_TRACE_LENGTHS = (3, 5, 7, 11)
+_PROBE_BATCH, _PROBE_LENGTHS = 4, (6, 9, 13, 17)
+# Right-padding that moves a real output by more than this relative error makes the axis unpaddable.
+_PADDING_REL_ERR = 1e-4
+# The layers whose input width is the width of the sequence that feeds them, in the order they are tried.
+_WIDTH_OF = (
+    (nn.Linear, lambda m: m.in_features),
+    (nn.LayerNorm, lambda m: m.normalized_shape[-1]),
+    (nn.MultiheadAttention, lambda m: m.embed_dim),
+    (nn.Conv1d, lambda m: m.in_channels),
+)
+_INT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
+_OUTPUT_DTYPES = {torch.float32: MODEL_DTYPE, torch.float16: MODEL_DTYPE, torch.int64: "int64", torch.bool: "bool"}
+
+
+@dataclass(frozen=True)
+class InputDecl:
+    """One declared input of the forward: ``NAME:ROLE[:AXIS][:FEATURES]`` on the command line."""
+
+    name: str
+    role: str  # tokens | sequence | padding-mask
+    axis: str = DEFAULT_AXIS
+    features: int | None = None  # a sequence's width; read off the module when not given
+
+    @classmethod
+    def parse(cls, text: str) -> InputDecl:
+        parts = text.split(":")
+        if len(parts) < 2 or not all(parts):
+            raise ExportError(f"--input {text!r}: expected NAME:ROLE[:AXIS][:FEATURES], e.g. ids:tokens")
+        name, role, rest = parts[0], parts[1], parts[2:]
+        axis, features = DEFAULT_AXIS, None
+        for part in rest:
+            if part.isdigit():
+                features = int(part)
+            elif re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", part):
+                axis = part
+            else:
+                raise ExportError(f"--input {text!r}: {part!r} is neither an axis name nor a feature width")
+        return cls(name, role, axis, features)
+
+    def __post_init__(self):
+        if self.role not in ROLES:
+            raise ExportError(f"input {self.name}: role must be one of {', '.join(ROLES)}, got {self.role!r}")
+        if self.axis == BATCH_AXIS:
+            raise ExportError(f"input {self.name}: {BATCH_AXIS!r} is the batch axis, not a length axis")
+        if self.features is not None and (self.role != "sequence" or self.features < 1):
+            raise ExportError(f"input {self.name}: a feature width is for a sequence input, and at least 1")
+
+
+def declare_inputs(inputs: Sequence[InputDecl | str]) -> tuple[InputDecl, ...]:
+    decls = tuple(d if isinstance(d, InputDecl) else InputDecl.parse(d) for d in inputs)
+    if not decls:
+        raise ExportError("declare the forward's inputs: --input NAME:ROLE for each, e.g. --input ids:tokens")
+    names = [d.name for d in decls]
+    if duplicate := next((n for n in names if names.count(n) > 1), None):
+        raise ExportError(f"input {duplicate} is declared twice")
+    return decls
+
+
+def check_forward(module: nn.Module, decls: Sequence[InputDecl]) -> None:
+    """The forward takes the declared inputs, in order, and needs nothing else."""
+    try:
+        parameters = list(inspect.signature(module.forward).parameters.values())
+    except (TypeError, ValueError):
+        return  # a forward torch wrapped beyond inspection: the trace will tell
+    positional = [p for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    takes = f"{type(module).__name__}.forward({', '.join(p.name for p in parameters)})"
+    if any(p.kind == p.VAR_POSITIONAL for p in parameters):
+        return
+    for index, decl in enumerate(decls):
+        if index >= len(positional):
+            raise ExportError(f"input {decl.name}: {takes} takes only {len(positional)} inputs")
+        if positional[index].name != decl.name:
+            where = "is not a parameter of" if decl.name not in [p.name for p in parameters] else "is not in order in"
+            raise ExportError(
+                f"input {decl.name}: {where} {takes}; declare its inputs in the forward's order"
+            )
+    required = [p.name for p in positional[len(decls):] if p.default is p.empty]
+    if required:
+        raise ExportError(f"{takes} also needs {', '.join(required)}: declare every input without a default")
+
+
+def feature_width(module: nn.Module, decl: InputDecl) -> int:
+    if decl.features is not None:
+        return decl.features
+    for layer in module.modules():
+        for kind, width in _WIDTH_OF:
+            if isinstance(layer, kind):
+                return int(width(layer))
+    raise ExportError(
+        f"input {decl.name}: cannot tell the sequence's feature width from the module; declare it, "
+        f"e.g. --input {decl.name}:sequence:{decl.axis}:80"
+    )
+
+
+def vocabulary(module: nn.Module) -> int | None:
+    """The smallest embedding table: token ids below it index every table the module has."""
+    sizes = [layer.num_embeddings for layer in module.modules() if isinstance(layer, nn.Embedding)]
+    return min(sizes) if sizes else None
+
+
+def load_checkpoint(module: nn.Module, path: str | os.PathLike) -> None:
+    """Load ``path`` (safetensors, or a torch file through ``weights_only``) into ``module``, strictly."""
+    from mha_deploy.models.checkpoint import read_state_dict
+
+    state, _ = read_state_dict(path)
+    expected = module.state_dict()
+    missing = [key for key in expected if key not in state]
+    unexpected = [key for key in state if key not in expected]
+    misshapen = [
+        f"{key} {tuple(state[key].shape)} (the module's is {tuple(expected[key].shape)})"
+        for key in expected
+        if key in state and state[key].shape != expected[key].shape
+    ]
+    problems = []
+    for label, keys in (("missing", missing), ("unexpected", unexpected), ("misshapen", misshapen)):
+        if keys:
+            problems.append(f"{label} {', '.join(keys[:8])}{f' and {len(keys) - 8} more' if len(keys) > 8 else ''}")
+    if problems:
+        raise CheckpointError(f"checkpoint {path} does not fit {type(module).__name__}: {'; '.join(problems)}")
+    module.load_state_dict(state, strict=True)
+
+
+class DeclaredModule(nn.Module):
+    """The user's module as the graph runs it: bool padding masks in, converted to the dtype its forward
+    takes (bool, or 0/1 integers or floats for code written around tokenizers' masks), and a flat tuple of
+    tensors out (a tensor, a tuple or list, or a dict's values)."""
+
+    variadic_from = 0  # torch_export: forward takes every input through *inputs
+
+    def __init__(self, module: nn.Module, mask_dtypes: Sequence[torch.dtype | None]):
+        super().__init__()
+        self.module = module
+        self.mask_dtypes = tuple(mask_dtypes)
+
+    def forward(self, *inputs):
+        args = [x if dtype is None else x.to(dtype) for x, dtype in zip(inputs, self.mask_dtypes, strict=True)]
+        return tuple(flatten_outputs(self.module(*args)))
+
+
+def flatten_outputs(result) -> list[torch.Tensor]:
+    if isinstance(result, torch.Tensor):
+        return [result]
+    if isinstance(result, Mapping):
+        result = list(result.values())
+    if isinstance(result, (tuple, list)):
+        return [tensor for item in result if item is not None for tensor in flatten_outputs(item)]
+    raise ExportError(f"the forward returns a {type(result).__name__}: outputs must be tensors (or tuples/dicts)")
+
+
+def default_output_names(module: nn.Module, samples: Sequence[torch.Tensor], count: int) -> tuple[str, ...]:
+    with torch.no_grad():
+        result = module(*samples)
+    if isinstance(result, Mapping) and len(result) == count:
+        return tuple(str(key) for key in result)
+    return ("output",) if count == 1 else tuple(f"output_{i}" for i in range(count))
+
+
+@dataclass
+class _Probe:
+    """The declared inputs at one set of sizes."""
+
+    batch: int
+    lengths: dict[str, int]  # length axis -> length
+
+    def tensors(self, decls, vocab, widths, gen, real: Mapping[str, int] | None = None) -> list[torch.Tensor]:
+        """Random inputs; padding masks True up to ``real[axis]`` (default: everywhere)."""
+        tensors = []
+        for decl in decls:
+            length = self.lengths[decl.axis]
+            if decl.role == "tokens":
+                tensors.append(torch.randint(0, vocab or 2, (self.batch, length), generator=gen))
+            elif decl.role == "sequence":
+                tensors.append(torch.randn(self.batch, length, widths[decl.name], generator=gen))
+            else:
+                upto = length if real is None else real[decl.axis]
+                tensors.append((torch.arange(length) < upto).expand(self.batch, length).clone())
+        return tensors
+
+
+def _mask_dtypes(module, decls, samples) -> list[torch.dtype | None]:
+    """bool masks if the forward takes them; else the first of int64, float32 it runs with."""
+    dtypes: list[torch.dtype | None] = [None] * len(decls)
+    masks = [i for i, d in enumerate(decls) if d.role == "padding-mask"]
+    for dtype in (None, torch.int64, torch.float32):
+        for i in masks:
+            dtypes[i] = dtype
+        try:
+            with torch.no_grad():
+                DeclaredModule(module, dtypes)(*samples)
+            return dtypes
+        except ExportError:
+            raise
+        except Exception as exc:
+            failure = exc
+    raise ExportError(_first_line(f"the module fails on the declared inputs: {type(failure).__name__}: {failure}"))
+
+
+def _output_specs(
+    wrapper: DeclaredModule, names: Sequence[str], first: _Probe, second: _Probe, runs: Sequence[Sequence]
+) -> tuple[TensorSpec, ...]:
+    """Each output's axes: batch first, a length axis where its size follows one, fixed sizes elsewhere."""
+    with torch.no_grad():
+        outputs = [wrapper(*tensors) for tensors in runs]
+    specs = []
+    for name, a, b in zip(names, *outputs, strict=True):
+        dtype = _OUTPUT_DTYPES.get(a.dtype)
+        if dtype is None:
+            raise ExportError(f"output {name} is {a.dtype}: outputs must be float32, float16, int64 or bool")
+        if a.dim() == 0 or a.shape[0] != first.batch or b.shape[0] != second.batch:
+            raise ExportError(
+                f"output {name} has shape {tuple(a.shape)}: axis 0 must be the batch ({first.batch} here); "
+                "return batch-first outputs (e.g. batch_first=True)"
+            )
+        axes: list[str | int] = [BATCH_AXIS]
+        for position, (size_a, size_b) in enumerate(zip(a.shape[1:], b.shape[1:], strict=True), start=1):
+            if size_a == size_b:
+                axes.append(int(size_a))
+                continue
+            axis = next((ax for ax, n in first.lengths.items() if n == size_a and second.lengths[ax] == size_b), None)
+            if axis is None:
+                raise ExportError(
+                    f"output {name}'s axis {position} is {size_a} for lengths {first.lengths} and {size_b} for "
+                    f"{second.lengths}: it follows no declared length axis"
+                )
+            axes.append(axis)
+        specs.append(TensorSpec(name, OUTPUT, dtype, tuple(axes)))
+    return tuple(specs)
+
+
+def _paddable_axes(wrapper, decls, vocab, widths, signature: Signature) -> tuple[str, ...]:
+    """The length axes along which right-padding an item leaves each of its real outputs unchanged."""
+    gen = torch.Generator().manual_seed(1)
+    axes = signature.sequence_axes
+    real = {axis: _TRACE_LENGTHS[i] for i, axis in enumerate(axes)}
+    paddable = []
+    for axis in axes:
+        alone = _Probe(1, dict(real))
+        padded = _Probe(1, {**real, axis: real[axis] + 4})
+        item = alone.tensors(decls, vocab, widths, gen)
+        # Garbage past the end: random ids or values, the mask False there.
+        extended = padded.tensors(decls, vocab, widths, gen, real=real)
+        for index, decl in enumerate(decls):
+            if decl.axis == axis and decl.role != "padding-mask":
+                extended[index][:, : real[axis]] = item[index]
+            elif decl.role != "padding-mask":
+                extended[index] = item[index]
+        with torch.no_grad():
+            expected, got = wrapper(*item), wrapper(*extended)
+        if all(_same_rows(spec, e, g, axis, real[axis]) for spec, e, g in zip(signature.outputs, expected, got,
+                                                                           strict=True)):
+            paddable.append(axis)
+    return tuple(paddable)
+
+
+def _same_rows(spec: TensorSpec, expected: torch.Tensor, got: torch.Tensor, axis: str, real: int) -> bool:
+    cut = tuple(slice(0, real) if a == axis else slice(None) for a in spec.axes)
+    got = got[cut]
+    if got.shape != expected.shape:
+        return False
+    expected64, got64 = expected.double(), got.double()
+    if not bool(torch.isfinite(got64).all()):
+        return False
+    scale = max(float(expected64.norm()), 1e-30)
+    return float((got64 - expected64).norm()) / scale <= _PADDING_REL_ERR
+
+
+def _first_line(text: str) -> str:
+    line = text.strip().splitlines()[0] if text.strip() else text
+    return line if len(line) <= 400 else line[:397] + "..."
+
+
+def trace_failure(exc: BaseException, signature: Signature) -> ExportError:
+    """A one-line error for a module that torch.export cannot trace with the declared dynamic axes."""
+    text = str(exc)
+    for axis in (*signature.sequence_axes, BATCH_AXIS):
+        if re.search(rf"\b{re.escape(axis)}\b", text) and ("specializ" in text or "Constraints violated" in text):
+            names = [spec.name for spec in signature.inputs if axis in spec.axes]
+            return ExportError(
+                f"the module does not trace with a dynamic {axis!r} axis (inputs {', '.join(names)}): its code "
+                f"fixes that size (a constant shape, a view to a fixed length, a Python loop over it); "
+                f"torch.export said: {_first_line(text)}"
+            )
+    return ExportError(f"torch.onnx.export failed: {type(exc).__name__}: {_first_line(text)}")
+
+
+@dataclass
+class Declared:
+    """A user's module ready to export: the graph's module, its Signature and tracing facts."""
+
+    wrapper: DeclaredModule
+    signature: Signature
+    d_model: int
+    warnings: list[str]
+
+
+def declare_model(
+    module: nn.Module, inputs: Sequence[InputDecl | str], output_names: Sequence[str] | None = None
+) -> Declared:
+    """Read the Signature of ``module`` for the declared ``inputs`` (see the module docstring)."""
+    module = module.eval()
+    decls = declare_inputs(inputs)
+    check_forward(module, decls)
+    axes = list(dict.fromkeys(d.axis for d in decls))
+    if len(axes) > len(_TRACE_LENGTHS):
+        raise ExportError(f"{len(axes)} length axes declared; at most {len(_TRACE_LENGTHS)} are supported")
+    for decl in decls:
+        if decl.role == "padding-mask" and not any(d.role != "padding-mask" and d.axis == decl.axis for d in decls):
+            raise ExportError(
+                f"input {decl.name}: a padding mask marks a tokens or sequence input on its axis {decl.axis!r}, "
+                f"and none is declared there (give both the same axis: NAME:ROLE:AXIS)"
+            )
+    vocab = vocabulary(module)
+    if any(d.role == "tokens" for d in decls) and vocab is None:
+        raise ExportError("a tokens input needs an nn.Embedding in the module to index; none was found")
+    widths = {d.name: feature_width(module, d) for d in decls if d.role == "sequence"}
+    first = _Probe(TRACE_BATCH, {axis: _TRACE_LENGTHS[i] for i, axis in enumerate(axes)})
+    second = _Probe(_PROBE_BATCH, {axis: _PROBE_LENGTHS[i] for i, axis in enumerate(axes)})
+    gen = torch.Generator().manual_seed(0)
+    runs = [first.tensors(decls, vocab, widths, gen), second.tensors(decls, vocab, widths, gen)]
+    wrapper = DeclaredModule(module, _mask_dtypes(module, decls, runs[0]))
+    with torch.no_grad():
+        count = len(wrapper(*runs[0]))
+    names = tuple(output_names) if output_names else default_output_names(module, _args(wrapper, runs[0]), count)
+    if len(names) != count:
+        raise ExportError(f"{len(names)} output names given, the forward returns {count} tensors")
+    outputs = _output_specs(wrapper, names, first, second, runs)
+    marks = {d.axis: d.name for d in reversed(decls) if d.role != "padding-mask"}
+    specs = tuple(
+        TensorSpec(d.name, PADDING_MASK, "bool", (BATCH_AXIS, d.axis), marks=marks[d.axis])
+        if d.role == "padding-mask"
+        else TensorSpec(d.name, TOKENS, "int64", (BATCH_AXIS, d.axis), vocab=vocab)
+        if d.role == "tokens"
+        else TensorSpec(d.name, SEQUENCE, MODEL_DTYPE, (BATCH_AXIS, d.axis, widths[d.name]))
+        for d in decls
+    )
+    draft = Signature.custom(specs, outputs)
+    paddable = _paddable_axes(wrapper, decls, vocab, widths, draft)
+    warnings = [
+        f"right-padding the {axis!r} axis changes real outputs although {mask} masks it (does the model read "
+        "its mask everywhere, e.g. in pooling?): items of different lengths will not share a batch"
+        for mask, axis in ((d.name, d.axis) for d in decls if d.role == "padding-mask")
+        if axis not in paddable
+    ]
+    signature = Signature.custom(specs, outputs, paddable)
+    d_model = next(iter(widths.values()), 0) or _embedding_width(module)
+    return Declared(wrapper, signature, d_model, warnings)
+
+
+def _args(wrapper: DeclaredModule, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    return [x if dtype is None else x.to(dtype) for x, dtype in zip(tensors, wrapper.mask_dtypes, strict=True)]
+
+
+def _embedding_width(module: nn.Module) -> int:
+    return next((layer.embedding_dim for layer in module.modules() if isinstance(layer, nn.Embedding)), 0)
+
+
+def count_attentions(model: onnx.ModelProto) -> int:
+    """Attention subgraphs (Softmax over MatMul scores) and attention ops in a plain export."""
+    import onnx_ir as ir
+
+    from mha_deploy.exporters.fusion.pipeline import attention_softmaxes
+
+    return len(attention_softmaxes(ir.serde.deserialize_model(model)))
+
+
+__all__ = [
+    "ROLES",
+    "Declared",
+    "DeclaredModule",
+    "InputDecl",
+    "check_forward",
+    "count_attentions",
+    "declare_inputs",
+    "declare_model",
+    "load_checkpoint",
+    "trace_failure",
+]
