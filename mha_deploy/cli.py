@@ -114,10 +114,25 @@ def main(ctx: click.Context, debug: bool) -> None:
               help="Parity tolerance, absolute (default 1e-5 for fp32, 5e-3 for fp16).")
 @click.option("--rtol", type=click.FloatRange(min=0),
               help="Parity tolerance, relative (default 1e-4 for fp32, 5e-3 for fp16).")
+@click.option("--module", "module_spec", metavar="FILE.py:FACTORY",
+              help="Your own model: FACTORY() in FILE.py returns the nn.Module (--checkpoint then loads its state "
+                   "dict strictly). Declare its forward's inputs with --input.")
+@click.option("--input", "inputs", multiple=True, metavar="NAME:ROLE[:AXIS][:FEATURES]",
+              help="With --module, one per forward input, in order. ROLE: tokens (int64 ids [batch, seq]), "
+                   "sequence (float [batch, seq, FEATURES]; FEATURES read off the module when omitted) or "
+                   "padding-mask ([batch, seq], True/1 = real token; it marks the input on the same AXIS). AXIS "
+                   "(default seq) names a length axis: an encoder-decoder's target is e.g. tgt:tokens:tgt_seq.")
+@click.option("--output-name", "output_names", multiple=True, metavar="NAME",
+              help="With --module, names of the forward's outputs in order (default: output, or output_0, "
+                   "output_1, ..., or a returned dict's keys).")
+@click.option("--max-length", type=click.IntRange(min=1),
+              help="With --module, the longest sequence the module takes (e.g. its position table): parity "
+                   "checks no longer one.")
 @click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path), required=True,
               help="Where to write the .onnx file (written only if parity passes).")
-def export(checkpoint, d_model, heads, model_kind, layers, d_ff, attention, mask, return_weights, kv_cache, fuse,
-           quantize, seed, opset, dtype, atol, rtol, output):
+@click.pass_context
+def export(ctx, checkpoint, d_model, heads, model_kind, layers, d_ff, attention, mask, return_weights, kv_cache, fuse,
+           quantize, seed, opset, dtype, atol, rtol, module_spec, inputs, output_names, max_length, output):
     """Export a reference MHA to ONNX with dynamic batch and sequence axes, checked against torch.
 
     \b
@@ -130,12 +145,28 @@ def export(checkpoint, d_model, heads, model_kind, layers, d_ff, attention, mask
       mha-deploy export --dtype fp16 --fuse mha --mask padding -o mha-fp16.onnx
       mha-deploy export --model decoder --layers 6 --mask padding -o decoder.onnx
       mha-deploy export --checkpoint attn.safetensors --heads 8 --mask padding-causal -o mha.onnx
+      mha-deploy export --module model.py:build --input ids:tokens --input mask:padding-mask -o model.onnx
     """
-    from mha_deploy.exporters import export_mha, export_stack
+    from mha_deploy.exporters import export_mha, export_model, export_stack, load_factory
     from mha_deploy.metadata import Signature
 
     options = {"opset": opset, "atol": atol, "rtol": rtol, "fuse": fuse, "quantize": quantize, "dtype": dtype}
-    if model_kind == "mha":
+    lone_block = ("d_model", "heads", "model_kind", "layers", "d_ff", "attention", "mask", "return_weights",
+                  "kv_cache", "seed")
+    own_model = ("inputs", "output_names", "max_length")
+    if module_spec is not None:
+        given = [name for name in lone_block if _given(ctx, name)]
+        if given:
+            raise click.UsageError(f"--module exports your model as it is: {_flags(given)} describe the built-in ones")
+        if not inputs:
+            raise click.UsageError("--module needs its forward's inputs: --input NAME:ROLE for each")
+        module = load_factory(module_spec)
+        click.echo(f"exporting {type(module).__name__} from {module_spec}, inputs {', '.join(inputs)}", err=True)
+        result = export_model(module, output, inputs, output_names=output_names or None, checkpoint=checkpoint,
+                              max_length=max_length, **options)
+    elif given := [name for name in own_model if _given(ctx, name)]:
+        raise click.UsageError(f"{_flags(given)} describe your own model: give it with --module FILE.py:FACTORY")
+    elif model_kind == "mha":
         if layers != 1:
             raise click.UsageError("--layers is for --model encoder or decoder")
         signature = Signature(attention, mask, return_weights, kv_cache=kv_cache)
@@ -160,6 +191,15 @@ def export(checkpoint, d_model, heads, model_kind, layers, d_ff, attention, mask
     click.echo(result.fusion.summary())
     click.echo(result.parity.summary())
     click.echo(f"wrote {result.path}")
+
+
+def _given(ctx: click.Context, name: str) -> bool:
+    return ctx.get_parameter_source(name) not in (None, click.core.ParameterSource.DEFAULT)
+
+
+def _flags(names: list[str]) -> str:
+    flags = {"model_kind": "--model", "inputs": "--input", "output_names": "--output-name"}
+    return ", ".join(flags.get(name, "--" + name.replace("_", "-")) for name in names)
 
 
 def _build_stack(kind: str, layers: int, d_model: int | None, heads: int | None, d_ff: int | None, seed: int):

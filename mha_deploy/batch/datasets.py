@@ -126,9 +126,15 @@ def _group_names(names: list[str], signature: Signature, source: Path) -> dict[s
     parts = signature.sequence_inputs
     if len(parts) == 1:  # one sequence per item: the key is the id
         return {name: {parts[0]: name} for name in names}
+    # A custom model's first input is the item itself (<id>), its others <id>.<input>; the built-in
+    # cross-attention and decoder name every part.
+    bare = signature.query_input if signature.model == "custom" else None
     items: dict[str, dict[str, str]] = {}
     for name in names:
         item_id, _, part = name.rpartition(".")
+        if bare is not None and (part not in parts or not item_id or part == bare):
+            items.setdefault(name, {})[bare] = name
+            continue
         if part not in parts or not item_id:
             expected = ", ".join(f"<id>.{p}" for p in parts)
             raise InputError(f"{source}: key {name!r} is not one of {expected}, which this model reads per item")
@@ -175,7 +181,7 @@ class _KeyedFileReader:
             arrays, problem = {}, None
             for name, key in keys.items():
                 try:
-                    arrays[name] = self._load(key)
+                    arrays[name] = self._load(key, name)
                 except _UnusableMember as exc:
                     problem = f"{key!r} {exc}"
                     break
@@ -199,7 +205,12 @@ class NpzItemReader(_KeyedFileReader):
 
     def __init__(self, path: Path, signature: Signature, d_model: int = 0):
         super().__init__(path, signature)
-        self.d_model = d_model
+        # Each input's item shape past its length ((d_model,), (), (80,)); unchecked where d_model is unknown.
+        fixed = {"d_model": d_model}
+        self._tails = {
+            name: signature.tensors[name].item_shape(0, fixed)[1:] if d_model else None
+            for name in signature.sequence_inputs
+        }
 
     def _open(self):
         if not zipfile.is_zipfile(self.path):
@@ -210,7 +221,7 @@ class NpzItemReader(_KeyedFileReader):
     def _names(self) -> list[str]:
         return [_npz_key(name) for name in self._zip.namelist()]
 
-    def _load(self, key: str) -> np.ndarray:
+    def _load(self, key: str, name: str) -> np.ndarray:
         info = self._members[key]
         fmt = np.lib.format
         with self._zip.open(info) as stream:
@@ -228,7 +239,8 @@ class NpzItemReader(_KeyedFileReader):
                 f"is damaged: its header declares {declared} bytes of data, the archive holds "
                 f"{info.file_size - header_bytes}"
             )
-        if len(shape) != 2 or (self.d_model and shape[1] != self.d_model) or dtype.kind not in "fiu":
+        tail = self._tails[name]
+        if len(shape) < 1 or (tail is not None and tuple(shape[1:]) != tail) or dtype.kind not in "fiu":
             # Not an item the model takes: a stand-in of the declared shape and dtype, without the data,
             # lets the one validator name what is wrong.
             return np.broadcast_to(np.zeros((), dtype), shape)
@@ -260,7 +272,7 @@ class SafetensorsItemReader(_KeyedFileReader):
     def _names(self) -> list[str]:
         return list(self._file.keys())
 
-    def _load(self, key: str) -> np.ndarray:
+    def _load(self, key: str, name: str) -> np.ndarray:
         return self._file.get_tensor(key)
 
     def _close(self):
@@ -280,11 +292,10 @@ def output_keys(item_id: str, signature: Signature, suffix: str) -> tuple[str, .
 
 
 def item_arrays(item_id: str, result: dict[str, np.ndarray]) -> Iterator[tuple[str, np.ndarray]]:
-    """The file keys of one item's results: ``<id>`` and ``<id>.attn_weights``."""
-    yield item_id, result["output"]
+    """The file keys of one item's results: ``<id>`` (output) and ``<id>.<name>`` (attn_weights, or a custom
+    model's outputs)."""
     for name, array in result.items():
-        if name != "output":
-            yield output_key(item_id, name), array
+        yield output_key(item_id, name), array
 
 
 class _UniqueKeys:

@@ -26,6 +26,7 @@ import numpy as np
 from mha_deploy.batch.base import RawItem
 from mha_deploy.errors import InputError
 from mha_deploy.metadata import Signature
+from mha_deploy.signature import TOKENS
 
 ID_COLUMN = "id"
 # Rows decoded, and rows per written row group, at a time: bounds pyarrow's transient buffers.
@@ -39,6 +40,24 @@ def _pyarrow():
     except ImportError as exc:
         raise InputError('Parquet needs pyarrow: pip install "mha-deploy[parquet]"') from exc
     return pa, pq
+
+
+def decode_ids(column) -> list[np.ndarray | str]:
+    """A list<integer> column -> per row an int64 array [seq] of token ids, or a problem."""
+    pa, _ = _pyarrow()
+    if isinstance(column, pa.ChunkedArray):
+        column = column.combine_chunks()
+    is_list = pa.types.is_list(column.type) or pa.types.is_large_list(column.type)
+    if not is_list or not pa.types.is_integer(column.type.value_type):
+        raise InputError(f"column type {column.type} is not a list of token ids (list<int64>)")
+    offsets = column.offsets.to_numpy()
+    values = column.flatten().to_numpy(zero_copy_only=False).astype(np.int64, copy=False)
+    base = offsets[0]
+    nulls = column.is_null().to_numpy(zero_copy_only=False)
+    return [
+        "is null" if nulls[row] else values[offsets[row] - base : offsets[row + 1] - base]
+        for row in range(len(column))
+    ]
 
 
 def decode_sequences(column, d_model: int) -> list[np.ndarray | str]:
@@ -128,7 +147,11 @@ class ParquetItemReader:
         rows = min(self.window, ROWS_PER_BATCH)
         for batch in self._file.iter_batches(batch_size=rows, columns=self.columns, use_threads=False):
             ids = batch.column(ID_COLUMN).to_pylist()
-            decoded = {name: decode_sequences(batch.column(name), self.d_model) for name in self.columns[1:]}
+            decoded = {
+                name: decode_ids(batch.column(name)) if self.signature.tensors[name].role == TOKENS
+                else decode_sequences(batch.column(name), self.d_model)
+                for name in self.columns[1:]
+            }
             for row, item_id in enumerate(ids):
                 if item_id is None:
                     yield RawItem(f"<row {row}>", None, "id is null")
@@ -174,10 +197,13 @@ class ParquetItemWriter:
         columns = {ID_COLUMN: pa.array([item_id for item_id, _ in results], pa.string())}
         if not results:
             columns["output"] = pa.array([], pa.list_(pa.list_(pa.float32())))
-        else:
-            columns["output"] = encode_nested([result["output"] for _, result in results], self._fixed_inner)
-        if results and "attn_weights" in results[0][1]:
-            columns["attn_weights"] = encode_nested([result["attn_weights"] for _, result in results])
+        for name in results[0][1] if results else ():
+            # The query's vector type carries over to the output of the same rows; other outputs are plain lists.
+            fixed_inner = self._fixed_inner and name == "output"
+            arrays = [result[name] for _, result in results]
+            columns[name] = (
+                encode_nested(arrays, fixed_inner) if arrays[0].ndim else pa.array(np.stack(arrays))
+            )
         table = pa.table(columns)
         if self._writer is None:
             self._writer = pq.ParquetWriter(self.path, table.schema)

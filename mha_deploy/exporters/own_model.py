@@ -17,11 +17,14 @@ Signature written into the file, so that runtime, batch and serving take the mod
 
 from __future__ import annotations
 
+import importlib.util
 import inspect
 import os
 import re
+import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import onnx
 import torch
@@ -93,6 +96,41 @@ class InputDecl:
             raise ExportError(f"input {self.name}: {BATCH_AXIS!r} is the batch axis, not a length axis")
         if self.features is not None and (self.role != "sequence" or self.features < 1):
             raise ExportError(f"input {self.name}: a feature width is for a sequence input, and at least 1")
+
+
+def load_factory(spec: str) -> nn.Module:
+    """``FILE.py:FACTORY`` -> the ``nn.Module`` that calling ``FACTORY()`` from that file returns."""
+    path_text, _, factory = spec.rpartition(":")
+    if not path_text or not factory.isidentifier():
+        raise ExportError(f"--module {spec!r}: expected FILE.py:FACTORY, e.g. model.py:build")
+    path = Path(path_text)
+    if not path.is_file():
+        raise ExportError(f"--module {spec!r}: {path} {'is not a file' if path.exists() else 'does not exist'}")
+    name = f"_mha_deploy_user_{re.sub(r'[^0-9A-Za-z_]', '_', path.stem)}"
+    loader_spec = importlib.util.spec_from_file_location(name, path)
+    if loader_spec is None or loader_spec.loader is None:
+        raise ExportError(f"--module {spec!r}: {path} cannot be imported as Python source")
+    source = importlib.util.module_from_spec(loader_spec)
+    # The file's own imports of its neighbours resolve as they do when the user runs it.
+    sys.path.insert(0, str(path.resolve().parent))
+    sys.modules[name] = source
+    try:
+        loader_spec.loader.exec_module(source)
+    except Exception as exc:
+        raise ExportError(f"--module {spec!r}: importing {path} failed: {type(exc).__name__}: {exc}") from exc
+    finally:
+        sys.path.remove(str(path.resolve().parent))
+    build = getattr(source, factory, None)
+    if not callable(build):
+        found = sorted(n for n, v in vars(source).items() if callable(v) and not n.startswith("_"))
+        raise ExportError(f"--module {spec!r}: {path} has no callable {factory!r} (it has: {', '.join(found)})")
+    try:
+        module = build()
+    except Exception as exc:
+        raise ExportError(f"--module {spec!r}: {factory}() failed: {type(exc).__name__}: {exc}") from exc
+    if not isinstance(module, nn.Module):
+        raise ExportError(f"--module {spec!r}: {factory}() returned a {type(module).__name__}, not an nn.Module")
+    return module
 
 
 def declare_inputs(inputs: Sequence[InputDecl | str]) -> tuple[InputDecl, ...]:
@@ -422,5 +460,6 @@ __all__ = [
     "declare_inputs",
     "declare_model",
     "load_checkpoint",
+    "load_factory",
     "trace_failure",
 ]
