@@ -88,7 +88,11 @@ class TensorSpec:
 
     def dims(self, sizes: Mapping[str, int], dynamic: int = -1) -> tuple[int, ...]:
         """The shape with ``dynamic`` (Triton and the v2 protocol use -1) for every dynamic axis."""
-        return tuple(dynamic if i in self.dynamic_axes else size for i, size in enumerate(self.shape(sizes)))
+        dynamic_axes = self.dynamic_axes
+        return tuple(
+            dynamic if i in dynamic_axes else axis if isinstance(axis, int) else int(sizes[axis])
+            for i, axis in enumerate(self.axes)
+        )
 
     def item_shape(self, length: int, fixed: Mapping[str, int]) -> tuple[int, ...]:
         """One item's shape (no batch axis) with ``length`` positions: [length, d_model], [length], [length, 80]."""

@@ -148,7 +148,7 @@ def tensor_specs(
     rather than the graph's value_info, which an exporter may leave incomplete.
     """
     signature = metadata.signature
-    sizes = {"d_model": metadata.d_model, "heads": metadata.num_heads, "d_k": metadata.d_model // metadata.num_heads}
+    sizes = metadata.fixed_sizes
     # -1 for every dynamic axis; the batch axis is Triton's when it batches.
     shapes = {spec.name: spec.dims(sizes) for spec in (*signature.inputs, *signature.outputs)}
     types = {v.name: v.type.tensor_type.elem_type for v in (*proto.graph.input, *proto.graph.output)}
@@ -170,9 +170,12 @@ def config_pbtxt(proto: onnx.ModelProto, metadata: ModelMetadata, config: Triton
         return _kv_cache_config(proto, metadata, config, name)
     inputs, outputs = tensor_specs(proto, metadata, config.max_batch_size)
     sig = metadata.signature
+    described = (
+        f"your own model ({', '.join(sig.input_names)} -> {', '.join(sig.output_names)})"
+        if sig.model == "custom" else f"{sig.attention}-attention, mask {sig.mask}"
+    )
     lines = [
-        f"# Written by mha-deploy: d_model {metadata.d_model}, {metadata.num_heads} heads, "
-        f"{sig.attention}-attention, mask {sig.mask}.",
+        f"# Written by mha-deploy: d_model {metadata.d_model}, {metadata.num_heads} heads, {described}.",
         "# Triton batches only requests of equal shape (same sequence lengths); see mha_deploy/serving/triton.py.",
         f'name: "{name}"',
         'backend: "onnxruntime"',

@@ -51,7 +51,7 @@ STATUS_CODES = {
     503: grpc.StatusCode.UNAVAILABLE,
 }
 # Protocol datatype -> the typed contents field that carries it (FP16 has none: raw only).
-TYPED_CONTENTS = {"FP32": "fp32_contents", "BOOL": "bool_contents"}
+TYPED_CONTENTS = {"FP32": "fp32_contents", "BOOL": "bool_contents", "INT64": "int64_contents"}
 
 
 class GrpcServeError(MHADeployError):

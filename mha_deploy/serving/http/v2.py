@@ -35,14 +35,14 @@ from mha_deploy.metadata import ModelMetadata
 from mha_deploy.runtime.validation import item_problem, shape_problem, validate_inputs
 from mha_deploy.serving.http.batcher import MicroBatcher
 from mha_deploy.serving.http.parsing import RequestError
-from mha_deploy.signature import BATCH_AXIS, SEQUENCE, TensorSpec
+from mha_deploy.signature import BATCH_AXIS, SEQUENCE, TOKENS, TensorSpec
 
 SERVER_NAME = "mha-deploy"
 MODEL_VERSION = "1"
 PLATFORM = "onnxruntime_onnx"
 EXTENSIONS = ("binary_tensor_data",)
 # numpy dtype name -> protocol datatype, for the element types an exported model's tensors have.
-DATATYPES = {"float32": "FP32", "float16": "FP16", "bool": "BOOL"}
+DATATYPES = {"float32": "FP32", "float16": "FP16", "bool": "BOOL", "int64": "INT64"}
 
 
 def bad_request(kind: str, message: str) -> RequestError:
@@ -59,7 +59,7 @@ def datatype(spec: TensorSpec, metadata: ModelMetadata) -> str:
 
 def tensor_shape(spec: TensorSpec, metadata: ModelMetadata) -> list[int]:
     """The tensor's shape with -1 for every dynamic axis."""
-    return list(spec.dims({"d_model": metadata.d_model, "heads": metadata.num_heads}))
+    return list(spec.dims(metadata.fixed_sizes))
 
 
 def model_metadata(name: str, metadata: ModelMetadata) -> dict:
@@ -97,7 +97,7 @@ def check_declared(
         raise bad_request("wrong_shape", f"input {name} has shape {list(shape)}, this model takes {dims} (-1: any)")
     if shape[0] == 0:
         raise bad_request("empty_batch", f"input {name} has an empty batch: shape {list(shape)}")
-    if spec.role == SEQUENCE:
+    if spec.role in (SEQUENCE, TOKENS):
         problem = shape_problem(metadata, name, tuple(shape[1:]), max_tokens)
         if problem:
             raise bad_request(problem.kind, f"input {problem.message} (shape {list(shape)}, expected {dims})")
@@ -134,9 +134,10 @@ def array_from_list(name: str, dtype: np.dtype, shape: list[int], data: object) 
         raise bad_request("wrong_data_size", f"input {name}: {array.size} values, shape {list(shape)} needs "
                                              f"{math.prod(shape)}")
     # JSON true/false for BOOL only; numbers (not booleans, strings or null) for the rest.
-    wanted = "b" if dtype == np.bool_ else "fiu"
+    # Integer tensors (token ids) take integers only: 1.5 would otherwise be truncated to an id.
+    wanted = "b" if dtype == np.bool_ else "iu" if dtype.kind in "iu" else "fiu"
     if array.size and array.dtype.kind not in wanted:
-        what = "true/false" if dtype == np.bool_ else "numbers"
+        what = "true/false" if dtype == np.bool_ else "integers" if wanted == "iu" else "numbers"
         raise bad_request("bad_data", f"input {name}: data holds {array.dtype.kind!r}-kind values, expected {what}")
     with np.errstate(over="ignore", invalid="ignore"):  # beyond the dtype's range becomes inf, refused later
         return array.astype(dtype).reshape(shape)
@@ -224,7 +225,7 @@ async def run_plan(plan: RequestPlan, batcher: MicroBatcher, metadata: ModelMeta
 def _assemble(spec: TensorSpec, results: list[Result], plan: RequestPlan, metadata: ModelMetadata) -> np.ndarray:
     """Per-row results (real lengths) placed at the start of each row of a zero tensor of the request's shape."""
     signature = metadata.signature
-    sizes = {"d_model": metadata.d_model, "heads": metadata.num_heads, BATCH_AXIS: len(results)}
+    sizes = {**metadata.fixed_sizes, BATCH_AXIS: len(results)}
     for name in signature.sequence_inputs:
         sizes[signature.axis_of(name)] = plan.feeds[name].shape[1]
     out = np.zeros(spec.shape(sizes), dtype=results[0][spec.name].dtype)
