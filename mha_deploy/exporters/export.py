@@ -35,6 +35,7 @@ from mha_deploy.exporters.parity import (
 )
 from mha_deploy.exporters.precision import DTYPES, FP16_ATOL, FP16_RTOL, to_float16
 from mha_deploy.exporters.quantize import quantize_int8
+from mha_deploy.exporters.reference_form import reference_attention
 from mha_deploy.exporters.stack_graphs import decoder_cache_graphs, export_stack_onnx, stack_graph
 from mha_deploy.exporters.torch_export import DEFAULT_OPSET, export_onnx
 from mha_deploy.metadata import (
@@ -377,7 +378,8 @@ def export_model(
     declared = declare_model(module, inputs, output_names)
     signature = declared.signature
     try:
-        plain = export_onnx(declared.wrapper, signature, declared.d_model, export_options.opset)
+        with reference_attention():
+            plain = export_onnx(declared.traced, signature, declared.d_model, export_options.opset)
     except ExportError as exc:
         raise trace_failure(exc.__cause__ or exc, signature) from exc
     attention_ops = count_attentions(plain)

@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from mha_deploy.errors import CheckpointError, ExportError
+from mha_deploy.exporters.reference_form import in_reference_form
 from mha_deploy.exporters.torch_export import TRACE_BATCH
 from mha_deploy.signature import (
     BATCH_AXIS,
@@ -372,9 +373,11 @@ def trace_failure(exc: BaseException, signature: Signature) -> ExportError:
 
 @dataclass
 class Declared:
-    """A user's module ready to export: the graph's module, its Signature and tracing facts."""
+    """A user's module ready to export: the module as declared (the parity reference), the copy to trace
+    (torch's own attention in the reference form, ``reference_form``), its Signature and tracing facts."""
 
     wrapper: DeclaredModule
+    traced: DeclaredModule
     signature: Signature
     d_model: int
     warnings: list[str]
@@ -430,7 +433,8 @@ def declare_model(
     ]
     signature = Signature.custom(specs, outputs, paddable)
     d_model = next(iter(widths.values()), 0) or _embedding_width(module)
-    return Declared(wrapper, signature, d_model, warnings)
+    traced, _ = in_reference_form(module)
+    return Declared(wrapper, DeclaredModule(traced, wrapper.mask_dtypes), signature, d_model, warnings)
 
 
 def _args(wrapper: DeclaredModule, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:

@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from mha_deploy.compare import Comparison, compare_outputs
+from mha_deploy.errors import ExportError, MHADeployError
 from mha_deploy.inputs import PADDING_SIDES, InputCase, cast_floats, make_inputs, padding_mask, real_query_rows
 from mha_deploy.metadata import ParityReport, Signature
 from mha_deploy.runtime.session import MHASession
@@ -167,7 +168,14 @@ def _judge(
     for label, feeds, actual in runs:
         labels.append(label)
         # The reference stays fp32: a half-precision model is judged against full precision.
-        expected = torch_reference(reference, signature, feeds)
+        try:
+            expected = torch_reference(reference, signature, feeds)
+        except Exception as exc:  # the user's module: any error type
+            raise ExportError(
+                f"parity at {label}: the module itself fails in torch ({type(exc).__name__}: "
+                f"{str(exc).strip().splitlines()[0] if str(exc).strip() else ''}); if it takes at most N tokens "
+                "(a position table), export with --max-length N"
+            ) from exc
         rows = real_query_rows(signature, feeds)
         for comparison in compare_outputs(signature, actual, expected, rows, atol, rtol, rel_budget):
             comparisons.append(comparison)
@@ -219,6 +227,14 @@ def check_parity(
     def runs():
         for index, case in enumerate(cases or default_cases(signature)):
             feeds = make_inputs(signature, session.metadata.d_model, case, seed + index)
-            yield case.label(signature), feeds, session.run(cast_floats(feeds, model_dtype))
+            try:
+                outputs = session.run(cast_floats(feeds, model_dtype))
+            except MHADeployError:
+                raise
+            except Exception as exc:  # ORT's own types: the graph cannot run at this shape
+                first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+                raise ExportError(f"parity at {case.label(signature)}: ONNX Runtime cannot run the graph: "
+                                  f"{first}") from exc
+            yield case.label(signature), feeds, outputs
 
     return _judge(module, signature, runs(), atol, rtol, rel_budget)
