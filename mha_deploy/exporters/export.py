@@ -50,7 +50,7 @@ from mha_deploy.metadata import (
 )
 from mha_deploy.models.attention import MASK_FILL_VALUE, MultiHeadAttention
 from mha_deploy.models.transformer import Decoder, Encoder
-from mha_deploy.runtime.model_check import graph_heads
+from mha_deploy.runtime.model_check import head_splits
 from mha_deploy.runtime.session import MHASession
 
 # --fuse auto, per mask mode: the fastest exact path on ORT's CPU provider. Full block
@@ -381,11 +381,14 @@ def export_model(
         with reference_attention():
             plain = export_onnx(declared.traced, signature, declared.d_model, export_options.opset)
     except ExportError as exc:
-        raise trace_failure(exc.__cause__ or exc, signature) from exc
+        if exc.__cause__ is None:  # already says what was wrong
+            raise
+        raise trace_failure(exc.__cause__, signature) from exc
     attention_ops = count_attentions(plain)
-    heads = graph_heads(plain, declared.d_model)
+    # The widest attention's sizes (d_model is its width, which the inputs' need not be).
+    heads, d_k = max(head_splits(plain), key=lambda split: (split[0] * split[1], split[0]), default=(1, 0))
     metadata = ModelMetadata(
-        d_model=declared.d_model, num_heads=max(heads, default=1), signature=signature, layers=max(attention_ops, 1)
+        d_model=heads * d_k or declared.d_model, num_heads=heads, signature=signature, layers=max(attention_ops, 1)
     )
     cases = export_options.parity_cases or capped_cases(default_cases(signature), max_length)
     export_options = replace(export_options, parity_cases=cases)

@@ -159,9 +159,7 @@ def check_forward(module: nn.Module, decls: Sequence[InputDecl]) -> None:
             raise ExportError(f"input {decl.name}: {takes} takes only {len(positional)} inputs")
         if positional[index].name != decl.name:
             where = "is not a parameter of" if decl.name not in [p.name for p in parameters] else "is not in order in"
-            raise ExportError(
-                f"input {decl.name}: {where} {takes}; declare its inputs in the forward's order"
-            )
+            raise ExportError(f"input {decl.name} {where} {takes}: declare its inputs in the forward's order")
     required = [p.name for p in positional[len(decls):] if p.default is p.empty]
     if required:
         raise ExportError(f"{takes} also needs {', '.join(required)}: declare every input without a default")
@@ -280,7 +278,10 @@ def _mask_dtypes(module, decls, samples) -> list[torch.dtype | None]:
             raise
         except Exception as exc:
             failure = exc
-    raise ExportError(_first_line(f"the module fails on the declared inputs: {type(failure).__name__}: {failure}"))
+    declared = ", ".join(f"{d.name}:{d.role}" for d in decls)
+    raise ExportError(_first_line(
+        f"the module fails on the declared inputs ({declared}): {type(failure).__name__}: {failure}"
+    ))
 
 
 def _output_specs(

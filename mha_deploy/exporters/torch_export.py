@@ -78,6 +78,35 @@ def _quiet_exporter():
             logger.setLevel(level)
 
 
+def _check_dynamic(program, signature: Signature) -> None:
+    """Refuse a graph that holds only for some sizes of an axis declared dynamic.
+
+    When strict capture fails, torch.onnx.export falls back to capture strategies that accept the module's
+    guards: a Python branch on a length (``if x.size(1) > 4``) then leaves a graph valid up to 4 only,
+    recorded as a bounded range of that axis's symbol.
+    """
+    exported = getattr(program, "exported_program", None)
+    if exported is None:
+        return
+    bounded = {str(symbol): (r.lower, r.upper) for symbol, r in exported.range_constraints.items()
+               if not str(r.upper).endswith("oo")}
+    if not bounded:
+        return
+    placeholders = [node for node in exported.graph.nodes if node.op == "placeholder" and "val" in node.meta]
+    user_inputs = placeholders[-len(signature.inputs):]
+    for spec, node in zip(signature.inputs, user_inputs, strict=False):
+        for position, axis in spec.dynamic_axes.items():
+            symbol = str(node.meta["val"].shape[position]) if position < node.meta["val"].dim() else None
+            if symbol in bounded:
+                low, high = bounded[symbol]
+                raise ExportError(
+                    f"the module does not trace with a dynamic {axis!r} axis (inputs "
+                    f"{', '.join(s.name for s in signature.inputs if axis in s.axes)}): the traced graph holds only "
+                    f"for {axis} in {low}..{high}; its code decides something on that size (e.g. `if x.size(1) > "
+                    f"{high}`), which a graph cannot: compute it with tensor ops"
+                )
+
+
 def export_onnx(
     module: torch.nn.Module,
     signature: Signature,
@@ -114,6 +143,7 @@ def export_onnx(
             )
     except Exception as exc:  # the exporter raises many unrelated types
         raise ExportError(f"torch.onnx.export failed: {type(exc).__name__}: {exc}") from exc
+    _check_dynamic(program, signature)
     model = program.model_proto
     model.ir_version = min(model.ir_version, MAX_IR_VERSION)
     if signature.kv_cache or signature.model == "custom":

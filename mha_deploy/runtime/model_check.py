@@ -95,19 +95,24 @@ def graph_heads(proto: onnx.ModelProto, d_model: int) -> set[int]:
             found.add(int(attributes["q_num_heads"]))
     if found:
         return found
-    # Unfused: Reshape(x, Concat(batch, seq, [heads], [d_k])) splits the heads.
+    return {heads for heads, d_k in head_splits(proto) if heads * d_k == d_model}
+
+
+def head_splits(proto: onnx.ModelProto) -> set[tuple[int, int]]:
+    """(heads, d_k) of each head split of an unfused graph: Reshape(x, Concat(batch, seq, [heads], [d_k]))."""
     constants = {t.name: t for t in proto.graph.initializer}
     for node in proto.graph.node:
         if node.op_type == "Constant":
             for attribute in node.attribute:
                 if attribute.name == "value":
                     constants[node.output[0]] = attribute.t
+    found = set()
     for node in proto.graph.node:
         if node.op_type != "Concat" or len(node.input) != 4:
             continue
         tail = [_scalar(constants.get(name)) for name in node.input[2:]]
-        if None not in tail and tail[0] * tail[1] == d_model:
-            found.add(tail[0])
+        if None not in tail:
+            found.add((tail[0], tail[1]))
     return found
 
 

@@ -1,10 +1,8 @@
 """The classifier with its attention on torch's F.scaled_dot_product_attention (boolean mask, True = attend)."""
 
-import torch
 import torch.nn.functional as F
-from torch import nn
-
 from classifier import Block, TextClassifier
+from torch import nn
 
 INPUTS = ("input_ids:tokens", "attention_mask:padding-mask")
 

@@ -1,0 +1,220 @@
+"""Users' own models (tests/user_models) through `mha-deploy export --module`: every attention fused on every
+execution path, no Softmax left, parity against the module on both padding sides, the Signature read off
+the module; and bad declarations as one-line errors that name the input."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from click.testing import CliRunner  # noqa: E402
+
+from mha_deploy.cli import main  # noqa: E402
+from mha_deploy.errors import ExportError  # noqa: E402
+from mha_deploy.exporters import export_model  # noqa: E402
+from mha_deploy.inputs import padding_mask  # noqa: E402
+from mha_deploy.model_report import all_nodes  # noqa: E402
+from mha_deploy.runtime import MHASession  # noqa: E402
+
+USER_MODELS = Path(__file__).parents[1] / "user_models"
+# model file -> attentions in it
+ATTENTIONS = {
+    "classifier": 2, "causal_lm": 2, "seq2seq": 6, "feature_encoder": 2, "torch_encoder": 2, "sdpa_classifier": 2,
+}
+ATTENTION_OPS = {"MultiHeadAttention", "GroupQueryAttention", "Attention"}
+# Per-token outputs compared on real rows, per-item outputs whole: fp32 through different kernels.
+ATOL, RTOL = 2e-5, 1e-4
+
+
+def user_module(name: str):
+    sys.path.insert(0, str(USER_MODELS))
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path.remove(str(USER_MODELS))
+
+
+@pytest.fixture(scope="session")
+def exported(tmp_path_factory):
+    """``exported(name) -> (path, CLI output)``: tests/user_models/<name>.py exported once through the CLI."""
+    cache = {}
+
+    def export(name: str):
+        if name not in cache:
+            path = tmp_path_factory.mktemp("own") / f"{name}.onnx"
+            inputs = [arg for spec in user_module(name).INPUTS for arg in ("--input", spec)]
+            result = CliRunner().invoke(
+                main, ["export", "--module", f"{USER_MODELS / name}.py:build", *inputs, "-o", str(path)]
+            )
+            assert result.exit_code == 0, result.output
+            cache[name] = path, result.output
+        return cache[name]
+
+    return export
+
+
+def _attention_sites(graph: onnx.GraphProto) -> int:
+    """Attentions on every execution path of ``graph``: each attention op, or If whose branches each hold one
+    path's worth; asserts that both branches of an If agree."""
+    sites = 0
+    for node in graph.node:
+        if node.op_type in ATTENTION_OPS:
+            sites += 1
+        elif node.op_type == "If":
+            branches = [_attention_sites(attr.g) for attr in node.attribute if attr.name in ("then_branch",
+                                                                                            "else_branch")]
+            assert len(set(branches)) == 1, f"If {node.name}: its branches hold {branches} attentions"
+            sites += branches[0]
+    return sites
+
+
+@pytest.mark.parametrize("name", list(ATTENTIONS))
+def test_every_attention_is_fused_on_every_path(exported, name):
+    path, output = exported(name)
+    model = onnx.load(str(path))
+    assert "parity PASSED" in output
+    assert f"{ATTENTIONS[name]} fused" in output
+    assert _attention_sites(model.graph) == ATTENTIONS[name]
+    assert not [node.name for node in all_nodes(model.graph) if node.op_type == "Softmax"]
+
+
+def _feeds(session: MHASession, batch: int, lengths: dict[str, int], side: str, seed: int) -> dict:
+    """Random inputs at ``lengths`` per axis, padded on ``side`` where the model has a mask."""
+    rng = np.random.default_rng(seed)
+    signature, feeds = session.signature, {}
+    for spec in signature.inputs:
+        length = lengths[spec.axes[1]]
+        if spec.role == "tokens":
+            feeds[spec.name] = rng.integers(0, spec.vocab, (batch, length))
+        elif spec.role == "sequence":
+            feeds[spec.name] = rng.standard_normal((batch, length, spec.axes[2])).astype(np.float32)
+        else:
+            feeds[spec.name] = padding_mask(batch, length, side, rng)
+    return feeds
+
+
+@pytest.mark.parametrize("side", ["right", "left"])
+@pytest.mark.parametrize("name", list(ATTENTIONS))
+def test_outputs_equal_the_module_on_real_rows(exported, name, side):
+    path, _ = exported(name)
+    session = MHASession(path, provider="cpu")
+    signature = session.signature
+    lengths = {axis: 23 + 6 * i for i, axis in enumerate(signature.sequence_axes)}
+    feeds = _feeds(session, 3, lengths, side, seed=7)
+    module = user_module(name).build().eval()
+    with torch.no_grad():
+        expected = module(*(torch.from_numpy(feeds[n]) for n in signature.input_names))
+    expected = expected if isinstance(expected, tuple) else (expected,)
+    got = session.run(feeds)
+    rows_mask = signature.mask_of(signature.query_input)
+    for spec, want in zip(signature.outputs, expected, strict=True):
+        want, have = want.numpy(), got[spec.name]
+        if spec.name in signature.per_token_outputs and rows_mask is not None:
+            real = feeds[rows_mask]
+            want, have = want[real], have[real]
+        np.testing.assert_allclose(have, want, atol=ATOL, rtol=RTOL, err_msg=f"{name} {spec.name} ({side} padding)")
+
+
+@pytest.mark.parametrize(
+    ("name", "inputs", "outputs", "paddable"),
+    [
+        ("classifier", {"input_ids": ("tokens", ("batch", "seq")),
+                        "attention_mask": ("padding_mask", ("batch", "seq"))},
+         {"output": ("batch", 3)}, {"seq"}),
+        ("causal_lm", {"tokens": ("tokens", ("batch", "seq")), "mask": ("padding_mask", ("batch", "seq"))},
+         {"output": ("batch", "seq", 50)}, {"seq"}),
+        ("seq2seq", {"src": ("tokens", ("batch", "src_seq")), "src_mask": ("padding_mask", ("batch", "src_seq")),
+                     "tgt": ("tokens", ("batch", "tgt_seq")), "tgt_mask": ("padding_mask", ("batch", "tgt_seq"))},
+         {"output": ("batch", "tgt_seq", 50)}, {"src_seq", "tgt_seq"}),
+        ("feature_encoder", {"features": ("sequence", ("batch", "frames", 20)),
+                             "frame_mask": ("padding_mask", ("batch", "frames"))},
+         {"output": ("batch", "frames", 32)}, {"frames"}),
+    ],
+)
+def test_the_signature_is_read_off_the_module(exported, name, inputs, outputs, paddable):
+    session = MHASession(exported(name)[0], provider="cpu")
+    signature = session.signature
+    assert {spec.name: (spec.role, spec.axes) for spec in signature.inputs} == inputs
+    assert {spec.name: spec.axes for spec in signature.outputs} == outputs
+    assert signature.paddable_axes == paddable
+    assert session.metadata.fusion == "mha"
+
+
+def test_token_ids_keep_to_the_vocabulary(exported):
+    session = MHASession(exported("classifier")[0], provider="cpu")
+    assert session.signature.tensors["input_ids"].vocab == 50
+    with pytest.raises(Exception, match="input_ids holds id 50: this model's vocabulary is ids 0 to 49"):
+        session.run({"input_ids": np.array([[1, 50]]), "attention_mask": np.ones((1, 2), bool)})
+
+
+class _UnpooledMask(torch.nn.Module):
+    """Mean-pools without its mask: right-padding changes its output, so its axis must not be padded."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner = user_module("classifier").build()
+
+    def forward(self, input_ids, attention_mask):
+        x = self.inner.embed(input_ids)
+        for block in self.inner.blocks:
+            x = block(x, attention_mask.unsqueeze(1).unsqueeze(2))
+        return x.mean(dim=1)
+
+
+def test_a_model_that_reads_padding_is_not_padded(tmp_path):
+    result = export_model(_UnpooledMask(), tmp_path / "m.onnx", ["input_ids:tokens", "attention_mask:padding-mask"])
+    assert result.metadata.signature.paddable_axes == frozenset()
+    assert any("changes real outputs although attention_mask masks it" in w for w in result.warnings)
+
+
+class _SpecialisesLength(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        if x.size(1) > 4:  # a Python branch on the length: torch.export fixes the length it traced
+            return self.linear(x) * 2
+        return self.linear(x)
+
+
+class _TwoInputs(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(10, 8)
+
+    def forward(self, ids, mask):
+        return self.embed(ids) * mask.unsqueeze(-1)
+
+
+@pytest.mark.parametrize(
+    ("module", "inputs", "message"),
+    [
+        (_TwoInputs, ["ids:tokens", "pad:padding-mask"], r"^input pad is not a parameter of _TwoInputs.forward"),
+        (_TwoInputs, ["mask:padding-mask", "ids:tokens"], r"^input mask is not in order in _TwoInputs.forward"),
+        (_TwoInputs, ["ids:tokens"], r"also needs mask: declare every input"),
+        (_TwoInputs, ["ids:tokens", "mask:padding-mask:other"], r"^input mask: a padding mask marks .* none is"),
+        (_TwoInputs, ["ids:sequence:seq:8", "mask:padding-mask"], r"fails on the declared inputs \(ids:sequence"),
+        (_TwoInputs, ["ids:tokens", "mask:weights"], r"^input mask: role must be one of"),
+        (_SpecialisesLength, ["x:sequence"], r"^the module does not trace with a dynamic 'seq' axis \(inputs x\)"),
+    ],
+)
+def test_bad_declarations_are_one_line_errors_naming_the_input(tmp_path, module, inputs, message):
+    with pytest.raises(ExportError, match=message) as info:
+        export_model(module(), tmp_path / "m.onnx", inputs)
+    assert "\n" not in str(info.value)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_the_cli_refuses_built_in_model_flags_with_a_module(tmp_path):
+    result = CliRunner().invoke(main, ["export", "--module", f"{USER_MODELS / 'classifier'}.py:build", "--input",
+                                       "input_ids:tokens", "--mask", "padding", "-o", str(tmp_path / "m.onnx")])
+    assert result.exit_code == 2
+    assert "--mask describe the built-in ones" in result.output
