@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -171,3 +174,40 @@ def on_cuda(cuda_probe):
     """Skips the test, with the reason, unless a tiny session lands on CUDA."""
     if cuda_probe is not None:
         pytest.skip(f"needs a session on CUDA: {cuda_probe}")
+
+
+# Models written as users write them, each with build() and INPUTS (tests/user_models).
+USER_MODELS = Path(__file__).parent / "user_models"
+
+
+def user_module(name: str):
+    """tests/user_models/<name>.py, imported as its own top-level module (its files import one another)."""
+    sys.path.insert(0, str(USER_MODELS))
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path.remove(str(USER_MODELS))
+
+
+@pytest.fixture(scope="session")
+def own_model(tmp_path_factory):
+    """``own_model(name) -> (path, CLI output)``: tests/user_models/<name>.py exported once per session through
+    ``mha-deploy export --module <name>.py:build --input ...`` (what users run)."""
+    from click.testing import CliRunner
+
+    from mha_deploy.cli import main
+
+    cache = {}
+
+    def export(name: str):
+        if name not in cache:
+            path = tmp_path_factory.mktemp("own") / f"{name}.onnx"
+            inputs = [arg for spec in user_module(name).INPUTS for arg in ("--input", spec)]
+            result = CliRunner().invoke(
+                main, ["export", "--module", f"{USER_MODELS / name}.py:build", *inputs, "-o", str(path)]
+            )
+            assert result.exit_code == 0, result.output
+            cache[name] = path, result.output
+        return cache[name]
+
+    return export

@@ -4,10 +4,6 @@ the module; and bad declarations as one-line errors that name the input."""
 
 from __future__ import annotations
 
-import importlib
-import sys
-from pathlib import Path
-
 import numpy as np
 import onnx
 import pytest
@@ -17,13 +13,13 @@ torch = pytest.importorskip("torch")
 from click.testing import CliRunner  # noqa: E402
 
 from mha_deploy.cli import main  # noqa: E402
-from mha_deploy.errors import ExportError  # noqa: E402
+from mha_deploy.errors import ExportError, InputError  # noqa: E402
 from mha_deploy.exporters import export_model  # noqa: E402
 from mha_deploy.inputs import padding_mask  # noqa: E402
 from mha_deploy.model_report import all_nodes  # noqa: E402
 from mha_deploy.runtime import MHASession  # noqa: E402
+from tests.conftest import USER_MODELS, user_module  # noqa: E402
 
-USER_MODELS = Path(__file__).parents[1] / "user_models"
 # model file -> attentions in it
 ATTENTIONS = {
     "classifier": 2, "causal_lm": 2, "seq2seq": 6, "feature_encoder": 2, "torch_encoder": 2, "sdpa_classifier": 2,
@@ -31,33 +27,6 @@ ATTENTIONS = {
 ATTENTION_OPS = {"MultiHeadAttention", "GroupQueryAttention", "Attention"}
 # Per-token outputs compared on real rows, per-item outputs whole: fp32 through different kernels.
 ATOL, RTOL = 2e-5, 1e-4
-
-
-def user_module(name: str):
-    sys.path.insert(0, str(USER_MODELS))
-    try:
-        return importlib.import_module(name)
-    finally:
-        sys.path.remove(str(USER_MODELS))
-
-
-@pytest.fixture(scope="session")
-def exported(tmp_path_factory):
-    """``exported(name) -> (path, CLI output)``: tests/user_models/<name>.py exported once through the CLI."""
-    cache = {}
-
-    def export(name: str):
-        if name not in cache:
-            path = tmp_path_factory.mktemp("own") / f"{name}.onnx"
-            inputs = [arg for spec in user_module(name).INPUTS for arg in ("--input", spec)]
-            result = CliRunner().invoke(
-                main, ["export", "--module", f"{USER_MODELS / name}.py:build", *inputs, "-o", str(path)]
-            )
-            assert result.exit_code == 0, result.output
-            cache[name] = path, result.output
-        return cache[name]
-
-    return export
 
 
 def _attention_sites(graph: onnx.GraphProto) -> int:
@@ -76,8 +45,8 @@ def _attention_sites(graph: onnx.GraphProto) -> int:
 
 
 @pytest.mark.parametrize("name", list(ATTENTIONS))
-def test_every_attention_is_fused_on_every_path(exported, name):
-    path, output = exported(name)
+def test_every_attention_is_fused_on_every_path(own_model, name):
+    path, output = own_model(name)
     model = onnx.load(str(path))
     assert "parity PASSED" in output
     assert f"{ATTENTIONS[name]} fused" in output
@@ -102,8 +71,8 @@ def _feeds(session: MHASession, batch: int, lengths: dict[str, int], side: str, 
 
 @pytest.mark.parametrize("side", ["right", "left"])
 @pytest.mark.parametrize("name", list(ATTENTIONS))
-def test_outputs_equal_the_module_on_real_rows(exported, name, side):
-    path, _ = exported(name)
+def test_outputs_equal_the_module_on_real_rows(own_model, name, side):
+    path, _ = own_model(name)
     session = MHASession(path, provider="cpu")
     signature = session.signature
     lengths = {axis: 23 + 6 * i for i, axis in enumerate(signature.sequence_axes)}
@@ -138,8 +107,8 @@ def test_outputs_equal_the_module_on_real_rows(exported, name, side):
          {"output": ("batch", "frames", 32)}, {"frames"}),
     ],
 )
-def test_the_signature_is_read_off_the_module(exported, name, inputs, outputs, paddable):
-    session = MHASession(exported(name)[0], provider="cpu")
+def test_the_signature_is_read_off_the_module(own_model, name, inputs, outputs, paddable):
+    session = MHASession(own_model(name)[0], provider="cpu")
     signature = session.signature
     assert {spec.name: (spec.role, spec.axes) for spec in signature.inputs} == inputs
     assert {spec.name: spec.axes for spec in signature.outputs} == outputs
@@ -147,10 +116,10 @@ def test_the_signature_is_read_off_the_module(exported, name, inputs, outputs, p
     assert session.metadata.fusion == "mha"
 
 
-def test_token_ids_keep_to_the_vocabulary(exported):
-    session = MHASession(exported("classifier")[0], provider="cpu")
+def test_token_ids_keep_to_the_vocabulary(own_model):
+    session = MHASession(own_model("classifier")[0], provider="cpu")
     assert session.signature.tensors["input_ids"].vocab == 50
-    with pytest.raises(Exception, match="input_ids holds id 50: this model's vocabulary is ids 0 to 49"):
+    with pytest.raises(InputError, match="input_ids holds id 50: this model's vocabulary is ids 0 to 49"):
         session.run({"input_ids": np.array([[1, 50]]), "attention_mask": np.ones((1, 2), bool)})
 
 

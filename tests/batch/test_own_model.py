@@ -1,0 +1,65 @@
+"""`mha-deploy infer` over a user's own classifier (token ids in, one row of logits per item out): npz and
+Parquet, equal to the module run on each item alone."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+pa = pytest.importorskip("pyarrow")
+pq = pytest.importorskip("pyarrow.parquet")
+
+from click.testing import CliRunner  # noqa: E402
+
+from mha_deploy.cli import main  # noqa: E402
+from tests.conftest import user_module  # noqa: E402
+
+# fp32, the module alone against ORT's batched kernels over padded batches.
+ATOL, RTOL = 2e-5, 1e-4
+
+
+def _items(count: int = 24, seed: int = 0) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return {f"doc{i}": rng.integers(0, 50, size=int(rng.integers(1, 70))) for i in range(count)}
+
+
+def _alone(items: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    module = user_module("classifier").build().eval()
+    with torch.no_grad():
+        return {
+            key: module(torch.from_numpy(ids)[None], torch.ones(1, len(ids), dtype=torch.bool))[0].numpy()
+            for key, ids in items.items()
+        }
+
+
+@pytest.mark.parametrize("suffix", [".npz", ".parquet"])
+def test_infer_equals_the_module_item_by_item(own_model, tmp_path, suffix):
+    items = _items()
+    source, target = tmp_path / f"items{suffix}", tmp_path / f"out{suffix}"
+    if suffix == ".npz":
+        np.savez(source, **items)
+    else:
+        pq.write_table(pa.table({"id": list(items), "input_ids": [ids.tolist() for ids in items.values()]}), source)
+    result = CliRunner().invoke(main, ["infer", str(own_model("classifier")[0]), "--input", str(source), "--output",
+                                       str(target), "--batch-size", "8", "--no-progress", "--provider", "cpu"])
+    assert result.exit_code == 0, result.output
+    if suffix == ".npz":
+        got = dict(np.load(target))
+    else:
+        table = pq.read_table(target).to_pydict()
+        got = {key: np.array(row, np.float32) for key, row in zip(table["id"], table["output"], strict=True)}
+    expected = _alone(items)
+    assert set(got) == set(expected)
+    for key, logits in expected.items():
+        assert got[key].shape == (3,)
+        np.testing.assert_allclose(got[key], logits, atol=ATOL, rtol=RTOL, err_msg=key)
+
+
+def test_ids_outside_the_vocabulary_are_named(own_model, tmp_path):
+    np.savez(tmp_path / "items.npz", good=np.array([1, 2, 3]), bad=np.array([4, 99]))
+    result = CliRunner().invoke(main, ["infer", str(own_model("classifier")[0]), "--input", str(tmp_path / "items.npz"),
+                                       "--output", str(tmp_path / "out.npz"), "--no-progress", "--provider", "cpu"])
+    assert result.exit_code == 1
+    assert "input_ids holds id 99: this model's vocabulary is ids 0 to 49" in result.output
+    assert not (tmp_path / "out.npz").exists()

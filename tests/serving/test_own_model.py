@@ -1,0 +1,73 @@
+"""`mha-deploy serve` over a user's own classifier, driven by tritonclient (HTTP and gRPC, INT64 token ids):
+a padded batch answered row by row as the module answers each item alone."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+tritonclient_http = pytest.importorskip("tritonclient.http")
+tritonclient_grpc = pytest.importorskip("tritonclient.grpc")
+
+from tests.conftest import user_module  # noqa: E402
+
+ATOL, RTOL = 2e-5, 1e-4
+
+
+@pytest.fixture(scope="module")
+def classifier_server(own_model, start_server):
+    path = own_model("classifier")[0]
+    return path.stem, start_server(path, grpc=True)
+
+
+def _batch(seed: int = 3) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    lengths = [5, 17, 1, 12]
+    ids = np.zeros((len(lengths), max(lengths)), np.int64)
+    mask = np.zeros(ids.shape, bool)
+    for row, length in enumerate(lengths):
+        ids[row, :length] = rng.integers(0, 50, length)
+        mask[row, :length] = True
+    return ids, mask
+
+
+def _alone(ids: np.ndarray, mask: np.ndarray) -> np.ndarray:
+    module = user_module("classifier").build().eval()
+    with torch.no_grad():
+        return np.stack([
+            module(torch.from_numpy(row[keep])[None], torch.ones(1, int(keep.sum()), dtype=torch.bool))[0].numpy()
+            for row, keep in zip(ids, mask, strict=True)
+        ])
+
+
+@pytest.mark.parametrize("protocol", ["http", "grpc"])
+def test_tritonclient_gets_the_module_answer_per_row(classifier_server, protocol):
+    name, server = classifier_server
+    client_module = tritonclient_http if protocol == "http" else tritonclient_grpc
+    client = client_module.InferenceServerClient(server.url if protocol == "http" else server.grpc_url)
+    ids, mask = _batch()
+    tensors = [client_module.InferInput("input_ids", list(ids.shape), "INT64"),
+               client_module.InferInput("attention_mask", list(mask.shape), "BOOL")]
+    tensors[0].set_data_from_numpy(ids)
+    tensors[1].set_data_from_numpy(mask)
+    logits = client.infer(name, tensors).as_numpy("output")
+    assert logits.shape == (4, 3)
+    np.testing.assert_allclose(logits, _alone(ids, mask), atol=ATOL, rtol=RTOL)
+
+
+def test_the_model_metadata_describes_ids_and_logits(classifier_server):
+    name, server = classifier_server
+    metadata = tritonclient_http.InferenceServerClient(server.url).get_model_metadata(name)
+    assert metadata["inputs"] == [{"name": "input_ids", "datatype": "INT64", "shape": [-1, -1]},
+                                  {"name": "attention_mask", "datatype": "BOOL", "shape": [-1, -1]}]
+    assert metadata["outputs"] == [{"name": "output", "datatype": "FP32", "shape": [-1, 3]}]
+
+
+def test_float_ids_are_refused(classifier_server):
+    name, server = classifier_server
+    client = tritonclient_http.InferenceServerClient(server.url)
+    tensor = tritonclient_http.InferInput("input_ids", [1, 2], "FP32")
+    tensor.set_data_from_numpy(np.array([[1.0, 2.0]], np.float32))
+    with pytest.raises(Exception, match="datatype 'FP32', this model takes INT64"):
+        client.infer(name, [tensor])
