@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import re
 
 import numpy as np
 import pytest
@@ -22,6 +23,13 @@ SIGNATURES = [
 
 # A 2-layer KV-cache decoder stack: what `export --model decoder --layers 2 --mask padding --kv-cache` writes.
 KV_DECODER = Signature("cross", "padding", model="decoder", kv_cache=True, layers=2)
+
+
+def names_listed(text: str, role: str) -> list[str]:
+    """The checkpoint names ``text`` (a help text or an error) lists for ``role`` ("query" ... "output"), written
+    ``role: a, b, c`` as ``mha_deploy.checkpoint_names`` words it; line wrapping ignored."""
+    found = re.search(rf"\b{role}: ([^;(]+)", " ".join(text.split()))
+    return found.group(1).strip().removesuffix(".").split(", ") if found else []
 
 
 def signature_id(signature: Signature) -> str:
