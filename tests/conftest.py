@@ -32,6 +32,19 @@ def names_listed(text: str, role: str) -> list[str]:
     return found.group(1).strip().removesuffix(".").split(", ") if found else []
 
 
+def randomise_parameters(module, seed: int):
+    """``module`` in eval mode with every parameter drawn afresh (std 0.1, near torch's initial scale): torch
+    starts biases at zero, which would hide a wrong q/k/v split or a dropped bias, and clones one layer's
+    initial weights into every layer of a stack, which would hide taking the wrong layer."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for parameter in module.parameters():
+            parameter.copy_(torch.randn(parameter.shape, generator=gen) * 0.1)
+    return module.eval()
+
+
 def signature_id(signature: Signature) -> str:
     prefix = f"{signature.model}-" if signature.model != "mha" else f"{signature.attention}-"
     return prefix + signature.mask + ("-weights" if signature.return_weights else "") + (

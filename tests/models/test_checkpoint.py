@@ -23,7 +23,7 @@ from mha_deploy.models.checkpoint import (
     save_checkpoint,
     to_reference_state_dict,
 )
-from tests.conftest import names_listed
+from tests.conftest import names_listed, randomise_parameters
 
 D_MODEL, HEADS = 8, 2
 NOISE = random.Random(0).randbytes(256)
@@ -172,7 +172,7 @@ def _assert_matches_torch_attention(loaded: MultiHeadAttention, torch_mha: nn.Mu
 
     torch runs one packed projection and its own SDPA kernel, the reference three matmuls and an explicit
     softmax: the same math in another order, so fp32 rounding differs by ~1e-7; 1e-5 leaves room for that
-    and is far below what a wrong split, a swapped projection or a missing bias gives (~1e-1).
+    and is far below what loading the wrong weights gives (the other layer of an encoder: ~3e-1).
     """
     q, k, v = _inputs(q_len=5) if not self_attention else (_inputs(q_len=5)[0],) * 3
     pad = torch.zeros(2, 5, dtype=torch.bool)  # True = padding, torch's convention
@@ -185,21 +185,11 @@ def _assert_matches_torch_attention(loaded: MultiHeadAttention, torch_mha: nn.Mu
             assert_close(actual, expected, rtol=1e-5, atol=1e-5)
 
 
-def _randomise(module: nn.Module, seed: int) -> nn.Module:
-    """Every parameter drawn afresh: torch starts biases at zero (which would hide a wrong q/k/v split or a
-    dropped bias) and clones one layer's initial weights into every layer of a stack."""
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for parameter in module.parameters():
-            parameter.copy_(torch.randn(parameter.shape, generator=gen) * 0.3)
-    return module.eval()
-
-
 @pytest.mark.parametrize("bias", [True, False], ids=["biased", "bias_free"])
 @pytest.mark.parametrize("self_attention", [False, True], ids=["cross", "self"])
 @pytest.mark.parametrize("suffix", [".pt", ".safetensors"])
 def test_matches_torch_multihead_attention(tmp_path, suffix, self_attention, bias):
-    torch_mha = _randomise(nn.MultiheadAttention(D_MODEL, HEADS, batch_first=True, bias=bias), seed=0)
+    torch_mha = randomise_parameters(nn.MultiheadAttention(D_MODEL, HEADS, batch_first=True, bias=bias), seed=0)
     path = tmp_path / f"mha{suffix}"
     _write(torch_mha.state_dict(), path)
 
@@ -211,7 +201,7 @@ def test_matches_torch_multihead_attention(tmp_path, suffix, self_attention, bia
 
 def _transformer_encoder() -> nn.TransformerEncoder:
     layer = nn.TransformerEncoderLayer(D_MODEL, HEADS, dim_feedforward=16, batch_first=True)
-    return _randomise(nn.TransformerEncoder(layer, num_layers=2, enable_nested_tensor=False), seed=7)
+    return randomise_parameters(nn.TransformerEncoder(layer, num_layers=2, enable_nested_tensor=False), seed=7)
 
 
 @pytest.mark.parametrize("suffix", [".pt", ".safetensors"])
@@ -250,7 +240,7 @@ class _UserModel(nn.Module):
 
 
 def test_prefix_takes_a_bias_free_block_out_of_a_user_model(tmp_path):
-    user = _randomise(_UserModel(), seed=3)
+    user = randomise_parameters(_UserModel(), seed=3)
     path = tmp_path / "user.safetensors"
     _write(user.state_dict(), path)
 
