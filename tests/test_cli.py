@@ -182,7 +182,7 @@ def test_opset_range_is_what_the_exporter_supports():
     assert (opset.type.min, opset.type.max, opset.default) == (18, DEFAULT_OPSET, DEFAULT_OPSET)
 
 
-@pytest.mark.parametrize("names", [("checkpoint", "d_model", "heads"), ("provider", "threads")])
+@pytest.mark.parametrize("names", [("checkpoint", "prefix", "d_model", "heads"), ("provider", "threads")])
 def test_shared_options_mean_the_same_everywhere(names):
     commands = [c for c in main.commands.values() if {p.name for p in c.params} >= set(names)]
     assert len(commands) >= 2
