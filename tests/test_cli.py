@@ -377,9 +377,8 @@ def test_export_attention_out_of_a_transformer_encoder(tmp_path, encoder_checkpo
 @pytest.mark.parametrize(
     ("args", "fragment"),
     [
-        ([], "several prefixes ('layers.0.self_attn.', 'layers.1.self_attn.'); to take one attention block out of "
-             "a bigger checkpoint, pass its prefix (--prefix; prefix= in Python), one of 'layers.0.self_attn.', "
-             "'layers.1.self_attn.'"),
+        ([], "several prefixes; to take one attention block out of a bigger checkpoint, pass its prefix "
+             "(--prefix; prefix= in Python), one of 'layers.0.self_attn.', 'layers.1.self_attn.'"),
         (["--prefix", "layers.2.self_attn."], "no key starts with the prefix 'layers.2.self_attn.'"),
     ],
 )

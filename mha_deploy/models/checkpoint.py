@@ -238,10 +238,14 @@ def _recognise(
     prefixes = sorted({prefix for prefix, _ in matches.values()}, key=_natural_order)
     if len(prefixes) > 1:
         candidates = candidate_prefixes(state)
-        raise CheckpointError(
-            f"{source}: attention weights under several prefixes ({_listing([repr(p) for p in prefixes], 16)}); "
-            + (_pick_one(candidates) if candidates else "none holds all four projections; names read: " + names_text())
-        )
+        partial = [repr(p) for p in prefixes if p not in candidates]
+        if not candidates:
+            detail = f" ({_listing(partial, 16)}), none with all four projections; names read: {names_text()}"
+        else:
+            detail = f"; {_pick_one(candidates)}"
+            if partial:
+                detail += f"; only some projections under {_listing(partial)}"
+        raise CheckpointError(f"{source}: attention weights under several prefixes{detail}")
     recognised = {name: key for key, (_, name) in matches.items()}
     return recognised, [key for key in state if key not in matches]
 

@@ -377,7 +377,7 @@ def _set(key, shape):
         ),
         (
             lambda s: {**SCHEMES["dataparallel"](s), "other.W_q.weight": s["W_q.weight"]},
-            ["several prefixes", "'module.'", "'other.'"],
+            ["several prefixes", "one of 'module.'; only some projections under 'other.'"],
         ),
         (lambda s: {"weight": s["W_q.weight"]}, ["unexpected keys: weight", "no key matches a known naming"]),
     ],
@@ -482,9 +482,15 @@ def _encoder_state() -> dict[str, torch.Tensor]:
             ["several prefixes", "'model.15.attn.' and 14 more"],
             ["'model.16.attn.'"],
         ),
+        (
+            lambda: {"a.W_q.weight": torch.zeros(8, 8), "b.W_k.weight": torch.zeros(8, 8)},
+            None,
+            ["several prefixes ('a.', 'b.'), none with all four projections; names read: query: W_q"],
+            ["--prefix"],
+        ),
     ],
     ids=["no_prefix", "absent_prefix", "prefix_above_the_block", "outside_keys", "unexpected_under_prefix",
-         "many_candidates"],
+         "many_candidates", "no_whole_block"],
 )
 def test_prefix_problems_are_named(make, prefix, fragments, absent):
     with pytest.raises(CheckpointError) as info:
