@@ -131,8 +131,8 @@ def main(ctx: click.Context, debug: bool) -> None:
 @click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path), required=True,
               help="Where to write the .onnx file (written only if parity passes).")
 @click.pass_context
-def export(ctx, checkpoint, d_model, heads, model_kind, layers, d_ff, attention, mask, return_weights, kv_cache, fuse,
-           quantize, seed, opset, dtype, atol, rtol, module_spec, inputs, output_names, max_length, output):
+def export(ctx, checkpoint, prefix, d_model, heads, model_kind, layers, d_ff, attention, mask, return_weights, kv_cache,
+           fuse, quantize, seed, opset, dtype, atol, rtol, module_spec, inputs, output_names, max_length, output):
     """Export a reference MHA to ONNX with dynamic batch and sequence axes, checked against torch.
 
     \b
@@ -151,8 +151,8 @@ def export(ctx, checkpoint, d_model, heads, model_kind, layers, d_ff, attention,
     from mha_deploy.metadata import Signature
 
     options = {"opset": opset, "atol": atol, "rtol": rtol, "fuse": fuse, "quantize": quantize, "dtype": dtype}
-    lone_block = ("d_model", "heads", "model_kind", "layers", "d_ff", "attention", "mask", "return_weights",
-                  "kv_cache", "seed")
+    lone_block = ("prefix", "d_model", "heads", "model_kind", "layers", "d_ff", "attention", "mask",
+                  "return_weights", "kv_cache", "seed")
     own_model = ("inputs", "output_names", "max_length")
     if module_spec is not None:
         given = [name for name in lone_block if _given(ctx, name)]
@@ -170,14 +170,14 @@ def export(ctx, checkpoint, d_model, heads, model_kind, layers, d_ff, attention,
         if layers != 1:
             raise click.UsageError("--layers is for --model encoder or decoder")
         signature = Signature(attention, mask, return_weights, kv_cache=kv_cache)
-        mha = _load_model(checkpoint, d_model, heads, seed)
+        mha = _load_model(checkpoint, d_model, heads, seed, prefix=prefix)
         click.echo(f"exporting d_model={mha.d_model} heads={mha.num_heads} attention={attention} mask={mask}"
                    + (" kv-cache" if kv_cache else ""), err=True)
         result = export_mha(mha, output, signature, **options)
     else:
-        if checkpoint is not None or return_weights:
+        if checkpoint is not None or prefix is not None or return_weights:
             raise click.UsageError(
-                f"--model {model_kind} exports a seeded random stack: no --checkpoint or --return-weights"
+                f"--model {model_kind} exports a seeded random stack: no --checkpoint, --prefix or --return-weights"
             )
         # The flags' I/O contract, checked before a stack is built for it.
         Signature("self" if model_kind == "encoder" else "cross", mask, model=model_kind, kv_cache=kv_cache,
@@ -215,18 +215,20 @@ def _build_stack(kind: str, layers: int, d_model: int | None, heads: int | None,
         return stack_cls(layers, d_model, heads, 4 * d_model if d_ff is None else d_ff).eval()
 
 
-def _load_model(checkpoint, d_model: int | None, heads: int | None, seed: int):
+def _load_model(checkpoint, d_model: int | None, heads: int | None, seed: int, prefix: str | None = None):
     import torch
 
     from mha_deploy.models import MultiHeadAttention, load_checkpoint
 
     if checkpoint is None:
+        if prefix is not None:
+            raise click.UsageError("--prefix picks the attention out of a --checkpoint; give one")
         torch.manual_seed(seed)
         with _sizes_from_flags():
             return MultiHeadAttention(
                 DEFAULT_D_MODEL if d_model is None else d_model, DEFAULT_HEADS if heads is None else heads
             ).eval()
-    mha = load_checkpoint(checkpoint, num_heads=heads)
+    mha = load_checkpoint(checkpoint, num_heads=heads, prefix=prefix)
     if d_model is not None and d_model != mha.d_model:
         raise click.UsageError(f"--d-model {d_model} disagrees with the checkpoint's d_model {mha.d_model}")
     return mha
@@ -538,8 +540,8 @@ def triton(model, repo, name, instances, kind, max_batch_size, max_queue_delay_u
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON on stdout.")
 @click.option("--plot", type=click.Path(dir_okay=False, path_type=Path),
               help="Write a plot of time per token, one panel per mask mode (PNG).")
-def bench(model, checkpoint, d_model, heads, masks, shapes, provider, threads, budget_s, memory_shapes, gemm_sizes,
-          quiet_wait_s, openvino, as_json, plot):
+def bench(model, checkpoint, prefix, d_model, heads, masks, shapes, provider, threads, budget_s, memory_shapes,
+          gemm_sizes, quiet_wait_s, openvino, as_json, plot):
     """Compare torch eager, torch SDPA, ORT unfused, ORT fused per target and int8, and OpenVINO, per mask mode,
     in one run.
 
@@ -567,7 +569,7 @@ def bench(model, checkpoint, d_model, heads, masks, shapes, provider, threads, b
     target = resolve_target(provider)  # before any export: --provider cuda fails here if it cannot run
     if target.note:
         click.echo(f"note: {target.note}", err=True)
-    mha = _load_model(checkpoint, d_model, heads, seed=0)
+    mha = _load_model(checkpoint, d_model, heads, seed=0, prefix=prefix)
     click.echo(f"exporting the compared models for mask modes {', '.join(m.label for m in modes)}...", err=True)
     report = run_bench(
         mha, modes, shape_list, target=target, threads=threads, budget_s=budget_s,

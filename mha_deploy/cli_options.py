@@ -12,6 +12,7 @@ from pathlib import Path
 
 import click
 
+from mha_deploy.checkpoint_names import names_text
 from mha_deploy.metadata import PROVIDER_CHOICES
 
 DEFAULT_D_MODEL, DEFAULT_HEADS = 512, 8
@@ -33,7 +34,13 @@ def option_group(*options: Decorator) -> Decorator:
 # The reference MHA a command builds (see ``cli._load_model``): from a checkpoint, or seeded random weights.
 model_options = option_group(
     click.option("--checkpoint", type=click.Path(dir_okay=False, path_type=Path),
-                 help="State dict (.safetensors, .pt, .pth) in any common naming; omit for a seeded random model."),
+                 help="State dict (.safetensors, .pt, .pth) of one attention block, or of a bigger model with "
+                      "--prefix; omit for a seeded random model. Projections are read by these names: "
+                      f"{names_text()}."),
+    click.option("--prefix",
+                 help="Take the attention block under this key prefix out of a bigger --checkpoint, e.g. "
+                      "encoder.layers.0.self_attn. (keys outside it are ignored); without it, a checkpoint holding "
+                      "other keys is refused with the prefixes it holds listed."),
     click.option("--d-model", type=click.IntRange(min=1),
                  help=f"Model width (default {DEFAULT_D_MODEL}; with --checkpoint, read from it)."),
     click.option("--heads", type=click.IntRange(min=1),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import re
 import sys
 from pathlib import Path
 
@@ -25,6 +26,26 @@ SIGNATURES = [
 
 # A 2-layer KV-cache decoder stack: what `export --model decoder --layers 2 --mask padding --kv-cache` writes.
 KV_DECODER = Signature("cross", "padding", model="decoder", kv_cache=True, layers=2)
+
+
+def names_listed(text: str, role: str) -> list[str]:
+    """The checkpoint names ``text`` (a help text or an error) lists for ``role`` ("query" ... "output"), written
+    ``role: a, b, c`` as ``mha_deploy.checkpoint_names`` words it; line wrapping ignored."""
+    found = re.search(rf"\b{role}: ([^;(]+)", " ".join(text.split()))
+    return found.group(1).strip().removesuffix(".").split(", ") if found else []
+
+
+def randomise_parameters(module, seed: int):
+    """``module`` in eval mode with every parameter drawn afresh (std 0.1, near torch's initial scale): torch
+    starts biases at zero, which would hide a wrong q/k/v split or a dropped bias, and clones one layer's
+    initial weights into every layer of a stack, which would hide taking the wrong layer."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for parameter in module.parameters():
+            parameter.copy_(torch.randn(parameter.shape, generator=gen) * 0.1)
+    return module.eval()
 
 
 def signature_id(signature: Signature) -> str:

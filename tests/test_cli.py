@@ -15,11 +15,12 @@ import pytest
 import torch
 from click.testing import CliRunner
 
+from mha_deploy.checkpoint_names import PACKED, PROJECTIONS
 from mha_deploy.cli import main
 from mha_deploy.metadata import Signature
 from mha_deploy.models import MultiHeadAttention, save_checkpoint
 from mha_deploy.runtime import MHASession
-from tests.conftest import TEST_D_MODEL, TEST_HEADS
+from tests.conftest import TEST_D_MODEL, TEST_HEADS, names_listed, randomise_parameters
 
 D = TEST_D_MODEL
 SMALL = ["--d-model", str(D), "--heads", str(TEST_HEADS)]
@@ -131,6 +132,8 @@ def test_export_refuses_a_model_that_fails_parity(tmp_path, monkeypatch, defecti
         (["--d-model", "10", "--heads", "3"], "d_model (10) must be divisible by num_heads (3)"),
         (["--model", "encoder", "--d-model", "10", "--heads", "3"], "d_model (10) must be divisible by num_heads (3)"),
         (["--layers", "2"], "--layers is for --model encoder or decoder"),
+        (["--prefix", "layers.0.self_attn."], "--prefix picks the attention out of a --checkpoint; give one"),
+        (["--model", "encoder", "--prefix", "layers.0."], "no --checkpoint, --prefix or --return-weights"),
     ],
 )
 def test_export_usage_errors_exit_2_and_leave_nothing(tmp_path, monkeypatch, args, fragment):
@@ -179,7 +182,7 @@ def test_opset_range_is_what_the_exporter_supports():
     assert (opset.type.min, opset.type.max, opset.default) == (18, DEFAULT_OPSET, DEFAULT_OPSET)
 
 
-@pytest.mark.parametrize("names", [("checkpoint", "d_model", "heads"), ("provider", "threads")])
+@pytest.mark.parametrize("names", [("checkpoint", "prefix", "d_model", "heads"), ("provider", "threads")])
 def test_shared_options_mean_the_same_everywhere(names):
     commands = [c for c in main.commands.values() if {p.name for p in c.params} >= set(names)]
     assert len(commands) >= 2
@@ -311,3 +314,105 @@ def test_export_kv_cache_without_causal_mask_is_one_line_error(tmp_path, monkeyp
     assert_one_line_error(invoke("export", *SMALL, "--mask", "padding", "--kv-cache", "-o", "m.onnx"),
                           "needs causal self-attention")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_checkpoint_help_names_every_accepted_name():
+    help_text = invoke("export", "--help").output
+    for role, aliases in PROJECTIONS.values():
+        assert names_listed(help_text, role) == list(aliases)
+    flat = " ".join(help_text.split())
+    for name in PACKED:
+        assert name in flat
+    assert "--prefix TEXT" in help_text and "encoder.layers.0.self_attn." in flat
+
+
+def test_missing_projection_error_names_its_every_alias(tmp_path):
+    state = {k.replace("W_o.", "final."): v for k, v in MultiHeadAttention(D, TEST_HEADS).state_dict().items()}
+    torch.save(state, tmp_path / "attn.pt")
+    result = invoke("export", "--checkpoint", tmp_path / "attn.pt", "--heads", "4", "-o", tmp_path / "m.onnx")
+    assert_one_line_error(result, "missing W_o.weight, W_o.bias; unexpected keys: final.weight, final.bias")
+    assert names_listed(result.stderr, "output") == list(PROJECTIONS["W_o"][1])
+    assert not (tmp_path / "m.onnx").exists()
+
+
+@pytest.fixture(scope="module")
+def encoder_checkpoint(tmp_path_factory):
+    """A 2-layer nn.TransformerEncoder's state dict in a .pt file, and the encoder."""
+    layer = torch.nn.TransformerEncoderLayer(D, TEST_HEADS, dim_feedforward=2 * D, batch_first=True)
+    encoder = randomise_parameters(torch.nn.TransformerEncoder(layer, num_layers=2, enable_nested_tensor=False), 5)
+    path = tmp_path_factory.mktemp("checkpoints") / "encoder.pt"
+    torch.save(encoder.state_dict(), path)
+    return path, encoder
+
+
+def _padded_batch(seed=0):
+    x = np.random.default_rng(seed).standard_normal((2, 6, D), dtype=np.float32)
+    real = np.ones((2, 6), bool)
+    real[0, 4:] = False  # right padding
+    real[1, :2] = False  # left padding
+    return x, real
+
+
+def _assert_runs_like_torch_attention(model: Path, torch_mha: torch.nn.MultiheadAttention):
+    """The exported file, in ORT, computes what ``torch_mha`` does on the real rows of a padded batch."""
+    x, real = _padded_batch()
+    with torch.no_grad():
+        expected, _ = torch_mha(*(torch.from_numpy(x),) * 3, key_padding_mask=torch.from_numpy(~real),
+                                need_weights=False)
+    actual = MHASession(model, provider="cpu").run({"x": x, "key_padding_mask": real})["output"]
+    np.testing.assert_allclose(actual[real], expected.numpy()[real], atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("layer", [1, 0])
+def test_export_attention_out_of_a_transformer_encoder(tmp_path, encoder_checkpoint, layer):
+    path, encoder = encoder_checkpoint
+    model = tmp_path / "attn.onnx"
+    result = invoke("export", "--checkpoint", path, "--prefix", f"layers.{layer}.self_attn.", "--heads", TEST_HEADS,
+                    "--mask", "padding", "-o", model)
+    assert result.exit_code == 0, result.output
+    assert "parity PASSED" in result.stdout and "1 attention subgraph(s) found, 1 fused" in result.stdout
+    _assert_runs_like_torch_attention(model, encoder.layers[layer].self_attn)
+
+
+@pytest.mark.parametrize(
+    ("args", "fragment"),
+    [
+        ([], "several prefixes; to take one attention block out of a bigger checkpoint, pass its prefix "
+             "(--prefix; prefix= in Python), one of 'layers.0.self_attn.', 'layers.1.self_attn.'"),
+        (["--prefix", "layers.2.self_attn."], "no key starts with the prefix 'layers.2.self_attn.'"),
+    ],
+)
+def test_export_from_a_bigger_checkpoint_without_its_prefix(tmp_path, encoder_checkpoint, args, fragment):
+    result = invoke("export", "--checkpoint", encoder_checkpoint[0], *args, "--heads", TEST_HEADS,
+                    "-o", tmp_path / "attn.onnx")
+    assert_one_line_error(result, fragment)
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.fixture(scope="module")
+def bias_free_checkpoint(tmp_path_factory):
+    """nn.MultiheadAttention(bias=False)'s state dict (in_proj_weight, out_proj.weight), and the module."""
+    torch_mha = randomise_parameters(torch.nn.MultiheadAttention(D, TEST_HEADS, bias=False, batch_first=True), 6)
+    path = tmp_path_factory.mktemp("checkpoints") / "bias-free.safetensors"
+    save_checkpoint(torch_mha, path)
+    return path, torch_mha
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--mask", "padding"],
+        ["--mask", "padding-causal"],
+        ["--attention", "cross", "--fuse", "onnx", "--return-weights"],
+        ["--mask", "padding-causal", "--kv-cache"],
+        ["--mask", "padding", "--quantize", "int8"],
+    ],
+    ids=lambda args: "-".join(a.strip("-") for a in args),
+)
+def test_export_bias_free_checkpoint(tmp_path, bias_free_checkpoint, args):
+    model = tmp_path / "attn.onnx"
+    result = invoke("export", "--checkpoint", bias_free_checkpoint[0], *args, "-o", model)
+    assert result.exit_code == 0, result.output
+    assert "parity PASSED" in result.stdout and "0 left unfused" in result.stdout
+    if args == ["--mask", "padding"]:
+        _assert_runs_like_torch_attention(model, bias_free_checkpoint[1])

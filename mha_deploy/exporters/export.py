@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+import numpy as np
 import onnx
 import torch
 
@@ -172,8 +173,10 @@ class FirstCall:
 
 def _cache_projection(source: str, attention: MultiHeadAttention, present_key: str, present_value: str):
     def weights(linear):
-        # nn.Linear computes x @ weight.T + bias
-        return linear.weight.detach().numpy().T, linear.bias.detach().numpy()
+        # nn.Linear computes x @ weight.T + bias; a bias-free one adds zeros.
+        weight = linear.weight.detach().numpy().T
+        bias = linear.bias.detach().numpy() if linear.bias is not None else np.zeros(weight.shape[1], weight.dtype)
+        return weight, bias
 
     return CacheProjection(source, present_key, present_value, *weights(attention.W_k), *weights(attention.W_v))
 

@@ -16,7 +16,7 @@ MASK_FILL_VALUE = -1e9
 
 
 class MultiHeadAttention(nn.Module):
-    """Multi-head attention with four biased projections.
+    """Multi-head attention with four projections, biased unless ``bias=False``.
 
     ``forward(query, key, value, mask=None)`` takes ``[batch, q_len, d_model]``
     query and ``[batch, kv_len, d_model]`` key/value; ``mask`` broadcasts to
@@ -24,7 +24,7 @@ class MultiHeadAttention(nn.Module):
     ``(output [batch, q_len, d_model], attn_weights [batch, heads, q_len, kv_len])``.
     """
 
-    def __init__(self, d_model: int, num_heads: int, dropout: float = 0.1):
+    def __init__(self, d_model: int, num_heads: int, dropout: float = 0.1, bias: bool = True):
         super().__init__()
         if d_model <= 0 or num_heads <= 0:
             raise ModelConfigError(f"d_model and num_heads must be positive, got {d_model} and {num_heads}")
@@ -36,10 +36,10 @@ class MultiHeadAttention(nn.Module):
         self.d_model = d_model
         self.num_heads = num_heads
         self.d_k = d_model // num_heads
-        self.W_q = nn.Linear(d_model, d_model)
-        self.W_k = nn.Linear(d_model, d_model)
-        self.W_v = nn.Linear(d_model, d_model)
-        self.W_o = nn.Linear(d_model, d_model)
+        self.W_q = nn.Linear(d_model, d_model, bias=bias)
+        self.W_k = nn.Linear(d_model, d_model, bias=bias)
+        self.W_v = nn.Linear(d_model, d_model, bias=bias)
+        self.W_o = nn.Linear(d_model, d_model, bias=bias)
         self.dropout = nn.Dropout(dropout)
 
     def split_heads(self, x: torch.Tensor) -> torch.Tensor:

@@ -15,37 +15,31 @@ import torch
 from torch import nn
 
 from mha_deploy.atomic import atomic_path
+from mha_deploy.checkpoint_names import PACKED, PARAMS, PROJECTIONS, names_of, names_text
 from mha_deploy.errors import CheckpointError, ModelConfigError
 from mha_deploy.models.attention import MultiHeadAttention
 
 SAFETENSORS_SUFFIXES = (".safetensors",)
 TORCH_SUFFIXES = (".pt", ".pth", ".bin")
 WRAPPER_KEYS = ("state_dict", "model_state_dict", "model")
-REFERENCE_KEYS = tuple(f"W_{role}.{param}" for role in "qkvo" for param in ("weight", "bias"))
+REFERENCE_KEYS = tuple(f"{ref}.{param}" for ref in PROJECTIONS for param in PARAMS)
+WEIGHT_KEYS = tuple(f"{ref}.weight" for ref in PROJECTIONS)
+BIAS_KEYS = tuple(f"{ref}.bias" for ref in PROJECTIONS)
 
 _HOW_TO_SAVE = "save one with torch.save(module.state_dict(), path)"
-_ALIASES = {
-    "W_q": ("W_q", "w_q", "query_linear", "q_proj"),
-    "W_k": ("W_k", "w_k", "key_linear", "k_proj"),
-    "W_v": ("W_v", "w_v", "value_linear", "v_proj"),
-    "W_o": ("W_o", "w_o", "out_linear", "out_proj"),
-}
+# How many names an error lists before "and N more": a big checkpoint has thousands of keys.
+_LISTED = 8
 
 
 def _source_names() -> dict[str, tuple[str, ...]]:
     """Every recognised key name -> the reference keys it holds, stacked along dim 0 in this order."""
     names = {
         f"{alias}.{param}": (f"{ref}.{param}",)
-        for ref, aliases in _ALIASES.items()
+        for ref, (_, aliases) in PROJECTIONS.items()
         for alias in aliases
-        for param in ("weight", "bias")
+        for param in PARAMS
     }
-    # torch.nn.MultiheadAttention: packed q, k, v when kdim == vdim == embed_dim, separate otherwise.
-    names["in_proj_weight"] = ("W_q.weight", "W_k.weight", "W_v.weight")
-    names["in_proj_bias"] = ("W_q.bias", "W_k.bias", "W_v.bias")
-    for role in "qkv":
-        names[f"{role}_proj_weight"] = (f"W_{role}.weight",)
-    return names
+    return {**names, **PACKED}
 
 
 _SOURCES = _source_names()
@@ -121,41 +115,107 @@ def _require_tensors(state: object, source: str) -> None:
         if not isinstance(key, str) or not isinstance(value, torch.Tensor)
     ]
     if bad:
-        listed = ", ".join(bad[:5]) + (f" and {len(bad) - 5} more" if len(bad) > 5 else "")
         raise CheckpointError(
-            f"{source}: not a plain state dict of tensors (non-tensor entries: {listed}); {_HOW_TO_SAVE}"
+            f"{source}: not a plain state dict of tensors (non-tensor entries: {_listing(bad, 5)}); {_HOW_TO_SAVE}"
         )
 
 
-def to_reference_state_dict(
-    state: Mapping[str, torch.Tensor], *, source: str = "state dict"
-) -> dict[str, torch.Tensor]:
-    """Rename and split ``state`` onto the reference keys ``W_q.weight`` ... ``W_o.bias``.
+def _listing(items: list[str], limit: int = _LISTED) -> str:
+    return ", ".join(items[:limit]) + (f" and {len(items) - limit} more" if len(items) > limit else "")
 
-    Raises one ``CheckpointError`` listing every missing, unexpected, conflicting or misshapen key.
+
+def to_reference_state_dict(
+    state: Mapping[str, torch.Tensor], *, source: str = "state dict", prefix: str | None = None
+) -> dict[str, torch.Tensor]:
+    """Rename and split one attention block of ``state`` onto the reference keys ``W_q.weight`` ... ``W_o.bias``
+    (``REFERENCE_KEYS``; the biases only if the checkpoint has them, for all four projections).
+
+    ``prefix`` takes the block out of a bigger state dict (e.g. ``"layers.0.self_attn."``): keys outside it are
+    ignored, keys under it must be the block's. Without it, ``state`` must hold the block alone, its keys
+    possibly under one common prefix (``module.``). Raises one ``CheckpointError`` listing every missing,
+    unexpected, conflicting or misshapen key, and the prefixes in ``state`` that hold a whole block.
     """
     _require_tensors(state, source)
-    recognised, unexpected = _recognise(state, source)
+    if prefix and not prefix.endswith("."):
+        prefix += "."
+    recognised, unexpected = _recognise(state, source, prefix)
     found = {name: state[key] for name, key in recognised.items()}
     d_model = _infer_d_model(found)
     providers = _providers(recognised)
     problems = []
-    missing = [key for key in REFERENCE_KEYS if key not in providers]
+    missing = _missing(providers)
     if missing:
         problems.append("missing " + ", ".join(missing))
     if unexpected:
-        problems.append("unexpected keys: " + ", ".join(unexpected))
+        problems.append("unexpected keys: " + _listing(unexpected))
     problems += _shape_problems(found, recognised, d_model)
     problems += [
         f"{ref} given by several keys: {', '.join(keys)}" for ref, keys in providers.items() if len(keys) > 1
     ]
     if problems:
-        if not recognised:
-            problems.append(
-                "no key matches a known naming scheme (W_q.weight, q_proj.weight, in_proj_weight, ...)"
-            )
-        raise CheckpointError(f"{source}: " + "; ".join(problems))
+        hints = _hints(state, providers, missing, unexpected, prefix)
+        raise CheckpointError(f"{source}: " + "; ".join(problems + hints))
     return _split(found, d_model)
+
+
+def _missing(providers: Mapping[str, list[str]]) -> list[str]:
+    """The reference keys no key provides: every weight, and the biases unless none is given (bias-free)."""
+    if not any(key in providers for key in BIAS_KEYS):
+        return [key for key in WEIGHT_KEYS if key not in providers]
+    return [key for key in REFERENCE_KEYS if key not in providers]
+
+
+def _hints(
+    state: Mapping[str, torch.Tensor],
+    providers: Mapping[str, list[str]],
+    missing: list[str],
+    unexpected: list[str],
+    prefix: str | None,
+) -> list[str]:
+    """What the user can do about the problems: the prefixes that hold a whole block (those that would leave
+    an unexpected key out), the names read for an absent projection, the rule for biases."""
+    hints = []
+    candidates = [p for p in candidate_prefixes(state) if any(not key.startswith(p) for key in unexpected)]
+    if candidates:
+        hints.append(_pick_one(candidates))
+    if not providers:
+        where = "" if prefix is None else f" under the prefix {prefix!r}"
+        hints.append(f"no key{where} matches a known naming scheme; names read: {names_text()}")
+    elif absent := [ref for ref in PROJECTIONS if f"{ref}.weight" in missing]:
+        hints.append(f"names read (with .weight and .bias) for the {names_of(absent)}")
+    biased = [ref for ref in PROJECTIONS if f"{ref}.bias" in providers]
+    unbiased = [ref for ref in PROJECTIONS if f"{ref}.weight" in providers and f"{ref}.bias" not in providers]
+    if biased and unbiased:
+        hints.append(
+            f"{', '.join(unbiased)} {'has' if len(unbiased) == 1 else 'have'} no bias but {', '.join(biased)} "
+            f"{'has' if len(biased) == 1 else 'have'}: a block has biases on all four projections or on none"
+        )
+    return hints
+
+
+def _pick_one(candidates: list[str]) -> str:
+    return (
+        "to take one attention block out of a bigger checkpoint, pass its prefix (--prefix; prefix= in Python), "
+        f"one of {_listing([repr(p) for p in candidates], 16)}"
+    )
+
+
+def candidate_prefixes(state: Mapping[str, object]) -> list[str]:
+    """The key prefixes of ``state`` under which the weights of all four projections are found, in natural
+    order (``layers.2.`` before ``layers.10.``)."""
+    by_prefix: dict[str, dict[str, str]] = {}
+    for key in state:
+        if (match := _match(key)) is not None:
+            by_prefix.setdefault(match[0], {})[match[1]] = key
+    return sorted(
+        (p for p, recognised in by_prefix.items() if set(WEIGHT_KEYS) <= set(_providers(recognised))),
+        key=_natural_order,
+    )
+
+
+def _natural_order(text: str) -> list[str | int]:
+    # re.split with a group alternates text and digits, so like positions always compare like types.
+    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", text)]
 
 
 def _match(key: str) -> tuple[str, str] | None:
@@ -168,17 +228,39 @@ def _match(key: str) -> tuple[str, str] | None:
     return None
 
 
-def _recognise(state: Mapping[str, torch.Tensor], source: str) -> tuple[dict[str, str], list[str]]:
-    """Return {recognised name: original key} and the unrecognised keys."""
+def _recognise(
+    state: Mapping[str, torch.Tensor], source: str, prefix: str | None
+) -> tuple[dict[str, str], list[str]]:
+    """Return {recognised name: original key} and the unrecognised keys of the block."""
+    if prefix is not None:
+        return _recognise_under(state, source, prefix)
     matches = {key: match for key in state if (match := _match(key)) is not None}
-    prefixes = sorted({prefix for prefix, _ in matches.values()})
+    prefixes = sorted({prefix for prefix, _ in matches.values()}, key=_natural_order)
     if len(prefixes) > 1:
-        raise CheckpointError(
-            f"{source}: attention weights under several prefixes ({', '.join(map(repr, prefixes))}); "
-            "save the state dict of a single attention module"
-        )
+        candidates = candidate_prefixes(state)
+        partial = [repr(p) for p in prefixes if p not in candidates]
+        if not candidates:
+            detail = f" ({_listing(partial, 16)}), none with all four projections; names read: {names_text()}"
+        else:
+            detail = f"; {_pick_one(candidates)}"
+            if partial:
+                detail += f"; only some projections under {_listing(partial)}"
+        raise CheckpointError(f"{source}: attention weights under several prefixes{detail}")
     recognised = {name: key for key, (_, name) in matches.items()}
     return recognised, [key for key in state if key not in matches]
+
+
+def _recognise_under(state: Mapping[str, torch.Tensor], source: str, prefix: str) -> tuple[dict[str, str], list[str]]:
+    """Like ``_recognise``, for the keys that start with ``prefix``; the rest is ignored."""
+    block = [key for key in state if key.startswith(prefix)]
+    if not block:
+        candidates = candidate_prefixes(state)
+        raise CheckpointError(
+            f"{source}: no key starts with the prefix {prefix!r}"
+            + (f"; {_pick_one(candidates)}" if candidates else "; no prefix holds all four projections")
+        )
+    recognised = {key[len(prefix):]: key for key in block if key[len(prefix):] in _SOURCES}
+    return recognised, [key for key in block if key[len(prefix):] not in _SOURCES]
 
 
 def _infer_d_model(found: Mapping[str, torch.Tensor]) -> int | None:
@@ -226,23 +308,25 @@ def _split(found: Mapping[str, torch.Tensor], d_model: int) -> dict[str, torch.T
         out.update(
             (ref, part.clone()) for ref, part in zip(_SOURCES[name], tensor.split(d_model), strict=True)
         )
-    return {key: out[key] for key in REFERENCE_KEYS}
+    return {key: out[key] for key in REFERENCE_KEYS if key in out}
 
 
 def load_checkpoint(
-    path: str | os.PathLike, num_heads: int | None = None, dropout: float = 0.0
+    path: str | os.PathLike, num_heads: int | None = None, dropout: float = 0.0, *, prefix: str | None = None
 ) -> MultiHeadAttention:
     """Build the reference ``MultiHeadAttention`` from a checkpoint file, in eval mode.
 
-    ``num_heads`` defaults to the ``num_heads`` metadata of a safetensors file.
+    ``num_heads`` defaults to the ``num_heads`` metadata of a safetensors file. ``prefix`` picks the attention
+    block out of a bigger checkpoint (see ``to_reference_state_dict``). A checkpoint without biases gives a
+    module whose projections have none.
     """
     source = f"checkpoint {path}"
     state, metadata = read_state_dict(path)
-    weights = to_reference_state_dict(state, source=source)
+    weights = to_reference_state_dict(state, source=source, prefix=prefix)
     d_model = weights["W_q.weight"].shape[0]
     heads = _num_heads(num_heads, metadata, source)
     try:
-        module = MultiHeadAttention(d_model, heads, dropout=dropout)
+        module = MultiHeadAttention(d_model, heads, dropout=dropout, bias="W_q.bias" in weights)
     except ModelConfigError as exc:
         raise CheckpointError(f"{source}: {exc}") from exc
     module.load_state_dict({key: value.to(torch.float32) for key, value in weights.items()})
