@@ -385,9 +385,14 @@ def inspect(model, as_json):
         click.echo("  metadata: none (not exported by mha-deploy)")
         return
     sig = meta["signature"]
-    stack = f"{sig['model']} x{meta['layers']} " if sig.get("model", "mha") != "mha" else ""
-    click.echo(f"  model  {stack}d_model={meta['d_model']} heads={meta['num_heads']} attention={sig['attention']} "
-               f"mask={sig['mask']} dtype={meta['dtype']} fusion={meta['fusion']}")
+    if sig.get("model") == "custom":
+        padded = ", ".join(sig.get("custom_paddable", [])) or "none (items of different lengths never share a batch)"
+        click.echo(f"  model  your own, {meta['layers']} attention(s), widest d_model={meta['d_model']} "
+                   f"heads={meta['num_heads']} dtype={meta['dtype']} fusion={meta['fusion']}; padded along: {padded}")
+    else:
+        stack = f"{sig['model']} x{meta['layers']} " if sig.get("model", "mha") != "mha" else ""
+        click.echo(f"  model  {stack}d_model={meta['d_model']} heads={meta['num_heads']} attention={sig['attention']} "
+                   f"mask={sig['mask']} dtype={meta['dtype']} fusion={meta['fusion']}")
     if sig.get("kv_cache"):
         _echo_cache_layout(Signature(**sig))
     parity = meta.get("parity")

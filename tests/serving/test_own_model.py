@@ -4,13 +4,18 @@ a padded batch answered row by row as the module answers each item alone."""
 from __future__ import annotations
 
 import numpy as np
+import onnx
 import pytest
 
 torch = pytest.importorskip("torch")
 tritonclient_http = pytest.importorskip("tritonclient.http")
 tritonclient_grpc = pytest.importorskip("tritonclient.grpc")
 
+from click.testing import CliRunner  # noqa: E402
+
+from mha_deploy.cli import main  # noqa: E402
 from tests.conftest import user_module  # noqa: E402
+from tests.serving.test_triton import check_against_model, parse_config  # noqa: E402
 
 ATOL, RTOL = 2e-5, 1e-4
 
@@ -71,3 +76,13 @@ def test_float_ids_are_refused(classifier_server):
     tensor.set_data_from_numpy(np.array([[1.0, 2.0]], np.float32))
     with pytest.raises(Exception, match="datatype 'FP32', this model takes INT64"):
         client.infer(name, [tensor])
+
+
+def test_triton_repository_for_the_classifier(own_model, tmp_path):
+    path = own_model("classifier")[0]
+    result = CliRunner().invoke(main, ["triton", str(path), "--repo", str(tmp_path), "--name", "classifier"])
+    assert result.exit_code == 0, result.output
+    config = parse_config(tmp_path / "classifier" / "config.pbtxt")
+    check_against_model(config, onnx.load(str(path)))
+    assert [(t.name, list(t.dims)) for t in config.input] == [("input_ids", [-1]), ("attention_mask", [-1])]
+    assert [(t.name, list(t.dims)) for t in config.output] == [("output", [3])]

@@ -14,7 +14,9 @@ from mha_deploy.metadata import Signature
 from mha_deploy.serving.triton import TritonConfig, TritonExportError, write_triton_model
 from tests.conftest import KV_DECODER, TEST_D_MODEL, TEST_HEADS, signature_id
 
-ONNX_TO_TRITON = {onnx.TensorProto.FLOAT: "TYPE_FP32", onnx.TensorProto.BOOL: "TYPE_BOOL"}
+ONNX_TO_TRITON = {
+    onnx.TensorProto.FLOAT: "TYPE_FP32", onnx.TensorProto.BOOL: "TYPE_BOOL", onnx.TensorProto.INT64: "TYPE_INT64",
+}
 SIGNATURES = [
     Signature("self", "none"),
     Signature("self", "padding-causal"),
