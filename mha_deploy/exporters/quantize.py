@@ -24,6 +24,10 @@ def quantize_int8(model: onnx.ModelProto) -> onnx.ModelProto:
 
     with tempfile.TemporaryDirectory() as tmp:
         source, target = Path(tmp, "fp32.onnx"), Path(tmp, "int8.onnx")
+        # Without the fusion's intermediate shapes: the quantizer re-infers them, and a shape the rewriter left
+        # on a value it replaced (seen on users' models: a classifier head's) fails that inference.
+        model = onnx.ModelProto.FromString(model.SerializeToString())
+        del model.graph.value_info[:]
         onnx.save_model(model, source)
         try:
             quantize_dynamic(

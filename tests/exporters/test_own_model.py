@@ -187,3 +187,15 @@ def test_the_cli_refuses_built_in_model_flags_with_a_module(tmp_path):
                                        "input_ids:tokens", "--mask", "padding", "-o", str(tmp_path / "m.onnx")])
     assert result.exit_code == 2
     assert "--mask describe the built-in ones" in result.output
+
+
+@pytest.mark.parametrize(
+    ("options", "op"),
+    [({"fuse": "onnx"}, "Attention"), ({"dtype": "fp16"}, "MultiHeadAttention"),
+     ({"quantize": "int8"}, "MultiHeadAttention")],
+)
+def test_every_export_option_takes_a_users_model(tmp_path, options, op):
+    inputs = user_module("classifier").INPUTS
+    result = export_model(user_module("classifier").build(), tmp_path / "m.onnx", inputs, **options)
+    assert result.parity.passed and not result.warnings
+    assert result.fusion.fused == 2 and {o.op_type.split(".")[-1] for o in result.fusion.ops} == {op}
