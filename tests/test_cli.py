@@ -188,6 +188,24 @@ def test_shared_options_mean_the_same_everywhere(names):
         assert len({(p.help, repr(p.type)) for p in params}) == 1, name
 
 
+def test_version_is_the_package_version():
+    import mha_deploy
+
+    result = invoke("--version")
+    assert result.exit_code == 0
+    assert result.output.strip() == f"mha-deploy, version {mha_deploy.__version__}"
+
+
+def test_the_version_has_one_home():
+    """pyproject.toml reads the version from mha_deploy/__init__.py (hatch's dynamic version): no second copy."""
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+
+    root = Path(__file__).resolve().parents[1]
+    project = tomllib.loads((root / "pyproject.toml").read_text())
+    assert "version" not in project["project"] and "version" in project["project"]["dynamic"]
+    assert project["tool"]["hatch"]["version"]["path"] == "mha_deploy/__init__.py"
+
+
 def test_drain_timeout_reaches_the_serve_config(monkeypatch):
     import mha_deploy.serving.http as http
 
