@@ -14,7 +14,8 @@ from pathlib import Path
 import click
 
 from mha_deploy import __version__
-from mha_deploy.cli_options import DEFAULT_D_MODEL, DEFAULT_HEADS, model_options, session_options
+from mha_deploy.batching import BatchingConfig, RunnerOptions
+from mha_deploy.cli_options import DEFAULT_D_MODEL, DEFAULT_HEADS, RenamedOption, model_options, session_options
 from mha_deploy.errors import MHADeployError, ModelConfigError
 from mha_deploy.metadata import (
     ATTENTION_KINDS,
@@ -211,10 +212,11 @@ def _sizes_from_flags():
               help="Outputs keyed by the same ids, unpadded [seq, d_model]: a file (format from its suffix) "
                    "for a file input, a directory with the same shard names and formats for a directory.")
 @click.option("--batch-size", type=click.IntRange(min=1),
-              help="At most this many items per batch (default 16 unless --max-tokens is given).")
-@click.option("--max-tokens", type=click.IntRange(min=1),
+              help=f"At most this many items per batch (default {RunnerOptions.batch_size} unless --max-batch-tokens "
+                   "is given).")
+@click.option("--max-batch-tokens", cls=RenamedOption, old_names=("--max-tokens",), type=click.IntRange(min=1),
               help="At most this many padded positions (items × longest sequence) per batch.")
-@click.option("--bucket-window", type=click.IntRange(min=0), default=256, show_default=True,
+@click.option("--bucket-window", type=click.IntRange(min=0), default=RunnerOptions.bucket_window, show_default=True,
               help="Items read ahead and sorted by length before batching (bounds memory); 0 keeps input order.")
 @click.option("--on-error", type=click.Choice(ON_ERROR_CHOICES), default="stop", show_default=True,
               help="At a bad item (wrong shape or dtype, NaN, empty): stop with an error, or skip it and list it.")
@@ -229,7 +231,7 @@ def _sizes_from_flags():
 @session_options()
 @click.option("--progress/--no-progress", default=True, show_default=True, help="Progress bar on stderr.")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON on stdout.")
-def infer(model, input_path, output_path, batch_size, max_tokens, bucket_window, on_error, overwrite, engine,
+def infer(model, input_path, output_path, batch_size, max_batch_tokens, bucket_window, on_error, overwrite, engine,
           ray_address, concurrency, num_gpus, provider, threads, progress, as_json):
     """Run a model over items (a file or a directory of shards), batched by length and streamed.
 
@@ -241,7 +243,7 @@ def infer(model, input_path, output_path, batch_size, max_tokens, bucket_window,
     \b
     Examples:
       mha-deploy infer mha.onnx --input items.npz --output out.npz --batch-size 32
-      mha-deploy infer mha.onnx --input shards/ --output out/ --max-tokens 8192 --on-error skip
+      mha-deploy infer mha.onnx --input shards/ --output out/ --max-batch-tokens 8192 --on-error skip
       mha-deploy infer mha.onnx --input data.parquet --output out.parquet --json
       mha-deploy infer mha.onnx --input shards/ --output out/ --engine ray --concurrency 4
     """
@@ -251,9 +253,9 @@ def infer(model, input_path, output_path, batch_size, max_tokens, bucket_window,
 
     if output_path.resolve() == input_path.resolve():
         raise click.UsageError("--output must differ from --input (the input would be overwritten)")
-    if batch_size is None and max_tokens is None:
-        batch_size = 16
-    options = dict(batch_size=batch_size, max_tokens=max_tokens, bucket_window=bucket_window, on_error=on_error)
+    if batch_size is None and max_batch_tokens is None:
+        batch_size = RunnerOptions.batch_size
+    options = RunnerOptions(batch_size, max_batch_tokens, bucket_window, on_error)
     job = DatasetJob(input_path, output_path, model, overwrite=overwrite, options=options)
     with job:  # the output is locked from here to the end: a second run on it fails at once, naming this pid
         if engine == "ray":
@@ -263,13 +265,13 @@ def infer(model, input_path, output_path, batch_size, max_tokens, bucket_window,
             stats = _run_with_progress(
                 lambda on_start, on_batch: run_dataset_on_ray(
                     job, model, provider=provider, threads=threads, ray=ray_options, on_start=on_start,
-                    on_batch=on_batch, **options),
+                    on_batch=on_batch, options=options),
                 progress)
         else:
             session = MHASession(model, provider=provider, threads=threads)
             if session.provider_note:
                 click.echo(session.provider_note, err=True)
-            runner = BatchRunner(session, **options)
+            runner = BatchRunner(session, options)
             stats = _run_with_progress(
                 lambda on_start, on_batch: run_dataset(job, runner, on_start, on_batch), progress)
     for name, reason in job.redo_reasons.items():
@@ -360,19 +362,20 @@ def inspect(model, as_json):
 @click.option("--host", default="127.0.0.1", show_default=True,
               help="Address to bind; 0.0.0.0 exposes the server to the network.")
 @click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True)
-@click.option("--max-batch", type=click.IntRange(min=1), default=32, show_default=True,
+@click.option("--max-batch", type=click.IntRange(min=1), default=BatchingConfig.max_batch, show_default=True,
               help="Most requests run together in one padded batch; 1 turns micro-batching off.")
-@click.option("--max-wait-ms", type=click.FloatRange(min=0), default=2.0, show_default=True,
+@click.option("--max-wait-ms", type=click.FloatRange(min=0), default=BatchingConfig.max_wait_ms, show_default=True,
               help="Longest a request waits for others to join its batch.")
-@click.option("--max-batch-tokens", type=click.IntRange(min=1), default=8192, show_default=True,
+@click.option("--max-batch-tokens", type=click.IntRange(min=1), default=BatchingConfig.max_batch_tokens,
+              show_default=True,
               help="Most padded positions (requests x longest sequence) in one run; bounds its memory.")
-@click.option("--workers", type=click.IntRange(min=1), default=1, show_default=True,
+@click.option("--workers", type=click.IntRange(min=1), default=BatchingConfig.workers, show_default=True,
               help="Batches run at once, each in its own thread.")
 @session_options()
 @click.option("--max-body-mb", type=click.FloatRange(min=0, min_open=True), default=64, show_default=True,
               help="Larger request bodies get 413.")
-@click.option("--max-tokens", type=click.IntRange(min=1), default=1024, show_default=True,
-              help="Longest sequence one request may hold; longer ones get 422.")
+@click.option("--max-item-tokens", cls=RenamedOption, old_names=("--max-tokens",), type=click.IntRange(min=1),
+              default=1024, show_default=True, help="Longest sequence one request may hold; longer ones get 422.")
 @click.option("--optimized-model", type=click.Path(dir_okay=False, path_type=Path),
               help="Cache of ORT's optimized graph: written on the first start, reused for faster later starts.")
 @click.option("--spin", is_flag=True,
@@ -385,7 +388,7 @@ def inspect(model, as_json):
 @click.option("--name", help="Model name in the v2 protocol (/v2/models/NAME; default: the file's stem).")
 @click.option("--grpc-port", type=click.IntRange(0, 65535),
               help="Also serve the v2 protocol over gRPC (inference.GRPCInferenceService) on this port.")
-@click.option("--max-queue", type=click.IntRange(min=1), default=4096, show_default=True,
+@click.option("--max-queue", type=click.IntRange(min=1), default=BatchingConfig.max_queue, show_default=True,
               help="Items waiting for a batch; beyond it requests get 503 with Retry-After (gRPC: UNAVAILABLE).")
 @click.option("--api-key-file", type=click.Path(dir_okay=False, path_type=Path),
               help="File of API keys, one per line: every route but health then needs 'Authorization: Bearer KEY'.")
@@ -399,7 +402,7 @@ def inspect(model, as_json):
 @click.option("--keep-alive-timeout", type=click.FloatRange(min=0, min_open=True), default=5.0, show_default=True,
               help="Seconds an idle keep-alive connection stays open.")
 def serve(model, host, port, max_batch, max_wait_ms, max_batch_tokens, workers, provider, threads, max_body_mb,
-          max_tokens, optimized_model, spin, log_level, access_log, drain_timeout, name, grpc_port, max_queue,
+          max_item_tokens, optimized_model, spin, log_level, access_log, drain_timeout, name, grpc_port, max_queue,
           api_key_file, ssl_certfile, ssl_keyfile, body_timeout, max_connections, keep_alive_timeout):
     """Serve a model over HTTP (and gRPC) with dynamic micro-batching (needs the 'serve' extra).
 
@@ -422,11 +425,14 @@ def serve(model, host, port, max_batch, max_wait_ms, max_batch_tokens, workers, 
     from mha_deploy.serving.http import serve as run_server
     from mha_deploy.serving.http.parsing import RequestLimits
 
-    limits = RequestLimits(max_body_bytes=int(max_body_mb * 2**20), max_tokens=max_tokens, body_timeout_s=body_timeout)
+    limits = RequestLimits(
+        max_body_bytes=int(max_body_mb * 2**20), max_item_tokens=max_item_tokens, body_timeout_s=body_timeout
+    )
+    batching = BatchingConfig(max_batch=max_batch, max_wait_ms=max_wait_ms, workers=workers, max_queue=max_queue,
+                              max_batch_tokens=max_batch_tokens)
     run_server(ServeConfig(
-        model, host=host, port=port, provider=provider, threads=threads, max_batch=max_batch,
-        max_wait_ms=max_wait_ms, max_batch_tokens=max_batch_tokens, workers=workers, max_queue=max_queue,
-        limits=limits, optimized_model_path=optimized_model, spin=spin, log_level=log_level, access_log=access_log,
+        model, host=host, port=port, provider=provider, threads=threads, batching=batching, limits=limits,
+        optimized_model_path=optimized_model, spin=spin, log_level=log_level, access_log=access_log,
         graceful_timeout_s=drain_timeout, name=name, grpc_port=grpc_port, api_key_file=api_key_file,
         ssl_certfile=ssl_certfile, ssl_keyfile=ssl_keyfile, max_connections=max_connections,
         keep_alive_timeout_s=keep_alive_timeout,

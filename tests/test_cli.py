@@ -160,7 +160,7 @@ def _constant(dotted: str):
         ("infer", "provider", "mha_deploy.runtime.providers.PROVIDER_CHOICES"),
         ("serve", "provider", "mha_deploy.runtime.providers.PROVIDER_CHOICES"),
         ("bench", "provider", "mha_deploy.runtime.providers.PROVIDER_CHOICES"),
-        ("infer", "on_error", "mha_deploy.batch.runner.ON_ERROR_CHOICES"),
+        ("infer", "on_error", "mha_deploy.batching.ON_ERROR_CHOICES"),
         ("triton", "kind", "mha_deploy.serving.triton.KINDS"),
     ],
 )
@@ -204,6 +204,37 @@ def test_the_version_has_one_home():
     project = tomllib.loads((root / "pyproject.toml").read_text())
     assert "version" not in project["project"] and "version" in project["project"]["dynamic"]
     assert project["tool"]["hatch"]["version"]["path"] == "mha_deploy/__init__.py"
+
+
+@pytest.mark.parametrize(
+    ("command", "new", "old", "param"),
+    [
+        ("infer", "--max-batch-tokens", "--max-tokens", "max_batch_tokens"),
+        ("serve", "--max-item-tokens", "--max-tokens", "max_item_tokens"),
+    ],
+)
+def test_renamed_flags_take_both_spellings_and_help_shows_the_new_one(command, new, old, param):
+    cmd = main.commands[command]
+    required = ["--input", "in.npz", "--output", "out.npz"] if command == "infer" else []
+    for spelling in (new, old):
+        ctx = cmd.make_context(command, ["m.onnx", *required, spelling, "64"])
+        assert ctx.params[param] == 64, spelling
+    help_text = invoke(command, "--help").output
+    assert new in help_text and old not in help_text
+
+
+def test_serve_batching_flags_reach_one_batching_config(monkeypatch):
+    import mha_deploy.serving.http as http
+    from mha_deploy.batching import BatchingConfig
+
+    configs = []
+    monkeypatch.setattr(http, "serve", configs.append)
+    assert invoke("serve", "m.onnx").exit_code == 0
+    assert configs[0].batching == BatchingConfig()
+    result = invoke("serve", "m.onnx", "--max-batch", "4", "--max-batch-tokens", "512", "--max-item-tokens", "100")
+    assert result.exit_code == 0, result.output
+    assert (configs[1].batching.max_batch, configs[1].batching.max_batch_tokens) == (4, 512)
+    assert configs[1].limits.max_item_tokens == 100
 
 
 def test_drain_timeout_reaches_the_serve_config(monkeypatch):

@@ -54,3 +54,17 @@ def test_every_package_is_placed_in_the_layering():
     # Shared, dependency-free modules every layer may use.
     shared = {"errors", "atomic", "metadata", "model_report", "cli", "cli_options"}
     assert top_level - shared <= placed, f"unplaced modules: {sorted(top_level - shared - placed)}"
+
+
+def test_public_classes_have_one_name_each():
+    """Two public classes of one name (say two ``Decoder``s) make every import and every doc line ambiguous."""
+    import inspect
+
+    homes: dict[str, set[str]] = {}
+    for module_name in _modules("mha_deploy"):
+        module = __import__(module_name, fromlist=["_"])
+        for name, obj in vars(module).items():
+            if inspect.isclass(obj) and not name.startswith("_") and obj.__module__ == module_name:
+                homes.setdefault(name, set()).add(module_name)
+    shared = {name: sorted(modules) for name, modules in homes.items() if len(modules) > 1}
+    assert not shared, f"public classes defined in more than one module: {shared}"

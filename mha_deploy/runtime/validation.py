@@ -57,9 +57,9 @@ def name_problem(names, expected: tuple[str, ...]) -> Problem | None:
 
 
 def shape_problem(
-    metadata: ModelMetadata, name: str, shape: tuple[int, ...], max_tokens: int | None = None
+    metadata: ModelMetadata, name: str, shape: tuple[int, ...], max_item_tokens: int | None = None
 ) -> Problem | None:
-    """One item's sequence must be [seq, d_model] with 1 <= seq (<= ``max_tokens`` when given)."""
+    """One item's sequence must be [seq, d_model] with 1 <= seq (<= ``max_item_tokens`` when given)."""
     d_model = metadata.d_model
     if len(shape) >= 1 and shape[0] == 0:
         return Problem("empty_sequence", f"{name} is empty: a sequence needs at least one token")
@@ -67,8 +67,8 @@ def shape_problem(
         return Problem("wrong_rank", f"{name} has shape {tuple(shape)}, expected [seq, {d_model}]")
     if shape[1] != d_model:
         return Problem("wrong_d_model", f"{name} has d_model {shape[1]}, this model expects {d_model}")
-    if max_tokens is not None and shape[0] > max_tokens:
-        return Problem("too_many_tokens", f"{name} has {shape[0]} tokens, at most {max_tokens} are accepted")
+    if max_item_tokens is not None and shape[0] > max_item_tokens:
+        return Problem("too_many_tokens", f"{name} has {shape[0]} tokens, at most {max_item_tokens} are accepted")
     return None
 
 
@@ -144,7 +144,7 @@ def in_model_dtype(metadata: ModelMetadata, item: Mapping[str, object]) -> dict[
 
 
 def item_problem(
-    metadata: ModelMetadata, item: Mapping[str, object], max_tokens: int | None = None
+    metadata: ModelMetadata, item: Mapping[str, object], max_item_tokens: int | None = None
 ) -> Problem | None:
     """What makes one item (sequence input name -> [seq, d_model]) unusable, or None."""
     signature = metadata.signature
@@ -157,7 +157,7 @@ def item_problem(
         if not isinstance(array, np.ndarray) or array.dtype.kind not in "fiu":
             kind = getattr(getattr(array, "dtype", None), "name", type(array).__name__)
             return Problem("not_numeric", f"{name} holds {kind}: expected an array of numbers")
-        problem = shape_problem(metadata, name, array.shape, max_tokens)
+        problem = shape_problem(metadata, name, array.shape, max_item_tokens)
         if problem:
             return problem
         if array.dtype != dtype:
@@ -185,9 +185,9 @@ def output_problem(outputs: Mapping[str, np.ndarray]) -> Problem | None:
     return None
 
 
-def check_item(metadata: ModelMetadata, item: Mapping[str, object], max_tokens: int | None = None) -> None:
+def check_item(metadata: ModelMetadata, item: Mapping[str, object], max_item_tokens: int | None = None) -> None:
     """Raise ``InputError`` if ``item_problem`` finds something."""
-    problem = item_problem(metadata, item, max_tokens)
+    problem = item_problem(metadata, item, max_item_tokens)
     if problem:
         raise InputError(problem.message)
 

@@ -146,7 +146,7 @@ def limited(export_model, start_server):
     """A small queue and a long batching window (requests sit in the queue), 1 MB bodies, 64 tokens."""
     path, _ = export_model(Signature("self", "padding"))
     return start_server(path, "--name", "mha", "--max-queue", "4", "--max-batch", "64", "--max-wait-ms", "150",
-                        "--max-body-mb", "1", "--max-tokens", "64", grpc=True)
+                        "--max-body-mb", "1", "--max-item-tokens", "64", grpc=True)
 
 
 def test_a_burst_over_max_queue_gets_503_with_retry_after_and_nothing_else(limited, session):

@@ -80,7 +80,7 @@ def model_metadata(name: str, metadata: ModelMetadata) -> dict:
 
 
 def check_declared(
-    metadata: ModelMetadata, name: object, dtype_name: object, shape: object, max_tokens: int
+    metadata: ModelMetadata, name: object, dtype_name: object, shape: object, max_item_tokens: int
 ) -> np.dtype:
     """The numpy dtype of an input declared as (name, datatype, shape), or a 400 saying what is wrong."""
     specs = {spec.name: spec for spec in metadata.signature.inputs}
@@ -98,7 +98,7 @@ def check_declared(
     if shape[0] == 0:
         raise bad_request("empty_batch", f"input {name} has an empty batch: shape {list(shape)}")
     if spec.role == SEQUENCE:
-        problem = shape_problem(metadata, name, tuple(shape[1:]), max_tokens)
+        problem = shape_problem(metadata, name, tuple(shape[1:]), max_item_tokens)
         if problem:
             raise bad_request(problem.kind, f"input {problem.message} (shape {list(shape)}, expected {dims})")
     elif any(d != -1 and n != d for n, d in zip(shape, dims, strict=True)):
@@ -166,7 +166,7 @@ class RequestPlan:
     right_padded: bool
 
 
-def plan_request(metadata: ModelMetadata, inputs: Mapping[str, np.ndarray], max_tokens: int) -> RequestPlan:
+def plan_request(metadata: ModelMetadata, inputs: Mapping[str, np.ndarray], max_item_tokens: int) -> RequestPlan:
     signature = metadata.signature
     inputs = dict(inputs)
     for mask_name, marks in signature.padding_masks.items():
@@ -192,7 +192,7 @@ def plan_request(metadata: ModelMetadata, inputs: Mapping[str, np.ndarray], max_
                 item[name] = feeds[name][row, : lengths[axis][row]]
             else:
                 item[name] = feeds[name][row, masks[axis][row]]
-        problem = item_problem(metadata, item, max_tokens)
+        problem = item_problem(metadata, item, max_item_tokens)
         if problem:
             raise bad_request(problem.kind, f"row {row}: {problem.message}")
         items.append(item)
