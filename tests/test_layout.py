@@ -23,6 +23,8 @@ FORBIDDEN = {
     "mha_deploy.inputs": (*TORCH_SIDE, "onnxruntime", "mha_deploy.runtime", "mha_deploy.batch", "mha_deploy.serving"),
     "mha_deploy.compare": (*TORCH_SIDE, "onnxruntime", "mha_deploy.runtime", "mha_deploy.batch", "mha_deploy.serving"),
     "mha_deploy.signature": (*TORCH_SIDE, "onnx", "onnxruntime", "mha_deploy.runtime"),
+    # The CLI reads the batching defaults from it: no onnxruntime.
+    "mha_deploy.batching": (*TORCH_SIDE, "onnxruntime", "mha_deploy.runtime", "mha_deploy.batch", "mha_deploy.serving"),
 }
 
 
