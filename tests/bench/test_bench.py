@@ -224,9 +224,14 @@ def test_cli_bench_refuses_cuda_up_front():
 
 
 @pytest.mark.skipif(CUDA_REASON is None, reason="CUDA is usable here; this tests its absence")
-def test_auto_provider_falls_back_to_cpu_with_a_note():
+@pytest.mark.parametrize("gpu", [True, False], ids=["gpu-without-cuda-libraries", "no-gpu"])
+def test_auto_provider_falls_back_to_cpu_with_a_note_where_a_gpu_exists(monkeypatch, gpu):
+    from mha_deploy.runtime import providers
+
+    monkeypatch.setattr(providers, "gpu_present", lambda: gpu)
     target = resolve_target("auto")
-    assert (target.provider, target.dtype) == ("cpu", "fp32") and target.note.startswith("using CPU:")
+    assert (target.provider, target.dtype) == ("cpu", "fp32")
+    assert target.note.startswith("using CPU:") if gpu else target.note == ""
 
 
 @pytest.mark.cuda
