@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import onnx
@@ -12,6 +15,34 @@ from mha_deploy.errors import ExportError
 # Where ORT's dynamic-quantized MatMul kernels run (MatMulInteger /
 # DynamicQuantizeMatMul have CPU kernels only in ORT 1.31).
 INT8_PROVIDERS = ("cpu",)
+
+
+@contextlib.contextmanager
+def _quiet_quantizer() -> Iterator[None]:
+    """Keep onnxruntime.quantization's advice out of the output.
+
+    It logs "Please consider to run pre-processing before quantization" through
+    the root logger (``logging.warning``), which also installs a stderr handler
+    on the root logger for good when it has none. The advice does not apply
+    (the exporter's graph is already shape-inferred and optimized), so its
+    records are dropped and a handler-less root logger gets a NullHandler while
+    the quantizer runs. Errors still raise.
+    """
+    root = logging.getLogger()
+
+    def keep(record: logging.LogRecord) -> bool:
+        return record.levelno >= logging.ERROR or "onnxruntime" not in record.pathname
+
+    placeholder = logging.NullHandler() if not root.handlers else None
+    if placeholder is not None:
+        root.addHandler(placeholder)
+    root.addFilter(keep)
+    try:
+        yield
+    finally:
+        root.removeFilter(keep)
+        if placeholder is not None:
+            root.removeHandler(placeholder)
 
 
 def quantize_int8(model: onnx.ModelProto) -> onnx.ModelProto:
@@ -26,10 +57,11 @@ def quantize_int8(model: onnx.ModelProto) -> onnx.ModelProto:
         source, target = Path(tmp, "fp32.onnx"), Path(tmp, "int8.onnx")
         onnx.save_model(model, source)
         try:
-            quantize_dynamic(
-                # per_channel and reduce_range were measured: no better (or worse) accuracy here.
-                source, target, weight_type=QuantType.QInt8, per_channel=False, op_types_to_quantize=["MatMul"]
-            )
+            with _quiet_quantizer():
+                quantize_dynamic(
+                    # per_channel and reduce_range were measured: no better (or worse) accuracy here.
+                    source, target, weight_type=QuantType.QInt8, per_channel=False, op_types_to_quantize=["MatMul"]
+                )
         except Exception as exc:  # the quantizer raises bare Exceptions and assertion errors
             raise ExportError(f"int8 quantization failed: {type(exc).__name__}: {exc}") from exc
         quantized = onnx.load_model(target)
