@@ -484,15 +484,18 @@ def triton(model, repo, name, instances, kind, max_batch_size, max_queue_delay_u
 @main.command()
 @click.argument("model", type=click.Path(path_type=Path), required=False)
 @model_options
-@click.option("--mask", "masks", multiple=True, default=("none", "causal"), show_default=True,
+@click.option("--mask", "masks", multiple=True,
               help=f"Mask mode(s) to bench, repeatable or comma-separated: {', '.join(MASK_MODES)}; a padding "
-                   "mode keeps every key real unless suffixed with the share of keys to pad, e.g. padding-25%.")
+                   "mode keeps every key real unless suffixed with the share of keys to pad, e.g. padding-25%. "
+                   "Default: none and causal; with MODEL, the file's own mask mode.")
 @click.option("--shapes", default="8x128,1x1024,32x64,1x4096", show_default=True, help="BATCHxSEQ,...")
 @session_options(provider="cpu", threads=2)
 @click.option("--budget-s", type=click.FloatRange(min=0, min_open=True), default=2.0, show_default=True,
               help="Timing budget per backend and shape.")
-@click.option("--memory-shapes", default="1x4096,32x512", show_default=True,
-              help="Shapes at which peak RSS of each ORT path is measured (in fresh processes); '' to skip.")
+# bench.cases.DEFAULT_MEMORY_SHAPES (not imported: the bench package loads torch).
+@click.option("--memory-shapes", default="1x1024", show_default=True,
+              help="Shapes at which peak RSS of each ORT path is measured (in fresh processes, a few seconds each); "
+                   "'' to skip.")
 @click.option("--gemm-sizes", default="512,1024,2048,4096", show_default=True,
               help="Square MatMul sizes tried for the efficiency yardstick (ORT's best rate over them).")
 @click.option("--quiet-wait-s", type=click.FloatRange(min=0), default=0.0, show_default=True,
@@ -513,18 +516,32 @@ def bench(model, checkpoint, d_model, heads, masks, shapes, provider, threads, b
     efficiency against ORT's own MatMul rate measured in the same run, and each
     row's error against the torch eager reference on the same inputs (max abs
     err, relative err). MODEL, an exported self-attention .onnx file, is added
-    as one more row in the mask modes it matches. With --provider cuda, torch
-    and ORT both run on the GPU in fp16, what one deploys there.
+    as one more row in the mask modes it matches; its d_model, heads and mask
+    mode are read from it, and its error is against the --checkpoint (or the
+    seed-0 random model) of that size. With --provider cuda, torch and ORT both
+    run on the GPU in fp16, what one deploys there.
 
     \b
     Example:
       mha-deploy bench --mask none --mask padding-25% --shapes 8x128,1x1024 --threads 2 --plot bench.png
     """
-    from mha_deploy.bench import QuietGate, parse_mask_modes, parse_shapes, parse_sizes, resolve_target, run_bench
+    from mha_deploy.bench import (
+        DEFAULT_MASK_MODES,
+        QuietGate,
+        parse_mask_modes,
+        parse_shapes,
+        parse_sizes,
+        resolve_target,
+        run_bench,
+        settings_from_file,
+    )
     from mha_deploy.errors import OptionError
 
     try:
-        modes = parse_mask_modes(masks)
+        modes = parse_mask_modes(masks) if masks else None
+        if model is not None:
+            d_model, heads, modes = settings_from_file(model, d_model, heads, modes)
+        modes = modes or parse_mask_modes(DEFAULT_MASK_MODES)
         shape_list = parse_shapes(shapes)
         memory_list = parse_shapes(memory_shapes) if memory_shapes else ()
         gemm_list = parse_sizes(gemm_sizes)

@@ -280,7 +280,8 @@ def attention_ops(
     return found
 
 
-def describe_model(path: str | os.PathLike) -> ModelReport:
+def load_model_file(path: str | os.PathLike) -> onnx.ModelProto:
+    """The ONNX file at ``path`` (external weights not read); ``ModelFileError`` if there is none."""
     path = Path(path)
     if not path.is_file():
         raise ModelFileError(f"model file not found: {path}")
@@ -290,6 +291,18 @@ def describe_model(path: str | os.PathLike) -> ModelReport:
         raise ModelFileError(f"{path}: not a readable ONNX model ({exc})") from exc
     if not model.graph.node and not model.graph.input:
         raise ModelFileError(f"{path}: not a readable ONNX model (empty graph)")
+    return model
+
+
+def read_metadata(path: str | os.PathLike) -> ModelMetadata:
+    """What an exported file says about itself (d_model, heads, Signature...), without running it."""
+    model = load_model_file(path)
+    return ModelMetadata.from_props({p.key: p.value for p in model.metadata_props}, str(path))
+
+
+def describe_model(path: str | os.PathLike) -> ModelReport:
+    path = Path(path)
+    model = load_model_file(path)
     nodes = list(model.graph.node)
     attention = attention_ops(nodes, {t.name: t for t in model.graph.initializer})
     for function in model.functions:
