@@ -30,7 +30,7 @@ import numpy as np
 
 from mha_deploy.errors import InputError
 from mha_deploy.metadata import ModelMetadata
-from mha_deploy.signature import Signature
+from mha_deploy.signature import PADDING_MASK, Signature
 
 
 @dataclass(frozen=True)
@@ -50,10 +50,16 @@ def name_problem(names, expected: tuple[str, ...]) -> Problem | None:
     unexpected = sorted(set(names) - set(expected))
     if not missing and not unexpected:
         return None
+    # The unexpected names quoted: a key such as 'inputs' would otherwise read as a word of the message.
     parts = ([f"missing {', '.join(missing)}"] if missing else []) + (
-        [f"unexpected {', '.join(unexpected)}"] if unexpected else []
+        [f"unexpected input{'s' if len(unexpected) > 1 else ''} {', '.join(map(repr, unexpected))}"]
+        if unexpected else []
     )
-    return Problem("wrong_inputs", f"{'; '.join(parts)}: this model takes {', '.join(expected)}")
+    text = f"{'; '.join(parts)}: this model takes {', '.join(expected)}"
+    if any(name.endswith(PADDING_MASK) for name in missing):
+        # Every path requires a model's padding mask (MHASession, v2 REST and gRPC, Triton's config): say what it is.
+        text += " (a padding mask is bool [batch, seq], True = real token: all True when nothing is padded)"
+    return Problem("wrong_inputs", text)
 
 
 def shape_problem(

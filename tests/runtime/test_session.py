@@ -44,7 +44,7 @@ SELF_BAD_INPUTS = [
     ({"x": _x(2, 0, D), "key_padding_mask": np.ones((2, 0), bool)}, r"x is empty"),
     ({"x": _x(0, 5, D), "key_padding_mask": np.ones((0, 5), bool)}, r"x is empty"),
     ({"x": _x(2, 5, D)}, r"missing key_padding_mask"),
-    ({"x": _x(2, 5, D), "key_padding_mask": ONES, "y": _x(1)}, r"unexpected y"),
+    ({"x": _x(2, 5, D), "key_padding_mask": ONES, "y": _x(1)}, r"unexpected input 'y'"),
     ({"x": _x(2, 5, D), "key_padding_mask": np.ones((2, 5), np.float32)}, r"key_padding_mask must be bool"),
     ({"x": _x(2, 5, D), "key_padding_mask": np.full((2, 5), 2)}, r"only 0 and 1"),
     ({"x": _x(2, 5, D), "key_padding_mask": np.array([[1, 1, 0, 0, 0], [0] * 5], bool)}, r"rows \[1\] have no real"),

@@ -118,7 +118,9 @@ def check_shape(name: str, shape: tuple[int, ...], metadata: ModelMetadata, limi
 def _check_names(names: set[str], metadata: ModelMetadata, kind: str) -> None:
     problem = name_problem(names, metadata.signature.sequence_inputs)
     if problem:
-        raise RequestError(422, problem.kind, f"{kind} {problem.message}")
+        # {"inputs": [...]} is an Open Inference Protocol body, sent to /v1 by mistake.
+        hint = "; a v2 request goes to /v2/models/NAME/infer" if "inputs" in names else ""
+        raise RequestError(422, problem.kind, f"{kind} {problem.message}{hint}")
 
 
 def load_json(body: bytes | memoryview, what: str = "body") -> object:

@@ -6,9 +6,10 @@
   tensor as a request declares it (name, datatype, shape) and its data, checked
   before anything is allocated from the declared shape.
 - ``plan_request`` and ``run_plan``: a request carries a batch ([batch, seq,
-  d_model] plus an optional key_padding_mask). Its feeds are checked by the
+  d_model] plus the key_padding_mask a padding model requires, as MHASession and
+  Triton's config do). Its feeds are checked by the
   runtime's validator, and each row is cut to its real tokens and checked as an
-  item. When every mask row is right padding (or there is no mask), the rows go
+  item. When every mask row is right padding (or the model has no mask), the rows go
   to the micro-batcher as items, so requests from different clients share ORT
   runs, and come back padded to the request's shape. Any other padding (left or
   mixed) runs as the request's own batch with its own mask, exactly as
@@ -168,10 +169,6 @@ class RequestPlan:
 
 def plan_request(metadata: ModelMetadata, inputs: Mapping[str, np.ndarray], max_item_tokens: int) -> RequestPlan:
     signature = metadata.signature
-    inputs = dict(inputs)
-    for mask_name, marks in signature.padding_masks.items():
-        if mask_name not in inputs and marks in inputs:  # the mask is optional: no mask, no padding
-            inputs[mask_name] = np.ones(inputs[marks].shape[:2], dtype=bool)
     try:
         feeds = validate_inputs(metadata, inputs)
     except InputError as exc:
