@@ -286,7 +286,10 @@ def infer(model, input_path, output_path, batch_size, max_batch_tokens, bucket_w
         click.echo(json.dumps({**stats.to_dict(), "output": str(output_path), "manifest": str(job.manifest_path)}))
         return
     click.echo(stats.summary())
-    click.echo(f"wrote {output_path}")
+    if stats.shards_written:
+        click.echo(f"wrote {output_path}")
+    else:
+        click.echo(f"nothing to do: {output_path} was already done by an earlier run (--overwrite redoes it)")
 
 
 def _run_with_progress(run, show: bool):

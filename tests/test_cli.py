@@ -290,6 +290,19 @@ def test_infer_bad_input_writes_nothing(tmp_path, padded_model, make_input, frag
     assert sorted(p.name for p in tmp_path.iterdir()) == ["items.npz"]
 
 
+def test_infer_resume_with_nothing_to_do_writes_nothing_and_says_so(tmp_path, padded_model):
+    write_items(tmp_path / "items.npz")
+    args = ["infer", padded_model, "--input", tmp_path / "items.npz", "--output", tmp_path / "out.npz",
+            "--provider", "cpu", "--no-progress"]
+    first = invoke(*args)
+    assert first.exit_code == 0 and f"wrote {tmp_path / 'out.npz'}" in first.stdout, first.output
+    written = (tmp_path / "out.npz").stat().st_mtime_ns
+    again = invoke(*args)
+    assert again.exit_code == 0, again.output
+    assert "wrote" not in again.stdout and "nothing to do" in again.stdout, again.stdout
+    assert (tmp_path / "out.npz").stat().st_mtime_ns == written
+
+
 def test_infer_fp16_model_takes_the_float32_dataset(tmp_path, export_model):
     """The documented dataset formats hold float32: an fp16 model casts them, as the HTTP server does."""
     model = export_model(Signature("self", "padding"), dtype="fp16")[0]
