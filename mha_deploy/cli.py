@@ -133,7 +133,6 @@ def export(checkpoint, d_model, heads, model_kind, layers, d_ff, attention, mask
       mha-deploy export --checkpoint attn.safetensors --heads 8 --mask padding-causal -o mha.onnx
     """
     from mha_deploy.exporters import export_mha, export_stack
-    from mha_deploy.metadata import Signature
 
     options = {"opset": opset, "atol": atol, "rtol": rtol, "fuse": fuse, "quantize": quantize, "dtype": dtype}
     if model_kind == "mha":
@@ -329,35 +328,7 @@ def inspect(model, as_json):
     from mha_deploy.model_report import describe_model
 
     report = describe_model(model)
-    if as_json:
-        click.echo(json.dumps(report.to_dict(), indent=2, default=_json_default))
-        return
-    click.echo(f"{report.path}  ({report.size_bytes / 1e6:.2f} MB, IR {report.ir_version}, "
-               f"opsets {', '.join(f'{d} {v}' for d, v in report.opsets.items())})")
-    for role, tensors in (("input", report.inputs), ("output", report.outputs)):
-        for t in tensors:
-            click.echo(f"  {role:6} {t.name:18} {t.dtype:8} [{', '.join(str(d) for d in t.dims)}]")
-    click.echo("  ops    " + ", ".join(f"{op} x{n}" for op, n in report.op_counts.items()))
-    for op in report.attention_ops:
-        attrs = ", ".join(f"{k}={_json_default(v) if isinstance(v, bytes) else v}" for k, v in op.attributes.items())
-        inputs = ", ".join(f"{role}={name}" for role, name in op.inputs.items())
-        click.echo(f"  fused  {op.op}({inputs}) {attrs}")
-        click.echo(f"         kernel: {op.kernel}")
-    meta = report.metadata
-    if meta is None:
-        click.echo("  metadata: none (not exported by mha-deploy)")
-        return
-    sig = meta["signature"]
-    stack = f"{sig['model']} x{meta['layers']} " if sig.get("model", "mha") != "mha" else ""
-    click.echo(f"  model  {stack}d_model={meta['d_model']} heads={meta['num_heads']} attention={sig['attention']} "
-               f"mask={sig['mask']} dtype={meta['dtype']} fusion={meta['fusion']}")
-    if sig.get("kv_cache"):
-        _echo_cache_layout(Signature(**sig))
-    parity = meta.get("parity")
-    if parity:
-        click.echo(f"  parity {'PASSED' if parity['passed'] else 'FAILED'}: max abs err {parity['max_abs_err']:.3g} "
-                   f"at atol={parity['atol']:g} rtol={parity['rtol']:g} over {', '.join(parity['shapes'])}")
-    click.echo("  versions " + ", ".join(f"{k} {v}" for k, v in meta["versions"].items()))
+    click.echo(json.dumps(report.to_dict(), indent=2, default=_json_default) if as_json else report.text())
 
 
 @main.command()
@@ -569,25 +540,6 @@ def bench(model, checkpoint, d_model, heads, masks, shapes, provider, threads, b
 
         plot_latency(report, plot)
     click.echo(json.dumps(report.to_dict(), indent=2) if as_json else report.table())
-
-
-def _echo_cache_layout(signature: Signature) -> None:
-    query = signature.query_axis
-    if signature.model == "mha":
-        click.echo("  cache  past_key -> present_key, past_value -> present_value: [batch, heads, past_seq, d_k] in, "
-                   f"[batch, heads, past_seq + {query}, d_k] out (past ++ new)")
-    else:
-        layers = f"i < {signature.layers}"
-        click.echo(f"  cache  past_key_values.{{i}}.key/.value -> present.{{i}}.key/.value ({layers}): "
-                   f"[batch, heads, past_seq, d_k] in, [batch, heads, past_seq + {query}, d_k] out (past ++ new)")
-        click.echo("         past_key_values.{i}.encoder_key/.encoder_value -> present.{i}.encoder_key/"
-                   ".encoder_value: empty on the first call (computed from memory), then [batch, heads, mem_seq, "
-                   "d_k], passed back unchanged (memory is then not read)")
-    if signature.has_padding_mask:
-        click.echo("         key_padding_mask [batch, past_seq + "
-                   f"{query}]: every token of the sequence so far, True = real")
-    click.echo("         an If on past_seq picks the first call's graph (past_seq 0) or the later calls'; each "
-               "one's fused attentions are listed above")
 
 
 def _json_default(value):

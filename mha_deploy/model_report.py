@@ -11,6 +11,7 @@ import onnx
 
 from mha_deploy.errors import ModelFileError
 from mha_deploy.metadata import METADATA_KEY, ModelMetadata
+from mha_deploy.signature import Signature
 
 # Ops that carry a whole attention, with their input roles (from the ops' schemas),
 # so that inspect can say which mask input a fused op reads.
@@ -79,6 +80,74 @@ class ModelReport:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+    def text(self) -> str:
+        """What ``mha-deploy inspect`` prints: the file, its I/O, ops, each attention and its kernel, metadata.
+
+        A fused op's inputs are listed by role (``query, key, value, key_padding_mask``): the tensors
+        feeding it are the exporter's internal values, whose names say nothing to a reader.
+        """
+        lines = [
+            f"{self.path}  ({self.size_bytes / 1e6:.2f} MB, IR {self.ir_version}, "
+            f"opsets {', '.join(f'{d} {v}' for d, v in self.opsets.items())})"
+        ]
+        for role, tensors in (("input", self.inputs), ("output", self.outputs)):
+            lines += [f"  {role:6} {t.name:18} {t.dtype:8} [{', '.join(str(d) for d in t.dims)}]" for t in tensors]
+        lines.append("  ops    " + ", ".join(f"{op} x{n}" for op, n in self.op_counts.items()))
+        model_inputs = {t.name for t in self.inputs}
+        for op in self.attention_ops:
+            attrs = ", ".join(f"{k}={_readable(v)}" for k, v in op.attributes.items())
+            inputs = ", ".join(
+                f"{role}={name}" if name in model_inputs and name != role else role for role, name in op.inputs.items()
+            )
+            lines += [f"  fused  {op.op}({inputs}) {attrs}", f"         kernel: {op.kernel}"]
+        meta = self.metadata
+        if meta is None:
+            return "\n".join([*lines, "  metadata: none (not exported by mha-deploy)"])
+        sig = meta["signature"]
+        stack = f"{sig['model']} x{meta['layers']} " if sig.get("model", "mha") != "mha" else ""
+        lines.append(
+            f"  model  {stack}d_model={meta['d_model']} heads={meta['num_heads']} attention={sig['attention']} "
+            f"mask={sig['mask']} dtype={meta['dtype']} fusion={meta['fusion']}"
+        )
+        if sig.get("kv_cache"):
+            lines += cache_layout(Signature(**sig))
+        parity = meta.get("parity")
+        if parity:
+            lines.append(
+                f"  parity {'PASSED' if parity['passed'] else 'FAILED'}: max abs err {parity['max_abs_err']:.3g} "
+                f"at atol={parity['atol']:g} rtol={parity['rtol']:g} over {', '.join(parity['shapes'])}"
+            )
+        lines.append("  versions " + ", ".join(f"{k} {v}" for k, v in meta["versions"].items()))
+        return "\n".join(lines)
+
+
+def _readable(value: object) -> object:
+    return value.decode(errors="replace") if isinstance(value, bytes) else value
+
+
+def cache_layout(signature: Signature) -> list[str]:
+    """How a KV-cache model's past and present tensors pair up, for ``inspect``."""
+    query = signature.query_axis
+    if signature.model == "mha":
+        lines = [
+            "  cache  past_key -> present_key, past_value -> present_value: [batch, heads, past_seq, d_k] in, "
+            f"[batch, heads, past_seq + {query}, d_k] out (past ++ new)"
+        ]
+    else:
+        lines = [
+            f"  cache  past_key_values.{{i}}.key/.value -> present.{{i}}.key/.value (i < {signature.layers}): "
+            f"[batch, heads, past_seq, d_k] in, [batch, heads, past_seq + {query}, d_k] out (past ++ new)",
+            "         past_key_values.{i}.encoder_key/.encoder_value -> present.{i}.encoder_key/"
+            ".encoder_value: empty on the first call (computed from memory), then [batch, heads, mem_seq, "
+            "d_k], passed back unchanged (memory is then not read)",
+        ]
+    if signature.has_padding_mask:
+        lines.append(f"         key_padding_mask [batch, past_seq + {query}]: every token of the sequence so far, "
+                     "True = real")
+    lines.append("         an If on past_seq picks the first call's graph (past_seq 0) or the later calls'; each "
+                 "one's fused attentions are listed above")
+    return lines
 
 
 def all_nodes(graph: onnx.GraphProto):
