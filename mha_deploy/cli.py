@@ -163,29 +163,22 @@ def export(checkpoint, d_model, heads, model_kind, layers, d_ff, attention, mask
 
 
 def _build_stack(kind: str, layers: int, d_model: int | None, heads: int | None, d_ff: int | None, seed: int):
-    import torch
+    from mha_deploy.models.build import random_stack
 
-    from mha_deploy.models.transformer import Decoder, Encoder
-
-    d_model = DEFAULT_D_MODEL if d_model is None else d_model
-    heads = DEFAULT_HEADS if heads is None else heads
-    torch.manual_seed(seed)
-    stack_cls = Encoder if kind == "encoder" else Decoder
     with _sizes_from_flags():
-        return stack_cls(layers, d_model, heads, 4 * d_model if d_ff is None else d_ff).eval()
+        return random_stack(kind, layers, DEFAULT_D_MODEL if d_model is None else d_model,
+                            DEFAULT_HEADS if heads is None else heads, d_ff, seed)
 
 
 def _load_model(checkpoint, d_model: int | None, heads: int | None, seed: int):
-    import torch
-
-    from mha_deploy.models import MultiHeadAttention, load_checkpoint
+    from mha_deploy.models import load_checkpoint
+    from mha_deploy.models.build import random_mha
 
     if checkpoint is None:
-        torch.manual_seed(seed)
         with _sizes_from_flags():
-            return MultiHeadAttention(
-                DEFAULT_D_MODEL if d_model is None else d_model, DEFAULT_HEADS if heads is None else heads
-            ).eval()
+            return random_mha(
+                DEFAULT_D_MODEL if d_model is None else d_model, DEFAULT_HEADS if heads is None else heads, seed
+            )
     mha = load_checkpoint(checkpoint, num_heads=heads)
     if d_model is not None and d_model != mha.d_model:
         raise click.UsageError(f"--d-model {d_model} disagrees with the checkpoint's d_model {mha.d_model}")
