@@ -150,17 +150,6 @@ def cache_layout(signature: Signature) -> list[str]:
     return lines
 
 
-def all_nodes(graph: onnx.GraphProto):
-    """Every node of ``graph``, including those in its subgraphs (the branches of the fusions' Ifs)."""
-    for node in graph.node:
-        yield node
-        for attribute in node.attribute:
-            if attribute.type == onnx.AttributeProto.GRAPH:
-                yield from all_nodes(attribute.g)
-            for subgraph in attribute.graphs:
-                yield from all_nodes(subgraph)
-
-
 def _tensor_info(value: onnx.ValueInfoProto) -> TensorInfo:
     tensor = value.type.tensor_type
     dims: list[str | int] = [d.dim_param or (d.dim_value if d.HasField("dim_value") else "?") for d in tensor.shape.dim]

@@ -17,12 +17,18 @@ import mha_deploy
 TORCH_SIDE = ("torch", "onnxscript", "mha_deploy.models", "mha_deploy.exporters", "mha_deploy.bench")
 # package -> the modules it must never import (directly or through another module).
 FORBIDDEN = {
-    "mha_deploy.runtime": (*TORCH_SIDE, "mha_deploy.batch", "mha_deploy.serving", "mha_deploy.cli"),
+    # Nor model_report, the inspect report: the runtime walks graphs with onnx_nodes.
+    "mha_deploy.runtime": (
+        *TORCH_SIDE, "mha_deploy.batch", "mha_deploy.serving", "mha_deploy.cli", "mha_deploy.model_report"
+    ),
     "mha_deploy.batch": (*TORCH_SIDE, "mha_deploy.serving", "mha_deploy.cli"),
     "mha_deploy.serving": (*TORCH_SIDE, "mha_deploy.cli"),
     "mha_deploy.inputs": (*TORCH_SIDE, "onnxruntime", "mha_deploy.runtime", "mha_deploy.batch", "mha_deploy.serving"),
     "mha_deploy.compare": (*TORCH_SIDE, "onnxruntime", "mha_deploy.runtime", "mha_deploy.batch", "mha_deploy.serving"),
     "mha_deploy.signature": (*TORCH_SIDE, "onnx", "onnxruntime", "mha_deploy.runtime"),
+    "mha_deploy.onnx_nodes": (
+        *TORCH_SIDE, "onnxruntime", "mha_deploy.runtime", "mha_deploy.batch", "mha_deploy.serving"
+    ),
     # The CLI reads the batching defaults from it: no onnxruntime.
     "mha_deploy.batching": (*TORCH_SIDE, "onnxruntime", "mha_deploy.runtime", "mha_deploy.batch", "mha_deploy.serving"),
 }

@@ -21,9 +21,10 @@ from mha_deploy.exporters.stack_graphs import DecoderGraph, EncoderGraph, export
 from mha_deploy.exporters.torch_export import export_onnx
 from mha_deploy.inputs import InputCase, make_inputs
 from mha_deploy.metadata import ModelMetadata, Signature
-from mha_deploy.model_report import PADDING_FLASH_KERNEL, all_nodes, short_sequence_kernel
+from mha_deploy.model_report import PADDING_FLASH_KERNEL, short_sequence_kernel
 from mha_deploy.models.attention import MultiHeadAttention
 from mha_deploy.models.transformer import Decoder, Encoder
+from mha_deploy.onnx_nodes import all_nodes
 from mha_deploy.runtime.session import MHASession
 from tests.exporters.fusion import hand_graphs as hg
 from tests.exporters.fusion.hand_graphs import executed_nodes
