@@ -11,6 +11,7 @@ from pathlib import Path
 import onnx
 
 from mha_deploy.errors import ExportError
+from mha_deploy.onnx_nodes import KERNEL_PROP, all_nodes
 
 # Where ORT's dynamic-quantized MatMul kernels run (MatMulInteger /
 # DynamicQuantizeMatMul have CPU kernels only in ORT 1.31).
@@ -71,4 +72,19 @@ def quantize_int8(model: onnx.ModelProto) -> onnx.ModelProto:
     del quantized.metadata_props[:]
     for key, value in keep.items():
         quantized.metadata_props.add(key=key, value=value)
+    _keep_kernel_tags(model, quantized)
     return quantized
+
+
+def _keep_kernel_tags(model: onnx.ModelProto, quantized: onnx.ModelProto) -> None:
+    """The fusion rules' kernel tags, put back on the nodes the quantizer rebuilt without them (the Ifs whose
+    branches it quantized), found by their first output, a name unique in the model."""
+    tags = {
+        node.output[0]: prop.value
+        for node in all_nodes(model.graph)
+        for prop in node.metadata_props
+        if prop.key == KERNEL_PROP and node.output
+    }
+    for node in all_nodes(quantized.graph):
+        if node.output and node.output[0] in tags and not any(p.key == KERNEL_PROP for p in node.metadata_props):
+            node.metadata_props.add(key=KERNEL_PROP, value=tags[node.output[0]])
