@@ -464,7 +464,8 @@ def triton(model, repo, name, instances, kind, max_batch_size, max_queue_delay_u
               help="Shapes at which peak RSS of each ORT path is measured (in fresh processes, a few seconds each); "
                    "'' to skip.")
 @click.option("--gemm-sizes", default="512,1024,2048,4096", show_default=True,
-              help="Square MatMul sizes tried for the efficiency yardstick (ORT's best rate over them).")
+              help="Square MatMul sizes tried for the efficiency yardstick (ORT's best rate over them; for int8 "
+                   "rows its int8 MatMulInteger rate).")
 @click.option("--quiet-wait-s", type=click.FloatRange(min=0), default=0.0, show_default=True,
               help="Before each timed block, wait up to this long for other processes to leave the CPUs "
                    "(0: do not wait).")
@@ -480,7 +481,8 @@ def bench(model, checkpoint, d_model, heads, masks, shapes, provider, threads, b
     in one run.
 
     Reports median and p90 latency, GFLOP/s, the ratio to torch eager,
-    efficiency against ORT's own MatMul rate measured in the same run, and each
+    efficiency against ORT's own MatMul rate measured in the same run (int8
+    rows: its int8 MatMulInteger rate), and each
     row's error against the torch eager reference on the same inputs (max abs
     err, relative err). MODEL, an exported self-attention .onnx file, is added
     as one more row in the mask modes it matches; its d_model, heads and mask
