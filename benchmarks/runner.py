@@ -50,7 +50,7 @@ def export_model(workdir: Path) -> Path:
 
 
 def throughput(
-    model: Path, items: int, batch_size: int, max_tokens: int, threads: int | None, seed: int, repeats: int
+    model: Path, items: int, batch_size: int, max_batch_tokens: int, threads: int | None, seed: int, repeats: int
 ) -> dict:
     """Naive input order vs length bucketing, under an item cap and under a token budget.
 
@@ -68,7 +68,7 @@ def throughput(
     }
     BatchRunner(session, batch_size=batch_size).run(dict(list(data.items())[:batch_size]))  # warm-up
     report = {"items": items, "tokens": int(sum(v["x"].shape[0] for v in data.values())), "repeats": repeats}
-    for limits in ({"batch_size": batch_size}, {"batch_size": None, "max_tokens": max_tokens}):
+    for limits in ({"batch_size": batch_size}, {"batch_size": None, "max_batch_tokens": max_batch_tokens}):
         label = " ".join(f"{k}={v}" for k, v in limits.items() if v)
         best = {}
         for _ in range(repeats):
@@ -130,7 +130,7 @@ def peak_memory(
     workdir: Path,
     gigabytes: float,
     shard_mb: float,
-    max_tokens: int,
+    max_batch_tokens: int,
     threads: int | None,
     seed: int,
     suffix: str,
@@ -150,8 +150,8 @@ def peak_memory(
         str(output),
         "--provider",
         "cpu",
-        "--max-tokens",
-        str(max_tokens),
+        "--max-batch-tokens",
+        str(max_batch_tokens),
         "--no-progress",
         "--json",
     ]
@@ -192,7 +192,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--items", type=int, default=512, help="items in the throughput part")
     parser.add_argument("--batch-size", type=int, default=32)
-    parser.add_argument("--max-tokens", type=int, default=8192, help="token budget (also used by the memory part)")
+    parser.add_argument("--max-batch-tokens", type=int, default=8192, help="token budget (also for the memory part)")
     parser.add_argument("--threads", type=int, default=None, help="ORT intra-op threads (default: all cores)")
     parser.add_argument("--memory-gb", type=float, default=2.0, help="size of the generated dataset (0: skip)")
     parser.add_argument("--shard-mb", type=float, default=64.0)
@@ -208,7 +208,7 @@ def main() -> None:
         report = {"d_model": D_MODEL, "heads": HEADS, "mask": "padding", "lengths": f"lognormal {MIN_LEN}..{MAX_LEN}"}
         if not args.skip_throughput:
             report["throughput"] = throughput(
-                model, args.items, args.batch_size, args.max_tokens, args.threads, args.seed, args.repeats
+                model, args.items, args.batch_size, args.max_batch_tokens, args.threads, args.seed, args.repeats
             )
             print(json.dumps(report["throughput"]), flush=True)
         if args.memory_gb > 0:
@@ -217,7 +217,7 @@ def main() -> None:
                 workdir,
                 args.memory_gb,
                 args.shard_mb,
-                args.max_tokens,
+                args.max_batch_tokens,
                 args.threads,
                 args.seed,
                 f".{args.format}",

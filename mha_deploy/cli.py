@@ -14,7 +14,8 @@ from pathlib import Path
 import click
 
 from mha_deploy import __version__
-from mha_deploy.cli_options import DEFAULT_D_MODEL, DEFAULT_HEADS, model_options, session_options
+from mha_deploy.batching import BatchingConfig, RunnerOptions
+from mha_deploy.cli_options import DEFAULT_D_MODEL, DEFAULT_HEADS, RenamedOption, model_options, session_options
 from mha_deploy.errors import MHADeployError, ModelConfigError
 from mha_deploy.metadata import (
     ATTENTION_KINDS,
@@ -148,7 +149,6 @@ def export(ctx, checkpoint, prefix, d_model, heads, model_kind, layers, d_ff, at
       mha-deploy export --module model.py:build --input ids:tokens --input mask:padding-mask -o model.onnx
     """
     from mha_deploy.exporters import export_mha, export_model, export_stack, load_factory
-    from mha_deploy.metadata import Signature
 
     options = {"opset": opset, "atol": atol, "rtol": rtol, "fuse": fuse, "quantize": quantize, "dtype": dtype}
     lone_block = ("prefix", "d_model", "heads", "model_kind", "layers", "d_ff", "attention", "mask",
@@ -203,31 +203,24 @@ def _flags(names: list[str]) -> str:
 
 
 def _build_stack(kind: str, layers: int, d_model: int | None, heads: int | None, d_ff: int | None, seed: int):
-    import torch
+    from mha_deploy.models.build import random_stack
 
-    from mha_deploy.models.transformer import Decoder, Encoder
-
-    d_model = DEFAULT_D_MODEL if d_model is None else d_model
-    heads = DEFAULT_HEADS if heads is None else heads
-    torch.manual_seed(seed)
-    stack_cls = Encoder if kind == "encoder" else Decoder
     with _sizes_from_flags():
-        return stack_cls(layers, d_model, heads, 4 * d_model if d_ff is None else d_ff).eval()
+        return random_stack(kind, layers, DEFAULT_D_MODEL if d_model is None else d_model,
+                            DEFAULT_HEADS if heads is None else heads, d_ff, seed)
 
 
 def _load_model(checkpoint, d_model: int | None, heads: int | None, seed: int, prefix: str | None = None):
-    import torch
-
-    from mha_deploy.models import MultiHeadAttention, load_checkpoint
+    from mha_deploy.models import load_checkpoint
+    from mha_deploy.models.build import random_mha
 
     if checkpoint is None:
         if prefix is not None:
             raise click.UsageError("--prefix picks the attention out of a --checkpoint; give one")
-        torch.manual_seed(seed)
         with _sizes_from_flags():
-            return MultiHeadAttention(
-                DEFAULT_D_MODEL if d_model is None else d_model, DEFAULT_HEADS if heads is None else heads
-            ).eval()
+            return random_mha(
+                DEFAULT_D_MODEL if d_model is None else d_model, DEFAULT_HEADS if heads is None else heads, seed
+            )
     mha = load_checkpoint(checkpoint, num_heads=heads, prefix=prefix)
     if d_model is not None and d_model != mha.d_model:
         raise click.UsageError(f"--d-model {d_model} disagrees with the checkpoint's d_model {mha.d_model}")
@@ -253,10 +246,11 @@ def _sizes_from_flags():
               help="Outputs keyed by the same ids, unpadded [seq, d_model]: a file (format from its suffix) "
                    "for a file input, a directory with the same shard names and formats for a directory.")
 @click.option("--batch-size", type=click.IntRange(min=1),
-              help="At most this many items per batch (default 16 unless --max-tokens is given).")
-@click.option("--max-tokens", type=click.IntRange(min=1),
+              help=f"At most this many items per batch (default {RunnerOptions.batch_size} unless --max-batch-tokens "
+                   "is given).")
+@click.option("--max-batch-tokens", cls=RenamedOption, old_names=("--max-tokens",), type=click.IntRange(min=1),
               help="At most this many padded positions (items × longest sequence) per batch.")
-@click.option("--bucket-window", type=click.IntRange(min=0), default=256, show_default=True,
+@click.option("--bucket-window", type=click.IntRange(min=0), default=RunnerOptions.bucket_window, show_default=True,
               help="Items read ahead and sorted by length before batching (bounds memory); 0 keeps input order.")
 @click.option("--on-error", type=click.Choice(ON_ERROR_CHOICES), default="stop", show_default=True,
               help="At a bad item (wrong shape or dtype, NaN, empty): stop with an error, or skip it and list it.")
@@ -271,7 +265,7 @@ def _sizes_from_flags():
 @session_options()
 @click.option("--progress/--no-progress", default=True, show_default=True, help="Progress bar on stderr.")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON on stdout.")
-def infer(model, input_path, output_path, batch_size, max_tokens, bucket_window, on_error, overwrite, engine,
+def infer(model, input_path, output_path, batch_size, max_batch_tokens, bucket_window, on_error, overwrite, engine,
           ray_address, concurrency, num_gpus, provider, threads, progress, as_json):
     """Run a model over items (a file or a directory of shards), batched by length and streamed.
 
@@ -283,7 +277,7 @@ def infer(model, input_path, output_path, batch_size, max_tokens, bucket_window,
     \b
     Examples:
       mha-deploy infer mha.onnx --input items.npz --output out.npz --batch-size 32
-      mha-deploy infer mha.onnx --input shards/ --output out/ --max-tokens 8192 --on-error skip
+      mha-deploy infer mha.onnx --input shards/ --output out/ --max-batch-tokens 8192 --on-error skip
       mha-deploy infer mha.onnx --input data.parquet --output out.parquet --json
       mha-deploy infer mha.onnx --input shards/ --output out/ --engine ray --concurrency 4
     """
@@ -293,9 +287,9 @@ def infer(model, input_path, output_path, batch_size, max_tokens, bucket_window,
 
     if output_path.resolve() == input_path.resolve():
         raise click.UsageError("--output must differ from --input (the input would be overwritten)")
-    if batch_size is None and max_tokens is None:
-        batch_size = 16
-    options = dict(batch_size=batch_size, max_tokens=max_tokens, bucket_window=bucket_window, on_error=on_error)
+    if batch_size is None and max_batch_tokens is None:
+        batch_size = RunnerOptions.batch_size
+    options = RunnerOptions(batch_size, max_batch_tokens, bucket_window, on_error)
     job = DatasetJob(input_path, output_path, model, overwrite=overwrite, options=options)
     with job:  # the output is locked from here to the end: a second run on it fails at once, naming this pid
         if engine == "ray":
@@ -305,13 +299,13 @@ def infer(model, input_path, output_path, batch_size, max_tokens, bucket_window,
             stats = _run_with_progress(
                 lambda on_start, on_batch: run_dataset_on_ray(
                     job, model, provider=provider, threads=threads, ray=ray_options, on_start=on_start,
-                    on_batch=on_batch, **options),
+                    on_batch=on_batch, options=options),
                 progress)
         else:
             session = MHASession(model, provider=provider, threads=threads)
             if session.provider_note:
                 click.echo(session.provider_note, err=True)
-            runner = BatchRunner(session, **options)
+            runner = BatchRunner(session, options)
             stats = _run_with_progress(
                 lambda on_start, on_batch: run_dataset(job, runner, on_start, on_batch), progress)
     for name, reason in job.redo_reasons.items():
@@ -326,7 +320,10 @@ def infer(model, input_path, output_path, batch_size, max_tokens, bucket_window,
         click.echo(json.dumps({**stats.to_dict(), "output": str(output_path), "manifest": str(job.manifest_path)}))
         return
     click.echo(stats.summary())
-    click.echo(f"wrote {output_path}")
+    if stats.shards_written:
+        click.echo(f"wrote {output_path}")
+    else:
+        click.echo(f"nothing to do: {output_path} was already done by an earlier run (--overwrite redoes it)")
 
 
 def _run_with_progress(run, show: bool):
@@ -366,40 +363,7 @@ def inspect(model, as_json):
     from mha_deploy.model_report import describe_model
 
     report = describe_model(model)
-    if as_json:
-        click.echo(json.dumps(report.to_dict(), indent=2, default=_json_default))
-        return
-    click.echo(f"{report.path}  ({report.size_bytes / 1e6:.2f} MB, IR {report.ir_version}, "
-               f"opsets {', '.join(f'{d} {v}' for d, v in report.opsets.items())})")
-    for role, tensors in (("input", report.inputs), ("output", report.outputs)):
-        for t in tensors:
-            click.echo(f"  {role:6} {t.name:18} {t.dtype:8} [{', '.join(str(d) for d in t.dims)}]")
-    click.echo("  ops    " + ", ".join(f"{op} x{n}" for op, n in report.op_counts.items()))
-    for op in report.attention_ops:
-        attrs = ", ".join(f"{k}={_json_default(v) if isinstance(v, bytes) else v}" for k, v in op.attributes.items())
-        inputs = ", ".join(f"{role}={name}" for role, name in op.inputs.items())
-        click.echo(f"  fused  {op.op}({inputs}) {attrs}")
-        click.echo(f"         kernel: {op.kernel}")
-    meta = report.metadata
-    if meta is None:
-        click.echo("  metadata: none (not exported by mha-deploy)")
-        return
-    sig = meta["signature"]
-    if sig.get("model") == "custom":
-        padded = ", ".join(sig.get("custom_paddable", [])) or "none (items of different lengths never share a batch)"
-        click.echo(f"  model  your own, {meta['layers']} attention(s), widest d_model={meta['d_model']} "
-                   f"heads={meta['num_heads']} dtype={meta['dtype']} fusion={meta['fusion']}; padded along: {padded}")
-    else:
-        stack = f"{sig['model']} x{meta['layers']} " if sig.get("model", "mha") != "mha" else ""
-        click.echo(f"  model  {stack}d_model={meta['d_model']} heads={meta['num_heads']} attention={sig['attention']} "
-                   f"mask={sig['mask']} dtype={meta['dtype']} fusion={meta['fusion']}")
-    if sig.get("kv_cache"):
-        _echo_cache_layout(Signature(**sig))
-    parity = meta.get("parity")
-    if parity:
-        click.echo(f"  parity {'PASSED' if parity['passed'] else 'FAILED'}: max abs err {parity['max_abs_err']:.3g} "
-                   f"at atol={parity['atol']:g} rtol={parity['rtol']:g} over {', '.join(parity['shapes'])}")
-    click.echo("  versions " + ", ".join(f"{k} {v}" for k, v in meta["versions"].items()))
+    click.echo(json.dumps(report.to_dict(), indent=2, default=_json_default) if as_json else report.text())
 
 
 @main.command()
@@ -407,19 +371,20 @@ def inspect(model, as_json):
 @click.option("--host", default="127.0.0.1", show_default=True,
               help="Address to bind; 0.0.0.0 exposes the server to the network.")
 @click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True)
-@click.option("--max-batch", type=click.IntRange(min=1), default=32, show_default=True,
+@click.option("--max-batch", type=click.IntRange(min=1), default=BatchingConfig.max_batch, show_default=True,
               help="Most requests run together in one padded batch; 1 turns micro-batching off.")
-@click.option("--max-wait-ms", type=click.FloatRange(min=0), default=2.0, show_default=True,
+@click.option("--max-wait-ms", type=click.FloatRange(min=0), default=BatchingConfig.max_wait_ms, show_default=True,
               help="Longest a request waits for others to join its batch.")
-@click.option("--max-batch-tokens", type=click.IntRange(min=1), default=8192, show_default=True,
+@click.option("--max-batch-tokens", type=click.IntRange(min=1), default=BatchingConfig.max_batch_tokens,
+              show_default=True,
               help="Most padded positions (requests x longest sequence) in one run; bounds its memory.")
-@click.option("--workers", type=click.IntRange(min=1), default=1, show_default=True,
+@click.option("--workers", type=click.IntRange(min=1), default=BatchingConfig.workers, show_default=True,
               help="Batches run at once, each in its own thread.")
 @session_options()
 @click.option("--max-body-mb", type=click.FloatRange(min=0, min_open=True), default=64, show_default=True,
               help="Larger request bodies get 413.")
-@click.option("--max-tokens", type=click.IntRange(min=1), default=1024, show_default=True,
-              help="Longest sequence one request may hold; longer ones get 422.")
+@click.option("--max-item-tokens", cls=RenamedOption, old_names=("--max-tokens",), type=click.IntRange(min=1),
+              default=1024, show_default=True, help="Longest sequence one request may hold; longer ones get 422.")
 @click.option("--optimized-model", type=click.Path(dir_okay=False, path_type=Path),
               help="Cache of ORT's optimized graph: written on the first start, reused for faster later starts.")
 @click.option("--spin", is_flag=True,
@@ -432,7 +397,7 @@ def inspect(model, as_json):
 @click.option("--name", help="Model name in the v2 protocol (/v2/models/NAME; default: the file's stem).")
 @click.option("--grpc-port", type=click.IntRange(0, 65535),
               help="Also serve the v2 protocol over gRPC (inference.GRPCInferenceService) on this port.")
-@click.option("--max-queue", type=click.IntRange(min=1), default=4096, show_default=True,
+@click.option("--max-queue", type=click.IntRange(min=1), default=BatchingConfig.max_queue, show_default=True,
               help="Items waiting for a batch; beyond it requests get 503 with Retry-After (gRPC: UNAVAILABLE).")
 @click.option("--api-key-file", type=click.Path(dir_okay=False, path_type=Path),
               help="File of API keys, one per line: every route but health then needs 'Authorization: Bearer KEY'.")
@@ -446,7 +411,7 @@ def inspect(model, as_json):
 @click.option("--keep-alive-timeout", type=click.FloatRange(min=0, min_open=True), default=5.0, show_default=True,
               help="Seconds an idle keep-alive connection stays open.")
 def serve(model, host, port, max_batch, max_wait_ms, max_batch_tokens, workers, provider, threads, max_body_mb,
-          max_tokens, optimized_model, spin, log_level, access_log, drain_timeout, name, grpc_port, max_queue,
+          max_item_tokens, optimized_model, spin, log_level, access_log, drain_timeout, name, grpc_port, max_queue,
           api_key_file, ssl_certfile, ssl_keyfile, body_timeout, max_connections, keep_alive_timeout):
     """Serve a model over HTTP (and gRPC) with dynamic micro-batching (needs the 'serve' extra).
 
@@ -469,11 +434,14 @@ def serve(model, host, port, max_batch, max_wait_ms, max_batch_tokens, workers, 
     from mha_deploy.serving.http import serve as run_server
     from mha_deploy.serving.http.parsing import RequestLimits
 
-    limits = RequestLimits(max_body_bytes=int(max_body_mb * 2**20), max_tokens=max_tokens, body_timeout_s=body_timeout)
+    limits = RequestLimits(
+        max_body_bytes=int(max_body_mb * 2**20), max_item_tokens=max_item_tokens, body_timeout_s=body_timeout
+    )
+    batching = BatchingConfig(max_batch=max_batch, max_wait_ms=max_wait_ms, workers=workers, max_queue=max_queue,
+                              max_batch_tokens=max_batch_tokens)
     run_server(ServeConfig(
-        model, host=host, port=port, provider=provider, threads=threads, max_batch=max_batch,
-        max_wait_ms=max_wait_ms, max_batch_tokens=max_batch_tokens, workers=workers, max_queue=max_queue,
-        limits=limits, optimized_model_path=optimized_model, spin=spin, log_level=log_level, access_log=access_log,
+        model, host=host, port=port, provider=provider, threads=threads, batching=batching, limits=limits,
+        optimized_model_path=optimized_model, spin=spin, log_level=log_level, access_log=access_log,
         graceful_timeout_s=drain_timeout, name=name, grpc_port=grpc_port, api_key_file=api_key_file,
         ssl_certfile=ssl_certfile, ssl_keyfile=ssl_keyfile, max_connections=max_connections,
         keep_alive_timeout_s=keep_alive_timeout,
@@ -525,17 +493,21 @@ def triton(model, repo, name, instances, kind, max_batch_size, max_queue_delay_u
 @main.command()
 @click.argument("model", type=click.Path(path_type=Path), required=False)
 @model_options
-@click.option("--mask", "masks", multiple=True, default=("none", "causal"), show_default=True,
+@click.option("--mask", "masks", multiple=True,
               help=f"Mask mode(s) to bench, repeatable or comma-separated: {', '.join(MASK_MODES)}; a padding "
-                   "mode keeps every key real unless suffixed with the share of keys to pad, e.g. padding-25%.")
+                   "mode keeps every key real unless suffixed with the share of keys to pad, e.g. padding-25%. "
+                   "Default: none and causal; with MODEL, the file's own mask mode.")
 @click.option("--shapes", default="8x128,1x1024,32x64,1x4096", show_default=True, help="BATCHxSEQ,...")
 @session_options(provider="cpu", threads=2)
 @click.option("--budget-s", type=click.FloatRange(min=0, min_open=True), default=2.0, show_default=True,
               help="Timing budget per backend and shape.")
-@click.option("--memory-shapes", default="1x4096,32x512", show_default=True,
-              help="Shapes at which peak RSS of each ORT path is measured (in fresh processes); '' to skip.")
+# bench.cases.DEFAULT_MEMORY_SHAPES (not imported: the bench package loads torch).
+@click.option("--memory-shapes", default="1x1024", show_default=True,
+              help="Shapes at which peak RSS of each ORT path is measured (in fresh processes, a few seconds each); "
+                   "'' to skip.")
 @click.option("--gemm-sizes", default="512,1024,2048,4096", show_default=True,
-              help="Square MatMul sizes tried for the efficiency yardstick (ORT's best rate over them).")
+              help="Square MatMul sizes tried for the efficiency yardstick (ORT's best rate over them; for int8 "
+                   "rows its int8 MatMulInteger rate).")
 @click.option("--quiet-wait-s", type=click.FloatRange(min=0), default=0.0, show_default=True,
               help="Before each timed block, wait up to this long for other processes to leave the CPUs "
                    "(0: do not wait).")
@@ -551,21 +523,36 @@ def bench(model, checkpoint, prefix, d_model, heads, masks, shapes, provider, th
     in one run.
 
     Reports median and p90 latency, GFLOP/s, the ratio to torch eager,
-    efficiency against ORT's own MatMul rate measured in the same run, and each
+    efficiency against ORT's own MatMul rate measured in the same run (int8
+    rows: its int8 MatMulInteger rate), and each
     row's error against the torch eager reference on the same inputs (max abs
     err, relative err). MODEL, an exported self-attention .onnx file, is added
-    as one more row in the mask modes it matches. With --provider cuda, torch
-    and ORT both run on the GPU in fp16, what one deploys there.
+    as one more row in the mask modes it matches; its d_model, heads and mask
+    mode are read from it, and its error is against the --checkpoint (or the
+    seed-0 random model) of that size. With --provider cuda, torch and ORT both
+    run on the GPU in fp16, what one deploys there.
 
     \b
     Example:
       mha-deploy bench --mask none --mask padding-25% --shapes 8x128,1x1024 --threads 2 --plot bench.png
     """
-    from mha_deploy.bench import QuietGate, parse_mask_modes, parse_shapes, parse_sizes, resolve_target, run_bench
+    from mha_deploy.bench import (
+        DEFAULT_MASK_MODES,
+        QuietGate,
+        parse_mask_modes,
+        parse_shapes,
+        parse_sizes,
+        resolve_target,
+        run_bench,
+        settings_from_file,
+    )
     from mha_deploy.errors import OptionError
 
     try:
-        modes = parse_mask_modes(masks)
+        modes = parse_mask_modes(masks) if masks else None
+        if model is not None:
+            d_model, heads, modes = settings_from_file(model, d_model, heads, modes)
+        modes = modes or parse_mask_modes(DEFAULT_MASK_MODES)
         shape_list = parse_shapes(shapes)
         memory_list = parse_shapes(memory_shapes) if memory_shapes else ()
         gemm_list = parse_sizes(gemm_sizes)
@@ -590,25 +577,6 @@ def bench(model, checkpoint, prefix, d_model, heads, masks, shapes, provider, th
 
         plot_latency(report, plot)
     click.echo(json.dumps(report.to_dict(), indent=2) if as_json else report.table())
-
-
-def _echo_cache_layout(signature: Signature) -> None:
-    query = signature.query_axis
-    if signature.model == "mha":
-        click.echo("  cache  past_key -> present_key, past_value -> present_value: [batch, heads, past_seq, d_k] in, "
-                   f"[batch, heads, past_seq + {query}, d_k] out (past ++ new)")
-    else:
-        layers = f"i < {signature.layers}"
-        click.echo(f"  cache  past_key_values.{{i}}.key/.value -> present.{{i}}.key/.value ({layers}): "
-                   f"[batch, heads, past_seq, d_k] in, [batch, heads, past_seq + {query}, d_k] out (past ++ new)")
-        click.echo("         past_key_values.{i}.encoder_key/.encoder_value -> present.{i}.encoder_key/"
-                   ".encoder_value: empty on the first call (computed from memory), then [batch, heads, mem_seq, "
-                   "d_k], passed back unchanged (memory is then not read)")
-    if signature.has_padding_mask:
-        click.echo("         key_padding_mask [batch, past_seq + "
-                   f"{query}]: every token of the sequence so far, True = real")
-    click.echo("         an If on past_seq picks the first call's graph (past_seq 0) or the later calls'; each "
-               "one's fused attentions are listed above")
 
 
 def _json_default(value):

@@ -49,6 +49,21 @@ model_options = option_group(
 )
 
 
+class RenamedOption(click.Option):
+    """An option that still takes its old spelling(s), kept for one release and left out of ``--help``."""
+
+    def __init__(self, param_decls, old_names: tuple[str, ...] = (), **attrs):
+        super().__init__([*param_decls, *old_names], **attrs)
+        self.old_names = tuple(old_names)
+
+    def get_help_record(self, ctx: click.Context):
+        every, self.opts = self.opts, [name for name in self.opts if name not in self.old_names]
+        try:
+            return super().get_help_record(ctx)
+        finally:
+            self.opts = every
+
+
 def session_options(provider: str = "auto", threads: int | None = None) -> Decorator:
     """--provider and --threads: where ONNX Runtime runs and how wide; the defaults may differ per command."""
     return option_group(

@@ -11,6 +11,8 @@ import onnx
 
 from mha_deploy.errors import ModelFileError
 from mha_deploy.metadata import METADATA_KEY, ModelMetadata
+from mha_deploy.onnx_nodes import LONG_KERNEL, all_nodes, kernel_tag
+from mha_deploy.signature import Signature
 
 # Ops that carry a whole attention, with their input roles (from the ops' schemas),
 # so that inspect can say which mask input a fused op reads.
@@ -28,22 +30,6 @@ ATTENTION_INPUT_ROLES = {
 # Inputs that turn ORT's CPU MultiHeadAttention away from its flash path (onnxruntime
 # contrib_ops/cpu/bert/multihead_attention.cc): it then materialises [batch, heads, q, kv].
 _MHA_NON_FLASH_INPUTS = ("key_padding_mask", "attention_bias", "past_key", "past_value")
-# What the fusion's padding_flash rule builds: If(any key padded) keys cut to the longest row's real ones,
-# then the op mask-free if every row fills the cut, else masked; else the op mask-free.
-PADDING_FLASH_KERNEL = (
-    "MultiHeadAttention (flash when no key is padded or every row has as many real keys, "
-    "else masked over the longest row's real keys)"
-)
-# What the causal_gqa rule builds: If(score bytes <= N) GQA without present outputs (ORT's CPU kernel
-# then materialises [batch, heads, q, kv]) else GQA with them (its tiled path). N read from the graph.
-GQA_BY_SIZE = "scores materialised up to {} MB, tiled beyond"
-_GQA_CAUSAL = "GroupQueryAttention (causal{})"
-# What the short_sequence rule builds: If(kv_len <= N and score bytes <= M) standard Attention (ORT's CPU
-# kernel materialises [batch, heads, q, kv]) else MultiHeadAttention (flash, or padding_flash's If when masked);
-# N and M read from the graph.
-SHORT_SEQUENCE = "; up to {} keys and {} MB of scores the standard Attention op (materialising)"
-# causal_gqa moves real tokens to the front (GatherND) so that seqlens_k can describe any padding.
-_GQA_COMPACTED = ", padded tokens compacted out: any padding side"
 
 
 @dataclass
@@ -80,16 +66,80 @@ class ModelReport:
     def to_dict(self) -> dict:
         return asdict(self)
 
+    def text(self) -> str:
+        """What ``mha-deploy inspect`` prints: the file, its I/O, ops, each attention and its kernel, metadata.
 
-def all_nodes(graph: onnx.GraphProto):
-    """Every node of ``graph``, including those in its subgraphs (the branches of the fusions' Ifs)."""
-    for node in graph.node:
-        yield node
-        for attribute in node.attribute:
-            if attribute.type == onnx.AttributeProto.GRAPH:
-                yield from all_nodes(attribute.g)
-            for subgraph in attribute.graphs:
-                yield from all_nodes(subgraph)
+        A fused op's inputs are listed by role (``query, key, value, key_padding_mask``): the tensors
+        feeding it are the exporter's internal values, whose names say nothing to a reader.
+        """
+        lines = [
+            f"{self.path}  ({self.size_bytes / 1e6:.2f} MB, IR {self.ir_version}, "
+            f"opsets {', '.join(f'{d} {v}' for d, v in self.opsets.items())})"
+        ]
+        for role, tensors in (("input", self.inputs), ("output", self.outputs)):
+            lines += [f"  {role:6} {t.name:18} {t.dtype:8} [{', '.join(str(d) for d in t.dims)}]" for t in tensors]
+        lines.append("  ops    " + ", ".join(f"{op} x{n}" for op, n in self.op_counts.items()))
+        model_inputs = {t.name for t in self.inputs}
+        for op in self.attention_ops:
+            attrs = ", ".join(f"{k}={_readable(v)}" for k, v in op.attributes.items())
+            inputs = ", ".join(
+                f"{role}={name}" if name in model_inputs and name != role else role for role, name in op.inputs.items()
+            )
+            lines += [f"  fused  {op.op}({inputs}) {attrs}", f"         kernel: {op.kernel}"]
+        meta = self.metadata
+        if meta is None:
+            return "\n".join([*lines, "  metadata: none (not exported by mha-deploy)"])
+        sig = meta["signature"]
+        if sig.get("model") == "custom":
+            padded = ", ".join(sig.get("custom_paddable", [])) or "none (items of other lengths never share a batch)"
+            lines.append(
+                f"  model  your own, {meta['layers']} attention(s), widest d_model={meta['d_model']} "
+                f"heads={meta['num_heads']} dtype={meta['dtype']} fusion={meta['fusion']}; padded along: {padded}"
+            )
+        else:
+            stack = f"{sig['model']} x{meta['layers']} " if sig.get("model", "mha") != "mha" else ""
+            lines.append(
+                f"  model  {stack}d_model={meta['d_model']} heads={meta['num_heads']} attention={sig['attention']} "
+                f"mask={sig['mask']} dtype={meta['dtype']} fusion={meta['fusion']}"
+            )
+        if sig.get("kv_cache"):
+            lines += cache_layout(Signature(**sig))
+        parity = meta.get("parity")
+        if parity:
+            lines.append(
+                f"  parity {'PASSED' if parity['passed'] else 'FAILED'}: max abs err {parity['max_abs_err']:.3g} "
+                f"at atol={parity['atol']:g} rtol={parity['rtol']:g} over {', '.join(parity['shapes'])}"
+            )
+        lines.append("  versions " + ", ".join(f"{k} {v}" for k, v in meta["versions"].items()))
+        return "\n".join(lines)
+
+
+def _readable(value: object) -> object:
+    return value.decode(errors="replace") if isinstance(value, bytes) else value
+
+
+def cache_layout(signature: Signature) -> list[str]:
+    """How a KV-cache model's past and present tensors pair up, for ``inspect``."""
+    query = signature.query_axis
+    if signature.model == "mha":
+        lines = [
+            "  cache  past_key -> present_key, past_value -> present_value: [batch, heads, past_seq, d_k] in, "
+            f"[batch, heads, past_seq + {query}, d_k] out (past ++ new)"
+        ]
+    else:
+        lines = [
+            f"  cache  past_key_values.{{i}}.key/.value -> present.{{i}}.key/.value (i < {signature.layers}): "
+            f"[batch, heads, past_seq, d_k] in, [batch, heads, past_seq + {query}, d_k] out (past ++ new)",
+            "         past_key_values.{i}.encoder_key/.encoder_value -> present.{i}.encoder_key/"
+            ".encoder_value: empty on the first call (computed from memory), then [batch, heads, mem_seq, "
+            "d_k], passed back unchanged (memory is then not read)",
+        ]
+    if signature.has_padding_mask:
+        lines.append(f"         key_padding_mask [batch, past_seq + {query}]: every token of the sequence so far, "
+                     "True = real")
+    lines.append("         an If on past_seq picks the first call's graph (past_seq 0) or the later calls'; each "
+                 "one's fused attentions are listed above")
+    return lines
 
 
 def _tensor_info(value: onnx.ValueInfoProto) -> TensorInfo:
@@ -113,13 +163,12 @@ def _attention_op(node: onnx.NodeProto, kernel: str, name: str | None = None) ->
     return AttentionOpInfo(_op_label(node), node.name if name is None else name, inputs, attributes, kernel)
 
 
-def _kernel(node: onnx.NodeProto, producers: dict[str, onnx.NodeProto]) -> str:
-    """Which ORT CPU kernel runs the attention op ``node`` (ORT 1.31, DESIGN "Attention kernels")."""
+def _kernel(node: onnx.NodeProto) -> str:
+    """Which ORT CPU kernel runs the attention op ``node`` on its own (ORT 1.31, DESIGN "Attention kernels")."""
     info = _attention_op(node, "")
     causal = bool(info.attributes.get("unidirectional", 0) or info.attributes.get("is_causal", 0))
     if node.op_type == "GroupQueryAttention":
-        query = producers.get(info.inputs.get("query", ""))
-        return _GQA_CAUSAL.format(_GQA_COMPACTED if query is not None and query.op_type == "GatherND" else "")
+        return "GroupQueryAttention (causal)"
     if node.op_type == "MultiHeadAttention":
         reasons = [role for role in _MHA_NON_FLASH_INPUTS if role in info.inputs] + (["causal"] if causal else [])
         if not reasons:
@@ -134,103 +183,31 @@ def _kernel(node: onnx.NodeProto, producers: dict[str, onnx.NodeProto]) -> str:
     return f"Attention (packed QKV{': ' + ', '.join(parts) if parts else ''})"
 
 
+def _branches(node: onnx.NodeProto) -> dict[str, onnx.GraphProto]:
+    return {a.name: a.g for a in node.attribute if a.type == onnx.AttributeProto.GRAPH}
+
+
 def _branch_attention(node: onnx.NodeProto, branch: str) -> onnx.NodeProto | None:
     """The one attention op an If branch consists of (Constants aside), else None."""
-    graph = next((a.g for a in node.attribute if a.name == branch), None)
+    graph = _branches(node).get(branch)
     nodes = [n for n in graph.node if n.op_type != "Constant"] if graph is not None else []
     return nodes[0] if len(nodes) == 1 and _roles(nodes[0]) is not None else None
 
 
-def _padded_mask(node: onnx.NodeProto, producers: dict[str, onnx.NodeProto]) -> str | None:
-    """The mask an If asks "is any token padded?" of (Cast(ReduceMax(Cast(Equal(mask, 0)))), the fusions'
-    condition), else None."""
-    source = producers.get(node.input[0])
-    for op_type in ("Cast", "ReduceMax", "Cast"):
-        if source is None or source.op_type != op_type:
+def _tagged(node: onnx.NodeProto, kernel: str, initializers) -> AttentionOpInfo | None:
+    """An If a fusion rule built and tagged with its kernel (``onnx_nodes.KERNEL_PROP``), reported as one attention:
+    the op of its branches given the most inputs (its mask), under the If's name."""
+    if LONG_KERNEL in kernel:  # short_sequence: its long branch is reported as it is, its kernel put in place
+        long = attention_ops(list(_branches(node)["else_branch"].node), initializers)
+        if len(long) != 1:
             return None
-        source = producers.get(source.input[0])
-    return source.input[0] if source is not None and source.op_type == "Equal" else None
-
-
-def _padding_cut(node: onnx.NodeProto, producers: dict[str, onnx.NodeProto]) -> AttentionOpInfo | None:
-    """padding_flash's If, reported as one attention reading the model's mask; None for any other If."""
-    mask = _padded_mask(node, producers)
-    flash = _branch_attention(node, "else_branch")
-    then = next((a.g for a in node.attribute if a.name == "then_branch"), None)
-    if mask is None or flash is None or then is None or _kernel(flash, {}) != "MultiHeadAttention (flash)":
+        (info,) = long
+        info.name, info.kernel = node.name, kernel.replace(LONG_KERNEL, info.kernel)
+        return info
+    ops = [n for graph in _branches(node).values() for n in all_nodes(graph) if _roles(n) is not None]
+    if not ops:
         return None
-    inner = [n for n in then.node if n.op_type == "If"]
-    cut = [_branch_attention(inner[0], name) for name in ("then_branch", "else_branch")] if len(inner) == 1 else []
-    if len(cut) != 2 or any(op is None or op.op_type != flash.op_type for op in cut):
-        return None
-    info = _attention_op(flash, PADDING_FLASH_KERNEL, node.name)
-    info.inputs["key_padding_mask"] = mask
-    return info
-
-
-def gqa_by_size_kernel(compacted: bool, max_mb: float | None) -> str:
-    """The kernel string of causal_gqa's If: GQA materialising scores up to ``max_mb``, tiled beyond."""
-    limit = GQA_BY_SIZE.format(f"{max_mb:g}" if max_mb is not None else "?")
-    return _GQA_CAUSAL.format(f"{_GQA_COMPACTED if compacted else ''}; {limit}")
-
-
-def _constant(name: str, producers: dict[str, onnx.NodeProto], initializers: dict[str, onnx.TensorProto]):
-    """The value of ``name`` when a Constant node or an initializer holds it, else None."""
-    if name in initializers:
-        return onnx.numpy_helper.to_array(initializers[name])
-    node = producers.get(name)
-    if node is not None and node.op_type == "Constant":
-        value = next((a.t for a in node.attribute if a.name == "value"), None)
-        return onnx.numpy_helper.to_array(value) if value is not None else None
-    return None
-
-
-def _at_most(condition: str, producers, initializers) -> float | None:
-    """The N of ``LessOrEqual(x, N)`` (the size conditions of causal_gqa's and short_sequence's Ifs) producing
-    ``condition``; None if it is not one."""
-    node = producers.get(condition)
-    if node is None or node.op_type != "LessOrEqual":
-        return None
-    limit = _constant(node.input[1], producers, initializers)
-    return float(limit) if limit is not None and limit.size == 1 else None
-
-
-def _by_size(branches: list[onnx.NodeProto]) -> tuple[onnx.NodeProto, onnx.NodeProto] | None:
-    """(materialising, tiled) when an If's two branches are GroupQueryAttention on the same inputs, one asking
-    for present outputs (causal_gqa): else None."""
-    if any(b.op_type != "GroupQueryAttention" for b in branches) or branches[0].input != branches[1].input:
-        return None
-    materialising, tiled = sorted(branches, key=lambda n: len([name for name in n.output if name]))
-    asks_presents = len([name for name in tiled.output if name]) > 1
-    return (materialising, tiled) if asks_presents and len(materialising.output) == 1 else None
-
-
-def short_sequence_kernel(long_kernel: str, keys_max: int, scores_max_mb: float) -> str:
-    """The kernel string of short_sequence's If: ``long_kernel`` beyond the bounds, standard Attention within."""
-    return long_kernel + SHORT_SEQUENCE.format(f"{keys_max:d}", f"{scores_max_mb:g}")
-
-
-def _short_sequence(node: onnx.NodeProto, producers, initializers) -> AttentionOpInfo | None:
-    """short_sequence's If (standard Attention within the bounds, MultiHeadAttention or padding_flash's If
-    beyond), reported as the attention of its long branch with both kernels; None for any other If."""
-    condition = producers.get(node.input[0])
-    if condition is None or condition.op_type != "And":
-        return None
-    keys, score_bytes = (_at_most(name, producers, initializers) for name in condition.input)
-    graphs = {a.name: a.g for a in node.attribute if a.type == onnx.AttributeProto.GRAPH}
-    if keys is None or score_bytes is None or set(graphs) != {"then_branch", "else_branch"}:
-        return None
-    standard = [n for n in graphs["then_branch"].node if _roles(n) is not None]
-    if [(n.domain or "", n.op_type) for n in standard] != [("", "Attention")]:
-        return None
-    inner = {**initializers, **{t.name: t for t in graphs["else_branch"].initializer}}
-    long = attention_ops(list(graphs["else_branch"].node), inner)
-    if len(long) != 1:
-        return None
-    (info,) = long
-    info.name = node.name
-    info.kernel = short_sequence_kernel(info.kernel, int(keys), score_bytes / 2**20)
-    return info
+    return _attention_op(max(ops, key=lambda n: len([name for name in n.input if name])), kernel, node.name)
 
 
 def attention_ops(
@@ -239,48 +216,30 @@ def attention_ops(
     """One entry per attention among ``nodes`` (one graph's, whose ``initializers`` and those of the graphs
     enclosing it are given): fused ops, and Ifs choosing between two of them."""
     initializers = initializers or {}
-    producers = {output: node for node in nodes for output in node.output if output}
     found = []
     for node in nodes:
         if _roles(node) is not None:
-            found.append(_attention_op(node, _kernel(node, producers)))
+            found.append(_attention_op(node, _kernel(node)))
         elif node.op_type == "If" and node.domain in ("", "ai.onnx"):
-            if (cut := _padding_cut(node, producers)) is not None:
-                found.append(cut)
-                continue
-            if (short := _short_sequence(node, producers, initializers)) is not None:
-                found.append(short)
+            kernel = kernel_tag(node)
+            if kernel is not None and (tagged := _tagged(node, kernel, initializers)) is not None:
+                found.append(tagged)
                 continue
             branches = [_branch_attention(node, name) for name in ("then_branch", "else_branch")]
             if None in branches or branches[0].op_type != branches[1].op_type:
-                inner = [
-                    attention_ops(list(a.g.node), {**initializers, **{t.name: t for t in a.g.initializer}})
-                    for a in node.attribute
-                    if a.type == onnx.AttributeProto.GRAPH
-                ]
-                if _padded_mask(node, producers) is not None and [len(ops) for ops in inner] == [1, 1]:
-                    # causal_gqa's If(any token padded): the op on compacted tokens (then) or as they are.
-                    found.append(inner[0][0])
-                else:
-                    # A KV-cache model's If(prefill, decode): whole graphs, each reported as its own.
-                    found.extend(op for ops in inner for op in ops)
-                continue
-            if (by_size := _by_size(branches)) is not None:
-                materialising, _ = by_size
-                # The branches read the outer graph's values: its producers say whether q was compacted.
-                compacted = "compacted" in _kernel(materialising, producers)
-                max_bytes = _at_most(node.input[0], producers, initializers)
-                max_mb = max_bytes / 2**20 if max_bytes is not None else None
-                found.append(_attention_op(materialising, gqa_by_size_kernel(compacted, max_mb), node.name))
+                # A KV-cache model's If(prefill, decode): whole graphs, each reported as its own.
+                for graph in _branches(node).values():
+                    found += attention_ops(list(graph.node), {**initializers, **{t.name: t for t in graph.initializer}})
                 continue
             # Two copies of one op otherwise: report the one given more inputs (its mask).
             plain, masked = sorted(branches, key=lambda n: len([name for name in n.input if name]))
-            kernels = dict.fromkeys((_kernel(plain, {}), _kernel(masked, {})))
+            kernels = dict.fromkeys((_kernel(plain), _kernel(masked)))
             found.append(_attention_op(masked, " or ".join(kernels), node.name))
     return found
 
 
-def describe_model(path: str | os.PathLike) -> ModelReport:
+def load_model_file(path: str | os.PathLike) -> onnx.ModelProto:
+    """The ONNX file at ``path`` (external weights not read); ``ModelFileError`` if there is none."""
     path = Path(path)
     if not path.is_file():
         raise ModelFileError(f"model file not found: {path}")
@@ -290,6 +249,18 @@ def describe_model(path: str | os.PathLike) -> ModelReport:
         raise ModelFileError(f"{path}: not a readable ONNX model ({exc})") from exc
     if not model.graph.node and not model.graph.input:
         raise ModelFileError(f"{path}: not a readable ONNX model (empty graph)")
+    return model
+
+
+def read_metadata(path: str | os.PathLike) -> ModelMetadata:
+    """What an exported file says about itself (d_model, heads, Signature...), without running it."""
+    model = load_model_file(path)
+    return ModelMetadata.from_props({p.key: p.value for p in model.metadata_props}, str(path))
+
+
+def describe_model(path: str | os.PathLike) -> ModelReport:
+    path = Path(path)
+    model = load_model_file(path)
     nodes = list(model.graph.node)
     attention = attention_ops(nodes, {t.name: t for t in model.graph.initializer})
     for function in model.functions:

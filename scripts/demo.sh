@@ -14,5 +14,5 @@ items = {f"item-{i:04d}": rng.standard_normal((n, 512), dtype=np.float32) for i,
 np.savez("build/items.npz", **items)
 print(f"generated build/items.npz: {len(items)} items, {lengths.sum()} tokens, d_model 512")
 PY
-.venv/bin/mha-deploy infer build/mha.onnx --input build/items.npz --output build/outputs.npz --max-tokens 8192 --overwrite
+.venv/bin/mha-deploy infer build/mha.onnx --input build/items.npz --output build/outputs.npz --max-batch-tokens 8192 --overwrite
 .venv/bin/mha-deploy inspect build/mha.onnx

@@ -80,7 +80,10 @@ def test_export_infer_inspect(tmp_path):
     assert report["metadata"]["signature"]["mask"] == "padding"
     text = invoke("inspect", model).stdout
     assert "parity PASSED" in text and "fusion=mha" in text
-    assert "com.microsoft::MultiHeadAttention(" in text and "key_padding_mask=" in text
+    assert "com.microsoft::MultiHeadAttention(query, key, value, key_padding_mask)" in text
+    # The tensors feeding a fused op are the exporter's internal values: inspect names their roles instead.
+    internal = {name for op in report["attention_ops"] for name in op["inputs"].values()} - {"x", "key_padding_mask"}
+    assert internal and not [name for name in internal if name in text], text
 
 
 def test_export_from_checkpoint(tmp_path):
@@ -163,7 +166,7 @@ def _constant(dotted: str):
         ("infer", "provider", "mha_deploy.runtime.providers.PROVIDER_CHOICES"),
         ("serve", "provider", "mha_deploy.runtime.providers.PROVIDER_CHOICES"),
         ("bench", "provider", "mha_deploy.runtime.providers.PROVIDER_CHOICES"),
-        ("infer", "on_error", "mha_deploy.batch.runner.ON_ERROR_CHOICES"),
+        ("infer", "on_error", "mha_deploy.batching.ON_ERROR_CHOICES"),
         ("triton", "kind", "mha_deploy.serving.triton.KINDS"),
     ],
 )
@@ -189,6 +192,55 @@ def test_shared_options_mean_the_same_everywhere(names):
     for name in names:
         params = [_param(c.name, name) for c in commands]
         assert len({(p.help, repr(p.type)) for p in params}) == 1, name
+
+
+def test_version_is_the_package_version():
+    import mha_deploy
+
+    result = invoke("--version")
+    assert result.exit_code == 0
+    assert result.output.strip() == f"mha-deploy, version {mha_deploy.__version__}"
+
+
+def test_the_version_has_one_home():
+    """pyproject.toml reads the version from mha_deploy/__init__.py (hatch's dynamic version): no second copy."""
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+
+    root = Path(__file__).resolve().parents[1]
+    project = tomllib.loads((root / "pyproject.toml").read_text())
+    assert "version" not in project["project"] and "version" in project["project"]["dynamic"]
+    assert project["tool"]["hatch"]["version"]["path"] == "mha_deploy/__init__.py"
+
+
+@pytest.mark.parametrize(
+    ("command", "new", "old", "param"),
+    [
+        ("infer", "--max-batch-tokens", "--max-tokens", "max_batch_tokens"),
+        ("serve", "--max-item-tokens", "--max-tokens", "max_item_tokens"),
+    ],
+)
+def test_renamed_flags_take_both_spellings_and_help_shows_the_new_one(command, new, old, param):
+    cmd = main.commands[command]
+    required = ["--input", "in.npz", "--output", "out.npz"] if command == "infer" else []
+    for spelling in (new, old):
+        ctx = cmd.make_context(command, ["m.onnx", *required, spelling, "64"])
+        assert ctx.params[param] == 64, spelling
+    help_text = invoke(command, "--help").output
+    assert new in help_text and old not in help_text
+
+
+def test_serve_batching_flags_reach_one_batching_config(monkeypatch):
+    import mha_deploy.serving.http as http
+    from mha_deploy.batching import BatchingConfig
+
+    configs = []
+    monkeypatch.setattr(http, "serve", configs.append)
+    assert invoke("serve", "m.onnx").exit_code == 0
+    assert configs[0].batching == BatchingConfig()
+    result = invoke("serve", "m.onnx", "--max-batch", "4", "--max-batch-tokens", "512", "--max-item-tokens", "100")
+    assert result.exit_code == 0, result.output
+    assert (configs[1].batching.max_batch, configs[1].batching.max_batch_tokens) == (4, 512)
+    assert configs[1].limits.max_item_tokens == 100
 
 
 def test_drain_timeout_reaches_the_serve_config(monkeypatch):
@@ -242,6 +294,19 @@ def test_infer_bad_input_writes_nothing(tmp_path, padded_model, make_input, frag
                     "--provider", "cpu")
     assert_one_line_error(result, fragment)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["items.npz"]
+
+
+def test_infer_resume_with_nothing_to_do_writes_nothing_and_says_so(tmp_path, padded_model):
+    write_items(tmp_path / "items.npz")
+    args = ["infer", padded_model, "--input", tmp_path / "items.npz", "--output", tmp_path / "out.npz",
+            "--provider", "cpu", "--no-progress"]
+    first = invoke(*args)
+    assert first.exit_code == 0 and f"wrote {tmp_path / 'out.npz'}" in first.stdout, first.output
+    written = (tmp_path / "out.npz").stat().st_mtime_ns
+    again = invoke(*args)
+    assert again.exit_code == 0, again.output
+    assert "wrote" not in again.stdout and "nothing to do" in again.stdout, again.stdout
+    assert (tmp_path / "out.npz").stat().st_mtime_ns == written
 
 
 def test_infer_fp16_model_takes_the_float32_dataset(tmp_path, export_model):

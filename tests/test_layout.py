@@ -17,12 +17,20 @@ import mha_deploy
 TORCH_SIDE = ("torch", "onnxscript", "mha_deploy.models", "mha_deploy.exporters", "mha_deploy.bench")
 # package -> the modules it must never import (directly or through another module).
 FORBIDDEN = {
-    "mha_deploy.runtime": (*TORCH_SIDE, "mha_deploy.batch", "mha_deploy.serving", "mha_deploy.cli"),
+    # Nor model_report, the inspect report: the runtime walks graphs with onnx_nodes.
+    "mha_deploy.runtime": (
+        *TORCH_SIDE, "mha_deploy.batch", "mha_deploy.serving", "mha_deploy.cli", "mha_deploy.model_report"
+    ),
     "mha_deploy.batch": (*TORCH_SIDE, "mha_deploy.serving", "mha_deploy.cli"),
     "mha_deploy.serving": (*TORCH_SIDE, "mha_deploy.cli"),
     "mha_deploy.inputs": (*TORCH_SIDE, "onnxruntime", "mha_deploy.runtime", "mha_deploy.batch", "mha_deploy.serving"),
     "mha_deploy.compare": (*TORCH_SIDE, "onnxruntime", "mha_deploy.runtime", "mha_deploy.batch", "mha_deploy.serving"),
     "mha_deploy.signature": (*TORCH_SIDE, "onnx", "onnxruntime", "mha_deploy.runtime"),
+    "mha_deploy.onnx_nodes": (
+        *TORCH_SIDE, "onnxruntime", "mha_deploy.runtime", "mha_deploy.batch", "mha_deploy.serving"
+    ),
+    # The CLI reads the batching defaults from it: no onnxruntime.
+    "mha_deploy.batching": (*TORCH_SIDE, "onnxruntime", "mha_deploy.runtime", "mha_deploy.batch", "mha_deploy.serving"),
 }
 
 
@@ -54,3 +62,17 @@ def test_every_package_is_placed_in_the_layering():
     # Shared, dependency-free modules every layer may use.
     shared = {"errors", "atomic", "metadata", "model_report", "cli", "cli_options", "checkpoint_names"}
     assert top_level - shared <= placed, f"unplaced modules: {sorted(top_level - shared - placed)}"
+
+
+def test_public_classes_have_one_name_each():
+    """Two public classes of one name (say two ``Decoder``s) make every import and every doc line ambiguous."""
+    import inspect
+
+    homes: dict[str, set[str]] = {}
+    for module_name in _modules("mha_deploy"):
+        module = __import__(module_name, fromlist=["_"])
+        for name, obj in vars(module).items():
+            if inspect.isclass(obj) and not name.startswith("_") and obj.__module__ == module_name:
+                homes.setdefault(name, set()).add(module_name)
+    shared = {name: sorted(modules) for name, modules in homes.items() if len(modules) > 1}
+    assert not shared, f"public classes defined in more than one module: {shared}"

@@ -34,6 +34,7 @@ from mha_deploy.batch.base import RawItem
 from mha_deploy.batch.datasets import Shard, list_shards, open_reader, open_writer, output_keys
 from mha_deploy.batch.lock import OutputError, OutputInUseError, OutputLock, lock_path
 from mha_deploy.batch.runner import BatchCallback, BatchRunner, RunStats
+from mha_deploy.batching import RunnerOptions
 from mha_deploy.errors import InputError, MHADeployError
 from mha_deploy.runtime.digest import sha256_digest
 
@@ -58,22 +59,12 @@ def model_fingerprint(path: str | os.PathLike) -> str:
     return sha256_digest(path)
 
 
-def runner_options(runner: BatchRunner) -> dict:
-    """The options of ``runner`` a manifest records."""
-    return {
-        "on_error": runner.on_error,
-        "batch_size": runner.batch_size,
-        "max_tokens": runner.max_tokens,
-        "bucket_window": runner.bucket_window,
-    }
-
-
 class DatasetJob:
     """The shards of ``input_path`` -> ``output_path``, with what is already done.
 
     Use it as a context manager to hold the output's lock from the start
-    (``plan`` takes it otherwise) until the end; ``options`` are the runner's
-    (``runner_options``), set by ``run_dataset`` from its runner.
+    (``plan`` takes it otherwise) until the end; ``options`` are the runner's,
+    set by ``run_dataset`` from its runner (and recorded in the manifest).
     """
 
     def __init__(
@@ -82,7 +73,7 @@ class DatasetJob:
         output_path: str | os.PathLike,
         model: str | os.PathLike,
         overwrite: bool = False,
-        options: dict | None = None,
+        options: RunnerOptions | None = None,
     ):
         self.input_path, self.output_path = Path(input_path), Path(output_path)
         if self.input_path.resolve() == self.output_path.resolve():
@@ -93,7 +84,7 @@ class DatasetJob:
         self.model_path = Path(model)
         self.model = ""  # its fingerprint, taken when the job is planned (after the model was loaded)
         self.overwrite = overwrite
-        self.options = dict(options or {})
+        self.options = options or RunnerOptions()
         self.redo_reasons: dict[str, str] = {}  # shard name -> why a shard recorded as done is redone
         self.unrecorded: list[str] = []  # shards whose input changed while they ran: redone next time
         self._records: dict[str, dict] = {}
@@ -153,7 +144,7 @@ class DatasetJob:
                 "size": shard.output.stat().st_size,
                 "sha256": sha256_digest(shard.output),
             },
-            "options": self.options,
+            "options": self.options.to_dict(),
             "items": stats.items,
             "tokens": stats.tokens,
             "skipped_items": [{"id": e.item_id, "error": e.message} for e in stats.errors],
@@ -170,7 +161,7 @@ class DatasetJob:
         if record is None:
             return "not done yet"
         skipped = len(record["skipped_items"])
-        if skipped and self.options.get("on_error") != "skip":
+        if skipped and self.options.on_error != "skip":
             return f"it was finished with --on-error skip, leaving out {skipped} bad items; this run stops at them"
         expected = record["output"]
         if not shard.output.is_file():
@@ -346,7 +337,7 @@ def run_dataset(
     stats = RunStats(provider=runner.session.provider)
     start = time.perf_counter()
     owns_lock = not job.lock.held
-    job.options = runner_options(runner)
+    job.options = runner.options
     try:
         todo, done = job.plan()
         stats.shards_skipped = len(done)

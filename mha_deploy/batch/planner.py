@@ -21,23 +21,12 @@ from dataclasses import dataclass
 import numpy as np
 
 from mha_deploy.batch.base import Item, Result
-from mha_deploy.errors import InputError
 from mha_deploy.metadata import ModelMetadata
 from mha_deploy.signature import Signature
 
 # Padding an item by up to this many positions is cheaper than a run of its own,
 # whatever the share: a run costs about as much as that many extra positions on a CPU.
 PAD_SLACK_TOKENS = 8
-
-
-def check_batch_limits(batch_size: int | None, max_tokens: int | None) -> None:
-    """A batch is bounded by items, by padded positions, or both; each bound at least 1."""
-    if batch_size is not None and batch_size < 1:
-        raise InputError(f"batch size must be at least 1, got {batch_size}")
-    if max_tokens is not None and max_tokens < 1:
-        raise InputError(f"max tokens must be at least 1, got {max_tokens}")
-    if batch_size is None and max_tokens is None:
-        raise InputError("give a batch size, a token budget (max tokens), or both")
 
 
 def item_lengths(item: Item, signature: Signature) -> dict[str, int]:
@@ -54,7 +43,7 @@ class BatchLimits:
     """What one batch may hold."""
 
     batch_size: int | None = None  # items
-    max_tokens: int | None = None  # padded positions on any axis: items x longest
+    max_batch_tokens: int | None = None  # padded positions on any axis: items x longest
     # Share of padded positions allowed on any axis (beyond PAD_SLACK_TOKENS per item); None: any.
     max_padding: float | None = None
     # A batch whose masked keys are padded runs ORT's masked attention kernel, which
@@ -99,7 +88,7 @@ class _Group:
             if axis not in paddable and length != self.longest[axis]:
                 return False
             padded = count * longest
-            if limits.max_tokens is not None and padded > limits.max_tokens:
+            if limits.max_batch_tokens is not None and padded > limits.max_batch_tokens:
                 return False
             padding = padded - total
             if limits.max_padding is not None and padding > max(limits.max_padding * padded, PAD_SLACK_TOKENS * count):

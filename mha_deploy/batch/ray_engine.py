@@ -27,6 +27,7 @@ import numpy as np
 from mha_deploy.batch.datasets import Shard
 from mha_deploy.batch.job import DatasetJob, count_items, run_shard
 from mha_deploy.batch.runner import BatchCallback, BatchRunner, ItemError, RunStats
+from mha_deploy.batching import RunnerOptions
 from mha_deploy.errors import InputError, MHADeployError, ProviderUnavailableError
 from mha_deploy.runtime.session import MHASession
 
@@ -41,8 +42,8 @@ class RayOptions:
 class ShardWorker:
     """A Ray Data actor: one session, any number of shards (one per batch row)."""
 
-    def __init__(self, model: str, provider: str, threads: int | None, runner_options: dict):
-        self.runner = BatchRunner(MHASession(model, provider=provider, threads=threads), **runner_options)
+    def __init__(self, model: str, provider: str, threads: int | None, options: RunnerOptions):
+        self.runner = BatchRunner(MHASession(model, provider=provider, threads=threads), options)
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         reports, fatal = [], []
@@ -98,9 +99,9 @@ def run_dataset_on_ray(
     ray: RayOptions | None = None,
     on_start: Callable[[int], None] | None = None,
     on_batch: BatchCallback | None = None,
-    **runner_options,
+    options: RunnerOptions | None = None,
 ) -> RunStats:
-    """Run ``job``'s unfinished shards on Ray actors; ``runner_options`` are ``BatchRunner``'s."""
+    """Run ``job``'s unfinished shards on Ray actors, each with a ``BatchRunner`` of ``options``."""
     ray_options = ray or RayOptions()
     if provider == "cuda" and not ray_options.num_gpus:
         raise ProviderUnavailableError(
@@ -108,7 +109,8 @@ def run_dataset_on_ray(
         )
     ray_module = _import_ray()
     # A CPU session on the driver checks the model and the options before any actor starts, and reads the metadata.
-    local = BatchRunner(MHASession(model, provider="cpu", threads=1), **runner_options)
+    local = BatchRunner(MHASession(model, provider="cpu", threads=1), options)
+    job.options = local.options
     stats = RunStats(provider="ray")
     start = time.perf_counter()
     owns_lock = not job.lock.held  # as run_dataset: release the output only if this call took it
@@ -132,7 +134,7 @@ def run_dataset_on_ray(
                 "model": str(Path(model).resolve()),
                 "provider": provider,
                 "threads": actor_threads,
-                "runner_options": runner_options,
+                "options": local.options,
             },
             batch_size=1,
             batch_format="numpy",

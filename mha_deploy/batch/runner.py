@@ -2,7 +2,7 @@
 
 Items arrive as a stream; the runner reads ahead ``bucket_window`` of them,
 sorts that window by length (length bucketing), cuts it into batches of at most
-``batch_size`` items and ``max_tokens`` padded positions, runs them, and hands
+``batch_size`` items and ``max_batch_tokens`` padded positions (``RunnerOptions``), runs them, and hands
 back the window's results in input order. Memory is bounded by one window, not
 by the dataset. Whole datasets of shards (resume, manifests) are
 ``mha_deploy.batch.job``'s concern.
@@ -20,19 +20,17 @@ from mha_deploy.batch.base import Item, RawItem, Result
 from mha_deploy.batch.planner import (
     DEFAULT_MAX_SCORE_BYTES,
     BatchLimits,
-    check_batch_limits,
     collate,
     plan_batches,
     score_bytes,
     split_outputs,
 )
+from mha_deploy.batching import RunnerOptions
 from mha_deploy.errors import InputError
-from mha_deploy.metadata import ON_ERROR_CHOICES  # re-exported: defined without onnxruntime for the CLI
 from mha_deploy.runtime.decoding import refuse_kv_cache
 from mha_deploy.runtime.session import MHASession
 from mha_deploy.runtime.validation import in_model_dtype, item_problem, output_problem
 
-DEFAULT_BUCKET_WINDOW = 256
 BatchCallback = Callable[[int, int], None]
 
 
@@ -121,39 +119,28 @@ class RunStats:
 class BatchRunner:
     """Runs items (id -> {input name: [seq, d_model]}) through ``session`` and returns outputs by id.
 
-    ``batch_size`` caps the items per batch and ``max_tokens`` the padded
-    positions (items × longest sequence); either may be None, not both.
-    ``bucket_window`` items are read ahead and sorted by length; 0 keeps input
-    order (no bucketing). ``on_error``: "stop" raises ``InputError`` at the
-    first bad item, "skip" leaves it out and records it in ``RunStats.errors``.
+    ``options`` (``RunnerOptions``, or its fields as keywords) bound the
+    batches and say what happens at a bad item: "stop" raises ``InputError``
+    at the first, "skip" leaves it out and records it in ``RunStats.errors``.
     An item whose outputs hold NaN or Inf (finite inputs that overflowed) is a
     bad item too, found after its batch ran.
     """
 
-    def __init__(
-        self,
-        session: MHASession,
-        batch_size: int | None = 16,
-        max_tokens: int | None = None,
-        bucket_window: int = DEFAULT_BUCKET_WINDOW,
-        on_error: str = "stop",
-    ):
-        check_batch_limits(batch_size, max_tokens)
-        if bucket_window < 0:
-            raise InputError(f"bucket window must be 0 (no bucketing) or more, got {bucket_window}")
-        if on_error not in ON_ERROR_CHOICES:
-            raise InputError(f"on_error must be one of {', '.join(ON_ERROR_CHOICES)}, got {on_error!r}")
+    def __init__(self, session: MHASession, options: RunnerOptions | None = None, **fields):
+        if options is not None and fields:
+            raise TypeError("give RunnerOptions or their fields as keywords, not both")
+        self.options = options if options is not None else RunnerOptions(**fields)
         refuse_kv_cache(session.metadata, "the batch runner")
         self.session = session
-        self.batch_size = batch_size
-        self.max_tokens = max_tokens
-        self.bucket_window = bucket_window
-        self.on_error = on_error
+
+    @property
+    def on_error(self) -> str:
+        return self.options.on_error
 
     @property
     def window_items(self) -> int:
         """Items read ahead before batching: the memory bound of a run, in items."""
-        return self.bucket_window or max(self.batch_size or 0, DEFAULT_BUCKET_WINDOW)
+        return self.options.window_items
 
     def prepare_item(self, item_id: str, item: Mapping[str, np.ndarray]) -> tuple[Item, str | None]:
         """The item in the model's dtype (see ``in_model_dtype``), and what makes it unusable (naming ``item_id``)."""
@@ -232,12 +219,12 @@ class BatchRunner:
         values = [item for _, item in window]
         results: list[Result | None] = [None] * len(window)
         limits = BatchLimits(
-            self.batch_size,
-            self.max_tokens,
+            self.options.batch_size,
+            self.options.max_batch_tokens,
             max_score_bytes=DEFAULT_MAX_SCORE_BYTES,
             score_bytes=score_bytes(self.session.metadata),
         )
-        plan = plan_batches(values, signature, limits, sort=self.bucket_window > 0)
+        plan = plan_batches(values, signature, limits, sort=self.options.bucket_window > 0)
         for indices in plan:
             batch = collate([values[i] for i in indices], signature)
             t0 = time.perf_counter()

@@ -3,7 +3,7 @@
 Per (context, batch), timed with the one harness (``time_blocks``, blocks over
 several passes) in one run, so that ratios hold on a busy host:
 
-- ``step``: ``Decoder.step`` of one token on a preallocated cache (``--kv-cache``, ``--fuse auto``);
+- ``step``: ``IncrementalDecoder.step`` of one token on a preallocated cache (``--kv-cache``, ``--fuse auto``);
 - ``recompute``: the plain causal export (``--fuse auto``) over the whole context + 1: what generating
   a token cost without a cache;
 - ``torch cache``: the reference module's projections and attention with a hand-written cache

@@ -16,6 +16,15 @@ from mha_deploy.errors import MHADeployError
 
 
 def plot_latency(report: BenchReport, path: str | Path) -> None:
+    """Write ``latency_figure(report)`` to ``path`` as a PNG (atomically)."""
+    plt = _pyplot()
+    fig = latency_figure(report)
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, format="png", dpi=110)
+    plt.close(fig)
+
+
+def _pyplot():
     try:
         import matplotlib
 
@@ -23,6 +32,14 @@ def plot_latency(report: BenchReport, path: str | Path) -> None:
         import matplotlib.pyplot as plt
     except ImportError:
         raise MHADeployError("--plot needs matplotlib: pip install 'mha-deploy[bench]'") from None
+    return plt
+
+
+def latency_figure(report: BenchReport):
+    """One panel per mask mode, bars grouped by shape; the default export's bars hatched and outlined."""
+    plt = _pyplot()
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+
     modes = list(dict.fromkeys(row.mask for row in report.rows))
     backends = list(dict.fromkeys(row.backend for row in report.rows))
     shapes = list(dict.fromkeys((row.batch, row.seq) for row in report.rows))
@@ -34,6 +51,7 @@ def plot_latency(report: BenchReport, path: str | Path) -> None:
         len(modes), 1, figsize=(max(7.0, 1.4 * len(shapes) + 3), height), sharey=True, squeeze=False
     )
     for ax, mode in zip(axes[:, 0], modes, strict=True):
+        default = report.default_export.get(mode)
         for index, backend in enumerate(backends):
             positions, heights = [], []
             for slot, (batch, seq) in enumerate(shapes):
@@ -41,12 +59,19 @@ def plot_latency(report: BenchReport, path: str | Path) -> None:
                 if value is not None:
                     positions.append(slot + (index - (len(backends) - 1) / 2) * width)
                     heights.append(value)
-            ax.bar(positions, heights, width, label=backend, color=colors(index % 10))
+            marked = {"hatch": "//", "edgecolor": "black", "linewidth": 1.0} if backend == default else {}
+            ax.bar(positions, heights, width, label=backend, color=colors(index % 10), **marked)
         ax.set_yscale("log")
+        # Labelled ticks at 1, 2 and 5 of every decade, as plain numbers: a bench's bars often span less
+        # than a decade, where the default log axis labels no tick at all (or only as 10^k).
+        ax.yaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+        ax.yaxis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:g}"))
+        ax.yaxis.set_minor_formatter(NullFormatter())
         ax.set_xticks(range(len(shapes)), [f"{batch}x{seq}" for batch, seq in shapes])
-        ax.set_title(f"mask {mode}", fontsize=10, loc="left")
+        title = f"mask {mode}" + (f"; hatched: {default}, the default export (--fuse auto)" if default else "")
+        ax.set_title(title, fontsize=10, loc="left")
         ax.set_ylabel("µs per token")
-        ax.grid(True, axis="y", which="both", alpha=0.3)
+        ax.grid(True, axis="y", which="major", alpha=0.3)
     axes[-1, 0].set_xlabel("shape (batch x seq)")
     handles, labels = axes[0, 0].get_legend_handles_labels()
     fig.suptitle(
@@ -57,6 +82,4 @@ def plot_latency(report: BenchReport, path: str | Path) -> None:
     fig.legend(handles, labels, loc="upper left", bbox_to_anchor=(0.01, 1 - 0.32 / height), fontsize=8,
                ncol=min(4, len(labels)), frameon=False)
     fig.tight_layout(rect=(0, 0, 1, 1 - 0.7 / height))
-    with atomic_path(path) as tmp:
-        fig.savefig(tmp, format="png", dpi=110)
-    plt.close(fig)
+    return fig

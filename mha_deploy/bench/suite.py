@@ -4,7 +4,8 @@ Per mask mode and shape, the inputs come from the one data loader
 (``MaskMode.inputs``), the torch eager reference runs once on them in fp32 on
 the CPU, and every backend's output is compared with it on real query rows
 (``mha_deploy.compare``) before the backends are timed together in blocks.
-Efficiency is against ORT's own MatMul rate on the same device, in the same run.
+Efficiency is against ORT's own MatMul rate on the same device, in the same run
+(int8 rows: its int8 MatMulInteger rate).
 Figures only: nothing here asserts a timing.
 """
 
@@ -54,7 +55,7 @@ class BenchRow:
     p90_ms: float
     gflops: float
     vs_torch_eager: float | None  # torch eager median / this median: > 1 is faster (None without that row)
-    efficiency: float  # gflops / the run's ORT MatMul rate
+    efficiency: float | None  # gflops / the run's ORT MatMul rate in the row's precision (None: not measured)
     # Against the torch eager reference (fp32, CPU) on the same inputs, over real query rows.
     max_abs_err: float
     rel_err: float  # ||output - reference|| / ||reference||
@@ -72,6 +73,11 @@ class BenchReport:
     gemm_gflops: float  # the best ORT MatMul rate of the run, on the bench's provider and dtype
     gemm_size: int  # ... reached at gemm_size³
     mask_modes: list[str] = field(default_factory=list)
+    # ORT's int8 MatMulInteger rate (GOP/s) and size, the yardstick of int8 rows; measured when the run has one.
+    int8_gemm_gops: float | None = None
+    int8_gemm_size: int | None = None
+    # mask mode label -> the backend that is what `mha-deploy export` (--fuse auto) writes for it.
+    default_export: dict[str, str] = field(default_factory=dict)
     rows: list[BenchRow] = field(default_factory=list)
     memory: list[MemoryRow] = field(default_factory=list)
     # 1/5/15-minute load averages around the run: other processes on the same cores inflate every figure.
@@ -87,7 +93,9 @@ class BenchReport:
         lines = [
             f"d_model {self.d_model}, {self.heads} heads, {self.threads} threads, provider {self.provider}, "
             f"{self.dtype}; ORT {self.dtype} MatMul peak {self.gemm_gflops:.0f} GFLOP/s "
-            f"(at {self.gemm_size}^3; efficiency = GFLOP/s / this)",
+            f"(at {self.gemm_size}^3; efficiency = GFLOP/s / this)"
+            + (f"; int8 rows: / ORT int8 MatMulInteger peak {self.int8_gemm_gops:.0f} GOP/s "
+               f"(at {self.int8_gemm_size}^3)" if self.int8_gemm_gops else ""),
             "errors: output vs the torch eager reference (fp32, CPU) on the same inputs, real query rows; "
             "rel err = ||out - ref|| / ||ref||",
             *(f"note: {note}" for note in self.notes),
@@ -96,10 +104,11 @@ class BenchReport:
         ]
         for r in self.rows:
             ratio = f"{r.vs_torch_eager:7.2f}x" if r.vs_torch_eager is not None else f"{'-':>8}"
+            efficiency = f"{r.efficiency:7.0%}" if r.efficiency is not None else f"{'-':>7}"
             note = "" if r.within_tolerance else "DIFFERS from torch beyond parity tolerance"
             lines.append(
                 f"{r.mask:<14} {f'{r.batch}x{r.seq}':<9} {r.backend:<22} {r.median_ms:10.2f} {r.p90_ms:9.2f} "
-                f"{r.gflops:8.0f} {ratio} {r.efficiency:7.0%} {r.max_abs_err:11.1e} {r.rel_err:9.1e}  {note}".rstrip()
+                f"{r.gflops:8.0f} {ratio} {efficiency} {r.max_abs_err:11.1e} {r.rel_err:9.1e}  {note}".rstrip()
             )
         if self.memory:
             lines += ["", f"{'mask':<14} {'shape':<9} {'backend':<22} {'peak RSS MB':>11} {'run MB':>8} "
@@ -156,9 +165,10 @@ def _bench_case(
     for backend in backends:
         timing, comparison = timings[backend.name], comparisons[backend.name]
         gflops = flops / (timing.median_ms * 1e-3) / 1e9
+        peak = report.int8_gemm_gops if backend.precision == "int8" else report.gemm_gflops
         rows.append(BenchRow(
             mode.label, backend.name, batch, seq, timing.median_ms, timing.p90_ms, gflops,
-            baseline.median_ms / timing.median_ms if baseline else None, gflops / report.gemm_gflops,
+            baseline.median_ms / timing.median_ms if baseline else None, gflops / peak if peak else None,
             comparison.max_abs_err, comparison.rel_err, comparison.passed,
         ))
     return rows
@@ -205,6 +215,24 @@ def _file_backends(models: Sequence[str | Path], modes: Sequence[MaskMode], targ
     return files
 
 
+def settings_from_file(
+    path: str | Path, d_model: int | None = None, heads: int | None = None, modes: Sequence[MaskMode] | None = None
+) -> tuple[int, int, tuple[MaskMode, ...]]:
+    """d_model, heads and mask modes for a bench of the exported file at ``path``, read from its metadata.
+
+    Given ones must agree with the file (``OptionError`` otherwise), so that no
+    comparison model of another width is exported only to fail on the file's
+    inputs; without ``modes``, the file's own mask mode.
+    """
+    from mha_deploy.model_report import read_metadata
+
+    metadata = read_metadata(path)
+    for flag, given, own in (("--d-model", d_model, metadata.d_model), ("--heads", heads, metadata.num_heads)):
+        if given is not None and given != own:
+            raise OptionError(f"{flag} {given} disagrees with {Path(path).name}, which has {own}: omit it")
+    return metadata.d_model, metadata.num_heads, tuple(modes) if modes else (MaskMode(metadata.signature.mask),)
+
+
 def run_bench(
     mha: MultiHeadAttention,
     modes: Sequence[MaskMode] = (MaskMode(),),
@@ -249,7 +277,8 @@ def run_bench(
             load_before=_load(), notes=[target.note] if target.note else [],
         )
         if backends is None:
-            defaults = sorted({f"{mode.signature.mask}: ORT {auto_fusion_target(mode.signature)}" for mode in modes})
+            report.default_export = {mode.label: f"ORT {auto_fusion_target(mode.signature)}" for mode in modes}
+            defaults = sorted({f"{mode.signature.mask}: {report.default_export[mode.label]}" for mode in modes})
             report.notes.append(f"the default export (--fuse auto) is, per mask mode, {'; '.join(defaults)}")
         if backends is None and target.dtype != "fp32":
             report.notes.append(f"torch eager runs in fp32 (its -1e9 mask fill overflows {target.dtype})")
@@ -259,6 +288,10 @@ def run_bench(
             if signature not in by_signature:
                 by_signature[signature] = factory(signature) + [f for f in files if f.signature == signature]
                 _check_backends(signature, by_signature[signature])
+            if report.int8_gemm_gops is None and any(b.precision == "int8" for b in by_signature[signature]):
+                report.int8_gemm_gops, report.int8_gemm_size = peak_gemm_gflops(
+                    threads, target, gemm_sizes, dtype="int8"
+                )
             reference = attention_graph(mha, signature)
             for batch, seq in shapes:
                 for row in _bench_case(report, mode, by_signature[signature], reference, batch, seq, budget_s, gate):

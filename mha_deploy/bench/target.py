@@ -55,9 +55,9 @@ def resolve_target(provider: str) -> BenchTarget:
     """The target for ``--provider``: refuses ``cuda`` up front, before any export, if ORT or torch cannot use it.
 
     The bench compares torch and ORT on one device, so CUDA needs both ORT's CUDA
-    provider and a CUDA build of torch; ``auto`` falls back to the CPU with a note.
+    provider and a CUDA build of torch; ``auto`` falls back to the CPU, with a note where a GPU exists.
     """
-    from mha_deploy.runtime.providers import cuda_unavailable_reason
+    from mha_deploy.runtime.providers import cpu_fallback_note, cuda_unavailable_reason
 
     if provider not in PROVIDER_CHOICES:
         raise OptionError(f"provider must be one of {', '.join(PROVIDER_CHOICES)}, got {provider!r}")
@@ -70,4 +70,4 @@ def resolve_target(provider: str) -> BenchTarget:
         raise ProviderUnavailableError(
             f"bench --provider cuda runs torch and ONNX Runtime on the GPU, but {reason}; use --provider cpu"
         )
-    return BenchTarget("cpu", "fp32", note=f"using CPU: {reason}")
+    return BenchTarget("cpu", "fp32", note=cpu_fallback_note(reason))

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import onnx
 
-from mha_deploy.model_report import all_nodes
+from mha_deploy.onnx_nodes import all_nodes
 
 # ONNX Attention's qk_matmul_output_mode values other than 0 (the raw scores):
 # ORT's CUDA Attention kernel returns NOT_IMPLEMENTED for modes 1-3 (onnxruntime

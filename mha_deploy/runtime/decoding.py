@@ -1,4 +1,4 @@
-"""``Decoder``: incremental decoding over a KV-cache model (``mha-deploy export --kv-cache``). No torch.
+"""``IncrementalDecoder``: incremental decoding over a KV-cache model (``mha-deploy export --kv-cache``). No torch.
 
 The model's contract is concatenation: each call takes ``past_key``/``past_value``
 [batch, heads, past_seq, d_k] and returns ``present_*`` = past ++ the new tokens'
@@ -56,7 +56,7 @@ def refuse_kv_cache(metadata: ModelMetadata, user: str) -> None:
         )
 
 
-class Decoder:
+class IncrementalDecoder:
     """Prefill a batch, then step it; rows leave when their sequence is finished.
 
     A decoder holds one batch's state: use one per thread (they can share the session).

@@ -34,7 +34,7 @@ from onnx import numpy_helper
 from mha_deploy.errors import ModelFileError
 from mha_deploy.inputs import random_item
 from mha_deploy.metadata import ModelMetadata
-from mha_deploy.model_report import all_nodes
+from mha_deploy.onnx_nodes import all_nodes
 from mha_deploy.signature import FIXED_AXES, PADDING_MASK, SEQUENCE, TOKENS, TensorSpec
 
 _ELEMENT_TYPES = {

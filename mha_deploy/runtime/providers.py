@@ -5,8 +5,10 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import functools
+import glob
 import io
 import os
+import shutil
 from dataclasses import dataclass
 
 import onnxruntime as ort
@@ -98,6 +100,16 @@ def cuda_unavailable_reason() -> str | None:
     return None
 
 
+@functools.cache
+def gpu_present() -> bool:
+    """Whether this machine shows an NVIDIA GPU at all: a /dev/nvidia* device, or nvidia-smi on the PATH.
+
+    Where it shows none, ``auto`` means the CPU without a word: a note that CUDA
+    libraries are missing would only puzzle a user who has no GPU.
+    """
+    return bool(glob.glob("/dev/nvidia[0-9]*")) or shutil.which("nvidia-smi") is not None
+
+
 def plan_providers(requested: str) -> ProviderPlan:
     if requested not in PROVIDER_CHOICES:
         raise ProviderUnavailableError(f"provider must be one of {', '.join(PROVIDER_CHOICES)}, got {requested!r}")
@@ -108,14 +120,19 @@ def plan_providers(requested: str) -> ProviderPlan:
         return ProviderPlan(requested, (CUDA_EP, CPU_EP))
     if requested == "cuda":
         raise ProviderUnavailableError(f"provider 'cuda' requested but {reason}")
-    return ProviderPlan(requested, (CPU_EP,), note=f"using CPU: {reason}")
+    return ProviderPlan(requested, (CPU_EP,), note=cpu_fallback_note(reason))
 
 
 def without_cuda(plan: ProviderPlan, reason: str) -> ProviderPlan:
     """``plan`` for a model CUDA must not run (``reason``): the CPU for ``auto``, an error for ``cuda``."""
     if plan.requested == "cuda":
         raise ProviderUnavailableError(f"provider 'cuda' requested but {reason}")
-    return ProviderPlan(plan.requested, (CPU_EP,), note=f"using CPU: {reason}")
+    return ProviderPlan(plan.requested, (CPU_EP,), note=cpu_fallback_note(reason))
+
+
+def cpu_fallback_note(reason: str) -> str:
+    """What ``auto`` says when it lands on the CPU: why, where a GPU exists; nothing where none does."""
+    return f"using CPU: {reason}" if gpu_present() else ""
 
 
 def check_providers(plan: ProviderPlan, session: ort.InferenceSession) -> str:

@@ -17,7 +17,7 @@ from mha_deploy.errors import InputError, ModelFileError, OptionError, ProviderU
 from mha_deploy.inputs import placeholder_inputs
 from mha_deploy.metadata import ModelMetadata
 from mha_deploy.runtime.cuda_support import cuda_graph_unsupported, cuda_unsupported
-from mha_deploy.runtime.decoding import Decoder
+from mha_deploy.runtime.decoding import IncrementalDecoder
 from mha_deploy.runtime.denormals import ORT_CONFIG_ENTRY, flushing_denormals
 from mha_deploy.runtime.digest import sha256_digest
 from mha_deploy.runtime.model_check import (
@@ -254,9 +254,9 @@ class MHASession:
             for name, value in zip(self.output_names, values, strict=True)
         }
 
-    def decoder(self, capacity: int | None = None) -> Decoder:
-        """Incremental decoding over this KV-cache model: ``prefill`` then ``step`` (see ``Decoder``)."""
-        return Decoder(self, capacity)
+    def decoder(self, capacity: int | None = None) -> IncrementalDecoder:
+        """Incremental decoding over this KV-cache model: ``prefill`` then ``step`` (see ``IncrementalDecoder``)."""
+        return IncrementalDecoder(self, capacity)
 
     def warmup(self) -> None:
         """Run one tiny batch (or, in CUDA graph mode, one batch of the graph's shape)."""

@@ -30,7 +30,7 @@ import numpy as np
 
 from mha_deploy.errors import InputError
 from mha_deploy.metadata import ModelMetadata
-from mha_deploy.signature import BATCH_AXIS, TOKENS, Signature, TensorSpec
+from mha_deploy.signature import BATCH_AXIS, PADDING_MASK, TOKENS, Signature, TensorSpec
 
 
 @dataclass(frozen=True)
@@ -50,17 +50,23 @@ def name_problem(names, expected: tuple[str, ...]) -> Problem | None:
     unexpected = sorted(set(names) - set(expected))
     if not missing and not unexpected:
         return None
+    # The unexpected names quoted: a key such as 'inputs' would otherwise read as a word of the message.
     parts = ([f"missing {', '.join(missing)}"] if missing else []) + (
-        [f"unexpected {', '.join(unexpected)}"] if unexpected else []
+        [f"unexpected input{'s' if len(unexpected) > 1 else ''} {', '.join(map(repr, unexpected))}"]
+        if unexpected else []
     )
-    return Problem("wrong_inputs", f"{'; '.join(parts)}: this model takes {', '.join(expected)}")
+    text = f"{'; '.join(parts)}: this model takes {', '.join(expected)}"
+    if any(name.endswith(PADDING_MASK) for name in missing):
+        # Every path requires a model's padding mask (MHASession, v2 REST and gRPC, Triton's config): say what it is.
+        text += " (a padding mask is bool [batch, seq], True = real token: all True when nothing is padded)"
+    return Problem("wrong_inputs", text)
 
 
 def shape_problem(
-    metadata: ModelMetadata, name: str, shape: tuple[int, ...], max_tokens: int | None = None
+    metadata: ModelMetadata, name: str, shape: tuple[int, ...], max_item_tokens: int | None = None
 ) -> Problem | None:
     """One item's sequence must be [seq, d_model] ([seq] token ids, [seq, features] for a custom model's
-    sequence) with 1 <= seq (<= ``max_tokens`` when given)."""
+    sequence) with 1 <= seq (<= ``max_item_tokens`` when given)."""
     spec = metadata.signature.tensors[name]
     expected = spec.item_shape(0, metadata.fixed_sizes)
     layout = "[" + ", ".join(["seq", *map(str, expected[1:])]) + "]"
@@ -72,8 +78,8 @@ def shape_problem(
         if spec.axes[2:] == ("d_model",):
             return Problem("wrong_d_model", f"{name} has d_model {shape[1]}, this model expects {expected[1]}")
         return Problem("wrong_shape", f"{name} has shape {tuple(shape)}, this model expects {layout}")
-    if max_tokens is not None and shape[0] > max_tokens:
-        return Problem("too_many_tokens", f"{name} has {shape[0]} tokens, at most {max_tokens} are accepted")
+    if max_item_tokens is not None and shape[0] > max_item_tokens:
+        return Problem("too_many_tokens", f"{name} has {shape[0]} tokens, at most {max_item_tokens} are accepted")
     return None
 
 
@@ -155,7 +161,7 @@ def in_model_dtype(metadata: ModelMetadata, item: Mapping[str, object]) -> dict[
 
 
 def item_problem(
-    metadata: ModelMetadata, item: Mapping[str, object], max_tokens: int | None = None
+    metadata: ModelMetadata, item: Mapping[str, object], max_item_tokens: int | None = None
 ) -> Problem | None:
     """What makes one item (sequence input name -> [seq, d_model]) unusable, or None."""
     signature = metadata.signature
@@ -169,7 +175,7 @@ def item_problem(
         if not isinstance(array, np.ndarray) or array.dtype.kind not in "fiu":
             kind = getattr(getattr(array, "dtype", None), "name", type(array).__name__)
             return Problem("not_numeric", f"{name} holds {kind}: expected an array of numbers")
-        problem = shape_problem(metadata, name, array.shape, max_tokens)
+        problem = shape_problem(metadata, name, array.shape, max_item_tokens)
         if problem:
             return problem
         if specs[name].role == TOKENS:
@@ -204,9 +210,9 @@ def output_problem(outputs: Mapping[str, np.ndarray]) -> Problem | None:
     return None
 
 
-def check_item(metadata: ModelMetadata, item: Mapping[str, object], max_tokens: int | None = None) -> None:
+def check_item(metadata: ModelMetadata, item: Mapping[str, object], max_item_tokens: int | None = None) -> None:
     """Raise ``InputError`` if ``item_problem`` finds something."""
-    problem = item_problem(metadata, item, max_tokens)
+    problem = item_problem(metadata, item, max_item_tokens)
     if problem:
         raise InputError(problem.message)
 

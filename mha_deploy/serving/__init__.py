@@ -1,10 +1,5 @@
 """Serving an exported model: the HTTP server (``http/``) and Triton model repositories (``triton``). No torch.
 
-``MHASession`` and ``BatchRunner`` live in ``mha_deploy.runtime`` and ``mha_deploy.batch``;
-they are re-exported here so that code written against earlier releases keeps working.
+The session and the batch runner are ``mha_deploy.runtime.MHASession`` and
+``mha_deploy.batch.BatchRunner``.
 """
-
-from mha_deploy.batch import BatchRunner, RunStats
-from mha_deploy.runtime import PROVIDER_CHOICES, MHASession
-
-__all__ = ["PROVIDER_CHOICES", "BatchRunner", "MHASession", "RunStats"]

@@ -115,7 +115,7 @@ def test_the_manifest_records_what_produced_each_output(tmp_path, export_model):
 
     model = export_model(SIGNATURE)[0]
     write_dataset(tmp_path / "in", shards=1, items=2)
-    assert infer(model, tmp_path / "in", tmp_path / "out", "--max-tokens", "64").exit_code == 0
+    assert infer(model, tmp_path / "in", tmp_path / "out", "--max-batch-tokens", "64").exit_code == 0
     manifest = json.loads((tmp_path / "out" / "_mha_deploy_manifest.json").read_text())
     record = manifest["shards"]["shard-0.npz"]
     assert manifest["model"] == sha256_digest(model) and manifest["input"] == str((tmp_path / "in").resolve())
@@ -125,4 +125,4 @@ def test_the_manifest_records_what_produced_each_output(tmp_path, export_model):
         "size": (tmp_path / "out" / "shard-0.npz").stat().st_size,
         "sha256": sha256_digest(tmp_path / "out" / "shard-0.npz"),
     }
-    assert record["options"] == {"on_error": "stop", "batch_size": None, "max_tokens": 64, "bucket_window": 256}
+    assert record["options"] == {"on_error": "stop", "batch_size": None, "max_batch_tokens": 64, "bucket_window": 256}

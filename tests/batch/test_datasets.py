@@ -88,7 +88,7 @@ def test_directory_output_mirrors_input(tmp_path, export_model, signature, suffi
         expected_all[f"part-{index}{suffix}"] = results
     (tmp_path / "in" / "_SUCCESS").write_text("")  # Spark's marker: not a shard
 
-    runner = BatchRunner(session, batch_size=3, max_tokens=64, bucket_window=5)
+    runner = BatchRunner(session, batch_size=3, max_batch_tokens=64, bucket_window=5)
     stats = run_dataset(DatasetJob(tmp_path / "in", tmp_path / "out", session.source), runner)
 
     assert stats.items == sum(len(r) for r in expected_all.values()) and stats.shards_written == len(suffixes)

@@ -46,7 +46,8 @@ def test_ray_engine_equals_local_engine(tmp_path, export_model, ray_cluster):
     with np.load(tmp_path / "in" / "shard-2.npz") as arrays:
         write_parquet(tmp_path / "in" / "shard-2.parquet", {k: {"x": arrays[k]} for k in arrays.files})
     (tmp_path / "in" / "shard-2.npz").unlink()
-    common = ["infer", model, "--input", tmp_path / "in", "--provider", "cpu", "--max-tokens", "256", "--no-progress"]
+    common = ["infer", model, "--input", tmp_path / "in", "--provider", "cpu", "--max-batch-tokens", "256",
+              "--no-progress"]
     invoke = lambda *args: CliRunner().invoke(main, [str(a) for a in [*common, *args]])  # noqa: E731
 
     local = invoke("--output", tmp_path / "local", "--threads", "1")

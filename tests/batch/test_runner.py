@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from mha_deploy.batch import BatchRunner
+from mha_deploy.batching import RunnerOptions
 from mha_deploy.errors import InputError
 from mha_deploy.metadata import Signature
 from mha_deploy.runtime import MHASession
@@ -100,7 +101,7 @@ def test_bucketing_pads_less_and_gives_the_same_results(export_model, signature)
     items = make_items(signature)
     naive, naive_stats = BatchRunner(session, batch_size=3, bucket_window=0).run(items)
     for window in (1, 4, 256):
-        results, _ = BatchRunner(session, batch_size=3, max_tokens=80, bucket_window=window).run(items)
+        results, _ = BatchRunner(session, batch_size=3, max_batch_tokens=80, bucket_window=window).run(items)
         assert list(results) == list(items)
         for item_id in items:
             np.testing.assert_allclose(results[item_id]["output"], naive[item_id]["output"], atol=1e-5, rtol=1e-4)
@@ -149,7 +150,7 @@ def test_outputs_that_overflow_are_bad_items(export_model, on_error):
     [
         ({"batch_size": 0}, "batch size must be at least 1"),
         ({"batch_size": None}, "batch size, a token budget"),
-        ({"max_tokens": 0}, "max tokens must be at least 1"),
+        ({"max_batch_tokens": 0}, "max batch tokens must be at least 1"),
         ({"bucket_window": -1}, "bucket window"),
         ({"on_error": "ignore"}, "on_error must be one of"),
     ],
@@ -158,6 +159,8 @@ def test_runner_options_are_checked(export_model, options, message):
     session = MHASession(export_model(Signature("self", "padding"))[0], provider="cpu")
     with pytest.raises(InputError, match=message):
         BatchRunner(session, **options)
+    with pytest.raises(InputError, match=message):
+        RunnerOptions(**options)
 
 
 def test_serving_imports_no_heavy_optional_modules():

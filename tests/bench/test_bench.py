@@ -17,7 +17,7 @@ from click.testing import CliRunner
 from mha_deploy.bench import Backend, BenchTarget, MaskMode, QuietGate, parse_mask_modes, parse_shapes, run_bench
 from mha_deploy.bench.backends import torch_eager, torch_sdpa
 from mha_deploy.bench.memory import measure_peak_rss
-from mha_deploy.bench.plot import plot_latency
+from mha_deploy.bench.plot import latency_figure, plot_latency
 from mha_deploy.bench.target import resolve_target
 from mha_deploy.bench.timing import mha_flops
 from mha_deploy.cli import main
@@ -164,6 +164,30 @@ def test_plot_has_one_panel_per_mask_mode(torch_report, tmp_path):
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_plot_labels_its_log_axis_in_plain_numbers_and_marks_the_default_export(torch_report):
+    pytest.importorskip("matplotlib")
+    import dataclasses
+
+    import matplotlib.pyplot as plt
+
+    report = dataclasses.replace(torch_report, default_export={mode.label: "torch SDPA" for mode in MODES})
+    fig = latency_figure(report)
+    fig.canvas.draw()
+    axes = fig.axes
+    assert len(axes) == len(MODES)
+    for ax in axes:
+        low, high = ax.get_ylim()
+        shown = [t for t in ax.yaxis.get_major_ticks() if low <= t.get_loc() <= high and t.label1.get_text()]
+        # At least two labelled ticks inside the panel, each a plain number (no 10^k mathtext).
+        assert len(shown) >= 2, [t.label1.get_text() for t in ax.yaxis.get_major_ticks()]
+        assert all(float(t.label1.get_text()) == pytest.approx(t.get_loc(), rel=1e-3) for t in shown)
+        hatched = {bar.get_label() for container in ax.containers for bar in [container]
+                   if all(patch.get_hatch() for patch in container.patches)}
+        assert hatched == {"torch SDPA"}
+        assert "the default export" in ax.get_title(loc="left")
+    plt.close(fig)
+
+
 # --- the memory probe: inputs from the model file's own metadata --------------------------------
 
 
@@ -224,9 +248,14 @@ def test_cli_bench_refuses_cuda_up_front():
 
 
 @pytest.mark.skipif(CUDA_REASON is None, reason="CUDA is usable here; this tests its absence")
-def test_auto_provider_falls_back_to_cpu_with_a_note():
+@pytest.mark.parametrize("gpu", [True, False], ids=["gpu-without-cuda-libraries", "no-gpu"])
+def test_auto_provider_falls_back_to_cpu_with_a_note_where_a_gpu_exists(monkeypatch, gpu):
+    from mha_deploy.runtime import providers
+
+    monkeypatch.setattr(providers, "gpu_present", lambda: gpu)
     target = resolve_target("auto")
-    assert (target.provider, target.dtype) == ("cpu", "fp32") and target.note.startswith("using CPU:")
+    assert (target.provider, target.dtype) == ("cpu", "fp32")
+    assert target.note.startswith("using CPU:") if gpu else target.note == ""
 
 
 @pytest.mark.cuda
@@ -260,7 +289,44 @@ def test_cli_bench_json_and_plot(tmp_path):
         assert row["rel_err"] < (0.05 if name.endswith("int8") else 1e-5), row
     assert rows["ORT mha int8"]["rel_err"] > 0  # int8 error is measured, not assumed
     assert "the default export (--fuse auto) is, per mask mode, padding-causal: ORT mha" in report["notes"][0]
+    assert report["default_export"] == {"padding-causal": "ORT mha"}
+    # int8 rows against ORT's int8 GEMM of the same run, the others against its float MatMul.
+    assert report["int8_gemm_gops"] > 0
+    for name, row in rows.items():
+        peak = report["int8_gemm_gops"] if name.endswith("int8") else report["gemm_gflops"]
+        assert row["efficiency"] == pytest.approx(row["gflops"] / peak), name
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_cli_bench_of_a_model_file_reads_its_width_heads_and_mask(tmp_path):
+    """No --d-model, --heads or --mask: a narrow padding model is benched at its own size, in its own mask mode."""
+    model = tmp_path / "narrow.onnx"
+    assert CliRunner().invoke(main, ["export", "--d-model", "32", "--heads", "2", "--mask", "padding",
+                                     "-o", str(model)]).exit_code == 0
+    result = CliRunner().invoke(main, [
+        "bench", str(model), "--shapes", "2x8", "--budget-s", "0.01", "--threads", "1", "--memory-shapes", "",
+        "--gemm-sizes", "32", "--no-openvino", "--json",
+    ])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert (report["d_model"], report["heads"], report["mask_modes"]) == (32, 2, ["padding"])
+    (row,) = [r for r in report["rows"] if r["backend"] == "narrow.onnx"]
+    assert row["within_tolerance"], row  # the same seed-0 model as the bench's reference
+
+
+def test_cli_bench_refuses_flags_that_disagree_with_the_model_file(tmp_path):
+    model = tmp_path / "narrow.onnx"
+    assert CliRunner().invoke(main, ["export", "--d-model", "32", "--heads", "2", "-o", str(model)]).exit_code == 0
+    result = CliRunner().invoke(main, ["bench", str(model), "--d-model", "512"])
+    assert result.exit_code == 2 and "--d-model 512 disagrees with narrow.onnx, which has 32" in result.output
+    assert "exporting" not in result.output  # refused before any work
+
+
+def test_cli_default_memory_shapes_are_the_library_default():
+    from mha_deploy.bench.cases import DEFAULT_MEMORY_SHAPES
+
+    (option,) = [p for p in main.commands["bench"].params if p.name == "memory_shapes"]
+    assert parse_shapes(option.default) == DEFAULT_MEMORY_SHAPES
 
 
 @pytest.mark.parametrize(("option", "value"), [("--mask", "causal-25%"), ("--shapes", "8"), ("--gemm-sizes", "a")])

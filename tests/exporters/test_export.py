@@ -10,10 +10,12 @@ import torch
 from mha_deploy.errors import ExportError, ParityError, SignatureError
 from mha_deploy.exporters import export_mha
 from mha_deploy.exporters.export import AUTO_TARGETS
+from mha_deploy.exporters.fusion.padding_flash import PADDING_FLASH_KERNEL
+from mha_deploy.exporters.fusion.short_sequence import short_sequence_kernel
 from mha_deploy.exporters.graphs import attention_graph
 from mha_deploy.exporters.parity import CacheCase, ParityCase, check_cache_parity, check_parity
 from mha_deploy.metadata import FUSE_CHOICES, MASK_MODES, METADATA_KEY, ModelMetadata, Signature
-from mha_deploy.model_report import PADDING_FLASH_KERNEL, describe_model, short_sequence_kernel
+from mha_deploy.model_report import describe_model
 from mha_deploy.models import MultiHeadAttention
 from mha_deploy.runtime import MHASession
 from tests.conftest import SIGNATURES, TEST_D_MODEL, TEST_HEADS, signature_id

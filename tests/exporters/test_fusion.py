@@ -15,15 +15,17 @@ import torch
 from mha_deploy.errors import ExportError
 from mha_deploy.exporters.export import set_metadata
 from mha_deploy.exporters.fusion import FusionReport, causal_gqa, fuse_attention, short_sequence
+from mha_deploy.exporters.fusion.padding_flash import PADDING_FLASH_KERNEL
+from mha_deploy.exporters.fusion.short_sequence import short_sequence_kernel
 from mha_deploy.exporters.graphs import attention_graph
 from mha_deploy.exporters.parity import ParityCase, check_parity
 from mha_deploy.exporters.stack_graphs import DecoderGraph, EncoderGraph, export_stack_onnx
 from mha_deploy.exporters.torch_export import export_onnx
 from mha_deploy.inputs import InputCase, make_inputs
 from mha_deploy.metadata import ModelMetadata, Signature
-from mha_deploy.model_report import PADDING_FLASH_KERNEL, all_nodes, short_sequence_kernel
 from mha_deploy.models.attention import MultiHeadAttention
 from mha_deploy.models.transformer import Decoder, Encoder
+from mha_deploy.onnx_nodes import all_nodes
 from mha_deploy.runtime.session import MHASession
 from tests.exporters.fusion import hand_graphs as hg
 from tests.exporters.fusion.hand_graphs import executed_nodes

@@ -18,8 +18,8 @@ from mha_deploy.exporters.graphs import attention_graph
 from mha_deploy.exporters.kv_cache import decode_on_mha, prefill_or_decode
 from mha_deploy.exporters.parity import CacheCase
 from mha_deploy.exporters.torch_export import export_onnx
-from mha_deploy.model_report import all_nodes
 from mha_deploy.models import Decoder, MultiHeadAttention
+from mha_deploy.onnx_nodes import all_nodes
 from mha_deploy.signature import Signature
 
 WEIGHT = numpy_helper.from_array(np.full(3, 2.0, np.float32), "w")

@@ -51,3 +51,28 @@ def test_int8_budget_catches_a_broken_model(tmp_path, monkeypatch):
         export_mha(MultiHeadAttention(TEST_D_MODEL, TEST_HEADS), tmp_path / "q.onnx", Signature(), fuse="mha",
                    quantize="int8")
     assert list(tmp_path.iterdir()) == []
+
+
+def _matmul_model() -> onnx.ModelProto:
+    """x [2, 8] @ a constant [8, 8]: the smallest graph the quantizer quantizes."""
+    weight = onnx.numpy_helper.from_array(np.random.default_rng(0).standard_normal((8, 8)).astype(np.float32), "w")
+    graph = onnx.helper.make_graph(
+        [onnx.helper.make_node("MatMul", ["x", "w"], ["y"])], "g",
+        [onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [2, 8])],
+        [onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [2, 8])], [weight],
+    )
+    return onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 17)])
+
+
+def test_the_quantizers_advice_stays_out_of_the_output(caplog):
+    """onnxruntime.quantization logs "Please consider to run pre-processing before quantization" on the root
+    logger: a user of --quantize int8 sees nothing of it, and the root logger's handlers are left as they were."""
+    import logging
+
+    root = logging.getLogger()
+    handlers = list(root.handlers)
+    with caplog.at_level(logging.DEBUG):
+        quantized = quantize_int8(_matmul_model())
+    assert "MatMulInteger" in {n.op_type for n in quantized.graph.node}
+    assert not [r.getMessage() for r in caplog.records if "onnxruntime" in r.pathname], caplog.text
+    assert root.handlers == handlers

@@ -12,9 +12,11 @@ from mha_deploy.batch import BatchRunner
 from mha_deploy.cli import main
 from mha_deploy.errors import InputError, SignatureError
 from mha_deploy.exporters import export_stack
+from mha_deploy.exporters.fusion.padding_flash import PADDING_FLASH_KERNEL
+from mha_deploy.exporters.fusion.short_sequence import short_sequence_kernel
 from mha_deploy.exporters.parity import CacheCase, check_cache_parity
 from mha_deploy.exporters.precision import FP16_ATOL, FP16_RTOL
-from mha_deploy.model_report import PADDING_FLASH_KERNEL, describe_model, short_sequence_kernel
+from mha_deploy.model_report import describe_model
 from mha_deploy.models import Decoder, Encoder
 from mha_deploy.runtime import MHASession
 from tests.conftest import KV_DECODER, TEST_D_MODEL, TEST_HEADS, USER_TARGETS

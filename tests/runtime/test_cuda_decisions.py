@@ -130,6 +130,7 @@ def test_cuda_graphs_refuse_control_flow(export_model):
 def cuda_looks_usable(monkeypatch):
     """The provider plan as on a GPU host: CUDA first. (ORT itself still falls back here; no session gets that far.)"""
     monkeypatch.setattr(providers, "cuda_unavailable_reason", lambda: None)
+    monkeypatch.setattr(providers, "gpu_present", lambda: True)
 
 
 def test_cuda_refuses_an_int8_model_before_ort_sees_it(int8_model, cuda_looks_usable):

@@ -1,4 +1,5 @@
-"""Decoder: prefill + one-token steps + a multi-token step equal one causal forward of the whole sequence in torch."""
+"""IncrementalDecoder: prefill + one-token steps + a multi-token step equal one causal forward of the whole sequence
+in torch."""
 
 from __future__ import annotations
 

@@ -44,7 +44,7 @@ SELF_BAD_INPUTS = [
     ({"x": _x(2, 0, D), "key_padding_mask": np.ones((2, 0), bool)}, r"x is empty"),
     ({"x": _x(0, 5, D), "key_padding_mask": np.ones((0, 5), bool)}, r"x is empty"),
     ({"x": _x(2, 5, D)}, r"missing key_padding_mask"),
-    ({"x": _x(2, 5, D), "key_padding_mask": ONES, "y": _x(1)}, r"unexpected y"),
+    ({"x": _x(2, 5, D), "key_padding_mask": ONES, "y": _x(1)}, r"unexpected input 'y'"),
     ({"x": _x(2, 5, D), "key_padding_mask": np.ones((2, 5), np.float32)}, r"key_padding_mask must be bool"),
     ({"x": _x(2, 5, D), "key_padding_mask": np.full((2, 5), 2)}, r"only 0 and 1"),
     ({"x": _x(2, 5, D), "key_padding_mask": np.array([[1, 1, 0, 0, 0], [0] * 5], bool)}, r"rows \[1\] have no real"),
@@ -115,10 +115,15 @@ def test_cuda_requested_without_cuda_fails_loudly(export_model):
 
 @pytest.mark.auto_provider
 @pytest.mark.skipif(cuda_unavailable_reason() is None, reason="CUDA may be usable here; this tests its absence")
-def test_auto_reports_the_provider_it_got(export_model):
+@pytest.mark.parametrize("gpu", [True, False], ids=["gpu-without-cuda-libraries", "no-gpu"])
+def test_auto_reports_the_provider_it_got_where_a_gpu_exists(export_model, monkeypatch, gpu):
+    """Why ``auto`` took the CPU is worth a note on a machine with a GPU; on one without, it would only puzzle."""
+    from mha_deploy.runtime import providers
+
+    monkeypatch.setattr(providers, "gpu_present", lambda: gpu)
     session = MHASession(export_model(Signature())[0], provider="auto")
     assert session.provider == "cpu"
-    assert "using CPU" in session.provider_note
+    assert session.provider_note.startswith("using CPU") if gpu else session.provider_note == ""
 
 
 def test_serving_runs_without_torch(export_model):

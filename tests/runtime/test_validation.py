@@ -71,5 +71,5 @@ def test_the_runner_skips_the_item_and_the_server_answers_422(small_machine, unf
     buffer = io.BytesIO()  # the same item as an .npy request body
     np.save(buffer, too_long)
     with pytest.raises(RequestError) as refused:
-        parse_request(buffer.getvalue(), "application/x-npy", unfused.metadata, RequestLimits(max_tokens=10**6))
+        parse_request(buffer.getvalue(), "application/x-npy", unfused.metadata, RequestLimits(max_item_tokens=10**6))
     assert (refused.value.status, refused.value.kind) == (422, "too_long_for_memory")

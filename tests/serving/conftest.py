@@ -37,7 +37,7 @@ def v2_server(export_model, tmp_path_factory):
     """One server for the protocol tests: self-attention with a padding mask, REST and gRPC, no auth, no TLS."""
     path, _ = export_model(Signature("self", "padding"))
     server = Server(path, tmp_path_factory.mktemp("v2-server") / "server.log",
-                    "--max-batch", "32", "--max-wait-ms", "2", "--threads", "2", "--max-tokens", "256", grpc=True)
+                    "--max-batch", "32", "--max-wait-ms", "2", "--threads", "2", "--max-item-tokens", "256", grpc=True)
     try:
         yield server.wait_ready()
     finally:

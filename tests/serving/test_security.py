@@ -50,14 +50,28 @@ def secure(export_model, start_server, tmp_path_factory):
     return server, key, cert
 
 
+def _tensors(module, inputs: dict[str, np.ndarray]) -> list:
+    """x and the key_padding_mask the model requires (every token real)."""
+    mask = np.ones(inputs["x"].shape[:2], bool)
+    return [module.InferInput("x", list(inputs["x"].shape), "FP32").set_data_from_numpy(inputs["x"]),
+            module.InferInput("key_padding_mask", list(mask.shape), "BOOL").set_data_from_numpy(mask)]
+
+
+def _v2_json(x: np.ndarray) -> bytes:
+    """A v2 JSON body: x and the key_padding_mask the model requires (every token real)."""
+    mask = np.ones(x.shape[:2], bool)
+    return json.dumps({"inputs": [
+        {"name": "x", "shape": list(x.shape), "datatype": "FP32", "data": x.ravel().tolist()},
+        {"name": "key_padding_mask", "shape": list(mask.shape), "datatype": "BOOL", "data": mask.ravel().tolist()},
+    ]}).encode()
+
+
 def _http_infer(client, inputs: dict[str, np.ndarray], **kwargs) -> np.ndarray:
-    tensors = [httpclient.InferInput("x", list(inputs["x"].shape), "FP32").set_data_from_numpy(inputs["x"])]
-    return client.infer("mha", tensors, **kwargs).as_numpy("output")
+    return client.infer("mha", _tensors(httpclient, inputs), **kwargs).as_numpy("output")
 
 
 def _grpc_infer(client, inputs: dict[str, np.ndarray], **kwargs) -> np.ndarray:
-    tensors = [grpcclient.InferInput("x", list(inputs["x"].shape), "FP32").set_data_from_numpy(inputs["x"])]
-    return client.infer("mha", tensors, **kwargs).as_numpy("output")
+    return client.infer("mha", _tensors(grpcclient, inputs), **kwargs).as_numpy("output")
 
 
 def test_rest_needs_the_key_except_for_health_and_speaks_tls(secure, session):
@@ -146,7 +160,7 @@ def limited(export_model, start_server):
     """A small queue and a long batching window (requests sit in the queue), 1 MB bodies, 64 tokens."""
     path, _ = export_model(Signature("self", "padding"))
     return start_server(path, "--name", "mha", "--max-queue", "4", "--max-batch", "64", "--max-wait-ms", "150",
-                        "--max-body-mb", "1", "--max-tokens", "64", grpc=True)
+                        "--max-body-mb", "1", "--max-item-tokens", "64", grpc=True)
 
 
 def test_a_burst_over_max_queue_gets_503_with_retry_after_and_nothing_else(limited, session):
@@ -168,9 +182,7 @@ def test_a_burst_over_max_queue_gets_503_with_retry_after_and_nothing_else(limit
         if protocol == "v1":
             path, body = "/v1/infer", json.dumps({"x": x[0].tolist()}).encode()
         else:
-            path = "/v2/models/mha/infer"
-            body = json.dumps({"inputs": [{"name": "x", "shape": list(x.shape), "datatype": "FP32",
-                                           "data": x.ravel().tolist()}]}).encode()
+            path, body = "/v2/models/mha/infer", _v2_json(x)
         conn = limited.connection()
         conn.connect()
         barrier.wait(timeout=30)
@@ -310,8 +322,7 @@ def test_internal_errors_say_nothing_about_the_machine(export_model):
         answers = [
             request("POST", "/v1/infer", json.dumps({"x": X[0].tolist()}).encode(),
                     {"Content-Type": "application/json"}),
-            request("POST", "/v2/models/mha/infer", json.dumps({"inputs": [
-                {"name": "x", "shape": list(X.shape), "datatype": "FP32", "data": X.ravel().tolist()}]}).encode()),
+            request("POST", "/v2/models/mha/infer", _v2_json(X)),
         ]
         for status, _, payload in answers:
             assert status == 500, payload

@@ -17,6 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 
+from mha_deploy.batching import BatchingConfig
 from mha_deploy.metadata import Signature
 from mha_deploy.runtime import MHASession
 from tests.conftest import TEST_D_MODEL
@@ -138,7 +139,7 @@ def metric(text: str, name: str) -> float:
 def self_server(export_model, start_server):
     path, _ = export_model(Signature("self", "padding"))
     server = start_server(path, "--max-batch", "16", "--max-wait-ms", "2", "--threads", "2",
-                          "--max-tokens", str(MAX_TOKENS), "--max-body-mb", str(MAX_BODY_MB))
+                          "--max-item-tokens", str(MAX_TOKENS), "--max-body-mb", str(MAX_BODY_MB))
     return server, MHASession(path, provider="cpu")
 
 
@@ -400,7 +401,7 @@ def test_batcher_groups_concurrent_items_and_isolates_a_failing_one(export_model
     broken = {"x": np.zeros((3, D + 1), np.float32)}  # wrong width: collate or ORT fails on it
 
     async def main():
-        batcher = MicroBatcher(session, max_batch=32, max_wait_ms=20)
+        batcher = MicroBatcher(session, BatchingConfig(max_batch=32, max_wait_ms=20))
         await batcher.start()
         try:
             good = await asyncio.gather(*(batcher.submit(item) for item in items))

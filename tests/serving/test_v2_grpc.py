@@ -44,12 +44,10 @@ def test_health_and_metadata(v2_server):
     assert [(t["name"], t["datatype"]) for t in meta["outputs"]] == [("output", "FP32")]
 
 
-@pytest.mark.parametrize("padding", ["right", "left", "no-mask"])
+@pytest.mark.parametrize("padding", ["right", "left"])
 def test_inference_equals_the_session(v2_server, session, padding):
     rng = np.random.default_rng(len(padding))
-    inputs = batch_request(session.signature, rng, 3, [6, 2, 4], D, "right" if padding == "no-mask" else padding)
-    if padding == "no-mask":
-        del inputs["key_padding_mask"]
+    inputs = batch_request(session.signature, rng, 3, [6, 2, 4], D, padding)
     client = grpcclient.InferenceServerClient(v2_server.grpc_url)
     outputs, response = infer(client, v2_server.model.stem, inputs, request_id="g-1")
     assert response.id == "g-1" and response.model_name == v2_server.model.stem
@@ -102,10 +100,12 @@ X = np.ones((2, 3, D), np.float32)
         ([("x", np.ones((2, 3, D + 2), np.float32))], None, "INVALID_ARGUMENT", f"d_model {D + 2}"),
         ([("x", np.ones((2, D), np.float32))], None, "INVALID_ARGUMENT", "this model takes [-1, -1, 64]"),
         ([("query", X)], None, "INVALID_ARGUMENT", "unknown input 'query'"),
-        ([("x", np.full((2, 3, D), np.inf, np.float32))], None, "INVALID_ARGUMENT", "NaN or Inf"),
+        ([("x", np.full((2, 3, D), np.inf, np.float32)), ("key_padding_mask", np.ones((2, 3), bool))], None,
+         "INVALID_ARGUMENT", "NaN or Inf"),
+        ([("x", X)], None, "INVALID_ARGUMENT", "missing key_padding_mask: this model takes x, key_padding_mask"),
         ([("x", X)], "nope", "NOT_FOUND", "unknown model 'nope'"),
     ],
-    ids=["wrong-datatype", "wrong-d-model", "wrong-rank", "unknown-input", "inf", "unknown-model"],
+    ids=["wrong-datatype", "wrong-d-model", "wrong-rank", "unknown-input", "inf", "no-mask", "unknown-model"],
 )
 def test_bad_requests_get_the_protocol_status(v2_server, session, tensors, model, status, message):
     client = grpcclient.InferenceServerClient(v2_server.grpc_url)
@@ -117,8 +117,9 @@ def test_bad_requests_get_the_protocol_status(v2_server, session, tensors, model
     assert error.status() == f"StatusCode.{status}", error
     assert message in error.message(), error.message()
     assert str(v2_server.model.parent) not in error.message() and "Traceback" not in error.message()
-    outputs, _ = infer(client, v2_server.model.stem, {"x": X})
-    assert_matches(session, {"x": X}, outputs)
+    full = {"x": X, "key_padding_mask": np.ones(X.shape[:2], bool)}
+    outputs, _ = infer(client, v2_server.model.stem, full)
+    assert_matches(session, full, outputs)
 
 
 def test_typed_contents_of_the_wrong_kind_and_unsupported_methods(v2_server):

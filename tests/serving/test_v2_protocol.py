@@ -8,6 +8,7 @@ import json
 import numpy as np
 import pytest
 
+from mha_deploy.batching import BatchingConfig
 from mha_deploy.metadata import Signature
 from mha_deploy.runtime import MHASession
 from mha_deploy.serving.http import v2
@@ -30,10 +31,10 @@ def sessions(export_model):
 def run_requests(session: MHASession, requests: list[dict[str, np.ndarray]], **batcher_options):
     """All requests at once through one batcher, as concurrent clients would send them."""
     async def main():
-        batcher = MicroBatcher(session, max_wait_ms=20, **batcher_options)
+        batcher = MicroBatcher(session, BatchingConfig(max_wait_ms=20, **batcher_options))
         await batcher.start()
         try:
-            plans = [v2.plan_request(session.metadata, inputs, max_tokens=1024) for inputs in requests]
+            plans = [v2.plan_request(session.metadata, inputs, max_item_tokens=1024) for inputs in requests]
             outputs = await asyncio.gather(*(v2.run_plan(plan, batcher, session.metadata) for plan in plans))
             runs = batcher.metrics.registry.get_sample_value("mha_batch_size_count")
         finally:
@@ -93,7 +94,7 @@ def test_rows_over_the_queue_and_bad_rows_are_refused(sessions):
     assert (info.value.status, info.value.kind) == (400, "too_many_rows")
     inputs["x"][3, 1, 0] = np.inf
     with pytest.raises(RequestError) as info:
-        v2.plan_request(session.metadata, inputs, max_tokens=1024)
+        v2.plan_request(session.metadata, inputs, max_item_tokens=1024)
     assert info.value.status == 400 and info.value.message.startswith("row 3: x contains NaN or Inf")
 
 
@@ -123,7 +124,7 @@ def test_request_bodies_the_parser_refuses(sessions, tensors, raw, message):
     metadata = sessions[Signature("self", "padding")].metadata
     body, header_length = _body(tensors, raw)
     with pytest.raises(RequestError) as info:
-        parse_infer_request(body, header_length, metadata, max_tokens=1024)
+        parse_infer_request(body, header_length, metadata, max_item_tokens=1024)
     assert info.value.status == 400 and message in info.value.message, info.value.message
 
 

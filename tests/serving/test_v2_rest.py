@@ -65,13 +65,11 @@ def test_cross_attention_metadata_lists_both_outputs(cross_server):
 
 
 @pytest.mark.parametrize("binary", [True, False], ids=["binary", "json"])
-@pytest.mark.parametrize("padding", ["right", "left", "mixed", "no-mask"])
+@pytest.mark.parametrize("padding", ["right", "left", "mixed"])
 def test_inference_equals_the_session(v2_server, session, binary, padding):
     """Right padding goes through the micro-batcher, left/mixed padding runs as its own batch: both exact."""
     rng = np.random.default_rng(len(padding) + binary)
-    inputs = batch_request(session.signature, rng, 4, [5, 1, 9, 3], D, "right" if padding == "no-mask" else padding)
-    if padding == "no-mask":
-        del inputs["key_padding_mask"]
+    inputs = batch_request(session.signature, rng, 4, [5, 1, 9, 3], D, padding)
     outputs, response = infer(httpclient.InferenceServerClient(v2_server.url), v2_server.model.stem, inputs,
                               binary=binary, request_id=f"req-{padding}")
     assert response["id"] == f"req-{padding}" and response["model_name"] == v2_server.model.stem
@@ -107,6 +105,7 @@ def _tensor(name: str, array: np.ndarray, datatype: str | None = None, binary: b
 
 
 X = np.ones((2, 3, D), np.float32)
+ALL_REAL = np.ones((2, 3), bool)
 BAD_REQUESTS = [
     ("wrong_datatype", [_tensor("x", X.astype(np.int32))], "datatype 'INT32', this model takes FP32"),
     ("wrong_d_model", [_tensor("x", np.ones((2, 3, D + 1), np.float32))], f"d_model {D + 1}"),
@@ -115,7 +114,10 @@ BAD_REQUESTS = [
     ("mask_length", [_tensor("x", X), _tensor("key_padding_mask", np.ones((2, 4), bool))], "key_padding_mask"),
     ("empty_mask_row", [_tensor("x", X), _tensor("key_padding_mask", np.array([[1, 1, 0], [0, 0, 0]], bool))],
      "no real token"),
-    ("nan", [_tensor("x", np.full((2, 3, D), np.nan, np.float32), binary=False)], "NaN"),
+    ("nan", [_tensor("x", np.full((2, 3, D), np.nan, np.float32), binary=False), _tensor("key_padding_mask", ALL_REAL)],
+     "NaN"),
+    # The mask is required, as MHASession and the Triton config require it.
+    ("no_mask", [_tensor("x", X)], "missing key_padding_mask: this model takes x, key_padding_mask"),
     ("too_many_tokens", [_tensor("x", np.ones((1, 257, D), np.float32))], "at most 256"),
 ]
 
@@ -127,8 +129,8 @@ def test_bad_requests_get_400_with_the_protocol_error(v2_server, session, case, 
     assert error.status() == "400", error
     assert message in error.message(), error.message()
     assert str(v2_server.model.parent) not in error.message(), "no file path in responses"
-    outputs, _ = infer(client, v2_server.model.stem, {"x": X})
-    assert_matches(session, {"x": X}, outputs)
+    outputs, _ = infer(client, v2_server.model.stem, {"x": X, "key_padding_mask": ALL_REAL})
+    assert_matches(session, {"x": X, "key_padding_mask": ALL_REAL}, outputs)
 
 
 def test_unknown_model_version_and_output(v2_server):

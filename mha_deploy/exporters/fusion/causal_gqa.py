@@ -73,7 +73,7 @@ from mha_deploy.exporters.fusion.contrib_mha import (
     optional_input,
 )
 from mha_deploy.exporters.fusion.mask_analysis import dims_match
-from mha_deploy.exporters.fusion.op_branches import op_branch, score_bytes, tape_branch
+from mha_deploy.exporters.fusion.op_branches import op_branch, score_bytes, tag_kernel, tape_branch
 
 # GQA's CPU and CUDA kernels both reject other head sizes.
 HEAD_SIZE_MULTIPLE = 8
@@ -130,8 +130,9 @@ class CausalGQA(ContribMHARule):
             q, value_bias = move_bias_out(op, query, bias)
         base = attention.name or "attention"
         mask = optional_input(node, KEY_PADDING_MASK)
+        kernel = gqa_kernel(compacted=mask is not None, max_bytes=self.materialise_max_bytes)
         if mask is None:
-            output = self._gqa(op, q, k, v, _full_length(op, q), attributes, attention, base)
+            output = tag_kernel(self._gqa(op, q, k, v, _full_length(op, q), attributes, attention, base), kernel)
         else:
             # Nothing padded (batch 1, equal-length buckets): GQA on the tokens as they are, no gathers.
             full = TapeBuilder()
@@ -141,6 +142,7 @@ class CausalGQA(ContribMHARule):
                 then_branch=self._compacted(q, k, v, mask, attributes, attention, f"{base}_compacted"),
                 else_branch=tape_branch(full, full_output, attention, f"{base}_full"),
             )
+            tag_kernel(output, kernel)
         return output if value_bias is None else op.Add(output, value_bias)
 
     def _compacted(self, q, k, v, mask, attributes, attention: ir.Value, name: str) -> ir.Graph:
@@ -181,6 +183,13 @@ class CausalGQA(ContribMHARule):
             for kind, n in (("gqa_materialised", 1), ("gqa_tiled", 3))
         )
         return op.If(small, then_branch=materialised, else_branch=tiled)
+
+
+def gqa_kernel(compacted: bool, max_bytes: int) -> str:
+    """What this rule's If runs on ORT's CPU provider: GQA materialising scores up to ``max_bytes``, tiled beyond;
+    ``compacted`` when a padding mask's padded tokens are moved out first."""
+    compaction = ", padded tokens compacted out: any padding side" if compacted else ""
+    return f"GroupQueryAttention (causal{compaction}; scores materialised up to {max_bytes / 2**20:g} MB, tiled beyond)"
 
 
 def _full_length(op, query: ir.Value) -> tuple[ir.Value, ir.Value]:

@@ -22,6 +22,8 @@ import numpy as np
 import onnx_ir as ir
 from onnxscript.rewriter._context import TapeBuilder
 
+from mha_deploy.onnx_nodes import KERNEL_PROP
+
 
 def in_subgraph(context) -> bool:
     """True when the matched node sits in a subgraph (e.g. a branch of an If), not the model's graph."""
@@ -64,6 +66,13 @@ def op_branch(
     output = node.outputs[0]
     output.dtype, output.shape = like.dtype, shape if shape is not None else like.shape
     return ir.Graph(inputs=(), outputs=(output,), nodes=(node,), name=name)
+
+
+def tag_kernel(output: ir.Value, kernel: str) -> ir.Value:
+    """``output`` of an ``If`` a rule built, with ``kernel`` (which kernel runs when) written on the ``If`` for
+    ``inspect`` and the fusion report to read (``mha_deploy.onnx_nodes.KERNEL_PROP``)."""
+    output.producer().metadata_props[KERNEL_PROP] = kernel
+    return output
 
 
 def tape_branch(tape: TapeBuilder, output: ir.Value, like: ir.Value, name: str) -> ir.Graph:

@@ -58,7 +58,19 @@ from mha_deploy.exporters.fusion.contrib_mha import (
     optional_input,
 )
 from mha_deploy.exporters.fusion.mask_analysis import dims_match
-from mha_deploy.exporters.fusion.op_branches import copied_attributes, made_in_subgraph, op_branch, tape_branch
+from mha_deploy.exporters.fusion.op_branches import (
+    copied_attributes,
+    made_in_subgraph,
+    op_branch,
+    tag_kernel,
+    tape_branch,
+)
+
+# What the If this rule builds runs on ORT's CPU provider (``inspect``'s kernel line).
+PADDING_FLASH_KERNEL = (
+    "MultiHeadAttention (flash when no key is padded or every row has as many real keys, "
+    "else masked over the longest row's real keys)"
+)
 
 
 class PaddingFlash(pattern.RewriteRuleClassBase):
@@ -98,7 +110,8 @@ class PaddingFlash(pattern.RewriteRuleClassBase):
         # Named after the op's output, which is unique in the model (node names need not be).
         base = attention.name or node.name or "attention"
         flash = _op_branch(node, attention, f"{base}_flash", mask=None)
-        return op.If(padded, then_branch=_cut_branch(node, attention, f"{base}_cut"), else_branch=flash)
+        output = op.If(padded, then_branch=_cut_branch(node, attention, f"{base}_cut"), else_branch=flash)
+        return tag_kernel(output, PADDING_FLASH_KERNEL)
 
 
 def _op_branch(node: ir.Node, like: ir.Value, name: str, mask: ir.Value | None, **replaced: ir.Value) -> ir.Graph:

@@ -76,7 +76,15 @@ from mha_deploy.exporters.fusion.contrib_mha import (
     optional_input,
 )
 from mha_deploy.exporters.fusion.mask_analysis import dims_match
-from mha_deploy.exporters.fusion.op_branches import copied_attributes, in_subgraph, op_branch, score_bytes, tape_branch
+from mha_deploy.exporters.fusion.op_branches import (
+    copied_attributes,
+    in_subgraph,
+    op_branch,
+    score_bytes,
+    tag_kernel,
+    tape_branch,
+)
+from mha_deploy.onnx_nodes import LONG_KERNEL
 
 # Longest key sequence that takes the standard Attention op (module docstring).
 SHORT_KEYS_MAX = 256
@@ -149,7 +157,15 @@ class ShortSequence(ContribMHARule):
             like=attention,
         )
         output = op.If(short, then_branch=standard, else_branch=long)
+        tag_kernel(output, short_sequence_kernel(LONG_KERNEL, self.keys_max, self.scores_max_bytes / 2**20))
         return op.Add(output, value_bias)
+
+
+def short_sequence_kernel(long_kernel: str, keys_max: int, scores_max_mb: float) -> str:
+    """What this rule's If runs on ORT's CPU provider: ``long_kernel`` (its else branch's) beyond the bounds,
+    the standard Attention op, which materialises the scores, within them."""
+    return f"{long_kernel}; up to {keys_max:d} keys and {scores_max_mb:g} MB of scores the standard Attention op " \
+        "(materialising)"
 
 
 def _standard_branch(q, key, value, mask, attributes, attention: ir.Value, name: str) -> ir.Graph:

@@ -39,7 +39,8 @@ from mha_deploy.batch.planner import (
     score_bytes,
     split_outputs,
 )
-from mha_deploy.errors import BatcherStoppedError, BatchingConfigError
+from mha_deploy.batching import BatchingConfig
+from mha_deploy.errors import BatcherStoppedError
 from mha_deploy.runtime.decoding import refuse_kv_cache
 from mha_deploy.runtime.session import MHASession
 from mha_deploy.runtime.validation import output_problem
@@ -63,29 +64,16 @@ class MicroBatcher:
     ``max_batch=1`` turns batching off: every item runs alone (``workers`` of them at once).
     """
 
-    def __init__(
-        self,
-        session: MHASession,
-        max_batch: int = 32,
-        max_wait_ms: float = 2.0,
-        workers: int = 1,
-        max_queue: int = 4096,
-        max_batch_tokens: int = 8192,
-        max_padding: float = 0.10,
-        metrics: ServerMetrics | None = None,
-    ):
-        if min(max_batch, workers, max_queue, max_batch_tokens) < 1 or max_wait_ms < 0 or not 0 <= max_padding < 1:
-            raise BatchingConfigError(
-                "max_batch, workers, max_queue, max_batch_tokens must be >= 1, max_wait_ms >= 0, 0 <= max_padding < 1"
-            )
+    def __init__(self, session: MHASession, config: BatchingConfig | None = None, metrics: ServerMetrics | None = None):
+        config = config or BatchingConfig()
         refuse_kv_cache(session.metadata, "the HTTP server's micro-batcher")
         self.session = session
-        self.max_batch = max_batch
-        self.max_wait = max_wait_ms / 1e3
-        self.workers = workers
-        self.max_queue = max_queue
-        self.max_batch_tokens = max_batch_tokens
-        self.max_padding = max_padding
+        self.max_batch = config.max_batch
+        self.max_wait = config.max_wait_ms / 1e3
+        self.workers = config.workers
+        self.max_queue = config.max_queue
+        self.max_batch_tokens = config.max_batch_tokens
+        self.max_padding = config.max_padding
         self.metrics = metrics or ServerMetrics()
         self._queue: collections.deque[_Waiting] = collections.deque()
         self._arrived = asyncio.Event()
@@ -221,7 +209,7 @@ class MicroBatcher:
         signature = self.session.signature
         results: list[Result | None] = [None] * len(items)
         limits = BatchLimits(
-            max_tokens=self.max_batch_tokens,
+            max_batch_tokens=self.max_batch_tokens,
             max_padding=self.max_padding,
             max_score_bytes=DEFAULT_MAX_SCORE_BYTES,
             score_bytes=score_bytes(self.session.metadata),

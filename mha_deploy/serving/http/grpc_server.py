@@ -116,11 +116,11 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
             session, _ = self.service.require_ready()
             metadata = session.metadata
             large = sum(len(raw) for raw in request.raw_input_contents) > THREAD_THRESHOLD_BYTES
-            max_tokens = self.service.limits.max_tokens
+            max_item_tokens = self.service.limits.max_item_tokens
             if large:
-                inputs, names = await asyncio.to_thread(decode_request, request, metadata, max_tokens)
+                inputs, names = await asyncio.to_thread(decode_request, request, metadata, max_item_tokens)
             else:
-                inputs, names = decode_request(request, metadata, max_tokens)
+                inputs, names = decode_request(request, metadata, max_item_tokens)
             outputs = await self.service.infer_v2(inputs, in_thread=large)
             return encode_response(self.service.model_name, request.id, outputs, names)
 
@@ -176,7 +176,7 @@ for _method in SERVICE.methods:
 
 
 def decode_request(
-    request: pb.ModelInferRequest, metadata: ModelMetadata, max_tokens: int
+    request: pb.ModelInferRequest, metadata: ModelMetadata, max_item_tokens: int
 ) -> tuple[dict[str, np.ndarray], list[str]]:
     """The request's input arrays (checked) and the names of the outputs it asks for."""
     if not request.inputs:
@@ -189,7 +189,7 @@ def decode_request(
     inputs: dict[str, np.ndarray] = {}
     for index, tensor in enumerate(request.inputs):
         shape = list(tensor.shape)
-        dtype = v2.check_declared(metadata, tensor.name, tensor.datatype, shape, max_tokens)
+        dtype = v2.check_declared(metadata, tensor.name, tensor.datatype, shape, max_item_tokens)
         if tensor.name in inputs:
             raise v2.bad_request("duplicate_input", f"input {tensor.name} is given twice")
         filled = [field.name for field, _ in tensor.contents.ListFields()]

@@ -69,7 +69,7 @@ class RequestLimits:
 
     max_body_bytes: int = 64 * 2**20
     # Longest sequence accepted in one request (each of query and key/value for cross-attention).
-    max_tokens: int = 1024
+    max_item_tokens: int = 1024
     # Longest a request body may take to arrive: a slow or stalled upload is cut off with 408 after this.
     body_timeout_s: float = 10.0
 
@@ -102,7 +102,7 @@ def check_item(arrays: dict[str, np.ndarray], metadata: ModelMetadata, limits: R
     for name in metadata.signature.sequence_inputs:
         check_shape(name, arrays[name].shape, metadata, limits)
     item = in_model_dtype(metadata, {name: arrays[name] for name in metadata.signature.sequence_inputs})
-    problem = item_problem(metadata, item, limits.max_tokens)
+    problem = item_problem(metadata, item, limits.max_item_tokens)
     if problem:
         raise RequestError(422, problem.kind, problem.message)
     return item
@@ -110,7 +110,7 @@ def check_item(arrays: dict[str, np.ndarray], metadata: ModelMetadata, limits: R
 
 def check_shape(name: str, shape: tuple[int, ...], metadata: ModelMetadata, limits: RequestLimits) -> None:
     """One input's shape, checked before its data is cast (or, for .npy bodies, even read)."""
-    problem = shape_problem(metadata, name, shape, limits.max_tokens)
+    problem = shape_problem(metadata, name, shape, limits.max_item_tokens)
     if problem:
         raise RequestError(422, problem.kind, problem.message)
 
@@ -118,7 +118,9 @@ def check_shape(name: str, shape: tuple[int, ...], metadata: ModelMetadata, limi
 def _check_names(names: set[str], metadata: ModelMetadata, kind: str) -> None:
     problem = name_problem(names, metadata.signature.sequence_inputs)
     if problem:
-        raise RequestError(422, problem.kind, f"{kind} {problem.message}")
+        # {"inputs": [...]} is an Open Inference Protocol body, sent to /v1 by mistake.
+        hint = "; a v2 request goes to /v2/models/NAME/infer" if "inputs" in names else ""
+        raise RequestError(422, problem.kind, f"{kind} {problem.message}{hint}")
 
 
 def load_json(body: bytes | memoryview, what: str = "body") -> object:

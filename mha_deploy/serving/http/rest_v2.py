@@ -102,7 +102,7 @@ def v2_routes(service: InferenceService) -> list[Route]:
             body = await read_body(request, service.limits)
             large = len(body) > THREAD_THRESHOLD_BYTES
             header_length = request.headers.get(HEADER_LENGTH)
-            args = (body, header_length, session.metadata, service.limits.max_tokens)
+            args = (body, header_length, session.metadata, service.limits.max_item_tokens)
             parsed = await run_in_threadpool(parse_infer_request, *args) if large else parse_infer_request(*args)
             outputs = await service.infer_v2(parsed.inputs, in_thread=large)
             args = (service.model_name, parsed, outputs)
@@ -140,7 +140,7 @@ def v2_routes(service: InferenceService) -> list[Route]:
 
 
 def parse_infer_request(
-    body: bytes, header_length: str | None, metadata: ModelMetadata, max_tokens: int
+    body: bytes, header_length: str | None, metadata: ModelMetadata, max_item_tokens: int
 ) -> InferRequest:
     """An inference request body (JSON, or JSON then binary tensors) -> checked input arrays."""
     view = memoryview(body)
@@ -171,7 +171,7 @@ def parse_infer_request(
         if not isinstance(tensor, dict):
             raise v2.bad_request("bad_input", "each input must be an object with name, shape, datatype and data")
         name = tensor.get("name")
-        dtype = v2.check_declared(metadata, name, tensor.get("datatype"), tensor.get("shape"), max_tokens)
+        dtype = v2.check_declared(metadata, name, tensor.get("datatype"), tensor.get("shape"), max_item_tokens)
         if name in inputs:
             raise v2.bad_request("duplicate_input", f"input {name} is given twice")
         tensor_parameters = _parameters(tensor, f"input {name}")

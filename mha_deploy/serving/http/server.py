@@ -18,6 +18,7 @@ import ssl
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from mha_deploy.batching import BatchingConfig
 from mha_deploy.errors import MHADeployError
 from mha_deploy.serving.http.parsing import RequestLimits
 
@@ -33,12 +34,7 @@ class ServeConfig:
     provider: str = "auto"
     # ORT intra-op threads (None: one per core).
     threads: int | None = None
-    max_batch: int = 32
-    max_wait_ms: float = 2.0
-    # Batches run at once, each in its own thread (they share ORT's intra-op pool).
-    workers: int = 1
-    max_queue: int = 4096
-    max_batch_tokens: int = 8192
+    batching: BatchingConfig = field(default_factory=BatchingConfig)
     limits: RequestLimits = field(default_factory=RequestLimits)
     optimized_model_path: str | os.PathLike | None = None
     # Let idle ORT intra-op threads spin-wait for work (lower latency alone, less CPU for everything else).
@@ -76,7 +72,7 @@ def serve(config: ServeConfig) -> None:
     try:
         import uvicorn
 
-        from mha_deploy.serving.http.app import BatchingConfig, create_app
+        from mha_deploy.serving.http.app import create_app
     except ImportError as exc:
         raise ServeError(f"the server needs the 'serve' extra: pip install 'mha-deploy[serve]' ({exc})") from exc
     from mha_deploy.runtime.session import MHASession
@@ -119,11 +115,8 @@ def serve(config: ServeConfig) -> None:
         if server is not None:
             server.should_exit = True
 
-    batching = BatchingConfig(
-        config.max_batch, config.max_wait_ms, config.workers, config.max_queue, config.max_batch_tokens
-    )
     app = create_app(
-        load_session, batching, config.limits, on_load_error,
+        load_session, config.batching, config.limits, on_load_error,
         model_name=config.model_name, api_keys=api_keys, grpc_config=grpc_config,
     )
     uvicorn_config = uvicorn.Config(

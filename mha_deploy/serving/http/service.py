@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import logging
 import time
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
 
 import numpy as np
 
+from mha_deploy.batching import BatchingConfig
 from mha_deploy.runtime.session import MHASession
 from mha_deploy.serving.http import v2
 from mha_deploy.serving.http.batcher import MicroBatcher
@@ -27,16 +26,6 @@ from mha_deploy.serving.http.parsing import RequestError, RequestLimits
 logger = logging.getLogger("mha_deploy.serve")
 # Decoding and checking requests larger than this would hold the event loop for milliseconds: do it in a thread.
 THREAD_THRESHOLD_BYTES = 256 * 1024
-
-
-@dataclass(frozen=True)
-class BatchingConfig:
-    max_batch: int = 32
-    max_wait_ms: float = 2.0
-    workers: int = 1
-    max_queue: int = 4096
-    # Padded positions (items × longest sequence) in one ORT run: bounds a run's memory.
-    max_batch_tokens: int = 8192
 
 
 class InferenceService:
@@ -65,7 +54,7 @@ class InferenceService:
     async def load(self) -> None:
         try:
             session = await asyncio.to_thread(self._load_session)
-            batcher = MicroBatcher(session, **dataclasses.asdict(self.batching), metrics=self.metrics)
+            batcher = MicroBatcher(session, self.batching, metrics=self.metrics)
             await batcher.start()
         except Exception as exc:
             self.status = "failed"
@@ -128,7 +117,7 @@ class InferenceService:
         session, batcher = self.require_ready()
         metadata = session.metadata
         if in_thread:
-            plan = await asyncio.to_thread(v2.plan_request, metadata, inputs, self.limits.max_tokens)
+            plan = await asyncio.to_thread(v2.plan_request, metadata, inputs, self.limits.max_item_tokens)
         else:
-            plan = v2.plan_request(metadata, inputs, self.limits.max_tokens)
+            plan = v2.plan_request(metadata, inputs, self.limits.max_item_tokens)
         return await v2.run_plan(plan, batcher, metadata)

@@ -6,9 +6,10 @@
   tensor as a request declares it (name, datatype, shape) and its data, checked
   before anything is allocated from the declared shape.
 - ``plan_request`` and ``run_plan``: a request carries a batch ([batch, seq,
-  d_model] plus an optional key_padding_mask). Its feeds are checked by the
+  d_model] plus the key_padding_mask a padding model requires, as MHASession and
+  Triton's config do). Its feeds are checked by the
   runtime's validator, and each row is cut to its real tokens and checked as an
-  item. When every mask row is right padding (or there is no mask), the rows go
+  item. When every mask row is right padding (or the model has no mask), the rows go
   to the micro-batcher as items, so requests from different clients share ORT
   runs, and come back padded to the request's shape. Any other padding (left or
   mixed) runs as the request's own batch with its own mask, exactly as
@@ -80,7 +81,7 @@ def model_metadata(name: str, metadata: ModelMetadata) -> dict:
 
 
 def check_declared(
-    metadata: ModelMetadata, name: object, dtype_name: object, shape: object, max_tokens: int
+    metadata: ModelMetadata, name: object, dtype_name: object, shape: object, max_item_tokens: int
 ) -> np.dtype:
     """The numpy dtype of an input declared as (name, datatype, shape), or a 400 saying what is wrong."""
     specs = {spec.name: spec for spec in metadata.signature.inputs}
@@ -98,7 +99,7 @@ def check_declared(
     if shape[0] == 0:
         raise bad_request("empty_batch", f"input {name} has an empty batch: shape {list(shape)}")
     if spec.role in (SEQUENCE, TOKENS):
-        problem = shape_problem(metadata, name, tuple(shape[1:]), max_tokens)
+        problem = shape_problem(metadata, name, tuple(shape[1:]), max_item_tokens)
         if problem:
             raise bad_request(problem.kind, f"input {problem.message} (shape {list(shape)}, expected {dims})")
     elif any(d != -1 and n != d for n, d in zip(shape, dims, strict=True)):
@@ -167,12 +168,8 @@ class RequestPlan:
     right_padded: bool
 
 
-def plan_request(metadata: ModelMetadata, inputs: Mapping[str, np.ndarray], max_tokens: int) -> RequestPlan:
+def plan_request(metadata: ModelMetadata, inputs: Mapping[str, np.ndarray], max_item_tokens: int) -> RequestPlan:
     signature = metadata.signature
-    inputs = dict(inputs)
-    for mask_name, marks in signature.padding_masks.items():
-        if mask_name not in inputs and marks in inputs:  # the mask is optional: no mask, no padding
-            inputs[mask_name] = np.ones(inputs[marks].shape[:2], dtype=bool)
     try:
         feeds = validate_inputs(metadata, inputs)
     except InputError as exc:
@@ -193,7 +190,7 @@ def plan_request(metadata: ModelMetadata, inputs: Mapping[str, np.ndarray], max_
                 item[name] = feeds[name][row, : lengths[axis][row]]
             else:
                 item[name] = feeds[name][row, masks[axis][row]]
-        problem = item_problem(metadata, item, max_tokens)
+        problem = item_problem(metadata, item, max_item_tokens)
         if problem:
             raise bad_request(problem.kind, f"row {row}: {problem.message}")
         items.append(item)

@@ -17,7 +17,7 @@ from mha_deploy.exporters.fusion.short_sequence import (
     short_sequence_rules,
     short_sequence_rules_with,
 )
-from mha_deploy.model_report import all_nodes
+from mha_deploy.onnx_nodes import all_nodes
 from tests.exporters.fusion import hand_graphs as hg
 
 BATCH, Q_LEN, KV_LEN, HIDDEN, HEADS = 3, 5, 7, 16, 2

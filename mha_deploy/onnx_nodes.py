@@ -1,0 +1,38 @@
+"""Walking an ONNX graph with its subgraphs, and the kernel tag the fusion rules leave on what they build.
+
+onnx only, for every layer: the runtime's checks, ``inspect`` and the exporter.
+
+A fusion rule that builds an ``If`` choosing between kernels (padding_flash,
+causal_gqa, short_sequence) knows which kernel runs when, and its bounds; it
+writes that description into the ``If`` node's ``metadata_props`` under
+``KERNEL_PROP``, so that nothing downstream has to recognise the rule's graph
+again to name the kernel. short_sequence's description holds ``LONG_KERNEL``
+where its long branch's kernel (a plain op, or another rule's ``If``) goes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import onnx
+
+__all__ = ["KERNEL_PROP", "LONG_KERNEL", "all_nodes", "kernel_tag"]
+
+KERNEL_PROP = "mha_deploy.kernel"
+LONG_KERNEL = "{long}"
+
+
+def all_nodes(graph: onnx.GraphProto) -> Iterator[onnx.NodeProto]:
+    """Every node of ``graph``, including those in its subgraphs (the branches of the fusions' Ifs)."""
+    for node in graph.node:
+        yield node
+        for attribute in node.attribute:
+            if attribute.type == onnx.AttributeProto.GRAPH:
+                yield from all_nodes(attribute.g)
+            for subgraph in attribute.graphs:
+                yield from all_nodes(subgraph)
+
+
+def kernel_tag(node: onnx.NodeProto) -> str | None:
+    """The kernel description a fusion rule wrote on ``node``, if any."""
+    return next((p.value for p in node.metadata_props if p.key == KERNEL_PROP), None)
