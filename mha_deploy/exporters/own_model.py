@@ -184,6 +184,31 @@ def vocabulary(module: nn.Module) -> int | None:
     return min(sizes) if sizes else None
 
 
+def token_vocabularies(module: nn.Module, decls: Sequence[InputDecl], samples: Sequence[torch.Tensor]) -> dict:
+    """Each tokens input -> the size of the embedding table its ids index (found by running ``module`` once and
+    watching which ``nn.Embedding`` receives them unchanged); inputs whose ids reach none as they are are left
+    out. The smallest table, which samples stay within, is no bound: a position table is often the smaller."""
+    seen: dict[int, int] = {}
+
+    def watch(layer, args):
+        for index, decl in enumerate(decls):
+            ids = samples[index]
+            if decl.role == "tokens" and args and isinstance(args[0], torch.Tensor) and args[0].shape == ids.shape \
+                    and torch.equal(args[0], ids):
+                seen.setdefault(index, layer.num_embeddings)
+
+    hooks = [layer.register_forward_pre_hook(watch) for layer in module.modules() if isinstance(layer, nn.Embedding)]
+    try:
+        with torch.no_grad():
+            module(*samples)
+    except Exception:  # the caller runs the module again and reports its failure
+        return {}
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return {decls[index].name: size for index, size in seen.items()}
+
+
 def load_checkpoint(module: nn.Module, path: str | os.PathLike) -> None:
     """Load ``path`` (safetensors, or a torch file through ``weights_only``) into ``module``, strictly."""
     from mha_deploy.models.checkpoint import read_state_dict
@@ -416,10 +441,11 @@ def declare_model(
         raise ExportError(f"{len(names)} output names given, the forward returns {count} tensors")
     outputs = _output_specs(wrapper, names, first, second, runs)
     marks = {d.axis: d.name for d in reversed(decls) if d.role != "padding-mask"}
+    vocabularies = token_vocabularies(module, decls, _args(wrapper, runs[0]))
     specs = tuple(
         TensorSpec(d.name, PADDING_MASK, "bool", (BATCH_AXIS, d.axis), marks=marks[d.axis])
         if d.role == "padding-mask"
-        else TensorSpec(d.name, TOKENS, "int64", (BATCH_AXIS, d.axis), vocab=vocab)
+        else TensorSpec(d.name, TOKENS, "int64", (BATCH_AXIS, d.axis), vocab=vocabularies.get(d.name, vocab))
         if d.role == "tokens"
         else TensorSpec(d.name, SEQUENCE, MODEL_DTYPE, (BATCH_AXIS, d.axis, widths[d.name]))
         for d in decls

@@ -199,3 +199,26 @@ def test_every_export_option_takes_a_users_model(tmp_path, options, op):
     result = export_model(user_module("classifier").build(), tmp_path / "m.onnx", inputs, **options)
     assert result.parity.passed and not result.warnings
     assert result.fusion.fused == 2 and {o.op_type.split(".")[-1] for o in result.fusion.ops} == {op}
+
+
+class _BigVocabulary(torch.nn.Module):
+    """BERT-like: more token ids (1000) than positions (64); ids past 64 are valid."""
+
+    def __init__(self):
+        super().__init__()
+        self.pos = torch.nn.Embedding(64, 8)
+        self.tok = torch.nn.Embedding(1000, 8)
+        self.head = torch.nn.Linear(8, 2)
+
+    def forward(self, ids, mask):
+        x = self.tok(ids) + self.pos(torch.arange(ids.size(1)))[None]
+        return self.head((x * mask.unsqueeze(-1)).sum(1))
+
+
+def test_the_vocabulary_is_the_table_the_ids_index(tmp_path):
+    result = export_model(_BigVocabulary(), tmp_path / "m.onnx", ["ids:tokens", "mask:padding-mask"], max_length=64)
+    assert result.metadata.signature.tensors["ids"].vocab == 1000
+    session = MHASession(tmp_path / "m.onnx", provider="cpu")
+    session.run({"ids": np.array([[999, 500]]), "mask": np.ones((1, 2), bool)})
+    with pytest.raises(InputError, match="holds id 1000: this model's vocabulary is ids 0 to 999"):
+        session.run({"ids": np.array([[1000, 1]]), "mask": np.ones((1, 2), bool)})
