@@ -50,7 +50,6 @@ from mha_deploy.exporters.fusion.pipeline import MAX_IR_VERSION
 from mha_deploy.exporters.own_model import InputDecl, count_attentions, declare_inputs
 from mha_deploy.exporters.parity import default_cases
 from mha_deploy.exporters.probes import output_axes, paddable_axes, probe_feeds, unpadded_mask_warnings
-from mha_deploy.exporters.torch_export import name_dynamic_axes
 from mha_deploy.metadata import MAX_OPSET, MIN_OPSET, ModelMetadata
 from mha_deploy.signature import (
     BATCH_AXIS,
@@ -138,7 +137,7 @@ def optimize_model(
         warnings.append("no embedding table reads the token ids (a Gather from a constant [vocab, width] table): "
                         "the vocabulary is unknown, parity draws ids 0 and 1 only")
     plain = _written_interface(model, decls, graph_inputs, names)
-    name_dynamic_axes(plain, signature)
+    _declare_shapes(plain, signature)
     attention_ops = count_attentions(plain)
     if attention_ops == 0:
         warnings.append("the graph holds no attention subgraph (Softmax over MatMul scores): nothing to fuse")
@@ -427,6 +426,24 @@ def _written_interface(
     written = ir.serde.serialize_model(ir_model)
     written.ir_version = min(written.ir_version, MAX_IR_VERSION)
     return written
+
+
+def _declare_shapes(model: onnx.ModelProto, signature: Signature) -> None:
+    """Every input's and output's shape as the Signature says it: its dynamic dims named after the declared
+    axes (the exporter's own names, e.g. ``s0`` or ``sequence``, mean nothing to inspect or Triton), fixed sizes
+    where the graph left them unknown."""
+    specs = signature.tensors
+    for value in (*model.graph.input, *model.graph.output):
+        if value.name not in specs:  # an initializer listed as an input (IR < 4)
+            continue
+        shape = value.type.tensor_type.shape
+        shape.ClearField("dim")
+        for axis in specs[value.name].axes:
+            dim = shape.dim.add()
+            if isinstance(axis, int):
+                dim.dim_value = axis
+            else:
+                dim.dim_param = axis
 
 
 def _fresh(name: str, taken: set[str]) -> str:
