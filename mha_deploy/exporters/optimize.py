@@ -375,7 +375,7 @@ class GraphReference:
 
         options = ort.SessionOptions()
         options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-        options.log_severity_level = 3
+        options.log_severity_level = 4  # its failures are raised, in one line, not logged as well
         try:
             self.session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
         except Exception as exc:  # ORT's own types
@@ -462,9 +462,11 @@ def _type_name(elem_type: int) -> str:
 
 
 def _first_line(exc: BaseException) -> str:
+    """The first line of an error; a long one (ORT's name the failing node first and the reason last, a C++
+    signature between) as its start and its end."""
     text = str(exc).strip()
     line = text.splitlines()[0] if text else type(exc).__name__
-    return line if len(line) <= 300 else line[:297] + "..."
+    return line if len(line) <= 320 else f"{line[:170]} ... {line[-140:]}"
 
 
 __all__ = ["GraphReference", "optimize_model"]

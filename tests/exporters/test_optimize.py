@@ -33,13 +33,15 @@ ATOL, RTOL = 2e-5, 1e-4
 _TRACE_BATCH, _TRACE_SEQ = 2, 7
 
 
-def _export_elsewhere(name: str, path, opset: int, mask_dtype=torch.bool, dynamo: bool = True) -> None:
+def _export_elsewhere(name: str, path, opset: int, mask_dtype=torch.bool, dynamo: bool = True,
+                      ids_dtype=torch.int64) -> None:
     """torch.onnx.export of tests/user_models/<name>.py (token ids and a padding mask) as its author would run it:
     dynamic batch and length, no mha-deploy involved."""
     module = user_module(name)
     model = module.build().eval()
     names = [spec.split(":")[0] for spec in module.INPUTS]
-    args = (torch.randint(0, 50, (_TRACE_BATCH, _TRACE_SEQ)), torch.ones(_TRACE_BATCH, _TRACE_SEQ, dtype=mask_dtype))
+    args = (torch.randint(0, 50, (_TRACE_BATCH, _TRACE_SEQ), dtype=ids_dtype),
+            torch.ones(_TRACE_BATCH, _TRACE_SEQ, dtype=mask_dtype))
     with warnings.catch_warnings(), torch.no_grad():
         warnings.simplefilter("ignore")
         if dynamo:
@@ -53,14 +55,15 @@ def _export_elsewhere(name: str, path, opset: int, mask_dtype=torch.bool, dynamo
 
 @pytest.fixture(scope="module")
 def elsewhere(tmp_path_factory):
-    """``elsewhere(name, opset, mask_dtype="bool", dynamo=True) -> path``, exported once per arguments."""
+    """``elsewhere(name, opset, mask_dtype="bool", dynamo=True, ids_dtype="int64") -> path``, exported once per
+    arguments."""
     cache = {}
 
-    def export(name: str, opset: int, mask_dtype: str = "bool", dynamo: bool = True):
-        key = name, opset, mask_dtype, dynamo
+    def export(name: str, opset: int, mask_dtype: str = "bool", dynamo: bool = True, ids_dtype: str = "int64"):
+        key = name, opset, mask_dtype, dynamo, ids_dtype
         if key not in cache:
-            path = tmp_path_factory.mktemp("elsewhere") / f"{name}-{opset}-{mask_dtype}-{dynamo}.onnx"
-            _export_elsewhere(name, path, opset, getattr(torch, mask_dtype), dynamo)
+            path = tmp_path_factory.mktemp("elsewhere") / f"{name}-{opset}-{mask_dtype}-{dynamo}-{ids_dtype}.onnx"
+            _export_elsewhere(name, path, opset, getattr(torch, mask_dtype), dynamo, getattr(torch, ids_dtype))
             cache[key] = path
         return cache[key]
 
@@ -132,9 +135,11 @@ def test_onnx_target_on_an_opset_23_graph(elsewhere, tmp_path):
     assert result.parity.passed
 
 
-def test_an_integer_mask_is_cast_and_the_written_model_takes_bool(elsewhere, tmp_path):
-    source = elsewhere("classifier", 18, mask_dtype="int64")
-    assert onnx.load(str(source)).graph.input[1].type.tensor_type.elem_type == onnx.TensorProto.INT64
+def test_an_integer_mask_and_int32_ids_are_cast_so_the_model_takes_bool_and_int64(elsewhere, tmp_path):
+    # A tokenizer's attention_mask is int64; some exports take int32 ids.
+    source = elsewhere("classifier", 18, mask_dtype="int64", ids_dtype="int32")
+    graph_types = {i.name: i.type.tensor_type.elem_type for i in onnx.load(str(source)).graph.input}
+    assert graph_types == {"input_ids": onnx.TensorProto.INT32, "attention_mask": onnx.TensorProto.INT64}
     path = tmp_path / "m.onnx"
     result = optimize_model(source, path, user_module("classifier").INPUTS)
     assert result.fusion.fused == 2 and result.parity.passed
