@@ -48,7 +48,7 @@ from mha_deploy.exporters.export import (
 )
 from mha_deploy.exporters.fusion.pipeline import MAX_IR_VERSION
 from mha_deploy.exporters.own_model import InputDecl, count_attentions, declare_inputs
-from mha_deploy.exporters.parity import default_cases
+from mha_deploy.exporters.parity import ParityCase, default_cases
 from mha_deploy.exporters.probes import output_axes, paddable_axes, probe_feeds, unpadded_mask_warnings
 from mha_deploy.metadata import MAX_OPSET, MIN_OPSET, ModelMetadata
 from mha_deploy.signature import (
@@ -104,7 +104,7 @@ def optimize_model(
     atol: float | None = None,
     rtol: float | None = None,
     max_length: int | None = None,
-    parity_cases=None,
+    parity_cases: tuple[ParityCase, ...] | None = None,
 ) -> ExportResult:
     """Fuse the attentions of the ONNX graph ``source`` (exported elsewhere) and write it to ``output``.
 

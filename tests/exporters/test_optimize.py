@@ -18,7 +18,7 @@ from click.testing import CliRunner  # noqa: E402
 from mha_deploy.cli import main  # noqa: E402
 from mha_deploy.compare import compare_outputs  # noqa: E402
 from mha_deploy.errors import ExportError, MHADeployError, ParityError  # noqa: E402
-from mha_deploy.exporters.optimize import optimize_model  # noqa: E402
+from mha_deploy.exporters import optimize_model  # noqa: E402
 from mha_deploy.inputs import InputCase, make_inputs, real_query_rows  # noqa: E402
 from mha_deploy.model_report import all_nodes  # noqa: E402
 from mha_deploy.runtime import MHASession  # noqa: E402
@@ -300,6 +300,11 @@ def test_cli_optimize(elsewhere, tmp_path):
     assert "2 attention subgraph(s) found, 2 fused" in result.stdout and "parity PASSED" in result.stdout
     assert f"wrote {target}" in result.stdout
     assert MHASession(target, provider="cpu").output_names == ("logits",)
+
+
+def test_cli_optimize_help_shows_an_example():
+    result = CliRunner().invoke(main, ["optimize", "--help"])
+    assert result.exit_code == 0 and "mha-deploy optimize model.onnx --input" in result.output
 
 
 def test_cli_optimize_bad_declaration_exits_1_with_one_line(elsewhere, tmp_path):
