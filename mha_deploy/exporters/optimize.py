@@ -29,7 +29,7 @@ from __future__ import annotations
 import os
 from collections import deque
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -119,7 +119,8 @@ def optimize_model(
     if max_length is not None and max_length < 1:
         raise ExportError(f"max length must be at least 1, got {max_length}")
     model = _load(source)
-    opset = _default_opset(model, source)
+    options = ExportOptions(opset=_default_opset(model, source), atol=atol, rtol=rtol, fuse=fuse)
+    options.check()
     decls = declare_inputs(inputs)
     graph_inputs, graph_outputs = _interface(model, decls, source)
     names = _output_names(graph_outputs, output_names)
@@ -144,9 +145,7 @@ def optimize_model(
     widths = [spec.axes[2] for spec in specs if spec.role == SEQUENCE]
     d_model, heads = widest_attention(plain, next(iter(widths), 0) or embedding_width or 0)
     metadata = ModelMetadata(d_model=d_model, num_heads=heads, signature=signature, layers=max(attention_ops, 1))
-    options = ExportOptions(opset=opset, atol=atol, rtol=rtol, fuse=fuse,
-                            parity_cases=parity_cases or capped_cases(default_cases(signature), max_length))
-    options.check()
+    options = replace(options, parity_cases=parity_cases or capped_cases(default_cases(signature), max_length))
     result = _finish(reference, plain, metadata, output, options, attention_ops)
     result.warnings[:0] = warnings
     return result

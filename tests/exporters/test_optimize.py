@@ -277,6 +277,7 @@ def test_bad_declarations_are_one_line_errors_naming_the_input(elsewhere, tmp_pa
         (_static_batch, {}, "input input_ids: the graph fixes its batch axis (axis 0) at 2"),
         (None, {"output_names": ["a", "b"]}, "2 output names given, the graph has 1 outputs"),
         (None, {"fuse": "onnx"}, "--fuse onnx needs opset >= 23"),
+        (None, {"fuse": "flash"}, "fuse must be one of auto, mha, onnx, none"),
     ],
 )
 def test_graphs_and_options_that_cannot_be_optimized(elsewhere, tmp_path, change, kwargs, fragment):
