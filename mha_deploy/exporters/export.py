@@ -150,8 +150,9 @@ def _optimised(
     # model (pipeline.fuse_attention).
     fused, report = fuse_attention(plain, target, short_sequences=dtype != "float16")
     if not report.complete:
+        left = f" (left unfused: the attentions of {', '.join(report.unfused)})" if report.unfused else ""
         raise ExportError(
-            f"{report.summary()}: --fuse {target} needs every attention subgraph fused; "
+            f"{report.summary()}: --fuse {target} needs every attention subgraph fused{left}; "
             "use --fuse none (or auto) to export the unfused graph"
         )
     if target != "none" and report.fused != attention_ops:
@@ -388,16 +389,20 @@ def export_model(
             raise
         raise trace_failure(exc.__cause__, signature) from exc
     attention_ops = count_attentions(plain)
-    # The widest attention's sizes (d_model is its width, which the inputs' need not be).
-    heads, d_k = max(head_splits(plain), key=lambda split: (split[0] * split[1], split[0]), default=(1, 0))
-    metadata = ModelMetadata(
-        d_model=heads * d_k or declared.d_model, num_heads=heads, signature=signature, layers=max(attention_ops, 1)
-    )
+    d_model, heads = widest_attention(plain, declared.d_model)
+    metadata = ModelMetadata(d_model=d_model, num_heads=heads, signature=signature, layers=max(attention_ops, 1))
     cases = export_options.parity_cases or capped_cases(default_cases(signature), max_length)
     export_options = replace(export_options, parity_cases=cases)
     result = _finish(declared.wrapper, plain, metadata, output, export_options, attention_ops)
     result.warnings[:0] = declared.warnings
     return result
+
+
+def widest_attention(plain: onnx.ModelProto, width: int) -> tuple[int, int]:
+    """(d_model, heads) of a user's model: its widest attention's, read off the unfused graph's head splits
+    (d_model is the attention's width, which the inputs' need not be); (``width``, 1) when none is found."""
+    heads, d_k = max(head_splits(plain), key=lambda split: (split[0] * split[1], split[0]), default=(1, 0))
+    return heads * d_k or width, heads
 
 
 def capped_cases(cases: Sequence[ParityCase], max_length: int | None) -> tuple[ParityCase, ...]:

@@ -26,11 +26,13 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import onnx
 import torch
 from torch import nn
 
 from mha_deploy.errors import CheckpointError, ExportError
+from mha_deploy.exporters.probes import output_axes, paddable_axes, unpadded_mask_warnings
 from mha_deploy.exporters.reference_form import in_reference_form
 from mha_deploy.exporters.torch_export import TRACE_BATCH
 from mha_deploy.signature import (
@@ -52,8 +54,6 @@ DEFAULT_AXIS = "seq"
 # that tells a length axis from a fixed size.
 _TRACE_LENGTHS = (3, 5, 7, 11)
 _PROBE_BATCH, _PROBE_LENGTHS = 4, (6, 9, 13, 17)
-# Right-padding that moves a real output by more than this relative error makes the axis unpaddable.
-_PADDING_REL_ERR = 1e-4
 # The layers whose input width is the width of the sequence that feeds them, in the order they are tried.
 _WIDTH_OF = (
     (nn.Linear, lambda m: m.in_features),
@@ -141,6 +141,12 @@ def declare_inputs(inputs: Sequence[InputDecl | str]) -> tuple[InputDecl, ...]:
     names = [d.name for d in decls]
     if duplicate := next((n for n in names if names.count(n) > 1), None):
         raise ExportError(f"input {duplicate} is declared twice")
+    for decl in decls:
+        if decl.role == "padding-mask" and not any(d.role != "padding-mask" and d.axis == decl.axis for d in decls):
+            raise ExportError(
+                f"input {decl.name}: a padding mask marks a tokens or sequence input on its axis {decl.axis!r}, "
+                f"and none is declared there (give both the same axis: NAME:ROLE:AXIS)"
+            )
     return decls
 
 
@@ -273,8 +279,8 @@ class _Probe:
     batch: int
     lengths: dict[str, int]  # length axis -> length
 
-    def tensors(self, decls, vocab, widths, gen, real: Mapping[str, int] | None = None) -> list[torch.Tensor]:
-        """Random inputs; padding masks True up to ``real[axis]`` (default: everywhere)."""
+    def tensors(self, decls, vocab, widths, gen) -> list[torch.Tensor]:
+        """Random inputs; padding masks True everywhere."""
         tensors = []
         for decl in decls:
             length = self.lengths[decl.axis]
@@ -283,8 +289,7 @@ class _Probe:
             elif decl.role == "sequence":
                 tensors.append(torch.randn(self.batch, length, widths[decl.name], generator=gen))
             else:
-                upto = length if real is None else real[decl.axis]
-                tensors.append((torch.arange(length) < upto).expand(self.batch, length).clone())
+                tensors.append(torch.ones(self.batch, length, dtype=torch.bool))
         return tensors
 
 
@@ -320,62 +325,19 @@ def _output_specs(
         dtype = _OUTPUT_DTYPES.get(a.dtype)
         if dtype is None:
             raise ExportError(f"output {name} is {a.dtype}: outputs must be float32, float16, int64 or bool")
-        if a.dim() == 0 or a.shape[0] != first.batch or b.shape[0] != second.batch:
-            raise ExportError(
-                f"output {name} has shape {tuple(a.shape)}: axis 0 must be the batch ({first.batch} here); "
-                "return batch-first outputs (e.g. batch_first=True)"
-            )
-        axes: list[str | int] = [BATCH_AXIS]
-        for position, (size_a, size_b) in enumerate(zip(a.shape[1:], b.shape[1:], strict=True), start=1):
-            if size_a == size_b:
-                axes.append(int(size_a))
-                continue
-            axis = next((ax for ax, n in first.lengths.items() if n == size_a and second.lengths[ax] == size_b), None)
-            if axis is None:
-                raise ExportError(
-                    f"output {name}'s axis {position} is {size_a} for lengths {first.lengths} and {size_b} for "
-                    f"{second.lengths}: it follows no declared length axis"
-                )
-            axes.append(axis)
-        specs.append(TensorSpec(name, OUTPUT, dtype, tuple(axes)))
+        specs.append(TensorSpec(name, OUTPUT, dtype, output_axes(name, a.shape, b.shape, first, second)))
     return tuple(specs)
 
 
-def _paddable_axes(wrapper, decls, vocab, widths, signature: Signature) -> tuple[str, ...]:
-    """The length axes along which right-padding an item leaves each of its real outputs unchanged."""
-    gen = torch.Generator().manual_seed(1)
-    axes = signature.sequence_axes
-    real = {axis: _TRACE_LENGTHS[i] for i, axis in enumerate(axes)}
-    paddable = []
-    for axis in axes:
-        alone = _Probe(1, dict(real))
-        padded = _Probe(1, {**real, axis: real[axis] + 4})
-        item = alone.tensors(decls, vocab, widths, gen)
-        # Garbage past the end: random ids or values, the mask False there.
-        extended = padded.tensors(decls, vocab, widths, gen, real=real)
-        for index, decl in enumerate(decls):
-            if decl.axis == axis and decl.role != "padding-mask":
-                extended[index][:, : real[axis]] = item[index]
-            elif decl.role != "padding-mask":
-                extended[index] = item[index]
+def _paddable_axes(wrapper: DeclaredModule, signature: Signature) -> tuple[str, ...]:
+    """The length axes along which right-padding an item leaves each of its real outputs unchanged (probes)."""
+
+    def run(feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         with torch.no_grad():
-            expected, got = wrapper(*item), wrapper(*extended)
-        if all(_same_rows(spec, e, g, axis, real[axis]) for spec, e, g in zip(signature.outputs, expected, got,
-                                                                           strict=True)):
-            paddable.append(axis)
-    return tuple(paddable)
+            outputs = wrapper(*(torch.from_numpy(feeds[name]) for name in signature.input_names))
+        return {name: tensor.double().numpy() for name, tensor in zip(signature.output_names, outputs, strict=True)}
 
-
-def _same_rows(spec: TensorSpec, expected: torch.Tensor, got: torch.Tensor, axis: str, real: int) -> bool:
-    cut = tuple(slice(0, real) if a == axis else slice(None) for a in spec.axes)
-    got = got[cut]
-    if got.shape != expected.shape:
-        return False
-    expected64, got64 = expected.double(), got.double()
-    if not bool(torch.isfinite(got64).all()):
-        return False
-    scale = max(float(expected64.norm()), 1e-30)
-    return float((got64 - expected64).norm()) / scale <= _PADDING_REL_ERR
+    return paddable_axes(signature, run)
 
 
 def _first_line(text: str) -> str:
@@ -419,12 +381,6 @@ def declare_model(
     axes = list(dict.fromkeys(d.axis for d in decls))
     if len(axes) > len(_TRACE_LENGTHS):
         raise ExportError(f"{len(axes)} length axes declared; at most {len(_TRACE_LENGTHS)} are supported")
-    for decl in decls:
-        if decl.role == "padding-mask" and not any(d.role != "padding-mask" and d.axis == decl.axis for d in decls):
-            raise ExportError(
-                f"input {decl.name}: a padding mask marks a tokens or sequence input on its axis {decl.axis!r}, "
-                f"and none is declared there (give both the same axis: NAME:ROLE:AXIS)"
-            )
     vocab = vocabulary(module)
     if any(d.role == "tokens" for d in decls) and vocab is None:
         raise ExportError("a tokens input needs an nn.Embedding in the module to index; none was found")
@@ -451,14 +407,8 @@ def declare_model(
         for d in decls
     )
     draft = Signature.custom(specs, outputs)
-    paddable = _paddable_axes(wrapper, decls, vocab, widths, draft)
-    warnings = [
-        f"right-padding the {axis!r} axis changes real outputs although {mask} masks it (does the model read "
-        "its mask everywhere, e.g. in pooling?): items of different lengths will not share a batch"
-        for mask, axis in ((d.name, d.axis) for d in decls if d.role == "padding-mask")
-        if axis not in paddable
-    ]
-    signature = Signature.custom(specs, outputs, paddable)
+    signature = Signature.custom(specs, outputs, _paddable_axes(wrapper, draft))
+    warnings = unpadded_mask_warnings(signature)
     d_model = next(iter(widths.values()), 0) or _embedding_width(module)
     traced, _ = in_reference_form(module)
     return Declared(wrapper, DeclaredModule(traced, wrapper.mask_dtypes), signature, d_model, warnings)

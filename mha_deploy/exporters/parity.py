@@ -7,7 +7,7 @@ compute something else there. Every position, padded or not, must be finite.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -20,6 +20,9 @@ from mha_deploy.metadata import ParityReport, Signature
 from mha_deploy.runtime.session import MHASession
 
 DEFAULT_ATOL, DEFAULT_RTOL = 1e-5, 1e-4
+# What parity compares with, besides a torch module: any function of the feeds (fp32 floats, bool masks, int64
+# ids) to the outputs by name, e.g. a graph exported elsewhere run in ORT (exporters.optimize).
+Reference = Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]]
 # The name parity has always used for a generated shape.
 ParityCase = InputCase
 __all__ = [
@@ -29,6 +32,7 @@ __all__ = [
     "PADDING_SIDES",
     "CacheCase",
     "ParityCase",
+    "Reference",
     "check_cache_parity",
     "check_parity",
     "decode_in_calls",
@@ -153,28 +157,30 @@ def check_cache_parity(
 
 
 def _judge(
-    reference: torch.nn.Module,
+    reference: torch.nn.Module | Reference,
     signature: Signature,
     runs: Iterable[tuple[str, dict[str, np.ndarray], dict[str, np.ndarray]]],
     atol: float,
     rtol: float,
     rel_budget: float | None,
 ) -> ParityReport:
-    """Each run (label, fp32 feeds, ORT's outputs) against ``reference`` (torch, eager, fp32) on the same feeds,
-    on real query rows; one report over every output and run: the worst error of each kind."""
+    """Each run (label, fp32 feeds, ORT's outputs) against ``reference`` (a torch module run eagerly in fp32, or
+    a ``Reference`` function) on the same feeds, on real query rows; one report over every output and run: the
+    worst error of each kind."""
     comparisons: list[Comparison] = []
     failures: list[str] = []
     labels: list[str] = []
+    module = isinstance(reference, torch.nn.Module)
     for label, feeds, actual in runs:
         labels.append(label)
         # The reference stays fp32: a half-precision model is judged against full precision.
         try:
-            expected = torch_reference(reference, signature, feeds)
-        except Exception as exc:  # the user's module: any error type
+            expected = torch_reference(reference, signature, feeds) if module else reference(feeds)
+        except Exception as exc:  # the user's module or graph: any error type
             raise ExportError(
-                f"parity at {label}: the module itself fails in torch ({type(exc).__name__}: "
-                f"{str(exc).strip().splitlines()[0] if str(exc).strip() else ''}); if it takes at most N tokens "
-                "(a position table), export with --max-length N"
+                f"parity at {label}: {'the module itself fails in torch' if module else 'the reference fails'} "
+                f"({type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}); if it "
+                "takes at most N tokens (a position table), give --max-length N"
             ) from exc
         rows = real_query_rows(signature, feeds)
         for comparison in compare_outputs(signature, actual, expected, rows, atol, rtol, rel_budget):
@@ -207,7 +213,7 @@ def torch_reference(module: torch.nn.Module, signature: Signature, feeds: dict[s
 
 
 def check_parity(
-    module: torch.nn.Module,
+    module: torch.nn.Module | Reference,
     session: MHASession,
     cases: tuple[ParityCase, ...] | None = None,
     atol: float = DEFAULT_ATOL,
@@ -215,7 +221,7 @@ def check_parity(
     seed: int = 0,
     rel_budget: float | None = None,
 ) -> ParityReport:
-    """Run ``module`` (torch, eager) and ``session`` (ORT) on each case and compare.
+    """Run ``module`` (torch, eager; or a ``Reference`` function) and ``session`` (ORT) on each case and compare.
 
     Each real query position must satisfy ``|actual - ref| <= atol + rtol * |ref|``;
     with ``rel_budget`` (quantized models) the test is instead

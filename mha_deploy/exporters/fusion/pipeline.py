@@ -117,6 +117,8 @@ class FusionReport:
     # Rule -> why it did not match the attentions left unfused: the checks that failed or,
     # when no check was reached, where the pattern stopped. Empty when nothing is left.
     unfused_reasons: dict[str, list[str]] = field(default_factory=dict)
+    # The Softmax node of each attention left unfused, by its name in the graph.
+    unfused: list[str] = field(default_factory=list)
 
     @property
     def fused(self) -> int:
@@ -363,6 +365,7 @@ def fuse_attention(
         # After serializing: the tracing pass is told to change nothing, but it still runs
         # the rewriter's constant propagation over the graph.
         report.unfused_reasons = _unfused_reasons(ir_model, target)
+        report.unfused = [node.name or "(unnamed Softmax)" for node in attention_softmaxes(ir_model)]
     fused.ir_version = min(model.ir_version, MAX_IR_VERSION)
     _check_interface_kept(model, fused)
     # The rewriter merges the shapes it infers for new values into the graph

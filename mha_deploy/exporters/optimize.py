@@ -1,0 +1,471 @@
+"""``optimize_model``: an ONNX file exported elsewhere -> the fused, checked model ``export`` writes.
+
+A user who already has ONNX (``torch.onnx.export`` of their model, by either exporter, at an opset from 18 to
+23) declares its inputs as for ``export --module`` (``NAME:ROLE[:AXIS][:FEATURES]``); the graph says the rest:
+
+- each declared input must be an input of the graph, of an element type its role allows, with a dynamic batch
+  and length; every input of the graph must be declared;
+- the outputs, and whether each has a row per position (its axis 1 a declared length axis) or one per item,
+  from the graph's shapes, its dynamic dims renamed after the declared axes; where the graph does not say,
+  from running it in ORT at two sizes (``probes.output_axes``, as ``export --module`` runs the module);
+- the length axes that right-padding leaves every real output unchanged along, measured in ORT on the input
+  graph (``probes.paddable_axes``, as ``export --module`` measures the module in torch);
+- the vocabulary of each tokens input, from the embedding table its ids index.
+
+Then the export's own passes (``export._finish``): the fusion chain, parity of the fused graph against the
+input graph, both in ORT on the CPU with graph optimisations off, at unseen shapes on both padding sides, and
+the Signature written into the file, so that runtime, batch and serving take the model like any other.
+
+The written model takes what every mha-deploy model takes: bool padding masks and int64 token ids. A graph
+that takes integer masks (a tokenizer's attention_mask) or int32 ids gets a Cast after that input, rather than
+its type recorded: the Signature's padding masks are bool everywhere they are read (runtime validation, the
+batch planner's padding, the v2 protocol's BOOL tensors, Triton's config), and a Cast of a [batch, seq] tensor
+is exact and costs nothing next to attention. The reference run feeds the input graph the same values in its
+own types, so parity checks the Cast too.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import deque
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+from onnx import TensorProto
+
+from mha_deploy.errors import ExportError
+from mha_deploy.exporters.export import (
+    ExportOptions,
+    ExportResult,
+    _check_output,
+    _finish,
+    capped_cases,
+    widest_attention,
+)
+from mha_deploy.exporters.fusion.pipeline import MAX_IR_VERSION
+from mha_deploy.exporters.own_model import InputDecl, count_attentions, declare_inputs
+from mha_deploy.exporters.parity import ParityCase, default_cases
+from mha_deploy.exporters.probes import output_axes, paddable_axes, probe_feeds, unpadded_mask_warnings
+from mha_deploy.metadata import MAX_OPSET, MIN_OPSET, ModelMetadata
+from mha_deploy.signature import (
+    BATCH_AXIS,
+    MODEL_DTYPE,
+    OUTPUT,
+    PADDING_MASK,
+    SEQUENCE,
+    TOKENS,
+    Signature,
+    TensorSpec,
+)
+
+# Per declared role: the element types a graph's input may have, what the written model takes, and how
+# errors describe the role.
+_ACCEPTED_TYPES = {
+    "tokens": (TensorProto.INT64, TensorProto.INT32),
+    "sequence": (TensorProto.FLOAT,),
+    "padding-mask": (TensorProto.BOOL, TensorProto.INT64, TensorProto.INT32, TensorProto.INT16, TensorProto.INT8,
+                     TensorProto.UINT8),
+}
+_WRITTEN_TYPES = {"tokens": TensorProto.INT64, "sequence": TensorProto.FLOAT, "padding-mask": TensorProto.BOOL}
+_ROLE_TEXT = {
+    "tokens": "token ids: int64 or int32 [batch, seq]",
+    "sequence": "a sequence: float32 [batch, seq, features]",
+    "padding-mask": "a padding mask: bool or integer [batch, seq]",
+}
+_ROLE_RANKS = {"tokens": 2, "sequence": 3, "padding-mask": 2}
+_OUTPUT_TYPES = {TensorProto.FLOAT: MODEL_DTYPE, TensorProto.INT64: "int64", TensorProto.BOOL: "bool"}
+# Ops through which a value's shape, not its contents, flows on: the token ids' embedding is not behind them.
+_SHAPE_OPS = {"Shape", "Size"}
+
+
+@dataclass(frozen=True)
+class _ProbeSizes:
+    """A batch and a length per declared axis, to run the input graph at (``probes.ProbeSizes``)."""
+
+    batch: int
+    lengths: Mapping[str, int]
+
+
+# The two sizes a graph without output shapes is run at: the batch and every length differ between them.
+_PROBE_BATCHES, _PROBE_LENGTHS = (2, 4), ((3, 5, 7, 11), (6, 9, 13, 17))
+
+
+def optimize_model(
+    source: str | os.PathLike,
+    output: str | os.PathLike,
+    inputs: Sequence[InputDecl | str],
+    *,
+    output_names: Sequence[str] | None = None,
+    fuse: str = "auto",
+    atol: float | None = None,
+    rtol: float | None = None,
+    max_length: int | None = None,
+    parity_cases: tuple[ParityCase, ...] | None = None,
+) -> ExportResult:
+    """Fuse the attentions of the ONNX graph ``source`` (exported elsewhere) and write it to ``output``.
+
+    ``inputs``: every input of the graph, as ``InputDecl`` s or ``"NAME:ROLE[:AXIS][:FEATURES]"`` strings
+    (roles ``tokens``, ``sequence``, ``padding-mask``, as for ``export_model``). ``output_names`` renames the
+    graph's outputs, in order. ``fuse`` as for ``export_mha`` (``auto`` falls back to the unfused graph with a
+    warning; ``mha``/``onnx`` fail, writing nothing, if an attention stays unfused). Parity of the written graph
+    against ``source``, both in ORT, is checked at unseen shapes, lengths capped at ``max_length``. Raises
+    ``ExportError`` (``ParityError`` for parity) and writes nothing when anything fails.
+    """
+    output = _check_output(output)
+    if max_length is not None and max_length < 1:
+        raise ExportError(f"max length must be at least 1, got {max_length}")
+    model = _load(source)
+    options = ExportOptions(opset=_default_opset(model, source), atol=atol, rtol=rtol, fuse=fuse)
+    options.check()
+    decls = declare_inputs(inputs)
+    graph_inputs, graph_outputs = _interface(model, decls, source)
+    names = _output_names(graph_outputs, output_names)
+    axes_of = _axes_of_dims(decls, graph_inputs)
+    vocab, embedding_width = _vocabulary(model, [d.name for d in decls if d.role == "tokens"])
+    marks = {d.axis: d.name for d in reversed(decls) if d.role != "padding-mask"}
+    specs = tuple(_input_spec(decl, graph_inputs[decl.name], vocab, marks.get(decl.axis)) for decl in decls)
+    reference = GraphReference(model, {d.name: graph_inputs[d.name].elem_type for d in decls},
+                               dict(zip(graph_outputs, names, strict=True)))
+    outputs = _output_specs(graph_outputs, names, axes_of, specs, reference)
+    draft = Signature.custom(specs, outputs)
+    signature = Signature.custom(specs, outputs, paddable_axes(draft, reference))
+    warnings = unpadded_mask_warnings(signature)
+    if vocab is None and any(d.role == "tokens" for d in decls):
+        warnings.append("no embedding table reads the token ids (a Gather from a constant [vocab, width] table): "
+                        "the vocabulary is unknown, parity draws ids 0 and 1 only")
+    plain = _written_interface(model, decls, graph_inputs, names)
+    _declare_shapes(plain, signature)
+    attention_ops = count_attentions(plain)
+    if attention_ops == 0:
+        warnings.append("the graph holds no attention subgraph (Softmax over MatMul scores): nothing to fuse")
+    widths = [spec.axes[2] for spec in specs if spec.role == SEQUENCE]
+    d_model, heads = widest_attention(plain, next(iter(widths), 0) or embedding_width or 0)
+    metadata = ModelMetadata(d_model=d_model, num_heads=heads, signature=signature, layers=max(attention_ops, 1))
+    options = replace(options, parity_cases=parity_cases or capped_cases(default_cases(signature), max_length))
+    result = _finish(reference, plain, metadata, output, options, attention_ops)
+    result.warnings[:0] = warnings
+    return result
+
+
+def _load(source: str | os.PathLike) -> onnx.ModelProto:
+    path = Path(source)
+    if not path.is_file():
+        raise ExportError(f"{path}: {'not a file' if path.exists() else 'no such file'}")
+    try:
+        return onnx.load(str(path))
+    except Exception as exc:  # protobuf's and onnx's own types
+        raise ExportError(f"{path}: not an ONNX model ({_first_line(exc)})") from exc
+
+
+def _default_opset(model: onnx.ModelProto, source) -> int:
+    opset = next((entry.version for entry in model.opset_import if entry.domain in ("", "ai.onnx")), 0)
+    if not MIN_OPSET <= opset <= MAX_OPSET:
+        raise ExportError(
+            f"{source} has opset {opset}: optimize takes opsets {MIN_OPSET} to {MAX_OPSET}, the ones the fusion "
+            f"chain is checked on; export it with opset_version={MIN_OPSET} or later, or convert it "
+            "(onnx.version_converter)"
+        )
+    return opset
+
+
+@dataclass(frozen=True)
+class _GraphTensor:
+    """An input or output as the graph declares it: element type, and per axis its dim (a symbol, a size, or
+    None when unknown); ``dims`` None when the graph gives no shape."""
+
+    name: str
+    elem_type: int
+    dims: tuple[str | int | None, ...] | None
+
+    @classmethod
+    def of(cls, value: onnx.ValueInfoProto) -> _GraphTensor:
+        tensor = value.type.tensor_type
+        dims = None
+        if tensor.HasField("shape"):
+            dims = tuple(
+                d.dim_param if d.HasField("dim_param") else d.dim_value if d.HasField("dim_value") else None
+                for d in tensor.shape.dim
+            )
+        return cls(value.name, tensor.elem_type, dims)
+
+    @property
+    def type_name(self) -> str:
+        return _type_name(self.elem_type)
+
+    def describe(self) -> str:
+        shape = "" if self.dims is None else "[" + ", ".join("?" if d is None else str(d) for d in self.dims) + "]"
+        return f"{self.type_name} {shape}".strip()
+
+
+def _interface(model: onnx.ModelProto, decls: Sequence[InputDecl], source) -> tuple[dict, dict]:
+    """The graph's inputs (declared ones, checked against their roles) and outputs, by name."""
+    initializers = {tensor.name for tensor in model.graph.initializer}
+    graph_inputs = {v.name: _GraphTensor.of(v) for v in model.graph.input if v.name not in initializers}
+    for decl in decls:
+        if decl.name not in graph_inputs:
+            raise ExportError(f"input {decl.name}: {source} has no such input (its inputs: {', '.join(graph_inputs)})")
+    declared = {decl.name for decl in decls}
+    if undeclared := [name for name in graph_inputs if name not in declared]:
+        raise ExportError(f"{source} also takes {', '.join(undeclared)}: declare every input, --input NAME:ROLE")
+    for decl in decls:
+        _check_role(decl, graph_inputs[decl.name])
+    graph_outputs = {v.name: _GraphTensor.of(v) for v in model.graph.output}
+    return graph_inputs, graph_outputs
+
+
+def _check_role(decl: InputDecl, tensor: _GraphTensor) -> None:
+    """The graph's element type and shape of ``decl``'s input allow its role; batch and length are dynamic."""
+    said = f"input {decl.name}: declared {_ROLE_TEXT[decl.role]}, the graph's is {tensor.describe()}"
+    if tensor.elem_type not in _ACCEPTED_TYPES[decl.role]:
+        raise ExportError(said)
+    if tensor.dims is None:
+        return
+    if len(tensor.dims) != _ROLE_RANKS[decl.role]:
+        raise ExportError(said)
+    for position, axis in ((0, BATCH_AXIS), (1, decl.axis)):
+        if isinstance(tensor.dims[position], int) and tensor.dims[position] > 0:
+            raise ExportError(
+                f"input {decl.name}: the graph fixes its {axis} axis (axis {position}) at {tensor.dims[position]}; "
+                "export it with that axis dynamic (dynamic_shapes, or dynamic_axes for the legacy exporter)"
+            )
+    if decl.role == "sequence":
+        width = tensor.dims[2] if isinstance(tensor.dims[2], int) and tensor.dims[2] > 0 else None
+        if width is not None and decl.features is not None and width != decl.features:
+            raise ExportError(f"input {decl.name}: declared {decl.features} features, the graph's has {width}")
+
+
+def _sequence_width(decl: InputDecl, tensor: _GraphTensor) -> int:
+    dims = tensor.dims or ()
+    width = dims[2] if len(dims) == 3 and isinstance(dims[2], int) and dims[2] > 0 else decl.features
+    if width is None:
+        raise ExportError(
+            f"input {decl.name}: the graph does not fix the sequence's feature width; declare it, "
+            f"e.g. --input {decl.name}:sequence:{decl.axis}:80"
+        )
+    return width
+
+
+def _axes_of_dims(decls: Sequence[InputDecl], graph_inputs: Mapping[str, _GraphTensor]) -> dict[str, str]:
+    """The graph's symbolic dims -> the declared axis each stands for (batch, or a length axis)."""
+    axes_of: dict[str, str] = {}
+    for decl in decls:
+        dims = graph_inputs[decl.name].dims or ()
+        for position, axis in ((0, BATCH_AXIS), (1, decl.axis)):
+            symbol = dims[position] if position < len(dims) else None
+            if not isinstance(symbol, str) or not symbol:
+                continue
+            bound = axes_of.setdefault(symbol, axis)
+            if bound != axis:
+                raise ExportError(
+                    f"input {decl.name}: its {axis!r} axis is the graph's dim {symbol!r}, which is also the "
+                    f"{bound!r} axis: the graph says they have one size; declare them on one axis"
+                )
+    return axes_of
+
+
+def _input_spec(decl: InputDecl, tensor: _GraphTensor, vocab: int | None, marks: str | None) -> TensorSpec:
+    axes = (BATCH_AXIS, decl.axis)
+    if decl.role == "tokens":
+        return TensorSpec(decl.name, TOKENS, "int64", axes, vocab=vocab)
+    if decl.role == "sequence":
+        return TensorSpec(decl.name, SEQUENCE, MODEL_DTYPE, (*axes, _sequence_width(decl, tensor)))
+    # A mask marks the first tokens or sequence input declared on its axis (declare_inputs checked there is one).
+    return TensorSpec(decl.name, PADDING_MASK, "bool", axes, marks=marks)
+
+
+def _output_names(graph_outputs: Mapping[str, _GraphTensor], names: Sequence[str] | None) -> tuple[str, ...]:
+    if not names:
+        return tuple(graph_outputs)
+    if len(names) != len(graph_outputs):
+        raise ExportError(
+            f"{len(names)} output names given, the graph has {len(graph_outputs)} outputs ({', '.join(graph_outputs)})"
+        )
+    if duplicate := next((name for name in names if list(names).count(name) > 1), None):
+        raise ExportError(f"output name {duplicate} is given twice")
+    return tuple(names)
+
+
+def _vocabulary(model: onnx.ModelProto, token_inputs: Sequence[str]) -> tuple[int | None, int | None]:
+    """(vocabulary, width) of the smallest embedding table the token ids index: a Gather from a constant
+    [vocab, width] table whose indices are computed from the ids. (None, None) when no table is found."""
+    tables = {t.name: tuple(t.dims) for t in model.graph.initializer}
+    for node in model.graph.node:
+        if node.op_type == "Constant" and node.attribute and node.attribute[0].name == "value":
+            tables[node.output[0]] = tuple(node.attribute[0].t.dims)
+    consumers: dict[str, list[onnx.NodeProto]] = {}
+    for node in model.graph.node:
+        for name in node.input:
+            consumers.setdefault(name, []).append(node)
+    reached, queue, found = set(token_inputs), deque(token_inputs), []
+    while queue:
+        for node in consumers.get(queue.popleft(), []):
+            if node.op_type in _SHAPE_OPS:
+                continue
+            if node.op_type == "Gather" and len(node.input) > 1 and node.input[1] in reached:
+                shape = tables.get(node.input[0])
+                if shape is not None and len(shape) == 2:
+                    found.append(shape)
+            for name in node.output:
+                if name and name not in reached:
+                    reached.add(name)
+                    queue.append(name)
+    if not found:
+        return None, None
+    vocab, width = min(found)
+    return int(vocab), int(width)
+
+
+def _output_specs(
+    graph_outputs: Mapping[str, _GraphTensor],
+    names: Sequence[str],
+    axes_of: Mapping[str, str],
+    inputs: Sequence[TensorSpec],
+    reference: GraphReference,
+) -> tuple[TensorSpec, ...]:
+    """Each output's dtype and axes: from the graph's shapes where they say them all, else from two runs."""
+    dtypes = {}
+    for tensor, name in zip(graph_outputs.values(), names, strict=True):
+        if tensor.elem_type not in _OUTPUT_TYPES:
+            raise ExportError(f"output {name} is {tensor.type_name}: outputs must be float32, int64 or bool")
+        dtypes[name] = _OUTPUT_TYPES[tensor.elem_type]
+    declared = [_axes_from_graph(tensor, axes_of) for tensor in graph_outputs.values()]
+    if None in declared:
+        declared = _axes_from_runs(names, inputs, reference)
+    return tuple(TensorSpec(name, OUTPUT, dtypes[name], axes) for name, axes in zip(names, declared, strict=True))
+
+
+def _axes_from_graph(tensor: _GraphTensor, axes_of: Mapping[str, str]) -> tuple[str | int, ...] | None:
+    """batch, then each dim: a declared length axis or a fixed size; None when a dim says neither."""
+    if not tensor.dims or axes_of.get(tensor.dims[0]) != BATCH_AXIS:
+        return None
+    axes: list[str | int] = [BATCH_AXIS]
+    for dim in tensor.dims[1:]:
+        if isinstance(dim, int) and dim > 0:
+            axes.append(dim)
+        elif isinstance(dim, str) and axes_of.get(dim, BATCH_AXIS) != BATCH_AXIS:
+            axes.append(axes_of[dim])
+        else:
+            return None
+    return tuple(axes)
+
+
+def _axes_from_runs(names, inputs: Sequence[TensorSpec], reference: GraphReference) -> list[tuple[str | int, ...]]:
+    sequences = [spec.axes[1] for spec in inputs if spec.role in (TOKENS, SEQUENCE)]
+    axes = list(dict.fromkeys(sequences))
+    if len(axes) > len(_PROBE_LENGTHS[0]):
+        raise ExportError(f"{len(axes)} length axes declared; at most {len(_PROBE_LENGTHS[0])} are supported")
+    sizes = [_ProbeSizes(batch, dict(zip(axes, lengths, strict=False)))
+             for batch, lengths in zip(_PROBE_BATCHES, _PROBE_LENGTHS, strict=True)]
+    rng = np.random.default_rng(0)
+    first, second = (reference(probe_feeds(inputs, s.batch, s.lengths, rng)) for s in sizes)
+    return [output_axes(name, first[name].shape, second[name].shape, *sizes) for name in names]
+
+
+class GraphReference:
+    """The input graph in ORT (CPU, graph optimisations off), as parity's reference: feeds as mha-deploy models
+    take them (bool masks, int64 ids), cast to the graph's own input types; outputs under the written names."""
+
+    def __init__(self, model: onnx.ModelProto, input_types: Mapping[str, int], output_names: Mapping[str, str]):
+        import onnxruntime as ort
+
+        options = ort.SessionOptions()
+        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+        options.log_severity_level = 4  # its failures are raised, in one line, not logged as well
+        try:
+            self.session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+        except Exception as exc:  # ORT's own types
+            raise ExportError(f"ONNX Runtime cannot load the input graph: {_first_line(exc)}") from exc
+        self.input_types = {name: onnx.helper.tensor_dtype_to_np_dtype(t) for name, t in input_types.items()}
+        self.output_names = dict(output_names)
+
+    def __call__(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        feeds = {name: np.asarray(array).astype(self.input_types[name], copy=False) for name, array in feeds.items()}
+        try:
+            outputs = self.session.run(list(self.output_names), feeds)
+        except Exception as exc:  # ORT's own types
+            shapes = ", ".join(f"{name} {list(array.shape)}" for name, array in feeds.items())
+            raise ExportError(f"the input graph fails in ONNX Runtime on {shapes}: {_first_line(exc)}") from exc
+        return dict(zip(self.output_names.values(), outputs, strict=True))
+
+
+def _written_interface(
+    model: onnx.ModelProto, decls: Sequence[InputDecl], graph_inputs: Mapping[str, _GraphTensor], names: Sequence[str]
+) -> onnx.ModelProto:
+    """``model`` taking bool masks and int64 ids (a Cast after each input of another type) and returning its
+    outputs under ``names``; an IR version ORT accepts."""
+    ir_model = ir.serde.deserialize_model(model)
+    graph = ir_model.graph
+    taken = {value.name for node in graph for value in node.outputs} | {v.name for v in graph.inputs}
+    taken |= set(graph.initializers)
+    roles = {decl.name: decl.role for decl in decls}
+    for index, value in enumerate(list(graph.inputs)):
+        wanted = _WRITTEN_TYPES[roles[value.name]]
+        if graph_inputs[value.name].elem_type == wanted:
+            continue
+        name = value.name
+        value.name = _fresh(f"{name}_{graph_inputs[name].type_name}", taken)
+        written = ir.Value(name=name, type=ir.TensorType(ir.DataType(wanted)), shape=value.shape)
+        cast = ir.node("Cast", [written], {"to": graph_inputs[name].elem_type}, name=_fresh(f"cast_{name}", taken))
+        value.replace_all_uses_with(cast.outputs[0])
+        cast.outputs[0].name = value.name
+        graph.inputs[index] = written
+        if len(graph):
+            graph.insert_before(graph[0], cast)
+        else:
+            graph.append(cast)
+    for value, name in zip(graph.outputs, names, strict=True):
+        if value.name != name:
+            if name in taken:
+                raise ExportError(f"output name {name} is already the name of a value in the graph")
+            value.name = name
+    written = ir.serde.serialize_model(ir_model)
+    written.ir_version = min(written.ir_version, MAX_IR_VERSION)
+    return written
+
+
+def _declare_shapes(model: onnx.ModelProto, signature: Signature) -> None:
+    """Every input's and output's shape as the Signature says it: its dynamic dims named after the declared
+    axes (the exporter's own names, e.g. ``s0`` or ``sequence``, mean nothing to inspect or Triton), fixed sizes
+    where the graph left them unknown."""
+    specs = signature.tensors
+    for value in (*model.graph.input, *model.graph.output):
+        if value.name not in specs:  # an initializer listed as an input (IR < 4)
+            continue
+        shape = value.type.tensor_type.shape
+        shape.ClearField("dim")
+        for axis in specs[value.name].axes:
+            dim = shape.dim.add()
+            if isinstance(axis, int):
+                dim.dim_value = axis
+            else:
+                dim.dim_param = axis
+
+
+def _fresh(name: str, taken: set[str]) -> str:
+    candidate, count = name, 1
+    while candidate in taken:
+        candidate, count = f"{name}_{count}", count + 1
+    taken.add(candidate)
+    return candidate
+
+
+def _type_name(elem_type: int) -> str:
+    try:
+        return str(np.dtype(onnx.helper.tensor_dtype_to_np_dtype(elem_type)))
+    except (KeyError, TypeError, ValueError):
+        return onnx.TensorProto.DataType.Name(elem_type).lower() if elem_type else "untyped"
+
+
+def _first_line(exc: BaseException) -> str:
+    """The first line of an error; a long one (ORT's name the failing node first and the reason last, a C++
+    signature between) as its start and its end."""
+    text = str(exc).strip()
+    line = text.splitlines()[0] if text else type(exc).__name__
+    return line if len(line) <= 320 else f"{line[:170]} ... {line[-140:]}"
+
+
+__all__ = ["GraphReference", "optimize_model"]
