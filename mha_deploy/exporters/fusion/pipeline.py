@@ -212,6 +212,8 @@ def _run_chain(model: ir.Model, target: str, packed_qkv: bool, short_sequences: 
             counts["packed_attention"] = fuse_packed_attention(model)
     # An SDPA that the head split/merge patterns missed still becomes an MHA.
     counts["sdpa_via_mha"] = replace_sdpa_by_mha(model)
+    # native_mask and onnx_attention follow a mask's axes from the bias that upstream's fusions Expanded.
+    common_passes.ShapeInferencePass()(model)
     if target == "mha":
         counts["native_mask"] = fuse_native_mask(model)
         # causal_gqa and padding_flash check the shapes of the mask/bias values the rules before created.
