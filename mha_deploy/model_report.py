@@ -28,6 +28,10 @@ ATTENTION_INPUT_ROLES = {
 # Inputs that turn ORT's CPU MultiHeadAttention away from its flash path (onnxruntime
 # contrib_ops/cpu/bert/multihead_attention.cc): it then materialises [batch, heads, q, kv].
 _MHA_NON_FLASH_INPUTS = ("key_padding_mask", "attention_bias", "past_key", "past_value")
+# The fusion gives MultiHeadAttention its native key_padding_mask / unidirectional for every mask it reads
+# as key padding and/or causal: a float attention_bias is a mask it could not read.
+MASK_NOT_RECOGNISED = "mask not recognised, additive attention_bias"
+_MHA_INPUT_LABELS = {"attention_bias": MASK_NOT_RECOGNISED}
 # What the fusion's padding_flash rule builds: If(any key padded) keys cut to the longest row's real ones,
 # then the op mask-free if every row fills the cut, else masked; else the op mask-free.
 PADDING_FLASH_KERNEL = (
@@ -121,7 +125,8 @@ def _kernel(node: onnx.NodeProto, producers: dict[str, onnx.NodeProto]) -> str:
         query = producers.get(info.inputs.get("query", ""))
         return _GQA_CAUSAL.format(_GQA_COMPACTED if query is not None and query.op_type == "GatherND" else "")
     if node.op_type == "MultiHeadAttention":
-        reasons = [role for role in _MHA_NON_FLASH_INPUTS if role in info.inputs] + (["causal"] if causal else [])
+        reasons = [_MHA_INPUT_LABELS.get(role, role) for role in _MHA_NON_FLASH_INPUTS if role in info.inputs]
+        reasons += ["causal"] if causal else []
         if not reasons:
             return "MultiHeadAttention (flash)"
         return f"MultiHeadAttention ({', '.join(reasons)}: materialises [batch, heads, q, kv])"

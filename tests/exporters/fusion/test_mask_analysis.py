@@ -10,8 +10,10 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 import pytest
+import torch
 
 from mha_deploy.exporters.fusion.mask_analysis import analyse_bias, analyse_bias_for
+from tests.exporters.fusion import user_models as um
 from tests.exporters.fusion.hand_graphs import FILL, Graph, causal_mask, key_padding_mask, mask_bias, positions
 
 BATCH, SEQ = 2, 4
@@ -106,3 +108,72 @@ def test_parts_must_fit_the_op():
     assert analyse_bias_for(bias, BATCH + 1, SEQ, SEQ) is None  # padding of another batch
     # Causal flags mean "key <= query" only when queries and keys are one sequence.
     assert analyse_bias_for(bias, BATCH, SEQ - 1, SEQ) is None
+
+
+# --- masks as users build them, through torch's export and the whole chain -----------------------
+
+# What the mha target makes of each mask: (op type, mask inputs, a word its kernel must contain).
+PADDING = ("com.microsoft.MultiHeadAttention", {"key_padding_mask"}, "flash when no key is padded")
+CAUSAL = ("com.microsoft.GroupQueryAttention", {"seqlens_k"}, "causal;")
+PADDING_CAUSAL = ("com.microsoft.GroupQueryAttention", {"seqlens_k"}, "padded tokens compacted out")
+BIAS = ("com.microsoft.MultiHeadAttention", {"attention_bias"}, "mask not recognised")
+
+# id -> (mask from (pad, seq_len), pad input dtype, expected). The pad input is nonzero on real tokens.
+USER_MASKS = {
+    "unsqueeze": (lambda pad, s: pad.unsqueeze(1).unsqueeze(2), torch.bool, PADDING),
+    "index": (lambda pad, s: pad[:, None, None, :], torch.bool, PADDING),
+    "view": (lambda pad, s: pad.view(pad.size(0), 1, 1, s), torch.bool, PADDING),
+    "int-input": (lambda pad, s: pad[:, None, None, :], torch.int64, PADDING),
+    "float-input": (lambda pad, s: pad[:, None, None, :], torch.float32, PADDING),
+    "tril": (lambda pad, s: um.tril(s), torch.bool, CAUSAL),
+    "tril-float": (lambda pad, s: torch.tril(torch.ones(s, s)), torch.bool, CAUSAL),
+    "tril-4d": (lambda pad, s: um.tril(s).unsqueeze(0).unsqueeze(0), torch.bool, CAUSAL),
+    "triu-equal-0": (lambda pad, s: torch.triu(torch.ones(s, s), diagonal=1) == 0, torch.bool, CAUSAL),
+    "not-triu": (lambda pad, s: ~torch.triu(torch.ones(s, s, dtype=torch.bool), diagonal=1), torch.bool, CAUSAL),
+    "padding-and-tril": (lambda pad, s: pad[:, None, None, :] & um.tril(s), torch.bool, PADDING_CAUSAL),
+    "padding-times-tril": (
+        lambda pad, s: pad.unsqueeze(1).unsqueeze(2).float() * torch.tril(torch.ones(s, s)), torch.bool,
+        PADDING_CAUSAL,
+    ),
+    "padding-and-tril-4d": (lambda pad, s: pad[:, None, None, :] & um.tril(s)[None, None], torch.bool, PADDING_CAUSAL),
+    # An integer & is BitwiseAnd: 2 & 1 == 0, so it is not "both nonzero".
+    "int-padding-and-tril": (lambda pad, s: pad[:, None, None, :] & um.tril(s), torch.int64, BIAS),
+    # [batch, 1, seq, 1]: masks queries, not keys.
+    "wrong-axes": (lambda pad, s: pad.unsqueeze(1).unsqueeze(3), torch.bool, BIAS),
+    # triu(., 1) as the mask keeps the future: causal only as `== 0` or `~`.
+    "triu-without-equal-0": (lambda pad, s: torch.triu(torch.ones(s, s, dtype=torch.bool), 1), torch.bool, BIAS),
+    "tril-diagonal-minus-1": (lambda pad, s: torch.tril(torch.ones(s, s, dtype=torch.bool), -1), torch.bool, BIAS),
+    "tril-diagonal-1": (lambda pad, s: torch.tril(torch.ones(s, s, dtype=torch.bool), 1), torch.bool, BIAS),
+}
+
+
+def _user_model(name: str) -> onnx.ModelProto:
+    build, pad_dtype, _ = USER_MASKS[name]
+    return um.exported(name, lambda: um.MaskedAttention(build), pad_dtype)
+
+
+@pytest.mark.parametrize("name", list(USER_MASKS))
+def test_user_mask_becomes_the_ops_native_mask(name):
+    _, pad_dtype, (op_type, mask_inputs, kernel) = USER_MASKS[name]
+    plain = _user_model(name)
+    fused, report = um.fuse(plain)
+    (op,) = report.ops
+    assert (op.op_type, set(op.mask_inputs)) == (op_type, mask_inputs), op.describe()
+    assert kernel in op.kernel, op.describe()
+    padded = kernel != CAUSAL[2]
+    # float-input: real tokens hold 0.5, which a cast to an integer type would read as padding.
+    real_value = 0.5 if pad_dtype == torch.float32 else 1
+    um.assert_parity(plain, fused, NUMPY[pad_dtype], real_value, every_row=not padded)
+
+
+NUMPY = {torch.bool: np.bool_, torch.int64: np.int64, torch.float32: np.float32}
+
+
+@pytest.mark.parametrize("name", ["padding-and-tril", "padding-times-tril", "view", "wrong-axes"])
+def test_user_mask_on_the_onnx_target(name):
+    plain = _user_model(name)
+    fused, report = um.fuse(plain, "onnx")
+    (op,) = report.ops
+    assert op.op_type == "Attention"
+    assert bool(op.attributes.get("is_causal", 0)) == ("tril" in name)
+    um.assert_parity(plain, fused)
