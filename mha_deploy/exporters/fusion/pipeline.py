@@ -196,10 +196,14 @@ def unfused_attentions(model: ir.Model) -> list[ir.Node]:
     return [node for node in model.graph.all_nodes() if _is_attention_softmax(node) or is_torch_attention(node)]
 
 
-def _fused_ops(model: onnx.ModelProto) -> list[FusedOp]:
-    """One entry per fused attention, as ``mha-deploy inspect`` reads them (an If over two ops is one)."""
+def _fused_ops(model: onnx.ModelProto, unfused: list[ir.Node]) -> list[FusedOp]:
+    """One entry per fused attention, as ``mha-deploy inspect`` reads them (an If over two ops is one); the
+    ``unfused`` standard Attention ops left as torch exported them are not."""
+    unfused_queries = {node.inputs[0].name for node in unfused if is_torch_attention(node)}
     ops = []
     for info in attention_ops(list(model.graph.node), {t.name: t for t in model.graph.initializer}):
+        if info.op == "Attention" and info.inputs.get("Q") in unfused_queries:
+            continue
         masks = {role: name for role, name in info.inputs.items() if role in _MASK_ROLES}
         attributes = {k: list(v) if isinstance(v, tuple) else v for k, v in info.attributes.items()}
         ops.append(FusedOp(info.op.replace("::", "."), info.name, masks, attributes, info.kernel))
@@ -241,6 +245,7 @@ def _run_chain(model: ir.Model, target: str, packed_qkv: bool, short_sequences: 
     # bias_axes, native_mask and onnx_attention follow a mask's axes from the bias upstream's fusions Expanded.
     common_passes.ShapeInferencePass()(model)
     counts["bias_axes"] = fuse_bias_axes(model)
+    _type_attention_outputs(model)
     if target == "mha":
         counts["native_mask"] = fuse_native_mask(model)
         # causal_gqa and padding_flash check the shapes of the mask/bias values the rules before created.
@@ -333,6 +338,15 @@ def _reason(match: pattern.MatchResult, status: pattern.MatchStatus) -> str:
     return match.reason or status.name.lower().replace("_", " ")
 
 
+def _type_attention_outputs(model: ir.Model) -> None:
+    """Give a contrib MultiHeadAttention without an output type its query's: shape inference does not know
+    contrib ops, and an op that upstream's fallback (sdpa_via_mha) built replaced no typed value. The rules
+    after it size their branches by that type."""
+    for node in model.graph.all_nodes():
+        if node.op_type == "MultiHeadAttention" and node.domain == "com.microsoft" and node.outputs[0].dtype is None:
+            node.outputs[0].dtype = node.inputs[0].dtype
+
+
 def _omit_unused_present_outputs(model: ir.Model) -> None:
     """An Attention emitted for its weights output also has present_key/value outputs: mark them omitted."""
     for node in model.graph.all_nodes():
@@ -388,7 +402,8 @@ def fuse_attention(
     counts = _run_chain(ir_model, target, packed_qkv, short_sequences)
     _finish_opsets(ir_model, original_domains)
     fused = ir.serde.serialize_model(ir_model)
-    report = FusionReport(target, found, len(unfused_attentions(ir_model)), _fused_ops(fused), counts)
+    unfused = unfused_attentions(ir_model)
+    report = FusionReport(target, found, len(unfused), _fused_ops(fused, unfused), counts)
     if report.remaining:
         # After serializing: the tracing pass is told to change nothing, but it still runs
         # the rewriter's constant propagation over the graph.

@@ -87,14 +87,15 @@ class SDPAFromAttention(pattern.RewriteRuleClassBase):
         zero = op.Constant(value=ir.tensor(np.array(0, dtype=dtype)))
         fill = op.Constant(value=ir.tensor(np.array(_fill(query.dtype), dtype=dtype)))
         mask = node.inputs[3] if len(node.inputs) > 3 else None
+        keep = mask is not None and mask.dtype == ir.DataType.BOOL  # else additive, or none
         if node.attributes.get_int("is_causal", 0):
             causal = _causal_mask(op, query)
-            if mask is None or mask.dtype != ir.DataType.BOOL:
+            if keep:
+                mask = op.And(mask, causal)
+            else:
                 causal = op.Where(causal, zero, fill)
                 mask = causal if mask is None else op.Add(mask, causal)
-            else:
-                mask = op.And(mask, causal)
-        if mask is not None and mask.dtype == ir.DataType.BOOL:
+        if keep:
             mask = op.Where(mask, zero, fill)
         inputs = [query, key, value] + ([mask] if mask is not None else [])
         scale = node.attributes.get_float("scale", None)

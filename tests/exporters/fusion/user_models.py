@@ -88,10 +88,17 @@ def tril(s: int) -> torch.Tensor:
     return torch.tril(torch.ones(s, s, dtype=torch.bool))
 
 
-@functools.cache
 def exported(name: str, factory: Callable[[], nn.Module], pad_dtype: torch.dtype = torch.bool) -> onnx.ModelProto:
     """The plain ONNX graph of ``factory()`` (cached under ``name``), as ``torch.onnx.export(dynamo=True)`` at
     opset 23 writes it, batch and seq dynamic."""
+    return module_and_export(name, factory, pad_dtype)[1]
+
+
+@functools.cache
+def module_and_export(
+    name: str, factory: Callable[[], nn.Module], pad_dtype: torch.dtype = torch.bool
+) -> tuple[nn.Module, onnx.ModelProto]:
+    """``exported``, with the module it was exported from."""
     torch.manual_seed(0)
     module = factory().eval()
     x = torch.randn(TRACE_BATCH, TRACE_SEQ, D_MODEL)
@@ -103,7 +110,7 @@ def exported(name: str, factory: Callable[[], nn.Module], pad_dtype: torch.dtype
         program = torch.onnx.export(
             module, (x, pad), dynamo=True, opset_version=23, dynamic_shapes=(axes, axes), input_names=["x", "pad"]
         )
-    return program.model_proto
+    return module, program.model_proto
 
 
 def feeds(model: onnx.ModelProto, side: str, pad_dtype=np.bool_, real_value=1) -> tuple[dict, np.ndarray]:
@@ -127,3 +134,20 @@ def assert_parity(plain: onnx.ModelProto, fused: onnx.ModelProto, pad_dtype=np.b
     for side in ("left", "right"):
         inputs, real = feeds(plain, side, pad_dtype, real_value)
         hg.assert_same_outputs(plain, fused, inputs, atol=ATOL, rtol=RTOL, rows=None if every_row else real)
+
+
+def assert_parity_with_torch(module: nn.Module, fused: onnx.ModelProto, every_row=False):
+    """The fused graph in ORT equals ``module`` in torch on left and right padding (real rows, or every row
+    when the mask does not depend on padding). For torch's own attention, whose plain export ORT 1.31 CPU
+    cannot run with a [batch, 1, 1, seq] mask ("inconsistent q_sequence_length"), this is the reference."""
+    for side in ("left", "right"):
+        inputs, real = feeds(fused, side)
+        with torch.no_grad():
+            args = [torch.from_numpy(inputs.get(name, np.ones((BATCH, SEQ), bool))) for name in ("x", "pad")]
+            want = module(*args).numpy()
+        (got,) = hg.run(fused, inputs).values()
+        rows = np.ones_like(real) if every_row else real
+        # Real rows only: with torch's -inf fill a padded query that sees no real key is NaN, in torch too.
+        assert np.isfinite(got[rows]).all(), f"{int((~np.isfinite(got[rows])).sum())} elements are not finite"
+        got, want = np.where(rows[..., None], got, 0), np.where(rows[..., None], want, 0)
+        np.testing.assert_allclose(got, want, atol=ATOL, rtol=RTOL)
