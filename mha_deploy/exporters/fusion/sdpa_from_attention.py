@@ -106,7 +106,7 @@ def _causal_mask(op, query: ir.Value) -> ir.Value:
     """bool [q_len, q_len], True where key position <= query position: from one Range, as mask_analysis reads it.
     Its shape is set here: shape inference cannot tell a Range's length."""
     q_len = query.shape[2]
-    length = op.Squeeze(op.Shape(query, start=2, end=3))
+    length = op.Squeeze(_query_length(op, query))
     positions = op.Range(
         op.Constant(value=ir.tensor(np.array(0, np.int64))), length, op.Constant(value=ir.tensor(np.array(1, np.int64)))
     )
@@ -118,6 +118,21 @@ def _causal_mask(op, query: ir.Value) -> ir.Value:
     positions.dtype = keys.dtype = queries.dtype = ir.DataType.INT64
     causal.dtype = ir.DataType.BOOL
     return causal
+
+
+def _query_length(op, query: ir.Value) -> ir.Value:
+    """[q_len], read before the head split ``Transpose(Reshape(x), perm=[0, 2, 1, 3])`` when there is one:
+    another use of those nodes would stop upstream's mha fusion from replacing them ("matched nodes have
+    other uses")."""
+    transpose = query.producer()
+    heads_split = transpose is not None and transpose.op_type == "Transpose"
+    if heads_split and list(transpose.attributes.get_ints("perm", [])) == [0, 2, 1, 3]:
+        reshape = transpose.inputs[0].producer()
+        if reshape is not None and reshape.op_type == "Reshape":
+            source = reshape.inputs[0]
+            if source.shape is not None and source.shape.rank() == 3 and source.shape[1] == query.shape[2]:
+                return op.Shape(source, start=1, end=2)
+    return op.Shape(query, start=2, end=3)
 
 
 sdpa_from_attention_rules = pattern.RewriteRuleSet([SDPAFromAttention.rule()])

@@ -148,6 +148,12 @@ def test_torch_attention_becomes_the_reference_patterns_fused_op(name):
         assert op.attributes["scale"] == pytest.approx(0.25)
     if op_type.endswith("GroupQueryAttention"):
         assert ("compacted" in op.kernel) == padded, op.kernel
+    if name.startswith("sdpa"):
+        # The reference pattern's path: upstream's mha took the head split (projection biases folded), and
+        # short_sequence's branch is there as for the reference attention.
+        assert report.rule_counts["mha"] == 1 and "up to 256 keys" in op.kernel, report.rule_counts
+    assert bool(report.unrecognised_masks) == (mask_inputs == BIAS[1])
+    assert ("mask not recognised" in report.summary()) == (mask_inputs == BIAS[1])
     um.assert_parity_with_torch(module, fused, every_row=not padded)
 
 
