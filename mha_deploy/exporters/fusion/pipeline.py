@@ -129,6 +129,9 @@ class FusionReport:
     # Rule -> why it did not match the attentions left unfused: the checks that failed or,
     # when no check was reached, where the pattern stopped. Empty when nothing is left.
     unfused_reasons: dict[str, list[str]] = field(default_factory=dict)
+    # Each attention left unfused: its Softmax's or standard Attention's node name, e.g.
+    # "node_scaled_dot_product_attention (Attention)" (torch names nodes after the torch op).
+    unfused_names: list[str] = field(default_factory=list)
 
     @property
     def fused(self) -> int:
@@ -141,13 +144,16 @@ class FusionReport:
 
     def summary(self) -> str:
         """One line, e.g. ``fusion mha: 1 attention subgraph(s) found, 0 fused, 1 left unfused
-        (masked_fill_bias: fill -1.0 is not a masking value (needs <= -10000))``."""
+        (masked_fill_bias: fill -1.0 is not a masking value (needs <= -10000))``, with the unfused
+        attentions' nodes named before the count (``not fused: node_softmax (Softmax); 1 left unfused``)."""
         kinds = sorted({op.op_type for op in self.ops})
         reasons = "; ".join(f"{rule}: {' / '.join(why)}" for rule, why in self.unfused_reasons.items())
         unread = len(self.unrecognised_masks)
         return (
             f"fusion {self.target}: {self.found} attention subgraph(s) found, {self.fused} fused"
-            f"{' into ' + ', '.join(kinds) if kinds else ''}, {self.remaining} left unfused"
+            f"{' into ' + ', '.join(kinds) if kinds else ''}, "
+            f"{'not fused: ' + ', '.join(self.unfused_names) + '; ' if self.unfused_names else ''}"
+            f"{self.remaining} left unfused"
             f"{f' ({reasons})' if reasons else ''}"
             f"{f'; {unread} with a {MASK_NOT_RECOGNISED} (materialised)' if unread else ''}"
         )
@@ -404,6 +410,7 @@ def fuse_attention(
     fused = ir.serde.serialize_model(ir_model)
     unfused = unfused_attentions(ir_model)
     report = FusionReport(target, found, len(unfused), _fused_ops(fused, unfused), counts)
+    report.unfused_names = [f"{node.name or '(unnamed)'} ({node.op_type})" for node in unfused]
     if report.remaining:
         # After serializing: the tracing pass is told to change nothing, but it still runs
         # the rewriter's constant propagation over the graph.

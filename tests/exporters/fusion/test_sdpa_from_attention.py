@@ -100,7 +100,18 @@ def test_unfused_attention_op_fails_the_fusion_naming_the_reason():
     _fused, report = fuse_attention(_attention(softcap=30.0), "mha")
     assert (report.found, report.fused, report.remaining) == (1, 0, 1) and not report.complete
     assert "softcap" in " ".join(report.unfused_reasons["sdpa_from_attention"])
+    assert report.unfused_names == ["(unnamed) (Attention)"]
+    assert "not fused: (unnamed) (Attention); 1 left unfused" in report.summary()
     assert "sdpa_from_attention: attribute softcap" in report.summary()
+
+
+def test_torch_attention_left_unfused_is_named_after_torchs_op(monkeypatch):
+    # With the rule out of the chain, torch's standard Attention stays as exported: the report names it.
+    monkeypatch.setattr("mha_deploy.exporters.fusion.pipeline.fuse_sdpa_from_attention", lambda model: 0)
+    name = "sdpa-padding"
+    _, report = fuse_attention(um.exported(name, TORCH_ATTENTION[name][0]), "mha")
+    assert (report.found, report.fused, report.remaining) == (1, 0, 1)
+    assert report.unfused_names == ["node_scaled_dot_product_attention (Attention)"]
 
 
 # --- torch's own attention, through torch's export and the whole chain ----------------------------
