@@ -30,6 +30,10 @@ ATTENTION_INPUT_ROLES = {
 # Inputs that turn ORT's CPU MultiHeadAttention away from its flash path (onnxruntime
 # contrib_ops/cpu/bert/multihead_attention.cc): it then materialises [batch, heads, q, kv].
 _MHA_NON_FLASH_INPUTS = ("key_padding_mask", "attention_bias", "past_key", "past_value")
+# The fusion gives MultiHeadAttention its native key_padding_mask / unidirectional for every mask it reads
+# as key padding and/or causal: a float attention_bias is a mask it could not read.
+MASK_NOT_RECOGNISED = "mask not recognised, additive attention_bias"
+_MHA_INPUT_LABELS = {"attention_bias": MASK_NOT_RECOGNISED}
 
 
 @dataclass
@@ -170,7 +174,8 @@ def _kernel(node: onnx.NodeProto) -> str:
     if node.op_type == "GroupQueryAttention":
         return "GroupQueryAttention (causal)"
     if node.op_type == "MultiHeadAttention":
-        reasons = [role for role in _MHA_NON_FLASH_INPUTS if role in info.inputs] + (["causal"] if causal else [])
+        reasons = [_MHA_INPUT_LABELS.get(role, role) for role in _MHA_NON_FLASH_INPUTS if role in info.inputs]
+        reasons += ["causal"] if causal else []
         if not reasons:
             return "MultiHeadAttention (flash)"
         return f"MultiHeadAttention ({', '.join(reasons)}: materialises [batch, heads, q, kv])"

@@ -150,9 +150,8 @@ def _optimised(
     # model (pipeline.fuse_attention).
     fused, report = fuse_attention(plain, target, short_sequences=dtype != "float16")
     if not report.complete:
-        left = f" (left unfused: the attentions of {', '.join(report.unfused)})" if report.unfused else ""
         raise ExportError(
-            f"{report.summary()}: --fuse {target} needs every attention subgraph fused{left}; "
+            f"{report.summary()}: --fuse {target} needs every attention subgraph fused; "
             "use --fuse none (or auto) to export the unfused graph"
         )
     if target != "none" and report.fused != attention_ops:

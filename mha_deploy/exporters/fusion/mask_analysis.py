@@ -1,17 +1,34 @@
-"""Read a boolean attention mask back into "key padding" and "causal" parts.
+"""Read an attention mask back into "key padding" and "causal" parts, however the user's code built it.
 
 Not a rewrite rule: the helper the ``native_mask`` and ``onnx_attention`` rules
-share. After ``masked_fill_bias`` the fused op receives an additive bias
+share. They see the mask as the additive bias a fused op receives, e.g. after
+``masked_fill_bias`` ``Where(Equal(Cast(M), 0), FILL, 0)``, or torch's own
+``Where(Not(pad), -inf, zeros_like)``. Recognising its parts lets the fused op
+take its native key-padding input and causal flag instead of a materialised
+float [batch, 1, q_len, kv_len] bias. Anything else is reported as unrecognised
+and the caller keeps the bias (still fused, just not lean).
 
-    [Expand(] Where(Equal(Cast(M), 0), FILL, 0) [, shape)]
+A small algebra, not a list of graphs. A mask is read in one of two forms:
+a *keep* mask (nonzero = attend) or a *blocked* mask (nonzero = masked out);
+either is a conjunction of parts in keep terms:
 
-where ``M`` (True = attend) is what the export wrappers build
-(``graphs.build_attention_mask``): ``Unsqueeze(key_padding_mask, [1, 2])``
-([batch, 1, 1, kv_len]), ``LessOrEqual(kv_pos[None, :], q_pos[:, None])`` from one
-``Range(0, seq, 1)`` ([q_len, kv_len]), or ``And`` of the two. Recognising those
-lets the fused op take its native key-padding input and causal flag instead of
-a materialised float [batch, 1, q_len, kv_len] bias. Anything else is reported
-as unrecognised and the caller keeps the bias (still fused, just not lean).
+    bias   Where(b, FILL, 0) -> blocked b     Where(k, 0, FILL) -> keep k
+           Add(bias, bias)   -> both (a key is masked when either masks it)
+    keep   And / Mul         -> both          blocked  Or -> both
+    either Not(x), Equal(x, 0) -> x in the other form
+           Cast to bool, or one that keeps nonzero nonzero (bool -> any, int -> float/int64, float -> double)
+           Unsqueeze, Reshape that only inserts 1s, Expand: move the part's axes
+    parts  Trilu(ones, 0, upper=0) (tril) or LessOrEqual(pos[None, :], pos[:, None]) of one Range
+             as keep, Trilu(ones, 1, upper=1) (triu(., 1)) as blocked: causal, on the [q, kv] axes
+           any other rank-2 value on the [batch, kv] axes: key padding (nonzero = real token when read
+             as keep, = padded when read as blocked)
+
+A part's axes are followed through every view and broadcast to the axes of the
+[batch, heads, q_len, kv_len] scores it masks (counted from the right, as
+broadcasting aligns them): a padding input unsqueezed to [batch, 1, kv_len, 1]
+masks queries, not keys, and is not key padding. Every step is exact on any
+values, so a recognised mask is the mask; at most one key padding and one causal
+part are taken (two padding inputs need not be one mask).
 """
 
 from __future__ import annotations
@@ -22,25 +39,49 @@ import onnx_ir as ir
 
 from mha_deploy.exporters.fusion.constant_values import constant_array, scalar_constant
 
+# Anything at least this negative is a masking fill: exp of it underflows to 0 in every float type.
+MIN_FILL_MAGNITUDE = 1e4
+# Ops that broadcast their inputs (right-aligned) without changing which element masks which score.
+_BROADCASTING = {"And", "Or", "Mul", "Add", "Where", "Equal", "Not", "Cast", "Expand"}
+# Axes of the [batch, heads, q_len, kv_len] scores, counted from the right.
+_BATCH, _QUERY, _KEY = -4, -2, -1
+_FLOATS = {ir.DataType.FLOAT, ir.DataType.DOUBLE, ir.DataType.FLOAT16, ir.DataType.BFLOAT16}
+_INTEGERS = {getattr(ir.DataType, f"{sign}INT{bits}") for sign in ("", "U") for bits in (8, 16, 32, 64)}
+
 
 @dataclass(frozen=True)
 class MaskParts:
     """What a recognised mask is made of."""
 
     fill: float
-    # [batch, kv_len], nonzero/True = real token; None when no key is padded.
+    # [batch, kv_len]; which tokens are real: see ``padding_marks_real``. None when no key is padded.
     key_padding: ir.Value | None = None
+    # True: nonzero = real token (``pad.unsqueeze(1).unsqueeze(2)``); False: nonzero = padded
+    # (torch's ``key_padding_mask``).
+    padding_marks_real: bool = True
     # Lower-triangular (key position <= query position, diagonal included).
     causal: bool = False
-    # The [q_len, kv_len] causal comparison, kept to check its dims against the op's.
+    # The [q_len, kv_len] causal part, kept to check its dims against the op's.
     causal_value: ir.Value | None = None
 
+    def real_keys(self, op) -> ir.Value:
+        """bool [batch, kv_len], True = real token. The source is cast to bool, never to an integer type
+        first, so that a float 0.5 stays a real token."""
+        real = self.key_padding
+        if real.dtype != ir.DataType.BOOL:
+            real = op.Cast(real, to=ir.DataType.BOOL)
+        return real if self.padding_marks_real else op.Not(real)
 
-def _producer(value: ir.Value | None, op_type: str) -> ir.Node | None:
+
+class _Unrecognised(Exception):
+    """A step of the algebra does not apply: the mask is not (exactly) key padding and/or causal."""
+
+
+def _producer(value: ir.Value | None, *op_types: str) -> ir.Node | None:
     if value is None:
         return None
     node = value.producer()
-    if node is None or node.op_type != op_type or node.domain not in ("", "ai.onnx"):
+    if node is None or node.op_type not in op_types or node.domain not in ("", "ai.onnx"):
         return None
     return node
 
@@ -50,8 +91,173 @@ def _ints(value: ir.Value | None) -> list[int] | None:
     return None if array is None else [int(v) for v in array.reshape(-1)]
 
 
-def _is_scalar(value: ir.Value | None, expected: float) -> bool:
-    return scalar_constant(value) == expected
+def _rank(value: ir.Value) -> int:
+    if value is None or value.shape is None:
+        raise _Unrecognised
+    return value.shape.rank()
+
+
+def _constant_fill(value: ir.Value | None) -> float | None:
+    """The one value ``value`` holds everywhere: a scalar constant, ``Expand`` of one (``zeros_like``,
+    ``ones``) or ``ConstantOfShape``."""
+    if (node := _producer(value, "Expand")) is not None:
+        value = node.inputs[0]
+    if (node := _producer(value, "ConstantOfShape")) is not None:
+        tensor = node.attributes.get_tensor("value", None)
+        return 0.0 if tensor is None else float(tensor.numpy().reshape(-1)[0])
+    array = constant_array(value)
+    if array is None or array.size == 0 or not (array == array.reshape(-1)[0]).all():
+        return None
+    return float(array.reshape(-1)[0])
+
+
+class _Reader:
+    """Collects the parts of one mask while walking its graph from the mask to its sources."""
+
+    def __init__(self) -> None:
+        self.fills: list[float] = []
+        self.key_padding: ir.Value | None = None
+        self.padding_marks_real = True
+        self.causal_value: ir.Value | None = None
+
+    # -- axes: each axis of a value -> the scores axis it lies on (negative, from the right) --
+
+    def _input_axes(self, node: ir.Node, value: ir.Value, axes: tuple[int, ...]) -> tuple[int, ...]:
+        """The axes of ``value``, an input of ``node`` whose output lies on ``axes``."""
+        rank = _rank(value)
+        if node.op_type in _BROADCASTING:
+            if rank > len(axes):
+                raise _Unrecognised
+            return axes[len(axes) - rank :]
+        if node.op_type == "Unsqueeze":
+            inserted = _ints(node.inputs[1])
+            if inserted is None:
+                raise _Unrecognised
+            inserted = {axis % len(axes) for axis in inserted}
+            kept = tuple(axis for i, axis in enumerate(axes) if i not in inserted)
+            if len(kept) != rank:
+                raise _Unrecognised
+            return kept
+        if node.op_type == "Reshape":
+            return self._reshape_axes(value, node.outputs[0], axes)
+        raise _Unrecognised
+
+    @staticmethod
+    def _reshape_axes(value: ir.Value, output: ir.Value, axes: tuple[int, ...]) -> tuple[int, ...]:
+        """A Reshape that only inserts 1s (``pad.view(b, 1, 1, s)``), read as an Unsqueeze."""
+        source = list(value.shape)
+        target = list(output.shape) if output.shape is not None else []
+        # Only dims that cannot be confused with an inserted 1, or with each other: ints other than 1, named dims.
+        anonymous = any(isinstance(dim, ir.SymbolicDim) and dim.value is None for dim in source)
+        if len(target) != len(axes) or anonymous or 1 in source:
+            raise _Unrecognised
+        kept = []
+        for position, dim in enumerate(target):
+            if len(kept) < len(source) and dim == source[len(kept)]:
+                kept.append(axes[position])
+            elif dim != 1:
+                raise _Unrecognised
+        if len(kept) != len(source):
+            raise _Unrecognised
+        return tuple(kept)
+
+    # -- the forms --
+
+    def bias(self, value: ir.Value, axes: tuple[int, ...]) -> None:
+        """An additive float bias: 0 where attended, a masking fill where not."""
+        node = _producer(value, "Expand", "Unsqueeze", "Reshape", "Add", "Where", "Cast")
+        if node is None:
+            raise _Unrecognised
+        if node.op_type == "Where":
+            condition, when_true, when_false = node.inputs
+            true_fill, false_fill = _constant_fill(when_true), _constant_fill(when_false)
+            if true_fill is not None and true_fill <= -MIN_FILL_MAGNITUDE and false_fill == 0:
+                self.fills.append(true_fill)
+                return self.mask(condition, "blocked", self._input_axes(node, condition, axes))
+            if true_fill == 0 and false_fill is not None and false_fill <= -MIN_FILL_MAGNITUDE:
+                self.fills.append(false_fill)
+                return self.mask(condition, "keep", self._input_axes(node, condition, axes))
+            raise _Unrecognised
+        if node.op_type == "Add":
+            for term in node.inputs:
+                self.bias(term, self._input_axes(node, term, axes))
+            return None
+        if node.op_type == "Cast" and not (node.inputs[0].dtype in _FLOATS and value.dtype in _FLOATS):
+            raise _Unrecognised
+        return self.bias(node.inputs[0], self._input_axes(node, node.inputs[0], axes))
+
+    def mask(self, value: ir.Value, form: str, axes: tuple[int, ...]) -> None:
+        """A boolean or 0/1 mask read as ``form``: "keep" (nonzero = attend) or "blocked" (nonzero = masked)."""
+        other = "blocked" if form == "keep" else "keep"
+        node = _producer(
+            value, "And", "Or", "Mul", "Not", "Equal", "Cast", "Unsqueeze", "Reshape", "Expand", "Trilu", "LessOrEqual"
+        )
+        if node is None:
+            return self._key_padding(value, form, axes)
+        op_type = node.op_type
+        if (op_type in ("And", "Mul") and form == "keep") or (op_type == "Or" and form == "blocked"):
+            # keep: attended where both attend; blocked: masked where either masks.
+            for operand in node.inputs:
+                self.mask(operand, form, self._input_axes(node, operand, axes))
+            return None
+        if op_type == "Not":
+            return self.mask(node.inputs[0], other, self._input_axes(node, node.inputs[0], axes))
+        if op_type == "Equal":
+            for operand, zero in (node.inputs, node.inputs[::-1]):
+                if scalar_constant(zero) == 0:
+                    return self.mask(operand, other, self._input_axes(node, operand, axes))
+            return self._key_padding(value, form, axes)
+        if op_type == "Cast":
+            if not _keeps_nonzero(node.inputs[0].dtype, value.dtype):
+                raise _Unrecognised
+            return self.mask(node.inputs[0], form, self._input_axes(node, node.inputs[0], axes))
+        if op_type in ("Unsqueeze", "Reshape", "Expand"):
+            return self.mask(node.inputs[0], form, self._input_axes(node, node.inputs[0], axes))
+        if op_type == "Trilu":
+            return self._triangle(node, form, axes)
+        if op_type == "LessOrEqual" and form == "keep":
+            return self._positions_causal(node, axes)
+        return self._key_padding(value, form, axes)
+
+    # -- the parts --
+
+    def _causal(self, value: ir.Value, axes: tuple[int, ...]) -> None:
+        if axes != (_QUERY, _KEY) or self.causal_value is not None:
+            raise _Unrecognised
+        self.causal_value = value
+
+    def _triangle(self, node: ir.Node, form: str, axes: tuple[int, ...]) -> None:
+        """``tril(ones)`` keeps key <= query; ``triu(ones, 1)`` blocks key > query: both are causal."""
+        ones, diagonal = node.inputs[0], node.inputs[1] if len(node.inputs) > 1 else None
+        k = 0 if diagonal is None else scalar_constant(diagonal)
+        upper = node.attributes.get_int("upper", 1)
+        if _rank(ones) != 2 or _constant_fill(ones) != 1:
+            raise _Unrecognised
+        if (form, upper, k) not in (("keep", 0, 0), ("blocked", 1, 1)):
+            raise _Unrecognised
+        self._causal(node.outputs[0], axes)
+
+    def _positions_causal(self, node: ir.Node, axes: tuple[int, ...]) -> None:
+        """``kv_pos[None, :] <= q_pos[:, None]`` from one ``Range(0, n, 1)``: query i and key i are the same
+        position, so it is the causal mask with the diagonal."""
+        kv_pos, q_pos = _positions(node.inputs[0], 0), _positions(node.inputs[1], 1)
+        if kv_pos is None or kv_pos is not q_pos:
+            raise _Unrecognised
+        self._causal(node.outputs[0], axes)
+
+    def _key_padding(self, value: ir.Value, form: str, axes: tuple[int, ...]) -> None:
+        if axes != (_BATCH, _KEY) or self.key_padding is not None:
+            raise _Unrecognised
+        self.key_padding, self.padding_marks_real = value, form == "keep"
+
+
+def _keeps_nonzero(source: ir.DataType, target: ir.DataType) -> bool:
+    """Whether a Cast from ``source`` to ``target`` maps zero to zero and nonzero to nonzero."""
+    if target == ir.DataType.BOOL or source == ir.DataType.BOOL:
+        return True
+    if source in _INTEGERS:
+        return target in (ir.DataType.FLOAT, ir.DataType.DOUBLE, ir.DataType.INT64)
+    return source == ir.DataType.FLOAT and target == ir.DataType.DOUBLE
 
 
 def _positions(value: ir.Value, axis: int) -> ir.Value | None:
@@ -60,56 +266,30 @@ def _positions(value: ir.Value, axis: int) -> ir.Value | None:
     if unsqueeze is None or _ints(unsqueeze.inputs[1]) not in ([axis], [axis - 2]):
         return None
     arange = _producer(unsqueeze.inputs[0], "Range")
-    if arange is None or not _is_scalar(arange.inputs[0], 0) or not _is_scalar(arange.inputs[2], 1):
+    if arange is None or scalar_constant(arange.inputs[0]) != 0 or scalar_constant(arange.inputs[2]) != 1:
         return None
     return arange.outputs[0]
 
 
-def _decompose(mask: ir.Value, parts: dict) -> bool:
-    """Fill ``parts`` with the pieces of the boolean mask ``mask``; False if any piece is unknown."""
-    if (node := _producer(mask, "And")) is not None:
-        return _decompose(node.inputs[0], parts) and _decompose(node.inputs[1], parts)
-    if (node := _producer(mask, "Cast")) is not None and node.attributes.get_int("to") == ir.DataType.BOOL:
-        return _decompose(node.inputs[0], parts)
-    if (node := _producer(mask, "Unsqueeze")) is not None:
-        # [batch, kv_len] -> [batch, 1, 1, kv_len]
-        source = node.inputs[0]
-        if _ints(node.inputs[1]) not in ([1, 2], [-3, -2]) or source.shape is None or source.shape.rank() != 2:
-            return False
-        if "key_padding" in parts:
-            return False
-        parts["key_padding"] = source
-        return True
-    if (node := _producer(mask, "LessOrEqual")) is not None:
-        kv_pos, q_pos = _positions(node.inputs[0], 0), _positions(node.inputs[1], 1)
-        # One Range for both axes: query i and key i are the same position,
-        # so "key <= query" is the causal mask with the diagonal.
-        if kv_pos is None or kv_pos is not q_pos or "causal" in parts:
-            return False
-        parts["causal"] = True
-        parts["causal_value"] = node.outputs[0]
-        return True
-    return False
-
-
 def analyse_bias(bias: ir.Value | None) -> MaskParts | None:
-    """Decompose the additive bias built by ``masked_fill_bias``; None when it is anything else."""
-    expand = _producer(bias, "Expand")
-    where = _producer(expand.inputs[0] if expand is not None else bias, "Where")
-    if where is None or not _is_scalar(where.inputs[2], 0):
+    """Decompose an additive attention bias (0 = attend, a masking fill = masked); None when it is not
+    exactly key padding and/or causal."""
+    if bias is None or bias.shape is None or not 2 <= bias.shape.rank() <= 4:
         return None
-    fill = scalar_constant(where.inputs[1])
-    equal = _producer(where.inputs[0], "Equal")
-    if fill is None or equal is None or not _is_scalar(equal.inputs[1], 0):
+    reader = _Reader()
+    try:
+        reader.bias(bias, (_BATCH, -3, _QUERY, _KEY)[4 - bias.shape.rank() :])
+    except _Unrecognised:
         return None
-    cast = _producer(equal.inputs[0], "Cast")
-    mask = cast.inputs[0] if cast is not None else equal.inputs[0]
-    if mask is None or mask.dtype != ir.DataType.BOOL:
+    if reader.key_padding is None and reader.causal_value is None:
         return None
-    parts: dict = {}
-    if not _decompose(mask, parts):
-        return None
-    return MaskParts(fill=float(fill), **parts)
+    return MaskParts(
+        fill=float(min(reader.fills)),
+        key_padding=reader.key_padding,
+        padding_marks_real=reader.padding_marks_real,
+        causal=reader.causal_value is not None,
+        causal_value=reader.causal_value,
+    )
 
 
 def analyse_bias_for(bias: ir.Value | None, batch, q_len, kv_len) -> MaskParts | None:

@@ -65,7 +65,7 @@ class NativeMask(pattern.RewriteRuleClassBase):
         inputs += [None] * (self._bias_index + 1 - len(inputs))
         inputs[self._bias_index] = None
         if parts.key_padding is not None:
-            inputs[self._padding_index] = op.Cast(parts.key_padding, to=ir.DataType.INT32)
+            inputs[self._padding_index] = op.Cast(parts.real_keys(op), to=ir.DataType.INT32)
         while inputs and inputs[-1] is None:
             inputs.pop()
         attributes = {name: attr.value for name, attr in node.attributes.items()}

@@ -29,12 +29,11 @@ from mha_deploy.exporters.fusion.contrib_mha import ContribMHARule
 from mha_deploy.exporters.fusion.mask_analysis import analyse_bias_for
 
 
-def padding_attn_mask(op, key_padding: ir.Value, query_BSD: ir.Value, fill: float) -> ir.Value:
-    """[batch, kv_len] (nonzero = real) -> additive attn_mask [batch, 1, q_len, kv_len]: 0 or ``fill``."""
-    if key_padding.dtype != ir.DataType.BOOL:
-        key_padding = op.Cast(key_padding, to=ir.DataType.BOOL)
+def padding_attn_mask(op, real_keys: ir.Value, query_BSD: ir.Value, fill: float) -> ir.Value:
+    """bool [batch, kv_len] (True = real, ``MaskParts.real_keys``) -> additive attn_mask [batch, 1, q_len, kv_len]:
+    0 or ``fill``."""
     # [batch, kv_len] -> [batch, 1, 1, kv_len]
-    real = op.Unsqueeze(key_padding, op.Constant(value_ints=[1, 2]))
+    real = op.Unsqueeze(real_keys, op.Constant(value_ints=[1, 2]))
     dtype = query_BSD.dtype.numpy()
     zero = op.Constant(value=ir.tensor(np.array(0, dtype=dtype)))
     bias = op.Where(real, zero, op.Constant(value=ir.tensor(np.array(fill, dtype=dtype))))
@@ -80,7 +79,7 @@ class OnnxAttentionFromMHA(ContribMHARule):
             if self._parts.causal:
                 attributes["is_causal"] = 1
             if self._parts.key_padding is not None:
-                mask = padding_attn_mask(op, self._parts.key_padding, query, self._parts.fill)
+                mask = padding_attn_mask(op, self._parts.real_keys(op), query, self._parts.fill)
         inputs = [query, key, value] + ([mask] if mask is not None else [])
         return op.Attention(*inputs, **attributes)
 

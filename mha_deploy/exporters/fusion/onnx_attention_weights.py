@@ -96,7 +96,7 @@ class OnnxAttentionWithWeights(pattern.RewriteRuleClassBase):
             if self._parts.causal:
                 attributes["is_causal"] = 1
             if self._parts.key_padding is not None:
-                mask = padding_attn_mask(op, self._parts.key_padding, query_BSD, self._parts.fill)
+                mask = padding_attn_mask(op, self._parts.real_keys(op), query_BSD, self._parts.fill)
         inputs = [query_BSD, key_BSD, value_BSD] + ([mask] if mask is not None else [])
         output, _, _, weights = op.Attention(*inputs, **attributes, _outputs=4)
         return output, weights

@@ -3,14 +3,18 @@
 The chain, per target (own rules marked *, the rest is upstream
 ``onnxscript.rewriter.ort_fusions``):
 
+    * sdpa_from_attention     standard Attention over 4-D Q/K/V (torch's F.scaled_dot_product_attention)
+                              -> SDPA (private op) with an additive mask, so upstream's mha takes it
     * masked_fill_bias        Where-masked scores -> additive bias, so upstream matches
       sdpa                    MatMul/scale/(Add mask)/Softmax/MatMul -> SDPA (private op)
       mha                     SDPA + head split/merge -> com.microsoft.MultiHeadAttention
+    * bias_axes               a bias upstream left without its key axis -> Expanded to [*, *, q, kv]
     mha:
     * projection_shape        keeps upstream's mask Expand from blocking the bias fusion
       mha_bias                fold q/k/v projection biases into the op
       attention (packed_qkv)  self-attention MHA -> com.microsoft.Attention (packed weights)
-    * native_mask             float bias -> key_padding_mask / mask_index + unidirectional
+    * native_mask             float bias -> key_padding_mask / mask_index + unidirectional, when
+                              mask_analysis reads it as key padding and/or causal (else it stays)
     * short_sequence          MHA, mask-free, with key_padding_mask or causal (self-attention)
                               -> If(kv_len <= 256 and scores <= 64 MB, standard Attention
                               (additive attn_mask, is_causal), MHA): its materialising kernel
@@ -56,6 +60,7 @@ from onnxscript.rewriter.ort_fusions.sdpa import fuse_sdpa, sdpa_rules
 from onnxscript.rewriter.ort_fusions.sdpa_via_mha import replace_sdpa_by_mha
 
 from mha_deploy.errors import ExportError
+from mha_deploy.exporters.fusion.bias_axes import fuse_bias_axes
 from mha_deploy.exporters.fusion.causal_gqa import fuse_causal_gqa
 from mha_deploy.exporters.fusion.masked_fill_bias import fuse_masked_fill_bias, masked_fill_bias_rules
 from mha_deploy.exporters.fusion.native_mask import fuse_native_mask
@@ -67,8 +72,13 @@ from mha_deploy.exporters.fusion.onnx_attention_weights import (
 from mha_deploy.exporters.fusion.output_bias import fuse_output_bias
 from mha_deploy.exporters.fusion.padding_flash import fuse_padding_flash
 from mha_deploy.exporters.fusion.projection_shape import fuse_projection_shape
+from mha_deploy.exporters.fusion.sdpa_from_attention import (
+    fuse_sdpa_from_attention,
+    is_torch_attention,
+    sdpa_from_attention_rules,
+)
 from mha_deploy.exporters.fusion.short_sequence import fuse_short_sequence
-from mha_deploy.model_report import attention_ops
+from mha_deploy.model_report import MASK_NOT_RECOGNISED, attention_ops
 
 FUSION_TARGETS = ("mha", "onnx", "none")
 # ORT 1.31 rejects IR version 14; 10 is what it accepts for opset 23.
@@ -110,15 +120,18 @@ class FusionReport:
     """What ``fuse_attention`` found and did."""
 
     target: str
-    found: int  # attention subgraphs (Softmax over MatMul scores) in the input model
-    remaining: int  # attention Softmaxes still in the output model (unfused subgraphs)
+    # Attentions in the input model: subgraphs (Softmax over MatMul scores) and standard Attention ops
+    # over 4-D Q/K/V (torch's F.scaled_dot_product_attention).
+    found: int
+    remaining: int  # of those, how many are still in the output model (unfused)
     ops: list[FusedOp] = field(default_factory=list)
     rule_counts: dict[str, int] = field(default_factory=dict)
     # Rule -> why it did not match the attentions left unfused: the checks that failed or,
     # when no check was reached, where the pattern stopped. Empty when nothing is left.
     unfused_reasons: dict[str, list[str]] = field(default_factory=dict)
-    # The Softmax node of each attention left unfused, by its name in the graph.
-    unfused: list[str] = field(default_factory=list)
+    # Each attention left unfused: its Softmax's or standard Attention's node name, e.g.
+    # "node_scaled_dot_product_attention (Attention)" (torch names nodes after the torch op).
+    unfused_names: list[str] = field(default_factory=list)
 
     @property
     def fused(self) -> int:
@@ -131,14 +144,24 @@ class FusionReport:
 
     def summary(self) -> str:
         """One line, e.g. ``fusion mha: 1 attention subgraph(s) found, 0 fused, 1 left unfused
-        (masked_fill_bias: fill -1.0 is not a masking value (needs <= -10000))``."""
+        (masked_fill_bias: fill -1.0 is not a masking value (needs <= -10000))``, with the unfused
+        attentions' nodes named before the count (``not fused: node_softmax (Softmax); 1 left unfused``)."""
         kinds = sorted({op.op_type for op in self.ops})
         reasons = "; ".join(f"{rule}: {' / '.join(why)}" for rule, why in self.unfused_reasons.items())
+        unread = len(self.unrecognised_masks)
         return (
             f"fusion {self.target}: {self.found} attention subgraph(s) found, {self.fused} fused"
-            f"{' into ' + ', '.join(kinds) if kinds else ''}, {self.remaining} left unfused"
+            f"{' into ' + ', '.join(kinds) if kinds else ''}, "
+            f"{'not fused: ' + ', '.join(self.unfused_names) + '; ' if self.unfused_names else ''}"
+            f"{self.remaining} left unfused"
             f"{f' ({reasons})' if reasons else ''}"
+            f"{f'; {unread} with a {MASK_NOT_RECOGNISED} (materialised)' if unread else ''}"
         )
+
+    @property
+    def unrecognised_masks(self) -> list[str]:
+        """The fused ops whose mask was not read as key padding or causal: they add a float attention_bias."""
+        return [op.name for op in self.ops if "attention_bias" in op.mask_inputs]
 
 
 def _score_nodes(softmax: ir.Node) -> list[ir.Node] | None:
@@ -173,10 +196,20 @@ def attention_softmaxes(model: ir.Model) -> list[ir.Node]:
     return [node for node in model.graph.all_nodes() if _is_attention_softmax(node)]
 
 
-def _fused_ops(model: onnx.ModelProto) -> list[FusedOp]:
-    """One entry per fused attention, as ``mha-deploy inspect`` reads them (an If over two ops is one)."""
+def unfused_attentions(model: ir.Model) -> list[ir.Node]:
+    """The attentions no target op carries yet: reference-pattern Softmaxes, and torch's standard
+    ``Attention`` over 4-D Q/K/V (``F.scaled_dot_product_attention``)."""
+    return [node for node in model.graph.all_nodes() if _is_attention_softmax(node) or is_torch_attention(node)]
+
+
+def _fused_ops(model: onnx.ModelProto, unfused: list[ir.Node]) -> list[FusedOp]:
+    """One entry per fused attention, as ``mha-deploy inspect`` reads them (an If over two ops is one); the
+    ``unfused`` standard Attention ops left as torch exported them are not."""
+    unfused_queries = {node.inputs[0].name for node in unfused if is_torch_attention(node)}
     ops = []
     for info in attention_ops(list(model.graph.node), {t.name: t for t in model.graph.initializer}):
+        if info.op == "Attention" and info.inputs.get("Q") in unfused_queries:
+            continue
         masks = {role: name for role, name in info.inputs.items() if role in _MASK_ROLES}
         attributes = {k: list(v) if isinstance(v, tuple) else v for k, v in info.attributes.items()}
         ops.append(FusedOp(info.op.replace("::", "."), info.name, masks, attributes, info.kernel))
@@ -198,6 +231,7 @@ def _check_weights_supported(model: ir.Model, target: str) -> None:
 
 def _run_chain(model: ir.Model, target: str, packed_qkv: bool, short_sequences: bool) -> dict[str, int]:
     counts = {}
+    counts["sdpa_from_attention"] = fuse_sdpa_from_attention(model)
     counts["masked_fill_bias"] = fuse_masked_fill_bias(model)
     # sdpa and onnx_attention_weights check the shapes of values this rule created.
     common_passes.ShapeInferencePass()(model)
@@ -214,6 +248,10 @@ def _run_chain(model: ir.Model, target: str, packed_qkv: bool, short_sequences: 
             counts["packed_attention"] = fuse_packed_attention(model)
     # An SDPA that the head split/merge patterns missed still becomes an MHA.
     counts["sdpa_via_mha"] = replace_sdpa_by_mha(model)
+    # bias_axes, native_mask and onnx_attention follow a mask's axes from the bias upstream's fusions Expanded.
+    common_passes.ShapeInferencePass()(model)
+    counts["bias_axes"] = fuse_bias_axes(model)
+    _type_attention_outputs(model)
     if target == "mha":
         counts["native_mask"] = fuse_native_mask(model)
         # causal_gqa and padding_flash check the shapes of the mask/bias values the rules before created.
@@ -259,7 +297,7 @@ _PREPARING_RULES = {"masked_fill_bias"}
 
 def _softmax_rules(target: str) -> dict[str, pattern.RewriteRuleSet]:
     """The chain's rules that start from an attention's Softmax: while it is there, none of them matched."""
-    rules = {"masked_fill_bias": masked_fill_bias_rules}
+    rules = {"sdpa_from_attention": sdpa_from_attention_rules, "masked_fill_bias": masked_fill_bias_rules}
     if target == "onnx":
         rules["onnx_attention_weights"] = onnx_attention_weights_rules
     rules["sdpa"] = sdpa_rules
@@ -267,8 +305,9 @@ def _softmax_rules(target: str) -> dict[str, pattern.RewriteRuleSet]:
 
 
 def _unfused_nodes(model: ir.Model) -> set[ir.Node]:
-    """Each unfused attention's Softmax, score nodes and the MatMul(s) reading its probabilities."""
-    nodes: set[ir.Node] = set()
+    """Each unfused attention's Softmax, score nodes and the MatMul(s) reading its probabilities; each
+    unfused standard Attention op."""
+    nodes: set[ir.Node] = {node for node in model.graph.all_nodes() if is_torch_attention(node)}
     for softmax in attention_softmaxes(model):
         nodes |= {softmax, *(_score_nodes(softmax) or []), *(use.node for use in softmax.outputs[0].uses())}
     return nodes
@@ -303,6 +342,15 @@ def _unfused_reasons(model: ir.Model, target: str) -> dict[str, list[str]]:
 
 def _reason(match: pattern.MatchResult, status: pattern.MatchStatus) -> str:
     return match.reason or status.name.lower().replace("_", " ")
+
+
+def _type_attention_outputs(model: ir.Model) -> None:
+    """Give a contrib MultiHeadAttention without an output type its query's: shape inference does not know
+    contrib ops, and an op that upstream's fallback (sdpa_via_mha) built replaced no typed value. The rules
+    after it size their branches by that type."""
+    for node in model.graph.all_nodes():
+        if node.op_type == "MultiHeadAttention" and node.domain == "com.microsoft" and node.outputs[0].dtype is None:
+            node.outputs[0].dtype = node.inputs[0].dtype
 
 
 def _omit_unused_present_outputs(model: ir.Model) -> None:
@@ -347,7 +395,7 @@ def fuse_attention(
     if target not in FUSION_TARGETS:
         raise ExportError(f"fusion target must be one of {', '.join(FUSION_TARGETS)}, got {target!r}")
     ir_model = ir.serde.deserialize_model(model)
-    found = len(attention_softmaxes(ir_model))
+    found = len(unfused_attentions(ir_model))
     if target == "none" or found == 0:
         return model, FusionReport(target, found, remaining=found)
     if target == "onnx" and ir_model.opset_imports.get("", 0) < MIN_ONNX_ATTENTION_OPSET:
@@ -360,12 +408,13 @@ def fuse_attention(
     counts = _run_chain(ir_model, target, packed_qkv, short_sequences)
     _finish_opsets(ir_model, original_domains)
     fused = ir.serde.serialize_model(ir_model)
-    report = FusionReport(target, found, len(attention_softmaxes(ir_model)), _fused_ops(fused), counts)
+    unfused = unfused_attentions(ir_model)
+    report = FusionReport(target, found, len(unfused), _fused_ops(fused, unfused), counts)
+    report.unfused_names = [f"{node.name or '(unnamed)'} ({node.op_type})" for node in unfused]
     if report.remaining:
         # After serializing: the tracing pass is told to change nothing, but it still runs
         # the rewriter's constant propagation over the graph.
         report.unfused_reasons = _unfused_reasons(ir_model, target)
-        report.unfused = [node.name or "(unnamed Softmax)" for node in attention_softmaxes(ir_model)]
     fused.ir_version = min(model.ir_version, MAX_IR_VERSION)
     _check_interface_kept(model, fused)
     # The rewriter merges the shapes it infers for new values into the graph
