@@ -155,6 +155,11 @@ class MHASession:
             if optimized_model_path is None:
                 return ort.InferenceSession(source, options, providers=providers)
             cache = Path(optimized_model_path)
+            if not isinstance(model, bytes) and _same_file(cache, Path(model)):
+                raise OptionError(
+                    f"optimized_model_path {cache} is the model itself, which the optimized graph would replace: "
+                    "give the cache a path of its own"
+                )
             key = _cache_key(model, options, providers)
             cached = _load_cache(cache, key, options, providers)
             if cached is not None:
@@ -162,13 +167,15 @@ class MHASession:
                 return cached
             try:
                 with atomic_path(cache) as tmp:
+                    # ORT's own failure to write it says only "SystemError : 13", as if the model were at fault.
+                    tmp.touch()
                     options.optimized_model_filepath = str(tmp)
                     session = ort.InferenceSession(source, options, providers=providers)
                     _append_metadata_prop(tmp, CACHE_KEY_PROP, key)
             except OSError as exc:
                 raise ModelFileError(f"{cache}: cannot write the optimized-model cache ({exc})") from exc
             return session
-        except ModelFileError:
+        except (ModelFileError, OptionError):
             raise
         except Exception as exc:  # ORT raises its own Fail/InvalidProtobuf/... types
             raise ModelFileError(f"{self.loaded_from}: ONNX Runtime cannot load it: {exc}") from exc
@@ -470,6 +477,14 @@ def _varint(value: int) -> bytes:
         out.append(low | (0x80 if value else 0))
         if not value:
             return bytes(out)
+
+
+def _same_file(a: Path, b: Path) -> bool:
+    """Whether ``a`` and ``b`` name one file (through links too), or the same path when ``a`` does not exist."""
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return a.resolve() == b.resolve()
 
 
 def _check_model_path(path: Path) -> None:

@@ -20,7 +20,7 @@ import pytest
 from click.testing import CliRunner
 
 from mha_deploy.cli import main
-from mha_deploy.errors import ModelFileError
+from mha_deploy.errors import ModelFileError, OptionError
 from mha_deploy.metadata import METADATA_KEY, Signature
 from mha_deploy.runtime import MHASession
 from tests.adversarial.conftest import assert_loud, infer, sequences
@@ -121,3 +121,27 @@ def test_malicious_checkpoint_is_called_unsafe_and_never_runs(tmp_path, protocol
     assert_loud(result, f"checkpoint {checkpoint}: unsafe pickle refused", "io.open" if protocol != 2 else "open")
     assert not marker.exists(), "the payload never ran"
     assert not (tmp_path / "m.onnx").exists()
+
+
+@pytest.mark.parametrize("alias", ["same path", "symlink", "hard link"])
+def test_an_optimized_model_cache_that_is_the_model_is_refused_and_the_model_kept(export_model, tmp_path, alias):
+    source = tmp_path / "mha.onnx"
+    shutil.copy(export_model(Signature("self", "padding"))[0], source)
+    before = source.read_bytes()
+    cache = {"same path": tmp_path / "." / "mha.onnx", "symlink": tmp_path / "link.onnx",
+             "hard link": tmp_path / "hard.onnx"}[alias]
+    if alias == "symlink":
+        cache.symlink_to(source)
+    elif alias == "hard link":
+        os.link(source, cache)
+    with pytest.raises(OptionError, match="is the model itself"):
+        MHASession(source, provider="cpu", optimized_model_path=cache)
+    assert source.read_bytes() == before
+
+
+def test_an_unwritable_cache_directory_is_blamed_on_the_cache_not_the_model(export_model, tmp_path):
+    """/proc takes no new files, even from root: ORT's own error was "SystemError : 13" on the model."""
+    source = export_model(Signature("self", "padding"))[0]
+    cache = "/proc/mha-deploy-cache.onnx"
+    with pytest.raises(ModelFileError, match=f"^{cache}: cannot write the optimized-model cache"):
+        MHASession(source, provider="cpu", optimized_model_path=cache)
