@@ -22,6 +22,7 @@ import io
 import json
 import zipfile
 import zlib
+from collections import Counter
 from dataclasses import dataclass
 
 import numpy as np
@@ -170,9 +171,16 @@ def _from_npy(body: bytes, metadata: ModelMetadata, limits: RequestLimits) -> di
 def _from_npz(body: bytes, metadata: ModelMetadata, limits: RequestLimits) -> dict[str, np.ndarray]:
     try:
         archive = zipfile.ZipFile(io.BytesIO(body))
-        members = {m[: -len(".npy")]: m for m in archive.namelist() if m.endswith(".npy")}
+        names = [m for m in archive.namelist() if m.endswith(".npy")]
     except (zipfile.BadZipFile, ValueError) as exc:
         raise RequestError(400, "malformed_npz", f"body is not an .npz archive: {exc}") from None
+    # A hand-made zip can hold one name twice; which copy is meant is unknown (infer refuses it too).
+    twice = sorted(name for name, count in Counter(names).items() if count > 1)
+    if twice:
+        raise RequestError(
+            400, "duplicate_member", f".npz archive holds {twice[0]} twice: which copy is meant is unknown"
+        )
+    members = {m[: -len(".npy")]: m for m in names}
     _check_names(set(members), metadata, ".npz archive:")
     arrays = {}
     for name in metadata.signature.sequence_inputs:
