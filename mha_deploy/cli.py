@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -46,6 +47,12 @@ class _Group(click.Group):
             return super().invoke(ctx)
         except (click.exceptions.Exit, click.ClickException, click.Abort):
             raise
+        except BrokenPipeError:
+            # The reader went away (`mha-deploy inspect m.onnx | head`): stop quietly, as SIGPIPE would stop a
+            # C tool, and keep Python from failing again when it flushes stdout at exit.
+            with contextlib.suppress(OSError):
+                os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            ctx.exit(141)
         except Exception as exc:
             if ctx.obj and ctx.obj.get("debug"):
                 raise
@@ -324,8 +331,12 @@ def inspect(model, as_json):
     from mha_deploy.model_report import describe_model
 
     report = describe_model(model)
+    problem = _metadata_problem(model) if report.metadata is not None else None
+    if problem:
+        click.echo(f"warning: its metadata does not describe its graph, which infer and serve refuse: {problem}",
+                   err=True)
     if as_json:
-        click.echo(json.dumps(report.to_dict(), indent=2, default=_json_default))
+        click.echo(json.dumps({**report.to_dict(), "metadata_problem": problem}, indent=2, default=_json_default))
         return
     click.echo(f"{report.path}  ({report.size_bytes / 1e6:.2f} MB, IR {report.ir_version}, "
                f"opsets {', '.join(f'{d} {v}' for d, v in report.opsets.items())})")
@@ -353,6 +364,17 @@ def inspect(model, as_json):
         click.echo(f"  parity {'PASSED' if parity['passed'] else 'FAILED'}: max abs err {parity['max_abs_err']:.3g} "
                    f"at atol={parity['atol']:g} rtol={parity['rtol']:g} over {', '.join(parity['shapes'])}")
     click.echo("  versions " + ", ".join(f"{k} {v}" for k, v in meta["versions"].items()))
+
+
+def _metadata_problem(model: Path) -> str | None:
+    """What the check every session makes on load finds wrong with ``model``'s metadata, or None."""
+    from mha_deploy.runtime.session import check_model_file
+
+    try:
+        check_model_file(model)
+    except MHADeployError as exc:
+        return _one_line(exc)
+    return None
 
 
 @main.command()

@@ -299,6 +299,13 @@ class MHASession:
             )
 
 
+def check_model_file(path: str | os.PathLike) -> ModelMetadata:
+    """A model file's metadata, checked against its graph as every session checks it on load (see
+    ``mha_deploy.runtime.model_check``), or ``ModelFileError``. What ``triton`` and ``inspect`` check
+    with, so that they refuse or flag exactly the files ``infer`` and ``serve`` refuse."""
+    return MHASession(path, provider="cpu", threads=1, optimization="disabled", flush_denormals=False).metadata
+
+
 def _cuda_refusal(model: str | os.PathLike | bytes, cuda_graph: bool) -> str | None:
     """Why ORT's CUDA provider (in a CUDA graph if ``cuda_graph``) cannot run ``model`` as deployed, or None.
 

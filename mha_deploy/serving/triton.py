@@ -86,7 +86,10 @@ def write_triton_model(
     name = config.name or re.sub(r"[^A-Za-z0-9_.-]", "_", model.stem)
     _check_config(config, name)
     proto = _load(model)
-    metadata = ModelMetadata.from_props({p.key: p.value for p in proto.metadata_props}, str(model))
+    # The check every session makes on load: a file infer and serve refuse gets no repository entry either.
+    from mha_deploy.runtime.session import check_model_file
+
+    metadata = check_model_file(model)
     if config.kind == "gpu":
         _check_runs_on_cuda(proto, model)
     text = config_pbtxt(proto, metadata, config, name)

@@ -13,6 +13,8 @@ import json
 import os
 import pickle
 import shutil
+import subprocess
+import sys
 
 import numpy as np
 import onnx
@@ -145,3 +147,43 @@ def test_an_unwritable_cache_directory_is_blamed_on_the_cache_not_the_model(expo
     cache = "/proc/mha-deploy-cache.onnx"
     with pytest.raises(ModelFileError, match=f"^{cache}: cannot write the optimized-model cache"):
         MHASession(source, provider="cpu", optimized_model_path=cache)
+
+
+# Round 2, defect 8: `triton` wrote repositories for these, which infer and serve refuse; `inspect` showed
+# them without a word. All four now share the session's check.
+PADDING = Signature("self", "padding")
+LIES = [
+    pytest.param(PADDING, "auto", {"d_model": 32}, "x has d_model 64 in the graph, 32", id="d_model"),
+    pytest.param(PADDING, "auto", {"num_heads": 7}, "the graph splits 4 heads, its metadata says 7", id="7-heads"),
+    pytest.param(Signature("self", "none"), "none", {"mask": "causal"}, "changes by", id="none-as-causal"),
+]
+
+
+@pytest.mark.parametrize(("signature", "fuse", "changes", "message"), LIES)
+def test_lying_metadata_is_refused_by_triton_and_flagged_by_inspect(tmp_path, export_model, signature, fuse,
+                                                                    changes, message):
+    edited = tmp_path / "edited.onnx"
+    _edit_metadata(export_model(signature, fuse)[0], edited, **changes)
+    repo = tmp_path / "repo"
+    result = CliRunner().invoke(main, ["triton", str(edited), "--repo", str(repo)])
+    assert_loud(result, str(edited), message)
+    assert not repo.exists() or list(repo.iterdir()) == []
+    report = CliRunner().invoke(main, ["inspect", str(edited)])
+    assert report.exit_code == 0, report.output
+    assert "warning: its metadata does not describe its graph" in report.stderr and message in report.stderr
+    as_json = CliRunner().invoke(main, ["inspect", str(edited), "--json"])
+    assert message in json.loads(as_json.stdout)["metadata_problem"]
+
+
+def test_inspect_of_a_sound_model_warns_of_nothing(export_model):
+    result = CliRunner().invoke(main, ["inspect", str(export_model(Signature("self", "padding"))[0])])
+    assert result.exit_code == 0 and result.stderr == "", result.output
+
+
+def test_inspect_into_a_closed_pipe_stops_quietly(export_model):
+    """`mha-deploy inspect m.onnx | head -0`: the reader is gone before the first line (was "unexpected")."""
+    command = [sys.executable, "-m", "mha_deploy.cli", "inspect", str(export_model(Signature("self", "padding"))[0])]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    process.stdout.close()
+    _, stderr = process.communicate(timeout=120)
+    assert stderr == b"" and process.returncode == 141, stderr.decode()
