@@ -417,12 +417,16 @@ def _metadata_problem(model: Path) -> str | None:
 @click.option("--body-timeout", type=click.FloatRange(min=0, min_open=True), default=10.0, show_default=True,
               help="Seconds a request body may take to arrive; slower ones get 408.")
 @click.option("--max-connections", type=click.IntRange(min=1), default=1000, show_default=True,
-              help="Open HTTP connections (and gRPC calls) at once; beyond it 503 (RESOURCE_EXHAUSTED).")
+              help="Requests (and gRPC calls) in progress at once, counted once authorised (health checks aside); "
+                   "beyond it 503 (RESOURCE_EXHAUSTED). Idle connections take none.")
 @click.option("--keep-alive-timeout", type=click.FloatRange(min=0, min_open=True), default=5.0, show_default=True,
-              help="Seconds an idle keep-alive connection stays open.")
+              help="Seconds a connection with no request in progress stays open (new, or between requests).")
+@click.option("--header-timeout", type=click.FloatRange(min=0, min_open=True), default=10.0, show_default=True,
+              help="Seconds a request's headers may take to arrive, from its first byte; then the connection closes.")
 def serve(model, host, port, max_batch, max_wait_ms, max_batch_tokens, workers, provider, threads, max_body_mb,
           max_tokens, optimized_model, spin, log_level, access_log, drain_timeout, name, grpc_port, max_queue,
-          api_key_file, ssl_certfile, ssl_keyfile, body_timeout, max_connections, keep_alive_timeout):
+          api_key_file, ssl_certfile, ssl_keyfile, body_timeout, max_connections, keep_alive_timeout,
+          header_timeout):
     """Serve a model over HTTP (and gRPC) with dynamic micro-batching (needs the 'serve' extra).
 
     The Open Inference Protocol (KServe v2, what Triton's and KServe's clients
@@ -451,7 +455,7 @@ def serve(model, host, port, max_batch, max_wait_ms, max_batch_tokens, workers, 
         limits=limits, optimized_model_path=optimized_model, spin=spin, log_level=log_level, access_log=access_log,
         graceful_timeout_s=drain_timeout, name=name, grpc_port=grpc_port, api_key_file=api_key_file,
         ssl_certfile=ssl_certfile, ssl_keyfile=ssl_keyfile, max_connections=max_connections,
-        keep_alive_timeout_s=keep_alive_timeout,
+        keep_alive_timeout_s=keep_alive_timeout, header_timeout_s=header_timeout,
     ))
 
 

@@ -22,6 +22,8 @@ HEALTH_METHODS = frozenset(
     f"/inference.GRPCInferenceService/{name}" for name in ("ServerLive", "ServerReady", "ModelReady")
 )
 MIN_KEY_LENGTH = 16
+# The ASGI scope's state entry saying whether a request presented a valid key (set with API keys only).
+AUTHORIZED = "mha_authorized"
 
 
 class ApiKeyError(MHADeployError):

@@ -34,6 +34,7 @@ from starlette.routing import Route
 
 from mha_deploy.metadata import ModelMetadata
 from mha_deploy.serving.http import v2
+from mha_deploy.serving.http.auth import AUTHORIZED
 from mha_deploy.serving.http.body import read_body
 from mha_deploy.serving.http.parsing import RequestError, load_json
 from mha_deploy.serving.http.service import THREAD_THRESHOLD_BYTES, InferenceService
@@ -120,7 +121,8 @@ def v2_routes(service: InferenceService) -> list[Route]:
 
     def _check_model(request: Request) -> None:
         params = request.path_params
-        service.check_model(params["name"], params.get("version", ""))
+        reveal = request.scope.get("state", {}).get(AUTHORIZED, True)
+        service.check_model(params["name"], params.get("version", ""), reveal=reveal)
 
     routes = [
         Route("/v2/health/live", live, methods=["GET"]),

@@ -7,10 +7,17 @@ logs how many requests it accepted and answered. uvicorn re-raises the signal
 afterwards, so the process ends as killed by SIGTERM (exit 143), as process
 supervisors expect. A body still arriving cannot hold the drain for longer
 than ``limits.body_timeout_s``.
+
+Slow or idle clients cannot starve others (``connections``): a connection with
+no request in progress closes after ``keep_alive_timeout_s``, request headers
+must arrive within ``header_timeout_s``, bodies within ``body_timeout_s``, and
+only authorised requests in progress count against ``max_connections``. gRPC
+calls likewise (``grpc_server``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
@@ -56,10 +63,14 @@ class ServeConfig:
     # TLS for REST and gRPC alike: a PEM certificate (chain) and its private key.
     ssl_certfile: str | os.PathLike | None = None
     ssl_keyfile: str | os.PathLike | None = None
-    # Open connections (REST) and calls in progress (gRPC) at once; more get 503 / RESOURCE_EXHAUSTED.
+    # Requests (REST) and calls (gRPC) in progress at once, counted once authorised (health checks aside);
+    # more get 503 / RESOURCE_EXHAUSTED. Connections without a request in progress take none.
     max_connections: int = 1000
-    # Idle keep-alive connections are closed after this many seconds.
+    # A connection with no request in progress (new, after a TLS handshake, or between requests) is closed
+    # after this many seconds; gRPC connections with no call too.
     keep_alive_timeout_s: float = 5.0
+    # A request's headers must be complete this many seconds after its first byte (the body has body_timeout_s).
+    header_timeout_s: float = 10.0
 
     @property
     def model_name(self) -> str:
@@ -77,6 +88,7 @@ def serve(config: ServeConfig) -> None:
         import uvicorn
 
         from mha_deploy.serving.http.app import BatchingConfig, create_app
+        from mha_deploy.serving.http.connections import deadline_protocol
     except ImportError as exc:
         raise ServeError(f"the server needs the 'serve' extra: pip install 'mha-deploy[serve]' ({exc})") from exc
     from mha_deploy.runtime.session import MHASession
@@ -125,7 +137,9 @@ def serve(config: ServeConfig) -> None:
     app = create_app(
         load_session, batching, config.limits, on_load_error,
         model_name=config.model_name, api_keys=api_keys, grpc_config=grpc_config,
+        max_requests=config.max_connections,
     )
+    _raise_open_file_limit()
     uvicorn_config = uvicorn.Config(
         app,
         host=config.host,
@@ -136,8 +150,8 @@ def serve(config: ServeConfig) -> None:
         lifespan="on",
         ssl_certfile=config.ssl_certfile,
         ssl_keyfile=config.ssl_keyfile,
-        # uvicorn counts the new connection too: + 1 lets max_connections connections be served at once.
-        limit_concurrency=config.max_connections + 1,
+        # Not uvicorn's limit_concurrency, which counts idle and unauthorised connections: RequestSlots.
+        http=deadline_protocol(config.keep_alive_timeout_s, config.header_timeout_s),
         timeout_keep_alive=config.keep_alive_timeout_s,
     )
     server = _Server(uvicorn_config, app.state.grpc)
@@ -180,7 +194,22 @@ def _grpc_config(config: ServeConfig):
         max_concurrent_rpcs=config.max_connections,
         grace_s=config.graceful_timeout_s,
         receive_timeout_s=config.limits.body_timeout_s,
+        idle_timeout_s=config.keep_alive_timeout_s,
     )
+
+
+def _raise_open_file_limit() -> None:
+    """Raise this process's open-file limit to its hard limit: every open connection holds a file descriptor,
+    and the common soft limit of 1024 would refuse new connections (authorised ones too) while idle ones wait
+    out their timeout."""
+    try:
+        import resource
+    except ImportError:  # not POSIX
+        return
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != soft:
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
 
 
 def _configure_logging(level: str) -> None:
