@@ -75,6 +75,11 @@ class RequestLimits:
     body_timeout_s: float = 10.0
 
 
+def is_decimal(text: str) -> bool:
+    """Whether ``text`` is a non-negative integer in ASCII digits (``str.isdigit`` takes "²" and "٣" too)."""
+    return text.isascii() and text.isdigit()
+
+
 def media_type(content_type: str | None) -> str:
     """The media type of a Content-Type header, lower-cased and without parameters (JSON when absent)."""
     if not content_type:

@@ -168,9 +168,21 @@ def _check_tls(config: ServeConfig) -> None:
         raise ServeError("TLS needs both --ssl-certfile and --ssl-keyfile")
     if config.ssl_certfile is None:
         return
+    asked = []
+
+    def passphrase() -> bytes:  # OpenSSL asks only for an encrypted key; the server has no one to ask
+        asked.append(True)
+        return b""
+
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
     try:
-        ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(config.ssl_certfile, config.ssl_keyfile)
+        context.load_cert_chain(config.ssl_certfile, config.ssl_keyfile, password=passphrase)
     except (OSError, ssl.SSLError) as exc:
+        if asked:
+            raise ServeError(
+                f"the TLS key {config.ssl_keyfile} is protected by a passphrase, which the server cannot ask "
+                "for: give it the key decrypted (openssl pkey -in KEY -out KEY.plain), readable only by its user"
+            ) from None
         raise ServeError(
             f"cannot use the TLS certificate {config.ssl_certfile} with key {config.ssl_keyfile}: {exc}"
         ) from None
