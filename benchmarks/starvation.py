@@ -3,7 +3,8 @@
 Starts one real ``mha-deploy serve`` (API keys, REST and gRPC on free loopback
 ports, ``--max-connections 20`` as in the report that found the problem), then,
 for each attack class, holds the attack open while an authorised client sends
-``--requests`` inferences one after another and checks every answer against
+inferences one after another (``--requests`` at least, for ``--seconds`` at
+least) and checks every answer against
 ``MHASession``:
 
 - ``idle sockets``: ``--idle`` TCP connections that connect and send nothing
@@ -139,9 +140,11 @@ class Probe:
         self.process.wait(timeout=30)
 
 
-def measure(probe: Probe, requests: int, client: Callable[[], str] | None = None) -> tuple[list[float], Counter]:
+def measure(probe: Probe, requests: int, seconds: float, client: Callable[[], str] | None = None):
+    """(latencies, outcomes) of at least ``requests`` requests, sent one after another for at least ``seconds``."""
     latencies, outcomes = [], Counter()
-    for _ in range(requests):
+    end = time.perf_counter() + seconds
+    while len(latencies) < requests or time.perf_counter() < end:
         start = time.perf_counter()
         outcomes[(client or probe.authorised_infer)()] += 1
         latencies.append(time.perf_counter() - start)
@@ -262,14 +265,19 @@ def malformed_grpc(probe: Probe) -> Callable[[], str]:
 
 
 def typed_grpc(probe: Probe, megabytes: int) -> Callable[[], str]:
-    """An authorised ModelInfer of ``megabytes`` MB of fp32_contents (refused by its token count: 400)."""
+    """An authorised ModelInfer of ``megabytes`` MB of fp32_contents, [rows, 1024, d_model] with a NaN in its
+    last value: decoded and checked in full, then refused (INVALID_ARGUMENT) without running the model."""
     import grpc
     from tritonclient.grpc import service_pb2 as pb
 
-    tokens = megabytes * 2**20 // (4 * probe.d_model)
+    rows = max(1, megabytes * 2**20 // (4 * 1024 * probe.d_model))
+    values = np.zeros(rows * 1024 * probe.d_model, np.float32)
+    values[-1] = np.nan
+    # Encoded by hand (field 6, packed): extending the repeated field from Python takes minutes.
+    packed = values.astype("<f4").tobytes()
+    contents = pb.InferTensorContents.FromString(bytes([6 << 3 | 2]) + _varint(len(packed)) + packed)
     request = pb.ModelInferRequest(model_name=MODEL_NAME)
-    tensor = request.inputs.add(name="x", datatype="FP32", shape=[1, tokens, probe.d_model])
-    tensor.contents.fp32_contents.extend(np.zeros(tokens * probe.d_model, np.float32).tolist())
+    request.inputs.add(name="x", datatype="FP32", shape=[rows, 1024, probe.d_model], contents=contents)
     raw = request.SerializeToString()
     channel = grpc.insecure_channel(f"127.0.0.1:{probe.grpc_port}",
                                     options=[("grpc.max_send_message_length", -1)])
@@ -287,6 +295,15 @@ def typed_grpc(probe: Probe, megabytes: int) -> Callable[[], str]:
     return attack
 
 
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while True:
+        low, value = value & 0x7F, value >> 7
+        out.append(low | (0x80 if value else 0))
+        if not value:
+            return bytes(out)
+
+
 def healthz(probe: Probe) -> str:
     status, _ = probe.get("/healthz")
     return "right" if status == 200 else f"unexpected {status}"
@@ -296,7 +313,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", type=Path, help="an exported padding-mask model (default: export d_model 64)")
     parser.add_argument("--idle", type=int, default=1000, help="idle sockets (and keyless clients / 20)")
-    parser.add_argument("--requests", type=int, default=20, help="authorised requests per attack class")
+    parser.add_argument("--requests", type=int, default=20, help="authorised requests per attack class, at least")
+    parser.add_argument("--seconds", type=float, default=3.0, help="time each attack class is measured, at least")
     parser.add_argument("--slots", type=int, default=20, help="the server's --max-connections")
     args = parser.parse_args()
     _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
@@ -326,7 +344,7 @@ def main() -> None:
             for label, start, client in classes:
                 end = start()
                 try:
-                    latencies, outcomes = measure(probe, args.requests, client)
+                    latencies, outcomes = measure(probe, args.requests, args.seconds, client)
                 finally:
                     seen = end()
                 totals.update(outcomes)

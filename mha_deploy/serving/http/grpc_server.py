@@ -67,6 +67,8 @@ TYPED_CONTENTS = {"FP32": "fp32_contents", "BOOL": "bool_contents"}
 # Whether the call being handled presented a valid API key (always, without keys): health calls answer
 # anyone, but name the served model only to those who did.
 _AUTHORIZED: contextvars.ContextVar[bool] = contextvars.ContextVar("authorized", default=True)
+# The size of the call's request message as it arrived (ByteSize would walk a large message on the event loop).
+_MESSAGE_BYTES: contextvars.ContextVar[int] = contextvars.ContextVar("message_bytes", default=0)
 
 
 class GrpcServeError(MHADeployError):
@@ -140,7 +142,7 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
             self.service.check_model(request.model_name, request.model_version)
             session, _ = self.service.require_ready()
             metadata = session.metadata
-            large = request.ByteSize() > THREAD_THRESHOLD_BYTES  # typed contents too, not only raw ones
+            large = _MESSAGE_BYTES.get() > THREAD_THRESHOLD_BYTES  # typed contents too, not only raw ones
             max_tokens = self.service.limits.max_tokens
             if large:
                 inputs, names = await asyncio.to_thread(decode_request, request, metadata, max_tokens)
@@ -218,6 +220,7 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
                     grpc.StatusCode.INVALID_ARGUMENT, f"{method}: the request is not a valid {request_type.__name__}"
                 )
             _AUTHORIZED.set(authorized)
+            _MESSAGE_BYTES.set(len(raw))
             return await getattr(self, method)(request, context)
 
         return behaviour
@@ -276,12 +279,28 @@ def decode_request(
             raise v2.bad_request("bad_data", f"input {tensor.name}: {tensor.datatype} data must be raw_input_contents")
         if filled not in ([field], []) or (not filled and math.prod(shape)):
             raise v2.bad_request("bad_data", f"input {tensor.name}: {tensor.datatype} data goes in contents.{field}")
-        inputs[tensor.name] = v2.array_from_list(tensor.name, dtype, shape, list(getattr(tensor.contents, field)))
+        inputs[tensor.name] = v2.array_from_bytes(tensor.name, dtype, shape, _packed_values(tensor.contents))
     for output in request.outputs:
         if "classification" in output.parameters:
             raise v2.bad_request("unsupported", "the classification extension is not supported")
     names = v2.check_outputs(metadata, [output.name for output in request.outputs] or None)
     return inputs, names
+
+
+def _packed_values(contents: pb.InferTensorContents) -> bytes:
+    """The values of the one typed field set in ``contents``, as raw little-endian bytes, read off the wire form.
+
+    Packed fp32 is 4 little-endian bytes per value and packed bool one byte (0 or 1) per value, what
+    ``array_from_bytes`` takes. Listing a field of 15M floats in Python instead holds the GIL, and so the event
+    loop, for a second even in a thread.
+    """
+    wire = contents.SerializeToString()  # one field: its tag, its length, then the packed values
+    position = 0
+    for _ in range(2):  # skip the tag and the length (varints)
+        while position < len(wire) and wire[position] & 0x80:
+            position += 1
+        position += 1
+    return wire[position:]
 
 
 def encode_response(
