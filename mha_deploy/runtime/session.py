@@ -13,7 +13,7 @@ import onnx
 import onnxruntime as ort
 
 from mha_deploy.atomic import atomic_path
-from mha_deploy.errors import InputError, ModelFileError, OptionError, ProviderUnavailableError
+from mha_deploy.errors import InputError, ModelFileError, OptionError, OutputError, ProviderUnavailableError
 from mha_deploy.inputs import placeholder_inputs
 from mha_deploy.metadata import ModelMetadata
 from mha_deploy.runtime.cuda_support import cuda_graph_unsupported, cuda_unsupported
@@ -166,14 +166,16 @@ class MHASession:
                 self.loaded_from = str(cache)
                 return cached
             try:
+                # atomic_path creates the temporary first: ORT's own failure to write it says only
+                # "SystemError : 13", as if the model were at fault.
                 with atomic_path(cache) as tmp:
-                    # ORT's own failure to write it says only "SystemError : 13", as if the model were at fault.
-                    tmp.touch()
                     options.optimized_model_filepath = str(tmp)
                     session = ort.InferenceSession(source, options, providers=providers)
                     _append_metadata_prop(tmp, CACHE_KEY_PROP, key)
-            except OSError as exc:
-                raise ModelFileError(f"{cache}: cannot write the optimized-model cache ({exc})") from exc
+            except (OSError, OutputError) as exc:
+                cause = exc.__cause__ if isinstance(exc, OutputError) else exc
+                reason = getattr(cause, "strerror", None) or cause
+                raise ModelFileError(f"{cache}: cannot write the optimized-model cache ({reason})") from exc
             return session
         except (ModelFileError, OptionError):
             raise

@@ -187,3 +187,26 @@ def test_inspect_into_a_closed_pipe_stops_quietly(export_model):
     process.stdout.close()
     _, stderr = process.communicate(timeout=120)
     assert stderr == b"" and process.returncode == 141, stderr.decode()
+
+
+@pytest.mark.parametrize(("field", "value"), [("d_model", "64"), ("format", "2"), ("num_heads", 4.0)])
+@pytest.mark.parametrize("command", ["inspect", "triton", "infer"])
+def test_metadata_fields_of_the_wrong_type_are_one_line_naming_the_file(tmp_path, export_model, field, value,
+                                                                       command):
+    """Round 2: "64" for 64 was "unexpected TypeError" from wherever it was first used."""
+    edited = tmp_path / "edited.onnx"
+    _edit_metadata(export_model(PADDING)[0], edited, **{field: value})
+    np.savez(tmp_path / "in.npz", a=sequences((3,))[0])
+    if command == "infer":
+        result = infer(edited, tmp_path / "in.npz", tmp_path / "out.npz")
+    else:
+        args = ["--repo", str(tmp_path / "repo")] if command == "triton" else []
+        result = CliRunner().invoke(main, [command, str(edited), *args])
+    assert_loud(result, str(edited), f"metadata {field} is {value!r}, not a positive integer")
+
+
+def test_export_into_a_directory_that_takes_no_files_is_one_line_naming_the_output(tmp_path):
+    """/proc takes no new files, even from root (a read-only output directory was "unexpected")."""
+    pytest.importorskip("torch")
+    result = CliRunner().invoke(main, ["export", "--d-model", "16", "--heads", "2", "-o", "/proc/mha.onnx"])
+    assert_loud(result, "/proc/mha.onnx: cannot write it")
