@@ -12,7 +12,8 @@ least) and checks every answer against
 - ``keyless requests``: as many connections sending requests without a key, again and again;
 - ``partial headers``: connections that send half a request line and stall;
 - ``stalled gRPC calls``: calls (with and without a key) whose request message never comes;
-- ``malformed protobufs``: gRPC messages that do not parse;
+- ``malformed protobufs``: gRPC messages that do not parse (for these three, the authorised client
+  sends its inferences over gRPC);
 - ``60 MB typed gRPC``: a message of ``fp32_contents`` (decoded in a thread), during which the client's
   ``/healthz`` round trips are timed instead.
 
@@ -128,6 +129,27 @@ class Probe:
         if response.status != 200:
             return f"unexpected {response.status}"
         output = np.asarray(json.loads(payload)["outputs"][0]["data"], np.float32).reshape(self.expected.shape)
+        return "right" if np.allclose(output, self.expected, atol=1e-4) else "wrong"
+
+    def authorised_grpc_infer(self) -> str:
+        """The same request over gRPC (raw contents, as tritonclient sends it)."""
+        import grpc
+        from tritonclient.grpc import service_pb2 as pb
+
+        if not hasattr(self, "_grpc_infer"):
+            self._grpc_infer = self.grpc_channel().unary_unary(
+                f"{SERVICE}/ModelInfer", request_serializer=pb.ModelInferRequest.SerializeToString,
+                response_deserializer=pb.ModelInferResponse.FromString)
+            request = pb.ModelInferRequest(model_name=MODEL_NAME)
+            request.inputs.add(name="x", datatype="FP32", shape=list(self.x.shape))
+            request.raw_input_contents.append(self.x.tobytes())
+            self._grpc_request = request
+        try:
+            response = self._grpc_infer(self._grpc_request, metadata=[("authorization", f"Bearer {self.key}")],
+                                        timeout=30)
+        except grpc.RpcError as error:
+            return f"unexpected {error.code().name}"
+        output = np.frombuffer(response.raw_output_contents[0], "<f4").reshape(self.expected.shape)
         return "right" if np.allclose(output, self.expected, atol=1e-4) else "wrong"
 
     def grpc_channel(self):
@@ -331,11 +353,12 @@ def main() -> None:
             (f"{args.idle} idle sockets", lambda: idle_sockets(probe, args.idle), None),
             (f"{crowd} keyless clients", lambda: repeating(crowd, lambda: keyless_request(probe)), None),
             (f"{crowd} partial headers", lambda: repeating(crowd, lambda: partial_headers(probe)), None),
-            (f"{crowd} stalled gRPC, no key",
-             lambda: repeating(crowd, stalled_grpc(probe, with_key=False)), None),
-            (f"{2 * args.slots} stalled gRPC, keyed",
-             lambda: repeating(2 * args.slots, stalled_grpc(probe, with_key=True)), None),
-            ("malformed protobufs", lambda: repeating(4, malformed_grpc(probe)), None),
+            (f"{crowd} stalled gRPC, no key (gRPC timed)",
+             lambda: repeating(crowd, stalled_grpc(probe, with_key=False)), probe.authorised_grpc_infer),
+            (f"{2 * args.slots} stalled gRPC, keyed (gRPC timed)",
+             lambda: repeating(2 * args.slots, stalled_grpc(probe, with_key=True)), probe.authorised_grpc_infer),
+            ("malformed protobufs (gRPC timed)", lambda: repeating(4, malformed_grpc(probe)),
+             probe.authorised_grpc_infer),
             ("60 MB typed gRPC (/healthz timed)", lambda: repeating(1, typed_grpc(probe, 60)),
              lambda: healthz(probe)),
         ]
@@ -352,9 +375,9 @@ def main() -> None:
                 rows.append((label, max(latencies), statistics.median(latencies), outcomes, seen))
         finally:
             probe.stop()
-    print(f"{'attack':36} {'worst s':>8} {'median s':>8}  authorised client        attackers saw")
+    print(f"{'attack':44} {'worst s':>8} {'median s':>8}  authorised client        attackers saw")
     for label, worst, median, outcomes, seen in rows:
-        print(f"{label:36} {worst:8.3f} {median:8.3f}  {dict(outcomes)!s:22}  {dict(seen)}")
+        print(f"{label:44} {worst:8.3f} {median:8.3f}  {dict(outcomes)!s:22}  {dict(seen)}")
     wrong = totals["wrong"]
     unexpected = sum(n for outcome, n in totals.items() if outcome.startswith("unexpected"))
     worst = max(row[1] for row in rows)
