@@ -237,6 +237,8 @@ def partial_headers(probe: Probe) -> str:
         sock.sendall(b"POST /v2/models/mha/infer HTTP/1.1\r\nHost: x\r\n")
         try:
             return "closed by the server (header timeout)" if sock.recv(1) == b"" else "unexpected data"
+        except TimeoutError:
+            return "unexpected: still open after 30 s"
         except OSError:
             return "closed by the server (header timeout)"
 
