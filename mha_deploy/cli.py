@@ -423,10 +423,13 @@ def _metadata_problem(model: Path) -> str | None:
               help="Seconds a connection with no request in progress stays open (new, or between requests).")
 @click.option("--header-timeout", type=click.FloatRange(min=0, min_open=True), default=10.0, show_default=True,
               help="Seconds a request's headers may take to arrive, from its first byte; then the connection closes.")
+@click.option("--max-idle-connections", type=click.IntRange(min=1),
+              help="Connections with no request in progress kept at once; beyond, the longest idle is closed "
+                   "(default: half the open-file limit).")
 def serve(model, host, port, max_batch, max_wait_ms, max_batch_tokens, workers, provider, threads, max_body_mb,
           max_tokens, optimized_model, spin, log_level, access_log, drain_timeout, name, grpc_port, max_queue,
           api_key_file, ssl_certfile, ssl_keyfile, body_timeout, max_connections, keep_alive_timeout,
-          header_timeout):
+          header_timeout, max_idle_connections):
     """Serve a model over HTTP (and gRPC) with dynamic micro-batching (needs the 'serve' extra).
 
     The Open Inference Protocol (KServe v2, what Triton's and KServe's clients
@@ -456,6 +459,7 @@ def serve(model, host, port, max_batch, max_wait_ms, max_batch_tokens, workers, 
         graceful_timeout_s=drain_timeout, name=name, grpc_port=grpc_port, api_key_file=api_key_file,
         ssl_certfile=ssl_certfile, ssl_keyfile=ssl_keyfile, max_connections=max_connections,
         keep_alive_timeout_s=keep_alive_timeout, header_timeout_s=header_timeout,
+        max_idle_connections=max_idle_connections,
     ))
 
 

@@ -7,7 +7,8 @@ Now connections without a request in progress take no slot and close after
 --keep-alive-timeout, headers have --header-timeout, gRPC messages
 --body-timeout, and keys are checked before anything takes a slot.
 
-One TLS server with API keys (REST and gRPC), timeouts of 1 s and 4 slots;
+One TLS server with API keys (REST and gRPC), header and body timeouts of 1 s, an idle
+timeout of 2 s, 4 slots and 4 idle connections at most;
 every probe is on loopback, a few dozen sockets at most, each bounded in time.
 ``benchmarks/starvation.py`` measures the same with 1000 idle sockets.
 """
@@ -36,6 +37,8 @@ from tritonclient.grpc import service_pb2 as pb  # noqa: E402
 
 D = TEST_D_MODEL
 SLOTS = 4
+MAX_IDLE = 4
+IDLE_TIMEOUT_S = 2.0  # --keep-alive-timeout: long enough to tell the idle cap's closing from the timeout's
 TIMEOUT_S = 1.0  # keep-alive (idle), header and body timeouts of the server
 SERVICE = "/inference.GRPCInferenceService"
 
@@ -50,8 +53,8 @@ def guarded(export_model, tmp_path_factory):
     path, _ = export_model(Signature("self", "padding"))
     server = Server(path, directory / "server.log", "--name", "mha", "--api-key-file", str(directory / "keys.txt"),
                     "--ssl-certfile", str(cert), "--ssl-keyfile", str(key_file), "--max-connections", str(SLOTS),
-                    "--keep-alive-timeout", str(TIMEOUT_S), "--header-timeout", str(TIMEOUT_S),
-                    "--body-timeout", str(TIMEOUT_S), grpc=True, ca=cert)
+                    "--keep-alive-timeout", str(IDLE_TIMEOUT_S), "--header-timeout", str(TIMEOUT_S),
+                    "--body-timeout", str(TIMEOUT_S), "--max-idle-connections", str(MAX_IDLE), grpc=True, ca=cert)
     try:
         yield server.wait_ready(), key, cert
     finally:
@@ -101,11 +104,25 @@ def test_idle_and_keyless_connections_take_no_slot(guarded):
         assert time.monotonic() - start < 10
 
 
+def test_beyond_the_idle_cap_the_longest_idle_connections_are_closed_first(guarded):
+    """A flood of idle sockets cannot use up the server's descriptors within one idle timeout."""
+    server, key, cert = guarded
+    with ExitStack() as stack:
+        start = time.monotonic()
+        sockets = [stack.enter_context(_tls_socket(server, cert)) for _ in range(3 * MAX_IDLE)]
+        newest = [_closed_within(sock, 0.02) is not None for sock in sockets[-MAX_IDLE // 2 :]]
+        oldest = [_closed_within(sock, 0.3) is not None for sock in sockets[:MAX_IDLE]]
+        assert time.monotonic() - start < IDLE_TIMEOUT_S, "too slow to tell the cap from the idle timeout"
+        status, _, _ = server.request("GET", "/v2", headers={"Authorization": f"Bearer {key}"})
+    assert all(oldest) and not any(newest), (oldest, newest)
+    assert status == 200
+
+
 def test_a_tls_connection_idle_after_its_handshake_is_closed(guarded):
     server, _, cert = guarded
     with _tls_socket(server, cert) as sock:
-        closed = _closed_within(sock, 10 * TIMEOUT_S)
-    assert closed is not None and closed >= 0.5 * TIMEOUT_S
+        closed = _closed_within(sock, 5 * IDLE_TIMEOUT_S)
+    assert closed is not None and closed >= 0.5 * IDLE_TIMEOUT_S
 
 
 def test_headers_trickled_in_are_cut_off_at_the_header_timeout(guarded):

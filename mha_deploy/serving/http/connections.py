@@ -10,7 +10,11 @@ connect and send nothing, or send no valid key, took every slot, and a new one
   (from when it opens: after the TLS handshake for TLS; uvicorn's keep-alive
   timeout covers the time between requests), and a request's headers must be
   complete within ``header_timeout_s`` of its first byte. The body has its own
-  deadline (``body.read_body``).
+  deadline (``body.read_body``). And a cap: beyond ``max_idle`` connections
+  with no request in progress, the one idle the longest is closed, so that a
+  flood of idle sockets cannot use up the process's file descriptors within
+  one idle timeout (a client sends its request at once, so it is idle only
+  for a moment).
 - ``RequestSlots``: the ASGI middleware that admits at most ``limit`` requests
   at once, 503 beyond. It sits inside the API key check, so a request takes a
   slot only once authorised, and connections without a request take none.
@@ -19,14 +23,18 @@ connect and send nothing, or send no valid key, took every slot, and a new one
 
 from __future__ import annotations
 
+from collections import OrderedDict
+
 from starlette.responses import JSONResponse
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from mha_deploy.serving.http.auth import is_health_path
 
 
-def deadline_protocol(idle_timeout_s: float, header_timeout_s: float) -> type[HttpToolsProtocol]:
-    """uvicorn's httptools protocol closing idle connections and connections whose headers come too slowly."""
+def deadline_protocol(idle_timeout_s: float, header_timeout_s: float, max_idle: int) -> type[HttpToolsProtocol]:
+    """uvicorn's httptools protocol closing idle connections (after ``idle_timeout_s``, or the longest idle
+    beyond ``max_idle`` of them) and connections whose headers come too slowly."""
+    idle: OrderedDict[HttpToolsProtocol, None] = OrderedDict()  # this server's idle connections, oldest first
 
     class DeadlineHttpProtocol(HttpToolsProtocol):
         _deadline = None
@@ -34,18 +42,32 @@ def deadline_protocol(idle_timeout_s: float, header_timeout_s: float) -> type[Ht
         def connection_made(self, transport) -> None:
             super().connection_made(transport)
             self._arm(idle_timeout_s)
+            self._idle()
 
         def on_message_begin(self) -> None:
             super().on_message_begin()
+            idle.pop(self, None)
             self._arm(header_timeout_s)
 
         def on_headers_complete(self) -> None:
             self._disarm()
             super().on_headers_complete()
 
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            if self.timeout_keep_alive_task is not None:  # armed only when no pipelined request started
+                self._idle()
+
         def connection_lost(self, exc) -> None:
+            idle.pop(self, None)
             self._disarm()
             super().connection_lost(exc)
+
+        def _idle(self) -> None:
+            idle[self] = None
+            while len(idle) > max_idle:
+                oldest, _ = idle.popitem(last=False)
+                oldest.transport.close()
 
         def _arm(self, seconds: float) -> None:
             self._disarm()

@@ -10,8 +10,9 @@ than ``limits.body_timeout_s``.
 
 Slow or idle clients cannot starve others (``connections``): a connection with
 no request in progress closes after ``keep_alive_timeout_s``, request headers
-must arrive within ``header_timeout_s``, bodies within ``body_timeout_s``, and
-only authorised requests in progress count against ``max_connections``. gRPC
+must arrive within ``header_timeout_s``, bodies within ``body_timeout_s``, at
+most ``max_idle_connections`` stay idle (the oldest is closed), and only
+authorised requests in progress count against ``max_connections``. gRPC
 calls likewise (``grpc_server``).
 """
 
@@ -71,6 +72,9 @@ class ServeConfig:
     keep_alive_timeout_s: float = 5.0
     # A request's headers must be complete this many seconds after its first byte (the body has body_timeout_s).
     header_timeout_s: float = 10.0
+    # Connections with no request in progress kept at once; beyond, the one idle the longest is closed.
+    # None: half the process's open-file limit.
+    max_idle_connections: int | None = None
 
     @property
     def model_name(self) -> str:
@@ -139,7 +143,7 @@ def serve(config: ServeConfig) -> None:
         model_name=config.model_name, api_keys=api_keys, grpc_config=grpc_config,
         max_requests=config.max_connections,
     )
-    _raise_open_file_limit()
+    max_idle = config.max_idle_connections or max(64, _raise_open_file_limit() // 2)
     uvicorn_config = uvicorn.Config(
         app,
         host=config.host,
@@ -151,7 +155,7 @@ def serve(config: ServeConfig) -> None:
         ssl_certfile=config.ssl_certfile,
         ssl_keyfile=config.ssl_keyfile,
         # Not uvicorn's limit_concurrency, which counts idle and unauthorised connections: RequestSlots.
-        http=deadline_protocol(config.keep_alive_timeout_s, config.header_timeout_s),
+        http=deadline_protocol(config.keep_alive_timeout_s, config.header_timeout_s, max_idle),
         timeout_keep_alive=config.keep_alive_timeout_s,
     )
     server = _Server(uvicorn_config, app.state.grpc)
@@ -210,18 +214,19 @@ def _grpc_config(config: ServeConfig):
     )
 
 
-def _raise_open_file_limit() -> None:
-    """Raise this process's open-file limit to its hard limit: every open connection holds a file descriptor,
-    and the common soft limit of 1024 would refuse new connections (authorised ones too) while idle ones wait
-    out their timeout."""
+def _raise_open_file_limit() -> int:
+    """Raise this process's open-file limit to its hard limit, and return the limit: every open connection
+    holds a file descriptor, and the common soft limit of 1024 would refuse new connections (authorised ones
+    too) while idle ones wait out their timeout."""
     try:
         import resource
     except ImportError:  # not POSIX
-        return
+        return 1024
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if hard != soft:
         with contextlib.suppress(ValueError, OSError):
             resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
 
 
 def _configure_logging(level: str) -> None:
