@@ -18,6 +18,8 @@ import secrets
 from collections.abc import Iterator
 from pathlib import Path
 
+from mha_deploy.errors import OutputError
+
 _TOKEN_HEX = 12
 
 
@@ -55,10 +57,17 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
 
     The temporary file gets the permissions a plain ``open`` would give (tempfile's
     mkstemp would leave 0600, unreadable to a service running as another user).
+    ``OutputError`` when the temporary cannot be created at all.
     """
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = temporary_name(path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        # Created here, so that a directory that takes no files (read-only, gone) is reported naming the
+        # destination, not as whatever the writer makes of the temporary's name.
+        tmp.open("xb").close()
+    except OSError as exc:
+        raise OutputError(f"{path}: cannot write it ({exc.strerror or exc})") from exc
     try:
         yield tmp
         os.chmod(tmp, 0o666 & ~_umask())

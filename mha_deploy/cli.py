@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -47,6 +48,12 @@ class _Group(click.Group):
             return super().invoke(ctx)
         except (click.exceptions.Exit, click.ClickException, click.Abort):
             raise
+        except BrokenPipeError:
+            # The reader went away (`mha-deploy inspect m.onnx | head`): stop quietly, as SIGPIPE would stop a
+            # C tool, and keep Python from failing again when it flushes stdout at exit.
+            with contextlib.suppress(OSError):
+                os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            ctx.exit(141)
         except Exception as exc:
             if ctx.obj and ctx.obj.get("debug"):
                 raise
@@ -363,7 +370,25 @@ def inspect(model, as_json):
     from mha_deploy.model_report import describe_model
 
     report = describe_model(model)
-    click.echo(json.dumps(report.to_dict(), indent=2, default=_json_default) if as_json else report.text())
+    problem = _metadata_problem(model) if report.metadata is not None else None
+    if problem:
+        click.echo(f"warning: its metadata does not describe its graph, which infer and serve refuse: {problem}",
+                   err=True)
+    if as_json:
+        click.echo(json.dumps({**report.to_dict(), "metadata_problem": problem}, indent=2, default=_json_default))
+        return
+    click.echo(report.text())
+
+
+def _metadata_problem(model: Path) -> str | None:
+    """What the check every session makes on load finds wrong with ``model``'s metadata, or None."""
+    from mha_deploy.runtime.session import check_model_file
+
+    try:
+        check_model_file(model)
+    except MHADeployError as exc:
+        return _one_line(exc)
+    return None
 
 
 @main.command()
@@ -407,12 +432,19 @@ def inspect(model, as_json):
 @click.option("--body-timeout", type=click.FloatRange(min=0, min_open=True), default=10.0, show_default=True,
               help="Seconds a request body may take to arrive; slower ones get 408.")
 @click.option("--max-connections", type=click.IntRange(min=1), default=1000, show_default=True,
-              help="Open HTTP connections (and gRPC calls) at once; beyond it 503 (RESOURCE_EXHAUSTED).")
+              help="Requests (and gRPC calls) in progress at once, counted once authorised (health checks aside); "
+                   "beyond it 503 (RESOURCE_EXHAUSTED). Idle connections take none.")
 @click.option("--keep-alive-timeout", type=click.FloatRange(min=0, min_open=True), default=5.0, show_default=True,
-              help="Seconds an idle keep-alive connection stays open.")
+              help="Seconds a connection with no request in progress stays open (new, or between requests).")
+@click.option("--header-timeout", type=click.FloatRange(min=0, min_open=True), default=10.0, show_default=True,
+              help="Seconds a request's headers may take to arrive, from its first byte; then the connection closes.")
+@click.option("--max-idle-connections", type=click.IntRange(min=1),
+              help="Connections with no request in progress kept at once; beyond, the longest idle is closed "
+                   "(default: half the open-file limit).")
 def serve(model, host, port, max_batch, max_wait_ms, max_batch_tokens, workers, provider, threads, max_body_mb,
           max_item_tokens, optimized_model, spin, log_level, access_log, drain_timeout, name, grpc_port, max_queue,
-          api_key_file, ssl_certfile, ssl_keyfile, body_timeout, max_connections, keep_alive_timeout):
+          api_key_file, ssl_certfile, ssl_keyfile, body_timeout, max_connections, keep_alive_timeout,
+          header_timeout, max_idle_connections):
     """Serve a model over HTTP (and gRPC) with dynamic micro-batching (needs the 'serve' extra).
 
     The Open Inference Protocol (KServe v2, what Triton's and KServe's clients
@@ -444,7 +476,8 @@ def serve(model, host, port, max_batch, max_wait_ms, max_batch_tokens, workers, 
         optimized_model_path=optimized_model, spin=spin, log_level=log_level, access_log=access_log,
         graceful_timeout_s=drain_timeout, name=name, grpc_port=grpc_port, api_key_file=api_key_file,
         ssl_certfile=ssl_certfile, ssl_keyfile=ssl_keyfile, max_connections=max_connections,
-        keep_alive_timeout_s=keep_alive_timeout,
+        keep_alive_timeout_s=keep_alive_timeout, header_timeout_s=header_timeout,
+        max_idle_connections=max_idle_connections,
     ))
 
 

@@ -123,6 +123,11 @@ class ModelMetadata:
             metadata = cls(**raw)
         except (ValueError, TypeError, KeyError, SignatureError) as exc:
             raise ModelFileError(f"{source}: unreadable mha-deploy metadata ({exc})") from exc
+        # JSON keeps "64" a string: a field of the wrong type would fail far from here, naming no file.
+        for name in ("d_model", "num_heads", "opset", "layers", "format"):
+            value = getattr(metadata, name)
+            if type(value) is not int or value < 1:
+                raise ModelFileError(f"{source}: mha-deploy metadata {name} is {value!r}, not a positive integer")
         if metadata.signature.layers not in (1, metadata.layers):
             raise ModelFileError(
                 f"{source}: its metadata says {metadata.layers} layers, its cache layout {metadata.signature.layers}"

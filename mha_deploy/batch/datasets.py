@@ -349,7 +349,12 @@ class SafetensorsItemWriter:
         if exc_type is None:
             from safetensors.numpy import save_file
 
-            save_file(self._arrays, str(self.path))
+            try:
+                save_file(self._arrays, str(self.path))
+            except OSError:
+                raise
+            except Exception as exc:  # SafetensorError wraps the OS's (disk full): the caller names the output
+                raise OSError(f"safetensors cannot write it: {exc}") from exc
 
     def write(self, results):
         for item_id, result in results:

@@ -60,6 +60,19 @@ def decode_ids(column) -> list[np.ndarray | str]:
     ]
 
 
+def is_vector_list(column_type) -> bool:
+    """Whether a column type is a list of vectors of numbers: list<list<number>> or list<fixed_size_list<...>>."""
+    pa, _ = _pyarrow()
+    lists = (pa.types.is_list, pa.types.is_large_list)
+    if not any(test(column_type) for test in lists):
+        return False
+    vector = column_type.value_type
+    if not any(test(vector) for test in (*lists, pa.types.is_fixed_size_list)):
+        return False
+    number = vector.value_type
+    return pa.types.is_floating(number) or pa.types.is_integer(number)
+
+
 def decode_sequences(column, d_model: int) -> list[np.ndarray | str]:
     """A nested-list column -> per row an array [seq, width] (width = d_model when well formed), or a problem."""
     pa, _ = _pyarrow()
@@ -133,6 +146,13 @@ class ParquetItemReader:
                 f"{self.path}: no column {', '.join(missing)}; this model reads "
                 f"columns {', '.join(self.columns)} (has {', '.join(names)})"
             )
+        schema = self._file.schema_arrow
+        for name in self.columns[1:]:
+            if not is_vector_list(schema.field(name).type):
+                raise InputError(
+                    f"{self.path}: column {name} is {schema.field(name).type}; it must hold per row a list of "
+                    "vectors of numbers (list<list<float32>>: [seq][d_model])"
+                )
         return self
 
     def __exit__(self, *exc_info):
@@ -175,8 +195,8 @@ class ParquetItemWriter:
             schema = pq.read_schema(like)
             # The output keeps the input's vector type: the query column's, whose rows it has.
             if column in schema.names:
-                value_type = schema.field(column).type
-                self._fixed_inner = pa.types.is_fixed_size_list(getattr(value_type, "value_type", None))
+                inner = getattr(schema.field(column).type, "value_type", None)  # None: not a list (the reader says)
+                self._fixed_inner = inner is not None and pa.types.is_fixed_size_list(inner)
         self._writer = None
 
     def __enter__(self):

@@ -41,6 +41,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from mha_deploy.errors import InputError, OptionError
+from mha_deploy.runtime.validation import zero_padding
+from mha_deploy.signature import MEMORY_AXIS, TOTAL_AXIS
 
 if TYPE_CHECKING:
     from mha_deploy.metadata import ModelMetadata
@@ -186,9 +188,18 @@ class IncrementalDecoder:
         return self._call(x, np.ones(x.shape[:2], bool))
 
     def leave(self, rows) -> None:
-        """Drop batch rows ``rows`` (indices into the current batch; ``ids`` maps them to prefill rows)."""
+        """Drop batch rows ``rows``: indices into the current batch (``ids`` maps them to prefill rows), or a
+        bool mask with one value per row (True = leave)."""
         drop = np.zeros(self.batch, bool)
-        rows = np.asarray(rows, dtype=int).ravel()
+        rows = np.asarray(rows)
+        if rows.dtype == np.bool_:
+            # Read as indices, [False, True, False] would be rows 0, 1, 0.
+            if rows.shape != (self.batch,):
+                raise InputError(f"a bool mask of rows needs one value per row ({self.batch}), got shape {rows.shape}")
+            rows = np.flatnonzero(rows)
+        elif rows.size and rows.dtype.kind not in "iu":
+            raise InputError(f"rows must be integer indices (or a bool mask), got {rows.dtype} values {rows.tolist()}")
+        rows = rows.astype(int).ravel()
         if rows.size and (rows.min() < -self.batch or rows.max() >= self.batch):
             raise InputError(f"rows {rows.tolist()} out of range for a batch of {self.batch}")
         drop[rows] = True
@@ -224,7 +235,18 @@ class IncrementalDecoder:
                 self._buffers[name].reverse()  # present's buffer holds the next call's past
             self._past = {name: targets[present] for name, present in self._pairs.items()}
         self.mask = mask
+        self._zero_holes()
         return result["output"]
+
+    def _zero_holes(self) -> None:
+        """Zeros in the cache wherever the mask has padding (the keys/values of padded prefill tokens), written
+        in place: validate_inputs would otherwise copy the whole cache on every call to make them inert."""
+        masks = {TOTAL_AXIS: self.mask}
+        if self._memory_mask_name is not None:
+            masks[MEMORY_AXIS] = self._memory[self._memory_mask_name]
+        tensors = self.session.signature.tensors
+        for name, present in self._pairs.items():
+            zero_padding(self._past[name], tensors[present], masks, in_place=True)
 
     def _present_shape(self, name: str, width: int) -> tuple[int, ...]:
         """The present output of cache ``name`` after a call: ``width`` long, or memory-long (encoder caches)."""

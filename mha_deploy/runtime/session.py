@@ -13,7 +13,7 @@ import onnx
 import onnxruntime as ort
 
 from mha_deploy.atomic import atomic_path
-from mha_deploy.errors import InputError, ModelFileError, OptionError, ProviderUnavailableError
+from mha_deploy.errors import InputError, ModelFileError, OptionError, OutputError, ProviderUnavailableError
 from mha_deploy.inputs import placeholder_inputs
 from mha_deploy.metadata import ModelMetadata
 from mha_deploy.runtime.cuda_support import cuda_graph_unsupported, cuda_unsupported
@@ -155,20 +155,29 @@ class MHASession:
             if optimized_model_path is None:
                 return ort.InferenceSession(source, options, providers=providers)
             cache = Path(optimized_model_path)
+            if not isinstance(model, bytes) and _same_file(cache, Path(model)):
+                raise OptionError(
+                    f"optimized_model_path {cache} is the model itself, which the optimized graph would replace: "
+                    "give the cache a path of its own"
+                )
             key = _cache_key(model, options, providers)
             cached = _load_cache(cache, key, options, providers)
             if cached is not None:
                 self.loaded_from = str(cache)
                 return cached
             try:
+                # atomic_path creates the temporary first: ORT's own failure to write it says only
+                # "SystemError : 13", as if the model were at fault.
                 with atomic_path(cache) as tmp:
                     options.optimized_model_filepath = str(tmp)
                     session = ort.InferenceSession(source, options, providers=providers)
                     _append_metadata_prop(tmp, CACHE_KEY_PROP, key)
-            except OSError as exc:
-                raise ModelFileError(f"{cache}: cannot write the optimized-model cache ({exc})") from exc
+            except (OSError, OutputError) as exc:
+                cause = exc.__cause__ if isinstance(exc, OutputError) else exc
+                reason = getattr(cause, "strerror", None) or cause
+                raise ModelFileError(f"{cache}: cannot write the optimized-model cache ({reason})") from exc
             return session
-        except ModelFileError:
+        except (ModelFileError, OptionError):
             raise
         except Exception as exc:  # ORT raises its own Fail/InvalidProtobuf/... types
             raise ModelFileError(f"{self.loaded_from}: ONNX Runtime cannot load it: {exc}") from exc
@@ -290,6 +299,13 @@ class MHASession:
                 f"{self.source}: graph inputs {actual_in} / outputs {actual_out} do not match its metadata "
                 f"({self.input_names} / {self.output_names}); was the file edited after export?"
             )
+
+
+def check_model_file(path: str | os.PathLike) -> ModelMetadata:
+    """A model file's metadata, checked against its graph as every session checks it on load (see
+    ``mha_deploy.runtime.model_check``), or ``ModelFileError``. What ``triton`` and ``inspect`` check
+    with, so that they refuse or flag exactly the files ``infer`` and ``serve`` refuse."""
+    return MHASession(path, provider="cpu", threads=1, optimization="disabled", flush_denormals=False).metadata
 
 
 def _cuda_refusal(model: str | os.PathLike | bytes, cuda_graph: bool) -> str | None:
@@ -470,6 +486,14 @@ def _varint(value: int) -> bytes:
         out.append(low | (0x80 if value else 0))
         if not value:
             return bytes(out)
+
+
+def _same_file(a: Path, b: Path) -> bool:
+    """Whether ``a`` and ``b`` name one file (through links too), or the same path when ``a`` does not exist."""
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return a.resolve() == b.resolve()
 
 
 def _check_model_path(path: Path) -> None:

@@ -14,6 +14,12 @@ Two entry points share the rules:
   ``in_model_dtype``: datasets and JSON bodies hold float32 (or float64, or
   integers) whatever the model's dtype, so an fp16 model takes them cast.
 
+Padding is made inert on the way in: ``validate_inputs`` returns zeros at every
+position a padding mask marks as padding, in sequence inputs and KV caches alike
+(``zero_padding``). The mask keeps real rows from attending there, but a NaN or
+Inf at a padded position would still reach them through the kernel's
+arithmetic (NaN times a zero weight is NaN), and from a cache every later step.
+
 And one check of what comes out: ``output_problem`` finds NaN or Inf in one
 item's outputs, which finite inputs can still produce (values near the dtype's
 limit overflow in the projections or the scores); the runner and the server
@@ -30,7 +36,17 @@ import numpy as np
 
 from mha_deploy.errors import InputError
 from mha_deploy.metadata import ModelMetadata
-from mha_deploy.signature import BATCH_AXIS, PADDING_MASK, TOKENS, Signature, TensorSpec
+from mha_deploy.signature import (
+    BATCH_AXIS,
+    ENCODER_PAST_AXIS,
+    MEMORY_AXIS,
+    PADDING_MASK,
+    PAST_AXIS,
+    TOKENS,
+    TOTAL_AXIS,
+    Signature,
+    TensorSpec,
+)
 
 
 @dataclass(frozen=True)
@@ -239,7 +255,61 @@ def validate_inputs(metadata: ModelMetadata, inputs: Mapping[str, object]) -> di
             shape = (shape[0], past[signature.growing_caches[0]].shape[2] + shape[1])
             sequence_name = f"past_seq + {sequence_name}'s length"
         arrays[mask_name] = _padding_mask(mask_name, inputs[mask_name], shape, sequence_name)
-    return {**arrays, **past}
+    feeds = {**arrays, **past}
+    masks = padding_by_axis(signature, feeds)
+    for name in (*signature.sequence_inputs, *past):
+        feeds[name] = zero_padding(feeds[name], signature.tensors[name], masks)
+        # Ids are checked once padding is inert: whatever sat at a padded position is 0 now.
+        problem = _id_problem(signature.tensors[name], feeds[name]) if name in signature.sequence_inputs else None
+        if problem:
+            raise InputError(problem.message)
+    return feeds
+
+
+def padding_by_axis(signature: Signature, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Length axis -> [batch, length] bool (True = real) for every axis of the feeds a padding mask covers.
+
+    With a KV cache the queries' mask covers past_seq + seq: its first past_seq columns are the cache's
+    (``past_seq``), the rest the new tokens'. A decoder's encoder caches are memory's length once filled.
+    """
+    masks = {}
+    for mask_name, marks in signature.padding_masks.items():
+        mask = feeds[mask_name]
+        axis = signature.axis_of(mask_name)
+        if axis == TOTAL_AXIS:
+            past = mask.shape[1] - feeds[marks].shape[1]
+            masks[signature.axis_of(marks)], masks[PAST_AXIS] = mask[:, past:], mask[:, :past]
+            continue
+        masks[axis] = mask
+        if axis == MEMORY_AXIS and any(
+            feeds[name].shape[2] == mask.shape[1] for name in signature.cache_pairs if name in feeds
+        ):
+            masks[ENCODER_PAST_AXIS] = mask
+    return masks
+
+
+def zero_padding(
+    array: np.ndarray, spec: TensorSpec, masks: Mapping[str, np.ndarray], in_place: bool = False
+) -> np.ndarray:
+    """``array`` (laid out as ``spec``) with zeros wherever ``masks`` (axis -> [batch, length] bool, True =
+    real) marks a position of one of its axes as padding.
+
+    The one way padding is made inert, whatever the tensor (a sequence, a cache; ids of a token input would
+    become 0 the same way). Copies only when a padded position holds anything but zero; ``in_place`` writes
+    into ``array`` instead (an array the caller owns, such as a decoder's cache).
+    """
+    for position, axis in enumerate(spec.axes):
+        mask = masks.get(axis) if position else None
+        if mask is None or mask.shape != (array.shape[0], array.shape[position]) or mask.all():
+            continue
+        index: list = [slice(None)] * array.ndim
+        index[0], index[position] = np.nonzero(~mask)
+        if not in_place:
+            if not array[tuple(index)].any():  # NaN counts as nonzero
+                continue
+            array, in_place = array.copy(), True
+        array[tuple(index)] = 0
+    return array
 
 
 def _cache_arrays(
@@ -305,10 +375,6 @@ def _sequence_array(spec: TensorSpec, value: object, metadata: ModelMetadata) ->
         )
     if array.shape[0] == 0 or array.shape[1] == 0:
         raise InputError(f"{name} is empty (shape {array.shape}): batch and sequence length must be at least 1")
-    if spec.role == TOKENS:
-        problem = _id_problem(spec, array)
-        if problem:
-            raise InputError(problem.message)
     return np.ascontiguousarray(array)
 
 

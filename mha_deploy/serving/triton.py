@@ -7,7 +7,8 @@ half-written model (Triton may be polling it). Replacing an existing entry
 (``overwrite``) replaces the config and the version written, nothing else: the
 new ``NAME/`` is staged with hard links to every other file and version
 directory the old one held (copies where the filesystem has no hard links),
-then swapped in with one rename.
+then swapped in with one rename. A lock beside the entry (``.NAME.mha-deploy.lock``,
+``mha_deploy.batch.lock``) keeps a second writer of the same entry out meanwhile.
 
 Batching choice: with ``max_batch_size > 0`` Triton owns the batch axis (dims
 omit it) and its dynamic batcher concatenates requests along it, which works
@@ -27,6 +28,7 @@ sequence batcher with implicit state instead (``_kv_cache_config``).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import secrets
@@ -36,6 +38,7 @@ from pathlib import Path
 
 import onnx
 
+from mha_deploy.batch.lock import OutputLock, lock_path
 from mha_deploy.errors import MHADeployError, ModelFileError
 from mha_deploy.metadata import TRITON_KINDS as KINDS  # re-exported: defined without onnx for the CLI
 from mha_deploy.metadata import ModelMetadata
@@ -50,6 +53,8 @@ TRITON_DTYPES = {
     onnx.TensorProto.INT64: "TYPE_INT64",
 }
 _NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
+# File names take 255 bytes; the staging directory adds a dot and ".<12 hex>.tmp" (and the lock more).
+MAX_NAME_LENGTH = 200
 CONFIG_NAME = "config.pbtxt"
 
 
@@ -86,18 +91,28 @@ def write_triton_model(
     name = config.name or re.sub(r"[^A-Za-z0-9_.-]", "_", model.stem)
     _check_config(config, name)
     proto = _load(model)
-    metadata = ModelMetadata.from_props({p.key: p.value for p in proto.metadata_props}, str(model))
+    # The check every session makes on load: a file infer and serve refuse gets no repository entry either.
+    from mha_deploy.runtime.session import check_model_file
+
+    metadata = check_model_file(model)
     if config.kind == "gpu":
         _check_runs_on_cuda(proto, model)
     text = config_pbtxt(proto, metadata, config, name)
 
     target = repo / name
+    # One writer per entry: two `--overwrite` runs would swap the directory out from under each other.
+    with OutputLock(lock_path(target, output_is_directory=False), target):
+        _write_entry(model, target, text, str(config.version), overwrite)
+    return target
+
+
+def _write_entry(model: Path, target: Path, text: str, version: str, overwrite: bool) -> None:
+    repo = target.parent
     if target.exists() and not overwrite:
         raise TritonExportError(f"{target} already exists; pass --overwrite to replace it")
     if target.exists() and not target.is_dir():
         raise TritonExportError(f"{target} exists and is not a directory; remove it or choose another --name")
-    version = str(config.version)
-    staging = repo / f".{name}.{secrets.token_hex(6)}.tmp"
+    staging = repo / f".{target.name}.{secrets.token_hex(6)}.tmp"
     try:
         repo.mkdir(parents=True, exist_ok=True)
         try:
@@ -110,12 +125,17 @@ def write_triton_model(
         finally:
             shutil.rmtree(staging, ignore_errors=True)
     except OSError as exc:
-        raise TritonExportError(f"{target}: cannot write the model repository entry ({exc})") from exc
-    return target
+        raise TritonExportError(f"{target}: cannot write the model repository entry ({exc.strerror or exc})") from exc
 
 
 def other_versions(target: Path, version: int) -> list[str]:
     """Version directories of ``target`` besides ``version``: Triton serves the latest one by default."""
+    with contextlib.suppress(FileNotFoundError):  # another writer is swapping the entry in: it says so itself
+        return _version_dirs(target, version)
+    return []
+
+
+def _version_dirs(target: Path, version: int) -> list[str]:
     return sorted(
         (p.name for p in target.iterdir() if p.is_dir() and p.name.isdigit() and int(p.name) != version), key=int
     )
@@ -240,6 +260,11 @@ def _tensors(field: str, specs: list[TritonTensor]) -> str:
 def _check_config(config: TritonConfig, name: str) -> None:
     if not _NAME.match(name) or name.startswith("."):
         raise TritonExportError(f"model name {name!r}: use letters, digits, '_', '-' and '.' (not first)")
+    if len(name) > MAX_NAME_LENGTH:
+        raise TritonExportError(
+            f"model name {name[:20]}... is {len(name)} characters; at most {MAX_NAME_LENGTH} fit a file name "
+            "(with the staging directory's suffix)"
+        )
     if config.kind not in KINDS:
         raise TritonExportError(f"kind must be one of {', '.join(KINDS)}, got {config.kind!r}")
     if config.instances < 1 or config.max_batch_size < 0 or config.max_queue_delay_us < 0:

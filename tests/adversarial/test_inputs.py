@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import io
 import json
+import subprocess
+import sys
 import tracemalloc
 import warnings
 import zipfile
@@ -190,3 +192,42 @@ def test_reading_an_item_file_whole_says_what_a_pickle_is(tmp_path):
     with pytest.raises(InputError, match=r"in.npz: cannot read arrays \(it holds pickled Python objects.*unsafe"):
         read_arrays(tmp_path / "in.npz")
     assert not marker.exists()
+
+
+def _limited_file_size(limit: int):
+    def apply() -> None:
+        import resource
+        import signal
+
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # writes past the limit then fail with EFBIG, as on a full disk
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+    return apply
+
+
+@pytest.mark.parametrize("suffix", [".safetensors", ".npz", ".parquet"])
+def test_an_output_that_cannot_be_written_is_one_line_naming_it(tmp_path, model, suffix):
+    """Round 2: a full disk while writing safetensors was "unexpected SafetensorError"; nothing partial is left."""
+    if suffix == ".parquet":
+        pytest.importorskip("pyarrow")
+    source = tmp_path / "in.npz"
+    np.savez(source, **{f"i{n}": a for n, a in enumerate(sequences([200] * 4))})
+    output = tmp_path / "out" / f"o{suffix}"
+    command = [sys.executable, "-m", "mha_deploy.cli", "infer", str(model), "--input", str(source), "--output",
+               str(output), "--provider", "cpu", "--no-progress"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=120,
+                            preexec_fn=_limited_file_size(64 * 1024))
+    line = result.stderr.strip().splitlines()[-1]
+    assert result.returncode == 1 and line.startswith(f"error: {output}: cannot write it"), result.stderr
+    assert "unexpected" not in line
+    assert not output.parent.exists(), "no partial output: the directory the job created is gone too"
+
+
+@pytest.mark.parametrize("column", [["a", "b"], [[1.0, 2.0], [3.0]]], ids=["strings", "flat-lists"])
+def test_a_parquet_column_of_the_wrong_type_is_one_line_naming_it(tmp_path, model, column):
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    source = tmp_path / "in.parquet"
+    pq.write_table(pa.table({"id": ["a", "b"], "x": column}), source)
+    assert_loud(infer(model, source, tmp_path / "out.parquet"), f"{source}: column x is", "list<list<float32>>")
+    assert not (tmp_path / "out.parquet").exists()

@@ -68,3 +68,15 @@ def test_finite_values_beyond_float32_are_refused():
     with pytest.raises(parsing.RequestError) as refused:
         parsing.parse_request(body, parsing.NPZ, METADATA, LIMITS)
     assert refused.value.status == 422 and refused.value.kind == "not_finite"
+
+
+def test_an_npz_body_holding_a_member_twice_is_refused():
+    """Round 2, defect 7: answered 200 with the last copy, although ``infer`` refuses the same file."""
+    buffer = io.BytesIO()
+    with zipfile.ZipFile(buffer, "w") as archive, pytest.warns(UserWarning, match="Duplicate name"):
+        archive.writestr("x.npy", _npy(np.zeros((2, D), np.float32)))
+        archive.writestr("x.npy", _npy(np.ones((3, D), np.float32)))
+    with pytest.raises(parsing.RequestError) as refused:
+        parsing.parse_request(buffer.getvalue(), parsing.NPZ, METADATA, LIMITS)
+    assert refused.value.status == 400 and refused.value.kind == "duplicate_member"
+    assert "x.npy twice" in refused.value.message

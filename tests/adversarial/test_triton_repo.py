@@ -3,11 +3,15 @@ other version directories and the files users keep beside a model (labels, notes
 
 from __future__ import annotations
 
+import os
+
 from click.testing import CliRunner
 
+from mha_deploy.batch.lock import OutputLock, lock_path
 from mha_deploy.cli import main
 from mha_deploy.metadata import Signature
 from mha_deploy.serving.triton import TritonConfig, write_triton_model
+from tests.adversarial.conftest import assert_loud
 from tests.serving.test_triton import parse_config
 
 
@@ -41,3 +45,24 @@ def test_overwrite_replaces_only_the_version_it_writes(export_model, tmp_path):
 
     write_triton_model(first, repo, TritonConfig(name="mha", version=3), overwrite=True)
     assert _tree(target)["3/model.onnx"] == first.read_bytes() and _tree(target)["1/model.onnx"] == second.read_bytes()
+
+
+def test_a_second_writer_of_one_entry_is_refused_while_the_first_writes(export_model, tmp_path):
+    """Round 2: two concurrent `--overwrite` runs swapped the entry out from under each other ("unexpected")."""
+    model, _ = export_model(Signature("self", "padding"))
+    repo = tmp_path / "repo"
+    write_triton_model(model, repo, TritonConfig(name="mha"))
+    before = _tree(repo / "mha")
+    with OutputLock(lock_path(repo / "mha", output_is_directory=False), repo / "mha"):
+        result = CliRunner().invoke(main, ["triton", str(model), "--repo", str(repo), "--name", "mha", "--overwrite"])
+        assert_loud(result, f"{repo / 'mha'} is in use by pid {os.getpid()}")
+    assert _tree(repo / "mha") == before
+    assert sorted(p.name for p in repo.iterdir()) == ["mha"]
+
+
+def test_a_name_too_long_for_a_file_is_refused_before_anything_is_written(export_model, tmp_path):
+    model, _ = export_model(Signature("self", "padding"))
+    result = CliRunner().invoke(main, ["triton", str(model), "--repo", str(tmp_path / "repo"), "--name", "a" * 300])
+    assert_loud(result, "is 300 characters; at most 200")
+    assert len(result.stderr) < 300
+    assert not (tmp_path / "repo").exists()

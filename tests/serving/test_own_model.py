@@ -86,3 +86,22 @@ def test_triton_repository_for_the_classifier(own_model, tmp_path):
     check_against_model(config, onnx.load(str(path)))
     assert [(t.name, list(t.dims)) for t in config.input] == [("input_ids", [-1]), ("attention_mask", [-1])]
     assert [(t.name, list(t.dims)) for t in config.output] == [("output", [3])]
+
+
+def test_grpc_typed_int64_contents(classifier_server):
+    """Token ids as contents.int64_contents (varints on the wire), not raw bytes."""
+    import grpc
+    from tritonclient.grpc import service_pb2 as pb
+    from tritonclient.grpc import service_pb2_grpc
+
+    name, server = classifier_server
+    ids, mask = _batch()
+    request = pb.ModelInferRequest(model_name=name)
+    for tensor_name, array, datatype, field in (("input_ids", ids, "INT64", "int64_contents"),
+                                                ("attention_mask", mask, "BOOL", "bool_contents")):
+        tensor = request.inputs.add(name=tensor_name, datatype=datatype, shape=list(array.shape))
+        getattr(tensor.contents, field).extend(array.ravel().tolist())
+    with grpc.insecure_channel(server.grpc_url) as channel:
+        response = service_pb2_grpc.GRPCInferenceServiceStub(channel).ModelInfer(request, timeout=20)
+    logits = np.frombuffer(response.raw_output_contents[0], np.float32).reshape(4, 3)
+    np.testing.assert_allclose(logits, _alone(ids, mask), atol=ATOL, rtol=RTOL)

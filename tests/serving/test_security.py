@@ -260,9 +260,10 @@ def test_slow_bodies_cannot_hold_connections_or_the_drain(export_model, tmp_path
         started = time.monotonic()
         stalled = [_stalled_upload(server) for _ in range(4)]
         time.sleep(0.3)
-        # The cap counts open connections: a fifth gets 503 while four uploads stall.
-        status, _, _ = server.request("GET", "/v2/health/live")
-        assert status == 503
+        # The cap counts requests in progress: a fifth gets 503 while four uploads stall (health checks need no slot).
+        status, headers, _ = server.request("GET", "/v2")
+        assert status == 503 and headers.get("retry-after") == "1"
+        assert server.request("GET", "/v2/health/live")[0] == 200
         for sock in stalled:
             answer = _read_until_closed(sock)  # the server closes a connection whose body it did not read
             assert answer.startswith(b"HTTP/1.1 408"), answer[:200]

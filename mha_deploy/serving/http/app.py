@@ -19,7 +19,8 @@ shape or values, 503 not ready or overloaded, with ``Retry-After``); an unexpect
 failure gets a 500 of the same form that says only that (details go to the log).
 
 With API keys, every route but liveness and readiness needs ``Authorization:
-Bearer <key>`` (401 otherwise, before the body is read). With a ``GrpcConfig``,
+Bearer <key>`` (401 otherwise, before the body is read). Authorised requests
+then take one of ``max_requests`` slots (503 when none is free). With a ``GrpcConfig``,
 the lifespan starts a gRPC server in the same event loop, serving the same
 ``InferenceService``: REST and gRPC requests share one batcher.
 """
@@ -45,8 +46,9 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from mha_deploy.runtime.session import MHASession
-from mha_deploy.serving.http.auth import ApiKeys, is_health_path
+from mha_deploy.serving.http.auth import AUTHORIZED, ApiKeys, is_health_path
 from mha_deploy.serving.http.body import read_body
+from mha_deploy.serving.http.connections import RequestSlots, refusal
 from mha_deploy.serving.http.parsing import (
     CONTENT_TYPES,
     JSON,
@@ -79,11 +81,13 @@ def create_app(
     model_name: str = "model",
     api_keys: ApiKeys | None = None,
     grpc_config=None,
+    max_requests: int | None = None,
 ) -> Starlette:
     """The app. ``load_session`` runs in a thread at startup (the port is open and /healthz answers meanwhile).
 
     ``model_name`` is the name the v2 protocol serves the model under; ``grpc_config``, a
-    ``grpc_server.GrpcConfig``, adds the gRPC server.
+    ``grpc_server.GrpcConfig``, adds the gRPC server; ``max_requests`` caps the requests
+    (authorised ones, health checks aside) handled at once (``connections.RequestSlots``).
     """
     batching = batching or BatchingConfig()
     limits = limits or RequestLimits()
@@ -175,7 +179,10 @@ def create_app(
         Route("/metrics", metrics_endpoint, methods=["GET"]),
         *v2_routes(service),
     ]
+    # The key is checked first (outermost), so that only authorised requests take a slot.
     middleware = [Middleware(RequireApiKey, keys=api_keys)] if api_keys is not None else []
+    if max_requests is not None:
+        middleware.append(Middleware(RequestSlots, limit=max_requests))
     app = Starlette(
         routes=routes, lifespan=lifespan, middleware=middleware, exception_handlers={HTTPException: http_error}
     )
@@ -193,17 +200,18 @@ class RequireApiKey:
         self.keys = keys
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or is_health_path(scope["path"]):
+        if scope["type"] != "http":
             return await self.app(scope, receive, send)
         header = next((value for name, value in scope["headers"] if name == b"authorization"), None)
-        if self.keys.allows(header.decode("latin-1") if header is not None else None):
+        authorized = self.keys.allows(header.decode("latin-1") if header is not None else None)
+        if authorized or is_health_path(scope["path"]):
+            # Health checks answer anyone, but name the served model only to those with a key.
+            scope.setdefault("state", {})[AUTHORIZED] = authorized
             return await self.app(scope, receive, send)
         message = "missing or wrong API key: send 'Authorization: Bearer <key>'"
-        body = {"error": message} if scope["path"].startswith("/v2") else {
-            "error": {"kind": "unauthenticated", "message": message}}
-        # Connection: close, since the request body (if any) is not read.
-        headers = {"WWW-Authenticate": "Bearer", "Connection": "close"}
-        await JSONResponse(body, status_code=401, headers=headers)(scope, receive, send)
+        await refusal(scope["path"], 401, "unauthenticated", message, {"WWW-Authenticate": "Bearer"})(
+            scope, receive, send
+        )
 
 
 def _v1_error(exc: RequestError) -> Response:

@@ -22,6 +22,8 @@ HEALTH_METHODS = frozenset(
     f"/inference.GRPCInferenceService/{name}" for name in ("ServerLive", "ServerReady", "ModelReady")
 )
 MIN_KEY_LENGTH = 16
+# The ASGI scope's state entry saying whether a request presented a valid key (set with API keys only).
+AUTHORIZED = "mha_authorized"
 
 
 class ApiKeyError(MHADeployError):
@@ -39,18 +41,29 @@ class ApiKeys:
         short = [key for key in keys if len(key) < MIN_KEY_LENGTH or any(c.isspace() for c in key)]
         if short:
             raise ApiKeyError(f"API keys must be at least {MIN_KEY_LENGTH} characters without spaces")
+        # HTTP headers carry Latin-1 at most, and clients differ in how they encode beyond ASCII: such a key
+        # could never authenticate.
+        unprintable = [number for number, key in enumerate(keys, 1) if not (key.isascii() and key.isprintable())]
+        if unprintable:
+            raise ApiKeyError(
+                f"API key {unprintable[0]} holds characters beyond printable ASCII, which no client can send "
+                "in a header reliably: use letters, digits and punctuation"
+            )
         self._keys = [key.encode() for key in keys]
 
     @classmethod
     def from_file(cls, path: str | os.PathLike) -> ApiKeys:
         try:
-            text = Path(path).read_text(encoding="utf-8")
+            text = Path(path).read_text(encoding="utf-8-sig")  # a BOM, as some editors write, is not key text
         except (OSError, UnicodeDecodeError) as exc:
             raise ApiKeyError(f"cannot read the API key file {path}: {exc}") from exc
         keys = [line.strip() for line in text.splitlines() if line.strip() and not line.lstrip().startswith("#")]
         if not keys:
             raise ApiKeyError(f"the API key file {path} holds no key (one key per line)")
-        return cls(keys)
+        try:
+            return cls(keys)
+        except ApiKeyError as exc:
+            raise ApiKeyError(f"the API key file {path}: {exc}") from None
 
     def allows(self, authorization: str | None) -> bool:
         """Whether an ``Authorization`` header value is ``Bearer <one of the keys>``."""

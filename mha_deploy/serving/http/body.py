@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 
-from mha_deploy.serving.http.parsing import RequestError, RequestLimits
+from mha_deploy.serving.http.parsing import RequestError, RequestLimits, is_decimal
 
 _timeout = getattr(asyncio, "timeout", None)  # Python >= 3.11
 
@@ -21,7 +21,7 @@ async def read_body(request, limits: RequestLimits) -> bytes:
     max_bytes = limits.max_body_bytes
     declared = request.headers.get("content-length")
     if declared is not None:
-        if not declared.isdigit():
+        if not is_decimal(declared):
             raise RequestError(400, "bad_content_length", f"Content-Length {declared!r} is not a number")
         if int(declared) > max_bytes:
             raise _too_large(max_bytes)

@@ -13,15 +13,26 @@ one raw little-endian buffer per input, in the order of ``inputs``) or as typed
 ``contents`` (``fp32_contents``, ``bool_contents``; FP16 has no typed field, so
 it must be raw). Outputs always come back as ``raw_output_contents``.
 
+Every method is registered as client-streaming, which is the same on the wire
+as unary, so that a call is handled from its arrival, before its message: the
+API key (in the call's metadata) is checked first, then the message must
+arrive within ``receive_timeout_s`` (DEADLINE_EXCEEDED otherwise), and only
+then does the call take one of ``max_concurrent_rpcs`` slots. So calls without
+a key, or whose message never comes, cannot take the slots of authorised
+ones. The message is decoded here too: a malformed one is INVALID_ARGUMENT, a
+large one is decoded in a thread, off the event loop.
+
 Status codes: INVALID_ARGUMENT (REST's 400), NOT_FOUND (404), UNAUTHENTICATED,
 UNAVAILABLE (503: not ready, or the queue is full), RESOURCE_EXHAUSTED (a
-message over the size limit, or more concurrent calls than allowed), INTERNAL
-with no details (500). Details never carry a file path or a traceback.
+message over the size limit, or more concurrent calls than allowed),
+DEADLINE_EXCEEDED (a message that did not arrive in time), INTERNAL with no
+details (500). Details never carry a file path or a traceback.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 import math
 from collections.abc import Awaitable, Callable
@@ -30,13 +41,14 @@ from pathlib import Path
 
 import grpc
 import numpy as np
+from google.protobuf.message import DecodeError
 from tritonclient.grpc import service_pb2 as pb
 from tritonclient.grpc import service_pb2_grpc
 
 from mha_deploy.errors import MHADeployError
 from mha_deploy.metadata import ModelMetadata
 from mha_deploy.serving.http import v2
-from mha_deploy.serving.http.auth import ApiKeys
+from mha_deploy.serving.http.auth import HEALTH_METHODS, ApiKeys
 from mha_deploy.serving.http.parsing import RequestError
 from mha_deploy.serving.http.service import THREAD_THRESHOLD_BYTES, InferenceService
 
@@ -52,6 +64,12 @@ STATUS_CODES = {
 }
 # Protocol datatype -> the typed contents field that carries it (FP16 has none: raw only).
 TYPED_CONTENTS = {"FP32": "fp32_contents", "BOOL": "bool_contents", "INT64": "int64_contents"}
+_VARINT_CONTENTS = {"int64_contents"}
+# Whether the call being handled presented a valid API key (always, without keys): health calls answer
+# anyone, but name the served model only to those who did.
+_AUTHORIZED: contextvars.ContextVar[bool] = contextvars.ContextVar("authorized", default=True)
+# The size of the call's request message as it arrived (ByteSize would walk a large message on the event loop).
+_MESSAGE_BYTES: contextvars.ContextVar[int] = contextvars.ContextVar("message_bytes", default=0)
 
 
 class GrpcServeError(MHADeployError):
@@ -66,18 +84,28 @@ class GrpcConfig:
     ssl_keyfile: str | None = None
     # Largest request message (gRPC refuses larger ones with RESOURCE_EXHAUSTED before they reach the servicer).
     max_message_bytes: int = 64 * 2**20
-    # Calls handled at once; more get RESOURCE_EXHAUSTED.
+    # Calls handled at once (counted once authorised and received); more get RESOURCE_EXHAUSTED.
     max_concurrent_rpcs: int | None = 1000
     # On shutdown: how long calls in flight may take before they are cancelled.
     grace_s: float = 30.0
-    # On shutdown: how long a call may still be receiving its request message (REST's body timeout).
+    # How long a call's request message may take to arrive (REST's body timeout); also bounds the shutdown.
     receive_timeout_s: float = 10.0
+    # A connection with no call in progress is closed after this long (REST's idle timeout); None: never.
+    idle_timeout_s: float | None = 5.0
 
 
 class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
-    def __init__(self, service: InferenceService, api_keys: ApiKeys | None = None):
+    def __init__(
+        self,
+        service: InferenceService,
+        api_keys: ApiKeys | None = None,
+        max_calls: int | None = None,
+        receive_timeout_s: float = 10.0,
+    ):
         self.service = service
         self.api_keys = api_keys
+        self.max_calls = max_calls
+        self.receive_timeout_s = receive_timeout_s
         self.in_flight = 0  # calls whose request reached a handler and that have not answered yet
 
     async def ServerLive(self, request, context):
@@ -88,10 +116,10 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
 
     async def ModelReady(self, request, context):
         async def answer():
-            self.service.check_model(request.name, request.version)
+            self.service.check_model(request.name, request.version, reveal=_AUTHORIZED.get())
             return pb.ModelReadyResponse(ready=self.service.ready)
 
-        return await self._answer(context, answer, authorize=False)
+        return await self._answer(context, answer, slot=False)
 
     async def ServerMetadata(self, request, context):
         async def answer():
@@ -115,7 +143,7 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
             self.service.check_model(request.model_name, request.model_version)
             session, _ = self.service.require_ready()
             metadata = session.metadata
-            large = sum(len(raw) for raw in request.raw_input_contents) > THREAD_THRESHOLD_BYTES
+            large = _MESSAGE_BYTES.get() > THREAD_THRESHOLD_BYTES  # typed contents too, not only raw ones
             max_item_tokens = self.service.limits.max_item_tokens
             if large:
                 inputs, names = await asyncio.to_thread(decode_request, request, metadata, max_item_tokens)
@@ -127,18 +155,21 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
         with self.service.track("grpc"):
             return await self._answer(context, answer, count=True)
 
-    async def _answer(self, context, answer: Callable[[], Awaitable], authorize: bool = True, count: bool = False):
-        """``answer()``, or the call aborted with the status code of what went wrong."""
+    async def _answer(self, context, answer: Callable[[], Awaitable], slot: bool = True, count: bool = False):
+        """``answer()`` in one of the ``max_calls`` slots (health checks need none), or the call aborted with
+        the status code of what went wrong."""
+        if slot and self.max_calls is not None and self.in_flight >= self.max_calls:
+            await context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED, f"the server is handling its limit of {self.max_calls} calls"
+            )
         self.in_flight += 1
         try:
-            return await self._answer_or_abort(context, answer, authorize, count)
+            return await self._answer_or_abort(context, answer, count)
         finally:
             self.in_flight -= 1
 
-    async def _answer_or_abort(self, context, answer: Callable[[], Awaitable], authorize: bool, count: bool):
+    async def _answer_or_abort(self, context, answer: Callable[[], Awaitable], count: bool):
         try:
-            if authorize:
-                self._authorize(context)
             response = await answer()
             if count:
                 self.service.metrics.responses.labels("OK").inc()
@@ -154,12 +185,58 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
             self.service.metrics.responses.labels(code.name).inc()
         await context.abort(code, error.message)
 
-    def _authorize(self, context) -> None:
+    def _authorized(self, context) -> bool:
         if self.api_keys is None:
-            return
+            return True
         metadata = {key.lower(): value for key, value in context.invocation_metadata() or ()}
-        if not self.api_keys.allows(metadata.get("authorization")):
-            raise RequestError(401, "unauthenticated", "missing or wrong API key: send 'authorization: Bearer <key>'")
+        return self.api_keys.allows(metadata.get("authorization"))
+
+    def on_arrival(self, method: str, request_type):
+        """The behaviour of a client-streaming handler for ``method``: key, message within the deadline,
+        decoding, then the method itself (see the module docstring)."""
+        health = f"/{SERVICE.full_name}/{method}" in HEALTH_METHODS
+
+        async def behaviour(request_iterator, context):
+            authorized = self._authorized(context)
+            if not authorized and not health:
+                await context.abort(
+                    grpc.StatusCode.UNAUTHENTICATED, "missing or wrong API key: send 'authorization: Bearer <key>'"
+                )
+            try:
+                raw = await asyncio.wait_for(context.read(), self.receive_timeout_s)
+            except (TimeoutError, asyncio.TimeoutError):  # distinct types before Python 3.11
+                await context.abort(
+                    grpc.StatusCode.DEADLINE_EXCEEDED,
+                    f"the request message did not arrive within {self.receive_timeout_s:g} s",
+                )
+            if raw is grpc.aio.EOF:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{method}: the call carried no request message")
+            try:
+                if len(raw) > THREAD_THRESHOLD_BYTES:
+                    request = await asyncio.to_thread(request_type.FromString, raw)
+                else:
+                    request = request_type.FromString(raw)
+            except DecodeError:
+                await context.abort(
+                    grpc.StatusCode.INVALID_ARGUMENT, f"{method}: the request is not a valid {request_type.__name__}"
+                )
+            _AUTHORIZED.set(authorized)
+            _MESSAGE_BYTES.set(len(raw))
+            return await getattr(self, method)(request, context)
+
+        return behaviour
+
+
+def method_handlers(servicer: InferenceServicer) -> grpc.GenericRpcHandler:
+    """Every method of the service, each as a client-streaming handler of ``servicer.on_arrival``."""
+    handlers = {}
+    for method in SERVICE.methods:
+        request_type = getattr(pb, method.input_type.name)
+        response_type = getattr(pb, method.output_type.name)
+        handlers[method.name] = grpc.stream_unary_rpc_method_handler(
+            servicer.on_arrival(method.name, request_type), response_serializer=response_type.SerializeToString
+        )
+    return grpc.method_handlers_generic_handler(SERVICE.full_name, handlers)
 
 
 def _unimplemented(name: str):
@@ -203,12 +280,32 @@ def decode_request(
             raise v2.bad_request("bad_data", f"input {tensor.name}: {tensor.datatype} data must be raw_input_contents")
         if filled not in ([field], []) or (not filled and math.prod(shape)):
             raise v2.bad_request("bad_data", f"input {tensor.name}: {tensor.datatype} data goes in contents.{field}")
-        inputs[tensor.name] = v2.array_from_list(tensor.name, dtype, shape, list(getattr(tensor.contents, field)))
+        if field in _VARINT_CONTENTS:
+            # Packed as varints on the wire, not fixed-width: listed (token ids are short).
+            inputs[tensor.name] = v2.array_from_list(tensor.name, dtype, shape, list(getattr(tensor.contents, field)))
+        else:
+            inputs[tensor.name] = v2.array_from_bytes(tensor.name, dtype, shape, _packed_values(tensor.contents))
     for output in request.outputs:
         if "classification" in output.parameters:
             raise v2.bad_request("unsupported", "the classification extension is not supported")
     names = v2.check_outputs(metadata, [output.name for output in request.outputs] or None)
     return inputs, names
+
+
+def _packed_values(contents: pb.InferTensorContents) -> bytes:
+    """The values of the one typed field set in ``contents``, as raw little-endian bytes, read off the wire form.
+
+    Packed fp32 is 4 little-endian bytes per value and packed bool one byte (0 or 1) per value, what
+    ``array_from_bytes`` takes. Listing a field of 15M floats in Python instead holds the GIL, and so the event
+    loop, for a second even in a thread.
+    """
+    wire = contents.SerializeToString()  # one field: its tag, its length, then the packed values
+    position = 0
+    for _ in range(2):  # skip the tag and the length (varints)
+        while position < len(wire) and wire[position] & 0x80:
+            position += 1
+        position += 1
+    return wire[position:]
 
 
 def encode_response(
@@ -244,9 +341,14 @@ class GrpcFrontend:
             # gRPC sets SO_REUSEPORT by default, so a second server would share a port in use without an error.
             ("grpc.so_reuseport", 0),
         ]
-        server = grpc.aio.server(options=options, maximum_concurrent_rpcs=config.max_concurrent_rpcs)
-        self.servicer = InferenceServicer(self.service, self.api_keys)
-        service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(self.servicer, server)
+        if config.idle_timeout_s is not None:
+            options.append(("grpc.max_connection_idle_ms", max(1, int(config.idle_timeout_s * 1000))))
+        # No maximum_concurrent_rpcs: gRPC would count calls from their arrival, keyless and stalled ones too.
+        server = grpc.aio.server(options=options)
+        self.servicer = InferenceServicer(
+            self.service, self.api_keys, config.max_concurrent_rpcs, config.receive_timeout_s
+        )
+        server.add_generic_rpc_handlers((method_handlers(self.servicer),))
         address = f"{config.host}:{config.port}"
         try:
             if config.ssl_certfile:

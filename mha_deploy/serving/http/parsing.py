@@ -22,6 +22,7 @@ import io
 import json
 import zipfile
 import zlib
+from collections import Counter
 from dataclasses import dataclass
 
 import numpy as np
@@ -72,6 +73,11 @@ class RequestLimits:
     max_item_tokens: int = 1024
     # Longest a request body may take to arrive: a slow or stalled upload is cut off with 408 after this.
     body_timeout_s: float = 10.0
+
+
+def is_decimal(text: str) -> bool:
+    """Whether ``text`` is a non-negative integer in ASCII digits (``str.isdigit`` takes "²" and "٣" too)."""
+    return text.isascii() and text.isdigit()
 
 
 def media_type(content_type: str | None) -> str:
@@ -172,9 +178,16 @@ def _from_npy(body: bytes, metadata: ModelMetadata, limits: RequestLimits) -> di
 def _from_npz(body: bytes, metadata: ModelMetadata, limits: RequestLimits) -> dict[str, np.ndarray]:
     try:
         archive = zipfile.ZipFile(io.BytesIO(body))
-        members = {m[: -len(".npy")]: m for m in archive.namelist() if m.endswith(".npy")}
+        names = [m for m in archive.namelist() if m.endswith(".npy")]
     except (zipfile.BadZipFile, ValueError) as exc:
         raise RequestError(400, "malformed_npz", f"body is not an .npz archive: {exc}") from None
+    # A hand-made zip can hold one name twice; which copy is meant is unknown (infer refuses it too).
+    twice = sorted(name for name, count in Counter(names).items() if count > 1)
+    if twice:
+        raise RequestError(
+            400, "duplicate_member", f".npz archive holds {twice[0]} twice: which copy is meant is unknown"
+        )
+    members = {m[: -len(".npy")]: m for m in names}
     _check_names(set(members), metadata, ".npz archive:")
     arrays = {}
     for name in metadata.signature.sequence_inputs:

@@ -34,8 +34,9 @@ from starlette.routing import Route
 
 from mha_deploy.metadata import ModelMetadata
 from mha_deploy.serving.http import v2
+from mha_deploy.serving.http.auth import AUTHORIZED
 from mha_deploy.serving.http.body import read_body
-from mha_deploy.serving.http.parsing import RequestError, load_json
+from mha_deploy.serving.http.parsing import RequestError, is_decimal, load_json
 from mha_deploy.serving.http.service import THREAD_THRESHOLD_BYTES, InferenceService
 
 try:  # ~15x faster than tolist() + json.dumps for arrays of floats (part of the 'serve' extra)
@@ -120,7 +121,8 @@ def v2_routes(service: InferenceService) -> list[Route]:
 
     def _check_model(request: Request) -> None:
         params = request.path_params
-        service.check_model(params["name"], params.get("version", ""))
+        reveal = request.scope.get("state", {}).get(AUTHORIZED, True)
+        service.check_model(params["name"], params.get("version", ""), reveal=reveal)
 
     routes = [
         Route("/v2/health/live", live, methods=["GET"]),
@@ -147,7 +149,7 @@ def parse_infer_request(
     if header_length is None:
         header, tail = view, view[len(view) :]
     else:
-        if not header_length.isdigit() or int(header_length) > len(body):
+        if not is_decimal(header_length) or int(header_length) > len(body):
             raise v2.bad_request(
                 "bad_header_length",
                 f"Inference-Header-Content-Length {header_length!r} is not a length within the {len(body)}-byte body",
@@ -176,6 +178,9 @@ def parse_infer_request(
             raise v2.bad_request("duplicate_input", f"input {name} is given twice")
         tensor_parameters = _parameters(tensor, f"input {name}")
         size = tensor_parameters.get("binary_data_size")
+        if size is not None and "data" in tensor:
+            # Which of the two is meant is unknown (gRPC refuses raw and typed contents together too).
+            raise v2.bad_request("bad_data", f"input {name}: give data or parameters.binary_data_size, not both")
         if size is not None:
             if type(size) is not int or size < 0 or offset + size > len(tail):
                 raise v2.bad_request(

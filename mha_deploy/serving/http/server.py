@@ -7,10 +7,18 @@ logs how many requests it accepted and answered. uvicorn re-raises the signal
 afterwards, so the process ends as killed by SIGTERM (exit 143), as process
 supervisors expect. A body still arriving cannot hold the drain for longer
 than ``limits.body_timeout_s``.
+
+Slow or idle clients cannot starve others (``connections``): a connection with
+no request in progress closes after ``keep_alive_timeout_s``, request headers
+must arrive within ``header_timeout_s``, bodies within ``body_timeout_s``, at
+most ``max_idle_connections`` stay idle (the oldest is closed), and only
+authorised requests in progress count against ``max_connections``. gRPC
+calls likewise (``grpc_server``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
@@ -52,10 +60,17 @@ class ServeConfig:
     # TLS for REST and gRPC alike: a PEM certificate (chain) and its private key.
     ssl_certfile: str | os.PathLike | None = None
     ssl_keyfile: str | os.PathLike | None = None
-    # Open connections (REST) and calls in progress (gRPC) at once; more get 503 / RESOURCE_EXHAUSTED.
+    # Requests (REST) and calls (gRPC) in progress at once, counted once authorised (health checks aside);
+    # more get 503 / RESOURCE_EXHAUSTED. Connections without a request in progress take none.
     max_connections: int = 1000
-    # Idle keep-alive connections are closed after this many seconds.
+    # A connection with no request in progress (new, after a TLS handshake, or between requests) is closed
+    # after this many seconds; gRPC connections with no call too.
     keep_alive_timeout_s: float = 5.0
+    # A request's headers must be complete this many seconds after its first byte (the body has body_timeout_s).
+    header_timeout_s: float = 10.0
+    # Connections with no request in progress kept at once; beyond, the one idle the longest is closed.
+    # None: half the process's open-file limit.
+    max_idle_connections: int | None = None
 
     @property
     def model_name(self) -> str:
@@ -73,6 +88,7 @@ def serve(config: ServeConfig) -> None:
         import uvicorn
 
         from mha_deploy.serving.http.app import create_app
+        from mha_deploy.serving.http.connections import deadline_protocol
     except ImportError as exc:
         raise ServeError(f"the server needs the 'serve' extra: pip install 'mha-deploy[serve]' ({exc})") from exc
     from mha_deploy.runtime.session import MHASession
@@ -118,7 +134,9 @@ def serve(config: ServeConfig) -> None:
     app = create_app(
         load_session, config.batching, config.limits, on_load_error,
         model_name=config.model_name, api_keys=api_keys, grpc_config=grpc_config,
+        max_requests=config.max_connections,
     )
+    max_idle = config.max_idle_connections or max(64, _raise_open_file_limit() // 2)
     uvicorn_config = uvicorn.Config(
         app,
         host=config.host,
@@ -129,8 +147,8 @@ def serve(config: ServeConfig) -> None:
         lifespan="on",
         ssl_certfile=config.ssl_certfile,
         ssl_keyfile=config.ssl_keyfile,
-        # uvicorn counts the new connection too: + 1 lets max_connections connections be served at once.
-        limit_concurrency=config.max_connections + 1,
+        # Not uvicorn's limit_concurrency, which counts idle and unauthorised connections: RequestSlots.
+        http=deadline_protocol(config.keep_alive_timeout_s, config.header_timeout_s, max_idle),
         timeout_keep_alive=config.keep_alive_timeout_s,
     )
     server = _Server(uvicorn_config, app.state.grpc)
@@ -147,9 +165,21 @@ def _check_tls(config: ServeConfig) -> None:
         raise ServeError("TLS needs both --ssl-certfile and --ssl-keyfile")
     if config.ssl_certfile is None:
         return
+    asked = []
+
+    def passphrase() -> bytes:  # OpenSSL asks only for an encrypted key; the server has no one to ask
+        asked.append(True)
+        return b""
+
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
     try:
-        ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(config.ssl_certfile, config.ssl_keyfile)
+        context.load_cert_chain(config.ssl_certfile, config.ssl_keyfile, password=passphrase)
     except (OSError, ssl.SSLError) as exc:
+        if asked:
+            raise ServeError(
+                f"the TLS key {config.ssl_keyfile} is protected by a passphrase, which the server cannot ask "
+                "for: give it the key decrypted (openssl pkey -in KEY -out KEY.plain), readable only by its user"
+            ) from None
         raise ServeError(
             f"cannot use the TLS certificate {config.ssl_certfile} with key {config.ssl_keyfile}: {exc}"
         ) from None
@@ -173,7 +203,23 @@ def _grpc_config(config: ServeConfig):
         max_concurrent_rpcs=config.max_connections,
         grace_s=config.graceful_timeout_s,
         receive_timeout_s=config.limits.body_timeout_s,
+        idle_timeout_s=config.keep_alive_timeout_s,
     )
+
+
+def _raise_open_file_limit() -> int:
+    """Raise this process's open-file limit to its hard limit, and return the limit: every open connection
+    holds a file descriptor, and the common soft limit of 1024 would refuse new connections (authorised ones
+    too) while idle ones wait out their timeout."""
+    try:
+        import resource
+    except ImportError:  # not POSIX
+        return 1024
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != soft:
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
 
 
 def _configure_logging(level: str) -> None:

@@ -89,10 +89,12 @@ class InferenceService:
             raise RequestError(503, "not_ready", f"the server is {self.status}")
         return self.session, self.batcher  # type: ignore[return-value]
 
-    def check_model(self, name: str, version: str = "") -> None:
-        """404 unless ``name`` (and ``version``, when given) is the model this server serves."""
+    def check_model(self, name: str, version: str = "", reveal: bool = True) -> None:
+        """404 unless ``name`` (and ``version``, when given) is the model this server serves; the message names
+        the served model only when ``reveal`` (health checks answer callers without a key too)."""
         if name != self.model_name:
-            raise RequestError(404, "unknown_model", f"unknown model {name!r}: this server serves {self.model_name!r}")
+            served = f": this server serves {self.model_name!r}" if reveal else ""
+            raise RequestError(404, "unknown_model", f"unknown model {name!r}{served}")
         if version not in ("", v2.MODEL_VERSION):
             raise RequestError(404, "unknown_version", f"model {name!r} has version {v2.MODEL_VERSION} only")
 

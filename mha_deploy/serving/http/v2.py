@@ -33,7 +33,7 @@ from mha_deploy import __version__
 from mha_deploy.batch.base import Item, Result
 from mha_deploy.errors import InputError
 from mha_deploy.metadata import ModelMetadata
-from mha_deploy.runtime.validation import item_problem, shape_problem, validate_inputs
+from mha_deploy.runtime.validation import item_problem, shape_problem, validate_inputs, zero_padding
 from mha_deploy.serving.http.batcher import MicroBatcher
 from mha_deploy.serving.http.parsing import RequestError
 from mha_deploy.signature import BATCH_AXIS, SEQUENCE, TOKENS, TensorSpec
@@ -203,18 +203,16 @@ async def run_plan(plan: RequestPlan, batcher: MicroBatcher, metadata: ModelMeta
     if plan.right_padded:
         results = await batcher.submit_many(plan.items)
         return {spec.name: _assemble(spec, results, plan, metadata) for spec in signature.outputs}
-    # Left or mixed padding: the request's own batch (in runs of whole rows within the batcher's token budget),
-    # padded positions zeroed first so that whatever the client put there cannot reach a real one.
-    feeds = dict(plan.feeds)
-    for name in signature.sequence_inputs:
-        feeds[name] = _zero_padding(feeds[name], signature.tensors[name], plan.masks)
+    # Left or mixed padding: the request's own batch (in runs of whole rows within the batcher's token budget);
+    # validate_inputs zeroed its padded positions, so whatever the client put there cannot reach a real one.
+    feeds = plan.feeds
     rows = feeds[signature.query_input].shape[0]
     longest = max(array.shape[1] for name, array in feeds.items() if name in signature.sequence_inputs)
     step = max(1, batcher.max_batch_tokens // longest)
     runs = [{name: array[start : start + step] for name, array in feeds.items()} for start in range(0, rows, step)]
     outputs = await asyncio.gather(*(batcher.run_formed(run) for run in runs))
     return {
-        spec.name: _zero_padding(np.concatenate([out[spec.name] for out in outputs]), spec, plan.masks)
+        spec.name: zero_padding(np.concatenate([out[spec.name] for out in outputs]), spec, plan.masks, in_place=True)
         for spec in signature.outputs
     }
 
@@ -230,14 +228,3 @@ def _assemble(spec: TensorSpec, results: list[Result], plan: RequestPlan, metada
         value = result[spec.name]
         out[(row, *(slice(0, n) for n in value.shape))] = value
     return out
-
-
-def _zero_padding(array: np.ndarray, spec: TensorSpec, masks: Mapping[str, np.ndarray]) -> np.ndarray:
-    """``array`` (laid out as ``spec``) with zeros wherever a mask marks a position of one of its axes as padding."""
-    for position, axis in enumerate(spec.axes):
-        if position == 0 or axis not in masks:
-            continue
-        shape = [1] * array.ndim
-        shape[0], shape[position] = masks[axis].shape
-        array = np.where(masks[axis].reshape(shape), array, array.dtype.type(0))
-    return array
