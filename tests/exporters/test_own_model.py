@@ -16,7 +16,8 @@ from mha_deploy.cli import main  # noqa: E402
 from mha_deploy.errors import ExportError, InputError  # noqa: E402
 from mha_deploy.exporters import export_model  # noqa: E402
 from mha_deploy.inputs import padding_mask  # noqa: E402
-from mha_deploy.model_report import all_nodes  # noqa: E402
+from mha_deploy.model_report import describe_model  # noqa: E402
+from mha_deploy.onnx_nodes import all_nodes  # noqa: E402
 from mha_deploy.runtime import MHASession  # noqa: E402
 from tests.conftest import USER_MODELS, user_module  # noqa: E402
 
@@ -222,3 +223,27 @@ def test_the_vocabulary_is_the_table_the_ids_index(tmp_path):
     session.run({"ids": np.array([[999, 500]]), "mask": np.ones((1, 2), bool)})
     with pytest.raises(InputError, match="holds id 1000: this model's vocabulary is ids 0 to 999"):
         session.run({"ids": np.array([[1000, 1]]), "mask": np.ones((1, 2), bool)})
+
+
+# The kernel each user model's attentions end on (op -> count): padding masks as the op's own key_padding_mask
+# (flash when nothing is padded), causal ones (tril, pad & tril) on GroupQueryAttention; none through a float
+# attention_bias, which would materialise [batch, heads, q, kv].
+KERNELS = {
+    "classifier": {"MultiHeadAttention+key_padding_mask": 2},
+    "causal_lm": {"GroupQueryAttention+seqlens_k": 2},
+    "seq2seq": {"MultiHeadAttention+key_padding_mask": 4, "GroupQueryAttention+seqlens_k": 2},
+    "feature_encoder": {"MultiHeadAttention+key_padding_mask": 2},
+    "torch_encoder": {"MultiHeadAttention+key_padding_mask": 2},
+    "sdpa_classifier": {"MultiHeadAttention+key_padding_mask": 2},
+}
+
+
+@pytest.mark.parametrize("name", list(KERNELS))
+def test_each_mask_lands_on_the_native_kernel(own_model, name):
+    ops = describe_model(own_model(name)[0]).attention_ops
+    kinds: dict[str, int] = {}
+    for op in ops:
+        masks = sorted(role for role in op.inputs if role in ("key_padding_mask", "seqlens_k", "attention_bias"))
+        key = "+".join([op.op.split("::")[-1], *masks])
+        kinds[key] = kinds.get(key, 0) + 1
+    assert kinds == KERNELS[name]
