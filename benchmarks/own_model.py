@@ -2,7 +2,7 @@
 
 A script, not a test:
 
-    .venv/bin/python benchmarks/own_model.py            # the target: ~10 min on 2 shared cores
+    .venv/bin/python benchmarks/own_model.py            # the target: ~3 min on 2 quiet cores, ~12 when shared
     .venv/bin/python benchmarks/own_model.py --quick    # small shapes and budgets: a smoke test
     .venv/bin/python benchmarks/own_model.py --json figures.json --threads 2
 
