@@ -24,6 +24,7 @@ from mha_deploy.bench.target import CPU_FP32, BenchTarget
 from mha_deploy.errors import ExportError, OptionError
 from mha_deploy.exporters import export_mha
 from mha_deploy.exporters.graphs import attention_graph, build_attention_mask
+from mha_deploy.exporters.own_model import flatten_outputs
 from mha_deploy.inputs import cast_floats
 from mha_deploy.metadata import Signature
 from mha_deploy.models import MultiHeadAttention
@@ -131,6 +132,23 @@ def torch_sdpa(mha: MultiHeadAttention, signature: Signature, target: BenchTarge
         return run
 
     return Backend("torch SDPA", prepare, target.dtype, signature)
+
+
+def torch_module(module: torch.nn.Module, signature: Signature, name: str) -> Backend:
+    """A user's own module in torch eager on the CPU, fed the signature's inputs in order as they come
+    (int64 ids, bool masks, float32 sequences); its first output is the row's output."""
+
+    def prepare(feeds: Feeds) -> Runner:
+        arrays = [feeds[input_name] for input_name in signature.input_names]
+
+        def run():
+            with torch.inference_mode():
+                out = module(*(torch.from_numpy(a) for a in arrays))
+            return _numpy(flatten_outputs(out)[0])
+
+        return run
+
+    return Backend(name, prepare, "fp32", signature)
 
 
 def ort_file(path: str | Path, target: BenchTarget, threads: int, label: str) -> Backend:
