@@ -547,11 +547,14 @@ def triton(model, repo, name, instances, kind, max_batch_size, max_queue_delay_u
 @click.option("--openvino/--no-openvino", default=None,
               help="Add OpenVINO (CPU plugin, fp32) on the unfused graph; default: when the 'openvino' extra is "
                    "installed.")
+@click.option("--module", "module_spec", metavar="FILE.py:FACTORY",
+              help="With MODEL exported from your own model (export --module): the same module in torch eager, "
+                   "the baseline and reference of the rows (--checkpoint loads its state dict).")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON on stdout.")
 @click.option("--plot", type=click.Path(dir_okay=False, path_type=Path),
               help="Write a plot of time per token, one panel per mask mode (PNG).")
 def bench(model, checkpoint, prefix, d_model, heads, masks, shapes, provider, threads, budget_s, memory_shapes,
-          gemm_sizes, quiet_wait_s, openvino, as_json, plot):
+          gemm_sizes, quiet_wait_s, openvino, module_spec, as_json, plot):
     """Compare torch eager, torch SDPA, ORT unfused, ORT fused per target and int8, and OpenVINO, per mask mode,
     in one run.
 
@@ -581,6 +584,12 @@ def bench(model, checkpoint, prefix, d_model, heads, masks, shapes, provider, th
     )
     from mha_deploy.errors import OptionError
 
+    if model is not None and _is_own_model(model):
+        _bench_own_model(model, module_spec, checkpoint, masks, shapes, provider, threads, budget_s, gemm_sizes,
+                         quiet_wait_s, as_json)
+        return
+    if module_spec is not None:
+        raise click.UsageError("--module benches a MODEL exported from your own model (export --module)")
     try:
         modes = parse_mask_modes(masks) if masks else None
         if model is not None:
@@ -648,6 +657,42 @@ def optimize(source, inputs, output_names, fuse, max_length, atol, rtol, output)
     click.echo(result.fusion.summary())
     click.echo(result.parity.summary())
     click.echo(f"wrote {result.path}")
+
+
+def _is_own_model(path: Path) -> bool:
+    from mha_deploy.model_report import read_metadata
+
+    return path.is_file() and read_metadata(path).signature.model == "custom"
+
+
+def _bench_own_model(model, module_spec, checkpoint, masks, shapes, provider, threads, budget_s, gemm_sizes,
+                     quiet_wait_s, as_json):
+    """``bench MODEL`` for a file exported from the user's own model: the file, and the module when given."""
+    from mha_deploy.bench import QuietGate, parse_mask_modes, parse_shapes, parse_sizes, resolve_target, run_model_bench
+    from mha_deploy.errors import OptionError
+
+    try:
+        modes = parse_mask_modes(masks) if masks else ()
+        if len(modes) > 1:
+            raise OptionError("your own model has one mask mode: give one --mask (e.g. padding-25%) or none")
+        shape_list, gemm_list = parse_shapes(shapes), parse_sizes(gemm_sizes)
+    except OptionError as exc:
+        raise click.UsageError(str(exc)) from None
+    module = None
+    if module_spec is not None:
+        from mha_deploy.exporters import load_factory
+        from mha_deploy.exporters.own_model import load_checkpoint
+
+        module = load_factory(module_spec)
+        if checkpoint is not None:
+            load_checkpoint(module, checkpoint)
+    target = resolve_target(provider)
+    report = run_model_bench(
+        model, shape_list, padded_pct=modes[0].padded_pct if modes else 0.0, module=module, target=target,
+        threads=threads, budget_s=budget_s, gemm_sizes=gemm_list,
+        gate=QuietGate(wait_s=quiet_wait_s) if quiet_wait_s > 0 else None,
+    )
+    click.echo(json.dumps(report.to_dict(), indent=2) if as_json else report.table())
 
 
 def _json_default(value):

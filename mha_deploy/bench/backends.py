@@ -156,9 +156,11 @@ def ort_file(path: str | Path, target: BenchTarget, threads: int, label: str) ->
     session = MHASession(path, provider=target.provider, threads=threads)
     metadata = session.metadata
 
+    first = metadata.signature.output_names[0]  # "output", or a user's model's first output
+
     def prepare(feeds: Feeds) -> Runner:
         cast = cast_floats(feeds, metadata.dtype)
-        return lambda: session.run(cast)["output"].astype(np.float32)
+        return lambda: session.run(cast)[first].astype(np.float32)
 
     if metadata.quantization != "none":
         precision = metadata.quantization

@@ -19,7 +19,14 @@ from pathlib import Path
 
 import torch
 
-from mha_deploy.bench.backends import Backend, BackendFactory, default_backends, openvino_available, ort_file
+from mha_deploy.bench.backends import (
+    Backend,
+    BackendFactory,
+    default_backends,
+    openvino_available,
+    ort_file,
+    torch_module,
+)
 from mha_deploy.bench.cases import DEFAULT_SHAPES, MaskMode
 from mha_deploy.bench.gemm import GEMM_SIZES, peak_gemm_gflops
 from mha_deploy.bench.memory import MemoryRow, measure_peak_rss
@@ -32,6 +39,7 @@ from mha_deploy.exporters.graphs import attention_graph
 from mha_deploy.exporters.parity import DEFAULT_ATOL, DEFAULT_RTOL, torch_reference
 from mha_deploy.exporters.precision import FP16_ATOL, FP16_RTOL
 from mha_deploy.inputs import real_query_rows
+from mha_deploy.model_report import read_metadata
 from mha_deploy.models import MultiHeadAttention
 from mha_deploy.signature import Signature
 
@@ -106,9 +114,10 @@ class BenchReport:
             ratio = f"{r.vs_torch_eager:7.2f}x" if r.vs_torch_eager is not None else f"{'-':>8}"
             efficiency = f"{r.efficiency:7.0%}" if r.efficiency is not None else f"{'-':>7}"
             note = "" if r.within_tolerance else "DIFFERS from torch beyond parity tolerance"
+            gflops = f"{r.gflops:8.0f}" if r.gflops == r.gflops else f"{'-':>8}"  # NaN: not known
             lines.append(
                 f"{r.mask:<14} {f'{r.batch}x{r.seq}':<9} {r.backend:<22} {r.median_ms:10.2f} {r.p90_ms:9.2f} "
-                f"{r.gflops:8.0f} {ratio} {efficiency} {r.max_abs_err:11.1e} {r.rel_err:9.1e}  {note}".rstrip()
+                f"{gflops} {ratio} {efficiency} {r.max_abs_err:11.1e} {r.rel_err:9.1e}  {note}".rstrip()
             )
         if self.memory:
             lines += ["", f"{'mask':<14} {'shape':<9} {'backend':<22} {'peak RSS MB':>11} {'run MB':>8} "
@@ -300,6 +309,73 @@ def run_bench(
                         on_row(row)
         for mode in modes if memory_shapes else ():
             measure_memory(report, mode, by_signature[mode.signature], memory_shapes, threads, target.provider)
+    report.load_after = _load()
+    report.quiet = gate.summary() if gate is not None else ""
+    return report
+
+
+def run_model_bench(
+    path: str | Path,
+    shapes: Sequence[tuple[int, int]] = DEFAULT_SHAPES,
+    *,
+    padded_pct: float = 0.0,
+    module: torch.nn.Module | None = None,
+    target: BenchTarget = CPU_FP32,
+    threads: int = 2,
+    budget_s: float = 2.0,
+    gemm_sizes: Sequence[int] = GEMM_SIZES,
+    gate: QuietGate | None = None,
+    on_row: Callable[[BenchRow], None] | None = None,
+) -> BenchReport:
+    """A user's own model file (``export --module``) at each shape, every length axis ``seq`` long with the last
+    ``padded_pct`` of it padded where a mask marks it; with ``module`` (the same model in torch), that module in
+    torch eager too: the baseline of the ratios and the reference of the errors (first output, real rows).
+
+    The rows carry no GFLOP/s (the model is the user's: its operation count is not known here); the run's ORT
+    MatMul rate still says how fast this host is.
+    """
+    torch.set_num_threads(threads)
+    file = ort_file(path, target, threads, f"ORT {Path(path).name}")
+    session_metadata = read_metadata(path)
+    signature = file.signature
+    if signature.model != "custom":
+        raise OptionError(f"{Path(path).name} is a built-in model: bench it with --mask (and MODEL) as usual")
+    if padded_pct and not signature.padding_masks:
+        raise OptionError(f"{Path(path).name} takes no padding mask: it cannot bench padded inputs")
+    mode = MaskMode(signature.mask, padded_pct)
+    report = BenchReport(
+        session_metadata.d_model, session_metadata.num_heads, threads, target.provider, target.dtype,
+        *peak_gemm_gflops(threads, target, gemm_sizes), mask_modes=[mode.label], load_before=_load(),
+        notes=[f"your own model {Path(path).name}: inputs {', '.join(signature.input_names)}; GFLOP/s not known"],
+    )
+    backends = [file]
+    if module is not None:
+        backends.append(torch_module(module.eval(), signature, BASELINE))
+    first = signature.output_names[0]
+    for batch, seq in shapes:
+        feeds = mode.inputs(session_metadata.d_model, batch, seq, signature=signature)
+        runs = {backend.name: backend.prepare(feeds) for backend in backends}
+        comparison = None
+        if module is not None:
+            expected = {first: runs[BASELINE]()}
+            comparison = compare_outputs(
+                signature, {first: runs[file.name]()}, expected, real_query_rows(signature, feeds), names=(first,),
+                **_tolerance(file.precision),
+            )[0]
+        timings = time_blocks(runs, budget_s, gate=gate)
+        baseline = timings.get(BASELINE)
+        for backend in backends:
+            timing = timings[backend.name]
+            checked = comparison if backend is file else None
+            row = BenchRow(
+                mode.label, backend.name, batch, seq, timing.median_ms, timing.p90_ms, float("nan"),
+                baseline.median_ms / timing.median_ms if baseline else None, None,
+                checked.max_abs_err if checked else 0.0, checked.rel_err if checked else 0.0,
+                checked.passed if checked else True,
+            )
+            report.rows.append(row)
+            if on_row:
+                on_row(row)
     report.load_after = _load()
     report.quiet = gate.summary() if gate is not None else ""
     return report

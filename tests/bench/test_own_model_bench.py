@@ -53,3 +53,26 @@ def test_quick_run_reports_every_row(tmp_path):
         assert f"  {shape}: vs ORT plain" in out
     assert out.count("target >= 1.3x") == 2 and out.count("target >= 1.0x") == 2
     assert "ORT fp32 MatMul peak" in out and "added by run MB" in out
+
+
+def test_bench_model_takes_a_users_model(own_model):
+    """`mha-deploy bench MODEL --module` on a file exported from a user's model: the file and the module in
+    torch, padded as asked, the file's error against the module within the export's tolerance."""
+    import json
+
+    from click.testing import CliRunner
+
+    from mha_deploy.cli import main
+    from tests.conftest import USER_MODELS
+
+    path = own_model("classifier")[0]
+    result = CliRunner().invoke(main, [
+        "bench", str(path), "--module", f"{USER_MODELS / 'classifier'}.py:build", "--mask", "padding-25%",
+        "--shapes", "2x16", "--budget-s", "0.05", "--gemm-sizes", "128", "--json",
+    ])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.output[result.output.index("{"):])
+    rows = {row["backend"]: row for row in report["rows"]}
+    assert set(rows) == {f"ORT {path.name}", "torch eager"}
+    assert all(row["mask"] == "padding-25%" and (row["batch"], row["seq"]) == (2, 16) for row in rows.values())
+    assert rows[f"ORT {path.name}"]["within_tolerance"] and rows[f"ORT {path.name}"]["max_abs_err"] < 1e-5
