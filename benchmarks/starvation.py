@@ -298,16 +298,18 @@ def typed_grpc(probe: Probe, megabytes: int) -> Callable[[], str]:
     import grpc
     from tritonclient.grpc import service_pb2 as pb
 
+    from mha_deploy.runtime.session import length_delimited
+
     rows = max(1, megabytes * 2**20 // (4 * 1024 * probe.d_model))
     values = np.zeros(rows * 1024 * probe.d_model, np.float32)
     values[-1] = np.nan
     # Encoded by hand (field 6, packed): extending the repeated field from Python takes minutes.
     packed = values.astype("<f4").tobytes()
-    contents = pb.InferTensorContents.FromString(bytes([6 << 3 | 2]) + _varint(len(packed)) + packed)
+    contents = pb.InferTensorContents.FromString(length_delimited(6, packed))
     request = pb.ModelInferRequest(model_name=MODEL_NAME)
     request.inputs.add(name="x", datatype="FP32", shape=[rows, 1024, probe.d_model], contents=contents)
     flags = np.ones(rows * 1024, np.uint8).tobytes()  # bool_contents (field 1), packed one byte per value
-    mask = pb.InferTensorContents.FromString(bytes([1 << 3 | 2]) + _varint(len(flags)) + flags)
+    mask = pb.InferTensorContents.FromString(length_delimited(1, flags))
     request.inputs.add(name="key_padding_mask", datatype="BOOL", shape=[rows, 1024], contents=mask)
     raw = request.SerializeToString()
     channel = grpc.insecure_channel(f"127.0.0.1:{probe.grpc_port}",
@@ -326,13 +328,6 @@ def typed_grpc(probe: Probe, megabytes: int) -> Callable[[], str]:
     return attack
 
 
-def _varint(value: int) -> bytes:
-    out = bytearray()
-    while True:
-        low, value = value & 0x7F, value >> 7
-        out.append(low | (0x80 if value else 0))
-        if not value:
-            return bytes(out)
 
 
 def healthz(probe: Probe) -> str:

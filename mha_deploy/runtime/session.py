@@ -470,12 +470,13 @@ def _append_metadata_prop(path: Path, key: str, value: str) -> None:
     ``metadata_props`` entry (ModelProto field 14; StringStringEntryProto key 1,
     value 2) adds it. The cache then carries its own key: no sidecar to keep in step.
     """
-    entry = _length_delimited(1, key.encode()) + _length_delimited(2, value.encode())
+    entry = length_delimited(1, key.encode()) + length_delimited(2, value.encode())
     with open(path, "ab") as f:
-        f.write(_length_delimited(14, entry))
+        f.write(length_delimited(14, entry))
 
 
-def _length_delimited(field: int, payload: bytes) -> bytes:
+def length_delimited(field: int, payload: bytes) -> bytes:
+    """One length-delimited protobuf field (tag, length, payload), written without a protobuf library."""
     return _varint(field << 3 | 2) + _varint(len(payload)) + payload
 
 
