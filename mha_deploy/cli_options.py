@@ -44,8 +44,8 @@ model_options = option_group(
     click.option("--d-model", type=click.IntRange(min=1),
                  help=f"Model width (default {DEFAULT_D_MODEL}; with --checkpoint, read from it)."),
     click.option("--heads", type=click.IntRange(min=1),
-                 help=f"Number of heads, dividing the model width (default {DEFAULT_HEADS}, "
-                      "or the checkpoint's num_heads metadata)."),
+                 help=f"Number of heads, dividing the model width: default {DEFAULT_HEADS} for a random model; "
+                      "with --checkpoint, required unless the file records num_heads (safetensors metadata)."),
 )
 
 
