@@ -155,7 +155,7 @@ def export(ctx, checkpoint, prefix, d_model, heads, model_kind, layers, d_ff, at
       mha-deploy export --checkpoint attn.safetensors --heads 8 --mask padding-causal -o mha.onnx
       mha-deploy export --module model.py:build --input ids:tokens --input mask:padding-mask -o model.onnx
     """
-    from mha_deploy.exporters import export_mha, export_model, export_stack, load_factory
+    from mha_deploy.exporters import export_builtin, export_model, load_factory
 
     options = {"opset": opset, "atol": atol, "rtol": rtol, "fuse": fuse, "quantize": quantize, "dtype": dtype}
     lone_block = ("prefix", "d_model", "heads", "model_kind", "layers", "d_ff", "attention", "mask",
@@ -180,19 +180,19 @@ def export(ctx, checkpoint, prefix, d_model, heads, model_kind, layers, d_ff, at
         mha = _load_model(checkpoint, d_model, heads, seed, prefix=prefix)
         click.echo(f"exporting d_model={mha.d_model} heads={mha.num_heads} attention={attention} mask={mask}"
                    + (" kv-cache" if kv_cache else ""), err=True)
-        result = export_mha(mha, output, signature, **options)
+        result = export_builtin(mha, output, signature, **options)
     else:
         if checkpoint is not None or prefix is not None or return_weights:
             raise click.UsageError(
                 f"--model {model_kind} exports a seeded random stack: no --checkpoint, --prefix or --return-weights"
             )
         # The flags' I/O contract, checked before a stack is built for it.
-        Signature("self" if model_kind == "encoder" else "cross", mask, model=model_kind, kv_cache=kv_cache,
-                  layers=layers if kv_cache else 1)
+        signature = Signature("self" if model_kind == "encoder" else "cross", mask, model=model_kind,
+                              kv_cache=kv_cache, layers=layers if kv_cache else 1)
         stack = _build_stack(model_kind, layers, d_model, heads, d_ff, seed)
         click.echo(f"exporting a {layers}-layer {model_kind}, mask={mask}" + (" kv-cache" if kv_cache else ""),
                    err=True)
-        result = export_stack(stack, output, mask=mask, kv_cache=kv_cache, **options)
+        result = export_builtin(stack, output, signature, **options)
     for warning in result.warnings:
         click.echo(f"warning: {warning}", err=True)
     click.echo(result.fusion.summary())

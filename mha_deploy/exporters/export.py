@@ -350,6 +350,27 @@ def export_stack(
     return _finish(graph, plain, metadata, output, export_options, attention_ops, first)
 
 
+def export_builtin(
+    model: MultiHeadAttention | Encoder | Decoder, output: str | os.PathLike, signature: Signature, **options
+) -> ExportResult:
+    """The one entry point for the built-in models, lone block and stacks alike: ``model`` exported for
+    ``signature`` (``model`` "mha": a ``MultiHeadAttention``; "encoder"/"decoder": a stack of that kind, its
+    mask mode and cache from the signature). ``options`` as for ``export_mha``. A user's own module goes
+    through ``export_model``, which reads its Signature off the module instead."""
+    if signature.model == "mha":
+        if not isinstance(model, MultiHeadAttention):
+            raise ExportError(f"a lone-block signature needs a MultiHeadAttention, got {type(model).__name__}")
+        return export_mha(model, output, signature, **options)
+    if signature.model == "custom":
+        raise ExportError("a custom model's Signature is read off the module: use export_model(module, path, inputs)")
+    kind = Encoder if signature.model == "encoder" else Decoder
+    if not isinstance(model, kind):
+        raise ExportError(f"a --model {signature.model} signature needs a {kind.__name__}, got {type(model).__name__}")
+    if signature.kv_cache and signature.layers != len(model.layers):
+        raise ExportError(f"the signature's cache has {signature.layers} layers, the stack {len(model.layers)}")
+    return export_stack(model, output, mask=signature.mask, kv_cache=signature.kv_cache, **options)
+
+
 def export_model(
     module: torch.nn.Module,
     output: str | os.PathLike,

@@ -10,7 +10,7 @@ from click.testing import CliRunner
 
 from mha_deploy.batch import BatchRunner
 from mha_deploy.cli import main
-from mha_deploy.errors import InputError, SignatureError
+from mha_deploy.errors import ExportError, InputError, SignatureError
 from mha_deploy.exporters import export_stack
 from mha_deploy.exporters.fusion.padding_flash import PADDING_FLASH_KERNEL
 from mha_deploy.exporters.fusion.short_sequence import short_sequence_kernel
@@ -215,3 +215,19 @@ def test_cli_exports_a_kv_decoder_and_inspect_shows_its_cache(tmp_path):
     assert "past_key_values.{i}.key/.value -> present.{i}.key/.value (i < 2)" in inspect
     assert "encoder_key/.encoder_value" in inspect and "key_padding_mask [batch, past_seq + tgt_seq]" in inspect
 
+
+
+def test_one_entry_point_takes_a_signature_for_lone_blocks_and_stacks(tmp_path):
+    from mha_deploy.exporters import export_builtin
+    from mha_deploy.metadata import Signature
+    from mha_deploy.models import MultiHeadAttention
+
+    stack = Encoder(1, D, TEST_HEADS, D)
+    result = export_builtin(stack, tmp_path / "e.onnx", Signature("self", "padding", model="encoder"))
+    assert result.metadata.signature == Signature("self", "padding", model="encoder") and result.parity.passed
+    with pytest.raises(ExportError, match="needs a MultiHeadAttention, got Encoder"):
+        export_builtin(stack, tmp_path / "m.onnx", Signature("self", "padding"))
+    with pytest.raises(ExportError, match="needs a Decoder"):
+        export_builtin(MultiHeadAttention(D, TEST_HEADS), tmp_path / "d.onnx",
+                       Signature("cross", "padding", model="decoder"))
+    assert [p.name for p in tmp_path.iterdir()] == ["e.onnx"]
