@@ -47,8 +47,7 @@ def decode_ids(column) -> list[np.ndarray | str]:
     pa, _ = _pyarrow()
     if isinstance(column, pa.ChunkedArray):
         column = column.combine_chunks()
-    is_list = pa.types.is_list(column.type) or pa.types.is_large_list(column.type)
-    if not is_list or not pa.types.is_integer(column.type.value_type):
+    if not is_id_list(column.type):
         raise InputError(f"column type {column.type} is not a list of token ids (list<int64>)")
     offsets = column.offsets.to_numpy()
     values = column.flatten().to_numpy(zero_copy_only=False).astype(np.int64, copy=False)
@@ -58,6 +57,13 @@ def decode_ids(column) -> list[np.ndarray | str]:
         "is null" if nulls[row] else values[offsets[row] - base : offsets[row + 1] - base]
         for row in range(len(column))
     ]
+
+
+def is_id_list(column_type) -> bool:
+    """Whether a column type is a list of integers (token ids): list<int64> or list<int32>..."""
+    pa, _ = _pyarrow()
+    is_list = pa.types.is_list(column_type) or pa.types.is_large_list(column_type)
+    return is_list and pa.types.is_integer(column_type.value_type)
 
 
 def is_vector_list(column_type) -> bool:
@@ -148,9 +154,16 @@ class ParquetItemReader:
             )
         schema = self._file.schema_arrow
         for name in self.columns[1:]:
-            if not is_vector_list(schema.field(name).type):
+            column_type = schema.field(name).type
+            if self.signature.tensors[name].role == TOKENS:
+                if not is_id_list(column_type):
+                    raise InputError(
+                        f"{self.path}: column {name} is {column_type}; it must hold per row a list of token ids "
+                        "(list<int64>: [seq])"
+                    )
+            elif not is_vector_list(column_type):
                 raise InputError(
-                    f"{self.path}: column {name} is {schema.field(name).type}; it must hold per row a list of "
+                    f"{self.path}: column {name} is {column_type}; it must hold per row a list of "
                     "vectors of numbers (list<list<float32>>: [seq][d_model])"
                 )
         return self
