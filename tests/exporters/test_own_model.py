@@ -247,3 +247,35 @@ def test_each_mask_lands_on_the_native_kernel(own_model, name):
         key = "+".join([op.op.split("::")[-1], *masks])
         kinds[key] = kinds.get(key, 0) + 1
     assert kinds == KERNELS[name]
+
+
+class _SoftFill(torch.nn.Module):
+    """Masks with -1.0, which is no masking value: no rule may fuse it (the op's fill would change the result)."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(10, 8)
+        self.q, self.k, self.v = (torch.nn.Linear(8, 8) for _ in range(3))
+
+    def forward(self, ids, mask):
+        x = self.embed(ids)
+        b, s, _ = x.shape
+        q, k, v = (proj(x).view(b, s, 2, 4).transpose(1, 2) for proj in (self.q, self.k, self.v))
+        scores = (q @ k.transpose(-2, -1) / 2.0).masked_fill(mask[:, None, None, :] == 0, -1.0)
+        return (scores.softmax(-1) @ v).transpose(1, 2).reshape(b, s, 8)
+
+
+@pytest.mark.parametrize("fuse", ["mha", "onnx"])
+def test_explicit_fusion_names_what_it_left_unfused_and_writes_nothing(tmp_path, fuse):
+    with pytest.raises(ExportError, match=r"not fused: .*Softmax.*fill -1.0 is not a masking value") as info:
+        export_model(_SoftFill(), tmp_path / "m.onnx", ["ids:tokens", "mask:padding-mask"], fuse=fuse)
+    assert "\n" not in str(info.value)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_auto_falls_back_to_the_checked_plain_graph_with_a_warning(tmp_path):
+    result = export_model(_SoftFill(), tmp_path / "m.onnx", ["ids:tokens", "mask:padding-mask"])
+    assert result.metadata.fusion == "none" and result.parity.passed
+    assert any("--fuse auto: mha fusion not used" in w and "exported the unfused graph" in w for w in result.warnings)
+    # A -1 "mask" hides nothing: padding moves the outputs, so the axis is not padded either.
+    assert result.metadata.signature.paddable_axes == frozenset()
