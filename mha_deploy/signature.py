@@ -164,6 +164,8 @@ class Signature:
             )
 
     def _check_custom(self) -> None:
+        if self.kv_cache or self.return_weights or self.layers != 1:
+            raise SignatureError("a custom model declares its tensors: no kv_cache, return_weights or layers")
         inputs, outputs = self.custom_inputs, self.custom_outputs
         names = [spec.name for spec in (*inputs, *outputs)]
         if duplicate := next((name for name in names if names.count(name) > 1), None):

@@ -1,0 +1,47 @@
+"""Signature.custom: a user's model's declared tensors, read back from the file's metadata as they were."""
+
+from __future__ import annotations
+
+import pytest
+
+from mha_deploy.errors import ModelFileError, SignatureError
+from mha_deploy.metadata import ModelMetadata
+from mha_deploy.signature import Signature, TensorSpec
+
+IDS = TensorSpec("src", "tokens", "int64", ("batch", "src_seq"), vocab=40)
+SRC_MASK = TensorSpec("src_mask", "padding_mask", "bool", ("batch", "src_seq"), marks="src")
+TGT = TensorSpec("tgt", "tokens", "int64", ("batch", "tgt_seq"), vocab=50)
+LOGITS = TensorSpec("logits", "output", "model", ("batch", "tgt_seq", 50))
+POOLED = TensorSpec("pooled", "output", "model", ("batch", 8))
+
+
+def test_a_custom_signature_survives_the_files_metadata():
+    signature = Signature.custom((IDS, SRC_MASK, TGT), (LOGITS, POOLED), ("src_seq",))
+    back = ModelMetadata.from_json(ModelMetadata(32, 4, signature).to_json()).signature
+    assert back == signature
+    assert back.query_axis == "tgt_seq" and back.sequence_axes == ("tgt_seq", "src_seq")
+    assert back.padding_masks == {"src_mask": "src"} and back.per_token_outputs == ("logits",)
+    assert back.paddable_axes == frozenset({"src_seq"})
+    assert LOGITS.dims({}) == (-1, -1, 50) and IDS.item_shape(7, {}) == (7,)
+
+
+def test_an_older_reader_is_told_to_upgrade():
+    raw = ModelMetadata(32, 4, Signature.custom((IDS,), (POOLED,))).to_json()
+    assert '"format": 2' in raw
+    with pytest.raises(ModelFileError, match="newer than this mha-deploy"):
+        ModelMetadata.from_json(raw.replace('"format": 2', '"format": 3'))
+
+
+@pytest.mark.parametrize(
+    ("inputs", "outputs", "paddable", "message"),
+    [
+        ((SRC_MASK,), (POOLED,), (), "at least one tokens or sequence input"),
+        ((IDS, SRC_MASK), (), (), "at least one output"),
+        ((TGT, SRC_MASK), (POOLED,), (), "src_mask: a padding mask marks"),
+        ((IDS, IDS), (POOLED,), (), "src is declared twice"),
+        ((IDS,), (POOLED,), ("tgt_seq",), "not length axes"),
+    ],
+)
+def test_impossible_declarations_are_refused(inputs, outputs, paddable, message):
+    with pytest.raises(SignatureError, match=message):
+        Signature.custom(inputs, outputs, paddable)
