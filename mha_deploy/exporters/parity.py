@@ -18,7 +18,7 @@ from mha_deploy.errors import ExportError, MHADeployError
 from mha_deploy.inputs import PADDING_SIDES, InputCase, cast_floats, make_inputs, padding_mask, real_query_rows
 from mha_deploy.metadata import ParityReport, Signature
 from mha_deploy.runtime.session import MHASession
-from mha_deploy.runtime.validation import padding_by_axis, zero_padding
+from mha_deploy.runtime.validation import inert_padding
 
 DEFAULT_ATOL, DEFAULT_RTOL = 1e-5, 1e-4
 # What parity compares with, besides a torch module: any function of the feeds (fp32 floats, bool masks, int64
@@ -202,17 +202,6 @@ def _judge(
     )
 
 
-def inert_padding(signature: Signature, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """``feeds`` as ``MHASession`` hands them to ORT: zero at every padded position (``validate_inputs``). The
-    reference gets the same, so that a model that reads its padding (a pooling that ignores the mask) is
-    judged on what it is given, not on values the session never passes on."""
-    masks = padding_by_axis(signature, feeds)
-    return {
-        name: zero_padding(array, signature.tensors[name], masks) if name in signature.sequence_inputs else array
-        for name, array in feeds.items()
-    }
-
-
 def default_cases(signature: Signature) -> tuple[ParityCase, ...]:
     return SELF_CASES if len(signature.sequence_axes) == 1 else CROSS_CASES
 
@@ -244,6 +233,8 @@ def check_parity(
 
     def runs():
         for index, case in enumerate(cases or default_cases(signature)):
+            # As the session hands them to ORT (padding zeroed), for the reference too: a model that reads its
+            # padding (a pooling that ignores the mask) is judged on what it is given.
             feeds = inert_padding(signature, make_inputs(signature, session.metadata.d_model, case, seed + index))
             try:
                 outputs = session.run(cast_floats(feeds, model_dtype))

@@ -255,15 +255,24 @@ def validate_inputs(metadata: ModelMetadata, inputs: Mapping[str, object]) -> di
             shape = (shape[0], past[signature.growing_caches[0]].shape[2] + shape[1])
             sequence_name = f"past_seq + {sequence_name}'s length"
         arrays[mask_name] = _padding_mask(mask_name, inputs[mask_name], shape, sequence_name)
-    feeds = {**arrays, **past}
-    masks = padding_by_axis(signature, feeds)
-    for name in (*signature.sequence_inputs, *past):
-        feeds[name] = zero_padding(feeds[name], signature.tensors[name], masks)
+    feeds = inert_padding(signature, {**arrays, **past})
+    for name in signature.sequence_inputs:
         # Ids are checked once padding is inert: whatever sat at a padded position is 0 now.
-        problem = _id_problem(signature.tensors[name], feeds[name]) if name in signature.sequence_inputs else None
+        problem = _id_problem(signature.tensors[name], feeds[name])
         if problem:
             raise InputError(problem.message)
     return feeds
+
+
+def inert_padding(signature: Signature, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """``feeds`` with zeros at every padded position of the sequence inputs and KV caches among them (masks
+    as given): what ONNX Runtime is handed. Parity gives its reference the same feeds."""
+    masks = padding_by_axis(signature, feeds)
+    zeroed = (*signature.sequence_inputs, *signature.cache_pairs)
+    return {
+        name: zero_padding(array, signature.tensors[name], masks) if name in zeroed else array
+        for name, array in feeds.items()
+    }
 
 
 def padding_by_axis(signature: Signature, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
