@@ -59,3 +59,13 @@ class OutputError(MHADeployError):
 
 class OutputInUseError(OutputError):
     """Another process holds the output's lock: it is writing that output now."""
+
+
+def first_line(error: BaseException | str) -> str:
+    """The first line of an error, for one-line messages; a long one (ORT names the failing node first and the
+    reason last, a C++ signature between) as its start and its end."""
+    text = str(error).strip()
+    if not text:
+        return type(error).__name__ if isinstance(error, BaseException) else ""
+    line = text.splitlines()[0]
+    return line if len(line) <= 320 else f"{line[:170]} ... {line[-140:]}"

@@ -37,7 +37,7 @@ import onnx
 import onnx_ir as ir
 from onnx import TensorProto
 
-from mha_deploy.errors import ExportError
+from mha_deploy.errors import ExportError, first_line
 from mha_deploy.exporters.export import (
     ExportOptions,
     ExportResult,
@@ -158,7 +158,7 @@ def _load(source: str | os.PathLike) -> onnx.ModelProto:
     try:
         return onnx.load(str(path))
     except Exception as exc:  # protobuf's and onnx's own types
-        raise ExportError(f"{path}: not an ONNX model ({_first_line(exc)})") from exc
+        raise ExportError(f"{path}: not an ONNX model ({first_line(exc)})") from exc
 
 
 def _default_opset(model: onnx.ModelProto, source) -> int:
@@ -378,7 +378,7 @@ class GraphReference:
         try:
             self.session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
         except Exception as exc:  # ORT's own types
-            raise ExportError(f"ONNX Runtime cannot load the input graph: {_first_line(exc)}") from exc
+            raise ExportError(f"ONNX Runtime cannot load the input graph: {first_line(exc)}") from exc
         self.input_types = {name: onnx.helper.tensor_dtype_to_np_dtype(t) for name, t in input_types.items()}
         self.output_names = dict(output_names)
 
@@ -388,7 +388,7 @@ class GraphReference:
             outputs = self.session.run(list(self.output_names), feeds)
         except Exception as exc:  # ORT's own types
             shapes = ", ".join(f"{name} {list(array.shape)}" for name, array in feeds.items())
-            raise ExportError(f"the input graph fails in ONNX Runtime on {shapes}: {_first_line(exc)}") from exc
+            raise ExportError(f"the input graph fails in ONNX Runtime on {shapes}: {first_line(exc)}") from exc
         return dict(zip(self.output_names.values(), outputs, strict=True))
 
 
@@ -458,14 +458,6 @@ def _type_name(elem_type: int) -> str:
         return str(np.dtype(onnx.helper.tensor_dtype_to_np_dtype(elem_type)))
     except (KeyError, TypeError, ValueError):
         return onnx.TensorProto.DataType.Name(elem_type).lower() if elem_type else "untyped"
-
-
-def _first_line(exc: BaseException) -> str:
-    """The first line of an error; a long one (ORT's name the failing node first and the reason last, a C++
-    signature between) as its start and its end."""
-    text = str(exc).strip()
-    line = text.splitlines()[0] if text else type(exc).__name__
-    return line if len(line) <= 320 else f"{line[:170]} ... {line[-140:]}"
 
 
 __all__ = ["GraphReference", "optimize_model"]

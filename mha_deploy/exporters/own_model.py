@@ -31,7 +31,7 @@ import onnx
 import torch
 from torch import nn
 
-from mha_deploy.errors import CheckpointError, ExportError
+from mha_deploy.errors import CheckpointError, ExportError, first_line
 from mha_deploy.exporters.probes import output_axes, paddable_axes, unpadded_mask_warnings
 from mha_deploy.exporters.reference_form import in_reference_form
 from mha_deploy.exporters.torch_export import TRACE_BATCH
@@ -309,7 +309,7 @@ def _mask_dtypes(module, decls, samples) -> list[torch.dtype | None]:
         except Exception as exc:
             failure = exc
     declared = ", ".join(f"{d.name}:{d.role}" for d in decls)
-    raise ExportError(_first_line(
+    raise ExportError(first_line(
         f"the module fails on the declared inputs ({declared}): {type(failure).__name__}: {failure}"
     ))
 
@@ -340,11 +340,6 @@ def _paddable_axes(wrapper: DeclaredModule, signature: Signature) -> tuple[str, 
     return paddable_axes(signature, run)
 
 
-def _first_line(text: str) -> str:
-    line = text.strip().splitlines()[0] if text.strip() else text
-    return line if len(line) <= 400 else line[:397] + "..."
-
-
 def trace_failure(exc: BaseException, signature: Signature) -> ExportError:
     """A one-line error for a module that torch.export cannot trace with the declared dynamic axes."""
     text = str(exc)
@@ -354,9 +349,9 @@ def trace_failure(exc: BaseException, signature: Signature) -> ExportError:
             return ExportError(
                 f"the module does not trace with a dynamic {axis!r} axis (inputs {', '.join(names)}): its code "
                 f"fixes that size (a constant shape, a view to a fixed length, a Python loop over it); "
-                f"torch.export said: {_first_line(text)}"
+                f"torch.export said: {first_line(text)}"
             )
-    return ExportError(f"torch.onnx.export failed: {type(exc).__name__}: {_first_line(text)}")
+    return ExportError(f"torch.onnx.export failed: {type(exc).__name__}: {first_line(text)}")
 
 
 @dataclass

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from mha_deploy.compare import Comparison, compare_outputs
-from mha_deploy.errors import ExportError, MHADeployError
+from mha_deploy.errors import ExportError, MHADeployError, first_line
 from mha_deploy.inputs import PADDING_SIDES, InputCase, cast_floats, make_inputs, padding_mask, real_query_rows
 from mha_deploy.metadata import ParityReport, Signature
 from mha_deploy.runtime.session import MHASession
@@ -180,7 +180,7 @@ def _judge(
         except Exception as exc:  # the user's module or graph: any error type
             raise ExportError(
                 f"parity at {label}: {'the module itself fails in torch' if module else 'the reference fails'} "
-                f"({type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}); if it "
+                f"({type(exc).__name__}: {first_line(exc)}); if it "
                 "takes at most N tokens (a position table), give --max-length N"
             ) from exc
         rows = real_query_rows(signature, feeds)
@@ -241,9 +241,8 @@ def check_parity(
             except MHADeployError:
                 raise
             except Exception as exc:  # ORT's own types: the graph cannot run at this shape
-                first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
                 raise ExportError(f"parity at {case.label(signature)}: ONNX Runtime cannot run the graph: "
-                                  f"{first}") from exc
+                                  f"{first_line(exc)}") from exc
             yield case.label(signature), feeds, outputs
 
     return _judge(module, signature, runs(), atol, rtol, rel_budget)
