@@ -421,9 +421,9 @@ def count_attentions(model: onnx.ModelProto) -> int:
     """Attention subgraphs (Softmax over MatMul scores) and attention ops in a plain export."""
     import onnx_ir as ir
 
-    from mha_deploy.exporters.fusion.pipeline import attention_softmaxes
+    from mha_deploy.exporters.fusion.pipeline import unfused_attentions
 
-    return len(attention_softmaxes(ir.serde.deserialize_model(model)))
+    return len(unfused_attentions(ir.serde.deserialize_model(model)))
 
 
 __all__ = [
