@@ -315,3 +315,29 @@ def test_cli_optimize_bad_declaration_exits_1_with_one_line(elsewhere, tmp_path)
     assert result.exit_code == 1
     assert result.stderr.strip().splitlines()[-1].startswith("error: input input_ids: declared a sequence")
     assert "Traceback" not in result.output and not target.exists()
+
+
+class _SdpaNoMask(torch.nn.Module):
+    """F.scaled_dot_product_attention without a mask: torch exports it as the standard Attention op (opset 23)."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv = torch.nn.ModuleList(torch.nn.Linear(16, 16) for _ in range(3))
+        self.out = torch.nn.Linear(16, 16)
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        q, k, v = (proj(x).view(b, s, 2, 8).transpose(1, 2) for proj in self.qkv)
+        return self.out(torch.nn.functional.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, s, 16))
+
+
+def test_a_graph_holding_torchs_attention_op_is_counted_and_fused(tmp_path):
+    source = tmp_path / "sdpa.onnx"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        axes = {0: torch.export.Dim("batch"), 1: torch.export.Dim("seq")}
+        torch.onnx.export(_SdpaNoMask().eval(), (torch.randn(2, 5, 16),), source, dynamo=True, opset_version=23,
+                          input_names=["x"], dynamic_shapes=(axes,))
+    assert [n.op_type for n in onnx.load(str(source)).graph.node].count("Attention") == 1
+    result = optimize_model(source, tmp_path / "fused.onnx", ["x:sequence"], fuse="mha")
+    assert result.fusion.found == 1 and result.fusion.fused == 1 and result.parity.passed
