@@ -61,7 +61,6 @@ _WIDTH_OF = (
     (nn.MultiheadAttention, lambda m: m.embed_dim),
     (nn.Conv1d, lambda m: m.in_channels),
 )
-_INT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
 _OUTPUT_DTYPES = {torch.float32: MODEL_DTYPE, torch.float16: MODEL_DTYPE, torch.int64: "int64", torch.bool: "bool"}
 
 
@@ -190,29 +189,30 @@ def vocabulary(module: nn.Module) -> int | None:
     return min(sizes) if sizes else None
 
 
-def token_vocabularies(module: nn.Module, decls: Sequence[InputDecl], samples: Sequence[torch.Tensor]) -> dict:
-    """Each tokens input -> the size of the embedding table its ids index (found by running ``module`` once and
-    watching which ``nn.Embedding`` receives them unchanged); inputs whose ids reach none as they are are left
-    out. The smallest table, which samples stay within, is no bound: a position table is often the smaller."""
+def run_watching_embeddings(
+    module: nn.Module, decls: Sequence[InputDecl], args: Sequence[torch.Tensor]
+) -> tuple[object, dict[str, int]]:
+    """One eager run of ``module`` on ``args``: its result, and each tokens input -> the size of the embedding
+    table its ids index (the ``nn.Embedding`` that receives them unchanged); inputs whose ids reach none as they
+    are are left out. The smallest table, which samples stay within, is no bound: a position table is often the
+    smaller."""
     seen: dict[int, int] = {}
 
-    def watch(layer, args):
+    def watch(layer, layer_args):
         for index, decl in enumerate(decls):
-            ids = samples[index]
-            if decl.role == "tokens" and args and isinstance(args[0], torch.Tensor) and args[0].shape == ids.shape \
-                    and torch.equal(args[0], ids):
+            ids = args[index]
+            if decl.role == "tokens" and layer_args and isinstance(layer_args[0], torch.Tensor) \
+                    and layer_args[0].shape == ids.shape and torch.equal(layer_args[0], ids):
                 seen.setdefault(index, layer.num_embeddings)
 
     hooks = [layer.register_forward_pre_hook(watch) for layer in module.modules() if isinstance(layer, nn.Embedding)]
     try:
         with torch.no_grad():
-            module(*samples)
-    except Exception:  # the caller runs the module again and reports its failure
-        return {}
+            result = module(*args)
     finally:
         for hook in hooks:
             hook.remove()
-    return {decls[index].name: size for index, size in seen.items()}
+    return result, {decls[index].name: size for index, size in seen.items()}
 
 
 def load_checkpoint(module: nn.Module, path: str | os.PathLike) -> None:
@@ -249,9 +249,12 @@ class DeclaredModule(nn.Module):
         self.module = module
         self.mask_dtypes = tuple(mask_dtypes)
 
+    def module_args(self, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """The declared inputs as the user's forward takes them (masks in its dtype)."""
+        return [x if dtype is None else x.to(dtype) for x, dtype in zip(inputs, self.mask_dtypes, strict=True)]
+
     def forward(self, *inputs):
-        args = [x if dtype is None else x.to(dtype) for x, dtype in zip(inputs, self.mask_dtypes, strict=True)]
-        return tuple(flatten_outputs(self.module(*args)))
+        return tuple(flatten_outputs(self.module(*self.module_args(inputs))))
 
 
 def flatten_outputs(result) -> list[torch.Tensor]:
@@ -264,9 +267,8 @@ def flatten_outputs(result) -> list[torch.Tensor]:
     raise ExportError(f"the forward returns a {type(result).__name__}: outputs must be tensors (or tuples/dicts)")
 
 
-def default_output_names(module: nn.Module, samples: Sequence[torch.Tensor], count: int) -> tuple[str, ...]:
-    with torch.no_grad():
-        result = module(*samples)
+def default_output_names(result, count: int) -> tuple[str, ...]:
+    """Names of a forward's ``count`` outputs, from its ``result``: a dict's keys, else output / output_<i>."""
     if isinstance(result, Mapping) and len(result) == count:
         return tuple(str(key) for key in result)
     return ("output",) if count == 1 else tuple(f"output_{i}" for i in range(count))
@@ -315,13 +317,13 @@ def _mask_dtypes(module, decls, samples) -> list[torch.dtype | None]:
 
 
 def _output_specs(
-    wrapper: DeclaredModule, names: Sequence[str], first: _Probe, second: _Probe, runs: Sequence[Sequence]
+    names: Sequence[str], at_first: Sequence[torch.Tensor], at_second: Sequence[torch.Tensor], first: _Probe,
+    second: _Probe,
 ) -> tuple[TensorSpec, ...]:
-    """Each output's axes: batch first, a length axis where its size follows one, fixed sizes elsewhere."""
-    with torch.no_grad():
-        outputs = [wrapper(*tensors) for tensors in runs]
+    """Each output's axes, from its tensors at two probes' sizes: batch first, a length axis where its size
+    follows one, fixed sizes elsewhere."""
     specs = []
-    for name, a, b in zip(names, *outputs, strict=True):
+    for name, a, b in zip(names, at_first, at_second, strict=True):
         dtype = _OUTPUT_DTYPES.get(a.dtype)
         if dtype is None:
             raise ExportError(f"output {name} is {a.dtype}: outputs must be float32, float16, int64 or bool")
@@ -385,14 +387,16 @@ def declare_model(
     gen = torch.Generator().manual_seed(0)
     runs = [first.tensors(decls, vocab, widths, gen), second.tensors(decls, vocab, widths, gen)]
     wrapper = DeclaredModule(module, _mask_dtypes(module, decls, runs[0]))
-    with torch.no_grad():
-        count = len(wrapper(*runs[0]))
-    names = tuple(output_names) if output_names else default_output_names(module, _args(wrapper, runs[0]), count)
+    result, vocabularies = run_watching_embeddings(module, decls, wrapper.module_args(runs[0]))
+    at_first = flatten_outputs(result)
+    count = len(at_first)
+    names = tuple(output_names) if output_names else default_output_names(result, count)
     if len(names) != count:
         raise ExportError(f"{len(names)} output names given, the forward returns {count} tensors")
-    outputs = _output_specs(wrapper, names, first, second, runs)
+    with torch.no_grad():
+        at_second = wrapper(*runs[1])
+    outputs = _output_specs(names, at_first, at_second, first, second)
     marks = {d.axis: d.name for d in reversed(decls) if d.role != "padding-mask"}
-    vocabularies = token_vocabularies(module, decls, _args(wrapper, runs[0]))
     specs = tuple(
         TensorSpec(d.name, PADDING_MASK, "bool", (BATCH_AXIS, d.axis), marks=marks[d.axis])
         if d.role == "padding-mask"
@@ -407,10 +411,6 @@ def declare_model(
     d_model = next(iter(widths.values()), 0) or _embedding_width(module)
     traced, _ = in_reference_form(module)
     return Declared(wrapper, DeclaredModule(traced, wrapper.mask_dtypes), signature, d_model, warnings)
-
-
-def _args(wrapper: DeclaredModule, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    return [x if dtype is None else x.to(dtype) for x, dtype in zip(tensors, wrapper.mask_dtypes, strict=True)]
 
 
 def _embedding_width(module: nn.Module) -> int:
