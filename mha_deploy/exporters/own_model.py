@@ -34,7 +34,7 @@ from torch import nn
 from mha_deploy.errors import CheckpointError, ExportError, first_line
 from mha_deploy.exporters.probes import output_axes, paddable_axes, unpadded_mask_warnings
 from mha_deploy.exporters.reference_form import in_reference_form
-from mha_deploy.exporters.torch_export import TRACE_BATCH
+from mha_deploy.exporters.torch_export import TRACE_BATCH, not_dynamic
 from mha_deploy.signature import (
     BATCH_AXIS,
     MODEL_DTYPE,
@@ -347,11 +347,10 @@ def trace_failure(exc: BaseException, signature: Signature) -> ExportError:
     text = str(exc)
     for axis in (*signature.sequence_axes, BATCH_AXIS):
         if re.search(rf"\b{re.escape(axis)}\b", text) and ("specializ" in text or "Constraints violated" in text):
-            names = [spec.name for spec in signature.inputs if axis in spec.axes]
-            return ExportError(
-                f"the module does not trace with a dynamic {axis!r} axis (inputs {', '.join(names)}): its code "
-                f"fixes that size (a constant shape, a view to a fixed length, a Python loop over it); "
-                f"torch.export said: {first_line(text)}"
+            return not_dynamic(
+                signature, axis,
+                "its code fixes that size (a constant shape, a view to a fixed length, a Python loop over it); "
+                f"torch.export said: {first_line(text)}",
             )
     return ExportError(f"torch.onnx.export failed: {type(exc).__name__}: {first_line(text)}")
 

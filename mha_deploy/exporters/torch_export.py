@@ -78,6 +78,12 @@ def _quiet_exporter():
             logger.setLevel(level)
 
 
+def not_dynamic(signature: Signature, axis: str, why: str) -> ExportError:
+    """The one-line error for a module whose graph does not hold for every size of a dynamic ``axis``."""
+    inputs = ", ".join(spec.name for spec in signature.inputs if axis in spec.axes)
+    return ExportError(f"the module does not trace with a dynamic {axis!r} axis (inputs {inputs}): {why}")
+
+
 def _check_dynamic(program, signature: Signature) -> None:
     """Refuse a graph that holds only for some sizes of an axis declared dynamic.
 
@@ -99,11 +105,10 @@ def _check_dynamic(program, signature: Signature) -> None:
             symbol = str(node.meta["val"].shape[position]) if position < node.meta["val"].dim() else None
             if symbol in bounded:
                 low, high = bounded[symbol]
-                raise ExportError(
-                    f"the module does not trace with a dynamic {axis!r} axis (inputs "
-                    f"{', '.join(s.name for s in signature.inputs if axis in s.axes)}): the traced graph holds only "
-                    f"for {axis} in {low}..{high}; its code decides something on that size (e.g. `if x.size(1) > "
-                    f"{high}`), which a graph cannot: compute it with tensor ops"
+                raise not_dynamic(
+                    signature, axis,
+                    f"the traced graph holds only for {axis} in {low}..{high}; its code decides something on that "
+                    f"size (e.g. `if x.size(1) > {high}`), which a graph cannot: compute it with tensor ops",
                 )
 
 
