@@ -47,10 +47,9 @@ CACHE_PAIRS = {"past_key": "present_key", "past_value": "present_value"}
 SELF_CACHE_KINDS, ENCODER_CACHE_KINDS = ("key", "value"), ("encoder_key", "encoder_value")
 # dtype of a float tensor: whatever the model was exported in (float32, or float16).
 MODEL_DTYPE = "model"
-# The roles a custom model's inputs may have (the CLI spells padding_mask "padding-mask").
+# The roles a custom model's inputs may have (the CLI spells padding_mask "padding-mask"): exactly the inputs
+# whose axis 1 is a length axis that items are batched along.
 INPUT_ROLES = (TOKENS, SEQUENCE, PADDING_MASK)
-# Inputs whose axis 1 is a length axis that items are batched along.
-_LENGTH_ROLES = (SEQUENCE, TOKENS, PADDING_MASK)
 
 
 @dataclass(frozen=True)
@@ -72,7 +71,7 @@ class TensorSpec:
     @property
     def sequence_axis(self) -> str | None:
         """The length axis of a sequence input, token ids or padding mask (axis 1), else None."""
-        return self.axes[1] if self.role in _LENGTH_ROLES else None
+        return self.axes[1] if self.role in INPUT_ROLES else None
 
     @property
     def dynamic_axes(self) -> dict[int, str]:
