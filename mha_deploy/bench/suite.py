@@ -151,34 +151,34 @@ def _tolerance(precision: str) -> dict:
 
 
 def _bench_case(
-    report: BenchReport, mode: MaskMode, backends: list[Backend], reference: torch.nn.Module, batch: int, seq: int,
-    budget_s: float, gate: QuietGate | None,
+    report: BenchReport, label: str, signature: Signature, backends: list[Backend], feeds: dict,
+    expected: dict | None, batch: int, seq: int, budget_s: float, gate: QuietGate | None, flops: float | None,
 ) -> list[BenchRow]:
-    """One mask mode at one shape: every backend checked against the reference, then timed together."""
-    signature = mode.signature
-    feeds = mode.inputs(report.d_model, batch, seq)
-    expected = torch_reference(reference, signature, feeds)
+    """One mask mode at one shape: every backend's first output checked against ``expected`` (the reference's
+    outputs on ``feeds``; None: no reference, no error), then every backend timed together. ``flops``: the
+    work of one call (None when not known: no GFLOP/s, no efficiency)."""
+    first = signature.output_names[0]
     real_rows = real_query_rows(signature, feeds)
     runs = {backend.name: backend.prepare(feeds) for backend in backends}
     comparisons = {
         backend.name: compare_outputs(
-            signature, {"output": runs[backend.name]()}, expected, real_rows, names=("output",),
+            signature, {first: runs[backend.name]()}, expected, real_rows, names=(first,),
             **_tolerance(backend.precision),
         )[0]
         for backend in backends
-    }
+    } if expected is not None else {}
     timings = time_blocks(runs, budget_s, gate=gate)
-    flops = mha_flops(batch, seq, report.d_model)
     baseline = timings.get(BASELINE)
     rows = []
     for backend in backends:
-        timing, comparison = timings[backend.name], comparisons[backend.name]
-        gflops = flops / (timing.median_ms * 1e-3) / 1e9
+        timing, comparison = timings[backend.name], comparisons.get(backend.name)
+        gflops = flops / (timing.median_ms * 1e-3) / 1e9 if flops else float("nan")
         peak = report.int8_gemm_gops if backend.precision == "int8" else report.gemm_gflops
         rows.append(BenchRow(
-            mode.label, backend.name, batch, seq, timing.median_ms, timing.p90_ms, gflops,
-            baseline.median_ms / timing.median_ms if baseline else None, gflops / peak if peak else None,
-            comparison.max_abs_err, comparison.rel_err, comparison.passed,
+            label, backend.name, batch, seq, timing.median_ms, timing.p90_ms, gflops,
+            baseline.median_ms / timing.median_ms if baseline else None, gflops / peak if flops and peak else None,
+            comparison.max_abs_err if comparison else 0.0, comparison.rel_err if comparison else 0.0,
+            comparison.passed if comparison else True,
         ))
     return rows
 
@@ -303,7 +303,11 @@ def run_bench(
                 )
             reference = attention_graph(mha, signature)
             for batch, seq in shapes:
-                for row in _bench_case(report, mode, by_signature[signature], reference, batch, seq, budget_s, gate):
+                feeds = mode.inputs(report.d_model, batch, seq)
+                expected = torch_reference(reference, signature, feeds)
+                flops = mha_flops(batch, seq, report.d_model)
+                for row in _bench_case(report, mode.label, signature, by_signature[signature], feeds, expected,
+                                       batch, seq, budget_s, gate, flops):
                     report.rows.append(row)
                     if on_row:
                         on_row(row)
@@ -351,28 +355,12 @@ def run_model_bench(
     backends = [file]
     if module is not None:
         backends.append(torch_module(module.eval(), signature, BASELINE))
-    first = signature.output_names[0]
     for batch, seq in shapes:
         feeds = mode.inputs(session_metadata.d_model, batch, seq, signature=signature)
-        runs = {backend.name: backend.prepare(feeds) for backend in backends}
-        comparison = None
-        if module is not None:
-            expected = {first: runs[BASELINE]()}
-            comparison = compare_outputs(
-                signature, {first: runs[file.name]()}, expected, real_query_rows(signature, feeds), names=(first,),
-                **_tolerance(file.precision),
-            )[0]
-        timings = time_blocks(runs, budget_s, gate=gate)
-        baseline = timings.get(BASELINE)
-        for backend in backends:
-            timing = timings[backend.name]
-            checked = comparison if backend is file else None
-            row = BenchRow(
-                mode.label, backend.name, batch, seq, timing.median_ms, timing.p90_ms, float("nan"),
-                baseline.median_ms / timing.median_ms if baseline else None, None,
-                checked.max_abs_err if checked else 0.0, checked.rel_err if checked else 0.0,
-                checked.passed if checked else True,
-            )
+        # The module in torch is the reference (its first output), when given.
+        expected = {signature.output_names[0]: backends[-1].prepare(feeds)()} if module is not None else None
+        for row in _bench_case(report, mode.label, signature, backends, feeds, expected, batch, seq, budget_s, gate,
+                               flops=None):
             report.rows.append(row)
             if on_row:
                 on_row(row)
