@@ -136,11 +136,18 @@ def main(ctx: click.Context, debug: bool) -> None:
 @click.option("--max-length", type=click.IntRange(min=1),
               help="With --module, the longest sequence the module takes (e.g. its position table): parity "
                    "checks no longer one.")
+@click.option("--pack-tokens/--no-pack-tokens", default=True, show_default=True,
+              help="Your own model: run its per-token layers (projections, feed-forwards, norms) on the real "
+                   "tokens only, gathered where such a run starts and put back in place where an attention, a "
+                   "pooling or an output reads them: a quarter padded, ~1.2x faster at d_model 512 (an unpadded "
+                   "batch ~3% slower). Only along an axis the model may be padded on, only where its MatMul work "
+                   "outweighs the copies, and dropped with a warning if parity fails with it.")
 @click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path), required=True,
               help="Where to write the .onnx file (written only if parity passes).")
 @click.pass_context
 def export(ctx, checkpoint, prefix, d_model, heads, model_kind, layers, d_ff, attention, mask, return_weights, kv_cache,
-           fuse, quantize, seed, opset, dtype, atol, rtol, module_spec, inputs, output_names, max_length, output):
+           fuse, quantize, seed, opset, dtype, atol, rtol, module_spec, inputs, output_names, max_length, pack_tokens,
+           output):
     """Export a reference MHA to ONNX with dynamic batch and sequence axes, checked against torch.
 
     \b
@@ -160,7 +167,7 @@ def export(ctx, checkpoint, prefix, d_model, heads, model_kind, layers, d_ff, at
     options = {"opset": opset, "atol": atol, "rtol": rtol, "fuse": fuse, "quantize": quantize, "dtype": dtype}
     lone_block = ("prefix", "d_model", "heads", "model_kind", "layers", "d_ff", "attention", "mask",
                   "return_weights", "kv_cache", "seed")
-    own_model = ("inputs", "output_names", "max_length")
+    own_model = ("inputs", "output_names", "max_length", "pack_tokens")
     if module_spec is not None:
         given = [name for name in lone_block if _given(ctx, name)]
         if given:
@@ -170,7 +177,7 @@ def export(ctx, checkpoint, prefix, d_model, heads, model_kind, layers, d_ff, at
         module = load_factory(module_spec)
         click.echo(f"exporting {type(module).__name__} from {module_spec}, inputs {', '.join(inputs)}", err=True)
         result = export_model(module, output, inputs, output_names=output_names or None, checkpoint=checkpoint,
-                              max_length=max_length, **options)
+                              max_length=max_length, pack_tokens=pack_tokens, **options)
     elif given := [name for name in own_model if _given(ctx, name)]:
         raise click.UsageError(f"{_flags(given)} describe your own model: give it with --module FILE.py:FACTORY")
     elif model_kind == "mha":
@@ -193,9 +200,16 @@ def export(ctx, checkpoint, prefix, d_model, heads, model_kind, layers, d_ff, at
         click.echo(f"exporting a {layers}-layer {model_kind}, mask={mask}" + (" kv-cache" if kv_cache else ""),
                    err=True)
         result = export_builtin(stack, output, signature, **options)
+    _echo_export(result)
+
+
+def _echo_export(result) -> None:
+    """What export and optimize print: warnings, the fusion, token packing, parity, the file."""
     for warning in result.warnings:
         click.echo(f"warning: {warning}", err=True)
     click.echo(result.fusion.summary())
+    if result.packing is not None:
+        click.echo(result.packing.describe())
     click.echo(result.parity.summary())
     click.echo(f"wrote {result.path}")
 
@@ -637,9 +651,15 @@ def bench(model, checkpoint, prefix, d_model, heads, masks, shapes, provider, th
               help="The longest sequence the graph takes (e.g. its position table): parity checks no longer one.")
 @click.option("--atol", type=click.FloatRange(min=0), help="Parity tolerance, absolute (default 1e-5).")
 @click.option("--rtol", type=click.FloatRange(min=0), help="Parity tolerance, relative (default 1e-4).")
+@click.option("--pack-tokens/--no-pack-tokens", default=True, show_default=True,
+              help="As for export: run the graph's per-token layers (projections, feed-forwards, norms) on the real "
+                   "tokens only, gathered where such a run starts and put back in place where an attention, a "
+                   "pooling or an output reads them: a quarter padded, ~1.2x faster at d_model 512 (an unpadded "
+                   "batch ~3% slower). Only along an axis the model may be padded on, only where its MatMul work "
+                   "outweighs the copies, and dropped with a warning if parity fails with it.")
 @click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path), required=True,
               help="Where to write the .onnx file (written only if parity passes).")
-def optimize(source, inputs, output_names, fuse, max_length, atol, rtol, output):
+def optimize(source, inputs, output_names, fuse, max_length, atol, rtol, pack_tokens, output):
     """Fuse the attentions of an ONNX graph exported elsewhere (e.g. torch.onnx.export of your model), checked
     against that graph in ONNX Runtime at unseen shapes, left and right padding.
 
@@ -651,12 +671,8 @@ def optimize(source, inputs, output_names, fuse, max_length, atol, rtol, output)
 
     click.echo(f"optimizing {source}, inputs {', '.join(inputs)}", err=True)
     result = optimize_model(source, output, inputs, output_names=output_names or None, fuse=fuse, atol=atol,
-                            rtol=rtol, max_length=max_length)
-    for warning in result.warnings:
-        click.echo(f"warning: {warning}", err=True)
-    click.echo(result.fusion.summary())
-    click.echo(result.parity.summary())
-    click.echo(f"wrote {result.path}")
+                            rtol=rtol, max_length=max_length, pack_tokens=pack_tokens)
+    _echo_export(result)
 
 
 def _is_own_model(path: Path) -> bool:

@@ -11,7 +11,7 @@ import onnx
 
 from mha_deploy.errors import ModelFileError
 from mha_deploy.metadata import METADATA_KEY, ModelMetadata
-from mha_deploy.onnx_nodes import LONG_KERNEL, all_nodes, kernel_tag
+from mha_deploy.onnx_nodes import LONG_KERNEL, all_nodes, kernel_tag, packing_tags
 from mha_deploy.signature import Signature
 
 # Ops that carry a whole attention, with their input roles (from the ops' schemas),
@@ -65,6 +65,8 @@ class ModelReport:
     outputs: list[TensorInfo]
     op_counts: dict[str, int]
     attention_ops: list[AttentionOpInfo] = field(default_factory=list)
+    # What token packing did (exporters.token_packing), one line per tag it left
+    packing: list[str] = field(default_factory=list)
     metadata: dict | None = None
 
     def to_dict(self) -> dict:
@@ -90,6 +92,7 @@ class ModelReport:
                 f"{role}={name}" if name in model_inputs and name != role else role for role, name in op.inputs.items()
             )
             lines += [f"  fused  {op.op}({inputs}) {attrs}", f"         kernel: {op.kernel}"]
+        lines += [f"  packed {line}" for line in self.packing]
         meta = self.metadata
         if meta is None:
             return "\n".join([*lines, "  metadata: none (not exported by mha-deploy)"])
@@ -284,5 +287,6 @@ def describe_model(path: str | os.PathLike) -> ModelReport:
         outputs=[_tensor_info(v) for v in model.graph.output],
         op_counts=dict(Counter(_op_label(n) for n in nodes).most_common()),
         attention_ops=attention,
+        packing=packing_tags(model.graph),
         metadata=asdict(metadata) if metadata else None,
     )

@@ -16,9 +16,11 @@ from collections.abc import Iterator
 
 import onnx
 
-__all__ = ["KERNEL_PROP", "LONG_KERNEL", "all_nodes", "kernel_tag"]
+__all__ = ["KERNEL_PROP", "LONG_KERNEL", "PACKING_PROP", "all_nodes", "kernel_tag", "packing_tags"]
 
 KERNEL_PROP = "mha_deploy.kernel"
+# What token packing did, on the node that finds a mask's real tokens (exporters.token_packing)
+PACKING_PROP = "mha_deploy.packing"
 LONG_KERNEL = "{long}"
 
 
@@ -36,3 +38,8 @@ def all_nodes(graph: onnx.GraphProto) -> Iterator[onnx.NodeProto]:
 def kernel_tag(node: onnx.NodeProto) -> str | None:
     """The kernel description a fusion rule wrote on ``node``, if any."""
     return next((p.value for p in node.metadata_props if p.key == KERNEL_PROP), None)
+
+
+def packing_tags(graph: onnx.GraphProto) -> list[str]:
+    """What token packing wrote on ``graph``'s nodes: one line per padding mask it packs by."""
+    return [p.value for node in graph.node for p in node.metadata_props if p.key == PACKING_PROP]

@@ -232,3 +232,45 @@ def own_model(tmp_path_factory):
         return cache[name]
 
     return export
+
+
+# A user's module against its export: per-token outputs on real rows, per-item outputs whole; fp32 through
+# different kernels.
+OWN_MODEL_ATOL, OWN_MODEL_RTOL = 2e-5, 1e-4
+
+
+def module_feeds(session, batch: int, lengths: dict[str, int], side: str, seed: int) -> dict:
+    """Random inputs for a user's model at ``lengths`` per axis, padded on ``side`` where it has a mask."""
+    from mha_deploy.inputs import padding_mask
+
+    rng = np.random.default_rng(seed)
+    feeds = {}
+    for spec in session.signature.inputs:
+        length = lengths[spec.axes[1]]
+        if spec.role == "tokens":
+            feeds[spec.name] = rng.integers(0, spec.vocab, (batch, length))
+        elif spec.role == "sequence":
+            feeds[spec.name] = rng.standard_normal((batch, length, spec.axes[2])).astype(np.float32)
+        else:
+            feeds[spec.name] = padding_mask(batch, length, side, rng)
+    return feeds
+
+
+def assert_equals_module(session, module, feeds: dict, label: str) -> None:
+    """``session`` (a user's export) and ``module`` (torch) agree on ``feeds``: real rows of per-token outputs,
+    per-item outputs whole, within OWN_MODEL_ATOL/RTOL."""
+    import torch
+
+    signature = session.signature
+    with torch.no_grad():
+        expected = module.eval()(*(torch.from_numpy(feeds[n]) for n in signature.input_names))
+    expected = expected if isinstance(expected, tuple) else (expected,)
+    got = session.run(feeds)
+    rows_mask = signature.mask_of(signature.query_input)
+    for spec, want in zip(signature.outputs, expected, strict=True):
+        want, have = want.numpy(), got[spec.name]
+        if spec.name in signature.per_token_outputs and rows_mask is not None:
+            real = feeds[rows_mask]
+            want, have = want[real], have[real]
+        np.testing.assert_allclose(have, want, atol=OWN_MODEL_ATOL, rtol=OWN_MODEL_RTOL,
+                                   err_msg=f"{label}: {spec.name}")

@@ -14,7 +14,7 @@ import onnx
 import torch
 
 from mha_deploy.atomic import atomic_path
-from mha_deploy.errors import ExportError, ParityError
+from mha_deploy.errors import ExportError, ParityError, first_line
 from mha_deploy.exporters.fusion import FusionReport, fuse_attention
 from mha_deploy.exporters.graphs import attention_graph
 from mha_deploy.exporters.kv_cache import CacheProjection, attach_caches, decode_on_mha, prefill_or_decode
@@ -38,6 +38,7 @@ from mha_deploy.exporters.precision import DTYPES, FP16_ATOL, FP16_RTOL, to_floa
 from mha_deploy.exporters.quantize import quantize_int8
 from mha_deploy.exporters.reference_form import reference_attention
 from mha_deploy.exporters.stack_graphs import decoder_cache_graphs, export_stack_onnx, stack_graph
+from mha_deploy.exporters.token_packing import PackingReport, pack_model, packing_masks
 from mha_deploy.exporters.torch_export import DEFAULT_OPSET, export_onnx
 from mha_deploy.metadata import (
     FUSE_CHOICES,
@@ -109,6 +110,8 @@ class ExportResult:
     metadata: ModelMetadata
     parity: ParityReport
     fusion: FusionReport
+    # None when the export does not pack tokens (--no-pack-tokens, fp16, KV caches, built-in models)
+    packing: PackingReport | None = None
     # Things the user should know that did not stop the export (e.g. auto fell back to no fusion).
     warnings: list[str] = field(default_factory=list)
 
@@ -143,9 +146,10 @@ def auto_fusion_target(signature: Signature) -> str:
 
 
 def _optimised(
-    plain: onnx.ModelProto, target: str, quantize: str, dtype: str, attention_ops: int
-) -> tuple[onnx.ModelProto, FusionReport]:
-    """``plain`` fused for ``target``, quantized and cast as asked; ``plain`` itself is left as it was."""
+    plain: onnx.ModelProto, target: str, quantize: str, dtype: str, attention_ops: int, pack_by: Sequence[str] = ()
+) -> tuple[onnx.ModelProto, FusionReport, PackingReport | None]:
+    """``plain`` fused for ``target``, its tokens packed by the padding masks ``pack_by`` (fused targets only),
+    quantized and cast as asked; ``plain`` itself is left as it was."""
     # fp16 is the CUDA deployment: no short_sequence If there, so that a CUDA graph can capture the mask-free
     # model (pipeline.fuse_attention).
     fused, report = fuse_attention(plain, target, short_sequences=dtype != "float16")
@@ -156,11 +160,14 @@ def _optimised(
         )
     if target != "none" and report.fused != attention_ops:
         raise ExportError(f"{report.summary()}, expected {attention_ops}: the graph holds attentions no rule knows")
+    packing = None
+    if pack_by and target != "none":
+        fused, packing = pack_model(fused, pack_by)
     if quantize == "int8":
         fused = quantize_int8(fused)
     if dtype == "float16":
         fused = to_float16(fused)
-    return fused, report
+    return fused, report, packing
 
 
 @dataclass
@@ -194,7 +201,7 @@ def _optimised_kv_cache(
             decode, metadata.num_heads, MASK_FILL_VALUE, attention_ops, signature.mask_of(signature.query_input),
             signature.mask_of(signature.memory_input),
         )
-    fused, report = _optimised(first.model, target, "none", "float32", attention_ops)
+    fused, report, _ = _optimised(first.model, target, "none", "float32", attention_ops)
     prefill = attach_caches(fused, first.projections, metadata.num_heads, signature.output_names)
     model = prefill_or_decode(prefill, decode, signature.growing_caches[0])
     if metadata.dtype == "float16":
@@ -225,6 +232,8 @@ class ExportOptions:
     fuse: str = "auto"
     quantize: str = "none"
     dtype: str = "fp32"
+    # A user's model: its per-token ops on real tokens only (token_packing), where its padding allows it
+    pack_tokens: bool = True
 
     def check(self) -> None:
         if self.fuse not in FUSE_CHOICES:
@@ -453,23 +462,42 @@ def _finish(
     atol, rtol = options.tolerance
     warnings: list[str] = []
     target = auto_fusion_target(metadata.signature) if options.fuse == "auto" else options.fuse
+    # fp16 is the CUDA deployment, whose graphs keep static shapes for CUDA graph capture (no NonZero).
+    pack_by = packing_masks(metadata.signature) if options.pack_tokens and metadata.dtype != "float16" else []
 
-    def build(fuse_target: str):
+    def build(fuse_target: str, pack: Sequence[str]):
         if first_call is not None:
             model, fusion = _optimised_kv_cache(plain, first_call, fuse_target, metadata, attention_ops)
+            packing = None
         else:
-            model, fusion = _optimised(plain, fuse_target, options.quantize, metadata.dtype, attention_ops)
-        return model, fusion, _checked(module, model, atol, rtol, options.parity_cases, options.quantize)
+            model, fusion, packing = _optimised(
+                plain, fuse_target, options.quantize, metadata.dtype, attention_ops, pack)
+        return model, fusion, packing, _checked(module, model, atol, rtol, options.parity_cases, options.quantize)
+
+    def build_packed(fuse_target: str):
+        # Packing is exact on every real row; a model that reads its padded rows where no mask zeroes them
+        # would fail parity with it, and then gets the fused graph as it is.
+        try:
+            built = build(fuse_target, pack_by)
+            if built[3].passed or built[2] is None or not built[2].runs:
+                return built
+            why = built[3].summary()
+        except (ExportError, ParityError) as exc:
+            if not pack_by or fuse_target == "none":
+                raise
+            why = first_line(str(exc))
+        warnings.append(f"token packing not used ({why})")
+        return build(fuse_target, [])
 
     try:
-        model, fusion, report = build(target)
+        model, fusion, packing, report = build_packed(target)
         if not report.passed and options.fuse == "auto" and target != "none":
             raise ParityError(report.summary())
     except (ExportError, ParityError) as exc:
         if options.fuse != "auto":
             raise
         warnings.append(f"--fuse auto: {target} fusion not used ({exc}); exported the unfused graph")
-        model, fusion, report = build("none")
+        model, fusion, packing, report = build("none", [])
     if not report.passed:
         raise ParityError(f"{report.summary()}; failures: {'; '.join(report.failures[:5])}; nothing written")
     metadata.fusion = fusion.target
@@ -477,4 +505,4 @@ def _finish(
     metadata.parity = report
     set_metadata(model, metadata)
     write_model_atomically(model, output)
-    return ExportResult(output, metadata, report, fusion, warnings)
+    return ExportResult(output, metadata, report, fusion, packing, warnings)

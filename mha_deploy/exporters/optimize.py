@@ -105,6 +105,7 @@ def optimize_model(
     rtol: float | None = None,
     max_length: int | None = None,
     parity_cases: tuple[ParityCase, ...] | None = None,
+    pack_tokens: bool = True,
 ) -> ExportResult:
     """Fuse the attentions of the ONNX graph ``source`` (exported elsewhere) and write it to ``output``.
 
@@ -112,14 +113,16 @@ def optimize_model(
     (roles ``tokens``, ``sequence``, ``padding-mask``, as for ``export_model``). ``output_names`` renames the
     graph's outputs, in order. ``fuse`` as for ``export_mha`` (``auto`` falls back to the unfused graph with a
     warning; ``mha``/``onnx`` fail, writing nothing, if an attention stays unfused). Parity of the written graph
-    against ``source``, both in ORT, is checked at unseen shapes, lengths capped at ``max_length``. Raises
+    against ``source``, both in ORT, is checked at unseen shapes, lengths capped at ``max_length``.
+    ``pack_tokens`` as for ``export_model`` (``ExportOptions``). Raises
     ``ExportError`` (``ParityError`` for parity) and writes nothing when anything fails.
     """
     output = _check_output(output)
     if max_length is not None and max_length < 1:
         raise ExportError(f"max length must be at least 1, got {max_length}")
     model = _load(source)
-    options = ExportOptions(opset=_default_opset(model, source), atol=atol, rtol=rtol, fuse=fuse)
+    options = ExportOptions(opset=_default_opset(model, source), atol=atol, rtol=rtol, fuse=fuse,
+                            pack_tokens=pack_tokens)
     options.check()
     decls = declare_inputs(inputs)
     graph_inputs, graph_outputs = _interface(model, decls, source)

@@ -15,19 +15,16 @@ from click.testing import CliRunner  # noqa: E402
 from mha_deploy.cli import main  # noqa: E402
 from mha_deploy.errors import ExportError, InputError  # noqa: E402
 from mha_deploy.exporters import export_model  # noqa: E402
-from mha_deploy.inputs import padding_mask  # noqa: E402
 from mha_deploy.model_report import describe_model  # noqa: E402
 from mha_deploy.onnx_nodes import all_nodes  # noqa: E402
 from mha_deploy.runtime import MHASession  # noqa: E402
-from tests.conftest import USER_MODELS, user_module  # noqa: E402
+from tests.conftest import USER_MODELS, assert_equals_module, module_feeds, user_module  # noqa: E402
 
 # model file -> attentions in it
 ATTENTIONS = {
     "classifier": 2, "causal_lm": 2, "seq2seq": 6, "feature_encoder": 2, "torch_encoder": 2, "sdpa_classifier": 2,
 }
 ATTENTION_OPS = {"MultiHeadAttention", "GroupQueryAttention", "Attention"}
-# Per-token outputs compared on real rows, per-item outputs whole: fp32 through different kernels.
-ATOL, RTOL = 2e-5, 1e-4
 
 
 def _attention_sites(graph: onnx.GraphProto) -> int:
@@ -55,21 +52,6 @@ def test_every_attention_is_fused_on_every_path(own_model, name):
     assert not [node.name for node in all_nodes(model.graph) if node.op_type == "Softmax"]
 
 
-def _feeds(session: MHASession, batch: int, lengths: dict[str, int], side: str, seed: int) -> dict:
-    """Random inputs at ``lengths`` per axis, padded on ``side`` where the model has a mask."""
-    rng = np.random.default_rng(seed)
-    signature, feeds = session.signature, {}
-    for spec in signature.inputs:
-        length = lengths[spec.axes[1]]
-        if spec.role == "tokens":
-            feeds[spec.name] = rng.integers(0, spec.vocab, (batch, length))
-        elif spec.role == "sequence":
-            feeds[spec.name] = rng.standard_normal((batch, length, spec.axes[2])).astype(np.float32)
-        else:
-            feeds[spec.name] = padding_mask(batch, length, side, rng)
-    return feeds
-
-
 @pytest.mark.parametrize("side", ["right", "left"])
 @pytest.mark.parametrize("name", list(ATTENTIONS))
 def test_outputs_equal_the_module_on_real_rows(own_model, name, side):
@@ -77,19 +59,8 @@ def test_outputs_equal_the_module_on_real_rows(own_model, name, side):
     session = MHASession(path, provider="cpu")
     signature = session.signature
     lengths = {axis: 23 + 6 * i for i, axis in enumerate(signature.sequence_axes)}
-    feeds = _feeds(session, 3, lengths, side, seed=7)
-    module = user_module(name).build().eval()
-    with torch.no_grad():
-        expected = module(*(torch.from_numpy(feeds[n]) for n in signature.input_names))
-    expected = expected if isinstance(expected, tuple) else (expected,)
-    got = session.run(feeds)
-    rows_mask = signature.mask_of(signature.query_input)
-    for spec, want in zip(signature.outputs, expected, strict=True):
-        want, have = want.numpy(), got[spec.name]
-        if spec.name in signature.per_token_outputs and rows_mask is not None:
-            real = feeds[rows_mask]
-            want, have = want[real], have[real]
-        np.testing.assert_allclose(have, want, atol=ATOL, rtol=RTOL, err_msg=f"{name} {spec.name} ({side} padding)")
+    feeds = module_feeds(session, 3, lengths, side, seed=7)
+    assert_equals_module(session, user_module(name).build(), feeds, f"{name} ({side} padding)")
 
 
 @pytest.mark.parametrize(

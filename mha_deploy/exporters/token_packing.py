@@ -1,0 +1,544 @@
+"""Token packing: the per-token layers of a model run on its real tokens only.
+
+Attention fusion makes the attention cheap; around it a transformer spends most
+of its time in per-token work (projections, feed-forwards, norms), and a padded
+batch does all of it on the padding too. This pass gathers the real tokens of a
+padding mask into one [tokens, ...] tensor wherever a run of per-token ops
+starts, runs those ops on it, and scatters the rows back to [batch, seq, ...]
+(zeros at padded positions) only where something that is not per-token reads
+them: an attention, a pooling, a model output. Real rows are the same numbers
+(a row-wise op does not see the other rows); padded rows are zeros instead of
+what the padding computed, which a model whose outputs do not depend on its
+padding (its axis measured paddable at export) never reads.
+
+An op is per-token when row (b, s) of its output depends only on row (b, s) of
+its [batch, seq, ...] inputs: elementwise ops, MatMul by a 2-D weight,
+LayerNormalization and Softmax over trailing axes, Gather of an embedding table
+by token ids, Unsqueeze/Squeeze of trailing axes. Its other inputs must not span
+the batch or seq axes (weights, biases, scalars), or span only seq with batch 1
+(a position table [1, seq, ...], gathered by each token's position).
+
+Gathering and scattering cost copies, so a connected run of packed ops is kept
+only when its MatMul work per token is worth the rows it copies in and out
+(``MIN_WORK_PER_COPIED_ELEMENT``): a whole transformer stack is one run with the
+attentions inside it; a lone projection between two attentions is not.
+
+    index    = NonZero(Reshape(mask, [-1]))        int64 [tokens]: where the real tokens are
+    pack(x)  = Gather(Reshape(x, [-1, ...]), index)
+    back(y)  = Reshape(Gather(Pad(y, one zero row), where each position's row is, else the zero row),
+                       [batch, seq, ...])
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+
+from mha_deploy.model_report import ATTENTION_INPUT_ROLES
+from mha_deploy.onnx_nodes import KERNEL_PROP, PACKING_PROP
+from mha_deploy.signature import PADDING_MASK, Signature
+
+# Ops whose output row (b, s) is a function of their inputs' rows (b, s) under numpy broadcasting.
+_ELEMENTWISE = {
+    "Abs", "Add", "And", "Cast", "CastLike", "Ceil", "Clip", "Cos", "Div", "Elu", "Equal", "Erf", "Exp",
+    "Floor", "Gelu", "Greater", "GreaterOrEqual", "HardSigmoid", "HardSwish", "Identity", "IsInf", "IsNaN",
+    "LeakyRelu", "Less", "LessOrEqual", "Log", "Max", "Min", "Mish", "Mod", "Mul", "Neg", "Not", "Or", "Pow",
+    "PRelu", "Reciprocal", "Relu", "Round", "Selu", "Sigmoid", "Sign", "Sin", "Softplus", "Softsign", "Sqrt",
+    "Sub", "Tanh", "Where", "Xor",
+}  # fmt: skip
+# Ops over trailing axes, with the axis attribute and its default.
+_AXIS_OPS = {"LayerNormalization": -1, "RMSNormalization": -1, "Softmax": -1, "LogSoftmax": -1}
+# A run of packed ops is kept when its MatMul multiply-adds per token are at least this many times the
+# elements per token it gathers in and scatters out. A pre-norm block (d_ff 4 d_model) has 12 d^2 of one and
+# 4 d of the other: 3 d. Measured on the classifier of tests/user_models at 2 layers, 2 threads, fp32, ORT CPU
+# (packed over unpacked; 8x128 a quarter padded / 8x128 unpadded / 1x512 a quarter padded): d_model 64
+# (ratio 192) 0.93 / 0.80 / 0.90; 128 (384) 1.29 / 0.90 / 1.12; 256 (768) 1.16 / 0.98 / 1.15; 512 at 6
+# layers (1536) 1.25 / 0.97 / 1.19. So d_model 256 and up.
+MIN_WORK_PER_COPIED_ELEMENT = 500
+PACKED_AXIS = "packed"  # the packed axis of a mask's tokens: "<mask>_packed", one per mask
+
+
+@dataclass
+class PackingReport:
+    """What ``pack_tokens`` did."""
+
+    masks: list[str] = field(default_factory=list)  # the padding masks whose real tokens were packed
+    runs: int = 0  # connected runs of packed ops kept
+    matmuls: int = 0  # MatMuls that run on real tokens only
+    ops: int = 0  # ops that run on real tokens only
+    copies: int = 0  # gathers in and scatters out
+    reason: str = ""  # why nothing was packed
+
+    @property
+    def text(self) -> str:
+        """What was packed, e.g. ``36 MatMul(s) and 60 other op(s) run on the real tokens of attention_mask
+        only (...)``; or why nothing was."""
+        if not self.runs:
+            return f"not applied ({self.reason or 'no run of per-token ops found'})"
+        return (
+            f"{self.matmuls} MatMul(s) and {self.ops - self.matmuls} other op(s) run on the real tokens of "
+            f"{', '.join(self.masks)} only ({self.runs} run(s) of per-token ops, {self.copies} gathers/scatters)"
+        )
+
+    def describe(self) -> str:
+        return f"token packing: {self.text}"
+
+
+@dataclass(frozen=True)
+class _Mask:
+    name: str
+    batch: str
+    seq: str
+
+
+@dataclass
+class _Plan:
+    """One candidate op: the mask it packs by, and how each input enters packed form."""
+
+    node: ir.Node
+    mask: _Mask
+    rank: int  # of its (first) output, unpacked
+    inputs: dict[int, str]  # input index -> "packed", "entry", "position", "squeeze" (others: as they are)
+
+
+def packing_masks(signature: Signature) -> list[str]:
+    """The padding masks of a user's model along whose axis it may be padded (measured at export: its real
+    outputs do not depend on what the padding holds); none for the built-in models."""
+    if signature.model != "custom":
+        return []
+    return [spec.name for spec in signature.custom_inputs
+            if spec.role == PADDING_MASK and spec.axes[1] in signature.custom_paddable]
+
+
+def pack_model(model: onnx.ModelProto, masks: list[str]) -> tuple[onnx.ModelProto, PackingReport]:
+    """``model`` with its tokens packed by ``masks`` (``pack_tokens``); ``model`` itself is left as it was."""
+    graph = ir.from_proto(model)
+    report = pack_tokens(graph, masks)
+    return (ir.to_proto(graph) if report.runs else model), report
+
+
+def pack_tokens(model: ir.Model, masks: list[str]) -> PackingReport:
+    """Rewrite ``model`` in place so that its per-token ops run on the real tokens of ``masks`` (bool
+    [batch, seq] graph inputs, True = real token) only; the report says what was packed."""
+    report = PackingReport()
+    graph = model.graph
+    inputs = {value.name: value for value in graph.inputs}
+    mask_specs = [_mask_spec(inputs.get(name)) for name in masks]
+    mask_specs = [spec for spec in mask_specs if spec is not None]
+    if not mask_specs:
+        report.reason = "no [batch, seq] bool padding mask input"
+        return report
+    _infer_missing_shapes(model)
+    plans = _candidates(graph, mask_specs)
+    runs = _runs(plans)
+    kept: dict[ir.Node, _Plan] = {}
+    best = (0, 0)
+    for run in runs:
+        work, copied = _cost(run, plans)
+        if not work or work < MIN_WORK_PER_COPIED_ELEMENT * copied:
+            best = max(best, (work, copied))
+            continue
+        report.runs += 1
+        kept.update({node: plans[node] for node in run})
+    if not kept and best[0]:
+        report.reason = (
+            f"too small to pay for its copies: the largest run of per-token ops does {best[0] / best[1]:.0f} "
+            f"multiply-adds per element it copies in and out, below {MIN_WORK_PER_COPIED_ELEMENT} "
+            "(about d_model 256)")
+    if kept:
+        _rewrite(graph, kept, report)
+    return report
+
+
+def _infer_missing_shapes(model: ir.Model) -> None:
+    """Shapes for the model graph's values that have none (an If's outputs, what follows them), from onnx's
+    inference; the shapes the graph has are kept (onnx's inference of the standard Attention op in a branch
+    writes a 0 for a width it cannot see)."""
+    proto = ir.to_proto(model)
+    # the weights' types are all inference needs of them
+    proto.graph.input.extend(onnx.helper.make_tensor_value_info(t.name, t.data_type, t.dims)
+                             for t in proto.graph.initializer)
+    del proto.graph.initializer[:]
+    inferred = {info.name: info.type.tensor_type for info in onnx.shape_inference.infer_shapes(proto).graph.value_info}
+    for node in model.graph:
+        for value in node.outputs:
+            tensor = inferred.get(value.name)
+            if value.shape is not None or tensor is None or not tensor.HasField("shape"):
+                continue
+            value.shape = ir.Shape([dim.dim_param or (dim.dim_value if dim.HasField("dim_value") else None)
+                                    for dim in tensor.shape.dim])
+            if value.dtype is None and tensor.elem_type:
+                value.dtype = ir.DataType(tensor.elem_type)
+
+
+def _mask_spec(value: ir.Value | None) -> _Mask | None:
+    if value is None or value.dtype != ir.DataType.BOOL or value.shape is None or value.shape.rank() != 2:
+        return None
+    batch, seq = value.shape
+    if not (isinstance(batch, ir.SymbolicDim) and isinstance(seq, ir.SymbolicDim)) or None in (
+            batch.value, seq.value):
+        return None
+    return _Mask(value.name, batch.value, seq.value)
+
+
+def _dims(value: ir.Value | None) -> list | None:
+    if value is None or value.shape is None:
+        return None
+    return [dim.value if isinstance(dim, ir.SymbolicDim) else dim for dim in value.shape]
+
+
+def _aligned(value: ir.Value, masks: list[_Mask]) -> _Mask | None:
+    """The mask whose [batch, seq] are ``value``'s first two axes."""
+    dims = _dims(value)
+    if dims is None or len(dims) < 2:
+        return None
+    return next((mask for mask in masks if dims[0] == mask.batch and dims[1] == mask.seq), None)
+
+
+def _classify(value: ir.Value, rank: int, mask: _Mask | None, masks: list[_Mask], packed: dict) -> tuple:
+    """How an input of an op with output rank ``rank`` enters packed form: (kind, mask), kind one of
+    "packed" (already), "entry" (a [batch, seq, ...] tensor to gather), "position" ([1, seq, ...] or
+    [seq, ...]: gathered by position), "squeeze" ([1, 1, ...]), "as-is" (spans neither axis), or None (the
+    op is not per-token in this input)."""
+    if value in packed:
+        return ("packed", packed[value].mask) if packed[value].rank == rank else (None, None)
+    dims = _dims(value)
+    if dims is None:
+        return None, None
+    if len(dims) <= rank - 2:
+        return "as-is", None  # right-aligned, it reaches neither axis
+    seq_mask = None
+    if len(dims) == rank:
+        aligned = _aligned(value, masks)
+        if aligned is not None:
+            return "entry", aligned
+        if dims[0] != 1:
+            return None, None
+        if dims[1] == 1:
+            return "squeeze", None
+        seq_mask = next((m for m in masks if dims[1] == m.seq and mask in (None, m)), None)
+    elif len(dims) == rank - 1:
+        if dims[0] == 1:
+            return "as-is", None
+        seq_mask = next((m for m in masks if dims[0] == m.seq and mask in (None, m)), None)
+    return ("position", seq_mask) if seq_mask is not None else (None, None)
+
+
+def _const_ints(value: ir.Value | None) -> list[int] | None:
+    if value is None or value.const_value is None:
+        return None
+    return [int(x) for x in np.asarray(value.const_value.numpy()).reshape(-1)]
+
+
+def _candidates(graph: ir.Graph, masks: list[_Mask]) -> dict[ir.Node, _Plan]:
+    """The model graph's ops that are per-token in some mask's axes, in graph order.
+
+    Ops on the masks alone are left as they are: they cost nothing worth saving, and a mask put back with zeros
+    (or the spare row) at padded positions would no longer say what the mask said there. Where per-token ops
+    read such a value, it is gathered in, exactly."""
+    plans: dict[ir.Node, _Plan] = {}
+    packed: dict[ir.Value, _Plan] = {}  # outputs of candidate ops
+    mask_names = {mask.name for mask in masks}
+    # values that depend on some input other than the masks
+    data = {value for value in graph.inputs if value.name not in mask_names}
+    for node in graph:
+        if not any(value in data for value in node.inputs):
+            continue
+        data.update(node.outputs)
+        plan = _plan(node, masks, packed)
+        if plan is None:
+            continue
+        plans[node] = plan
+        for output in node.outputs:
+            packed[output] = plan
+    return plans
+
+
+def _plan(node: ir.Node, masks: list[_Mask], packed: dict) -> _Plan | None:
+    if node.domain not in ("", "ai.onnx") or not node.outputs:
+        return None
+    op = node.op_type
+    out_dims = _dims(node.outputs[0])
+    rank = len(out_dims) if out_dims is not None else None
+    if op == "MatMul":
+        data, weight = node.inputs
+        weight_dims = _dims(weight)
+        if weight_dims is None or len(weight_dims) != 2 or rank is None or rank < 3:
+            return None
+        kind, mask = _classify(data, rank, None, masks, packed)
+        return _Plan(node, mask, rank, {0: kind}) if kind in ("packed", "entry") else None
+    if op == "Gather":
+        table, ids = node.inputs
+        if node.attributes.get_int("axis", 0) != 0 or rank is None or table in packed:
+            return None
+        table_dims, ids_dims = _dims(table), (_dims(ids) if ids not in packed else None)
+        if table_dims is None or _aligned(table, masks) is not None:
+            return None
+        ids_rank = packed[ids].rank if ids in packed else (len(ids_dims) if ids_dims else None)
+        if ids_rank is None or ids_rank < 2:
+            return None
+        kind, mask = _classify(ids, ids_rank, None, masks, packed)
+        return _Plan(node, mask, rank, {1: kind}) if kind in ("packed", "entry") else None
+    if op in ("Unsqueeze", "Squeeze"):
+        data = node.inputs[0]
+        axes = _const_ints(node.inputs[1]) if len(node.inputs) > 1 else None
+        data_rank = packed[data].rank if data in packed else len(_dims(data) or [])
+        if axes is None or rank is None or data_rank < 2:
+            return None
+        axes_rank = rank if op == "Unsqueeze" else data_rank
+        if any((axis + axes_rank if axis < 0 else axis) < 2 for axis in axes):
+            return None
+        kind, mask = _classify(data, data_rank, None, masks, packed)
+        return _Plan(node, mask, rank, {0: kind}) if kind in ("packed", "entry") else None
+    if op in _AXIS_OPS:
+        axis = node.attributes.get_int("axis", _AXIS_OPS[op])
+        if rank is None or (axis + rank if axis < 0 else axis) < 2:
+            return None
+        kind, mask = _classify(node.inputs[0], rank, None, masks, packed)
+        # scale and bias cover the normalised (trailing) axes only
+        return _Plan(node, mask, rank, {0: kind}) if kind in ("packed", "entry") else None
+    if op not in _ELEMENTWISE or rank is None or rank < 2:
+        return None
+    kinds: dict[int, str] = {}
+    mask = None
+    for index, value in enumerate(node.inputs):
+        if value is None:
+            continue
+        kind, value_mask = _classify(value, rank, mask, masks, packed)
+        if kind is None or (value_mask is not None and mask is not None and value_mask != mask):
+            return None
+        mask = mask or value_mask
+        kinds[index] = kind
+    if not any(kind in ("packed", "entry") for kind in kinds.values()):
+        return None
+    return _Plan(node, mask, rank, kinds)
+
+
+def _runs(plans: dict[ir.Node, _Plan]) -> list[list[ir.Node]]:
+    """Candidate ops joined where one reads another's output; each run in graph order."""
+    parent = {node: node for node in plans}
+
+    def root(node):
+        while parent[node] is not node:
+            parent[node] = parent[parent[node]]
+            node = parent[node]
+        return node
+
+    for node, plan in plans.items():
+        for index, kind in plan.inputs.items():
+            if kind == "packed":
+                parent[root(node)] = root(node.inputs[index].producer())
+    runs: dict[ir.Node, list[ir.Node]] = {}
+    for node in plans:
+        runs.setdefault(root(node), []).append(node)
+    return list(runs.values())
+
+
+def _row_elements(value: ir.Value, skip: int) -> int:
+    dims = _dims(value)
+    if dims is None or not all(isinstance(dim, int) for dim in dims[skip:]):
+        return 1 << 20  # unknown: too many to copy
+    return math.prod(dims[skip:])
+
+
+def _exits(value: ir.Value, run: set) -> list:
+    """The uses of ``value`` outside ``run`` (ops of other runs or not packed, ops in subgraphs)."""
+    return [use for use in value.uses() if use.node not in run]
+
+
+def _cost(run: list[ir.Node], plans: dict[ir.Node, _Plan]) -> tuple[int, int]:
+    """Multiply-adds per token in the run's MatMuls; elements per token it gathers in and scatters out."""
+    members = set(run)
+    work = copied = 0
+    entries = set()
+    for node in run:
+        plan = plans[node]
+        if node.op_type == "MatMul":
+            weight = _dims(node.inputs[1])
+            work += weight[0] * weight[1] if all(isinstance(d, int) for d in weight) else 0
+        for index, kind in plan.inputs.items():
+            value = node.inputs[index]
+            if kind in ("entry", "position") and value not in entries:
+                entries.add(value)
+                copied += _row_elements(value, 2 if kind == "entry" or len(_dims(value)) == plan.rank else 1)
+        for output in node.outputs:
+            if _exits(output, members) or output.is_graph_output():
+                copied += _row_elements(output, 2)
+    return work, copied
+
+
+class _Index:
+    """The index tensors of one mask, made on first use, ahead of ``anchor`` (the graph's first op)."""
+
+    def __init__(self, graph: ir.Graph, mask: _Mask, anchor: ir.Node):
+        self.graph, self.mask, self.anchor = graph, mask, anchor
+        self.value = next(value for value in graph.inputs if value.name == mask.name)
+        self._cache: dict[str, ir.Value] = {}
+
+    def get(self, what: str) -> ir.Value:
+        if what in self._cache:
+            return self._cache[what]
+        # what this one is made from first, so that its nodes go in ahead of this one's
+        made_from = {"real": ["flat"], "position": ["real"], "row": ["flat"], "zero_row": ["flat", "row"]}.get(
+            what, [])
+        sources = [self.get(name) for name in made_from]
+        tape = ir.tape.Tape()
+        prefix = f"{self.mask.name}_packing"
+        if what == "flat":
+            value = tape.op("Reshape", [self.value, _int64(tape, [-1])], name=f"{prefix}_flat")
+        elif what == "real":  # int64 [tokens + 1]: the flat positions of the real tokens, then position 0
+            real = tape.op("Reshape", [tape.op("NonZero", sources), _int64(tape, [-1])])
+            value = tape.op("Concat", [real, _int64(tape, [0])], attributes={"axis": 0}, name=f"{prefix}_real")
+        elif what == "position":  # int64 [tokens]: each real token's position in its row
+            seq = tape.op("Shape", [self.value], attributes={"start": 1, "end": 2})
+            value = tape.op("Mod", [sources[0], seq], name=f"{prefix}_position")
+        elif what == "row":  # int64 [batch * seq]: each position's packed row; padding the spare row after them
+            count = tape.op("Cast", sources, attributes={"to": ir.DataType.INT64})
+            rank = tape.op("Sub", [tape.op("CumSum", [count, _int64(tape, 0)]), _int64(tape, 1)])
+            total = tape.op("ReduceSum", [count], attributes={"keepdims": 1})
+            value = tape.op("Where", [sources[0], rank, total], name=f"{prefix}_row")
+        elif what == "zero_row":  # the same, padding one row further on: a zero row added after the spare one
+            value = tape.op("Add", [sources[1], tape.op("Cast", [tape.op("Not", [sources[0]])],
+                                                             attributes={"to": ir.DataType.INT64})])
+        elif what == "shape":
+            value = tape.op("Shape", [self.value], name=f"{prefix}_shape")
+        else:
+            raise ValueError(what)
+        _insert(self.graph, tape, before=self.anchor)
+        self._cache[what] = value
+        return value
+
+
+def _insert(graph: ir.Graph, tape, before: ir.Node | None = None, after: ir.Node | None = None) -> None:
+    """Put ``tape``'s nodes into ``graph``, every value named (ORT wants names unique across subgraphs too,
+    and a serialiser's default names are not)."""
+    for node in tape.nodes:
+        for output in node.outputs:
+            if output.name is None:
+                output.name = f"packing_{next(_NAMES)}"
+    if before is not None:
+        graph.insert_before(before, tape.nodes)
+    else:
+        graph.insert_after(after, tape.nodes)
+
+
+_NAMES = itertools.count()
+
+
+def _int64(tape, value) -> ir.Value:
+    return tape.op("Constant", [], attributes={"value": ir.tensor(np.array(value, np.int64))})
+
+
+def _rewrite(graph: ir.Graph, kept: dict[ir.Node, _Plan], report: PackingReport) -> None:
+    indexes: dict[_Mask, _Index] = {}
+    anchor = next(iter(graph))
+    entries: dict[tuple[ir.Value, str], ir.Value] = {}
+    members = set(kept)
+    attention_nodes = _attention_nodes(graph)
+
+    def index(mask: _Mask) -> _Index:
+        if mask not in indexes:
+            indexes[mask] = _Index(graph, mask, anchor)
+        return indexes[mask]
+
+    for node, plan in kept.items():
+        tape = ir.tape.Tape()
+        for position, kind in plan.inputs.items():
+            value = node.inputs[position]
+            key = (value, kind)
+            if kind in ("packed", "as-is"):
+                continue
+            if key not in entries:
+                entries[key] = _enter(tape, value, kind, plan, index(plan.mask))
+                report.copies += kind in ("entry", "position")
+            node.replace_input_with(position, entries[key])
+        _packed_attributes(tape, node, plan)
+        if tape.nodes:
+            _insert(graph, tape, before=node)
+        report.ops += 1
+        report.matmuls += node.op_type == "MatMul"
+        for output in node.outputs:
+            _leave(graph, output, plan, index(plan.mask), members, attention_nodes, report)
+    report.masks = sorted({plan.mask.name for plan in kept.values()})
+    # inspect reads it there, as it reads the kernels off the fusion's Ifs
+    first = indexes[next(iter(sorted(indexes, key=lambda mask: mask.name)))]
+    first.get("real").producer().metadata_props[PACKING_PROP] = report.text
+    graph.sort()
+
+
+def _enter(tape, value: ir.Value, kind: str, plan: _Plan, index: _Index) -> ir.Value:
+    if kind == "squeeze":
+        return tape.op("Squeeze", [value, _int64(tape, [0])])
+    skip = 2 if kind == "entry" or len(_dims(value)) == plan.rank else 1
+    by = index.get("real" if kind == "entry" else "position")
+    rows = tape.op("Concat", [_int64(tape, [-1]), tape.op("Shape", [value], attributes={"start": skip})],
+                   attributes={"axis": 0})
+    return tape.op("Gather", [tape.op("Reshape", [value, rows]), by], attributes={"axis": 0},
+                   name=f"{value.name}_packed")
+
+
+def _packed_attributes(tape, node: ir.Node, plan: _Plan) -> None:
+    """Axis attributes and inputs of ``node`` counted from the front lose the batch axis."""
+    if node.op_type in _AXIS_OPS:
+        axis = node.attributes.get_int("axis", _AXIS_OPS[node.op_type])
+        if axis >= 0:
+            node.attributes["axis"] = ir.AttrInt64("axis", axis - 1)
+    elif node.op_type in ("Unsqueeze", "Squeeze"):
+        axes = _const_ints(node.inputs[1])
+        # Unsqueeze's axes count in its output, Squeeze's in its input
+        rank = plan.rank if node.op_type == "Unsqueeze" else plan.rank + len(axes)
+        axes = [axis + rank if axis < 0 else axis for axis in axes]
+        node.replace_input_with(1, _int64(tape, [axis - 1 for axis in axes]))
+
+
+def _attention_nodes(graph: ir.Graph) -> set[ir.Node]:
+    """The nodes that read a tensor's padded rows only where they cannot matter: the model's attention ops
+    (their mask blocks padded keys; their padded queries' rows are dropped when packed again), everything in
+    the branches of the fusion's kernel Ifs, and Shapes."""
+    found = set()
+    for node in graph.all_nodes():
+        domain = "" if node.domain == "ai.onnx" else node.domain
+        if (domain, node.op_type) in ATTENTION_INPUT_ROLES or node.op_type == "Shape":
+            found.add(node)
+        elif node.op_type == "If" and KERNEL_PROP in node.metadata_props:
+            found.update(inner for branch in node.attributes.values() if branch.type == ir.AttributeType.GRAPH
+                         for inner in branch.as_graph().all_nodes())
+    return found
+
+
+def _leave(graph: ir.Graph, value: ir.Value, plan: _Plan, index: _Index, members: set,
+           attention_nodes: set, report: PackingReport) -> None:
+    """Scatter ``value`` back to [batch, seq, ...] for its readers outside the run."""
+    exits = _exits(value, members)
+    is_output = value.is_graph_output()
+    dims, unpacked_shape = _dims(value), value.shape
+    if dims is not None:
+        value.shape = ir.Shape([f"{index.mask.name}_{PACKED_AXIS}", *value.shape[2:]])
+    if not exits and not is_output:
+        return
+    tape = ir.tape.Tape()
+    if (all(use.node in attention_nodes for use in exits) and not is_output and plan.rank >= 3
+            and value.dtype is not None and value.dtype.is_floating_point()):
+        rows = tape.op("Gather", [value, index.get("row")], attributes={"axis": 0})
+    else:
+        rank = plan.rank - 1
+        padded = tape.op("Pad", [value, _int64(tape, [0] * rank + [1] + [0] * (rank - 1))])
+        rows = tape.op("Gather", [padded, index.get("zero_row")], attributes={"axis": 0})
+    shape = tape.op("Concat", [index.get("shape"), tape.op("Shape", [value], attributes={"start": 1})],
+                    attributes={"axis": 0})
+    original = value.name
+    back = tape.op("Reshape", [rows, shape], name=f"{original}_unpacked")
+    back.shape, back.dtype = unpacked_shape, value.dtype
+    _insert(graph, tape, after=value.producer())
+    report.copies += 1
+    for use in exits:
+        use.node.replace_input_with(use.idx, back)
+    if is_output:
+        value.name = f"{original}_packed"
+        back.name = original
+        graph.outputs[graph.outputs.index(value)] = back

@@ -1,0 +1,152 @@
+"""Token packing (exporters.token_packing): a user's model's per-token ops run on its real tokens only.
+
+Every model of tests/user_models exported packed (the size bound lowered: they are small) equals the module on
+real rows, both padding sides, and equals its unpacked export; a wide model is packed by default and a narrow
+one is not, saying why; a batch with nothing real, one token, and int8 all run; a pack that fails parity is
+dropped with a warning; the CLI and inspect say what was packed."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from click.testing import CliRunner  # noqa: E402
+
+from mha_deploy.cli import main  # noqa: E402
+from mha_deploy.exporters import export, export_model, token_packing  # noqa: E402
+from mha_deploy.model_report import describe_model  # noqa: E402
+from mha_deploy.runtime import MHASession  # noqa: E402
+from tests.conftest import USER_MODELS, assert_equals_module, module_feeds, user_module  # noqa: E402
+
+MODELS = ["classifier", "causal_lm", "seq2seq", "feature_encoder", "torch_encoder", "sdpa_classifier"]
+
+
+@pytest.fixture
+def pack_any_size(monkeypatch):
+    """The test models are too narrow for packing to pay: pack them anyway."""
+    monkeypatch.setattr(token_packing, "MIN_WORK_PER_COPIED_ELEMENT", 0)
+
+
+def _export(tmp_path, name: str, *args: str):
+    path = tmp_path / f"{name}{''.join(args)}.onnx"
+    inputs = [arg for spec in user_module(name).INPUTS for arg in ("--input", spec)]
+    result = CliRunner().invoke(
+        main, ["export", "--module", f"{USER_MODELS / name}.py:build", *inputs, *args, "-o", str(path)])
+    assert result.exit_code == 0, result.output
+    return path, result.output
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", MODELS)
+def test_packed_models_equal_the_module_and_their_unpacked_export(tmp_path, pack_any_size, name):
+    path, output = _export(tmp_path, name)
+    assert "token packing: " in output and "run on the real tokens of" in output, output
+    assert "warning" not in output, output
+    unpacked_path, unpacked_output = _export(tmp_path, name, "--no-pack-tokens")
+    assert "token packing" not in unpacked_output
+    packed, unpacked = MHASession(path, provider="cpu"), MHASession(unpacked_path, provider="cpu")
+    module = user_module(name).build()
+    rows_mask = packed.signature.mask_of(packed.signature.query_input)
+    for side in ("right", "left", "mixed"):
+        lengths = {axis: 29 + 7 * i for i, axis in enumerate(packed.signature.sequence_axes)}
+        feeds = module_feeds(packed, 4, lengths, side, seed=3)
+        assert_equals_module(packed, module, feeds, f"{name} packed ({side} padding)")
+        got, want = packed.run(feeds), unpacked.run(feeds)
+        for output_name in packed.signature.output_names:
+            have, expected = got[output_name], want[output_name]
+            assert have.shape == expected.shape
+            if output_name in packed.signature.per_token_outputs:
+                assert np.isfinite(have).all(), f"{name} {output_name}: padded rows not finite"
+                real = feeds[rows_mask]
+                have, expected = have[real], expected[real]
+            np.testing.assert_allclose(have, expected, atol=1e-5, rtol=1e-4, err_msg=f"{name} {side}")
+
+
+def test_a_wide_model_is_packed_by_default_and_a_narrow_one_says_why(tmp_path):
+    classifier = user_module("classifier")
+    torch.manual_seed(0)
+    wide = classifier.TextClassifier(d_model=256, num_heads=4, num_layers=1)
+    result = export_model(wide, tmp_path / "wide.onnx", classifier.INPUTS)
+    assert result.packing is not None and result.packing.runs == 1, result.packing
+    # q, k, v, the output projection and two feed-forward layers; the attention itself stays in place
+    assert result.packing.matmuls == 6 and result.packing.masks == ["attention_mask"]
+    assert result.parity.passed and not result.warnings
+    text = describe_model(tmp_path / "wide.onnx").text()
+    assert "  packed 6 MatMul(s)" in text and "attention_mask" in text
+
+    narrow = export_model(classifier.build(), tmp_path / "narrow.onnx", classifier.INPUTS)
+    assert narrow.packing is not None and narrow.packing.runs == 0
+    assert "too small" in narrow.packing.describe() and "below 500" in narrow.packing.describe()
+    assert "\n  packed " not in describe_model(tmp_path / "narrow.onnx").text()
+
+
+def test_only_axes_the_model_may_be_padded_on_are_packed(tmp_path, pack_any_size):
+    class _UnmaskedMean(torch.nn.Module):
+        """Reads its padding: the mean over every position, real or not."""
+
+        def __init__(self):
+            super().__init__()
+            self.embed, self.ff = torch.nn.Embedding(20, 16), torch.nn.Linear(16, 16)
+
+        def forward(self, ids, mask):
+            return self.ff(self.embed(ids)).mean(dim=1)
+
+    result = export_model(_UnmaskedMean(), tmp_path / "m.onnx", ["ids:tokens", "mask:padding-mask"])
+    assert result.metadata.signature.paddable_axes == frozenset()
+    assert result.packing is None
+
+
+def test_int8_packs_and_passes_its_parity_budget(tmp_path, pack_any_size):
+    classifier = user_module("classifier")
+    # int8's dynamic quantization scales each MatMul input over its rows: packed, over the real ones only, so
+    # packed and unpacked int8 differ within the int8 budget, not bit for bit.
+    result = export_model(classifier.build(), tmp_path / "m.onnx", classifier.INPUTS, quantize="int8")
+    assert result.packing.runs == 1 and result.parity.passed and not result.warnings
+    assert result.parity.rel_budget is not None
+
+
+def test_edge_batches_run_packed(tmp_path, pack_any_size):
+    classifier = user_module("classifier")
+    result = export_model(classifier.build(), tmp_path / "m.onnx", classifier.INPUTS)
+    assert result.packing.runs == 1 and result.parity.passed and not result.warnings
+    unpacked = export_model(classifier.build(), tmp_path / "u.onnx", classifier.INPUTS, pack_tokens=False)
+    assert unpacked.packing is None
+    # ONNX Runtime itself, as a user of the bare file would: MHASession refuses rows without a real token.
+    packed, plain = (ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+                     for path in (result.path, unpacked.path))
+    two = np.array([[3, 4, 5], [6, 7, 8]])
+    for ids, mask in ((two, np.zeros((2, 3), bool)), (two, np.array([[True, False, False], [False] * 3])),
+                      (np.array([[9]]), np.ones((1, 1), bool))):
+        feeds = {"input_ids": ids, "attention_mask": mask}
+        (got,), (want,) = packed.run(None, feeds), plain.run(None, feeds)
+        np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-4, err_msg=str(mask))
+
+
+def test_a_pack_that_fails_parity_is_dropped_with_a_warning(tmp_path, pack_any_size, monkeypatch):
+    def broken(model, masks):
+        packed, report = token_packing.pack_model(model, masks)
+        # a wrong graph: the first output doubled
+        graph = packed.graph
+        name = graph.output[0].name
+        graph.node.extend([onnx.helper.make_node("Add", [f"{name}_wrong", f"{name}_wrong"], [name])])
+        for node in graph.node[:-1]:
+            node.output[:] = [f"{name}_wrong" if out == name else out for out in node.output]
+        return packed, report
+
+    monkeypatch.setattr(export, "pack_model", broken)
+    classifier = user_module("classifier")
+    result = export_model(classifier.build(), tmp_path / "m.onnx", classifier.INPUTS)
+    assert result.parity.passed and result.metadata.fusion == "mha"
+    assert result.packing is None
+    assert any(w.startswith("token packing not used (parity FAILED") for w in result.warnings), result.warnings
+
+
+def test_the_cli_says_what_was_packed_and_keeps_the_flag_to_own_models(tmp_path, pack_any_size):
+    _, output = _export(tmp_path, "classifier")
+    assert "token packing: 12 MatMul(s)" in output
+    result = CliRunner().invoke(main, ["export", "--no-pack-tokens", "-o", str(tmp_path / "m.onnx")])
+    assert result.exit_code == 2 and "--pack-tokens describe your own model" in result.output
