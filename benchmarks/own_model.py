@@ -9,8 +9,9 @@ A script, not a test:
 The model is the classifier of ``tests/user_models/classifier.py`` (token ids, learned positions, pre-norm
 blocks around the reference attention with ``masked_fill(mask == 0, -1e9)``, masked mean pooling, a linear
 head) at 6 layers, d_model 512, 8 heads, d_ff 2048. It is exported as users export it,
-``export_model(module, path, inputs=INPUTS, fuse=...)``, twice: ``fuse="auto"`` (what users get) and
-``fuse="none"`` (the plain ONNX graph), both run by ``MHASession`` on the CPU. torch runs a copy whose
+``export_model(module, path, inputs=INPUTS, ...)``, three times: ``fuse="auto"`` (what users get),
+the same with ``pack_tokens=False`` (the attention fusion alone, every token through every layer) and
+``fuse="none"`` (the plain ONNX graph), all run by ``MHASession`` on the CPU. torch runs a copy whose
 attention calls ``F.scaled_dot_product_attention`` with the same boolean mask (True = attend), same weights,
 and the original module for reference. ORT and torch use the same thread count.
 
@@ -50,10 +51,12 @@ CLASSIFIER_FILE = Path(__file__).resolve().parents[1] / "tests" / "user_models" 
 SIZES = {"d_model": 512, "heads": 8, "layers": 6, "vocab": 8000, "max_len": 4096}
 SHAPES, QUICK_SHAPES = ((8, 128), (1, 1024)), ((2, 32), (1, 128))
 MEMORY_SHAPE, QUICK_MEMORY_SHAPE = (2, 4096), (1, 256)
-PADDING = MaskMode("padding", 25.0)  # right padding: the last quarter of every row
+PADDED_PCT = 25.0  # right padding: the last quarter of every row
 # Targets (issue 21), per shape: the fused export's throughput over each of these rows'.
 TARGETS = {"ORT plain": 1.3, "torch SDPA": 1.0}
-FUSED, PLAIN, SDPA, EAGER = "ORT fused", "ORT plain", "torch SDPA", "torch eager"
+FUSED, UNPACKED, PLAIN, SDPA = "ORT fused", "ORT unpacked", "ORT plain", "torch SDPA"
+EAGER = "torch eager"
+COMPARED = (UNPACKED, PLAIN, SDPA, EAGER)
 
 
 def _user_file(path: Path):
@@ -103,22 +106,27 @@ def build_sdpa(**sizes):
     return with_sdpa(build(**sizes))
 
 
-def export_both(model, workdir: Path, max_len: int) -> dict:
-    """fuse='auto' and fuse='none' exports of ``model``: name -> (ExportResult, seconds)."""
+def export_all(model, workdir: Path, max_len: int) -> dict:
+    """The exports of ``model``: fuse='auto' (what users get), the same without token packing, and
+    fuse='none': name -> (ExportResult, seconds)."""
     exports = {}
-    for name, fuse in ((FUSED, "auto"), (PLAIN, "none")):
+    for name, options in ((FUSED, {"fuse": "auto"}), (UNPACKED, {"fuse": "auto", "pack_tokens": False}),
+                          (PLAIN, {"fuse": "none"})):
         started = time.perf_counter()
-        result = export_model(model, workdir / f"{fuse}.onnx", classifier.INPUTS, fuse=fuse, max_length=max_len)
+        result = export_model(model, workdir / f"{name.replace(' ', '-')}.onnx", classifier.INPUTS,
+                              max_length=max_len, **options)
         exports[name] = (result, time.perf_counter() - started)
-        print(f"exported {name} (fuse={fuse}) in {exports[name][1]:.0f} s: {result.fusion.summary()}", flush=True)
+        packing = f"; {result.packing.describe()}" if result.packing else ""
+        print(f"exported {name} ({options}) in {exports[name][1]:.0f} s: {result.fusion.summary()}{packing}",
+              flush=True)
         for warning in result.warnings:
             print(f"  warning: {warning}", flush=True)
     return exports
 
 
-def bench_shape(backends, signature, d_model, batch, seq, budget_s, passes, gate) -> dict:
+def bench_shape(backends, signature, d_model, batch, seq, budget_s, passes, gate, padding: MaskMode) -> dict:
     """Every backend checked against torch eager on one padded batch, then timed in interleaved blocks."""
-    feeds = PADDING.inputs(d_model, batch, seq, signature=signature)
+    feeds = padding.inputs(d_model, batch, seq, signature=signature)
     real_tokens = int(sum(feeds[name].sum() for name in signature.padding_masks))
     runs = {backend.name: backend.prepare(feeds) for backend in backends}
     expected = {"output": runs[EAGER]()}
@@ -135,24 +143,25 @@ def bench_shape(backends, signature, d_model, batch, seq, budget_s, passes, gate
         }
         for name, t in timings.items()
     }
-    ratios = {f"fused vs {name}": rows[name]["median_ms"] / rows[FUSED]["median_ms"] for name in (PLAIN, SDPA, EAGER)}
-    best_ratios = {f"fused vs {name}": rows[name]["best_ms"] / rows[FUSED]["best_ms"] for name in (PLAIN, SDPA, EAGER)}
+    ratios = {f"fused vs {name}": rows[name]["median_ms"] / rows[FUSED]["median_ms"] for name in COMPARED}
+    best_ratios = {f"fused vs {name}": rows[name]["best_ms"] / rows[FUSED]["best_ms"] for name in COMPARED}
     return {"batch": batch, "seq": seq, "tokens": batch * seq, "real_tokens": real_tokens, "rows": rows,
             "ratios": ratios, "best_call_ratios": best_ratios}
 
 
-def measure_memory(exports, sizes: dict, checkpoint: Path, batch: int, seq: int, threads: int) -> list[dict]:
+def measure_memory(exports, sizes: dict, checkpoint: Path, batch: int, seq: int, threads: int,
+                   padding: MaskMode) -> list[dict]:
     """Peak RSS added by one run of each row, each in its own fresh process, one after the other."""
     rows = []
-    for name in (FUSED, PLAIN):
+    for name in (FUSED, UNPACKED, PLAIN):
         result = exports[name][0]
         rows.append(measure_peak_rss(result.path, name, batch, seq, threads, arena=True,
-                                     padded_pct=PADDING.padded_pct))
+                                     padded_pct=padding.padded_pct))
         print(f"  memory {name} done", flush=True)
     metadata = exports[FUSED][0].metadata
     for name, factory in ((SDPA, "build_sdpa"), (EAGER, "build")):
         rows.append(measure_module_peak_rss(f"{Path(__file__).resolve()}:{factory}", sizes, checkpoint, metadata,
-                                            name, batch, seq, threads, PADDING.padded_pct))
+                                            name, batch, seq, threads, padding.padded_pct))
         print(f"  memory {name} done", flush=True)
     return [asdict(row) for row in rows]
 
@@ -166,7 +175,9 @@ def report_lines(figures: dict) -> list[str]:
         f"positions {sizes['max_len']}",
         f"threads: {figures['threads']} (ORT intra-op and torch); ORT fp32 MatMul peak "
         f"{figures['gemm_gflops']:.0f} GFLOP/s (at {figures['gemm_size']}^3)",
-        "inputs: random ids, right padding, last 25% of every row padded; tokens/s counts real tokens",
+        f"inputs: random ids, right padding, {figures['padding']}; tokens/s counts real tokens",
+        f"rows: {FUSED} = export_model(fuse='auto'), what users get; {UNPACKED} = the same with "
+        "pack_tokens=False; ORT plain = fuse='none'",
         "",
         f"{'shape':<8} {'row':<12} {'median ms':>10} {'p90 ms':>9} {'best ms':>9} {'tokens/s':>10} "
         f"{'max abs err':>12}  parity",
@@ -182,16 +193,17 @@ def report_lines(figures: dict) -> list[str]:
     for shape in figures["shapes"]:
         label = f"{shape['batch']}x{shape['seq']}"
         parts = []
-        for name in (PLAIN, SDPA, EAGER):
+        for name in COMPARED:
             ratio = shape["ratios"][f"fused vs {name}"]
-            target = TARGETS.get(name)
+            target = TARGETS.get(name) if figures["padded_pct"] == PADDED_PCT else None  # set for a quarter padded
             verdict = "" if target is None else f" (target >= {target}x: {'met' if ratio >= target else 'MISSED'})"
             parts.append(f"vs {name} {ratio:.2f}x{verdict}")
         lines.append(f"  {label}: " + "; ".join(parts))
-        best = [f"vs {name} {shape['best_call_ratios'][f'fused vs {name}']:.2f}x" for name in (PLAIN, SDPA, EAGER)]
+        best = [f"vs {name} {shape['best_call_ratios'][f'fused vs {name}']:.2f}x" for name in COMPARED]
         lines.append(f"  {' ' * len(label)}  fastest calls: {'; '.join(best)}")
     if figures["memory"]:
-        lines += ["", "memory, one run, right padding 25%, fresh process each (ORT with its CPU arena):",
+        lines += ["", f"memory, one run, right padding, {figures['padding']}, fresh process each (ORT with its CPU "
+                  "arena):",
                   f"{'shape':<8} {'row':<12} {'peak RSS MB':>11} {'added by run MB':>16}"]
         for m in figures["memory"]:
             lines.append(f"{m['batch']}x{m['seq']:<6} {m['backend']:<12} {m['peak_rss_mb']:11.0f} {m['run_mb']:16.0f}")
@@ -218,6 +230,8 @@ def main() -> None:
     parser.add_argument("--memory-shape", help="BATCHxSEQ of the memory runs (default 2x4096; '' skips them)")
     parser.add_argument("--budget-s", type=float, help="timing budget per row and shape (default 8, quick 0.2)")
     parser.add_argument("--passes", type=int, help="interleaved timed passes over every row (default 5, quick 2)")
+    parser.add_argument("--padded-pct", type=float, default=PADDED_PCT,
+                        help=f"the last PCT%% of every row padded ({PADDED_PCT:g}; 0: nothing padded)")
     for name, default in SIZES.items():
         parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=default, help=f"model size ({default})")
     args = parser.parse_args()
@@ -231,31 +245,35 @@ def main() -> None:
     passes = args.passes or (2 if args.quick else 5)
     gate = None if args.quick else QuietGate(wait_s=10.0, total_wait_s=180.0)
     torch.set_num_threads(args.threads)
+    padding = MaskMode("padding", args.padded_pct)
     load_before = load_average()
 
     model = build(**sizes)
     with tempfile.TemporaryDirectory(prefix="mha-own-model-bench-") as tmp:
         workdir = Path(tmp)
-        exports = export_both(model, workdir, sizes["max_len"])
+        exports = export_all(model, workdir, sizes["max_len"])
         signature = exports[FUSED][0].metadata.signature
         gemm_gflops, gemm_size = peak_gemm_gflops(args.threads, CPU_FP32, (256,) if args.quick else GEMM_SIZES)
-        backends = [ort_file(exports[FUSED][0].path, CPU_FP32, args.threads, FUSED),
-                    ort_file(exports[PLAIN][0].path, CPU_FP32, args.threads, PLAIN),
+        backends = [*(ort_file(exports[name][0].path, CPU_FP32, args.threads, name)
+                      for name in (FUSED, UNPACKED, PLAIN)),
                     torch_module(with_sdpa(model), signature, SDPA), torch_module(model, signature, EAGER)]
         results = []
         for batch, seq in shapes:
-            results.append(bench_shape(backends, signature, sizes["d_model"], batch, seq, budget_s, passes, gate))
+            results.append(bench_shape(backends, signature, sizes["d_model"], batch, seq, budget_s, passes, gate,
+                                       padding))
             print(f"  timed {batch}x{seq}", flush=True)
         del backends  # the sessions' memory, before the memory runs start their own processes
         memory = []
         if memory_shape is not None:
             checkpoint = workdir / "classifier.safetensors"
             safetensors.torch.save_file(model.state_dict(), checkpoint)
-            memory = measure_memory(exports, sizes, checkpoint, *memory_shape, args.threads)
+            memory = measure_memory(exports, sizes, checkpoint, *memory_shape, args.threads, padding)
     figures = {
-        "sizes": sizes, "threads": args.threads, "padding": "right, last 25% of every row",
+        "sizes": sizes, "threads": args.threads, "padding": f"the last {args.padded_pct:g}% of every row padded",
+        "padded_pct": args.padded_pct,
         "gemm_gflops": gemm_gflops, "gemm_size": gemm_size, "targets": TARGETS,
-        "exports": {name: {"fusion": result.fusion.summary(), "seconds": seconds, "warnings": result.warnings}
+        "exports": {name: {"fusion": result.fusion.summary(), "seconds": seconds, "warnings": result.warnings,
+                           "packing": result.packing.describe() if result.packing else None}
                     for name, (result, seconds) in exports.items()},
         "shapes": results, "memory": memory,
         "load": _load_line(load_before, load_average()), "quiet": gate.summary() if gate else "",

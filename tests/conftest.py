@@ -212,24 +212,24 @@ def user_module(name: str):
 
 @pytest.fixture(scope="session")
 def own_model(tmp_path_factory):
-    """``own_model(name) -> (path, CLI output)``: tests/user_models/<name>.py exported once per session through
-    ``mha-deploy export --module <name>.py:build --input ...`` (what users run)."""
+    """``own_model(name, factory="build") -> (path, CLI output)``: tests/user_models/<name>.py exported once per
+    session through ``mha-deploy export --module <name>.py:<factory> --input ...`` (what users run)."""
     from click.testing import CliRunner
 
     from mha_deploy.cli import main
 
     cache = {}
 
-    def export(name: str):
-        if name not in cache:
-            path = tmp_path_factory.mktemp("own") / f"{name}.onnx"
+    def export(name: str, factory: str = "build"):
+        if (name, factory) not in cache:
+            path = tmp_path_factory.mktemp("own") / (f"{name}.onnx" if factory == "build" else f"{name}-{factory}.onnx")
             inputs = [arg for spec in user_module(name).INPUTS for arg in ("--input", spec)]
             result = CliRunner().invoke(
-                main, ["export", "--module", f"{USER_MODELS / name}.py:build", *inputs, "-o", str(path)]
+                main, ["export", "--module", f"{USER_MODELS / name}.py:{factory}", *inputs, "-o", str(path)]
             )
             assert result.exit_code == 0, result.output
-            cache[name] = path, result.output
-        return cache[name]
+            cache[name, factory] = path, result.output
+        return cache[name, factory]
 
     return export
 

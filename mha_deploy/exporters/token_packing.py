@@ -1,32 +1,38 @@
-"""Token packing: the per-token layers of a model run on its real tokens only.
+"""Token packing: the per-token layers of a user's model run on its real tokens only.
 
 Attention fusion makes the attention cheap; around it a transformer spends most
 of its time in per-token work (projections, feed-forwards, norms), and a padded
 batch does all of it on the padding too. This pass gathers the real tokens of a
-padding mask into one [tokens, ...] tensor wherever a run of per-token ops
-starts, runs those ops on it, and scatters the rows back to [batch, seq, ...]
-(zeros at padded positions) only where something that is not per-token reads
-them: an attention, a pooling, a model output. Real rows are the same numbers
-(a row-wise op does not see the other rows); padded rows are zeros instead of
-what the padding computed, which a model whose outputs do not depend on its
-padding (its axis measured paddable at export) never reads.
+padding mask into one [tokens + 1, ...] tensor wherever a run of per-token ops
+starts, runs those ops on it, and puts the rows back to [batch, seq, ...] only
+where something that is not per-token reads them: an attention, a pooling, a
+model output. Real rows are the same numbers (a per-token op does not see the
+other rows). The one row after the real tokens is a spare: position 0's token,
+carried through like the others, so that putting rows back for an attention is
+one Gather, the padded positions taking the spare row (an attention's mask
+ignores padded keys, and its padded queries are dropped when packed again). Put
+back for anything else, padded positions are zeros, the padding's value of a
+masked product (pooling's ``x * mask``). Only axes the export measured paddable
+are packed (the model's outputs do not depend on what the padding holds), and
+parity against the model checks every packed export.
 
 An op is per-token when row (b, s) of its output depends only on row (b, s) of
 its [batch, seq, ...] inputs: elementwise ops, MatMul by a 2-D weight,
 LayerNormalization and Softmax over trailing axes, Gather of an embedding table
 by token ids, Unsqueeze/Squeeze of trailing axes. Its other inputs must not span
 the batch or seq axes (weights, biases, scalars), or span only seq with batch 1
-(a position table [1, seq, ...], gathered by each token's position).
+(a position table [1, seq, ...], gathered by each token's position). Ops on the
+masks alone stay as they are.
 
-Gathering and scattering cost copies, so a connected run of packed ops is kept
+Gathering and putting back cost copies, so a connected run of packed ops is kept
 only when its MatMul work per token is worth the rows it copies in and out
 (``MIN_WORK_PER_COPIED_ELEMENT``): a whole transformer stack is one run with the
 attentions inside it; a lone projection between two attentions is not.
 
-    index    = NonZero(Reshape(mask, [-1]))        int64 [tokens]: where the real tokens are
-    pack(x)  = Gather(Reshape(x, [-1, ...]), index)
-    back(y)  = Reshape(Gather(Pad(y, one zero row), where each position's row is, else the zero row),
-                       [batch, seq, ...])
+    rows      = Concat(NonZero(Reshape(mask, [-1])), [0])    int64 [tokens + 1]
+    pack(x)   = Gather(Reshape(x, [-1, ...]), rows)
+    back(y)   = Reshape(Gather(y, where each position's row is, else the spare row), [batch, seq, ...])
+    zeroed(y) = the same over Pad(y, one zero row), padded positions taking the zero row
 """
 
 from __future__ import annotations
@@ -54,11 +60,12 @@ _ELEMENTWISE = {
 # Ops over trailing axes, with the axis attribute and its default.
 _AXIS_OPS = {"LayerNormalization": -1, "RMSNormalization": -1, "Softmax": -1, "LogSoftmax": -1}
 # A run of packed ops is kept when its MatMul multiply-adds per token are at least this many times the
-# elements per token it gathers in and scatters out. A pre-norm block (d_ff 4 d_model) has 12 d^2 of one and
-# 4 d of the other: 3 d. Measured on the classifier of tests/user_models at 2 layers, 2 threads, fp32, ORT CPU
-# (packed over unpacked; 8x128 a quarter padded / 8x128 unpadded / 1x512 a quarter padded): d_model 64
-# (ratio 192) 0.93 / 0.80 / 0.90; 128 (384) 1.29 / 0.90 / 1.12; 256 (768) 1.16 / 0.98 / 1.15; 512 at 6
-# layers (1536) 1.25 / 0.97 / 1.19. So d_model 256 and up.
+# elements per token it gathers in and puts back (a pre-norm block: 12 d^2 against 4 d). Packed over unpacked,
+# the classifier of tests/user_models at 2 layers, 2 threads, fp32, ORT CPU, one run of
+# benchmarks/token_packing.py (8x128 a quarter padded / unpadded; 1x512 the same): d_model 64 (153 per
+# element) 1.06 / 0.86, 0.98 / 0.92; 128 (307) 1.16 / 0.91, 1.04 / 0.94; 256 (614) 1.18 / 0.94, 1.15 / 0.95;
+# 512 (1228) 1.28 / 0.99, 1.16 / 0.98. From d_model 256 a quarter's padding gains three times what no padding
+# loses.
 MIN_WORK_PER_COPIED_ELEMENT = 500
 PACKED_AXIS = "packed"  # the packed axis of a mask's tokens: "<mask>_packed", one per mask
 
@@ -72,6 +79,8 @@ class PackingReport:
     matmuls: int = 0  # MatMuls that run on real tokens only
     ops: int = 0  # ops that run on real tokens only
     copies: int = 0  # gathers in and scatters out
+    # the largest run's MatMul multiply-adds per token over the elements per token it copies
+    work_per_copied: float = 0.0
     reason: str = ""  # why nothing was packed
 
     @property
@@ -108,11 +117,13 @@ class _Plan:
 
 def packing_masks(signature: Signature) -> list[str]:
     """The padding masks of a user's model along whose axis it may be padded (measured at export: its real
-    outputs do not depend on what the padding holds); none for the built-in models."""
+    outputs do not depend on what the padding holds), each the only mask of its axis (tensors on an axis are
+    recognised by their shape, which two masks of one axis share); none for the built-in models."""
     if signature.model != "custom":
         return []
-    return [spec.name for spec in signature.custom_inputs
-            if spec.role == PADDING_MASK and spec.axes[1] in signature.custom_paddable]
+    masks = [spec for spec in signature.custom_inputs if spec.role == PADDING_MASK]
+    return [spec.name for spec in masks if spec.axes[1] in signature.custom_paddable
+            and sum(other.axes[1] == spec.axes[1] for other in masks) == 1]
 
 
 def pack_model(model: onnx.ModelProto, masks: list[str]) -> tuple[onnx.ModelProto, PackingReport]:
@@ -140,14 +151,15 @@ def pack_tokens(model: ir.Model, masks: list[str]) -> PackingReport:
     best = (0, 0)
     for run in runs:
         work, copied = _cost(run, plans)
+        best = max(best, (work, copied))
         if not work or work < MIN_WORK_PER_COPIED_ELEMENT * copied:
-            best = max(best, (work, copied))
             continue
         report.runs += 1
         kept.update({node: plans[node] for node in run})
+    report.work_per_copied = best[0] / max(best[1], 1)
     if not kept and best[0]:
         report.reason = (
-            f"too small to pay for its copies: the largest run of per-token ops does {best[0] / best[1]:.0f} "
+            f"too small to pay for its copies: the largest run of per-token ops does {report.work_per_copied:.0f} "
             f"multiply-adds per element it copies in and out, below {MIN_WORK_PER_COPIED_ELEMENT} "
             "(about d_model 256)")
     if kept:

@@ -24,8 +24,8 @@ def _items(count: int = 24, seed: int = 0) -> dict[str, np.ndarray]:
     return {f"doc{i}": rng.integers(0, 50, size=int(rng.integers(1, 70))) for i in range(count)}
 
 
-def _alone(items: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    module = user_module("classifier").build().eval()
+def _alone(items: dict[str, np.ndarray], factory: str = "build") -> dict[str, np.ndarray]:
+    module = getattr(user_module("classifier"), factory)().eval()
     with torch.no_grad():
         return {
             key: module(torch.from_numpy(ids)[None], torch.ones(1, len(ids), dtype=torch.bool))[0].numpy()
@@ -33,15 +33,18 @@ def _alone(items: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         }
 
 
-@pytest.mark.parametrize("suffix", [".npz", ".parquet"])
-def test_infer_equals_the_module_item_by_item(own_model, tmp_path, suffix):
+# build_wide: an export with its tokens packed (token_packing), as wider models are by default
+@pytest.mark.parametrize(("suffix", "factory"), [(".npz", "build"), (".parquet", "build"), (".npz", "build_wide")])
+def test_infer_equals_the_module_item_by_item(own_model, tmp_path, suffix, factory):
     items = _items()
     source, target = tmp_path / f"items{suffix}", tmp_path / f"out{suffix}"
     if suffix == ".npz":
         np.savez(source, **items)
     else:
         pq.write_table(pa.table({"id": list(items), "input_ids": [ids.tolist() for ids in items.values()]}), source)
-    result = CliRunner().invoke(main, ["infer", str(own_model("classifier")[0]), "--input", str(source), "--output",
+    path, export_output = own_model("classifier", factory)
+    assert ("token packing: 6 MatMul(s)" in export_output) == (factory == "build_wide"), export_output
+    result = CliRunner().invoke(main, ["infer", str(path), "--input", str(source), "--output",
                                        str(target), "--batch-size", "8", "--no-progress", "--provider", "cpu"])
     assert result.exit_code == 0, result.output
     if suffix == ".npz":
@@ -49,7 +52,7 @@ def test_infer_equals_the_module_item_by_item(own_model, tmp_path, suffix):
     else:
         table = pq.read_table(target).to_pydict()
         got = {key: np.array(row, np.float32) for key, row in zip(table["id"], table["output"], strict=True)}
-    expected = _alone(items)
+    expected = _alone(items, factory)
     assert set(got) == set(expected)
     for key, logits in expected.items():
         assert got[key].shape == (3,)

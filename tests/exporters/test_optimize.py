@@ -18,7 +18,7 @@ from click.testing import CliRunner  # noqa: E402
 from mha_deploy.cli import main  # noqa: E402
 from mha_deploy.compare import compare_outputs  # noqa: E402
 from mha_deploy.errors import ExportError, MHADeployError, ParityError  # noqa: E402
-from mha_deploy.exporters import optimize_model  # noqa: E402
+from mha_deploy.exporters import optimize_model, token_packing  # noqa: E402
 from mha_deploy.inputs import InputCase, make_inputs, real_query_rows  # noqa: E402
 from mha_deploy.model_report import all_nodes  # noqa: E402
 from mha_deploy.runtime import MHASession  # noqa: E402
@@ -341,3 +341,20 @@ def test_a_graph_holding_torchs_attention_op_is_counted_and_fused(tmp_path):
     assert [n.op_type for n in onnx.load(str(source)).graph.node].count("Attention") == 1
     result = optimize_model(source, tmp_path / "fused.onnx", ["x:sequence"], fuse="mha")
     assert result.fusion.found == 1 and result.fusion.fused == 1 and result.parity.passed
+
+
+@pytest.mark.parametrize(("name", "mask_dtype"), [("classifier", "bool"), ("causal_lm", "int64")])
+def test_a_graph_from_elsewhere_is_packed_and_matches_the_input_graph(elsewhere, tmp_path, monkeypatch, name,
+                                                                      mask_dtype):
+    # The test models are too narrow for packing to pay (token_packing.MIN_WORK_PER_COPIED_ELEMENT): pack anyway.
+    monkeypatch.setattr(token_packing, "MIN_WORK_PER_COPIED_ELEMENT", 0)
+    source = elsewhere(name, 18, mask_dtype)
+    result = optimize_model(source, tmp_path / "m.onnx", user_module(name).INPUTS)
+    assert result.packing is not None and result.packing.runs >= 1 and result.packing.matmuls >= 8, result.packing
+    assert result.parity.passed and not [w for w in result.warnings if "token packing" in w]
+    session = MHASession(result.path, provider="cpu")
+    signature = session.signature
+    for index, (batch, length, side) in enumerate([(3, 23, "left"), (2, 37, "right"), (4, 9, "mixed")]):
+        feeds = make_inputs(signature, session.metadata.d_model, InputCase(batch, length, length, side), seed=index)
+        name_ = signature.outputs[0].name
+        _assert_equal_on_real_rows(session, session.run(feeds), {name_: _input_graph(source, feeds)[name_]}, feeds)

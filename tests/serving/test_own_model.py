@@ -21,9 +21,22 @@ ATOL, RTOL = 2e-5, 1e-4
 
 
 @pytest.fixture(scope="module")
-def classifier_server(own_model, start_server):
-    path = own_model("classifier")[0]
-    return path.stem, start_server(path, grpc=True)
+def classifier_servers(own_model, start_server):
+    """``serve(factory) -> (model name, server)``: the classifier built by ``factory``, served once per module."""
+    servers = {}
+
+    def serve(factory: str):
+        if factory not in servers:
+            path = own_model("classifier", factory)[0]
+            servers[factory] = path.stem, start_server(path, grpc=True)
+        return servers[factory]
+
+    return serve
+
+
+@pytest.fixture(scope="module")
+def classifier_server(classifier_servers):
+    return classifier_servers("build")
 
 
 def _batch(seed: int = 3) -> tuple[np.ndarray, np.ndarray]:
@@ -37,8 +50,8 @@ def _batch(seed: int = 3) -> tuple[np.ndarray, np.ndarray]:
     return ids, mask
 
 
-def _alone(ids: np.ndarray, mask: np.ndarray) -> np.ndarray:
-    module = user_module("classifier").build().eval()
+def _alone(ids: np.ndarray, mask: np.ndarray, factory: str = "build") -> np.ndarray:
+    module = getattr(user_module("classifier"), factory)().eval()
     with torch.no_grad():
         return np.stack([
             module(torch.from_numpy(row[keep])[None], torch.ones(1, int(keep.sum()), dtype=torch.bool))[0].numpy()
@@ -46,9 +59,10 @@ def _alone(ids: np.ndarray, mask: np.ndarray) -> np.ndarray:
         ])
 
 
-@pytest.mark.parametrize("protocol", ["http", "grpc"])
-def test_tritonclient_gets_the_module_answer_per_row(classifier_server, protocol):
-    name, server = classifier_server
+# build_wide: an export with its tokens packed (token_packing), as wider models are by default
+@pytest.mark.parametrize(("protocol", "factory"), [("http", "build"), ("grpc", "build"), ("http", "build_wide")])
+def test_tritonclient_gets_the_module_answer_per_row(classifier_servers, protocol, factory):
+    name, server = classifier_servers(factory)
     client_module = tritonclient_http if protocol == "http" else tritonclient_grpc
     client = client_module.InferenceServerClient(server.url if protocol == "http" else server.grpc_url)
     ids, mask = _batch()
@@ -58,7 +72,7 @@ def test_tritonclient_gets_the_module_answer_per_row(classifier_server, protocol
     tensors[1].set_data_from_numpy(mask)
     logits = client.infer(name, tensors).as_numpy("output")
     assert logits.shape == (4, 3)
-    np.testing.assert_allclose(logits, _alone(ids, mask), atol=ATOL, rtol=RTOL)
+    np.testing.assert_allclose(logits, _alone(ids, mask, factory), atol=ATOL, rtol=RTOL)
 
 
 def test_the_model_metadata_describes_ids_and_logits(classifier_server):
