@@ -145,8 +145,12 @@ def test_a_pack_that_fails_parity_is_dropped_with_a_warning(tmp_path, pack_any_s
     assert any(w.startswith("token packing not used (parity FAILED") for w in result.warnings), result.warnings
 
 
-def test_the_cli_says_what_was_packed_and_keeps_the_flag_to_own_models(tmp_path, pack_any_size):
-    _, output = _export(tmp_path, "classifier")
-    assert "token packing: 12 MatMul(s)" in output
+@pytest.mark.parametrize("fuse", ["auto", "onnx"])
+def test_the_cli_says_what_was_packed_and_keeps_the_flag_to_own_models(tmp_path, pack_any_size, fuse):
+    path, output = _export(tmp_path, "classifier", "--fuse", fuse)
+    assert "token packing: 12 MatMul(s)" in output and "parity PASSED" in output and "warning" not in output
+    session = MHASession(path, provider="cpu")
+    feeds = module_feeds(session, 3, {"seq": 19}, "left", seed=5)
+    assert_equals_module(session, user_module("classifier").build(), feeds, f"classifier --fuse {fuse}")
     result = CliRunner().invoke(main, ["export", "--no-pack-tokens", "-o", str(tmp_path / "m.onnx")])
     assert result.exit_code == 2 and "--pack-tokens describe your own model" in result.output
