@@ -84,13 +84,14 @@ def main(ctx: click.Context, debug: bool) -> None:
     ctx.ensure_object(dict)["debug"] = debug
 
 
-# export --module and optimize: token packing (exporters.token_packing)
+# export and optimize: token packing (exporters.token_packing)
 _pack_tokens_option = click.option(
     "--pack-tokens/--no-pack-tokens", default=True, show_default=True,
-    help="Your own model: run its per-token layers (projections, feed-forwards, norms) on the real tokens only, "
-         "gathered where such a run starts and put back where an attention, a pooling or an output reads them: "
-         "a quarter padded, 1.16-1.28x faster at d_model 512 (an unpadded batch 1-2% slower). Only along an axis "
-         "the model may be padded on, only where its MatMul work outweighs the copies (d_model 256 and up), and "
+    help="Run the per-token layers (projections, feed-forwards, norms) on the real tokens only, gathered where "
+         "such a run starts and put back where an attention, a pooling or an output reads them: a quarter "
+         "padded, 1.16-1.28x faster at d_model 512 (an unpadded batch 1-2% slower). Only along an axis with a "
+         "padding mask that the model may be padded on, only where the MatMul work outweighs the copies "
+         "(a stack or your own model from d_model 256, a lone block from 1024), not for fp16 or --kv-cache, and "
          "dropped with a warning if parity fails with it.")
 
 
@@ -169,10 +170,11 @@ def export(ctx, checkpoint, prefix, d_model, heads, model_kind, layers, d_ff, at
     """
     from mha_deploy.exporters import export_builtin, export_model, load_factory
 
-    options = {"opset": opset, "atol": atol, "rtol": rtol, "fuse": fuse, "quantize": quantize, "dtype": dtype}
+    options = {"opset": opset, "atol": atol, "rtol": rtol, "fuse": fuse, "quantize": quantize, "dtype": dtype,
+               "pack_tokens": pack_tokens}
     lone_block = ("prefix", "d_model", "heads", "model_kind", "layers", "d_ff", "attention", "mask",
                   "return_weights", "kv_cache", "seed")
-    own_model = ("inputs", "output_names", "max_length", "pack_tokens")
+    own_model = ("inputs", "output_names", "max_length")
     if module_spec is not None:
         given = [name for name in lone_block if _given(ctx, name)]
         if given:
@@ -182,7 +184,7 @@ def export(ctx, checkpoint, prefix, d_model, heads, model_kind, layers, d_ff, at
         module = load_factory(module_spec)
         click.echo(f"exporting {type(module).__name__} from {module_spec}, inputs {', '.join(inputs)}", err=True)
         result = export_model(module, output, inputs, output_names=output_names or None, checkpoint=checkpoint,
-                              max_length=max_length, pack_tokens=pack_tokens, **options)
+                              max_length=max_length, **options)
     elif given := [name for name in own_model if _given(ctx, name)]:
         raise click.UsageError(f"{_flags(given)} describe your own model: give it with --module FILE.py:FACTORY")
     elif model_kind == "mha":

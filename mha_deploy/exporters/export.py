@@ -110,7 +110,7 @@ class ExportResult:
     metadata: ModelMetadata
     parity: ParityReport
     fusion: FusionReport
-    # None when the export does not pack tokens (--no-pack-tokens, fp16, KV caches, built-in models)
+    # None when the export does not try to pack tokens (--no-pack-tokens, fp16, KV caches, no padding mask)
     packing: PackingReport | None = None
     # Things the user should know that did not stop the export (e.g. auto fell back to no fusion).
     warnings: list[str] = field(default_factory=list)
@@ -148,8 +148,9 @@ def auto_fusion_target(signature: Signature) -> str:
 def _optimised(
     plain: onnx.ModelProto, target: str, quantize: str, dtype: str, attention_ops: int, pack_by: Sequence[str] = ()
 ) -> tuple[onnx.ModelProto, FusionReport, PackingReport | None]:
-    """``plain`` fused for ``target``, its tokens packed by the padding masks ``pack_by`` (fused targets only),
-    quantized and cast as asked; ``plain`` itself is left as it was."""
+    """``plain`` fused for ``target``, its tokens packed by the padding masks ``pack_by`` (target mha only: onnx
+    is the target for CUDA graphs, whose shapes must not depend on the data), quantized and cast as asked;
+    ``plain`` itself is left as it was."""
     # fp16 is the CUDA deployment: no short_sequence If there, so that a CUDA graph can capture the mask-free
     # model (pipeline.fuse_attention).
     fused, report = fuse_attention(plain, target, short_sequences=dtype != "float16")
@@ -161,7 +162,7 @@ def _optimised(
     if target != "none" and report.fused != attention_ops:
         raise ExportError(f"{report.summary()}, expected {attention_ops}: the graph holds attentions no rule knows")
     packing = None
-    if pack_by and target != "none":
+    if pack_by and target == "mha":
         fused, packing = pack_model(fused, pack_by)
     if quantize == "int8":
         fused = quantize_int8(fused)
@@ -232,7 +233,7 @@ class ExportOptions:
     fuse: str = "auto"
     quantize: str = "none"
     dtype: str = "fp32"
-    # A user's model: its per-token ops on real tokens only (token_packing), where its padding allows it
+    # Per-token ops on real tokens only (token_packing), where the padding allows it and it pays
     pack_tokens: bool = True
 
     def check(self) -> None:
@@ -278,6 +279,7 @@ def export_mha(
     fuse: str = "auto",
     quantize: str = "none",
     dtype: str = "fp32",
+    pack_tokens: bool = True,
 ) -> ExportResult:
     """Export ``mha`` for ``signature``, fuse its attention, check parity against torch, and write ``output``.
 
@@ -296,7 +298,7 @@ def export_mha(
     the whole sequence in torch.
     """
     signature = signature or Signature()
-    options = ExportOptions(opset, atol, rtol, parity_cases, fuse, quantize, dtype)
+    options = ExportOptions(opset, atol, rtol, parity_cases, fuse, quantize, dtype, pack_tokens)
     options.check()
     output = _check_output(output)
     module = attention_graph(mha.eval(), signature)
@@ -483,7 +485,7 @@ def _finish(
                 return built
             why = built[3].summary()
         except (ExportError, ParityError) as exc:
-            if not pack_by or fuse_target == "none":
+            if not pack_by or fuse_target != "mha":
                 raise
             why = first_line(str(exc))
         warnings.append(f"token packing not used ({why})")

@@ -1,4 +1,4 @@
-"""Token packing: the per-token layers of a user's model run on its real tokens only.
+"""Token packing: the per-token layers of a model run on its real tokens only.
 
 Attention fusion makes the attention cheap; around it a transformer spends most
 of its time in per-token work (projections, feed-forwards, norms), and a padded
@@ -116,13 +116,14 @@ class _Plan:
 
 
 def packing_masks(signature: Signature) -> list[str]:
-    """The padding masks of a user's model along whose axis it may be padded (measured at export: its real
-    outputs do not depend on what the padding holds), each the only mask of its axis (tensors on an axis are
-    recognised by their shape, which two masks of one axis share); none for the built-in models."""
-    if signature.model != "custom":
+    """The padding masks of a model along whose axis it may be padded (``Signature.paddable_axes``: a user's
+    model measured at export, its real outputs not moving with what the padding holds), each the only mask of
+    its axis (tensors on an axis are recognised by their shape, which two masks of one axis share). None for
+    KV-cache models, whose decode calls take one token at a time."""
+    if signature.kv_cache:
         return []
-    masks = [spec for spec in signature.custom_inputs if spec.role == PADDING_MASK]
-    return [spec.name for spec in masks if spec.axes[1] in signature.custom_paddable
+    masks = [spec for spec in signature.inputs if spec.role == PADDING_MASK]
+    return [spec.name for spec in masks if spec.axes[1] in signature.paddable_axes
             and sum(other.axes[1] == spec.axes[1] for other in masks) == 1]
 
 

@@ -69,6 +69,9 @@ def cuda_graph_unsupported(proto: onnx.ModelProto) -> str | None:
             "ORT cannot capture in a CUDA graph; export it with --fuse onnx (or mask-free, with --dtype fp16) "
             "for cuda_graph"
         )
+    if any(node.op_type == "NonZero" for node in proto.graph.node):
+        return ("the model packs its tokens (NonZero: shapes that depend on the padding), which a CUDA graph cannot "
+                "replay; export it with --no-pack-tokens or --fuse onnx for cuda_graph")
     return None
 
 

@@ -18,6 +18,7 @@ from click.testing import CliRunner  # noqa: E402
 
 from mha_deploy.cli import main  # noqa: E402
 from mha_deploy.exporters import export, export_model, token_packing  # noqa: E402
+from mha_deploy.inputs import InputCase, make_inputs  # noqa: E402
 from mha_deploy.model_report import describe_model  # noqa: E402
 from mha_deploy.runtime import MHASession  # noqa: E402
 from tests.conftest import USER_MODELS, assert_equals_module, module_feeds, user_module  # noqa: E402
@@ -145,12 +146,32 @@ def test_a_pack_that_fails_parity_is_dropped_with_a_warning(tmp_path, pack_any_s
     assert any(w.startswith("token packing not used (parity FAILED") for w in result.warnings), result.warnings
 
 
-@pytest.mark.parametrize("fuse", ["auto", "onnx"])
-def test_the_cli_says_what_was_packed_and_keeps_the_flag_to_own_models(tmp_path, pack_any_size, fuse):
+# --fuse onnx is the target for CUDA graphs, which replay fixed shapes: it is never packed.
+@pytest.mark.parametrize(("fuse", "packed"), [("auto", True), ("onnx", False)])
+def test_the_cli_says_what_was_packed(tmp_path, pack_any_size, fuse, packed):
     path, output = _export(tmp_path, "classifier", "--fuse", fuse)
-    assert "token packing: 12 MatMul(s)" in output and "parity PASSED" in output and "warning" not in output
+    assert ("token packing: 12 MatMul(s)" in output) == packed, output
+    assert "parity PASSED" in output and "warning" not in output
     session = MHASession(path, provider="cpu")
     feeds = module_feeds(session, 3, {"seq": 19}, "left", seed=5)
     assert_equals_module(session, user_module("classifier").build(), feeds, f"classifier --fuse {fuse}")
-    result = CliRunner().invoke(main, ["export", "--no-pack-tokens", "-o", str(tmp_path / "m.onnx")])
-    assert result.exit_code == 2 and "--pack-tokens describe your own model" in result.output
+
+
+
+@pytest.mark.parametrize("model", ["encoder", "decoder"])
+def test_the_built_in_stacks_are_packed_like_a_users_model(tmp_path, model):
+    """The stacks are wide enough by default (d_model 256 here): packed, and equal to their unpacked export on
+    the real rows of a padded batch."""
+    paths = {}
+    for flag in ("--pack-tokens", "--no-pack-tokens"):
+        paths[flag] = tmp_path / f"{model}{flag}.onnx"
+        result = CliRunner().invoke(main, ["export", "--model", model, "--layers", "2", "--d-model", "256",
+                                           "--heads", "4", "--mask", "padding", flag, "-o", str(paths[flag])])
+        assert result.exit_code == 0, result.output
+        assert ("run on the real tokens of key_padding_mask" in result.output) == (flag == "--pack-tokens")
+    packed, unpacked = (MHASession(path, provider="cpu") for path in paths.values())
+    feeds = make_inputs(packed.signature, 256, InputCase(3, 21, 13, "mixed"), seed=4)
+    got, want = packed.run(feeds), unpacked.run(feeds)
+    real = feeds["key_padding_mask"]
+    for name in packed.signature.output_names:
+        np.testing.assert_allclose(got[name][real], want[name][real], atol=1e-5, rtol=1e-4, err_msg=name)

@@ -200,3 +200,14 @@ def test_cuda_graph_capture_and_every_replay_share_one_thread(export_model):
         list(pool.map(replay.run, cases))
     assert len(recorder.threads) == 2 + len(cases)  # warm-up and capture on load, then one run per call
     assert len(set(recorder.threads)) == 1 and recorder.threads[0] != threading.get_ident()
+
+
+def test_cuda_graphs_refuse_token_packing():
+    """A packed model's shapes follow its padding (NonZero), which a CUDA graph cannot replay."""
+    graph = onnx.helper.make_graph(
+        [onnx.helper.make_node("NonZero", ["mask"], ["real"])], "packed",
+        [onnx.helper.make_tensor_value_info("mask", onnx.TensorProto.BOOL, ["batch", "seq"])],
+        [onnx.helper.make_tensor_value_info("real", onnx.TensorProto.INT64, [2, "tokens"])],
+    )
+    reason = cuda_graph_unsupported(onnx.helper.make_model(graph))
+    assert "packs its tokens" in reason and "--no-pack-tokens" in reason
