@@ -4,9 +4,11 @@ A script, not a test:
 
     .venv/bin/python benchmarks/token_packing.py                 # d_model 64, 128, 256, 512: ~3 min
     .venv/bin/python benchmarks/token_packing.py --widths 256 --json packing.json
+    .venv/bin/python benchmarks/token_packing.py --model encoder --widths 512 --layers 6
 
 The model is the classifier of ``tests/user_models/classifier.py`` (pre-norm blocks, d_ff 4 x d_model, d_model / 64
-heads) at ``--layers`` layers. Each width is exported twice with ``fuse="auto"``: packed whatever its size
+heads) at ``--layers`` layers, or with ``--model encoder`` the built-in encoder stack (post-norm, the same sizes,
+float inputs). Each width is exported twice with ``fuse="auto"``: packed whatever its size
 (``MIN_WORK_PER_COPIED_ELEMENT`` set to 0 for the export) and ``pack_tokens=False``; both run by ``MHASession``
 on the CPU, interleaved, on right-padded batches (the last quarter of every row) and unpadded ones. It prints
 packed over unpacked per width and shape, with each width's multiply-adds per copied element (what the
@@ -28,7 +30,9 @@ from mha_deploy.bench.backends import ort_file
 from mha_deploy.bench.gemm import GEMM_SIZES, peak_gemm_gflops
 from mha_deploy.bench.target import CPU_FP32
 from mha_deploy.bench.timing import load_average, time_blocks
-from mha_deploy.exporters import export_model, token_packing
+from mha_deploy.exporters import export_builtin, export_model, token_packing
+from mha_deploy.models.build import random_stack
+from mha_deploy.signature import Signature
 
 CLASSIFIER_FILE = Path(__file__).resolve().parents[1] / "tests" / "user_models" / "classifier.py"
 WIDTHS = (64, 128, 256, 512)
@@ -43,23 +47,35 @@ def _classifier():
     return module
 
 
-def export_pair(classifier, d_model: int, layers: int, workdir: Path) -> dict:
-    """The classifier at ``d_model`` exported packed (whatever its size) and unpacked: name -> ExportResult."""
-    torch.manual_seed(0)
-    model = classifier.TextClassifier(1000, d_model, max(d_model // 64, 1), layers, num_classes=3, max_len=1024)
+def export_pair(kind: str, d_model: int, layers: int, workdir: Path) -> dict:
+    """The model at ``d_model`` exported packed (whatever its size) and unpacked: name -> ExportResult."""
+    heads = max(d_model // 64, 1)
+    if kind == "encoder":
+        model = random_stack("encoder", layers, d_model, heads, 4 * d_model, 0)
+        signature = Signature("self", "padding", model="encoder")
+
+        def export(path, **options):
+            return export_builtin(model, path, signature, **options)
+    else:
+        classifier = _classifier()
+        torch.manual_seed(0)
+        model = classifier.TextClassifier(1000, d_model, heads, layers, num_classes=3, max_len=1024).eval()
+
+        def export(path, **options):
+            return export_model(model, path, classifier.INPUTS, max_length=1024, **options)
     bound = token_packing.MIN_WORK_PER_COPIED_ELEMENT
     token_packing.MIN_WORK_PER_COPIED_ELEMENT = 0
     try:
-        packed = export_model(model.eval(), workdir / f"packed-{d_model}.onnx", classifier.INPUTS, max_length=1024)
+        packed = export(workdir / f"packed-{d_model}.onnx")
     finally:
         token_packing.MIN_WORK_PER_COPIED_ELEMENT = bound
-    unpacked = export_model(model, workdir / f"unpacked-{d_model}.onnx", classifier.INPUTS, max_length=1024,
-                            pack_tokens=False)
-    return {"packed": packed, "unpacked": unpacked}
+    return {"packed": packed, "unpacked": export(workdir / f"unpacked-{d_model}.onnx", pack_tokens=False)}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", choices=("classifier", "encoder"), default="classifier",
+                        help="tests/user_models' classifier, or the built-in encoder stack (classifier)")
     parser.add_argument("--widths", default=",".join(map(str, WIDTHS)), help="d_model list (default 64,128,256,512)")
     parser.add_argument("--layers", type=int, default=2, help="blocks (2)")
     parser.add_argument("--shapes", default="8x128,1x512", help="BATCHxSEQ list (default 8x128,1x512)")
@@ -67,19 +83,20 @@ def main() -> None:
     parser.add_argument("--budget-s", type=float, default=3.0, help="timing budget per row and case (3)")
     parser.add_argument("--json", type=Path, help="write the figures to this file")
     args = parser.parse_args()
-    classifier = _classifier()
     widths = [int(width) for width in args.widths.split(",")]
     shapes = parse_shapes(args.shapes)
     load_before = load_average()
     gemm_gflops, gemm_size = peak_gemm_gflops(args.threads, CPU_FP32, GEMM_SIZES)
-    figures = {"layers": args.layers, "threads": args.threads, "gemm_gflops": gemm_gflops, "rows": []}
-    print(f"classifier of tests/user_models, {args.layers} layers, d_ff 4 x d_model; {args.threads} threads; "
+    figures = {"model": args.model, "layers": args.layers, "threads": args.threads, "gemm_gflops": gemm_gflops,
+               "rows": []}
+    model = "classifier of tests/user_models" if args.model == "classifier" else "built-in encoder stack"
+    print(f"{model}, {args.layers} layers, d_ff 4 x d_model; {args.threads} threads; "
           f"ORT fp32 MatMul peak {gemm_gflops:.0f} GFLOP/s (at {gemm_size}^3)")
     print(f"{'d_model':>7} {'MACs/copied':>11} {'shape':>7} {'padded':>6} {'packed ms':>10} {'unpacked ms':>12} "
           f"{'packed over unpacked':>21}")
     with tempfile.TemporaryDirectory(prefix="mha-token-packing-") as tmp:
         for d_model in widths:
-            exports = export_pair(classifier, d_model, args.layers, Path(tmp))
+            exports = export_pair(args.model, d_model, args.layers, Path(tmp))
             packing = exports["packed"].packing
             ratio = round(packing.work_per_copied)
             signature = exports["packed"].metadata.signature
