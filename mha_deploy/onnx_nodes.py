@@ -41,5 +41,5 @@ def kernel_tag(node: onnx.NodeProto) -> str | None:
 
 
 def packing_tags(graph: onnx.GraphProto) -> list[str]:
-    """What token packing wrote on ``graph``'s nodes: one line per padding mask it packs by."""
+    """What token packing wrote on ``graph``'s nodes: its report, one line, or nothing for a model not packed."""
     return [p.value for node in graph.node for p in node.metadata_props if p.key == PACKING_PROP]

@@ -110,7 +110,8 @@ class ExportResult:
     metadata: ModelMetadata
     parity: ParityReport
     fusion: FusionReport
-    # None when the export does not try to pack tokens (--no-pack-tokens, fp16, KV caches, no padding mask)
+    # None when the export does not try to pack tokens: --no-pack-tokens, fp16, KV caches, no paddable padding
+    # mask, a target other than mha
     packing: PackingReport | None = None
     # Things the user should know that did not stop the export (e.g. auto fell back to no fusion).
     warnings: list[str] = field(default_factory=list)

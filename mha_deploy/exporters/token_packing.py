@@ -129,9 +129,9 @@ def packing_masks(signature: Signature) -> list[str]:
 
 def pack_model(model: onnx.ModelProto, masks: list[str]) -> tuple[onnx.ModelProto, PackingReport]:
     """``model`` with its tokens packed by ``masks`` (``pack_tokens``); ``model`` itself is left as it was."""
-    graph = ir.from_proto(model)
-    report = pack_tokens(graph, masks)
-    return (ir.to_proto(graph) if report.runs else model), report
+    rewritten = ir.from_proto(model)
+    report = pack_tokens(rewritten, masks)
+    return (ir.to_proto(rewritten) if report.runs else model), report
 
 
 def pack_tokens(model: ir.Model, masks: list[str]) -> PackingReport:
@@ -407,7 +407,7 @@ class _Index:
         elif what == "real":  # int64 [tokens + 1]: the flat positions of the real tokens, then position 0
             real = tape.op("Reshape", [tape.op("NonZero", sources), _int64(tape, [-1])])
             value = tape.op("Concat", [real, _int64(tape, [0])], attributes={"axis": 0}, name=f"{prefix}_real")
-        elif what == "position":  # int64 [tokens]: each real token's position in its row
+        elif what == "position":  # int64 [tokens + 1]: each packed row's position in its row
             seq = tape.op("Shape", [self.value], attributes={"start": 1, "end": 2})
             value = tape.op("Mod", [sources[0], seq], name=f"{prefix}_position")
         elif what == "row":  # int64 [batch * seq]: each position's packed row; padding the spare row after them
