@@ -260,7 +260,7 @@ def _candidates(graph: ir.Graph, masks: list[_Mask]) -> dict[ir.Node, _Plan]:
     # values that depend on some input other than the masks
     data = {value for value in graph.inputs if value.name not in mask_names}
     for node in graph:
-        if not any(value in data for value in node.inputs):
+        if not any(value in data for value in _reads(node)):
             continue
         data.update(node.outputs)
         plan = _plan(node, masks, packed)
@@ -270,6 +270,16 @@ def _candidates(graph: ir.Graph, masks: list[_Mask]) -> dict[ir.Node, _Plan]:
         for output in node.outputs:
             packed[output] = plan
     return plans
+
+
+def _reads(node: ir.Node) -> list[ir.Value | None]:
+    """Every value ``node`` reads: its inputs, and what the ops of its subgraphs read (an If's branches read the
+    attention's query, key and value from the graph around them; its input is only the condition)."""
+    values = list(node.inputs)
+    for attribute in node.attributes.values():
+        if attribute.type == ir.AttributeType.GRAPH:
+            values += [value for inner in attribute.as_graph().all_nodes() for value in inner.inputs]
+    return values
 
 
 def _plan(node: ir.Node, masks: list[_Mask], packed: dict) -> _Plan | None:

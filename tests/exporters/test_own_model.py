@@ -23,6 +23,7 @@ from tests.conftest import USER_MODELS, assert_equals_module, module_feeds, user
 # model file -> attentions in it
 ATTENTIONS = {
     "classifier": 2, "causal_lm": 2, "seq2seq": 6, "feature_encoder": 2, "torch_encoder": 2, "sdpa_classifier": 2,
+    "swiglu_tagger": 2,
 }
 ATTENTION_OPS = {"MultiHeadAttention", "GroupQueryAttention", "Attention"}
 
@@ -206,6 +207,7 @@ KERNELS = {
     "feature_encoder": {"MultiHeadAttention+key_padding_mask": 2},
     "torch_encoder": {"MultiHeadAttention+key_padding_mask": 2},
     "sdpa_classifier": {"MultiHeadAttention+key_padding_mask": 2},
+    "swiglu_tagger": {"MultiHeadAttention+key_padding_mask": 2},
 }
 
 
