@@ -18,8 +18,8 @@ parity against the model checks every packed export.
 
 An op is per-token when row (b, s) of its output depends only on row (b, s) of
 its [batch, seq, ...] inputs: elementwise ops, MatMul by a 2-D weight,
-LayerNormalization and Softmax over trailing axes, Gather of an embedding table
-by token ids, Unsqueeze/Squeeze of trailing axes. Its other inputs must not span
+LayerNormalization, Softmax and reductions over trailing axes, Gather of an
+embedding table by token ids, Unsqueeze/Squeeze of trailing axes. Its other inputs must not span
 the batch or seq axes (weights, biases, scalars), or span only seq with batch 1
 (a position table [1, seq, ...], gathered by each token's position). Ops on the
 masks alone stay as they are.
@@ -57,6 +57,9 @@ _ELEMENTWISE = {
     "PRelu", "Reciprocal", "Relu", "Round", "Selu", "Sigmoid", "Sign", "Sin", "Softplus", "Softsign", "Sqrt",
     "Sub", "Tanh", "Where", "Xor",
 }  # fmt: skip
+# Reductions: per-token over trailing axes (a norm written out: x.mean(-1, keepdim=True), x.std(-1)).
+_REDUCE_OPS = {"ReduceL1", "ReduceL2", "ReduceLogSumExp", "ReduceMax", "ReduceMean", "ReduceMin", "ReduceProd",
+               "ReduceSum", "ReduceSumSquare"}
 # Ops over trailing axes, with the axis attribute and its default.
 _AXIS_OPS = {"LayerNormalization": -1, "RMSNormalization": -1, "Softmax": -1, "LogSoftmax": -1}
 # A run of packed ops is kept when its MatMul multiply-adds per token are at least this many times the
@@ -282,6 +285,15 @@ def _reads(node: ir.Node) -> list[ir.Value | None]:
     return values
 
 
+def _axes(node: ir.Node) -> list[int] | None:
+    """The constant axes of an Unsqueeze, Squeeze or reduction (an input from opset 13 or 18, an attribute
+    before); None when they are not constant, or not given (a reduction over every axis)."""
+    if len(node.inputs) > 1 and node.inputs[1] is not None:
+        return _const_ints(node.inputs[1])
+    attribute = node.attributes.get("axes")
+    return list(attribute.as_ints()) if attribute is not None else None
+
+
 def _plan(node: ir.Node, masks: list[_Mask], packed: dict) -> _Plan | None:
     if node.domain not in ("", "ai.onnx") or not node.outputs:
         return None
@@ -307,11 +319,11 @@ def _plan(node: ir.Node, masks: list[_Mask], packed: dict) -> _Plan | None:
             return None
         kind, mask = _classify(ids, ids_rank, None, masks, packed)
         return _Plan(node, mask, rank, {1: kind}) if kind in ("packed", "entry") else None
-    if op in ("Unsqueeze", "Squeeze"):
+    if op in ("Unsqueeze", "Squeeze") or op in _REDUCE_OPS:
         data = node.inputs[0]
-        axes = _const_ints(node.inputs[1]) if len(node.inputs) > 1 else None
+        axes = _axes(node)
         data_rank = packed[data].rank if data in packed else len(_dims(data) or [])
-        if axes is None or rank is None or data_rank < 2:
+        if not axes or rank is None or data_rank < 2:
             return None
         axes_rank = rank if op == "Unsqueeze" else data_rank
         if any((axis + axes_rank if axis < 0 else axis) < 2 for axis in axes):
@@ -511,12 +523,16 @@ def _packed_attributes(tape, node: ir.Node, plan: _Plan) -> None:
         axis = node.attributes.get_int("axis", _AXIS_OPS[node.op_type])
         if axis >= 0:
             node.attributes["axis"] = ir.AttrInt64("axis", axis - 1)
-    elif node.op_type in ("Unsqueeze", "Squeeze"):
-        axes = _const_ints(node.inputs[1])
-        # Unsqueeze's axes count in its output, Squeeze's in its input
-        rank = plan.rank if node.op_type == "Unsqueeze" else plan.rank + len(axes)
-        axes = [axis + rank if axis < 0 else axis for axis in axes]
-        node.replace_input_with(1, _int64(tape, [axis - 1 for axis in axes]))
+    elif node.op_type in ("Unsqueeze", "Squeeze") or node.op_type in _REDUCE_OPS:
+        axes = _axes(node)
+        # Unsqueeze's axes count in its output, the others' in their input
+        kept = node.op_type in _REDUCE_OPS and node.attributes.get_int("keepdims", 1)
+        rank = plan.rank if node.op_type == "Unsqueeze" or kept else plan.rank + len(axes)
+        packed_axes = [(axis + rank if axis < 0 else axis) - 1 for axis in axes]
+        if len(node.inputs) > 1 and node.inputs[1] is not None:
+            node.replace_input_with(1, _int64(tape, packed_axes))
+        else:
+            node.attributes["axes"] = ir.AttrInt64s("axes", packed_axes)
 
 
 def _attention_nodes(graph: ir.Graph) -> set[ir.Node]:

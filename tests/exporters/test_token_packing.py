@@ -177,3 +177,32 @@ def test_the_built_in_stacks_are_packed_like_a_users_model(tmp_path, model):
     real = feeds["key_padding_mask"]
     for name in packed.signature.output_names:
         np.testing.assert_allclose(got[name][real], want[name][real], atol=1e-5, rtol=1e-4, err_msg=name)
+
+
+class _AnnotatedLayerNorm(torch.nn.Module):
+    """The Annotated Transformer's LayerNorm, written out: reductions over the last axis."""
+
+    def __init__(self, features, eps=1e-6):
+        super().__init__()
+        self.a_2 = torch.nn.Parameter(torch.ones(features))
+        self.b_2 = torch.nn.Parameter(torch.zeros(features))
+        self.eps = eps
+
+    def forward(self, x):
+        mean = x.mean(-1, keepdim=True)
+        std = x.std(-1, keepdim=True)
+        return self.a_2 * (x - mean) / (std + self.eps) + self.b_2
+
+
+def test_norms_written_out_run_packed(tmp_path, pack_any_size):
+    classifier = user_module("classifier")
+    model = classifier.build()
+    for block in model.blocks:
+        block.norm1, block.norm2 = _AnnotatedLayerNorm(32), _AnnotatedLayerNorm(32)
+    result = export_model(model, tmp_path / "m.onnx", classifier.INPUTS)
+    assert result.packing.runs == 1 and result.parity.passed and not result.warnings
+    graph = onnx.load(str(result.path)).graph
+    first_dims = {info.name: info.type.tensor_type.shape.dim[0].dim_param for info in graph.value_info
+                  if info.type.tensor_type.shape.dim}
+    reductions = [node for node in graph.node if node.op_type == "ReduceMean"]
+    assert reductions and all(first_dims.get(node.input[0]) == "attention_mask_packed" for node in reductions)
