@@ -451,11 +451,15 @@ class _Index:
 
 def _insert(graph: ir.Graph, tape, before: ir.Node | None = None, after: ir.Node | None = None) -> None:
     """Put ``tape``'s nodes into ``graph``, every value named (ORT wants names unique across subgraphs too,
-    and a serialiser's default names are not)."""
+    and a serialiser's default names are not), none with a name the model holds already."""
+    taken = graph.meta.get("packing_names_taken")
+    if taken is None:
+        taken = graph.meta["packing_names_taken"] = _value_names(graph)
     for node in tape.nodes:
         for output in node.outputs:
-            if output.name is None:
+            while output.name is None or output.name in taken:
                 output.name = f"packing_{next(_NAMES)}"
+            taken.add(output.name)
     if before is not None:
         graph.insert_before(before, tape.nodes)
     else:
@@ -463,6 +467,13 @@ def _insert(graph: ir.Graph, tape, before: ir.Node | None = None, after: ir.Node
 
 
 _NAMES = itertools.count()
+
+
+def _value_names(graph: ir.Graph) -> set[str]:
+    names = {value.name for value in graph.inputs} | set(graph.initializers)
+    for node in graph.all_nodes():
+        names.update(value.name for value in node.outputs)
+    return names
 
 
 def _int64(tape, value) -> ir.Value:

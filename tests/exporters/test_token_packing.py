@@ -206,3 +206,22 @@ def test_norms_written_out_run_packed(tmp_path, pack_any_size):
                   if info.type.tensor_type.shape.dim}
     reductions = [node for node in graph.node if node.op_type == "ReduceMean"]
     assert reductions and all(first_dims.get(node.input[0]) == "attention_mask_packed" for node in reductions)
+
+
+def test_the_pass_names_nothing_as_the_model_already_does(tmp_path, pack_any_size):
+    """A graph from elsewhere may hold values named as the pass names its own (packing_0, ...)."""
+    import onnx_ir as ir
+
+    classifier = user_module("classifier")
+    fused = export_model(classifier.build(), tmp_path / "fused.onnx", classifier.INPUTS, pack_tokens=False)
+    model = ir.load(str(fused.path))
+    for number, node in enumerate(list(model.graph)[:60]):
+        for value in node.outputs:
+            if not value.is_graph_output():
+                value.name = f"packing_{number}"
+    packed, report = token_packing.pack_model(ir.to_proto(model), ["attention_mask"])
+    assert report.runs == 1
+    feeds = {"input_ids": np.arange(10).reshape(2, 5), "attention_mask": np.array([[1, 1, 1, 0, 0], [1] * 5], bool)}
+    (got,) = ort.InferenceSession(packed.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)
+    (want,) = ort.InferenceSession(str(fused.path), providers=["CPUExecutionProvider"]).run(None, feeds)
+    np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-4)
