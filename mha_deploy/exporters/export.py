@@ -481,10 +481,10 @@ def _finish(
         # Packing is exact on every real row; a model that reads its padded rows where no mask zeroes them
         # would fail parity with it, and then gets the fused graph as it is.
         try:
-            built = build(fuse_target, pack_by)
-            if built[3].passed or built[2] is None or not built[2].runs:
-                return built
-            why = built[3].summary()
+            model, fusion, packing, report = build(fuse_target, pack_by)
+            if report.passed or packing is None or not packing.runs:
+                return model, fusion, packing, report
+            why = report.summary()
         except (ExportError, ParityError) as exc:
             if not pack_by or fuse_target != "mha":
                 raise

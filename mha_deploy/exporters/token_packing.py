@@ -45,6 +45,7 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 
+from mha_deploy.exporters.fusion.constant_values import constant_array
 from mha_deploy.model_report import ATTENTION_INPUT_ROLES
 from mha_deploy.onnx_nodes import KERNEL_PROP, PACKING_PROP
 from mha_deploy.signature import PADDING_MASK, Signature
@@ -75,7 +76,7 @@ PACKED_AXIS = "packed"  # the packed axis of a mask's tokens: "<mask>_packed", o
 
 @dataclass
 class PackingReport:
-    """What ``pack_tokens`` did."""
+    """What ``pack_model`` did."""
 
     masks: list[str] = field(default_factory=list)  # the padding masks whose real tokens were packed
     runs: int = 0  # connected runs of packed ops kept
@@ -112,7 +113,6 @@ class _Mask:
 class _Plan:
     """One candidate op: the mask it packs by, and how each input enters packed form."""
 
-    node: ir.Node
     mask: _Mask
     rank: int  # of its (first) output, unpacked
     inputs: dict[int, str]  # input index -> "packed", "entry", "position", "squeeze" (others: as they are)
@@ -131,15 +131,15 @@ def packing_masks(signature: Signature) -> list[str]:
 
 
 def pack_model(model: onnx.ModelProto, masks: list[str]) -> tuple[onnx.ModelProto, PackingReport]:
-    """``model`` with its tokens packed by ``masks`` (``pack_tokens``); ``model`` itself is left as it was."""
+    """``model`` with its per-token ops run on the real tokens of ``masks`` (bool [batch, seq] graph inputs,
+    True = real token) only, and the report of what was packed; ``model`` itself is left as it was."""
     rewritten = ir.from_proto(model)
-    report = pack_tokens(rewritten, masks)
+    report = _pack_tokens(rewritten, masks, _inferred_types(model))
     return (ir.to_proto(rewritten) if report.runs else model), report
 
 
-def pack_tokens(model: ir.Model, masks: list[str]) -> PackingReport:
-    """Rewrite ``model`` in place so that its per-token ops run on the real tokens of ``masks`` (bool
-    [batch, seq] graph inputs, True = real token) only; the report says what was packed."""
+def _pack_tokens(model: ir.Model, masks: list[str], types: dict) -> PackingReport:
+    """Rewrite ``model`` in place (``pack_model``); ``types``: onnx's inferred tensor types by value name."""
     report = PackingReport()
     graph = model.graph
     inputs = {value.name: value for value in graph.inputs}
@@ -148,7 +148,7 @@ def pack_tokens(model: ir.Model, masks: list[str]) -> PackingReport:
     if not mask_specs:
         report.reason = "no [batch, seq] bool padding mask input"
         return report
-    _infer_missing_shapes(model)
+    _fill_missing_shapes(model, types)
     plans = _candidates(graph, mask_specs)
     runs = _runs(plans)
     kept: dict[ir.Node, _Plan] = {}
@@ -171,19 +171,27 @@ def pack_tokens(model: ir.Model, masks: list[str]) -> PackingReport:
     return report
 
 
-def _infer_missing_shapes(model: ir.Model) -> None:
-    """Shapes for the model graph's values that have none (an If's outputs, what follows them), from onnx's
-    inference; the shapes the graph has are kept (onnx's inference of the standard Attention op in a branch
-    writes a 0 for a width it cannot see)."""
-    proto = ir.to_proto(model)
-    # the weights' types are all inference needs of them
-    proto.graph.input.extend(onnx.helper.make_tensor_value_info(t.name, t.data_type, t.dims)
-                             for t in proto.graph.initializer)
-    del proto.graph.initializer[:]
-    inferred = {info.name: info.type.tensor_type for info in onnx.shape_inference.infer_shapes(proto).graph.value_info}
+def _inferred_types(model: onnx.ModelProto) -> dict:
+    """onnx's inferred tensor types of ``model``'s values, by name, inferred over a copy without the weights'
+    data (their types are all inference needs of them)."""
+    graph = model.graph
+    inputs = {value.name for value in graph.input}
+    weights = [onnx.helper.make_tensor_value_info(t.name, t.data_type, t.dims)
+               for t in graph.initializer if t.name not in inputs]
+    stripped = onnx.helper.make_model(
+        onnx.helper.make_graph(graph.node, graph.name, [*graph.input, *weights], graph.output,
+                               value_info=graph.value_info),
+        opset_imports=model.opset_import, ir_version=model.ir_version, functions=model.functions)
+    return {info.name: info.type.tensor_type for info in onnx.shape_inference.infer_shapes(stripped).graph.value_info}
+
+
+def _fill_missing_shapes(model: ir.Model, types: dict) -> None:
+    """Shapes for the model graph's values that have none (an If's outputs, what follows them) from onnx's
+    inference (``types``); the shapes the graph has are kept (onnx's inference of the standard Attention op in
+    a branch writes a 0 for a width it cannot see)."""
     for node in model.graph:
         for value in node.outputs:
-            tensor = inferred.get(value.name)
+            tensor = types.get(value.name)
             if value.shape is not None or tensor is None or not tensor.HasField("shape"):
                 continue
             value.shape = ir.Shape([dim.dim_param or (dim.dim_value if dim.HasField("dim_value") else None)
@@ -245,12 +253,6 @@ def _classify(value: ir.Value, rank: int, mask: _Mask | None, masks: list[_Mask]
     return ("position", seq_mask) if seq_mask is not None else (None, None)
 
 
-def _const_ints(value: ir.Value | None) -> list[int] | None:
-    if value is None or value.const_value is None:
-        return None
-    return [int(x) for x in np.asarray(value.const_value.numpy()).reshape(-1)]
-
-
 def _candidates(graph: ir.Graph, masks: list[_Mask]) -> dict[ir.Node, _Plan]:
     """The model graph's ops that are per-token in some mask's axes, in graph order.
 
@@ -289,7 +291,8 @@ def _axes(node: ir.Node) -> list[int] | None:
     """The constant axes of an Unsqueeze, Squeeze or reduction (an input from opset 13 or 18, an attribute
     before); None when they are not constant, or not given (a reduction over every axis)."""
     if len(node.inputs) > 1 and node.inputs[1] is not None:
-        return _const_ints(node.inputs[1])
+        axes = constant_array(node.inputs[1])
+        return None if axes is None else [int(axis) for axis in axes.reshape(-1)]
     attribute = node.attributes.get("axes")
     return list(attribute.as_ints()) if attribute is not None else None
 
@@ -306,7 +309,7 @@ def _plan(node: ir.Node, masks: list[_Mask], packed: dict) -> _Plan | None:
         if weight_dims is None or len(weight_dims) != 2 or rank is None or rank < 3:
             return None
         kind, mask = _classify(data, rank, None, masks, packed)
-        return _Plan(node, mask, rank, {0: kind}) if kind in ("packed", "entry") else None
+        return _Plan(mask, rank, {0: kind}) if kind in ("packed", "entry") else None
     if op == "Gather":
         table, ids = node.inputs
         if node.attributes.get_int("axis", 0) != 0 or rank is None or table in packed:
@@ -318,7 +321,7 @@ def _plan(node: ir.Node, masks: list[_Mask], packed: dict) -> _Plan | None:
         if ids_rank is None or ids_rank < 2:
             return None
         kind, mask = _classify(ids, ids_rank, None, masks, packed)
-        return _Plan(node, mask, rank, {1: kind}) if kind in ("packed", "entry") else None
+        return _Plan(mask, rank, {1: kind}) if kind in ("packed", "entry") else None
     if op in ("Unsqueeze", "Squeeze") or op in _REDUCE_OPS:
         data = node.inputs[0]
         axes = _axes(node)
@@ -329,14 +332,14 @@ def _plan(node: ir.Node, masks: list[_Mask], packed: dict) -> _Plan | None:
         if any((axis + axes_rank if axis < 0 else axis) < 2 for axis in axes):
             return None
         kind, mask = _classify(data, data_rank, None, masks, packed)
-        return _Plan(node, mask, rank, {0: kind}) if kind in ("packed", "entry") else None
+        return _Plan(mask, rank, {0: kind}) if kind in ("packed", "entry") else None
     if op in _AXIS_OPS:
         axis = node.attributes.get_int("axis", _AXIS_OPS[op])
         if rank is None or (axis + rank if axis < 0 else axis) < 2:
             return None
         kind, mask = _classify(node.inputs[0], rank, None, masks, packed)
         # scale and bias cover the normalised (trailing) axes only
-        return _Plan(node, mask, rank, {0: kind}) if kind in ("packed", "entry") else None
+        return _Plan(mask, rank, {0: kind}) if kind in ("packed", "entry") else None
     if op not in _ELEMENTWISE or rank is None or rank < 2:
         return None
     kinds: dict[int, str] = {}
@@ -351,7 +354,7 @@ def _plan(node: ir.Node, masks: list[_Mask], packed: dict) -> _Plan | None:
         kinds[index] = kind
     if not any(kind in ("packed", "entry") for kind in kinds.values()):
         return None
-    return _Plan(node, mask, rank, kinds)
+    return _Plan(mask, rank, kinds)
 
 
 def _runs(plans: dict[ir.Node, _Plan]) -> list[list[ir.Node]]:
@@ -512,7 +515,7 @@ def _rewrite(graph: ir.Graph, kept: dict[ir.Node, _Plan], report: PackingReport)
             _leave(graph, output, plan, index(plan.mask), members, attention_nodes, report)
     report.masks = sorted({plan.mask.name for plan in kept.values()})
     # inspect reads it there, as it reads the kernels off the fusion's Ifs
-    first = indexes[next(iter(sorted(indexes, key=lambda mask: mask.name)))]
+    first = min(indexes.values(), key=lambda index: index.mask.name)
     first.get("real").producer().metadata_props[PACKING_PROP] = report.text
     graph.sort()
 
