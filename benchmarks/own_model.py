@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import importlib.util
 import json
 import tempfile
 import time
@@ -45,6 +44,7 @@ from mha_deploy.bench.target import CPU_FP32
 from mha_deploy.bench.timing import load_average, time_blocks
 from mha_deploy.compare import compare_outputs
 from mha_deploy.exporters import export_model
+from mha_deploy.exporters.own_model import import_model_file
 from mha_deploy.exporters.parity import DEFAULT_ATOL, DEFAULT_RTOL
 
 CLASSIFIER_FILE = Path(__file__).resolve().parents[1] / "tests" / "user_models" / "classifier.py"
@@ -59,15 +59,8 @@ EAGER = "torch eager"
 COMPARED = (UNPACKED, PLAIN, SDPA, EAGER)
 
 
-def _user_file(path: Path):
-    """The user's model file, imported by path as ``mha-deploy export --module`` imports it."""
-    spec = importlib.util.spec_from_file_location("user_classifier", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-classifier = _user_file(CLASSIFIER_FILE)
+# The user's model file, imported by path as `mha-deploy export --module` imports it.
+classifier = import_model_file(CLASSIFIER_FILE)
 
 
 class SDPAAttention(classifier.MultiHeadAttention):

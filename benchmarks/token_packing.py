@@ -18,7 +18,6 @@ export's bound ``MIN_WORK_PER_COPIED_ELEMENT`` is compared with) and the run's O
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import tempfile
 from pathlib import Path
@@ -31,6 +30,7 @@ from mha_deploy.bench.gemm import GEMM_SIZES, peak_gemm_gflops
 from mha_deploy.bench.target import CPU_FP32
 from mha_deploy.bench.timing import load_average, time_blocks
 from mha_deploy.exporters import export_builtin, export_model, token_packing
+from mha_deploy.exporters.own_model import import_model_file
 from mha_deploy.models.build import random_stack
 from mha_deploy.signature import Signature
 
@@ -38,13 +38,6 @@ CLASSIFIER_FILE = Path(__file__).resolve().parents[1] / "tests" / "user_models" 
 WIDTHS = (64, 128, 256, 512)
 SHAPES = ((8, 128), (1, 512))
 PADDINGS = (MaskMode("padding", 25.0), MaskMode("padding", 0.0))
-
-
-def _classifier():
-    spec = importlib.util.spec_from_file_location("user_classifier", CLASSIFIER_FILE)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def export_pair(kind: str, d_model: int, layers: int, workdir: Path) -> dict:
@@ -57,7 +50,7 @@ def export_pair(kind: str, d_model: int, layers: int, workdir: Path) -> dict:
         def export(path, **options):
             return export_builtin(model, path, signature, **options)
     else:
-        classifier = _classifier()
+        classifier = import_model_file(CLASSIFIER_FILE)  # as `mha-deploy export --module` imports it
         torch.manual_seed(0)
         model = classifier.TextClassifier(1000, d_model, heads, layers, num_classes=3, max_len=1024).eval()
 

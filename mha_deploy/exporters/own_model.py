@@ -98,12 +98,11 @@ class InputDecl:
             raise ExportError(f"input {self.name}: a feature width is for a sequence input, and at least 1")
 
 
-def load_factory(spec: str) -> nn.Module:
-    """``FILE.py:FACTORY`` -> the ``nn.Module`` that calling ``FACTORY()`` from that file returns."""
-    path_text, _, factory = spec.rpartition(":")
-    if not path_text or not factory.isidentifier():
-        raise ExportError(f"--module {spec!r}: expected FILE.py:FACTORY, e.g. model.py:build")
-    path = Path(path_text)
+def import_model_file(path: Path, spec: str | None = None):
+    """The Python file at ``path``, imported as ``--module`` imports a user's file: under a name of its own,
+    its neighbours importable as they are when the user runs it. ``spec`` (the ``--module`` argument, else the
+    path) names it in errors."""
+    spec = spec or str(path)
     if not path.is_file():
         raise ExportError(f"--module {spec!r}: {path} {'is not a file' if path.exists() else 'does not exist'}")
     name = f"_mha_deploy_user_{re.sub(r'[^0-9A-Za-z_]', '_', path.stem)}"
@@ -120,6 +119,16 @@ def load_factory(spec: str) -> nn.Module:
         raise ExportError(f"--module {spec!r}: importing {path} failed: {type(exc).__name__}: {exc}") from exc
     finally:
         sys.path.remove(str(path.resolve().parent))
+    return source
+
+
+def load_factory(spec: str) -> nn.Module:
+    """``FILE.py:FACTORY`` -> the ``nn.Module`` that calling ``FACTORY()`` from that file returns."""
+    path_text, _, factory = spec.rpartition(":")
+    if not path_text or not factory.isidentifier():
+        raise ExportError(f"--module {spec!r}: expected FILE.py:FACTORY, e.g. model.py:build")
+    path = Path(path_text)
+    source = import_model_file(path, spec)
     build = getattr(source, factory, None)
     if not callable(build):
         found = sorted(n for n, v in vars(source).items() if callable(v) and not n.startswith("_"))
