@@ -137,7 +137,9 @@ _pack_tokens_option = click.option(
               help="Your own model: FACTORY() in FILE.py returns the nn.Module (--checkpoint then loads its state "
                    "dict strictly). Declare its forward's inputs with --input.")
 @click.option("--input", "inputs", multiple=True, metavar="NAME:ROLE[:AXIS][:FEATURES]",
-              help="With --module, one per forward input, in order. ROLE: tokens (int64 ids [batch, seq]), "
+              help="With --module, one per forward parameter to feed, bound by NAME (any order; parameters not "
+                   "declared keep their defaults); the file takes its inputs in this order. ROLE: tokens (int64 "
+                   "ids [batch, seq]), "
                    "sequence (float [batch, seq, FEATURES]; FEATURES read off the module when omitted) or "
                    "padding-mask ([batch, seq], True/1 = real token; it marks the input on the same AXIS). AXIS "
                    "(default seq) names a length axis: an encoder-decoder's target is e.g. tgt:tokens:tgt_seq.")

@@ -395,8 +395,9 @@ def export_model(
 ) -> ExportResult:
     """Export a user's own ``module`` (built around the reference attention) whose forward takes ``inputs``.
 
-    ``inputs``: ``InputDecl`` s or ``"NAME:ROLE[:AXIS][:FEATURES]"`` strings, in the forward's order; roles
-    ``tokens`` (int64 ids [batch, seq]), ``sequence`` (float [batch, seq, features]) and ``padding-mask``
+    ``inputs``: ``InputDecl`` s or ``"NAME:ROLE[:AXIS][:FEATURES]"`` strings, each passed to the forward's
+    parameter of its NAME (any order; parameters not declared keep their defaults), the file's inputs in this
+    order; roles ``tokens`` (int64 ids [batch, seq]), ``sequence`` (float [batch, seq, features]) and ``padding-mask``
     ([batch, seq], True/1 = real token; it marks the tokens or sequence input on its axis). Inputs on a second
     length axis (an encoder-decoder's target) name it: ``tgt:tokens:tgt_seq``. ``checkpoint`` is loaded into
     ``module`` strictly first. Every attention is fused as a lone block's is, parity against ``module`` is

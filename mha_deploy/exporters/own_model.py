@@ -158,25 +158,72 @@ def declare_inputs(inputs: Sequence[InputDecl | str]) -> tuple[InputDecl, ...]:
     return decls
 
 
-def check_forward(module: nn.Module, decls: Sequence[InputDecl]) -> None:
-    """The forward takes the declared inputs, in order, and needs nothing else."""
+@dataclass(frozen=True)
+class Binding:
+    """How the declared inputs reach the user's forward: by name, whatever the order of either. ``positional``
+    holds the indices (into the declared inputs) passed positionally, which only a forward whose parameters
+    have no names to bind to needs (``*args``, positional-only parameters); ``keywords`` the parameter name ->
+    index of the rest. Parameters not declared keep their defaults."""
+
+    positional: tuple[int, ...]
+    keywords: tuple[tuple[str, int], ...]
+
+    @classmethod
+    def in_order(cls, count: int) -> Binding:
+        """Every declared input positionally, in order: a forward torch wrapped beyond inspection."""
+        return cls(tuple(range(count)), ())
+
+    def call(self, module: nn.Module, inputs: Sequence[torch.Tensor]):
+        return module(*(inputs[i] for i in self.positional), **{name: inputs[i] for name, i in self.keywords})
+
+
+def check_forward(module: nn.Module, decls: Sequence[InputDecl]) -> Binding:
+    """How the declared inputs bind to the module's forward: each to the parameter of its name, in any order;
+    a parameter without a default that no input is declared for is an error naming it."""
     try:
         parameters = list(inspect.signature(module.forward).parameters.values())
     except (TypeError, ValueError):
-        return  # a forward torch wrapped beyond inspection: the trace will tell
-    positional = [p for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    takes = f"{type(module).__name__}.forward({', '.join(p.name for p in parameters)})"
-    if any(p.kind == p.VAR_POSITIONAL for p in parameters):
-        return
-    for index, decl in enumerate(decls):
-        if index >= len(positional):
-            raise ExportError(f"input {decl.name}: {takes} takes only {len(positional)} inputs")
-        if positional[index].name != decl.name:
-            where = "is not a parameter of" if decl.name not in [p.name for p in parameters] else "is not in order in"
-            raise ExportError(f"input {decl.name} {where} {takes}: declare its inputs in the forward's order")
-    required = [p.name for p in positional[len(decls):] if p.default is p.empty]
-    if required:
-        raise ExportError(f"{takes} also needs {', '.join(required)}: declare every input without a default")
+        return Binding.in_order(len(decls))  # the trace will tell
+    takes = f"{type(module).__name__}.forward({', '.join(_spelled(p) for p in parameters)})"
+    named = [p for p in parameters if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    index = {d.name: i for i, d in enumerate(decls)}
+    if not named:
+        if any(p.kind == p.VAR_POSITIONAL for p in parameters):
+            return Binding.in_order(len(decls))  # forward(*inputs): declaration order is all there is
+        if any(p.kind == p.VAR_KEYWORD for p in parameters):
+            return Binding((), tuple((d.name, i) for i, d in enumerate(decls)))
+    names = [p.name for p in named]
+    for decl in decls:
+        if decl.name not in names:
+            raise ExportError(
+                f"input {decl.name} is not a parameter of {takes}: name each input after the parameter it is "
+                f"passed as ({', '.join(names) or 'none'})"
+            )
+    missing = [p.name for p in named if p.name not in index and p.default is p.empty]
+    if missing:
+        raise ExportError(
+            f"{takes} also needs {', '.join(missing)}: declare an input for every parameter without a default "
+            f"(--input {missing[0]}:ROLE)"
+        )
+    positional: list[int] = []
+    for parameter in named:
+        if parameter.kind != parameter.POSITIONAL_ONLY or parameter.name not in index:
+            continue
+        before = [p.name for p in named[: named.index(parameter)] if p.kind == p.POSITIONAL_ONLY]
+        if len(positional) != len(before):  # a positional-only parameter before it is left to its default
+            skipped = next(name for name in before if name not in index)
+            raise ExportError(
+                f"input {parameter.name} of {takes} is positional-only and follows {skipped}, which is not "
+                f"declared: declare {skipped} too"
+            )
+        positional.append(index[parameter.name])
+    keywords = tuple((p.name, index[p.name]) for p in named if p.name in index and p.kind != p.POSITIONAL_ONLY)
+    return Binding(tuple(positional), keywords)
+
+
+def _spelled(parameter: inspect.Parameter) -> str:
+    prefix = {parameter.VAR_POSITIONAL: "*", parameter.VAR_KEYWORD: "**"}.get(parameter.kind, "")
+    return prefix + parameter.name
 
 
 def feature_width(module: nn.Module, decl: InputDecl) -> int:
@@ -199,12 +246,12 @@ def vocabulary(module: nn.Module) -> int | None:
 
 
 def run_watching_embeddings(
-    module: nn.Module, decls: Sequence[InputDecl], args: Sequence[torch.Tensor]
+    module: nn.Module, decls: Sequence[InputDecl], args: Sequence[torch.Tensor], binding: Binding
 ) -> tuple[object, dict[str, int]]:
-    """One eager run of ``module`` on ``args``: its result, and each tokens input -> the size of the embedding
-    table its ids index (the ``nn.Embedding`` that receives them unchanged); inputs whose ids reach none as they
-    are are left out. The smallest table, which samples stay within, is no bound: a position table is often the
-    smaller."""
+    """One eager run of ``module`` on ``args`` (bound by ``binding``): its result, and each tokens input -> the
+    size of the embedding table its ids index (the ``nn.Embedding`` that receives them unchanged); inputs whose
+    ids reach none as they are are left out. The smallest table, which samples stay within, is no bound: a
+    position table is often the smaller."""
     seen: dict[int, int] = {}
 
     def watch(layer, layer_args):
@@ -217,7 +264,7 @@ def run_watching_embeddings(
     hooks = [layer.register_forward_pre_hook(watch) for layer in module.modules() if isinstance(layer, nn.Embedding)]
     try:
         with torch.no_grad():
-            result = module(*args)
+            result = binding.call(module, args)
     finally:
         for hook in hooks:
             hook.remove()
@@ -253,17 +300,18 @@ class DeclaredModule(nn.Module):
 
     variadic_from = 0  # torch_export: forward takes every input through *inputs
 
-    def __init__(self, module: nn.Module, mask_dtypes: Sequence[torch.dtype | None]):
+    def __init__(self, module: nn.Module, mask_dtypes: Sequence[torch.dtype | None], binding: Binding):
         super().__init__()
         self.module = module
         self.mask_dtypes = tuple(mask_dtypes)
+        self.binding = binding
 
     def module_args(self, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """The declared inputs as the user's forward takes them (masks in its dtype)."""
         return [x if dtype is None else x.to(dtype) for x, dtype in zip(inputs, self.mask_dtypes, strict=True)]
 
     def forward(self, *inputs):
-        return tuple(flatten_outputs(self.module(*self.module_args(inputs))))
+        return tuple(flatten_outputs(self.binding.call(self.module, self.module_args(inputs))))
 
 
 def flatten_outputs(result) -> list[torch.Tensor]:
@@ -304,7 +352,7 @@ class _Probe:
         return tensors
 
 
-def _mask_dtypes(module, decls, samples) -> list[torch.dtype | None]:
+def _mask_dtypes(module, decls, samples, binding: Binding) -> list[torch.dtype | None]:
     """bool masks if the forward takes them; else the first of int64, float32 it runs with."""
     dtypes: list[torch.dtype | None] = [None] * len(decls)
     masks = [i for i, d in enumerate(decls) if d.role == "padding-mask"]
@@ -313,7 +361,7 @@ def _mask_dtypes(module, decls, samples) -> list[torch.dtype | None]:
             dtypes[i] = dtype
         try:
             with torch.no_grad():
-                DeclaredModule(module, dtypes)(*samples)
+                DeclaredModule(module, dtypes, binding)(*samples)
             return dtypes
         except ExportError:
             raise
@@ -382,7 +430,7 @@ def declare_model(
     """Read the Signature of ``module`` for the declared ``inputs`` (see the module docstring)."""
     module = module.eval()
     decls = declare_inputs(inputs)
-    check_forward(module, decls)
+    binding = check_forward(module, decls)
     axes = list(dict.fromkeys(d.axis for d in decls))
     if len(axes) > len(_TRACE_LENGTHS):
         raise ExportError(f"{len(axes)} length axes declared; at most {len(_TRACE_LENGTHS)} are supported")
@@ -394,8 +442,8 @@ def declare_model(
     second = _Probe(_PROBE_BATCH, {axis: _PROBE_LENGTHS[i] for i, axis in enumerate(axes)})
     gen = torch.Generator().manual_seed(0)
     runs = [first.tensors(decls, vocab, widths, gen), second.tensors(decls, vocab, widths, gen)]
-    wrapper = DeclaredModule(module, _mask_dtypes(module, decls, runs[0]))
-    result, vocabularies = run_watching_embeddings(module, decls, wrapper.module_args(runs[0]))
+    wrapper = DeclaredModule(module, _mask_dtypes(module, decls, runs[0], binding), binding)
+    result, vocabularies = run_watching_embeddings(module, decls, wrapper.module_args(runs[0]), binding)
     at_first = flatten_outputs(result)
     count = len(at_first)
     names = tuple(output_names) if output_names else default_output_names(result, count)
@@ -418,7 +466,7 @@ def declare_model(
     warnings = unpadded_mask_warnings(signature)
     d_model = next(iter(widths.values()), 0) or _embedding_width(module)
     traced, _ = in_reference_form(module)
-    return Declared(wrapper, DeclaredModule(traced, wrapper.mask_dtypes), signature, d_model, warnings)
+    return Declared(wrapper, DeclaredModule(traced, wrapper.mask_dtypes, binding), signature, d_model, warnings)
 
 
 def _embedding_width(module: nn.Module) -> int:
@@ -436,6 +484,7 @@ def count_attentions(model: onnx.ModelProto) -> int:
 
 __all__ = [
     "ROLES",
+    "Binding",
     "Declared",
     "DeclaredModule",
     "InputDecl",

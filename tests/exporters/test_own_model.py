@@ -136,12 +136,65 @@ class _TwoInputs(torch.nn.Module):
         return self.embed(ids) * mask.unsqueeze(-1)
 
 
+class _PositionalOnly(_TwoInputs):
+    def forward(self, ids=None, mask=None, /):
+        return super().forward(ids, mask)
+
+
+class _ScaleFirst(_TwoInputs):
+    def forward(self, scale=1.0, ids=None, mask=None, /):
+        return super().forward(ids, mask) * scale
+
+
+class _CacheFirst(_TwoInputs):
+    """GPT-2's shape of forward: a cache between the ids and the mask, more options after, keyword-only ones,
+    **kwargs; only the ids and the mask are declared."""
+
+    def forward(self, ids=None, past=None, mask=None, scale=1.0, *, shift=0.0, **kwargs):
+        assert past is None and not kwargs
+        return super().forward(ids, mask) * scale + shift
+
+
+class _KeywordOnly(_TwoInputs):
+    def forward(self, ids, *, mask, scale=2.0):
+        return super().forward(ids, mask) * scale
+
+
+@pytest.mark.parametrize(
+    ("module", "inputs"),
+    [
+        (_TwoInputs, ["mask:padding-mask", "ids:tokens"]),
+        (_CacheFirst, ["ids:tokens", "mask:padding-mask"]),
+        (_CacheFirst, ["mask:padding-mask", "ids:tokens"]),
+        (_KeywordOnly, ["mask:padding-mask", "ids:tokens"]),
+        (_PositionalOnly, ["ids:tokens", "mask:padding-mask"]),
+    ],
+)
+def test_inputs_bind_by_name_in_any_order(tmp_path, module, inputs):
+    """Each declared input reaches the parameter of its name, the others keep their defaults, and the file takes
+    its inputs in the declared order."""
+    model = module()
+    result = export_model(model, tmp_path / "m.onnx", inputs, fuse="none")
+    assert result.parity.passed
+    session = MHASession(tmp_path / "m.onnx", provider="cpu")
+    assert session.input_names == tuple(decl.split(":")[0] for decl in inputs)
+    ids, mask = np.array([[3, 4, 5], [6, 7, 0]]), np.array([[True, True, True], [True, True, False]])
+    with torch.no_grad():
+        expected = _TwoInputs.forward(model, torch.from_numpy(ids), torch.from_numpy(mask))
+    scale = {_KeywordOnly: 2.0}.get(module, 1.0)
+    got = session.run({"ids": ids, "mask": mask})["output"]
+    np.testing.assert_allclose(got[mask], (expected * scale).numpy()[mask], atol=1e-6)
+
+
 @pytest.mark.parametrize(
     ("module", "inputs", "message"),
     [
-        (_TwoInputs, ["ids:tokens", "pad:padding-mask"], r"^input pad is not a parameter of _TwoInputs.forward"),
-        (_TwoInputs, ["mask:padding-mask", "ids:tokens"], r"^input mask is not in order in _TwoInputs.forward"),
-        (_TwoInputs, ["ids:tokens"], r"also needs mask: declare every input"),
+        (_TwoInputs, ["ids:tokens", "pad:padding-mask"],
+         r"^input pad is not a parameter of _TwoInputs.forward\(ids, mask\): name each input after .* \(ids, mask\)"),
+        (_TwoInputs, ["ids:tokens"], r"^_TwoInputs.forward\(ids, mask\) also needs mask: declare an input for every "
+                                     r"parameter without a default \(--input mask:ROLE\)"),
+        (_ScaleFirst, ["ids:tokens", "mask:padding-mask"],
+         r"^input ids of _ScaleFirst.forward\(scale, ids, mask\) is positional-only and follows scale, which is not "),
         (_TwoInputs, ["ids:tokens", "mask:padding-mask:other"], r"^input mask: a padding mask marks .* none is"),
         (_TwoInputs, ["ids:sequence:seq:8", "mask:padding-mask"], r"fails on the declared inputs \(ids:sequence"),
         (_TwoInputs, ["ids:tokens", "mask:weights"], r"^input mask: role must be one of"),
