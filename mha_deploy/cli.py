@@ -633,7 +633,8 @@ def bench(model, checkpoint, prefix, d_model, heads, masks, shapes, provider, th
         models=[model] if model is not None else (), memory_shapes=memory_list, gemm_sizes=gemm_list,
         openvino=openvino, gate=QuietGate(wait_s=quiet_wait_s) if quiet_wait_s > 0 else None,
         on_row=lambda r: click.echo(
-            f"  {r.mask} {r.batch}x{r.seq} {r.backend}: {r.median_ms:.2f} ms, max abs err {r.max_abs_err:.1e}",
+            f"  {r.mask} {r.batch}x{r.seq} {r.backend}: {r.median_ms:.2f} ms, max abs err "
+            + (f"{r.max_abs_err:.1e}" if r.max_abs_err is not None else "-"),
             err=True,
         ),
     )

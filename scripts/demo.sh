@@ -2,7 +2,7 @@
 # Sets up .venv, exports the built-in default model, and runs it over generated data.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-scripts/setup.sh
+scripts/setup.sh --no-next
 mkdir -p build
 .venv/bin/mha-deploy export --mask padding -o build/mha.onnx
 .venv/bin/python - <<'PY'

@@ -24,7 +24,7 @@ fi
 
 mkdir -p "$OUT"
 echo "gpu-check: $("$NVIDIA_SMI" -L | head -n 1)"
-scripts/setup.sh
+scripts/setup.sh --no-next
 # CUDA and cuDNN from pip, the versions this onnxruntime-gpu was built against;
 # MHASession loads them with onnxruntime.preload_dlls (mha_deploy.runtime.providers).
 ORT_VERSION=$(.venv/bin/python -c "import onnxruntime; print(onnxruntime.__version__)")

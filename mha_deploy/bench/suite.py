@@ -64,10 +64,12 @@ class BenchRow:
     gflops: float
     vs_torch_eager: float | None  # torch eager median / this median: > 1 is faster (None without that row)
     efficiency: float | None  # gflops / the run's ORT MatMul rate in the row's precision (None: not measured)
-    # Against the torch eager reference (fp32, CPU) on the same inputs, over real query rows.
-    max_abs_err: float
-    rel_err: float  # ||output - reference|| / ||reference||
-    # Whether the error is within what export-time parity accepts at this backend's precision.
+    # Against the torch eager reference (fp32, CPU) on the same inputs, over real query rows; None where the run
+    # has no reference (a user's model benched without its module): an error never measured is not zero.
+    max_abs_err: float | None
+    rel_err: float | None  # ||output - reference|| / ||reference||
+    # Whether the error is within what export-time parity accepts at this backend's precision (True when not
+    # measured: nothing was found to differ).
     within_tolerance: bool
 
 
@@ -115,9 +117,11 @@ class BenchReport:
             efficiency = f"{r.efficiency:7.0%}" if r.efficiency is not None else f"{'-':>7}"
             note = "" if r.within_tolerance else "DIFFERS from torch beyond parity tolerance"
             gflops = f"{r.gflops:8.0f}" if r.gflops == r.gflops else f"{'-':>8}"  # NaN: not known
+            max_abs = f"{r.max_abs_err:11.1e}" if r.max_abs_err is not None else f"{'-':>11}"
+            rel = f"{r.rel_err:9.1e}" if r.rel_err is not None else f"{'-':>9}"
             lines.append(
                 f"{r.mask:<14} {f'{r.batch}x{r.seq}':<9} {r.backend:<22} {r.median_ms:10.2f} {r.p90_ms:9.2f} "
-                f"{gflops} {ratio} {efficiency} {r.max_abs_err:11.1e} {r.rel_err:9.1e}  {note}".rstrip()
+                f"{gflops} {ratio} {efficiency} {max_abs} {rel}  {note}".rstrip()
             )
         if self.memory:
             lines += ["", f"{'mask':<14} {'shape':<9} {'backend':<22} {'peak RSS MB':>11} {'run MB':>8} "
@@ -177,7 +181,7 @@ def _bench_case(
         rows.append(BenchRow(
             label, backend.name, batch, seq, timing.median_ms, timing.p90_ms, gflops,
             baseline.median_ms / timing.median_ms if baseline else None, gflops / peak if flops and peak else None,
-            comparison.max_abs_err if comparison else 0.0, comparison.rel_err if comparison else 0.0,
+            comparison.max_abs_err if comparison else None, comparison.rel_err if comparison else None,
             comparison.passed if comparison else True,
         ))
     return rows
@@ -355,6 +359,9 @@ def run_model_bench(
     backends = [file]
     if module is not None:
         backends.append(torch_module(module.eval(), signature, BASELINE))
+    else:
+        report.notes.append("no reference: errors are '-' (give the module, --module FILE.py:FACTORY, to compare "
+                            "against it in torch)")
     for batch, seq in shapes:
         feeds = mode.inputs(session_metadata.d_model, batch, seq, signature=signature)
         # The module in torch is the reference (its first output), when given.

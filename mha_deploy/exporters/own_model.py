@@ -115,11 +115,20 @@ def import_model_file(path: Path, spec: str | None = None):
     sys.modules[name] = source
     try:
         loader_spec.loader.exec_module(source)
+    except SystemExit as exc:
+        raise ExportError(f"--module {spec!r}: importing {path} {_exited(exc)}") from exc
     except Exception as exc:
         raise ExportError(f"--module {spec!r}: importing {path} failed: {type(exc).__name__}: {exc}") from exc
     finally:
         sys.path.remove(str(path.resolve().parent))
     return source
+
+
+def _exited(exc: SystemExit) -> str:
+    """A user's code that called ``sys.exit`` (a script's ``if __name__`` guard missing, an argparse run at
+    import): said as such, so that the tool does not exit with the user's status and no word."""
+    return (f"called sys.exit({exc.code!r}) (SystemExit): build the module without exiting, e.g. keep script "
+            "code (argument parsing, training) under `if __name__ == \"__main__\":`")
 
 
 def load_factory(spec: str) -> nn.Module:
@@ -135,6 +144,8 @@ def load_factory(spec: str) -> nn.Module:
         raise ExportError(f"--module {spec!r}: {path} has no callable {factory!r} (it has: {', '.join(found)})")
     try:
         module = build()
+    except SystemExit as exc:
+        raise ExportError(f"--module {spec!r}: {factory}() {_exited(exc)}") from exc
     except Exception as exc:
         raise ExportError(f"--module {spec!r}: {factory}() failed: {type(exc).__name__}: {exc}") from exc
     if not isinstance(module, nn.Module):
