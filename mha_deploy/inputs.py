@@ -109,10 +109,12 @@ def cast_floats(feeds: dict[str, np.ndarray], dtype) -> dict[str, np.ndarray]:
 
 
 def real_query_rows(signature: Signature, feeds: dict[str, np.ndarray]) -> np.ndarray:
-    """bool [batch, q_len]: the query positions whose outputs users read (per-token outputs' rows)."""
+    """bool [batch, q_len]: the query positions whose outputs users read (per-token outputs' rows): those that
+    any mask of the query input calls real (a padded position is one every mask calls padding)."""
     query = signature.query_input
-    for mask_name, sequence_name in signature.padding_masks.items():
-        if sequence_name == query:
-            # A KV cache's mask covers the cached tokens first: the queries are its last q_len positions.
-            return feeds[mask_name][:, feeds[mask_name].shape[1] - feeds[query].shape[1]:]
-    return np.ones(feeds[query].shape[:2], dtype=bool)
+    rows = np.ones(feeds[query].shape[:2], dtype=bool)
+    masks = [feeds[name] for name, sequence_name in signature.padding_masks.items() if sequence_name == query]
+    if masks:
+        # A KV cache's mask covers the cached tokens first: the queries are its last q_len positions.
+        rows = np.logical_or.reduce([mask[:, mask.shape[1] - rows.shape[1]:] for mask in masks])
+    return rows

@@ -255,6 +255,7 @@ def validate_inputs(metadata: ModelMetadata, inputs: Mapping[str, object]) -> di
             shape = (shape[0], past[signature.growing_caches[0]].shape[2] + shape[1])
             sequence_name = f"past_seq + {sequence_name}'s length"
         arrays[mask_name] = _padding_mask(mask_name, inputs[mask_name], shape, sequence_name)
+    _check_real_tokens(signature, arrays)
     feeds = inert_padding(signature, {**arrays, **past})
     for name in signature.sequence_inputs:
         # Ids are checked once padding is inert: whatever sat at a padded position is 0 now.
@@ -278,22 +279,29 @@ def inert_padding(signature: Signature, feeds: Mapping[str, np.ndarray]) -> dict
 def padding_by_axis(signature: Signature, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
     """Length axis -> [batch, length] bool (True = real) for every axis of the feeds a padding mask covers.
 
-    With a KV cache the queries' mask covers past_seq + seq: its first past_seq columns are the cache's
-    (``past_seq``), the rest the new tokens'. A decoder's encoder caches are memory's length once filled.
+    A position is padding only where every mask of its axis says so: a model given two masks of one axis
+    (``mask1 | mask2``) reads every position one of them calls real. With a KV cache the queries' mask covers
+    past_seq + seq: its first past_seq columns are the cache's (``past_seq``), the rest the new tokens'. A
+    decoder's encoder caches are memory's length once filled.
     """
-    masks = {}
+    masks: dict[str, np.ndarray] = {}
+
+    def mark(axis: str, mask: np.ndarray) -> None:
+        masks[axis] = mask | masks[axis] if axis in masks else mask
+
     for mask_name, marks in signature.padding_masks.items():
         mask = feeds[mask_name]
         axis = signature.axis_of(mask_name)
         if axis == TOTAL_AXIS:
             past = mask.shape[1] - feeds[marks].shape[1]
-            masks[signature.axis_of(marks)], masks[PAST_AXIS] = mask[:, past:], mask[:, :past]
+            mark(signature.axis_of(marks), mask[:, past:])
+            mark(PAST_AXIS, mask[:, :past])
             continue
-        masks[axis] = mask
+        mark(axis, mask)
         if axis == MEMORY_AXIS and any(
             feeds[name].shape[2] == mask.shape[1] for name in signature.cache_pairs if name in feeds
         ):
-            masks[ENCODER_PAST_AXIS] = mask
+            mark(ENCODER_PAST_AXIS, mask)
     return masks
 
 
@@ -419,7 +427,16 @@ def _padding_mask(name: str, value: object, kv_shape: tuple[int, int], kv_name: 
         raise InputError(
             f"{name} must have shape [batch, kv_len] = {tuple(kv_shape)} to match {kv_name}, got {mask.shape}"
         )
-    empty_rows = np.flatnonzero(~mask.any(axis=1))
-    if empty_rows.size:
-        raise InputError(f"{name} rows {empty_rows.tolist()[:10]} have no real token: every item needs at least one")
     return np.ascontiguousarray(mask)
+
+
+def _check_real_tokens(signature: Signature, masks: Mapping[str, np.ndarray]) -> None:
+    """Every row holds a real token on each masked axis: one that some mask of the axis calls real."""
+    names_by_axis: dict[str, list[str]] = {}
+    for name in signature.padding_masks:
+        names_by_axis.setdefault(signature.axis_of(name), []).append(name)
+    for names in names_by_axis.values():
+        empty_rows = np.flatnonzero(~np.logical_or.reduce([masks[name] for name in names]).any(axis=1))
+        if empty_rows.size:
+            raise InputError(f"{' and '.join(names)} rows {empty_rows.tolist()[:10]} have no real token: every "
+                             "item needs at least one")

@@ -33,7 +33,13 @@ from mha_deploy import __version__
 from mha_deploy.batch.base import Item, Result
 from mha_deploy.errors import InputError
 from mha_deploy.metadata import ModelMetadata
-from mha_deploy.runtime.validation import item_problem, shape_problem, validate_inputs, zero_padding
+from mha_deploy.runtime.validation import (
+    item_problem,
+    padding_by_axis,
+    shape_problem,
+    validate_inputs,
+    zero_padding,
+)
 from mha_deploy.serving.http.batcher import MicroBatcher
 from mha_deploy.serving.http.parsing import RequestError
 from mha_deploy.signature import BATCH_AXIS, SEQUENCE, TOKENS, TensorSpec
@@ -174,11 +180,12 @@ def plan_request(metadata: ModelMetadata, inputs: Mapping[str, np.ndarray], max_
         feeds = validate_inputs(metadata, inputs)
     except InputError as exc:
         raise bad_request("invalid_input", str(exc)) from None
-    masks = {signature.axis_of(name): feeds[name] for name in signature.padding_masks}
+    masks = padding_by_axis(signature, feeds)
     lengths = {axis: mask.sum(axis=1) for axis, mask in masks.items()}
+    # Items get one mask per axis when batched: masks of one axis that differ keep the request's own batch.
     right_padded = all(
         np.array_equal(mask, np.arange(mask.shape[1])[None, :] < lengths[axis][:, None]) for axis, mask in masks.items()
-    )
+    ) and all(np.array_equal(feeds[name], masks[signature.axis_of(name)]) for name in signature.padding_masks)
     items = []
     for row in range(feeds[signature.query_input].shape[0]):
         item = {}
