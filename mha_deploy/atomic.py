@@ -29,6 +29,15 @@ def _umask() -> int:
     return mask
 
 
+def same_file(a: Path, b: Path) -> bool:
+    """Whether ``a`` and ``b`` name one file (through links too), or the same path when either does not exist:
+    what a tool must know before it writes ``a`` while reading ``b``."""
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return a.resolve() == b.resolve()
+
+
 def temporary_name(path: str | os.PathLike) -> Path:
     """A fresh temporary path for ``path`` (in the same directory, so that the rename is atomic)."""
     path = Path(path)

@@ -37,6 +37,7 @@ import onnx
 import onnx_ir as ir
 from onnx import TensorProto
 
+from mha_deploy.atomic import same_file
 from mha_deploy.errors import ExportError, first_line
 from mha_deploy.exporters.export import (
     ExportOptions,
@@ -78,6 +79,9 @@ _ROLE_TEXT = {
 }
 _ROLE_RANKS = {"tokens": 2, "sequence": 3, "padding-mask": 2}
 _OUTPUT_TYPES = {TensorProto.FLOAT: MODEL_DTYPE, TensorProto.INT64: "int64", TensorProto.BOOL: "bool"}
+# The weights one model file can hold: protobuf refuses to serialise a message of 2 GB or more.
+_MAX_MODEL_BYTES = 2**31 - 1
+_FOUR_BIT_TYPES = {TensorProto.INT4, TensorProto.UINT4, getattr(TensorProto, "FLOAT4E2M1", TensorProto.INT4)}
 # Ops through which a value's shape, not its contents, flows on: the token ids' embedding is not behind them.
 _SHAPE_OPS = {"Shape", "Size"}
 
@@ -120,7 +124,7 @@ def optimize_model(
     output = _check_output(output)
     if max_length is not None and max_length < 1:
         raise ExportError(f"max length must be at least 1, got {max_length}")
-    model = _load(source)
+    model = _load(source, output)
     options = ExportOptions(opset=_default_opset(model, source), atol=atol, rtol=rtol, fuse=fuse,
                             pack_tokens=pack_tokens)
     options.check()
@@ -154,14 +158,84 @@ def optimize_model(
     return result
 
 
-def _load(source: str | os.PathLike) -> onnx.ModelProto:
+def _load(source: str | os.PathLike, output: Path) -> onnx.ModelProto:
+    """The graph at ``source`` with its external data, which is read only once its sizes are known to fit the
+    files that hold it and the model that will be written, and none of which ``output`` would replace."""
     path = Path(source)
     if not path.is_file():
         raise ExportError(f"{path}: {'not a file' if path.exists() else 'no such file'}")
+    if same_file(output, path):
+        raise ExportError(f"-o {output} is the input graph itself, which writing would replace (and orphan its "
+                          "external data): give the optimized model a path of its own")
     try:
-        return onnx.load(str(path))
+        model = onnx.load(str(path), load_external_data=False)
     except Exception as exc:  # protobuf's and onnx's own types
         raise ExportError(f"{path}: not an ONNX model ({first_line(exc)})") from exc
+    if external_data_files(model, path, output):
+        try:
+            onnx.load_external_data_for_model(model, str(path.parent))
+        except Exception as exc:
+            raise ExportError(f"{path}: cannot read its external data ({first_line(exc)})") from exc
+    return model
+
+
+def _tensors(graph: onnx.GraphProto):
+    """Every tensor a graph holds: initializers and tensor attributes, in If/Loop bodies too."""
+    yield from graph.initializer
+    for node in graph.node:
+        for attribute in node.attribute:
+            yield from ([attribute.t] if attribute.HasField("t") else [])
+            yield from attribute.tensors
+            for body in ([attribute.g] if attribute.HasField("g") else []) + list(attribute.graphs):
+                yield from _tensors(body)
+
+
+def _claimed_bytes(tensor: onnx.TensorProto) -> int:
+    elements = int(np.prod(tensor.dims, dtype=object)) if tensor.dims else 1
+    if tensor.data_type in _FOUR_BIT_TYPES:
+        return (elements + 1) // 2
+    return elements * onnx.helper.tensor_dtype_to_np_dtype(tensor.data_type).itemsize
+
+
+def external_data_files(model: onnx.ModelProto, path: Path, output: Path) -> list[Path]:
+    """The files ``model`` (read from ``path``) keeps its external data in, once each tensor's claim is checked
+    against them before anything is read: beside the model, holding the bytes the tensor's shape needs at its
+    offset, none of them ``output``, and all of them together within what one model file can hold. A claim
+    that fails (a data file truncated, of another model, or a size made up) used to be read whole first."""
+    files, total = [], 0
+    for tensor in _tensors(model.graph):
+        if tensor.data_location != TensorProto.EXTERNAL:
+            continue
+        info = dict((entry.key, entry.value) for entry in tensor.external_data)
+        location = Path(info.get("location", ""))
+        where = f"{path}: tensor {tensor.name!r} keeps its data in {str(location)!r}"
+        if not info.get("location") or location.is_absolute() or ".." in location.parts:
+            raise ExportError(f"{where}: external data must be a file beside the model; refused")
+        data = path.parent / location
+        if not data.is_file():
+            raise ExportError(f"{where}, which is not there ({data}): copy the data file with the model")
+        try:
+            offset, length = int(info.get("offset", 0)), info.get("length")
+            claimed = _claimed_bytes(tensor)
+        except (ValueError, TypeError) as exc:
+            raise ExportError(f"{where}: its offset, length or type is not readable ({exc})") from exc
+        if length is not None and int(length) != claimed:
+            raise ExportError(f"{where}: its shape {list(tensor.dims)} takes {claimed} bytes, its length says "
+                              f"{int(length)}: the model is damaged; export it again")
+        size = data.stat().st_size
+        if offset < 0 or offset + claimed > size:
+            raise ExportError(f"{where}: it claims {claimed} bytes at offset {offset}, the file holds {size}: "
+                              "the data file is truncated or another model's; copy the model with its own")
+        if same_file(output, data):
+            raise ExportError(f"-o {output} is {path}'s external data file, which writing would replace: give "
+                              "the optimized model a path of its own")
+        files.append(data)
+        total += claimed
+    if total > _MAX_MODEL_BYTES:
+        raise ExportError(f"{path}: its external data holds {total / 1e9:.1f} GB of weights; the optimized model "
+                          f"is written as one file, which protobuf limits to 2 GB: models this large are not "
+                          "supported")
+    return files
 
 
 def _default_opset(model: onnx.ModelProto, source) -> int:

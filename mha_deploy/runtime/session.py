@@ -12,7 +12,7 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 
-from mha_deploy.atomic import atomic_path
+from mha_deploy.atomic import atomic_path, same_file
 from mha_deploy.errors import InputError, ModelFileError, OptionError, OutputError, ProviderUnavailableError
 from mha_deploy.inputs import placeholder_inputs
 from mha_deploy.metadata import ModelMetadata
@@ -155,7 +155,7 @@ class MHASession:
             if optimized_model_path is None:
                 return ort.InferenceSession(source, options, providers=providers)
             cache = Path(optimized_model_path)
-            if not isinstance(model, bytes) and _same_file(cache, Path(model)):
+            if not isinstance(model, bytes) and same_file(cache, Path(model)):
                 raise OptionError(
                     f"optimized_model_path {cache} is the model itself, which the optimized graph would replace: "
                     "give the cache a path of its own"
@@ -487,14 +487,6 @@ def _varint(value: int) -> bytes:
         out.append(low | (0x80 if value else 0))
         if not value:
             return bytes(out)
-
-
-def _same_file(a: Path, b: Path) -> bool:
-    """Whether ``a`` and ``b`` name one file (through links too), or the same path when ``a`` does not exist."""
-    try:
-        return os.path.samefile(a, b)
-    except OSError:
-        return a.resolve() == b.resolve()
 
 
 def _check_model_path(path: Path) -> None:
