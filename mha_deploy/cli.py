@@ -144,8 +144,9 @@ _pack_tokens_option = click.option(
                    "padding-mask ([batch, seq], True/1 = real token; it marks the input on the same AXIS). AXIS "
                    "(default seq) names a length axis: an encoder-decoder's target is e.g. tgt:tokens:tgt_seq.")
 @click.option("--output-name", "output_names", multiple=True, metavar="NAME",
-              help="With --module, names of the forward's outputs in order (default: output, or output_0, "
-                   "output_1, ..., or a returned dict's keys).")
+              help="With --module, names of the forward's outputs in order (default: where each was returned: "
+                   "output for a lone tensor, a dict's key, output_<i> for a tuple's items, <name>.<i> inside "
+                   "them, None values skipped).")
 @click.option("--max-length", type=click.IntRange(min=1),
               help="With --module, the longest sequence the module takes (e.g. its position table): parity "
                    "checks no longer one.")

@@ -325,21 +325,48 @@ class DeclaredModule(nn.Module):
         return tuple(flatten_outputs(self.binding.call(self.module, self.module_args(inputs))))
 
 
+def named_outputs(result) -> list[tuple[str, torch.Tensor]]:
+    """Every tensor a forward returns, in order, each with the name of where it was returned: a lone tensor is
+    ``output``; a dict's value its key; a tuple's or list's item ``output_<i>`` at the top, ``<name>.<i>``
+    inside (``hidden_states.0``). ``None`` values (a Hugging Face output's loss, its cache when off) are skipped
+    without moving any other name; a result holding one tensor names it ``output`` unless a dict names it."""
+    found: list[tuple[str, torch.Tensor]] = []
+
+    def walk(value, name: str | None) -> None:
+        if value is None:
+            return
+        if isinstance(value, torch.Tensor):
+            found.append((name or "output", value))
+        elif isinstance(value, Mapping):
+            for key, item in value.items():
+                walk(item, str(key) if name is None else f"{name}.{key}")
+        elif isinstance(value, (tuple, list)):
+            for index, item in enumerate(value):
+                walk(item, f"output_{index}" if name is None else f"{name}.{index}")
+        else:
+            raise ExportError(
+                f"the forward returns a {type(value).__name__}{f' as {name}' if name else ''}: outputs must be "
+                "tensors (or tuples, lists or dicts of them)"
+            )
+
+    walk(result, None)
+    if len(found) == 1 and not isinstance(result, Mapping):
+        return [("output", found[0][1])]
+    return found
+
+
 def flatten_outputs(result) -> list[torch.Tensor]:
-    if isinstance(result, torch.Tensor):
-        return [result]
-    if isinstance(result, Mapping):
-        result = list(result.values())
-    if isinstance(result, (tuple, list)):
-        return [tensor for item in result if item is not None for tensor in flatten_outputs(item)]
-    raise ExportError(f"the forward returns a {type(result).__name__}: outputs must be tensors (or tuples/dicts)")
+    """The tensors of ``named_outputs(result)``, in the same order."""
+    return [tensor for _, tensor in named_outputs(result)]
 
 
-def default_output_names(result, count: int) -> tuple[str, ...]:
-    """Names of a forward's ``count`` outputs, from its ``result``: a dict's keys, else output / output_<i>."""
-    if isinstance(result, Mapping) and len(result) == count:
-        return tuple(str(key) for key in result)
-    return ("output",) if count == 1 else tuple(f"output_{i}" for i in range(count))
+def default_output_names(result) -> tuple[str, ...]:
+    """The names of ``named_outputs(result)``, which must differ (else ``--output-name`` must name them)."""
+    names = tuple(name for name, _ in named_outputs(result))
+    if duplicate := next((n for n in names if names.count(n) > 1), None):
+        raise ExportError(f"two of the forward's outputs would both be named {duplicate}: name them with "
+                          "--output-name, one per output in order")
+    return names
 
 
 @dataclass
@@ -457,7 +484,7 @@ def declare_model(
     result, vocabularies = run_watching_embeddings(module, decls, wrapper.module_args(runs[0]), binding)
     at_first = flatten_outputs(result)
     count = len(at_first)
-    names = tuple(output_names) if output_names else default_output_names(result, count)
+    names = tuple(output_names) if output_names else default_output_names(result)
     if len(names) != count:
         raise ExportError(f"{len(names)} output names given, the forward returns {count} tensors")
     with torch.no_grad():
