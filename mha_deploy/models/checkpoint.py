@@ -78,22 +78,65 @@ def _read_torch(path: Path, source: str) -> object:
         # weights_only: a pickle may run arbitrary code, so only tensors and plain containers load.
         return torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as exc:
-        # torch words it "Unsupported global: GLOBAL x.y" or "unsupported GLOBAL x.y whose module x is blocked".
+        # torch words it "Unsupported global: GLOBAL x.y" or "unsupported GLOBAL x.y whose module x is blocked";
+        # protocols 4 and 5 name a global with STACK_GLOBAL, which torch's safe loader refuses as "Unsupported
+        # operand 149" without naming it: the pickle's opcodes (read, never run) do.
         found = re.search(r"GLOBAL (\S+)", str(exc))
-        if found is None:
+        unsafe = found.group(1) if found is not None else _unsafe_global(path)
+        if unsafe is not None:
             raise CheckpointError(
-                f"{source}: cannot read it as a torch file (corrupt, not a pickle, or pickle opcodes a "
-                "state dict never holds, which are refused unread)"
+                f"{source}: unsafe pickle refused: it pickles {unsafe}, which loading would import and "
+                "call (how a malicious pickle runs code), so it is never unpickled; not a plain state dict of "
+                f"tensors; {_HOW_TO_SAVE}"
+            ) from exc
+        if re.search(r"Unsupported operand 149\b", str(exc)):
+            raise CheckpointError(
+                f"{source}: pickled with protocol 4 or later, which torch.load(weights_only=True) does not read; "
+                f"{_HOW_TO_SAVE} (its default protocol), or save it as .safetensors"
             ) from exc
         raise CheckpointError(
-            f"{source}: unsafe pickle refused: it pickles {found.group(1)}, which loading would import and "
-            "call (how a malicious pickle runs code), so it is never unpickled; not a plain state dict of "
-            f"tensors; {_HOW_TO_SAVE}"
+            f"{source}: cannot read it as a torch file (corrupt, not a pickle, or pickle opcodes a "
+            "state dict never holds, which are refused unread)"
         ) from exc
     except Exception as exc:  # damaged files surface as many exception types
         raise CheckpointError(
             f"{source}: cannot read it as a torch file ({type(exc).__name__}: {exc})"
         ) from exc
+
+
+def _unsafe_global(path: Path) -> str | None:
+    """The first global the pickle in ``path`` (a plain pickle, or torch.save's zip holding one) names that
+    torch's safe loader does not allow, read from its opcodes without running any; None when it names none or
+    cannot be read."""
+    import pickletools
+    import zipfile
+
+    from torch import _weights_only_unpickler
+
+    allowed = set(_weights_only_unpickler._get_allowed_globals())
+    try:
+        if zipfile.is_zipfile(path):
+            with zipfile.ZipFile(path) as archive:
+                member = next((n for n in archive.namelist() if n.endswith("data.pkl")), None)
+                data = archive.read(member) if member is not None else b""
+        else:
+            data = path.read_bytes()
+        strings: list[object] = []  # what the opcodes pushed, the last two of them being STACK_GLOBAL's operands
+        memo: dict[int, object] = {}
+        for opcode, arg, _ in pickletools.genops(data):
+            if opcode.name in ("GLOBAL", "STACK_GLOBAL"):
+                name = arg.replace(" ", ".") if opcode.name == "GLOBAL" else ".".join(map(str, strings[-2:]))
+                if name not in allowed:
+                    return name
+            elif opcode.name in ("MEMOIZE", "PUT", "BINPUT", "LONG_BINPUT"):
+                memo[len(memo) if opcode.name == "MEMOIZE" else arg] = strings[-1] if strings else None
+            elif opcode.name in ("GET", "BINGET", "LONG_BINGET"):
+                strings.append(memo.get(arg))
+            elif isinstance(arg, str):
+                strings.append(arg)
+    except Exception:  # a damaged file: the caller says so
+        return None
+    return None
 
 
 def _unwrap(obj: object) -> object:

@@ -125,6 +125,32 @@ def test_malicious_checkpoint_is_called_unsafe_and_never_runs(tmp_path, protocol
     assert not (tmp_path / "m.onnx").exists()
 
 
+@pytest.mark.parametrize("container", ["pickle", "torch.save"])
+@pytest.mark.parametrize("protocol", [4, 5])
+def test_a_protocol_4_malicious_checkpoint_names_the_call_it_would_make(tmp_path, protocol, container):
+    """Protocols 4 and 5 name a global with STACK_GLOBAL, which torch's safe loader refuses as "Unsupported
+    operand 149": the refusal was the generic "cannot read it as a torch file"."""
+    torch = pytest.importorskip("torch")
+    marker, checkpoint = tmp_path / "pwned", tmp_path / "evil.pt"
+    if container == "pickle":  # as an attacker writes it (a tensor pickled so calls torch's own unsafe loader)
+        checkpoint.write_bytes(pickle.dumps({"W_q.weight": _Payload(marker)}, protocol=protocol))
+    else:  # a real tensor first: the payload is not the first global
+        torch.save({"W_q.weight": torch.zeros(2, 2), "W_k.weight": _Payload(marker)}, checkpoint,
+                   pickle_protocol=protocol)
+    result = CliRunner().invoke(main, ["export", "--checkpoint", str(checkpoint), "-o", str(tmp_path / "m.onnx")])
+    assert_loud(result, f"checkpoint {checkpoint}: unsafe pickle refused: it pickles io.open,", "torch.save")
+    assert not marker.exists(), "the payload never ran"
+    assert not (tmp_path / "m.onnx").exists()
+
+
+def test_a_sound_protocol_4_checkpoint_is_told_how_to_save_it(tmp_path):
+    torch = pytest.importorskip("torch")
+    checkpoint = tmp_path / "sound.pt"
+    torch.save({"W_q.weight": torch.zeros(2, 2)}, checkpoint, pickle_protocol=4)
+    result = CliRunner().invoke(main, ["export", "--checkpoint", str(checkpoint), "-o", str(tmp_path / "m.onnx")])
+    assert_loud(result, "protocol 4 or later, which torch.load(weights_only=True) does not read", ".safetensors")
+
+
 @pytest.mark.parametrize("alias", ["same path", "symlink", "hard link"])
 def test_an_optimized_model_cache_that_is_the_model_is_refused_and_the_model_kept(export_model, tmp_path, alias):
     source = tmp_path / "mha.onnx"
