@@ -1,5 +1,5 @@
-"""Attacks through padding masks: a model taking two masks of one axis, and masks where the batch readers take
-none. A padded position is one every mask of its axis calls padding; a mask no reader can honour is refused."""
+"""Attacks through padding masks: a model taking two masks of one axis, and masks in datasets, whose items are
+unpadded. A padded position is one every mask of its axis calls padding; a mask in a dataset is refused."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from mha_deploy.exporters import export_model  # noqa: E402
 from mha_deploy.exporters.parity import default_cases  # noqa: E402
 from mha_deploy.inputs import make_inputs  # noqa: E402
 from mha_deploy.runtime import MHASession  # noqa: E402
+from tests.adversarial.conftest import assert_loud, infer  # noqa: E402
 from tests.conftest import OWN_MODEL_ATOL, OWN_MODEL_RTOL  # noqa: E402
 
 VOCAB, WIDTH, HEADS = 20, 16, 2
@@ -123,3 +124,32 @@ def test_an_axis_with_two_masks_is_not_token_packed(two_masks):
     signature = two_masks[1].metadata.signature
     assert "seq" in signature.paddable_axes
     assert packing_masks(signature) == []
+
+
+def _write_items_with_masks(source, ids: dict[str, np.ndarray], masks: dict[str, np.ndarray]) -> None:
+    """The classifier's items as a tokenizer hands them out, each with its attention_mask beside its ids."""
+    if source.suffix == ".parquet":
+        pa = pytest.importorskip("pyarrow")
+        pq = pytest.importorskip("pyarrow.parquet")
+        table = pa.table({"id": list(ids), "input_ids": [a.tolist() for a in ids.values()],
+                          "attention_mask": [m.astype(np.int64).tolist() for m in masks.values()]})
+        pq.write_table(table, source)
+        return
+    from mha_deploy.batch.items import write_arrays
+
+    write_arrays(source, {**ids, **{f"{key}.attention_mask": mask for key, mask in masks.items()}})
+
+
+@pytest.mark.parametrize("suffix", [".parquet", ".npz", ".safetensors"])
+def test_a_padding_mask_in_a_dataset_is_refused_in_one_line_naming_it(own_model, tmp_path, suffix):
+    """Items are unpadded and infer builds every batch's masks itself: a mask per item (zeros in it) would be
+    ignored and the padding it marks read as real tokens, so it is refused, as /v1 refuses it."""
+    model = own_model("classifier")[0]
+    source, output = tmp_path / f"in{suffix}", tmp_path / f"out{suffix}"
+    ids = {"a": np.array([5, 9, 2, 0, 0]), "b": np.array([7, 3, 4])}
+    masks = {"a": np.array([1, 1, 1, 0, 0], bool), "b": np.ones(3, bool)}
+    _write_items_with_masks(source, ids, masks)
+    where = "column attention_mask" if suffix == ".parquet" else "key 'a.attention_mask'"
+    assert_loud(infer(model, source, output), f"{source}: {where}: attention_mask is this model's padding mask",
+                "remove it and keep only each item's real tokens")
+    assert not output.exists()
