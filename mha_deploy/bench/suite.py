@@ -154,7 +154,7 @@ def _tolerance(precision: str) -> dict:
     return {"atol": atol, "rtol": rtol, "rel_budget": rel_budget}
 
 
-def _bench_case(
+def bench_case(
     report: BenchReport, label: str, signature: Signature, backends: list[Backend], feeds: dict,
     expected: dict | None, batch: int, seq: int, budget_s: float, gate: QuietGate | None, flops: float | None,
 ) -> list[BenchRow]:
@@ -310,7 +310,7 @@ def run_bench(
                 feeds = mode.inputs(report.d_model, batch, seq)
                 expected = torch_reference(reference, signature, feeds)
                 flops = mha_flops(batch, seq, report.d_model)
-                for row in _bench_case(report, mode.label, signature, by_signature[signature], feeds, expected,
+                for row in bench_case(report, mode.label, signature, by_signature[signature], feeds, expected,
                                        batch, seq, budget_s, gate, flops):
                     report.rows.append(row)
                     if on_row:
@@ -366,7 +366,7 @@ def run_model_bench(
         feeds = mode.inputs(session_metadata.d_model, batch, seq, signature=signature)
         # The module in torch is the reference (its first output), when given.
         expected = {signature.output_names[0]: backends[-1].prepare(feeds)()} if module is not None else None
-        for row in _bench_case(report, mode.label, signature, backends, feeds, expected, batch, seq, budget_s, gate,
+        for row in bench_case(report, mode.label, signature, backends, feeds, expected, batch, seq, budget_s, gate,
                                flops=None):
             report.rows.append(row)
             if on_row:
