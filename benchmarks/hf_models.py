@@ -141,10 +141,16 @@ def export_rows(module, spec: HFModel, sizes: dict, workdir: Path) -> dict:
             exports[row] = {"path": str(result.path), "seconds": time.perf_counter() - started,
                             "fusion": result.fusion.summary(), "warnings": list(result.warnings),
                             "packing": result.packing.describe() if result.packing else None}
-        print(f"  exported {row} in {exports[row]['seconds']:.0f} s: "
-              f"{exports[row].get('fusion') or 'FAILED: ' + exports[row]['error']}", flush=True)
+        print(f"  exported {row} in {exports[row]['seconds']:.0f} s: {export_line(exports[row])}", flush=True)
     exports[ORT_OPTIMIZER] = ort_optimized(exports[PLAIN], spec, sizes, workdir)
     return exports
+
+
+def export_line(export: dict) -> str:
+    """What one export did: its fusion (and token packing), or why it failed."""
+    if "error" in export:
+        return f"FAILED: {export['error']}"
+    return "; ".join(filter(None, (export["fusion"], export.get("packing"))))
 
 
 def ort_optimized(plain: dict, spec: HFModel, sizes: dict, workdir: Path) -> dict:
@@ -272,12 +278,9 @@ def report_lines(figures: dict) -> list[str]:
             lines.append(f"  not exported, not timed: {model['error']}")
         for row in ROWS:
             export, reason = model["exports"].get(row), model["not_timed"].get(row)
-            if export is not None and "error" in export:
-                lines.append(f"  {row}: export FAILED ({export['seconds']:.0f} s): {export['error']}")
-                continue
             if export is not None:
-                lines.append(f"  {row}: {export['fusion']} ({export['seconds']:.0f} s)")
-            if reason is not None:
+                lines.append(f"  {row} ({export['seconds']:.0f} s): {export_line(export)}")
+            if reason is not None and (export is None or "error" not in export):
                 lines.append(f"  {row}: not timed: {reason}")
         if "table" in model:
             # The rows of its report, without the header lines the run's own above already say.
