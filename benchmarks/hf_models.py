@@ -18,7 +18,8 @@ says 512 by default: 1x1024 needs more). Each is exported with the inputs its te
   --module`` writes with its defaults;
 - ``ORT plain``: the same with ``fuse="none"``, the project's plain ONNX graph (torch.onnx.export, dynamo);
 - ``ORT optimizer``: ``onnxruntime.transformers.optimizer.optimize_model`` (model_type bert / gpt2 / bart,
-  num_heads, hidden_size, its default opt_level) applied to that plain file; the ops it fused are recorded;
+  num_heads, hidden_size, its default opt_level) applied to that plain file; the ops it fused are recorded
+  (where the model's own type fails, as "gpt2" does on ORT 1.31, "bert" instead, and the row says so);
 - ``torch SDPA``: the exported module itself (``attn_implementation="sdpa"``, transformers' default);
 - ``torch eager``: the same weights with ``attn_implementation="eager"``: the reference of every row's error.
 
@@ -154,27 +155,40 @@ def export_line(export: dict) -> str:
 
 
 def ort_optimized(plain: dict, spec: HFModel, sizes: dict, workdir: Path) -> dict:
-    """ORT's transformer optimizer on the plain file, as its users call it; the ops it fused."""
+    """ORT's transformer optimizer on the plain file, as its users call it; the ops it fused.
+
+    When the model's own model_type fails, "bert" (the fusions every transformer type builds on: layer norms,
+    GELU, embeddings) is tried next and the row says so: ORT 1.31's "gpt2" crashes on torch's dynamo export of
+    GPT-2 (its postprocess takes every Gemm after a layer norm to have a bias; Conv1D's addmm exports as a
+    bias-free Gemm and an Add).
+    """
     if "path" not in plain:
         return {"error": f"no plain export to optimize ({plain['error']})", "seconds": 0.0}
     from onnxruntime.transformers.optimizer import optimize_model
 
     started = time.perf_counter()
-    try:
-        optimized = optimize_model(plain["path"], model_type=spec.ort_model_type, num_heads=sizes["heads"],
-                                   hidden_size=sizes["d_model"])
-        path = workdir / "ORT-optimizer.onnx"
-        optimized.save_model_to_file(str(path))
-    except Exception as exc:
-        return {"error": f"optimize_model failed: {failure(exc)}", "seconds": time.perf_counter() - started}
+    path = workdir / "ORT-optimizer.onnx"
+    failed = []
+    for model_type in dict.fromkeys((spec.ort_model_type, "bert")):
+        try:
+            optimized = optimize_model(plain["path"], model_type=model_type, num_heads=sizes["heads"],
+                                       hidden_size=sizes["d_model"])
+            optimized.save_model_to_file(str(path))
+            break
+        except Exception as exc:
+            failed.append(f"model_type {model_type!r} failed: {failure(exc)}")
+    else:
+        return {"error": f"optimize_model: {'; '.join(failed)}", "seconds": time.perf_counter() - started}
     fused = {op: n for op, n in optimized.get_fused_operator_statistics().items() if n}
     ops = Counter(node.op_type for node in onnx.load(path, load_external_data=False).graph.node)
     attentions = sum(ops[op] for op in ORT_ATTENTIONS)
-    summary = (f"optimize_model(model_type={spec.ort_model_type!r}): {attentions} attention(s) fused, "
-               f"{ops['Softmax']} Softmax left; fused {', '.join(f'{op} {n}' for op, n in fused.items()) or 'nothing'}")
+    summary = (f"optimize_model(model_type={model_type!r}): {attentions} attention(s) fused, "
+               f"{ops['Softmax']} Softmax left; fused {', '.join(f'{op} {n}' for op, n in fused.items()) or 'nothing'}"
+               + "".join(f"; {line}" for line in failed))
     print(f"  {summary} ({time.perf_counter() - started:.0f} s)", flush=True)
-    return {"path": str(path), "seconds": time.perf_counter() - started, "fusion": summary, "fused_ops": fused,
-            "attentions": attentions, "softmax_left": ops["Softmax"]}
+    return {"path": str(path), "seconds": time.perf_counter() - started, "fusion": summary, "model_type": model_type,
+            "failed_model_types": failed, "fused_ops": fused, "attentions": attentions,
+            "softmax_left": ops["Softmax"]}
 
 
 def padded_inputs(signature, d_model: int, batch: int, seq: int, padding: MaskMode, side: str) -> dict:
@@ -255,6 +269,11 @@ def ratio_lines(figures: dict) -> list[str]:
             lines.append(f"{name:<11} {label:<7} " + " ".join(cells))
         if not model["shapes"]:
             lines.append(f"{name:<11} not timed")
+    for name, model in figures["models"].items():
+        optimizer = model["exports"].get(ORT_OPTIMIZER, {})
+        if optimizer.get("failed_model_types"):
+            lines.append(f"{name}: {ORT_OPTIMIZER} is model_type {optimizer['model_type']!r} "
+                         f"({'; '.join(optimizer['failed_model_types'])})")
     return lines
 
 
