@@ -26,9 +26,11 @@ says 512 by default: 1x1024 needs more). Each is exported with the inputs its te
 All ORT rows run in ``MHASession`` on the CPU; ORT and torch use the same thread count. Inputs: random ids,
 a quarter of every row's positions padded (the same count in every row, so that every row does equal work),
 padded on the right for DistilBERT and BART (both the source and the target), on the left for GPT-2, as
-batched generation pads its prompts (``--padding-side`` overrides). BART runs BATCHxSEQ as SEQ source and SEQ
-target tokens. Timing, errors and rows are ``mha-deploy bench``'s (``mha_deploy.bench.suite.bench_case``):
-blocks of every row interleave over several passes, medians; errors on real query rows of the first output
+batched generation pads its prompts (``--padding-side`` overrides; GPT-2 is given no position ids, as its test
+file declares none, so its positions count from the first slot, padded or not: the same work either way).
+BART runs BATCHxSEQ as SEQ source and SEQ target tokens. Timing, errors and rows are ``mha-deploy bench``'s
+(``mha_deploy.bench.suite.bench_case``): blocks of every row interleave over several passes, medians; errors
+on real query rows of the first output
 (DistilBERT's hidden states, the logits of the others). The ORT MatMul rate of the same run
 (``mha_deploy.bench.gemm``) is printed so that figures compare across hosts. A row whose export fails is
 reported with the reason, and the others still run.
