@@ -12,7 +12,8 @@ import onnx
 from mha_deploy.errors import ModelFileError
 from mha_deploy.metadata import METADATA_KEY, ModelMetadata
 from mha_deploy.onnx_nodes import LONG_KERNEL, all_nodes, kernel_tag, packing_tags
-from mha_deploy.signature import Signature
+from mha_deploy.signature import TOKENS, Signature
+from mha_deploy.token_tables import vocabulary
 
 # Ops that carry a whole attention, with their input roles (from the ops' schemas),
 # so that inspect can say which mask input a fused op reads.
@@ -68,6 +69,8 @@ class ModelReport:
     # What token packing did (exporters.token_packing), one line per tag it left
     packing: list[str] = field(default_factory=list)
     metadata: dict | None = None
+    # Per tokens input: the rows of the table its ids index in the graph (token_tables), None when unknown
+    token_tables: dict[str, int | None] = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -109,6 +112,7 @@ class ModelReport:
                 f"  model  {stack}d_model={meta['d_model']} heads={meta['num_heads']} attention={sig['attention']} "
                 f"mask={sig['mask']} dtype={meta['dtype']} fusion={meta['fusion']}"
             )
+        lines += self._vocabulary_lines(sig)
         if sig.get("kv_cache"):
             lines += cache_layout(Signature(**sig))
         parity = meta.get("parity")
@@ -119,6 +123,22 @@ class ModelReport:
             )
         lines.append("  versions " + ", ".join(f"{k} {v}" for k, v in meta["versions"].items()))
         return "\n".join(lines)
+
+    def _vocabulary_lines(self, sig: dict) -> list[str]:
+        """Per tokens input, the ids it takes: the recorded vocabulary, else the graph's table, else unknown."""
+        lines = []
+        for spec in sig.get("custom_inputs", ()):
+            if spec["role"] != TOKENS:
+                continue
+            vocab, rows = spec.get("vocab"), self.token_tables.get(spec["name"])
+            if vocab is not None:
+                said = f"vocabulary {vocab} (ids 0 to {vocab - 1})"
+            elif rows is not None:
+                said = f"vocabulary not recorded; the table its ids index has {rows} rows (ids 0 to {rows - 1})"
+            else:
+                said = "vocabulary unknown (no table its ids index could be read): only negative ids are refused"
+            lines.append(f"  tokens {spec['name']}: {said}")
+        return lines
 
 
 def _readable(value: object) -> object:
@@ -289,4 +309,6 @@ def describe_model(path: str | os.PathLike) -> ModelReport:
         attention_ops=attention,
         packing=packing_tags(model.graph),
         metadata=asdict(metadata) if metadata else None,
+        token_tables={spec.name: vocabulary(model, spec.name) for spec in metadata.signature.custom_inputs
+                      if spec.role == TOKENS} if metadata else {},
     )

@@ -29,6 +29,10 @@ FORBIDDEN = {
     "mha_deploy.onnx_nodes": (
         *TORCH_SIDE, "onnxruntime", "mha_deploy.runtime", "mha_deploy.batch", "mha_deploy.serving"
     ),
+    # What the exporter, the session's load check and inspect read the vocabulary with: onnx only.
+    "mha_deploy.token_tables": (
+        *TORCH_SIDE, "onnxruntime", "mha_deploy.runtime", "mha_deploy.batch", "mha_deploy.serving"
+    ),
     # The CLI reads the batching defaults from it: no onnxruntime.
     "mha_deploy.batching": (*TORCH_SIDE, "onnxruntime", "mha_deploy.runtime", "mha_deploy.batch", "mha_deploy.serving"),
 }

@@ -44,20 +44,31 @@ def _pyarrow():
 
 
 def decode_ids(column) -> list[np.ndarray | str]:
-    """A list<integer> column -> per row an int64 array [seq] of token ids, or a problem."""
+    """A list<integer> column -> per row an integer array [seq] of token ids (as stored), or a problem."""
     pa, _ = _pyarrow()
     if isinstance(column, pa.ChunkedArray):
         column = column.combine_chunks()
     if not is_id_list(column.type):
         raise InputError(f"column type {column.type} is not a list of token ids (list<int64>)")
     offsets = column.offsets.to_numpy()
-    values = column.flatten().to_numpy(zero_copy_only=False).astype(np.int64, copy=False)
+    flat = column.flatten()
+    # Ids keep their integer type (the validator names a uint64 id past int64 as it is); a null element is
+    # named by position, not read as whatever number pyarrow would fill it with.
+    values = flat.fill_null(0).to_numpy(zero_copy_only=False)
+    null_ids = flat.is_null().to_numpy(zero_copy_only=False) if flat.null_count else None
     base = offsets[0]
     nulls = column.is_null().to_numpy(zero_copy_only=False)
-    return [
-        "is null" if nulls[row] else values[offsets[row] - base : offsets[row + 1] - base]
-        for row in range(len(column))
-    ]
+    decoded: list[np.ndarray | str] = []
+    for row in range(len(column)):
+        start, end = offsets[row] - base, offsets[row + 1] - base
+        if nulls[row]:
+            decoded.append("is null")
+        elif null_ids is not None and null_ids[start:end].any():
+            position = int(np.argmax(null_ids[start:end]))
+            decoded.append(f"holds a null id at position {position}: every token id must be an integer")
+        else:
+            decoded.append(values[start:end])
+    return decoded
 
 
 def is_id_list(column_type) -> bool:

@@ -22,6 +22,7 @@ from mha_deploy.exporters.own_model import (
     InputDecl,
     count_attentions,
     declare_model,
+    graph_vocabularies,
     load_checkpoint,
     trace_failure,
 )
@@ -421,13 +422,17 @@ def export_model(
         if exc.__cause__ is None:  # already says what was wrong
             raise
         raise trace_failure(exc.__cause__, signature) from exc
+    # The vocabulary is the table the ids index in the graph, which the trace has made plain (a bare
+    # nn.Parameter, F.embedding, a smaller position table beside it).
+    inputs, vocabulary_warnings = graph_vocabularies(signature.custom_inputs, plain)
+    signature = replace(signature, custom_inputs=inputs)
     attention_ops = count_attentions(plain)
     d_model, heads = widest_attention(plain, declared.d_model)
     metadata = ModelMetadata(d_model=d_model, num_heads=heads, signature=signature, layers=max(attention_ops, 1))
     cases = export_options.parity_cases or capped_cases(default_cases(signature), max_length)
     export_options = replace(export_options, parity_cases=cases)
     result = _finish(declared.wrapper, plain, metadata, output, export_options, attention_ops)
-    result.warnings[:0] = declared.warnings
+    result.warnings[:0] = [*declared.warnings, *vocabulary_warnings]
     return result
 
 

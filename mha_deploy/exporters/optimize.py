@@ -10,7 +10,8 @@ A user who already has ONNX (``torch.onnx.export`` of their model, by either exp
   from running it in ORT at two sizes (``probes.output_axes``, as ``export --module`` runs the module);
 - the length axes that right-padding leaves every real output unchanged along, measured in ORT on the input
   graph (``probes.paddable_axes``, as ``export --module`` measures the module in torch);
-- the vocabulary of each tokens input, from the embedding table its ids index.
+- the vocabulary of each tokens input, from the embedding table its ids index (``token_tables``: the ids
+  themselves, not positions computed from them).
 
 Then the export's own passes (``export._finish``): the fusion chain, parity of the fused graph against the
 input graph, both in ORT on the CPU with graph optimisations off, at unseen shapes on both padding sides, and
@@ -27,7 +28,6 @@ own types, so parity checks the Cast too.
 from __future__ import annotations
 
 import os
-from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -48,7 +48,7 @@ from mha_deploy.exporters.export import (
     widest_attention,
 )
 from mha_deploy.exporters.fusion.pipeline import MAX_IR_VERSION
-from mha_deploy.exporters.own_model import InputDecl, count_attentions, declare_inputs
+from mha_deploy.exporters.own_model import InputDecl, count_attentions, declare_inputs, graph_vocabularies
 from mha_deploy.exporters.parity import ParityCase, default_cases
 from mha_deploy.exporters.probes import output_axes, paddable_axes, probe_feeds, unpadded_mask_warnings
 from mha_deploy.metadata import MAX_OPSET, MIN_OPSET, ModelMetadata
@@ -62,6 +62,7 @@ from mha_deploy.signature import (
     Signature,
     TensorSpec,
 )
+from mha_deploy.token_tables import indexed_tables
 
 # Per declared role: the element types a graph's input may have, what the written model takes, and how
 # errors describe the role.
@@ -82,8 +83,6 @@ _OUTPUT_TYPES = {TensorProto.FLOAT: MODEL_DTYPE, TensorProto.INT64: "int64", Ten
 # The weights one model file can hold: protobuf refuses to serialise a message of 2 GB or more.
 _MAX_MODEL_BYTES = 2**31 - 1
 _FOUR_BIT_TYPES = {TensorProto.INT4, TensorProto.UINT4, getattr(TensorProto, "FLOAT4E2M1", TensorProto.INT4)}
-# Ops through which a value's shape, not its contents, flows on: the token ids' embedding is not behind them.
-_SHAPE_OPS = {"Shape", "Size"}
 
 
 @dataclass(frozen=True)
@@ -132,25 +131,22 @@ def optimize_model(
     graph_inputs, graph_outputs = _interface(model, decls, source)
     names = _output_names(graph_outputs, output_names)
     axes_of = _axes_of_dims(decls, graph_inputs)
-    vocab, embedding_width = _vocabulary(model, [d.name for d in decls if d.role == "tokens"])
     marks = {d.axis: d.name for d in reversed(decls) if d.role != "padding-mask"}
-    specs = tuple(_input_spec(decl, graph_inputs[decl.name], vocab, marks.get(decl.axis)) for decl in decls)
+    specs = tuple(_input_spec(decl, graph_inputs[decl.name], marks.get(decl.axis)) for decl in decls)
+    specs, vocabulary_warnings = graph_vocabularies(specs, model)
     reference = GraphReference(model, {d.name: graph_inputs[d.name].elem_type for d in decls},
                                dict(zip(graph_outputs, names, strict=True)))
     outputs = _output_specs(graph_outputs, names, axes_of, specs, reference)
     draft = Signature.custom(specs, outputs)
     signature = Signature.custom(specs, outputs, paddable_axes(draft, reference))
-    warnings = unpadded_mask_warnings(signature)
-    if vocab is None and any(d.role == "tokens" for d in decls):
-        warnings.append("no embedding table reads the token ids (a Gather from a constant [vocab, width] table): "
-                        "the vocabulary is unknown, parity draws ids 0 and 1 only")
+    warnings = [*unpadded_mask_warnings(signature), *vocabulary_warnings]
     plain = _written_interface(model, decls, graph_inputs, names)
     _declare_shapes(plain, signature)
     attention_ops = count_attentions(plain)
     if attention_ops == 0:
         warnings.append("the graph holds no attention subgraph (Softmax over MatMul scores): nothing to fuse")
     widths = [spec.axes[2] for spec in specs if spec.role == SEQUENCE]
-    d_model, heads = widest_attention(plain, next(iter(widths), 0) or embedding_width or 0)
+    d_model, heads = widest_attention(plain, next(iter(widths), 0) or _embedding_width(model, specs))
     metadata = ModelMetadata(d_model=d_model, num_heads=heads, signature=signature, layers=max(attention_ops, 1))
     options = replace(options, parity_cases=parity_cases or capped_cases(default_cases(signature), max_length))
     result = _finish(reference, plain, metadata, output, options, attention_ops)
@@ -344,10 +340,10 @@ def _axes_of_dims(decls: Sequence[InputDecl], graph_inputs: Mapping[str, _GraphT
     return axes_of
 
 
-def _input_spec(decl: InputDecl, tensor: _GraphTensor, vocab: int | None, marks: str | None) -> TensorSpec:
+def _input_spec(decl: InputDecl, tensor: _GraphTensor, marks: str | None) -> TensorSpec:
     axes = (BATCH_AXIS, decl.axis)
     if decl.role == "tokens":
-        return TensorSpec(decl.name, TOKENS, "int64", axes, vocab=vocab)
+        return TensorSpec(decl.name, TOKENS, "int64", axes)  # its vocabulary: graph_vocabularies
     if decl.role == "sequence":
         return TensorSpec(decl.name, SEQUENCE, MODEL_DTYPE, (*axes, _sequence_width(decl, tensor)))
     # A mask marks the first tokens or sequence input declared on its axis (declare_inputs checked there is one).
@@ -366,34 +362,14 @@ def _output_names(graph_outputs: Mapping[str, _GraphTensor], names: Sequence[str
     return tuple(names)
 
 
-def _vocabulary(model: onnx.ModelProto, token_inputs: Sequence[str]) -> tuple[int | None, int | None]:
-    """(vocabulary, width) of the smallest embedding table the token ids index: a Gather from a constant
-    [vocab, width] table whose indices are computed from the ids. (None, None) when no table is found."""
-    tables = {t.name: tuple(t.dims) for t in model.graph.initializer}
-    for node in model.graph.node:
-        if node.op_type == "Constant" and node.attribute and node.attribute[0].name == "value":
-            tables[node.output[0]] = tuple(node.attribute[0].t.dims)
-    consumers: dict[str, list[onnx.NodeProto]] = {}
-    for node in model.graph.node:
-        for name in node.input:
-            consumers.setdefault(name, []).append(node)
-    reached, queue, found = set(token_inputs), deque(token_inputs), []
-    while queue:
-        for node in consumers.get(queue.popleft(), []):
-            if node.op_type in _SHAPE_OPS:
-                continue
-            if node.op_type == "Gather" and len(node.input) > 1 and node.input[1] in reached:
-                shape = tables.get(node.input[0])
-                if shape is not None and len(shape) == 2:
-                    found.append(shape)
-            for name in node.output:
-                if name and name not in reached:
-                    reached.add(name)
-                    queue.append(name)
-    if not found:
-        return None, None
-    vocab, width = min(found)
-    return int(vocab), int(width)
+def _embedding_width(model: onnx.ModelProto, specs: Sequence[TensorSpec]) -> int:
+    """The width of the first table a tokens input's ids index (the model's width when no attention says it)."""
+    for spec in specs:
+        if spec.role == TOKENS:
+            tables, _ = indexed_tables(model, spec.name)
+            if tables:
+                return tables[0].width
+    return 0
 
 
 def _output_specs(

@@ -8,7 +8,8 @@ padding masks); everything else is read off the module:
 - the length axes along which right-padding (zeros or id 0 past each item's end, its mask False there)
   leaves every real output unchanged: the axes the batch runner and the server may pad. A classifier
   that pools without its mask, or a model that is not causal and reads unmasked keys, is not padded;
-- the vocabulary of each token input, from the embedding its ids index.
+- the vocabulary of each token input, from the embedding table its ids index in the exported graph
+  (``graph_vocabularies``; until then the probes draw ids below the smallest ``nn.Embedding``).
 
 Then it goes the way of the lone block: torch.onnx.export with a dynamic batch and every length axis
 dynamic, the fusion chain, parity against the module at unseen shapes on both padding sides, and the
@@ -23,7 +24,7 @@ import os
 import re
 import sys
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -45,6 +46,7 @@ from mha_deploy.signature import (
     Signature,
     TensorSpec,
 )
+from mha_deploy.token_tables import indexed_tables, non_finite_rows
 
 # The roles as the CLI spells them -> the Signature's.
 ROLES = {"tokens": TOKENS, "sequence": SEQUENCE, "padding-mask": PADDING_MASK}
@@ -250,36 +252,39 @@ def feature_width(module: nn.Module, decl: InputDecl) -> int:
     )
 
 
-def vocabulary(module: nn.Module) -> int | None:
-    """The smallest embedding table: token ids below it index every table the module has."""
+def probe_vocabulary(module: nn.Module) -> int:
+    """The ids the probes draw before the graph says which table the ids index: below the smallest
+    ``nn.Embedding`` (ids there index every table the module holds), else below 2."""
     sizes = [layer.num_embeddings for layer in module.modules() if isinstance(layer, nn.Embedding)]
-    return min(sizes) if sizes else None
+    return min(sizes) if sizes else 2
 
 
-def run_watching_embeddings(
-    module: nn.Module, decls: Sequence[InputDecl], args: Sequence[torch.Tensor], binding: Binding
-) -> tuple[object, dict[str, int]]:
-    """One eager run of ``module`` on ``args`` (bound by ``binding``): its result, and each tokens input -> the
-    size of the embedding table its ids index (the ``nn.Embedding`` that receives them unchanged); inputs whose
-    ids reach none as they are are left out. The smallest table, which samples stay within, is no bound: a
-    position table is often the smaller."""
-    seen: dict[int, int] = {}
-
-    def watch(layer, layer_args):
-        for index, decl in enumerate(decls):
-            ids = args[index]
-            if decl.role == "tokens" and layer_args and isinstance(layer_args[0], torch.Tensor) \
-                    and layer_args[0].shape == ids.shape and torch.equal(layer_args[0], ids):
-                seen.setdefault(index, layer.num_embeddings)
-
-    hooks = [layer.register_forward_pre_hook(watch) for layer in module.modules() if isinstance(layer, nn.Embedding)]
-    try:
-        with torch.no_grad():
-            result = binding.call(module, args)
-    finally:
-        for hook in hooks:
-            hook.remove()
-    return result, {decls[index].name: size for index, size in seen.items()}
+def graph_vocabularies(specs: Sequence[TensorSpec], model: onnx.ModelProto) -> tuple[tuple[TensorSpec, ...], list[str]]:
+    """``specs`` with each tokens input's vocabulary read off ``model``: the rows of the tables its ids index
+    (``mha_deploy.token_tables``), so that parity draws ids across the whole table and the runtime refuses
+    the rest. A table that cannot be read leaves the vocabulary unknown, with a warning; a table whose rows
+    the ids index hold NaN or Inf is an ExportError (parity would rarely draw those ids; every run would)."""
+    found, warnings = [], []
+    for spec in specs:
+        if spec.role == TOKENS:
+            tables, unreadable = indexed_tables(model, spec.name)
+            for table, rows in non_finite_rows(model, tables).items():
+                shape = next(f"[{t.rows}, {t.width}]" for t in tables if t.name == table)
+                listed = ", ".join(map(str, rows[:8])) + (f" and {len(rows) - 8} more" if len(rows) > 8 else "")
+                raise ExportError(
+                    f"input {spec.name}: the {shape} embedding table its ids index ({table} in the graph) holds "
+                    f"NaN or Inf in row(s) {listed}, so those ids give NaN: fix those rows of the checkpoint "
+                    "(zero them if the ids are never used)"
+                )
+            rows = None if unreadable or not tables else tables[0].rows
+            if rows is None:
+                warnings.append(
+                    f"input {spec.name}: the vocabulary is unknown (no Gather from a stored [vocab, width] table "
+                    "reads the ids as they are): parity draws ids 0 and 1 only, and runs refuse only negative ids"
+                )
+            spec = replace(spec, vocab=rows)
+        found.append(spec)
+    return tuple(found), warnings
 
 
 def load_checkpoint(module: nn.Module, path: str | os.PathLike) -> None:
@@ -472,16 +477,15 @@ def declare_model(
     axes = list(dict.fromkeys(d.axis for d in decls))
     if len(axes) > len(_TRACE_LENGTHS):
         raise ExportError(f"{len(axes)} length axes declared; at most {len(_TRACE_LENGTHS)} are supported")
-    vocab = vocabulary(module)
-    if any(d.role == "tokens" for d in decls) and vocab is None:
-        raise ExportError("a tokens input needs an nn.Embedding in the module to index; none was found")
+    vocab = probe_vocabulary(module)
     widths = {d.name: feature_width(module, d) for d in decls if d.role == "sequence"}
     first = _Probe(TRACE_BATCH, {axis: _TRACE_LENGTHS[i] for i, axis in enumerate(axes)})
     second = _Probe(_PROBE_BATCH, {axis: _PROBE_LENGTHS[i] for i, axis in enumerate(axes)})
     gen = torch.Generator().manual_seed(0)
     runs = [first.tensors(decls, vocab, widths, gen), second.tensors(decls, vocab, widths, gen)]
     wrapper = DeclaredModule(module, _mask_dtypes(module, decls, runs[0], binding), binding)
-    result, vocabularies = run_watching_embeddings(module, decls, wrapper.module_args(runs[0]), binding)
+    with torch.no_grad():
+        result = binding.call(module, wrapper.module_args(runs[0]))
     at_first = flatten_outputs(result)
     count = len(at_first)
     names = tuple(output_names) if output_names else default_output_names(result)
@@ -494,7 +498,7 @@ def declare_model(
     specs = tuple(
         TensorSpec(d.name, PADDING_MASK, "bool", (BATCH_AXIS, d.axis), marks=marks[d.axis])
         if d.role == "padding-mask"
-        else TensorSpec(d.name, TOKENS, "int64", (BATCH_AXIS, d.axis), vocab=vocabularies.get(d.name, vocab))
+        else TensorSpec(d.name, TOKENS, "int64", (BATCH_AXIS, d.axis), vocab=vocab)
         if d.role == "tokens"
         else TensorSpec(d.name, SEQUENCE, MODEL_DTYPE, (BATCH_AXIS, d.axis, widths[d.name]))
         for d in decls
@@ -530,6 +534,7 @@ __all__ = [
     "count_attentions",
     "declare_inputs",
     "declare_model",
+    "graph_vocabularies",
     "load_checkpoint",
     "load_factory",
     "trace_failure",

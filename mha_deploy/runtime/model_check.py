@@ -10,6 +10,9 @@ So a session refuses such a file with ``ModelFileError``, after three checks:
   where the graph fixes them, and no axis fixed that the metadata says varies;
 - heads and causality, where the graph states them: fused attention nodes'
   attributes, or the constant ``[heads, d_k]`` of an unfused graph's head split;
+- each token input's vocabulary against the table its ids index in the graph
+  (``mha_deploy.token_tables``): a recorded vocabulary past the table is refused,
+  and where none is recorded the table's size is what ids are checked against;
 - the mask mode, by behaviour (it cannot be read off every graph): a probe item
   is run alone, then in a batch with a longer item, padded as the batch planner
   pads (zeros at the end of each axis the metadata says may be padded, padding
@@ -26,6 +29,7 @@ cannot be told from "depends on it by less than a float's resolution".
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from dataclasses import replace
 
 import numpy as np
 import onnx
@@ -36,6 +40,7 @@ from mha_deploy.inputs import random_item
 from mha_deploy.metadata import ModelMetadata
 from mha_deploy.onnx_nodes import all_nodes
 from mha_deploy.signature import FIXED_AXES, PADDING_MASK, SEQUENCE, TOKENS, TensorSpec
+from mha_deploy.token_tables import vocabulary
 
 _ELEMENT_TYPES = {
     "float32": onnx.TensorProto.FLOAT, "float16": onnx.TensorProto.FLOAT16, "bool": onnx.TensorProto.BOOL,
@@ -127,6 +132,26 @@ def check_heads(proto: onnx.ModelProto, metadata: ModelMetadata, source: str) ->
     if heads and heads != {metadata.num_heads}:
         _refuse(source, f"the graph splits {', '.join(map(str, sorted(heads)))} heads, its metadata says "
                         f"{metadata.num_heads}")
+
+
+def with_graph_vocabularies(proto: onnx.ModelProto, metadata: ModelMetadata, source: str) -> ModelMetadata:
+    """``metadata`` with each token input's vocabulary bounded by the table its ids index in the graph: where
+    the metadata records none (a table the export could not read), the table's rows, so that an id past the
+    table is refused by the validator instead of failing inside ONNX Runtime. A recorded vocabulary past the
+    table is refused: ids the metadata allows would fail at run time."""
+    signature = metadata.signature
+    specs = []
+    for spec in signature.custom_inputs:
+        rows = vocabulary(proto, spec.name) if spec.role == TOKENS else None
+        if rows is not None:
+            if spec.vocab is not None and spec.vocab > rows:
+                _refuse(source, f"its metadata gives {spec.name} a vocabulary of {spec.vocab}, the table its ids "
+                                f"index in the graph has {rows} rows")
+            spec = replace(spec, vocab=spec.vocab or rows)
+        specs.append(spec)
+    if tuple(specs) == signature.custom_inputs:
+        return metadata
+    return replace(metadata, signature=replace(signature, custom_inputs=tuple(specs)))
 
 
 def graph_causality(proto: onnx.ModelProto) -> set[bool]:

@@ -27,6 +27,7 @@ from mha_deploy.runtime.model_check import (
     check_causality,
     check_declared_io,
     check_heads,
+    with_graph_vocabularies,
 )
 from mha_deploy.runtime.providers import CUDA_EP, check_providers, plan_providers, without_cuda
 from mha_deploy.runtime.validation import validate_inputs
@@ -191,6 +192,7 @@ class MHASession:
         check_declared_io(proto, self.metadata, self.source)
         check_heads(proto, self.metadata, self.source)
         check_causality(proto, self.metadata, self.source)
+        self.metadata = with_graph_vocabularies(proto, self.metadata, self.source)
         del proto
         if not probe:
             return

@@ -167,8 +167,9 @@ def in_model_dtype(metadata: ModelMetadata, item: Mapping[str, object]) -> dict[
             and shape_problem(metadata, name, array.shape) is None
         ):
             if specs[name].role == TOKENS:
-                # Ids stay ids: integers of any width become int64; floats are left for item_problem to refuse.
-                if array.dtype.kind in "iu":
+                # Ids stay ids: integers of any width become int64 (an unsigned one beyond int64 is left for
+                # item_problem to name); floats are left for item_problem to refuse.
+                if array.dtype.kind in "iu" and _beyond_int64(array) is None:
                     cast[name] = np.ascontiguousarray(array, dtype=np.int64)
                 continue
             with np.errstate(over="ignore"):  # no copy when already contiguous in the model's dtype
@@ -195,6 +196,9 @@ def item_problem(
         if problem:
             return problem
         if specs[name].role == TOKENS:
+            too_large = _beyond_int64(array)
+            if too_large is not None:
+                return _id_out_of_range(specs[name], too_large)
             if array.dtype != np.int64:
                 return Problem("wrong_dtype", f"{name} holds token ids: expected integers, got {array.dtype}")
             problem = _id_problem(specs[name], array)
@@ -259,7 +263,7 @@ def validate_inputs(metadata: ModelMetadata, inputs: Mapping[str, object]) -> di
     feeds = inert_padding(signature, {**arrays, **past})
     for name in signature.sequence_inputs:
         # Ids are checked once padding is inert: whatever sat at a padded position is 0 now.
-        problem = _id_problem(signature.tensors[name], feeds[name])
+        problem = _id_problem(specs[name], feeds[name]) if specs[name].role == TOKENS else None
         if problem:
             raise InputError(problem.message)
     return feeds
@@ -374,6 +378,9 @@ def _sequence_array(spec: TensorSpec, value: object, metadata: ModelMetadata) ->
     if spec.role == TOKENS:
         if array.dtype.kind not in "iu":
             raise InputError(f"{name} holds token ids: it must be an integer array (int64), got {array.dtype}")
+        too_large = _beyond_int64(array)
+        if too_large is not None:
+            raise InputError(_id_out_of_range(spec, too_large).message)
         array = array.astype(np.int64, copy=False)
     else:
         dtype = np.dtype(metadata.dtype)
@@ -403,15 +410,33 @@ def _layout(spec: TensorSpec, metadata: ModelMetadata) -> str:
 
 
 def _id_problem(spec: TensorSpec, ids: np.ndarray) -> Problem | None:
-    """Token ids outside the model's vocabulary (the embedding would read past its table)."""
-    if spec.vocab is None or ids.size == 0:
+    """Token ids no table row answers: negative ones always (an ONNX Gather reads ids below 0 from the end of
+    its table, so -1 would silently answer as the last id), and ids past the vocabulary when it is known (the
+    metadata's, or the graph's own table's, which the session reads on load)."""
+    if ids.size == 0:
         return None
     low, high = int(ids.min()), int(ids.max())
-    if low < 0 or high >= spec.vocab:
-        bad = low if low < 0 else high
-        return Problem("id_out_of_range", f"{spec.name} holds id {bad}: this model's vocabulary is ids 0 to "
-                                          f"{spec.vocab - 1}")
+    if low < 0:
+        return _id_out_of_range(spec, low)
+    if spec.vocab is not None and high >= spec.vocab:
+        return _id_out_of_range(spec, high)
     return None
+
+
+def _id_out_of_range(spec: TensorSpec, bad: int) -> Problem:
+    if spec.vocab is not None:
+        allowed = f"this model's vocabulary is ids 0 to {spec.vocab - 1}"
+    else:
+        allowed = "token ids are 0 or more" if bad < 0 else "token ids must fit int64"
+    return Problem("id_out_of_range", f"{spec.name} holds id {bad}: {allowed}")
+
+
+def _beyond_int64(ids: np.ndarray) -> int | None:
+    """The largest id of an unsigned array when it is beyond int64 (which would wrap it negative), else None."""
+    if ids.dtype.kind != "u" or ids.size == 0 or ids.dtype.itemsize < 8:
+        return None
+    high = int(ids.max())
+    return high if high > np.iinfo(np.int64).max else None
 
 
 def _padding_mask(name: str, value: object, kv_shape: tuple[int, int], kv_name: str) -> np.ndarray:

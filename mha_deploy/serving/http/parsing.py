@@ -158,10 +158,25 @@ def _json_array(name: str, value: object) -> np.ndarray:
     except (ValueError, TypeError):  # numpy >= 1.24 refuses ragged nested lists
         raise RequestError(422, "ragged", f"{name} is ragged: every row must have the same length") from None
     # JSON true/false would become 1/0 and strings like "1.5" would convert: refuse both, and null.
-    if array.dtype.kind not in "fiu":
-        what = {"b": "booleans", "U": "strings", "O": "null or non-numbers"}.get(array.dtype.kind, str(array.dtype))
+    if array.dtype.kind not in "fiu" or holds_json_boolean(value):
+        kind = "b" if array.dtype.kind in "fiu" else array.dtype.kind  # true among numbers: numpy made it 1
+        what = {"b": "booleans", "U": "strings", "O": "null or non-numbers"}.get(kind, str(array.dtype))
         raise RequestError(422, "not_numeric", f"{name} holds {what}: expected rows of numbers")
     return array
+
+
+def holds_json_boolean(data: object) -> bool:
+    """Whether parsed JSON ``data`` (a list, nested or not) holds true or false anywhere: among numbers numpy
+    reads them as 1 and 0, so a token id ``true`` would silently become id 1."""
+    pending = [data] if isinstance(data, list) else []
+    while pending:
+        items = pending.pop()
+        kinds = set(map(type, items))
+        if bool in kinds:
+            return True
+        if list in kinds:
+            pending.extend(item for item in items if type(item) is list)
+    return False
 
 
 def _from_npy(body: bytes, metadata: ModelMetadata, limits: RequestLimits) -> dict[str, np.ndarray]:

@@ -41,7 +41,7 @@ from mha_deploy.runtime.validation import (
     zero_padding,
 )
 from mha_deploy.serving.http.batcher import MicroBatcher
-from mha_deploy.serving.http.parsing import RequestError
+from mha_deploy.serving.http.parsing import RequestError, holds_json_boolean
 from mha_deploy.signature import BATCH_AXIS, SEQUENCE, TOKENS, TensorSpec
 
 SERVER_NAME = "mha-deploy"
@@ -143,6 +143,9 @@ def array_from_list(name: str, dtype: np.dtype, shape: list[int], data: object) 
     # JSON true/false for BOOL only; numbers (not booleans, strings or null) for the rest.
     # Integer tensors (token ids) take integers only: 1.5 would otherwise be truncated to an id.
     wanted = "b" if dtype == np.bool_ else "iu" if dtype.kind in "iu" else "fiu"
+    if array.size and wanted != "b" and holds_json_boolean(data):
+        raise bad_request("bad_data", f"input {name}: data holds true/false, expected "
+                                      f"{'integers' if wanted == 'iu' else 'numbers'}")
     if array.size and array.dtype.kind not in wanted:
         what = "true/false" if dtype == np.bool_ else "integers" if wanted == "iu" else "numbers"
         raise bad_request("bad_data", f"input {name}: data holds {array.dtype.kind!r}-kind values, expected {what}")
