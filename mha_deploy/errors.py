@@ -61,6 +61,41 @@ class OutputInUseError(OutputError):
     """Another process holds the output's lock: it is writing that output now."""
 
 
+# What the export functions raise for the problems other layers find (a Signature no model can have, a
+# checkpoint that does not fit, the written model refused on load, a file that cannot be written): an
+# ExportError, as they document, and still the original type, so that either except clause catches it.
+class SignatureExportError(ExportError, SignatureError):
+    """An export whose declared inputs and outputs make a Signature no model can have."""
+
+
+class CheckpointExportError(ExportError, CheckpointError):
+    """An export whose checkpoint cannot be read or does not fit the module."""
+
+
+class ModelFileExportError(ExportError, ModelFileError):
+    """An export whose model the runtime's load checks refuse."""
+
+
+class OutputExportError(ExportError, OutputError):
+    """An export whose model file cannot be written."""
+
+
+_EXPORT_KINDS = (
+    (SignatureError, SignatureExportError),
+    (CheckpointError, CheckpointExportError),
+    (ModelFileError, ModelFileExportError),
+    (OutputError, OutputExportError),
+)
+
+
+def as_export_error(error: MHADeployError) -> MHADeployError:
+    """``error`` as an ``ExportError`` that is still of its own kind (same message); other errors as they are."""
+    if isinstance(error, ExportError):
+        return error
+    kind = next((export_kind for own, export_kind in _EXPORT_KINDS if isinstance(error, own)), None)
+    return error if kind is None else kind(*error.args)
+
+
 def first_line(error: BaseException | str) -> str:
     """The first line of an error, for one-line messages; a long one (ORT names the failing node first and the
     reason last, a C++ signature between) as its start and its end."""

@@ -14,12 +14,13 @@ import onnx
 import torch
 
 from mha_deploy.atomic import atomic_path
-from mha_deploy.errors import ExportError, ParityError, first_line
+from mha_deploy.errors import ExportError, MHADeployError, ParityError, as_export_error, first_line
 from mha_deploy.exporters.fusion import FusionReport, fuse_attention
 from mha_deploy.exporters.graphs import attention_graph
 from mha_deploy.exporters.kv_cache import CacheProjection, attach_caches, decode_on_mha, prefill_or_decode
 from mha_deploy.exporters.own_model import (
     InputDecl,
+    ModuleState,
     count_attentions,
     declare_model,
     graph_vocabularies,
@@ -405,14 +406,33 @@ def export_model(
     checked at unseen shapes on both padding sides (lengths capped at ``max_length``, for modules with a
     position table), and the Signature read off the module (``own_model.declare_model``) is recorded in the
     file. ``options`` as for ``export_mha``.
+
+    Raises ``ExportError`` (``ParityError`` for parity) and writes nothing when anything fails; a problem
+    another layer finds is raised as an ``ExportError`` that is also of that layer's type
+    (``errors.as_export_error``: ``SignatureError``, ``CheckpointError``, ``ModelFileError``, ``OutputError``).
+    ``module`` is left as it was given (its training mode, buffers and plain attributes), the checkpoint
+    loaded into it.
     """
     export_options = ExportOptions(**options)
     export_options.check()
     output = _check_output(output)
     if max_length is not None and max_length < 1:
         raise ExportError(f"max length must be at least 1, got {max_length}")
-    if checkpoint is not None:
-        load_checkpoint(module, checkpoint)
+    try:
+        if checkpoint is not None:
+            load_checkpoint(module, checkpoint)
+        kept = ModuleState(module, copy=True)
+        try:
+            return _export_model(module, output, inputs, output_names, max_length, export_options)
+        finally:
+            kept.restore(module)
+    except MHADeployError as exc:
+        if isinstance(exc, ExportError):
+            raise
+        raise as_export_error(exc) from exc
+
+
+def _export_model(module, output, inputs, output_names, max_length, export_options) -> ExportResult:
     declared = declare_model(module, inputs, output_names)
     signature = declared.signature
     try:

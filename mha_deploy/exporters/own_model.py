@@ -239,13 +239,33 @@ def _spelled(parameter: inspect.Parameter) -> str:
     return prefix + parameter.name
 
 
+def _width_layer(module: nn.Module) -> tuple[str, nn.Module, int] | None:
+    """(name, layer, input width) of the first layer in ``module`` whose input width is known (``_WIDTH_OF``)."""
+    for name, layer in module.named_modules():
+        for kind, width in _WIDTH_OF:
+            if isinstance(layer, kind):
+                return name, layer, int(width(layer))
+    return None
+
+
+def width_guesses(module: nn.Module, decls: Sequence[InputDecl]) -> str:
+    """For an error on the declared inputs: where the widths that were not declared were read, and how to
+    declare them ('' when every sequence's width was declared)."""
+    guessed = [d for d in decls if d.role == "sequence" and d.features is None]
+    found = _width_layer(module)
+    if not guessed or found is None:
+        return ""
+    name, layer, width = found
+    return (f"; the width {width} of {', '.join(d.name for d in guessed)} was read off {name or 'the module'} "
+            f"({type(layer).__name__}), the first layer with an input width: if that is not the input's width, "
+            f"declare it, e.g. --input {guessed[0].name}:sequence:{guessed[0].axis}:WIDTH")
+
+
 def feature_width(module: nn.Module, decl: InputDecl) -> int:
     if decl.features is not None:
         return decl.features
-    for layer in module.modules():
-        for kind, width in _WIDTH_OF:
-            if isinstance(layer, kind):
-                return int(width(layer))
+    if (found := _width_layer(module)) is not None:
+        return found[2]
     raise ExportError(
         f"input {decl.name}: cannot tell the sequence's feature width from the module; declare it, "
         f"e.g. --input {decl.name}:sequence:{decl.axis}:80"
@@ -307,6 +327,73 @@ def load_checkpoint(module: nn.Module, path: str | os.PathLike) -> None:
     if problems:
         raise CheckpointError(f"checkpoint {path} does not fit {type(module).__name__}: {'; '.join(problems)}")
     module.load_state_dict(state, strict=True)
+
+
+# Plain attribute values a forward may count or toggle (self.calls += 1), kept and compared by value.
+_SCALARS = (bool, int, float, str, type(None))
+
+
+class ModuleState:
+    """What running a module may change of it: each submodule's training flag, its buffers (in place or
+    rebound) and parameters (in place), and its plain scalar attributes; ``copy`` keeps the buffers' values
+    too, so that ``restore`` can put them back."""
+
+    def __init__(self, module: nn.Module, copy: bool = False):
+        self.training = {layer: layer.training for layer in module.modules()}
+        self.tensors = {
+            name: (tensor, tensor._version)
+            for name, tensor in (*module.named_buffers(remove_duplicate=False),
+                                 *module.named_parameters(remove_duplicate=False))
+        }
+        self.buffers = {name: buf.detach().clone() for name, buf in module.named_buffers()} if copy else {}
+        self.attributes = {
+            (prefix, key): value
+            for prefix, layer in module.named_modules()
+            for key, value in vars(layer).items()
+            if not key.startswith("_") and key != "training" and isinstance(value, _SCALARS)
+        }
+
+    def changed(self, module: nn.Module) -> list[str]:
+        """The buffers, parameters and attributes of ``module`` that differ from when this state was taken."""
+        now = dict((*module.named_buffers(remove_duplicate=False), *module.named_parameters(remove_duplicate=False)))
+        tensors = [name for name, (tensor, version) in self.tensors.items()
+                   if now.get(name) is not tensor or tensor._version != version]
+        layers = dict(module.named_modules())
+        attributes = [f"{prefix}.{key}" if prefix else key for (prefix, key), value in self.attributes.items()
+                      if prefix in layers and getattr(layers[prefix], key, value) != value]
+        return tensors + attributes
+
+    def restore(self, module: nn.Module) -> None:
+        """Training flags, buffers and attributes as they were (parameters a forward changed are not kept)."""
+        for layer, training in self.training.items():
+            layer.training = training
+        layers = dict(module.named_modules())
+        with torch.no_grad():
+            for name, value in self.buffers.items():
+                prefix, _, leaf = name.rpartition(".")
+                original = self.tensors[name][0]
+                if layers.get(prefix) is not None and original.shape == value.shape:
+                    original.copy_(value)
+                    layers[prefix]._buffers[leaf] = original
+        for (prefix, key), value in self.attributes.items():
+            if prefix in layers:
+                setattr(layers[prefix], key, value)
+
+
+def not_a_function_of_inputs(module: nn.Module, before: ModuleState, first, again) -> ExportError | None:
+    """The error for a forward whose two runs on the same inputs gave ``first`` and ``again``, if they differ:
+    an exported graph is a fixed function of its inputs, so parity could only fail, saying nothing of why."""
+    differ = [(a - b).abs().max().item() if a.is_floating_point() else 1.0 for a, b in zip(first, again, strict=True)
+              if a.shape != b.shape or not torch.equal(a, b)]
+    if not differ:
+        return None
+    changed = before.changed(module)
+    why = (f"it changes its state as it runs ({', '.join(changed[:6])}); keep state updates out of forward"
+           if changed else
+           "it draws random numbers (dropout active in eval mode, torch.rand/randn/bernoulli in forward); "
+           "make it deterministic, or pass the randomness in as an input")
+    return ExportError(f"{type(module).__name__}.forward gives different outputs for the same inputs (by up to "
+                       f"{max(differ):.3g}): {why}; an exported graph computes a fixed function of its inputs")
 
 
 class DeclaredModule(nn.Module):
@@ -411,9 +498,10 @@ def _mask_dtypes(module, decls, samples, binding: Binding) -> list[torch.dtype |
         except Exception as exc:
             failure = exc
     declared = ", ".join(f"{d.name}:{d.role}" for d in decls)
-    raise ExportError(first_line(
-        f"the module fails on the declared inputs ({declared}): {type(failure).__name__}: {failure}"
-    ))
+    raise ExportError(
+        f"the module fails on the declared inputs ({declared}): {type(failure).__name__}: {first_line(failure)}"
+        + width_guesses(module, decls)
+    )
 
 
 def _output_specs(
@@ -452,7 +540,27 @@ def trace_failure(exc: BaseException, signature: Signature) -> ExportError:
                 "its code fixes that size (a constant shape, a view to a fixed length, a Python loop over it); "
                 f"torch.export said: {first_line(text)}",
             )
+    # torch.onnx.export wraps torch.export's error in paragraphs of next steps; its cause comes after them.
+    summary = re.search(r"## Exception summary\s+<class '(?:[\w.]+\.)?(\w+)'>: ([^\n]*)", text)
+    where = _user_code(text)
+    if "data-dependent" in text or (summary is not None and "DataDependent" in summary.group(1)):
+        return ExportError(
+            f"the forward decides on a tensor's values{where}, which a traced graph cannot (it holds one branch "
+            "for every input): compute both and pick with torch.where, or use torch.cond"
+        )
+    if summary is not None:
+        return ExportError(f"torch.onnx.export failed: {summary.group(1)}: {first_line(summary.group(2))}{where}")
     return ExportError(f"torch.onnx.export failed: {type(exc).__name__}: {first_line(text)}")
+
+
+def _user_code(text: str) -> str:
+    """`` at FILE:LINE (`code`)``: the last frame outside torch an export error quotes, or ''."""
+    frames = re.findall(r'File "([^"]+)", line (\d+), in \w+\n\s*([^\n]+)', text)
+    frames = [f for f in frames if f"{os.sep}torch{os.sep}" not in f[0]]
+    if not frames:
+        return ""
+    path, line, code = frames[-1]
+    return f" at {path}:{line} (`{code.strip()}`)"
 
 
 @dataclass
@@ -483,10 +591,14 @@ def declare_model(
     second = _Probe(_PROBE_BATCH, {axis: _PROBE_LENGTHS[i] for i, axis in enumerate(axes)})
     gen = torch.Generator().manual_seed(0)
     runs = [first.tensors(decls, vocab, widths, gen), second.tensors(decls, vocab, widths, gen)]
+    before = ModuleState(module)
     wrapper = DeclaredModule(module, _mask_dtypes(module, decls, runs[0], binding), binding)
     with torch.no_grad():
         result = binding.call(module, wrapper.module_args(runs[0]))
     at_first = flatten_outputs(result)
+    with torch.no_grad():
+        if error := not_a_function_of_inputs(module, before, at_first, wrapper(*runs[0])):
+            raise error
     count = len(at_first)
     names = tuple(output_names) if output_names else default_output_names(result)
     if len(names) != count:
@@ -530,6 +642,7 @@ __all__ = [
     "Declared",
     "DeclaredModule",
     "InputDecl",
+    "ModuleState",
     "check_forward",
     "count_attentions",
     "declare_inputs",

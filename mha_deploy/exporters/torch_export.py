@@ -64,13 +64,18 @@ def name_dynamic_axes(model: onnx.ModelProto, signature: Signature) -> None:
 
 @contextlib.contextmanager
 def _quiet_exporter():
-    """torch.onnx.export talks a lot (progress lines, torchvision notices); keep stdout for our report."""
-    loggers = [logging.getLogger(name) for name in ("torch.onnx", "torch.export", "torch._dynamo")]
+    """torch.onnx.export talks a lot (progress lines, torchvision notices, failed graphs); keep stdout for our
+    report and stderr for our errors."""
+    # torch.fx's symbolic shapes log the whole FX graph (hundreds of lines) before a data-dependent guard fails.
+    loggers = [logging.getLogger(name) for name in ("torch.onnx", "torch.export", "torch._dynamo", "torch.fx")]
     levels = [logger.level for logger in loggers]
     for logger in loggers:
         logger.setLevel(logging.ERROR)
     try:
-        with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
+        # stderr too: torch.export prints the partial FX graph of a failed trace there (hundreds of lines) before
+        # raising the error that says what failed.
+        with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()), \
+                contextlib.redirect_stderr(io.StringIO()):
             warnings.simplefilter("ignore")
             yield
     finally:
@@ -96,13 +101,20 @@ def _check_dynamic(program, signature: Signature) -> None:
         return
     bounded = {str(symbol): (r.lower, r.upper) for symbol, r in exported.range_constraints.items()
                if not str(r.upper).endswith("oo")}
-    if not bounded:
-        return
     placeholders = [node for node in exported.graph.nodes if node.op == "placeholder" and "val" in node.meta]
     user_inputs = placeholders[-len(signature.inputs):]
     for spec, node in zip(signature.inputs, user_inputs, strict=False):
         for position, axis in spec.dynamic_axes.items():
-            symbol = str(node.meta["val"].shape[position]) if position < node.meta["val"].dim() else None
+            size = node.meta["val"].shape[position] if position < node.meta["val"].dim() else None
+            if isinstance(size, int) and axis not in (TOTAL_AXIS, ENCODER_PAST_AXIS):
+                # Specialised outright (the AUTO axes may be derived): e.g. a Python loop over the length.
+                raise not_dynamic(
+                    signature, axis,
+                    f"the traced graph holds only for {axis} = {size}, the length it was traced at; its code fixes "
+                    "that size (a Python loop over it, a view or shape built from it as a number): compute it "
+                    "with tensor ops",
+                )
+            symbol = str(size) if size is not None else None
             if symbol in bounded:
                 low, high = bounded[symbol]
                 raise not_dynamic(
