@@ -173,6 +173,11 @@ class Signature:
             raise SignatureError("a model needs at least one tokens or sequence input")
         if not outputs:
             raise SignatureError("a model needs at least one output")
+        if (blank := next((index for index, spec in enumerate(outputs) if not spec.name.strip()), None)) is not None:
+            raise SignatureError(
+                f"output {blank} is named {outputs[blank].name!r}: every output needs a name that clients ask for "
+                "(--output-name NAME, once per output, in the forward's order)"
+            )
         for spec in inputs:
             if spec.role not in INPUT_ROLES:
                 raise SignatureError(f"{spec.name}: role must be one of {', '.join(INPUT_ROLES)}, got {spec.role!r}")

@@ -38,7 +38,7 @@ import onnx_ir as ir
 from onnx import TensorProto
 
 from mha_deploy.atomic import same_file
-from mha_deploy.errors import ExportError, first_line
+from mha_deploy.errors import ExportError, ModelFileError, first_line
 from mha_deploy.exporters.export import (
     ExportOptions,
     ExportResult,
@@ -52,6 +52,7 @@ from mha_deploy.exporters.own_model import InputDecl, count_attentions, declare_
 from mha_deploy.exporters.parity import ParityCase, default_cases
 from mha_deploy.exporters.probes import output_axes, paddable_axes, probe_feeds, unpadded_mask_warnings
 from mha_deploy.metadata import MAX_OPSET, MIN_OPSET, ModelMetadata
+from mha_deploy.runtime.model_check import check_branch_ranks
 from mha_deploy.signature import (
     BATCH_AXIS,
     MODEL_DTYPE,
@@ -124,6 +125,10 @@ def optimize_model(
     if max_length is not None and max_length < 1:
         raise ExportError(f"max length must be at least 1, got {max_length}")
     model = _load(source, output)
+    try:
+        check_branch_ranks(model, str(source))
+    except ModelFileError as exc:  # the load check's words, as an export error: nothing is written
+        raise ExportError(str(exc)) from exc
     options = ExportOptions(opset=_default_opset(model, source), atol=atol, rtol=rtol, fuse=fuse,
                             pack_tokens=pack_tokens)
     options.check()

@@ -13,12 +13,15 @@ once:
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
 from typing import Protocol
 
 import numpy as np
 
 from mha_deploy.errors import ExportError
 from mha_deploy.inputs import random_values
+from mha_deploy.runtime.model_check import PROBE_REL_ERR, batching_change
+from mha_deploy.runtime.validation import output_shape_problem
 from mha_deploy.signature import BATCH_AXIS, PADDING_MASK, Signature, TensorSpec
 
 # A model as these probes see it: feeds by input name (bool masks, int64 ids, float32 sequences) -> outputs by
@@ -112,9 +115,27 @@ def paddable_axes(signature: Signature, run: RunFn, seed: int = 1) -> tuple[str,
             else:
                 extended[spec.name] = item[spec.name]
         expected, got = run(item), run(extended)
+        for feeds, outputs in ((item, expected), (extended, got)):
+            if problem := output_shape_problem(signature, feeds, outputs):
+                raise ExportError(problem)
         if all(_same_rows(spec, expected[spec.name], got[spec.name], axis, real[axis]) for spec in signature.outputs):
             paddable.append(axis)
+    check_rows_independent(replace(signature, custom_paddable=tuple(paddable)), run)
     return tuple(paddable)
+
+
+def check_rows_independent(signature: Signature, run: RunFn) -> None:
+    """Refuse a model whose item's outputs move when another item shares its batch (padded where it may be):
+    no runtime could batch it, and every session's load check (``model_check.check_batching``, the same probe)
+    would refuse its file."""
+    change = batching_change(run, signature, {}, "float32", PROBE_REL_ERR["float32"])
+    if change is not None:
+        raise ExportError(
+            f"output {change.output} of an item changes by {change.error:.1%} when a {change.other} item shares "
+            f"its batch (padded axes: {change.padded}): the model mixes the rows of a batch (a statistic over the "
+            "whole batch, x[mask] or .item() of a batch-wide value); make each item's outputs depend on its own "
+            "row only"
+        )
 
 
 def unpadded_mask_warnings(signature: Signature) -> list[str]:

@@ -28,8 +28,9 @@ cannot be told from "depends on it by less than a float's resolution".
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Mapping
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import numpy as np
 import onnx
@@ -39,7 +40,7 @@ from mha_deploy.errors import ModelFileError
 from mha_deploy.inputs import random_item
 from mha_deploy.metadata import ModelMetadata
 from mha_deploy.onnx_nodes import all_nodes
-from mha_deploy.signature import FIXED_AXES, PADDING_MASK, SEQUENCE, TOKENS, TensorSpec
+from mha_deploy.signature import FIXED_AXES, PADDING_MASK, SEQUENCE, TOKENS, Signature, TensorSpec
 from mha_deploy.token_tables import vocabulary
 
 _ELEMENT_TYPES = {
@@ -86,6 +87,39 @@ def check_declared_io(proto: onnx.ModelProto, metadata: ModelMetadata, source: s
             if axis not in FIXED_AXES and fixed is not None:
                 _refuse(source, f"{spec.name}'s axis {position} ({axis}) is fixed at {fixed} in the graph; its "
                                 "metadata says it varies")
+
+
+def check_branch_ranks(proto: onnx.ModelProto, source: str) -> None:
+    """Every If returns tensors of one rank whichever branch runs (ranks as declared, else as onnx infers them):
+    an output whose rank follows the inputs' values would pass the probes and parity on the branch they take,
+    then be cut per item at the wrong axes on the other."""
+    if not any(node.op_type == "If" for node in all_nodes(proto.graph)):
+        return
+    # Types the graph leaves out of its branches' outputs (external data is not needed, nor loaded); where onnx
+    # cannot infer them (its own error types), the ranks the graph declares are checked all the same.
+    with contextlib.suppress(Exception):
+        proto = onnx.shape_inference.infer_shapes(proto)
+    for node in all_nodes(proto.graph):
+        if node.op_type != "If":
+            continue
+        branches = {a.name: a.g for a in node.attribute if a.name in ("then_branch", "else_branch")}
+        if len(branches) != 2:
+            continue
+        for position, (then, other) in enumerate(zip(branches["then_branch"].output, branches["else_branch"].output,
+                                                     strict=False)):
+            ranks = [_rank(then), _rank(other)]
+            if None not in ranks and ranks[0] != ranks[1]:
+                node_label = f"If node {node.name!r}" if node.name else "an If node"
+                raise ModelFileError(
+                    f"{source}: {node_label} returns {node.output[position]!r} with rank {ranks[0]} from its then "
+                    f"branch and {ranks[1]} from its else branch, so the model's output shape depends on its inputs' "
+                    "values: make both branches return the same rank and export the model again"
+                )
+
+
+def _rank(value: onnx.ValueInfoProto) -> int | None:
+    tensor = value.type.tensor_type
+    return len(tensor.shape.dim) if value.type.HasField("tensor_type") and tensor.HasField("shape") else None
 
 
 def graph_heads(proto: onnx.ModelProto, d_model: int) -> set[int]:
@@ -177,36 +211,57 @@ def check_causality(proto: onnx.ModelProto, metadata: ModelMetadata, source: str
                         f"mode is {signature.mask!r}")
 
 
-def check_batching(run: RunFn, metadata: ModelMetadata, source: str) -> None:
-    """A probe item's outputs alone and padded in a batch agree; so do a longer item's alone and batched."""
-    signature = metadata.signature
-    if signature.kv_cache:
-        return  # a cache model decodes one batch at a time: check_cache_behaviour probes it instead
+@dataclass(frozen=True)
+class BatchingChange:
+    """An item's output that moved when another item shared its batch (``batching_change``)."""
+
+    output: str
+    error: float  # relative: ||batched - alone|| / ||alone||
+    other: str  # the item that shared the batch: "shorter" or "longer"
+    padded: str  # the axes padded in the batch, or "none"
+
+
+def batching_change(
+    run: RunFn, signature: Signature, fixed_sizes: Mapping[str, int], dtype: str, budget: float
+) -> BatchingChange | None:
+    """Run a probe item alone and in a batch with a longer item (padded as the batch planner pads, along
+    ``signature``'s paddable axes), and the longer item alone: the first output that moves beyond ``budget``
+    between the two, or None. What the load check runs in ORT, and the export in torch before writing."""
     paddable = signature.paddable_axes
     rng = np.random.default_rng(0)
     short = {axis: 2 + i for i, axis in enumerate(signature.sequence_axes)}
     long = {axis: length + 3 if axis in paddable else length for axis, length in short.items()}
 
     def item(lengths: Mapping[str, int]) -> dict[str, np.ndarray]:
-        return random_item(signature, metadata.fixed_sizes, dict(lengths), rng, metadata.dtype)
+        return random_item(signature, dict(fixed_sizes), dict(lengths), rng, dtype)
 
     probe, longer = item(short), item(long)
-    together = run(_padded_batch([probe, longer], metadata))
-    budget = _budget(metadata)
+    together = run(_padded_batch([probe, longer], signature))
     for row, (one, lengths) in enumerate(((probe, short), (longer, long))):
-        alone = run(_padded_batch([one], metadata))
+        alone = run(_padded_batch([one], signature))
         for spec in signature.outputs:
             cut = (row, *(slice(0, lengths[axis]) if axis in lengths else slice(None) for axis in spec.axes[1:]))
             batched, expected = together[spec.name][cut].astype(np.float64), alone[spec.name][0].astype(np.float64)
             error = np.linalg.norm(batched - expected) / max(float(np.linalg.norm(expected)), 1e-30)
             if not error <= budget:  # NaN fails too
                 padded = ", ".join(sorted(axis for axis in paddable if short[axis] != long[axis])) or "none"
-                _refuse(
-                    source,
-                    f"its {spec.name} changes by {error:.1%} when a {'shorter' if row == 0 else 'longer'} item "
-                    f"shares its batch (padded axes: {padded}), so its mask mode {signature.mask!r} "
-                    f"({metadata.signature.attention}-attention, {signature.model}) does not describe the graph",
-                )
+                return BatchingChange(spec.name, float(error), "shorter" if row == 0 else "longer", padded)
+    return None
+
+
+def check_batching(run: RunFn, metadata: ModelMetadata, source: str) -> None:
+    """A probe item's outputs alone and padded in a batch agree; so do a longer item's alone and batched."""
+    signature = metadata.signature
+    if signature.kv_cache:
+        return  # a cache model decodes one batch at a time: check_cache_behaviour probes it instead
+    change = batching_change(run, signature, metadata.fixed_sizes, metadata.dtype, _budget(metadata))
+    if change is not None:
+        _refuse(
+            source,
+            f"its {change.output} changes by {change.error:.1%} when a {change.other} item shares its batch "
+            f"(padded axes: {change.padded}), so its mask mode {signature.mask!r} "
+            f"({signature.attention}-attention, {signature.model}) does not describe the graph",
+        )
 
 
 def check_causal_behaviour(run: RunFn, metadata: ModelMetadata, source: str) -> None:
@@ -219,7 +274,7 @@ def check_causal_behaviour(run: RunFn, metadata: ModelMetadata, source: str) -> 
     item = random_item(signature, metadata.fixed_sizes, lengths, rng, metadata.dtype)
     changed = {**item, signature.query_input: item[signature.query_input].copy()}
     changed[signature.query_input][-1] = rng.standard_normal(metadata.d_model)
-    before, after = run(_padded_batch([item], metadata)), run(_padded_batch([changed], metadata))
+    before, after = run(_padded_batch([item], signature)), run(_padded_batch([changed], signature))
     for spec in signature.outputs:
         earlier = (0, *(slice(0, 3) if axis == signature.query_axis else slice(None) for axis in spec.axes[1:]))
         expected, got = before[spec.name][earlier].astype(np.float64), after[spec.name][earlier].astype(np.float64)
@@ -275,9 +330,8 @@ def check_cache_behaviour(run: RunFn, metadata: ModelMetadata, source: str) -> N
             )
 
 
-def _padded_batch(items: list[dict[str, np.ndarray]], metadata: ModelMetadata) -> dict[str, np.ndarray]:
+def _padded_batch(items: list[dict[str, np.ndarray]], signature: Signature) -> dict[str, np.ndarray]:
     """Right-padded with zeros, masks marking real positions: what ``mha_deploy.batch.planner.collate`` feeds."""
-    signature = metadata.signature
     feeds: dict[str, np.ndarray] = {}
     lengths: dict[str, list[int]] = {}
     for spec in signature.inputs:

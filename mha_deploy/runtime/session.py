@@ -22,6 +22,7 @@ from mha_deploy.runtime.denormals import ORT_CONFIG_ENTRY, flushing_denormals
 from mha_deploy.runtime.digest import sha256_digest
 from mha_deploy.runtime.model_check import (
     check_batching,
+    check_branch_ranks,
     check_cache_behaviour,
     check_causal_behaviour,
     check_causality,
@@ -30,7 +31,7 @@ from mha_deploy.runtime.model_check import (
     with_graph_vocabularies,
 )
 from mha_deploy.runtime.providers import CUDA_EP, check_providers, plan_providers, without_cuda
-from mha_deploy.runtime.validation import validate_inputs
+from mha_deploy.runtime.validation import output_shape_problem, validate_inputs
 
 # metadata_props entry of an optimized-model cache: what it was built from (see ``_cache_key``).
 CACHE_KEY_PROP = "mha_deploy.optimized_from"
@@ -190,6 +191,7 @@ class MHASession:
         except Exception as exc:  # DecodeError and friends; ORT read it, so this is a race with a writer
             raise ModelFileError(f"{path}: not a readable ONNX file: {exc}") from exc
         check_declared_io(proto, self.metadata, self.source)
+        check_branch_ranks(proto, self.source)
         check_heads(proto, self.metadata, self.source)
         check_causality(proto, self.metadata, self.source)
         self.metadata = with_graph_vocabularies(proto, self.metadata, self.source)
@@ -228,9 +230,13 @@ class MHASession:
             return self._graph.run(feeds)
         with flushing_denormals(self.flush_denormals):
             if self._io_binding:
-                return self._run_with_binding(feeds)
-            outputs = self._session.run(list(self.output_names), feeds)
-        return dict(zip(self.output_names, outputs, strict=True))
+                outputs = self._run_with_binding(feeds)
+            else:
+                outputs = dict(zip(self.output_names, self._session.run(list(self.output_names), feeds), strict=True))
+        problem = output_shape_problem(self.signature, feeds, outputs, self.metadata.fixed_sizes)
+        if problem:
+            raise ModelFileError(f"{self.source}: {problem}")
+        return outputs
 
     def run_into(self, inputs: Mapping[str, object], outputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         """``run``, with the outputs named in ``outputs`` written by ORT straight into those caller-owned arrays

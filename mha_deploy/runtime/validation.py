@@ -230,6 +230,33 @@ def output_problem(outputs: Mapping[str, np.ndarray]) -> Problem | None:
     return None
 
 
+def output_shape_problem(
+    signature: Signature, feeds: Mapping[str, np.ndarray], outputs: Mapping[str, np.ndarray],
+    fixed: Mapping[str, int] | None = None,
+) -> str | None:
+    """An output whose shape is not what ``signature`` says for ``feeds`` (rank, or the size of an axis the
+    feeds or ``fixed`` set), or None. A graph whose output rank follows its inputs' values (an If whose
+    branches differ) would otherwise be cut per item at the wrong axes."""
+    sizes = dict(fixed or {})
+    for spec in signature.inputs:
+        if spec.name in feeds:
+            sizes.update({axis: size for axis, size in zip(spec.axes, np.shape(feeds[spec.name]), strict=False)
+                          if isinstance(axis, str)})
+    for spec in signature.outputs:
+        shape = tuple(np.shape(outputs[spec.name]))
+        expected = tuple(axis if isinstance(axis, int) else sizes.get(axis) for axis in spec.axes)
+        if len(shape) != len(expected) or any(
+            want not in (None, got) for want, got in zip(expected, shape, strict=True)
+        ):
+            return (
+                f"output {spec.name} came back with shape {shape} where the model's metadata says {spec.describe()}"
+                f"{' = ' + str(expected).replace('None', '?') if len(shape) == len(expected) else ''}: the "
+                "graph's output shape depends on its inputs' values (e.g. an If whose branches return different "
+                "ranks); make every path of the forward return the same shape and export it again"
+            )
+    return None
+
+
 def check_item(metadata: ModelMetadata, item: Mapping[str, object], max_item_tokens: int | None = None) -> None:
     """Raise ``InputError`` if ``item_problem`` finds something."""
     problem = item_problem(metadata, item, max_item_tokens)
