@@ -93,12 +93,16 @@ def check_branch_ranks(proto: onnx.ModelProto, source: str) -> None:
     """Every If returns tensors of one rank whichever branch runs (ranks as declared, else as onnx infers them):
     an output whose rank follows the inputs' values would pass the probes and parity on the branch they take,
     then be cut per item at the wrong axes on the other."""
-    if not any(node.op_type == "If" for node in all_nodes(proto.graph)):
-        return
-    # Types the graph leaves out of its branches' outputs (external data is not needed, nor loaded); where onnx
-    # cannot infer them (its own error types), the ranks the graph declares are checked all the same.
-    with contextlib.suppress(Exception):
-        proto = onnx.shape_inference.infer_shapes(proto)
+    branch_outputs = [
+        value for node in all_nodes(proto.graph) if node.op_type == "If"
+        for attribute in node.attribute if attribute.type == onnx.AttributeProto.GRAPH for value in attribute.g.output
+    ]
+    if any(_rank(value) is None for value in branch_outputs):
+        # Types the graph leaves out of its branches' outputs (mha-deploy's own files declare them all, so a load
+        # pays for no inference); where onnx cannot infer them (its own error types), the declared ranks are
+        # checked all the same.
+        with contextlib.suppress(Exception):
+            proto = onnx.shape_inference.infer_shapes(proto)
     for node in all_nodes(proto.graph):
         if node.op_type != "If":
             continue
