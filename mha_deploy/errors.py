@@ -4,6 +4,8 @@ Every error mha-deploy raises on bad input derives from ``MHADeployError`` and
 carries a message that says what was wrong and, where possible, what to do.
 """
 
+import functools
+
 
 class MHADeployError(Exception):
     """Base class of every error mha-deploy raises on purpose."""
@@ -94,6 +96,22 @@ def as_export_error(error: MHADeployError) -> MHADeployError:
         return error
     kind = next((export_kind for own, export_kind in _EXPORT_KINDS if isinstance(error, own)), None)
     return error if kind is None else kind(*error.args)
+
+
+def raises_export_errors(function):
+    """``function`` raising every error of another layer through ``as_export_error``: what it documents."""
+
+    @functools.wraps(function)
+    def wrapper(*args, **kwargs):
+        try:
+            return function(*args, **kwargs)
+        except MHADeployError as error:
+            converted = as_export_error(error)
+            if converted is error:
+                raise
+            raise converted from error
+
+    return wrapper
 
 
 def first_line(error: BaseException | str) -> str:

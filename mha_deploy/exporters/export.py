@@ -14,7 +14,7 @@ import onnx
 import torch
 
 from mha_deploy.atomic import atomic_path
-from mha_deploy.errors import ExportError, MHADeployError, ParityError, as_export_error, first_line
+from mha_deploy.errors import ExportError, ParityError, first_line, raises_export_errors
 from mha_deploy.exporters.fusion import FusionReport, fuse_attention
 from mha_deploy.exporters.graphs import attention_graph
 from mha_deploy.exporters.kv_cache import CacheProjection, attach_caches, decode_on_mha, prefill_or_decode
@@ -385,6 +385,7 @@ def export_builtin(
     return export_stack(model, output, mask=signature.mask, kv_cache=signature.kv_cache, **options)
 
 
+@raises_export_errors
 def export_model(
     module: torch.nn.Module,
     output: str | os.PathLike,
@@ -418,18 +419,13 @@ def export_model(
     output = _check_output(output)
     if max_length is not None and max_length < 1:
         raise ExportError(f"max length must be at least 1, got {max_length}")
+    if checkpoint is not None:
+        load_checkpoint(module, checkpoint)
+    kept = ModuleState(module, copy=True)
     try:
-        if checkpoint is not None:
-            load_checkpoint(module, checkpoint)
-        kept = ModuleState(module, copy=True)
-        try:
-            return _export_model(module, output, inputs, output_names, max_length, export_options)
-        finally:
-            kept.restore(module)
-    except MHADeployError as exc:
-        if isinstance(exc, ExportError):
-            raise
-        raise as_export_error(exc) from exc
+        return _export_model(module, output, inputs, output_names, max_length, export_options)
+    finally:
+        kept.restore(module)
 
 
 def _export_model(module, output, inputs, output_names, max_length, export_options) -> ExportResult:

@@ -38,7 +38,7 @@ import onnx_ir as ir
 from onnx import TensorProto
 
 from mha_deploy.atomic import same_file
-from mha_deploy.errors import ExportError, ModelFileError, first_line
+from mha_deploy.errors import ExportError, ModelFileError, first_line, raises_export_errors
 from mha_deploy.exporters.export import (
     ExportOptions,
     ExportResult,
@@ -98,6 +98,7 @@ class _ProbeSizes:
 _PROBE_BATCHES, _PROBE_LENGTHS = (2, 4), ((3, 5, 7, 11), (6, 9, 13, 17))
 
 
+@raises_export_errors
 def optimize_model(
     source: str | os.PathLike,
     output: str | os.PathLike,
@@ -119,7 +120,8 @@ def optimize_model(
     warning; ``mha``/``onnx`` fail, writing nothing, if an attention stays unfused). Parity of the written graph
     against ``source``, both in ORT, is checked at unseen shapes, lengths capped at ``max_length``.
     ``pack_tokens`` as for ``export_model`` (``ExportOptions``). Raises
-    ``ExportError`` (``ParityError`` for parity) and writes nothing when anything fails.
+    ``ExportError`` (``ParityError`` for parity; of another layer's kind too, as ``export_model``'s) and writes
+    nothing when anything fails.
     """
     output = _check_output(output)
     if max_length is not None and max_length < 1:

@@ -90,3 +90,16 @@ def test_external_data_outside_the_models_directory_is_refused(tmp_path):
             entry.value = "../model.onnx.data"
     onnx.save_model(model, source)
     assert_loud(_optimize(source, tmp_path / "fused.onnx"), "'../model.onnx.data'", "beside the model")
+
+
+def test_optimize_model_raises_export_errors_that_keep_their_kind(tmp_path):
+    """A Signature no model can have (an output named like an input) was a bare SignatureError, where the
+    docstring says ExportError: now both."""
+    from mha_deploy.errors import ExportError, SignatureError
+    from mha_deploy.exporters.optimize import optimize_model
+
+    source = _graph_with_external_data(tmp_path)
+    with pytest.raises(ExportError) as refused:
+        optimize_model(source, tmp_path / "fused.onnx", ["x:sequence"], output_names=["x"])
+    assert isinstance(refused.value, SignatureError) and "declared twice" in str(refused.value)
+    assert not (tmp_path / "fused.onnx").exists()
