@@ -424,6 +424,9 @@ def export_model(
     kept = ModuleState(module, copy=True)
     try:
         return _export_model(module, output, inputs, output_names, max_length, export_options)
+    except SystemExit as exc:  # the module's own code: it must not end the caller's process with its status
+        raise ExportError(f"{type(module).__name__} called sys.exit({exc.code!r}) (SystemExit) while it ran for the "
+                          "export: a forward must return its outputs") from exc
     finally:
         kept.restore(module)
 

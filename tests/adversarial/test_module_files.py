@@ -41,20 +41,26 @@ def _export(tmp_path, body: str, *inputs: str, factory: str = "build"):
     return CliRunner().invoke(main, args), output
 
 
+GUARD = ("--module", "if __name__")  # where the file or factory exits: named, with the usual cause's fix
+
+
 @pytest.mark.parametrize(
-    ("body", "said"),
+    ("body", "fragments"),
     [
-        ("sys.exit(0)\n\ndef build():\n    return Net()\n", "importing"),
-        ("raise SystemExit(3)\n\ndef build():\n    return Net()\n", "importing"),
-        ("sys.exit('usage: net.py DATA')\n\ndef build():\n    return Net()\n", "importing"),
-        ("def build():\n    sys.exit(0)\n", "build()"),
+        ("sys.exit(0)\n\ndef build():\n    return Net()\n", ("importing", "sys.exit(0)", *GUARD)),
+        ("raise SystemExit(3)\n\ndef build():\n    return Net()\n", ("importing", "sys.exit(3)", *GUARD)),
+        ("sys.exit('usage: net.py DATA')\n\ndef build():\n    return Net()\n",
+         ("importing", "sys.exit('usage: net.py DATA')", *GUARD)),
+        ("def build():\n    sys.exit(0)\n", ("build()", "sys.exit(0)", *GUARD)),
+        ("class Quitting(Net):\n    def forward(self, x):\n        sys.exit(0)\n\n"
+         "def build():\n    return Quitting()\n", ("Quitting called sys.exit(0)", "a forward must return")),
     ],
-    ids=["exit-0-at-import", "exit-3-at-import", "exit-usage-at-import", "exit-0-in-factory"],
+    ids=["exit-0-at-import", "exit-3-at-import", "exit-usage-at-import", "exit-0-in-factory", "exit-0-in-forward"],
 )
-def test_a_module_that_exits_is_one_line_and_no_file(tmp_path, body, said):
+def test_a_module_that_exits_is_one_line_and_no_file(tmp_path, body, fragments):
     """It used to end the tool with the module's own status (0 or 3), no message and no file."""
     result, output = _export(tmp_path, body)
-    assert_loud(result, "--module", said, "sys.exit(", "if __name__")
+    assert_loud(result, *fragments)
     assert not output.exists()
 
 
