@@ -122,3 +122,4 @@ def test_user_guide_python_examples(export_model, tmp_path, monkeypatch, capsys)
     assert "provider " in printed
     assert "[1] [9] 12" in printed, "the KV-cache example prints what its comment says"
     assert f"4 (2, {TEST_HEADS}, 5, {TEST_D_MODEL // TEST_HEADS})" in printed, "so does the decoder stack's"
+    assert "[0 1] [9 4] [False  True]" in printed, "and the generation example"

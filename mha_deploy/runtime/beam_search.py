@@ -1,0 +1,165 @@
+"""Beam search's bookkeeping, apart from the model call. No torch.
+
+``BeamSearchScorer`` holds every prompt's running beams and finished hypotheses. The loop gives it
+each step's log-probabilities; it decides which continuations survive, which hypotheses are kept,
+when a prompt is done, and so which cache rows the next call reads (``rows``: a beam's row may be
+read twice, or not at all). It follows transformers' beam search (``generate(num_beams=...)``) as
+its default settings run it, so that the same scores give the same tokens:
+
+- each step, per prompt, the best ``max(2, 1 + ends) * num_beams`` continuations over all its beams
+  (``ends``: how many end ids there are), so that ``num_beams`` survive even if the best all end;
+- a continuation that ends (an end id, or the length limit) among the best ``num_beams`` becomes a
+  hypothesis scored ``sum of log-probs / new_tokens ** length_penalty``; the best ``num_beams``
+  hypotheses are kept;
+- a prompt is done when no running beam can beat its worst kept hypothesis, estimated with the
+  running beam's length as it is now (``early_stopping=False``, transformers' default), or with the
+  length limit (``"never"``, with a positive length penalty), or as soon as it has ``num_beams``
+  hypotheses (``True``);
+- scores are float32 and an impossible one is -1e9, as there, so that ties fall alike.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from mha_deploy.errors import OptionError
+from mha_deploy.runtime.logits import TokenHistory
+from mha_deploy.runtime.stopping import StoppingCriteriaList
+
+IMPOSSIBLE = np.float32(-1.0e9)
+
+
+class BeamSearchScorer:
+    """The beams of ``prompts`` (int64 [items, prompt_len], -1 where padded).
+
+    >>> scorer = BeamSearchScorer(prompts, num_beams=4, ...)
+    >>> stepper.keep(scorer.rows)                  # after the prefill: each prompt's row, num_beams times
+    >>> next_ids = scorer.process(log_probs)       # [rows, vocab] -> the running beams' new tokens
+    >>> stepper.keep(scorer.rows); stepper.step(next_ids)   # until scorer.done
+    """
+
+    def __init__(
+        self,
+        prompts: np.ndarray,
+        num_beams: int,
+        criteria: StoppingCriteriaList,
+        max_new_tokens: int,
+        end_ids: tuple[int, ...] = (),
+        length_penalty: float = 1.0,
+        early_stopping: bool | str = False,
+    ):
+        if num_beams < 2:
+            raise OptionError(f"beam search needs num_beams >= 2, got {num_beams}")
+        if early_stopping not in (True, False, "never"):
+            raise OptionError(f"early_stopping must be True, False or 'never', got {early_stopping!r}")
+        self.num_beams = num_beams
+        self.criteria = criteria
+        self.max_new_tokens = max_new_tokens
+        self.candidates = max(2, 1 + len(end_ids)) * num_beams
+        self.length_penalty = float(length_penalty)
+        self.early_stopping = early_stopping
+        self.prompts = np.asarray(prompts, np.int64)
+        items = len(self.prompts)
+        self.items = np.arange(items)  # the prompts still searching, in row order
+        self.generated = 0
+        self.running = np.zeros((items, num_beams, 0), np.int64)  # new tokens of each running beam
+        # Only the first beam is live at the start: the others would repeat its continuations.
+        self.running_scores = np.zeros((items, num_beams), np.float32)
+        self.running_scores[:, 1:] = IMPOSSIBLE
+        self.kept_scores = np.full((items, num_beams), IMPOSSIBLE, np.float32)
+        self.kept_tokens = [[np.zeros(0, np.int64)] * num_beams for _ in range(items)]
+        self.kept_finished = np.zeros((items, num_beams), bool)
+        self.improvable = np.ones(items, bool)
+        self.results: dict[int, tuple[np.ndarray, float]] = {}
+        # After the prefill (one row per prompt): every prompt's row, once per beam.
+        self.rows = np.repeat(np.arange(items), num_beams)
+
+    @property
+    def done(self) -> bool:
+        return self.items.size == 0
+
+    def history(self) -> TokenHistory:
+        """The running beams' tokens, one row per beam, for the logits processors."""
+        prompts = np.repeat(self.prompts[self.items], self.num_beams, axis=0)
+        new = self.running.reshape(len(prompts), self.generated)
+        return TokenHistory(np.concatenate([prompts, new], axis=1), self.generated)
+
+    def process(self, log_probs: np.ndarray) -> np.ndarray:
+        """Advance every searching prompt by one token from ``log_probs`` [items * num_beams, vocab] (processed
+        log-softmax scores, rows in beam order). Sets ``rows`` (the current rows the next call reads, in the
+        new beam order; prompts that are done leave) and returns the next call's input ids [len(rows)]."""
+        n, beams = len(self.items), self.num_beams
+        vocab = log_probs.shape[-1]
+        total = (log_probs.astype(np.float32).reshape(n, beams, vocab) + self.running_scores[:, :, None]).reshape(n, -1)
+        # Best continuations first; stable, so that equal scores keep the lower (beam, token) first.
+        order = np.argsort(-total, axis=1, kind="stable")[:, : self.candidates]
+        scores = np.take_along_axis(total, order, axis=1)  # [n, candidates]
+        source, token = order // vocab, order % vocab
+        tokens = np.concatenate([np.take_along_axis(self.running, source[:, :, None], axis=1), token[:, :, None]], 2)
+        ends = self._ends(tokens)  # [n, candidates]
+
+        self._keep_hypotheses(tokens, scores, ends)
+        # The running beams: the best continuations that did not end.
+        alive = scores + ends.astype(np.float32) * IMPOSSIBLE
+        best = np.argsort(-alive, axis=1, kind="stable")[:, :beams]
+        self.running = np.take_along_axis(tokens, best[:, :, None], axis=1)
+        self.running_scores = np.take_along_axis(alive, best, axis=1)
+        beam_source = np.take_along_axis(source, best, axis=1)  # [n, beams]: the beam each one continues
+        self.generated += 1
+        self._check_improvable()
+
+        searching = self.improvable & ~(self.kept_finished.all(axis=1) & (self.early_stopping is True))
+        if ends.all() or self.generated >= self.max_new_tokens:
+            searching[:] = False
+        for index in np.flatnonzero(~searching):
+            self._finish(index)
+        rows = np.arange(n)[:, None] * beams + beam_source
+        self.rows = rows[searching].ravel()
+        next_ids = self.running[searching, :, -1].ravel()
+        self._select(np.flatnonzero(searching))
+        return next_ids
+
+    def _ends(self, tokens: np.ndarray) -> np.ndarray:
+        n, candidates = tokens.shape[:2]
+        prompts = np.repeat(self.prompts[self.items], candidates, axis=0)
+        history = TokenHistory(np.concatenate([prompts, tokens.reshape(n * candidates, -1)], 1), self.generated + 1)
+        return self.criteria(history).reshape(n, candidates)
+
+    def _keep_hypotheses(self, tokens: np.ndarray, scores: np.ndarray, ends: np.ndarray) -> None:
+        """Merge the continuations that end among the best ``num_beams`` into the kept hypotheses."""
+        beams = self.num_beams
+        ended = ends & (np.arange(ends.shape[1]) < beams)[None, :]
+        # Casting to float32 the way torch does: a float32 tensor divided by a Python float stays float32.
+        final = scores / np.float32((self.generated + 1) ** self.length_penalty)
+        full = self.kept_finished.all(axis=1, keepdims=True) & (self.early_stopping is True)
+        final = final + full * IMPOSSIBLE + (~self.improvable[:, None]) * IMPOSSIBLE + (~ended) * IMPOSSIBLE
+        merged = np.concatenate([self.kept_scores, final.astype(np.float32)], axis=1)
+        best = np.argsort(-merged, axis=1, kind="stable")[:, :beams]
+        finished = np.concatenate([self.kept_finished, ended], axis=1)
+        for i, picks in enumerate(best):
+            pool = self.kept_tokens[i] + list(tokens[i])
+            self.kept_tokens[i] = [pool[p] for p in picks]
+        self.kept_scores = np.take_along_axis(merged, best, axis=1)
+        self.kept_finished = np.take_along_axis(finished, best, axis=1)
+
+    def _check_improvable(self) -> None:
+        """Whether a running beam may still beat the worst kept hypothesis (see the module's docstring)."""
+        # With a length penalty that favours length, "never" assumes a beam may yet run to the limit.
+        longest = self.early_stopping == "never" and self.length_penalty > 0.0
+        length = self.max_new_tokens if longest else self.generated
+        best_running = self.running_scores[:, :1] / np.float32(length**self.length_penalty)
+        worst_kept = np.where(self.kept_finished, self.kept_scores.min(axis=1, keepdims=True), IMPOSSIBLE)
+        self.improvable &= np.any(best_running > worst_kept, axis=1)
+
+    def _finish(self, index: int) -> None:
+        best = int(np.argmax(self.kept_scores[index]))
+        self.results[int(self.items[index])] = (self.kept_tokens[index][best], float(self.kept_scores[index, best]))
+
+    def _select(self, keep: np.ndarray) -> None:
+        self.items = self.items[keep]
+        self.running = self.running[keep]
+        self.running_scores = self.running_scores[keep]
+        self.kept_scores = self.kept_scores[keep]
+        self.kept_tokens = [self.kept_tokens[i] for i in keep]
+        self.kept_finished = self.kept_finished[keep]
+        self.improvable = self.improvable[keep]

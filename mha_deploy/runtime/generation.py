@@ -1,0 +1,321 @@
+"""Generating tokens from a causal LM without torch: greedy, sampling and beam search over a ``TokenStepper``.
+
+The search never sees the model: it asks a ``TokenStepper`` for the logits of the next token
+(``prefill`` for the prompts, ``step`` for each chosen token), turns them into tokens through the
+logits processors (``mha_deploy.runtime.logits``, one rule each, in order) and the stopping
+criteria (``mha_deploy.runtime.stopping``), and tells the stepper which cache rows live on
+(``keep``): a finished row leaves and its cache is freed; beam search reorders and repeats rows
+(``mha_deploy.runtime.beam_search`` decides which). ``KVCacheStepper``
+(``mha_deploy.runtime.kv_stepper``) is the stepper over an ONNX decoder with a KV cache.
+
+Semantics follow transformers' ``generate`` so that its users find what they expect and the tests
+can hold the loop to it: greedy unless told to sample, the end id kept in the output, the rules
+applied in transformers' order (repetition penalty, minimum new tokens, then temperature, top-k,
+top-p when sampling), and beam search scored and stopped as there (see ``beam_search``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Protocol, runtime_checkable
+
+import numpy as np
+
+from mha_deploy.errors import InputError, OptionError
+from mha_deploy.runtime.beam_search import BeamSearchScorer
+from mha_deploy.runtime.logits import (
+    LogitsProcessorList,
+    MinNewTokensLengthLogitsProcessor,
+    RepetitionPenaltyLogitsProcessor,
+    TokenHistory,
+    log_softmax,
+    sampling_processors,
+    token_ids,
+)
+from mha_deploy.runtime.stopping import EosTokenCriteria, MaxNewTokensCriteria, StoppingCriteriaList
+
+
+@runtime_checkable
+class TokenStepper(Protocol):
+    """What the search drives: a model that holds its own cache, one row per running sequence.
+
+    - ``prefill(input_ids, attention_mask)``: start a batch from prompts int64 [rows, seq]
+      (``attention_mask`` int64 [rows, seq], 1 = real token, 0 = padding); returns the logits of
+      each row's next token [rows, vocab]. An encoder-decoder reads them as the encoder's input and
+      starts its decoder from ``decoder_start_token_id``.
+    - ``step(next_ids)``: append one token per row (int64 [rows]); returns [rows, vocab].
+    - ``keep(rows)``: the current rows that the next call continues, in their new order (int64 indices
+      into the current rows; an index may repeat, a row left out is freed).
+    - ``decoder_start_token_id``: None for a decoder-only model; an encoder-decoder's decoder start id,
+      which is then the first token of every row's history (what the repetition penalty sees).
+    """
+
+    decoder_start_token_id: int | None
+
+    def prefill(self, input_ids: np.ndarray, attention_mask: np.ndarray) -> np.ndarray: ...
+
+    def step(self, next_ids: np.ndarray) -> np.ndarray: ...
+
+    def keep(self, rows: np.ndarray) -> None: ...
+
+
+@dataclass(frozen=True)
+class GenerationConfig:
+    """How to choose tokens. Greedy by default; ``do_sample`` samples, ``num_beams > 1`` searches beams.
+
+    - ``max_new_tokens``: a row ends after this many tokens; ``min_new_tokens``: no end id before this many.
+    - ``eos_token_id``: an id or ids that end a row (kept in its output); ``stop_token_ids``: more of them.
+      Without either, every row runs to ``max_new_tokens``.
+    - sampling: ``temperature``, ``top_k`` (None: off; transformers' generate uses 50 unless told), ``top_p``,
+      ``seed`` (numpy's default generator; None: fresh entropy).
+    - ``repetition_penalty``: every search; 1.0 is none.
+    - beams: ``num_beams``, ``length_penalty`` (hypotheses scored sum of log-probs / length ** it),
+      ``early_stopping`` (False, as transformers; True or "never").
+    - ``pad_token_id``: what ``GenerationOutput.padded`` fills with (default: the first end id, else 0).
+    """
+
+    max_new_tokens: int = 20
+    min_new_tokens: int = 0
+    do_sample: bool = False
+    temperature: float = 1.0
+    top_k: int | None = None
+    top_p: float = 1.0
+    repetition_penalty: float = 1.0
+    num_beams: int = 1
+    length_penalty: float = 1.0
+    early_stopping: bool | str = False
+    eos_token_id: int | Sequence[int] | None = None
+    stop_token_ids: Sequence[int] = ()
+    pad_token_id: int | None = None
+    seed: int | None = None
+
+    def __post_init__(self):
+        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+            raise OptionError(f"max_new_tokens must be a positive integer, got {self.max_new_tokens!r}")
+        if not isinstance(self.min_new_tokens, int) or not 0 <= self.min_new_tokens <= self.max_new_tokens:
+            raise OptionError(
+                f"min_new_tokens must be an integer in [0, max_new_tokens={self.max_new_tokens}], "
+                f"got {self.min_new_tokens!r}"
+            )
+        if not isinstance(self.num_beams, int) or self.num_beams < 1:
+            raise OptionError(f"num_beams must be a positive integer, got {self.num_beams!r}")
+        if self.num_beams > 1 and self.do_sample:
+            raise OptionError("beam search samples nothing here: give num_beams > 1 or do_sample, not both")
+        if self.early_stopping not in (True, False, "never"):
+            raise OptionError(f"early_stopping must be True, False or 'never', got {self.early_stopping!r}")
+        if self.pad_token_id is not None and (not isinstance(self.pad_token_id, int) or self.pad_token_id < 0):
+            raise OptionError(f"pad_token_id must be a non-negative integer, got {self.pad_token_id!r}")
+        if not 0.0 <= self.top_p <= 1.0:
+            raise OptionError(f"top_p must be in [0, 1] (1.0 is off), got {self.top_p}")
+        # Built once here so that a bad temperature, top_k, top_p or penalty is refused before any model call.
+        self.logits_processors()
+
+    @property
+    def end_ids(self) -> tuple[int, ...]:
+        """Every id that ends a row: ``eos_token_id`` then ``stop_token_ids``."""
+        return token_ids([*token_ids(self.eos_token_id), *token_ids(self.stop_token_ids)])
+
+    def logits_processors(self) -> LogitsProcessorList:
+        """The rules this config applies, in transformers' order."""
+        processors = LogitsProcessorList()
+        if self.repetition_penalty != 1.0:
+            processors.append(RepetitionPenaltyLogitsProcessor(self.repetition_penalty))
+        if self.min_new_tokens > 0 and self.end_ids:
+            processors.append(MinNewTokensLengthLogitsProcessor(self.min_new_tokens, self.end_ids))
+        if self.do_sample:
+            processors.extend(sampling_processors(self.temperature, self.top_k, self.top_p))
+        return processors
+
+    def stopping_criteria(self) -> StoppingCriteriaList:
+        criteria = StoppingCriteriaList([MaxNewTokensCriteria(self.max_new_tokens)])
+        if self.end_ids:
+            criteria.append(EosTokenCriteria(self.end_ids))
+        return criteria
+
+
+@dataclass(frozen=True)
+class StepTokens:
+    """One step of a streamed generation: ``tokens[i]`` is the new token of prompt ``prompts[i]``;
+    ``finished[i]`` says that it was that prompt's last (an end id, or ``max_new_tokens`` reached)."""
+
+    prompts: np.ndarray
+    tokens: np.ndarray
+    finished: np.ndarray
+
+
+@dataclass(frozen=True)
+class GenerationOutput:
+    """Per prompt, in the order given: ``tokens[i]`` int64, the new tokens only (an end id that ended it
+    included); ``scores[i]``, beam search's score of the hypothesis returned (None for other searches)."""
+
+    tokens: list[np.ndarray]
+    pad_token_id: int
+    scores: list[float] | None = field(default=None)
+
+    def padded(self, width: int | None = None) -> np.ndarray:
+        """The tokens as one int64 [prompts, width] array, filled on the right with ``pad_token_id``
+        (as transformers' ``generate`` returns finished rows); width defaults to the longest."""
+        width = max((len(t) for t in self.tokens), default=0) if width is None else width
+        out = np.full((len(self.tokens), width), self.pad_token_id, np.int64)
+        for row, tokens in enumerate(self.tokens):
+            out[row, : len(tokens)] = tokens[:width]
+        return out
+
+
+def generate(
+    stepper: TokenStepper,
+    input_ids,
+    attention_mask=None,
+    config: GenerationConfig | None = None,
+    **options,
+) -> GenerationOutput:
+    """Generate for every prompt: ``input_ids`` int [batch, seq] (with ``attention_mask`` [batch, seq], 1 = real,
+    padding on either side; transformers' models expect it on the left) or a list of prompts of any lengths
+    (padded on the left here). ``options`` override ``config``'s fields (``max_new_tokens=32, num_beams=4``)."""
+    config = _config(config, options)
+    ids, mask = prompt_batch(input_ids, attention_mask)
+    if config.num_beams > 1:
+        return _beam_search(stepper, ids, mask, config)
+    tokens: list[list[int]] = [[] for _ in range(len(ids))]
+    for step in _sample(stepper, ids, mask, config):
+        for prompt, token in zip(step.prompts, step.tokens, strict=True):
+            tokens[prompt].append(int(token))
+    return GenerationOutput([np.asarray(t, np.int64) for t in tokens], _pad_id(config))
+
+
+def stream(
+    stepper: TokenStepper,
+    input_ids,
+    attention_mask=None,
+    config: GenerationConfig | None = None,
+    **options,
+) -> Iterator[StepTokens]:
+    """``generate``'s greedy or sampled tokens as they come: one ``StepTokens`` per step, for the prompts
+    still running. Beam search cannot stream (a beam's past tokens may still change)."""
+    config = _config(config, options)
+    if config.num_beams > 1:
+        raise OptionError("beam search cannot stream: its best sequence is known only at the end; use generate")
+    ids, mask = prompt_batch(input_ids, attention_mask)
+    return _sample(stepper, ids, mask, config)
+
+
+def prompt_batch(input_ids, attention_mask=None) -> tuple[np.ndarray, np.ndarray]:
+    """Prompts as (ids int64 [batch, seq], mask int64 [batch, seq]): a list of prompts is padded on the left
+    (pad id 0, masked), an array is taken with its mask (default: every token real)."""
+    if _ragged(input_ids):
+        if attention_mask is not None:
+            raise InputError("a list of prompts carries its own lengths: give attention_mask only with an array")
+        prompts = [np.asarray(p, np.int64).ravel() for p in input_ids]
+        width = max((len(p) for p in prompts), default=0)
+        ids = np.zeros((len(prompts), width), np.int64)
+        mask = np.zeros((len(prompts), width), np.int64)
+        for row, prompt in enumerate(prompts):
+            ids[row, width - len(prompt) :] = prompt
+            mask[row, width - len(prompt) :] = 1
+    else:
+        ids = np.asarray(input_ids)
+        if ids.ndim != 2 or ids.dtype.kind not in "iu":
+            raise InputError(f"input_ids must be integer ids [batch, seq], got {ids.dtype} shape {ids.shape}")
+        ids = ids.astype(np.int64)
+        mask = np.ones_like(ids) if attention_mask is None else np.asarray(attention_mask).astype(np.int64)
+        if mask.shape != ids.shape:
+            raise InputError(f"attention_mask must have input_ids' shape {ids.shape}, got {mask.shape}")
+    if ids.shape[0] == 0:
+        raise InputError("no prompt to generate from")
+    empty = np.flatnonzero(mask.sum(axis=1) == 0)
+    if empty.size:
+        raise InputError(f"prompts {empty.tolist()} are empty (no real token): give each at least one token")
+    if ids[mask != 0].min() < 0:
+        raise InputError("token ids must be non-negative")
+    return ids, mask
+
+
+def _ragged(input_ids) -> bool:
+    """A list (or tuple) of prompts, as opposed to one [batch, seq] array."""
+    if isinstance(input_ids, np.ndarray):
+        return input_ids.dtype == object
+    return isinstance(input_ids, list | tuple)
+
+
+def _config(config: GenerationConfig | None, options: dict) -> GenerationConfig:
+    config = config or GenerationConfig()
+    unknown = set(options) - set(GenerationConfig.__dataclass_fields__)
+    if unknown:
+        raise OptionError(f"unknown generation options {sorted(unknown)}; GenerationConfig's fields are the options")
+    return replace(config, **options)
+
+
+def _pad_id(config: GenerationConfig) -> int:
+    if config.pad_token_id is not None:
+        return config.pad_token_id
+    return config.end_ids[0] if config.end_ids else 0
+
+
+def _prompt_history(stepper: TokenStepper, ids: np.ndarray, mask: np.ndarray) -> np.ndarray:
+    """What each row's history starts with: its real prompt tokens (-1 where padded), or for an encoder-decoder
+    its decoder start id (the prompt went to the encoder)."""
+    start = getattr(stepper, "decoder_start_token_id", None)
+    if start is not None:
+        return np.full((len(ids), 1), start, np.int64)
+    return np.where(mask != 0, ids, -1)
+
+
+def _sample(stepper: TokenStepper, ids: np.ndarray, mask: np.ndarray, config: GenerationConfig) -> Iterator[StepTokens]:
+    """Greedy or sampled tokens, one ``StepTokens`` per step; a row leaves the stepper when it is finished."""
+    processors, criteria = config.logits_processors(), config.stopping_criteria()
+    rng = np.random.default_rng(config.seed)
+    history = _prompt_history(stepper, ids, mask)
+    prompts = np.arange(len(ids))  # the prompt each current row generates for
+    logits = stepper.prefill(ids, mask)
+    generated = 0
+    while True:
+        scores = processors(TokenHistory(history, generated), logits.astype(np.float32, copy=False))
+        next_ids = _draw(scores, rng) if config.do_sample else np.argmax(scores, axis=-1)
+        history = np.concatenate([history, next_ids[:, None]], axis=1)
+        generated += 1
+        finished = criteria(TokenHistory(history, generated))
+        yield StepTokens(prompts.copy(), next_ids.copy(), finished.copy())
+        if finished.all():
+            return
+        if finished.any():
+            staying = np.flatnonzero(~finished)
+            stepper.keep(staying)  # the finished rows' caches are freed here
+            prompts, history, next_ids = prompts[staying], history[staying], next_ids[staying]
+        logits = stepper.step(next_ids)
+
+
+def _draw(scores: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+    """One token per row drawn from softmax(scores) (filtered scores, -inf, have probability 0)."""
+    probabilities = np.exp(log_softmax(scores).astype(np.float64))
+    cumulative = np.cumsum(probabilities, axis=-1)
+    # u in (0, total]: the first token whose cumulative mass reaches u; a token of mass 0 never does first.
+    u = (1.0 - rng.random((len(scores), 1))) * cumulative[:, -1:]
+    return np.minimum((cumulative < u).sum(axis=-1), scores.shape[-1] - 1).astype(np.int64)
+
+
+def _beam_search(
+    stepper: TokenStepper, ids: np.ndarray, mask: np.ndarray, config: GenerationConfig
+) -> GenerationOutput:
+    processors = config.logits_processors()
+    scorer = BeamSearchScorer(
+        _prompt_history(stepper, ids, mask),
+        config.num_beams,
+        config.stopping_criteria(),
+        config.max_new_tokens,
+        config.end_ids,
+        config.length_penalty,
+        config.early_stopping,
+    )
+    logits = stepper.prefill(ids, mask)
+    stepper.keep(scorer.rows)  # each prompt's row repeated once per beam
+    logits = logits[scorer.rows]
+    while True:
+        log_probs = processors(scorer.history(), log_softmax(logits))
+        next_ids = scorer.process(log_probs)
+        if scorer.done:
+            break
+        stepper.keep(scorer.rows)
+        logits = stepper.step(next_ids)
+    results = [scorer.results[i] for i in range(len(ids))]
+    return GenerationOutput([tokens for tokens, _ in results], _pad_id(config), [score for _, score in results])

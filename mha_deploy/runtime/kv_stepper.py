@@ -1,0 +1,276 @@
+"""``KVCacheStepper``: the generation loop's ``TokenStepper`` over an ONNX decoder with a KV cache. No torch.
+
+The file's inputs and outputs follow Optimum's names, which onnxruntime-genai and Optimum's own
+runtime read too, so that an mha-deploy KV-cache export and an Optimum-style decoder both run:
+
+| input | shape | |
+| --- | --- | --- |
+| ``input_ids`` int64 | [batch, seq] | the new tokens |
+| ``attention_mask`` (optional) | [batch, past + seq] | 1 = real token, over the cache and the new tokens |
+| ``position_ids`` (optional) | [batch, seq] | each token's position among its row's real tokens |
+| ``past_key_values.{i}.key`` / ``.value`` | [batch, heads, past, head_dim] | self-attention (or ``.decoder.key``) |
+| ``past_key_values.{i}.encoder.key`` / ``.value`` | [batch, heads, source, head_dim] | cross-attention cache |
+| ``encoder_hidden_states``, ``encoder_attention_mask`` (optional) | [batch, source(, d)] | the encoder's output |
+| ``use_cache_branch`` (optional) | [1] bool | Optimum's merged decoders: False on the first call |
+
+Outputs: ``logits`` [batch, seq, vocab] and ``present.{i}.key|value`` = past ++ the new tokens' keys
+and values (``present.{i}.encoder.key|value``: the encoder's keys and values, read from the first
+call and passed back unchanged after it).
+
+Every row shares one cache width; a row padded in the prompt keeps its padding as masked holes, so
+positions come from the mask (each row's count of real tokens), not from the width. When rows
+leave (``keep``), their cache rows go, and so do leading columns that no remaining row uses.
+
+An encoder-decoder (``encoder=``, ``decoder_start_token_id=``): ``prefill`` runs the encoder once on
+the prompts (its inputs ``input_ids``, ``attention_mask``; output ``last_hidden_state`` or its
+first), then the decoder from the start id with empty caches; the first call's encoder caches are
+fed back on every later call. Written to Optimum's layout; tested on a hand-written decoder-only
+file (tests/runtime/test_generation.py).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+
+from mha_deploy.errors import InputError, ModelFileError, OptionError
+from mha_deploy.metadata import METADATA_KEY
+
+SELF_CACHE = re.compile(r"^past_key_values\.(\d+)\.(?:decoder\.)?(key|value)$")
+CROSS_CACHE = re.compile(r"^past_key_values\.(\d+)\.encoder\.(key|value)$")
+DECODER_INPUTS = frozenset(
+    {"input_ids", "attention_mask", "position_ids", "encoder_hidden_states", "encoder_attention_mask",
+     "use_cache_branch"}
+)
+ORT_TYPES = {
+    "tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(double)": np.float64,
+    "tensor(int64)": np.int64, "tensor(int32)": np.int32, "tensor(bool)": np.bool_,
+}
+
+
+@dataclass(frozen=True)
+class _Port:
+    """One graph input as the stepper needs it: its name, numpy dtype and declared shape (ints or axis names)."""
+
+    name: str
+    dtype: np.dtype
+    shape: tuple
+
+
+class _Graph:
+    """A model to run, whatever holds it: an ``MHASession`` (inputs checked against its metadata), an ORT
+    ``InferenceSession``, or a file path (an mha-deploy file opens as an MHASession, any other on ORT's CPU)."""
+
+    def __init__(self, model, threads: int | None):
+        if isinstance(model, str | os.PathLike):
+            model = _open(model, threads)
+        self.source = getattr(model, "source", None) or "<onnxruntime session>"
+        if isinstance(model, ort.InferenceSession):
+            self._run = lambda feeds: dict(zip(self.outputs, model.run(list(self.outputs), feeds), strict=True))
+            ports = model.get_inputs()
+            self.outputs = tuple(o.name for o in model.get_outputs())
+            self.inputs = {p.name: _Port(p.name, np.dtype(ORT_TYPES.get(p.type, np.float32)), tuple(p.shape))
+                           for p in ports}
+        elif hasattr(model, "run") and hasattr(model, "source") and hasattr(model, "output_names"):
+            self._run = model.run  # an MHASession: validated on its signature
+            self.outputs = tuple(model.output_names)
+            self.inputs = _graph_ports(model.source)
+        else:
+            raise OptionError(
+                f"a KVCacheStepper runs an MHASession, an onnxruntime.InferenceSession or a file path, not "
+                f"{type(model).__name__}"
+            )
+
+    def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        return self._run(feeds)
+
+
+def _open(path, threads: int | None):
+    """An mha-deploy file as an ``MHASession`` (its metadata checked), any other ONNX file on ORT's CPU provider."""
+    from mha_deploy.runtime.session import MHASession
+
+    try:
+        props = {p.key: p.value for p in onnx.load(str(path), load_external_data=False).metadata_props}
+    except Exception as exc:  # a missing file, or not ONNX: say which
+        raise ModelFileError(f"{path}: not a readable ONNX file: {exc}") from exc
+    if METADATA_KEY in props:
+        return MHASession(path, provider="cpu", threads=threads)
+    options = ort.SessionOptions()
+    if threads is not None:
+        options.intra_op_num_threads = threads
+    session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+    session.source = str(path)
+    return session
+
+
+def _graph_ports(path: str) -> dict[str, _Port]:
+    """An ONNX file's inputs with their element types and declared shapes, read without its weights."""
+    graph = onnx.load(path, load_external_data=False).graph
+    ports = {}
+    for value in graph.input:
+        tensor = value.type.tensor_type
+        dtype = onnx.helper.tensor_dtype_to_np_dtype(tensor.elem_type)
+        shape = tuple(d.dim_value if d.HasField("dim_value") else (d.dim_param or None) for d in tensor.shape.dim)
+        ports[value.name] = _Port(value.name, np.dtype(dtype), shape)
+    return ports
+
+
+class KVCacheStepper:
+    """A ``TokenStepper`` (``mha_deploy.runtime.generation``) over an ONNX decoder with a KV cache.
+
+    >>> stepper = KVCacheStepper("lm.onnx")                      # or an MHASession / InferenceSession
+    >>> generate(stepper, [[5, 7, 9], [4]], max_new_tokens=32).tokens
+
+    ``num_heads`` and ``head_dim`` are read from the cache inputs' shapes; give them when the file leaves
+    them symbolic. One stepper holds one batch's cache: use one per thread.
+    """
+
+    def __init__(
+        self,
+        model,
+        *,
+        encoder=None,
+        decoder_start_token_id: int | None = None,
+        num_heads: int | None = None,
+        head_dim: int | None = None,
+        threads: int | None = None,
+    ):
+        self.graph = _Graph(model, threads)
+        self.encoder = _Graph(encoder, threads) if encoder is not None else None
+        if (encoder is None) != (decoder_start_token_id is None):
+            raise OptionError(
+                "an encoder-decoder needs both encoder= and decoder_start_token_id=; a decoder-only model neither"
+            )
+        self.decoder_start_token_id = decoder_start_token_id
+        inputs, source = self.graph.inputs, self.graph.source
+        self.self_caches = {n: _present(n) for n in inputs if SELF_CACHE.match(n)}
+        self.cross_caches = {n: _present(n) for n in inputs if CROSS_CACHE.match(n)}
+        unknown = sorted(set(inputs) - DECODER_INPUTS - set(self.self_caches) - set(self.cross_caches))
+        if "input_ids" not in inputs or unknown or not self.self_caches:
+            raise ModelFileError(
+                f"{source}: not a KV-cache decoder in Optimum's naming (inputs {sorted(inputs)}): it needs input_ids "
+                f"and past_key_values.{{i}}.key|value" + (f"; {unknown} are not inputs it knows" if unknown else "")
+            )
+        missing = [p for p in [*self.self_caches.values(), *self.cross_caches.values(), "logits"]
+                   if p not in self.graph.outputs]
+        if missing:
+            raise ModelFileError(f"{source}: outputs {missing} are missing (each past_* input needs its present.*)")
+        if self.cross_caches and self.encoder is None:
+            raise OptionError(f"{source} has cross-attention caches: give encoder= and decoder_start_token_id=")
+        self._cache_shape = _head_shape(inputs, [*self.self_caches, *self.cross_caches], num_heads, head_dim, source)
+        self._cache_dtype = inputs[next(iter(self.self_caches))].dtype
+        self._reset(0)
+
+    def _reset(self, rows: int) -> None:
+        self.mask = np.zeros((rows, 0), np.int64)  # [rows, width]: 1 = real token in the cache
+        self.past = {name: self._empty(rows) for name in (*self.self_caches, *self.cross_caches)}
+        self.encoder_feeds: dict[str, np.ndarray] = {}
+
+    def _empty(self, rows: int) -> np.ndarray:
+        heads, head_dim = self._cache_shape
+        return np.zeros((rows, heads, 0, head_dim), self._cache_dtype)
+
+    @property
+    def rows(self) -> int:
+        return self.mask.shape[0]
+
+    # --- the TokenStepper protocol -------------------------------------------------------------
+
+    def prefill(self, input_ids: np.ndarray, attention_mask: np.ndarray) -> np.ndarray:
+        input_ids = np.asarray(input_ids, np.int64)
+        attention_mask = np.asarray(attention_mask, np.int64)
+        if input_ids.ndim != 2 or attention_mask.shape != input_ids.shape:
+            raise InputError(
+                f"input_ids and attention_mask must both be [batch, seq], got {input_ids.shape} and "
+                f"{attention_mask.shape}"
+            )
+        if "attention_mask" not in self.graph.inputs and not attention_mask.all():
+            raise InputError(
+                f"{self.graph.source} takes no attention_mask, so it cannot tell padding from tokens: give prompts "
+                "of one length (or one prompt per call)"
+            )
+        self._reset(len(input_ids))
+        if self.encoder is not None:
+            self.encoder_feeds = self._encode(input_ids, attention_mask)
+            input_ids = np.full((len(input_ids), 1), self.decoder_start_token_id, np.int64)
+            attention_mask = np.ones_like(input_ids)
+        return self._call(input_ids, attention_mask, first=True)
+
+    def step(self, next_ids: np.ndarray) -> np.ndarray:
+        next_ids = np.asarray(next_ids, np.int64).reshape(-1, 1)
+        if len(next_ids) != self.rows or self.rows == 0:
+            raise InputError(f"step takes one token per running row ({self.rows}), got {len(next_ids)}")
+        return self._call(next_ids, np.ones_like(next_ids), first=False)
+
+    def keep(self, rows: np.ndarray) -> None:
+        rows = np.asarray(rows, np.int64).ravel()
+        if rows.size and (rows.min() < 0 or rows.max() >= self.rows):
+            raise InputError(f"rows {rows.tolist()} out of range for {self.rows} running rows")
+        if rows.size == self.rows and np.array_equal(rows, np.arange(self.rows)):
+            return
+        mask = self.mask[rows]
+        # Columns before every remaining row's first real token hold nothing any row reads: drop them too.
+        start = int(np.argmax(mask.any(axis=0))) if mask.size else 0
+        self.mask = np.ascontiguousarray(mask[:, start:])
+        for name, cache in self.past.items():
+            kept = cache[rows]  # a copy: the rows left out are freed with the old array
+            self.past[name] = np.ascontiguousarray(kept[:, :, start:]) if name in self.self_caches and start else kept
+        self.encoder_feeds = {name: value[rows] for name, value in self.encoder_feeds.items()}
+
+    # --- calls ---------------------------------------------------------------------------------
+
+    def _encode(self, input_ids: np.ndarray, attention_mask: np.ndarray) -> dict[str, np.ndarray]:
+        ports = self.encoder.inputs
+        feeds = {"input_ids": input_ids.astype(ports["input_ids"].dtype)}
+        if "attention_mask" in ports:
+            feeds["attention_mask"] = attention_mask.astype(ports["attention_mask"].dtype)
+        outputs = self.encoder.run(feeds)
+        hidden = outputs.get("last_hidden_state", next(iter(outputs.values())))
+        wanted = {"encoder_hidden_states": hidden, "encoder_attention_mask": attention_mask}
+        return {name: value for name, value in wanted.items() if name in self.graph.inputs}
+
+    def _call(self, input_ids: np.ndarray, new_mask: np.ndarray, first: bool) -> np.ndarray:
+        inputs = self.graph.inputs
+        mask = np.concatenate([self.mask, new_mask], axis=1)
+        feeds = {"input_ids": input_ids.astype(inputs["input_ids"].dtype, copy=False), **self.past}
+        if "attention_mask" in inputs:
+            feeds["attention_mask"] = mask.astype(inputs["attention_mask"].dtype, copy=False)
+        if "position_ids" in inputs:
+            # Each token's position among its row's real tokens: holes left by padding take no position.
+            positions = np.cumsum(mask, axis=1)[:, -input_ids.shape[1] :] - 1
+            feeds["position_ids"] = np.maximum(positions, 0).astype(inputs["position_ids"].dtype)
+        if "use_cache_branch" in inputs:
+            feeds["use_cache_branch"] = np.array([not first])
+        for name, value in self.encoder_feeds.items():
+            feeds[name] = value.astype(inputs[name].dtype, copy=False)
+        outputs = self.graph.run(feeds)
+        self.mask = mask
+        for name, present in self.self_caches.items():
+            self.past[name] = outputs[present]
+        if first:  # the encoder's keys and values: computed now, passed back unchanged after
+            for name, present in self.cross_caches.items():
+                self.past[name] = outputs[present]
+        return np.asarray(outputs["logits"][:, -1, :], np.float32)
+
+
+def _present(past_name: str) -> str:
+    return "present." + past_name.removeprefix("past_key_values.")
+
+
+def _head_shape(inputs: dict[str, _Port], caches: list[str], num_heads, head_dim, source: str) -> tuple[int, int]:
+    """(heads, head_dim) of the caches: as given, else read off the cache inputs' declared shapes."""
+    shape = inputs[caches[0]].shape
+    if len(shape) != 4:
+        raise ModelFileError(f"{source}: {caches[0]} must be [batch, heads, past, head_dim], declared {shape}")
+    heads = num_heads if num_heads is not None else shape[1]
+    size = head_dim if head_dim is not None else shape[3]
+    if not isinstance(heads, int) or not isinstance(size, int):
+        raise OptionError(
+            f"{source}: {caches[0]} declares its shape as {shape}; give num_heads= and head_dim= to size an empty cache"
+        )
+    return heads, size

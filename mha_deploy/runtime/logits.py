@@ -1,0 +1,173 @@
+"""Logits processors: one rule per class, applied in order to each step's scores. No torch.
+
+The classes keep the names and the semantics of transformers' processors of the same name
+(``transformers.generation.logits_process``), on numpy arrays: a user who moves from
+``generate`` finds the same knobs doing the same thing, and each class is tested against its
+namesake. A processor takes the rows' token histories and the scores ``[rows, vocab]`` and
+returns new scores; it never changes its input in place (the loop may still need it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from mha_deploy.errors import OptionError
+
+# What a filtered token's score becomes: it can never be chosen, greedy or sampled.
+FILTERED = -np.inf
+
+
+@dataclass(frozen=True)
+class TokenHistory:
+    """The tokens each row has seen, for the rules that depend on them.
+
+    ``tokens`` int64 [rows, length]: the prompt (left-padded; ``-1`` where a row has no token) then
+    every token generated so far; ``generated``: how many tokens each row has generated (the same for
+    every row of a batch, since rows start together and a finished row leaves)."""
+
+    tokens: np.ndarray
+    generated: int
+
+
+class LogitsProcessor:
+    """One rule over the scores of a step: ``processor(history, scores [rows, vocab]) -> scores``."""
+
+    def __call__(self, history: TokenHistory, scores: np.ndarray) -> np.ndarray:
+        raise NotImplementedError
+
+
+class LogitsProcessorList(list):
+    """Processors applied in order, each to the previous one's scores."""
+
+    def __call__(self, history: TokenHistory, scores: np.ndarray) -> np.ndarray:
+        for processor in self:
+            scores = processor(history, scores)
+        return scores
+
+
+class TemperatureLogitsWarper(LogitsProcessor):
+    """Scores divided by ``temperature``: below 1 sharpens the distribution, above 1 flattens it."""
+
+    def __init__(self, temperature: float):
+        if not temperature > 0:
+            raise OptionError(f"temperature must be > 0, got {temperature}; for greedy decoding, do not sample")
+        self.temperature = float(temperature)
+
+    def __call__(self, history: TokenHistory, scores: np.ndarray) -> np.ndarray:
+        return scores / np.float32(self.temperature)
+
+
+class TopKLogitsWarper(LogitsProcessor):
+    """Every token scored below the ``top_k``-th best of its row is filtered (ties with it are kept)."""
+
+    def __init__(self, top_k: int, min_tokens_to_keep: int = 1):
+        if not isinstance(top_k, int | np.integer) or top_k < 1:
+            raise OptionError(f"top_k must be a positive integer, got {top_k!r}")
+        self.top_k = max(int(top_k), min_tokens_to_keep)
+
+    def __call__(self, history: TokenHistory, scores: np.ndarray) -> np.ndarray:
+        k = min(self.top_k, scores.shape[-1])
+        kth_best = -np.partition(-scores, k - 1, axis=-1)[:, k - 1 : k]
+        return np.where(scores < kth_best, FILTERED, scores).astype(scores.dtype, copy=False)
+
+
+class TopPLogitsWarper(LogitsProcessor):
+    """Nucleus filtering: each row keeps its most probable tokens whose probabilities add up to ``top_p``,
+    the token that crosses it included; at least ``min_tokens_to_keep`` stay."""
+
+    def __init__(self, top_p: float, min_tokens_to_keep: int = 1):
+        if not 0.0 <= top_p <= 1.0:
+            raise OptionError(f"top_p must be in [0, 1], got {top_p}")
+        if min_tokens_to_keep < 1:
+            raise OptionError(f"min_tokens_to_keep must be at least 1, got {min_tokens_to_keep}")
+        self.top_p = float(top_p)
+        self.min_tokens_to_keep = min_tokens_to_keep
+
+    def __call__(self, history: TokenHistory, scores: np.ndarray) -> np.ndarray:
+        # Ascending order: a token goes when the mass of the tokens up to it (it included) stays within 1 - top_p,
+        # so the token that crosses the threshold, and every better one, stays.
+        order = np.argsort(scores, axis=-1, kind="stable")
+        ascending = np.take_along_axis(scores, order, axis=-1)
+        cumulative = np.cumsum(_softmax(ascending), axis=-1)
+        remove_sorted = cumulative <= (1.0 - self.top_p)
+        remove_sorted[:, -self.min_tokens_to_keep :] = False
+        remove = np.empty_like(remove_sorted)
+        np.put_along_axis(remove, order, remove_sorted, axis=-1)
+        return np.where(remove, FILTERED, scores).astype(scores.dtype, copy=False)
+
+
+class RepetitionPenaltyLogitsProcessor(LogitsProcessor):
+    """Every token a row has already seen (prompt included, padding not) is made less likely: a positive
+    score divided by ``penalty``, a negative one multiplied by it, once per token however often it came."""
+
+    def __init__(self, penalty: float):
+        if not penalty > 0:
+            raise OptionError(f"repetition_penalty must be > 0 (1.0 is none), got {penalty}")
+        self.penalty = float(penalty)
+
+    def __call__(self, history: TokenHistory, scores: np.ndarray) -> np.ndarray:
+        seen = np.zeros(scores.shape, bool)
+        rows, positions = np.nonzero(history.tokens >= 0)
+        tokens = history.tokens[rows, positions]
+        inside = tokens < scores.shape[-1]  # an id the head cannot produce has no score to penalise
+        seen[rows[inside], tokens[inside]] = True
+        penalised = np.where(scores < 0, scores * np.float32(self.penalty), scores / np.float32(self.penalty))
+        return np.where(seen, penalised, scores).astype(scores.dtype, copy=False)
+
+
+class MinNewTokensLengthLogitsProcessor(LogitsProcessor):
+    """The end ids are filtered until each row has generated ``min_new_tokens`` tokens."""
+
+    def __init__(self, min_new_tokens: int, eos_token_id: int | Iterable[int]):
+        if min_new_tokens < 0:
+            raise OptionError(f"min_new_tokens must be >= 0, got {min_new_tokens}")
+        self.min_new_tokens = int(min_new_tokens)
+        self.eos_token_ids = token_ids(eos_token_id)
+
+    def __call__(self, history: TokenHistory, scores: np.ndarray) -> np.ndarray:
+        if history.generated >= self.min_new_tokens or not self.eos_token_ids:
+            return scores
+        scores = scores.copy()
+        ids = [i for i in self.eos_token_ids if i < scores.shape[-1]]
+        scores[:, ids] = FILTERED
+        return scores
+
+
+def token_ids(ids: int | Iterable[int] | None) -> tuple[int, ...]:
+    """``ids`` as a tuple of distinct non-negative ints, in the order given (None: none)."""
+    if ids is None:
+        return ()
+    values = [ids] if isinstance(ids, int | np.integer) else list(ids)
+    for value in values:
+        if not isinstance(value, int | np.integer) or value < 0:
+            raise OptionError(f"token ids must be non-negative integers, got {value!r}")
+    return tuple(dict.fromkeys(int(value) for value in values))
+
+
+def log_softmax(scores: np.ndarray) -> np.ndarray:
+    """log(softmax(scores)) over the last axis, in float32, stable for large and -inf scores."""
+    scores = scores.astype(np.float32, copy=False)
+    peak = np.max(scores, axis=-1, keepdims=True)
+    shifted = scores - np.where(np.isfinite(peak), peak, 0)
+    return shifted - np.log(np.sum(np.exp(shifted), axis=-1, keepdims=True))
+
+
+def _softmax(scores: np.ndarray) -> np.ndarray:
+    return np.exp(log_softmax(scores))
+
+
+def sampling_processors(
+    temperature: float, top_k: int | None, top_p: float, min_tokens_to_keep: int = 1
+) -> Sequence[LogitsProcessor]:
+    """The warpers sampling adds after the rules every search applies, in transformers' order."""
+    warpers: list[LogitsProcessor] = []
+    if temperature != 1.0:
+        warpers.append(TemperatureLogitsWarper(temperature))
+    if top_k is not None and top_k != 0:
+        warpers.append(TopKLogitsWarper(top_k, min_tokens_to_keep))
+    if top_p < 1.0:
+        warpers.append(TopPLogitsWarper(top_p, min_tokens_to_keep))
+    return warpers

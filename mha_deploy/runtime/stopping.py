@@ -1,0 +1,56 @@
+"""Stopping criteria: when a row's sequence is finished. No torch.
+
+As transformers' ``StoppingCriteria`` (same names), on numpy: each criterion looks at the rows'
+histories, the token just chosen included, and says which rows are finished. The search decides
+what a finished row means: it leaves the batch (greedy, sampling) or becomes a hypothesis (beams).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import numpy as np
+
+from mha_deploy.errors import OptionError
+from mha_deploy.runtime.logits import TokenHistory, token_ids
+
+
+class StoppingCriteria:
+    """``criterion(history) -> bool [rows]``: True where a row is finished after its last token."""
+
+    def __call__(self, history: TokenHistory) -> np.ndarray:
+        raise NotImplementedError
+
+
+class StoppingCriteriaList(list):
+    """A row is finished when any criterion says so."""
+
+    def __call__(self, history: TokenHistory) -> np.ndarray:
+        finished = np.zeros(history.tokens.shape[0], bool)
+        for criterion in self:
+            finished |= criterion(history)
+        return finished
+
+
+class EosTokenCriteria(StoppingCriteria):
+    """A row ends on any of ``eos_token_id`` (end-of-sequence and stop ids alike); the id stays in its output."""
+
+    def __init__(self, eos_token_id: int | Iterable[int]):
+        self.eos_token_ids = np.asarray(token_ids(eos_token_id), np.int64)
+        if not self.eos_token_ids.size:
+            raise OptionError("EosTokenCriteria needs at least one token id")
+
+    def __call__(self, history: TokenHistory) -> np.ndarray:
+        return np.isin(history.tokens[:, -1], self.eos_token_ids)
+
+
+class MaxNewTokensCriteria(StoppingCriteria):
+    """Every row ends once it has generated ``max_new_tokens`` tokens."""
+
+    def __init__(self, max_new_tokens: int):
+        if max_new_tokens < 1:
+            raise OptionError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
+        self.max_new_tokens = int(max_new_tokens)
+
+    def __call__(self, history: TokenHistory) -> np.ndarray:
+        return np.full(history.tokens.shape[0], history.generated >= self.max_new_tokens)

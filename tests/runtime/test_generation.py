@@ -1,0 +1,401 @@
+"""The generation loop against oracles written elsewhere: transformers' ``generate`` on Hugging Face GPT-2 (greedy
+and beam search, token for token), transformers' logits processors of the same names, the softmax of the logits
+(sampling); and the ONNX stepper (a hand-written cache-aware GPT exported by torch) against the same loop over the
+module in torch."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from mha_deploy.errors import InputError, ModelFileError, OptionError
+from mha_deploy.runtime import logits as ours
+from mha_deploy.runtime.generation import GenerationConfig, TokenStepper, generate, prompt_batch, stream
+from mha_deploy.runtime.kv_stepper import KVCacheStepper
+from mha_deploy.runtime.logits import TokenHistory
+from mha_deploy.runtime.stopping import EosTokenCriteria, MaxNewTokensCriteria, StoppingCriteriaList
+from tests.conftest import user_module
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+MAX_NEW = 12
+PAD = 1
+# One prompt, and prompts of different lengths left-padded as transformers' decoder-only models expect.
+PROMPTS = {"one": [6], "left-padded": [5, 2, 7]}
+SEARCHES = {
+    "greedy": {},
+    "greedy-penalised": {"repetition_penalty": 1.5, "min_new_tokens": 3},
+    "beams": {"num_beams": 4},
+    "beams-short": {"num_beams": 4, "length_penalty": 0.6},
+    "beams-long": {"num_beams": 4, "length_penalty": 2.0},
+    "beams-early": {"num_beams": 4, "early_stopping": True},
+}
+
+
+class RecomputeStepper:
+    """A ``TokenStepper`` running a torch model over each row's whole prefix on every call (no cache): the
+    plainest way to the next token's logits, so that a cache or row-bookkeeping bug in a stepper under test shows.
+    ``rows_per_call`` records how many rows each call ran."""
+
+    decoder_start_token_id = None
+
+    def __init__(self, logits_of):
+        self.logits_of = logits_of  # (ids, mask, positions) tensors [rows, seq] -> logits [rows, seq, vocab]
+        self.rows_per_call: list[int] = []
+
+    def prefill(self, input_ids, attention_mask):
+        self.ids, self.mask = input_ids, attention_mask
+        return self._logits()
+
+    def step(self, next_ids):
+        self.ids = np.concatenate([self.ids, next_ids[:, None]], axis=1)
+        self.mask = np.concatenate([self.mask, np.ones((len(next_ids), 1), np.int64)], axis=1)
+        return self._logits()
+
+    def keep(self, rows):
+        self.ids, self.mask = self.ids[rows], self.mask[rows]
+
+    def _logits(self):
+        self.rows_per_call.append(len(self.ids))
+        mask = torch.from_numpy(self.mask)
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        with torch.no_grad():
+            return self.logits_of(torch.from_numpy(self.ids), mask, positions)[:, -1].float().numpy()
+
+
+class CountingStepper:
+    """Another stepper, its calls' row counts recorded."""
+
+    def __init__(self, inner):
+        self.inner, self.decoder_start_token_id = inner, inner.decoder_start_token_id
+        self.rows_per_call: list[int] = []
+
+    def prefill(self, input_ids, attention_mask):
+        self.rows_per_call.append(len(input_ids))
+        return self.inner.prefill(input_ids, attention_mask)
+
+    def step(self, next_ids):
+        self.rows_per_call.append(len(next_ids))
+        return self.inner.step(next_ids)
+
+    def keep(self, rows):
+        self.inner.keep(rows)
+
+
+def prompts(lengths: list[int], vocab: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """Random prompts of ``lengths``, left-padded with PAD (masked)."""
+    rng = np.random.default_rng(seed)
+    ids, mask = prompt_batch([rng.integers(2, vocab, n) for n in lengths])
+    return np.where(mask == 1, ids, PAD), mask
+
+
+def end_ids(tokens: list[np.ndarray]) -> list[int]:
+    """Ids that end the rows of a run without them at different steps: row i's token at step 2 + 3 i."""
+    return sorted({int(row[min(2 + 3 * i, len(row) - 1)]) for i, row in enumerate(tokens)})
+
+
+# --- Hugging Face GPT-2: transformers' generate is the oracle ------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def gpt2():
+    model = user_module("hf_gpt2").build()
+    with torch.no_grad():  # GPT-2's initial weights (std 0.02) give near-uniform logits that repeat one token
+        for parameter in model.parameters():
+            parameter.mul_(5.0)
+    return model
+
+
+def gpt2_stepper(model) -> RecomputeStepper:
+    return RecomputeStepper(lambda ids, mask, positions: model(input_ids=ids, attention_mask=mask,
+                                                               position_ids=positions).logits)
+
+
+def transformers_generate(model, ids, mask, **options) -> np.ndarray:
+    with torch.no_grad():
+        out = model.generate(input_ids=torch.from_numpy(ids), attention_mask=torch.from_numpy(mask), do_sample=False,
+                             max_new_tokens=MAX_NEW, pad_token_id=PAD, **options)
+    return out[:, ids.shape[1] :].numpy()
+
+
+@pytest.fixture(scope="module")
+def gpt2_ends(gpt2):
+    """Ids that end the left-padded batch's greedy rows at different steps."""
+    ids, mask = prompts(PROMPTS["left-padded"], gpt2.config.vocab_size, seed=4)
+    return end_ids(generate(gpt2_stepper(gpt2), ids, mask, max_new_tokens=MAX_NEW).tokens)
+
+
+# Every search on the left-padded batch with and without end ids; greedy and beams on one prompt.
+SEARCH_CASES = [
+    *[pytest.param("left-padded", search, ends, id=f"left-padded-{search}-{'eos' if ends else 'no-eos'}")
+      for search in SEARCHES for ends in (False, True)],
+    *[pytest.param("one", search, True, id=f"one-{search}-eos") for search in ("greedy", "beams-short")],
+]
+
+
+@pytest.mark.parametrize(("batch", "search", "ends"), SEARCH_CASES)
+def test_search_equals_transformers_generate(gpt2, gpt2_ends, batch, search, ends):
+    ids, mask = prompts(PROMPTS[batch], gpt2.config.vocab_size, seed=4)
+    eos = gpt2_ends if ends else None
+    expected = transformers_generate(gpt2, ids, mask, eos_token_id=eos, **SEARCHES[search])
+    out = generate(gpt2_stepper(gpt2), ids, mask, max_new_tokens=MAX_NEW, eos_token_id=eos, pad_token_id=PAD,
+                   **SEARCHES[search])
+    np.testing.assert_array_equal(out.padded(expected.shape[1]), expected)
+    if ends and search == "greedy" and batch == "left-padded":  # the case exercises rows leaving at different steps
+        assert len({len(tokens) for tokens in out.tokens}) == 3, [t.tolist() for t in out.tokens]
+
+
+def test_finished_rows_leave_the_batch(gpt2, gpt2_ends):
+    ids, mask = prompts(PROMPTS["left-padded"], gpt2.config.vocab_size, seed=4)
+    eos = gpt2_ends
+    stepper = gpt2_stepper(gpt2)
+    out = generate(stepper, ids, mask, max_new_tokens=MAX_NEW, eos_token_id=eos)
+    lengths = [len(t) for t in out.tokens]
+    # Call k (0: the prefill) runs the rows that have generated k tokens and not ended.
+    assert stepper.rows_per_call == [sum(n > k for n in lengths) for k in range(max(lengths))]
+
+
+def test_stream_yields_what_generate_returns(gpt2, gpt2_ends):
+    ids, mask = prompts(PROMPTS["left-padded"], gpt2.config.vocab_size, seed=4)
+    eos = gpt2_ends
+    expected = generate(gpt2_stepper(gpt2), ids, mask, max_new_tokens=MAX_NEW, eos_token_id=eos).tokens
+    streamed: list[list[int]] = [[] for _ in expected]
+    for step in stream(gpt2_stepper(gpt2), ids, mask, max_new_tokens=MAX_NEW, eos_token_id=eos):
+        for prompt, token, finished in zip(step.prompts, step.tokens, step.finished, strict=True):
+            assert not streamed[prompt] or streamed[prompt][-1] not in eos  # nothing after a row's end
+            streamed[prompt].append(int(token))
+            assert finished == (len(streamed[prompt]) == len(expected[prompt]))
+    assert streamed == [t.tolist() for t in expected]
+
+
+# --- the ONNX stepper: a cache-aware GPT exported by torch, against the same loop over the module in torch ---
+
+
+@pytest.fixture(scope="module")
+def cached_gpt(tmp_path_factory):
+    from tests.runtime import cached_gpt
+
+    model = cached_gpt.build(seed=0)
+    path = tmp_path_factory.mktemp("generation") / "cached_gpt.onnx"
+    cached_gpt.export(model, path)
+    empty = [torch.zeros(1, cached_gpt.HEADS, 0, cached_gpt.HEAD_DIM)] * (2 * cached_gpt.LAYERS)
+
+    def logits_of(ids, mask, positions):
+        return model(ids, mask, positions, *(e.expand(len(ids), -1, -1, -1) for e in empty))[0]
+
+    return path, logits_of, cached_gpt.VOCAB
+
+
+ORT_SEARCHES = {
+    "greedy": {},
+    "beams": {"num_beams": 4, "length_penalty": 0.6},
+    "sampled": {"do_sample": True, "temperature": 0.8, "top_k": 10, "top_p": 0.95, "seed": 7},
+}
+
+
+@pytest.mark.parametrize("search", ORT_SEARCHES)
+def test_onnx_cache_equals_the_torch_loop(cached_gpt, search):
+    path, logits_of, vocab = cached_gpt
+    ids, mask = prompts(PROMPTS["left-padded"], vocab, seed=5)
+    eos = end_ids(generate(RecomputeStepper(logits_of), ids, mask, max_new_tokens=MAX_NEW).tokens)
+    options = {"max_new_tokens": MAX_NEW, "eos_token_id": eos, **ORT_SEARCHES[search]}
+    torch_stepper = RecomputeStepper(logits_of)
+    expected = generate(torch_stepper, ids, mask, **options)
+    onnx_stepper = CountingStepper(KVCacheStepper(path))
+    out = generate(onnx_stepper, ids, mask, **options)
+    assert [t.tolist() for t in out.tokens] == [t.tolist() for t in expected.tokens]
+    assert onnx_stepper.rows_per_call == torch_stepper.rows_per_call  # rows leave (and beams move) alike
+    if search == "greedy":
+        assert min(onnx_stepper.rows_per_call) < len(ids)  # some row ended early and left
+
+
+def test_leaving_rows_free_their_cache_and_unused_columns(cached_gpt):
+    path, _, vocab = cached_gpt
+    stepper = KVCacheStepper(path)
+    ids, mask = prompts([7, 2, 3], vocab, seed=5)
+    stepper.prefill(ids, mask)
+    stepper.step(np.array([3, 4, 5]))
+    stepper.keep(np.array([1, 2]))  # the 7-token row leaves: the 4 columns only it used go with it
+    assert stepper.mask.shape == (2, 4) and stepper.mask.all(axis=0).any()
+    assert {cache.shape[:3] for cache in stepper.past.values()} == {(2, 4, 4)}
+    stepper.keep(np.array([1, 1, 0]))  # beams: rows repeated and reordered
+    assert {cache.shape[0] for cache in stepper.past.values()} == {3}
+    np.testing.assert_array_equal(stepper.past["past_key_values.0.key"][0], stepper.past["past_key_values.0.key"][1])
+
+
+def test_onnx_stepper_is_a_token_stepper(cached_gpt):
+    assert isinstance(KVCacheStepper(cached_gpt[0]), TokenStepper)
+
+
+def test_a_file_without_a_cache_is_refused(tmp_path):
+    from onnx import TensorProto, helper, save
+
+    value = [helper.make_tensor_value_info(n, TensorProto.INT64, ["b", "s"]) for n in ("input_ids", "logits")]
+    graph = helper.make_graph([helper.make_node("Identity", ["input_ids"], ["logits"])], "g", value[:1], value[1:])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 10
+    save(model, tmp_path / "plain.onnx")
+    with pytest.raises(ModelFileError, match="past_key_values"):
+        KVCacheStepper(tmp_path / "plain.onnx")
+
+
+# --- sampling ----------------------------------------------------------------------------------------------
+
+
+def test_sampling_with_a_seed_is_reproducible(cached_gpt):
+    _, logits_of, vocab = cached_gpt
+    ids, mask = prompts(PROMPTS["left-padded"], vocab, seed=5)
+
+    def sample(seed):
+        out = generate(RecomputeStepper(logits_of), ids, mask, max_new_tokens=MAX_NEW, do_sample=True, seed=seed)
+        return [t.tolist() for t in out.tokens]
+
+    assert sample(3) == sample(3)
+    assert sample(3) != sample(4)
+
+
+class FixedLogits:
+    """A stepper whose every row's next-token logits are ``logits``."""
+
+    decoder_start_token_id = None
+
+    def __init__(self, logits):
+        self.logits = np.asarray(logits, np.float32)
+
+    def prefill(self, input_ids, attention_mask):
+        return np.tile(self.logits, (len(input_ids), 1))
+
+    def step(self, next_ids):
+        return np.tile(self.logits, (len(next_ids), 1))
+
+    def keep(self, rows):
+        pass
+
+
+# Chi-square critical values at p = 0.001 by degrees of freedom: a correct sampler fails one in a thousand seeds,
+# and this seed is fixed.
+CHI2_P001 = {1: 10.828, 2: 13.816, 3: 16.266, 4: 18.467, 5: 20.515, 6: 22.458, 7: 24.322, 8: 26.124, 9: 27.877}
+DRAWS = 20_000
+
+
+@pytest.mark.parametrize("options", [{}, {"temperature": 0.7, "top_k": 5}, {"top_p": 0.8}, {"temperature": 1.6}],
+                         ids=["plain", "temperature-top-k", "top-p", "hot"])
+def test_sampled_tokens_follow_the_softmax_of_the_processed_logits(options):
+    logits = np.random.default_rng(0).normal(0, 1.5, 8).astype(np.float32)
+    config = GenerationConfig(do_sample=True, max_new_tokens=1, seed=11, **options)
+    out = generate(FixedLogits(logits), np.zeros((DRAWS, 1), np.int64), config=config)
+    counts = np.bincount(np.concatenate(out.tokens), minlength=len(logits))
+    scores = config.logits_processors()(TokenHistory(np.zeros((1, 1), np.int64), 0), logits[None])[0]
+    expected = np.exp(ours.log_softmax(scores)) * DRAWS
+    kept = expected > 0
+    assert counts[~kept].sum() == 0, "a filtered token was drawn"
+    chi2 = float(((counts[kept] - expected[kept]) ** 2 / expected[kept]).sum())
+    assert chi2 < CHI2_P001[int(kept.sum()) - 1], (chi2, counts, expected.round())
+
+
+# --- each logits processor against transformers' processor of the same name ----------------------------------
+
+ROWS, VOCAB, LENGTH, GENERATED = 4, 50, 9, 3
+
+
+def history() -> TokenHistory:
+    """Rows of a left-padded batch (-1 = padding) that have generated GENERATED tokens each."""
+    tokens = np.random.default_rng(2).integers(0, VOCAB, (ROWS, LENGTH))
+    for row, pads in enumerate([0, 2, 4, 1]):
+        tokens[row, :pads] = -1
+    return TokenHistory(tokens, GENERATED)
+
+
+def theirs_repetition(penalty):
+    # generate ignores each row's leading padding, counted from the attention mask.
+    pads = torch.from_numpy((history().tokens < 0).sum(axis=1))
+    return transformers.RepetitionPenaltyLogitsProcessor(penalty, prompt_ignore_length=pads)
+
+
+PROCESSORS = {
+    "TemperatureLogitsWarper": (lambda: ours.TemperatureLogitsWarper(0.7),
+                                lambda: transformers.TemperatureLogitsWarper(0.7)),
+    "TopKLogitsWarper": (lambda: ours.TopKLogitsWarper(5), lambda: transformers.TopKLogitsWarper(5)),
+    "TopKLogitsWarper-keep": (lambda: ours.TopKLogitsWarper(1, min_tokens_to_keep=3),
+                              lambda: transformers.TopKLogitsWarper(1, min_tokens_to_keep=3)),
+    "TopPLogitsWarper": (lambda: ours.TopPLogitsWarper(0.8), lambda: transformers.TopPLogitsWarper(0.8)),
+    "TopPLogitsWarper-keep": (lambda: ours.TopPLogitsWarper(0.05, min_tokens_to_keep=2),
+                              lambda: transformers.TopPLogitsWarper(0.05, min_tokens_to_keep=2)),
+    "RepetitionPenaltyLogitsProcessor": (lambda: ours.RepetitionPenaltyLogitsProcessor(1.3),
+                                         lambda: theirs_repetition(1.3)),
+    "RepetitionPenaltyLogitsProcessor-reward": (lambda: ours.RepetitionPenaltyLogitsProcessor(0.6),
+                                                lambda: theirs_repetition(0.6)),
+    "MinNewTokensLengthLogitsProcessor-before": (
+        lambda: ours.MinNewTokensLengthLogitsProcessor(GENERATED + 1, [2, 7]),
+        lambda: transformers.MinNewTokensLengthLogitsProcessor(LENGTH - GENERATED, GENERATED + 1, [2, 7])),
+    "MinNewTokensLengthLogitsProcessor-after": (
+        lambda: ours.MinNewTokensLengthLogitsProcessor(GENERATED, [2, 7]),
+        lambda: transformers.MinNewTokensLengthLogitsProcessor(LENGTH - GENERATED, GENERATED, [2, 7])),
+}
+
+
+@pytest.mark.parametrize("ties", [False, True], ids=["distinct", "ties"])
+@pytest.mark.parametrize("name", PROCESSORS)
+def test_processor_equals_transformers_namesake(name, ties):
+    make_ours, make_theirs = PROCESSORS[name]
+    scores = np.random.default_rng(3).normal(0, 3, (ROWS, VOCAB)).astype(np.float32)
+    if ties:  # equal scores at the cut of top-k and top-p
+        scores = np.round(scores)
+    tokens = history().tokens
+    expected = make_theirs()(torch.from_numpy(np.where(tokens < 0, 0, tokens)), torch.from_numpy(scores.copy()))
+    before = scores.copy()
+    result = make_ours()(history(), scores)
+    np.testing.assert_array_equal(scores, before)  # the input is left as it was
+    expected = expected.numpy()
+    if ties and name.startswith("TopP"):
+        # Which of equal scores at the cut goes is torch.sort's order there, not a stable one: compare what is
+        # kept as multisets of scores per row.
+        for kept, kept_expected in zip(np.sort(result, axis=1), np.sort(expected, axis=1), strict=True):
+            np.testing.assert_array_equal(kept, kept_expected)
+        return
+    np.testing.assert_allclose(result, expected, rtol=1e-6, atol=0)
+
+
+def test_log_softmax_equals_torch():
+    scores = np.random.default_rng(1).normal(0, 4, (3, 20)).astype(np.float32)
+    scores[0, :5] = -np.inf
+    expected = torch.log_softmax(torch.from_numpy(scores), -1).numpy()
+    np.testing.assert_allclose(ours.log_softmax(scores), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_stopping_criteria():
+    tokens = np.array([[5, 2], [5, 3], [5, 9]])
+    criteria = StoppingCriteriaList([EosTokenCriteria([2, 9])])
+    np.testing.assert_array_equal(criteria(TokenHistory(tokens, 1)), [True, False, True])
+    criteria.append(MaxNewTokensCriteria(2))
+    np.testing.assert_array_equal(criteria(TokenHistory(tokens, 1)), [True, False, True])
+    assert criteria(TokenHistory(tokens, 2)).all()
+
+
+# --- bad options and inputs ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("options", [
+    {"max_new_tokens": 0}, {"min_new_tokens": 30, "max_new_tokens": 5}, {"num_beams": 0},
+    {"num_beams": 2, "do_sample": True}, {"do_sample": True, "temperature": 0.0}, {"do_sample": True, "top_p": 1.5},
+    {"do_sample": True, "top_k": -1}, {"repetition_penalty": 0.0}, {"early_stopping": "sometimes"},
+    {"eos_token_id": -3}, {"beams": 4},
+], ids=lambda o: ",".join(o))
+def test_bad_options_are_refused_before_any_call(options):
+    with pytest.raises(OptionError):
+        generate(FixedLogits(np.zeros(4)), [[1, 2]], **options)
+
+
+@pytest.mark.parametrize(("prompts_given", "match"), [
+    ([[1, 2], []], "empty"), (np.zeros((0, 3), np.int64), "no prompt"), (np.array([[1.5, 2.0]]), "integer"),
+    ([[1, -2]], "non-negative"),
+])
+def test_bad_prompts_are_refused(prompts_given, match):
+    with pytest.raises(InputError, match=match):
+        generate(FixedLogits(np.zeros(4)), prompts_given)
+
+
+def test_beam_search_cannot_stream():
+    with pytest.raises(OptionError, match="stream"):
+        stream(FixedLogits(np.zeros(4)), [[1, 2]], num_beams=2)
