@@ -227,9 +227,11 @@ def own_model(tmp_path_factory):
             result = CliRunner().invoke(
                 main, ["export", "--module", f"{USER_MODELS / name}.py:{factory}", *inputs, "-o", str(path)]
             )
-            assert result.exit_code == 0, result.output
-            cache[name, factory] = path, result.output
-        return cache[name, factory]
+            # a failure is cached too: every test of that model then fails at once, with the export's words
+            cache[name, factory] = path, result
+        path, result = cache[name, factory]
+        assert result.exit_code == 0, result.output
+        return path, result.output
 
     return export
 

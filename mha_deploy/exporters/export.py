@@ -14,7 +14,14 @@ import onnx
 import torch
 
 from mha_deploy.atomic import atomic_path
-from mha_deploy.errors import ExportError, ParityError, first_line, raises_export_errors
+from mha_deploy.errors import (
+    ExportError,
+    ModelFileError,
+    ModelFileExportError,
+    ParityError,
+    first_line,
+    raises_export_errors,
+)
 from mha_deploy.exporters.fusion import FusionReport, fuse_attention
 from mha_deploy.exporters.graphs import attention_graph
 from mha_deploy.exporters.kv_cache import CacheProjection, attach_caches, decode_on_mha, prefill_or_decode
@@ -54,8 +61,8 @@ from mha_deploy.metadata import (
 )
 from mha_deploy.models.attention import MASK_FILL_VALUE, MultiHeadAttention
 from mha_deploy.models.transformer import Decoder, Encoder
-from mha_deploy.runtime.model_check import head_splits
-from mha_deploy.runtime.session import MHASession
+from mha_deploy.runtime.model_check import graph_heads, head_splits
+from mha_deploy.runtime.session import MHASession, check_model_before_writing
 
 # --fuse auto, per mask mode: the fastest exact path on ORT's CPU provider. Full block
 # (projections + attention), self-attention, d_model 512, 8 heads, fp32, 2 threads, ORT 1.31.1,
@@ -469,6 +476,18 @@ def capped_cases(cases: Sequence[ParityCase], max_length: int | None) -> tuple[P
     return tuple(replace(c, q_len=min(c.q_len, max_length), kv_len=min(c.kv_len, max_length)) for c in cases)
 
 
+def _check_loads(model: onnx.ModelProto, output: Path) -> None:
+    """Refuse to write a file that ``MHASession``, ``infer``, ``serve`` and ``triton`` would refuse to load."""
+    try:
+        check_model_before_writing(model, output)
+    except ModelFileError as exc:
+        problem = getattr(exc, "problem", None) or first_line(exc)
+        raise ModelFileExportError(
+            f"{output}: {problem}; the load check every session runs would refuse the file, so nothing was "
+            "written (a fault of the export: please report it)"
+        ) from exc
+
+
 def _finish(
     module,
     plain: onnx.ModelProto,
@@ -531,6 +550,11 @@ def _finish(
     metadata.fusion = fusion.target
     metadata.quantization = options.quantize
     metadata.parity = report
+    if metadata.signature.model == "custom":
+        # A user's model: the most heads one of its attentions splits into, as the written graph states them
+        # (its fused ops' num_heads; the unfused graph's head splits), which is what a load checks it against.
+        metadata.num_heads = max(graph_heads(model, metadata.d_model), default=metadata.num_heads)
     set_metadata(model, metadata)
+    _check_loads(model, output)
     write_model_atomically(model, output)
     return ExportResult(output, metadata, report, fusion, packing, warnings)

@@ -142,27 +142,50 @@ def graph_heads(proto: onnx.ModelProto, d_model: int) -> set[int]:
 
 
 def head_splits(proto: onnx.ModelProto) -> set[tuple[int, int]]:
-    """(heads, d_k) of each head split of an unfused graph: Reshape(x, Concat(batch, seq, [heads], [d_k]))."""
-    constants = {t.name: t for t in proto.graph.initializer}
-    for node in proto.graph.node:
+    """(heads, d_k) of each head split of an unfused graph: Reshape(x, Concat(batch, seq, [heads], [d_k])) as
+    the reference form writes it, or Concat(batch, [-1], [heads], [d_k]) (``view(batch, -1, heads, d_k)``).
+    One of heads and d_k may be -1 where x's last axis has a fixed size: Hugging Face's
+    ``view(*shape[:-1], -1, head_dim)`` splits x's width into heads of head_dim."""
+    graph = proto.graph
+    constants = {t.name: t for t in graph.initializer}
+    for node in graph.node:
         if node.op_type == "Constant":
             for attribute in node.attribute:
                 if attribute.name == "value":
                     constants[node.output[0]] = attribute.t
+    producers = {output: node for node in graph.node for output in node.output}
+    widths = _last_axes(proto)
     found = set()
-    for node in proto.graph.node:
-        if node.op_type != "Concat" or len(node.input) != 4:
+    for node in graph.node:
+        shape = producers.get(node.input[1]) if node.op_type == "Reshape" and len(node.input) > 1 else None
+        if shape is None or shape.op_type != "Concat" or len(shape.input) != 4:
             continue
-        tail = [_scalar(constants.get(name)) for name in node.input[2:]]
-        if None not in tail:
-            found.add((tail[0], tail[1]))
+        heads, d_k = (_scalar(constants.get(name)) for name in shape.input[2:])
+        width = widths.get(node.input[0])
+        if heads == -1 and d_k and d_k > 0 and width and width % d_k == 0:
+            heads = width // d_k
+        elif d_k == -1 and heads and heads > 0 and width and width % heads == 0:
+            d_k = width // heads
+        if heads and d_k and heads > 0 and d_k > 0:
+            found.add((heads, d_k))
     return found
+
+
+def _last_axes(proto: onnx.ModelProto) -> dict[str, int]:
+    """Value name -> the fixed size of its last axis, where the graph records one."""
+    sizes = {}
+    for value in (*proto.graph.input, *proto.graph.value_info, *proto.graph.output):
+        dims = value.type.tensor_type.shape.dim
+        if dims and dims[-1].HasField("dim_value") and dims[-1].dim_value > 0:
+            sizes[value.name] = dims[-1].dim_value
+    return sizes
 
 
 def check_heads(proto: onnx.ModelProto, metadata: ModelMetadata, source: str) -> None:
     heads = graph_heads(proto, metadata.d_model)
     if metadata.signature.model == "custom":
-        # A user's model may hold attentions of several widths: the recorded count is the largest.
+        # A user's model may hold attentions of several widths and head counts: its metadata records the most
+        # heads one of them splits into (what sizes its largest score tensor), as the graph states them.
         if heads and metadata.num_heads != max(heads):
             _refuse(source, f"the graph's attentions split up to {max(heads)} heads, its metadata says "
                             f"{metadata.num_heads}")
@@ -363,10 +386,11 @@ def _budget(metadata: ModelMetadata) -> float:
 
 
 def _scalar(tensor: onnx.TensorProto | None) -> int | None:
+    """A one-element int tensor's value (-1 included: a reshape's "the rest"), else None."""
     if tensor is None or tensor.data_type not in (onnx.TensorProto.INT64, onnx.TensorProto.INT32):
         return None
     values = numpy_helper.to_array(tensor).ravel()
-    return int(values[0]) if values.size == 1 and values[0] > 0 else None
+    return int(values[0]) if values.size == 1 and (values[0] > 0 or values[0] == -1) else None
 
 
 def _axes(spec: TensorSpec) -> str:
@@ -374,6 +398,8 @@ def _axes(spec: TensorSpec) -> str:
 
 
 def _refuse(source: str, problem: str) -> None:
-    raise ModelFileError(
+    error = ModelFileError(
         f"{source}: {problem}; the file was edited after export or is damaged: export it again with `mha-deploy export`"
     )
+    error.problem = problem  # what the exporter, running this check before it writes, reports in its own words
+    raise error

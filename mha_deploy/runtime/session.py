@@ -190,6 +190,9 @@ class MHASession:
             proto = onnx.load(str(path), load_external_data=False)
         except Exception as exc:  # DecodeError and friends; ORT read it, so this is a race with a writer
             raise ModelFileError(f"{path}: not a readable ONNX file: {exc}") from exc
+        self._check_against_proto(proto, probe)
+
+    def _check_against_proto(self, proto: onnx.ModelProto, probe: bool) -> None:
         check_declared_io(proto, self.metadata, self.source)
         check_branch_ranks(proto, self.source)
         check_heads(proto, self.metadata, self.source)
@@ -314,6 +317,18 @@ def check_model_file(path: str | os.PathLike) -> ModelMetadata:
     ``mha_deploy.runtime.model_check``), or ``ModelFileError``. What ``triton`` and ``inspect`` check
     with, so that they refuse or flag exactly the files ``infer`` and ``serve`` refuse."""
     return MHASession(path, provider="cpu", threads=1, optimization="disabled", flush_denormals=False).metadata
+
+
+def check_model_before_writing(model: onnx.ModelProto, destination: str | os.PathLike) -> None:
+    """The check every session runs on loading a file (``mha_deploy.runtime.model_check``), run on ``model``
+    before it is written to ``destination``: what ``export`` and ``optimize`` run, so that every file they
+    write loads in ``MHASession``, ``infer``, ``serve`` and ``triton``. ``ModelFileError`` as a load gives, its
+    ``problem`` in the same words."""
+    session = MHASession(
+        model.SerializeToString(), provider="cpu", threads=1, optimization="disabled", flush_denormals=False
+    )
+    session.source = str(destination)
+    session._check_against_proto(model, probe=True)
 
 
 def _cuda_refusal(model: str | os.PathLike | bytes, cuda_graph: bool) -> str | None:

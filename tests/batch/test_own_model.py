@@ -66,3 +66,24 @@ def test_ids_outside_the_vocabulary_are_named(own_model, tmp_path):
     assert result.exit_code == 1
     assert "input_ids holds id 99: this model's vocabulary is ids 0 to 49" in result.output
     assert not (tmp_path / "out.npz").exists()
+
+
+def test_an_encoder_decoders_item_is_its_target_with_the_source_beside_it(own_model, tmp_path):
+    """In npz, ``<id>`` holds an encoder-decoder's target (its output rows' input) and ``<id>.src`` the source,
+    as docs/own-model.md says."""
+    rng = np.random.default_rng(4)
+    items = {f"s{i}": (rng.integers(0, 40, int(rng.integers(2, 9))), rng.integers(0, 50, int(rng.integers(2, 9))))
+             for i in range(5)}
+    np.savez(tmp_path / "items.npz", **{key: tgt for key, (_, tgt) in items.items()},
+             **{f"{key}.src": src for key, (src, _) in items.items()})
+    result = CliRunner().invoke(main, ["infer", str(own_model("seq2seq")[0]), "--input", str(tmp_path / "items.npz"),
+                                       "--output", str(tmp_path / "out.npz"), "--no-progress", "--provider", "cpu"])
+    assert result.exit_code == 0, result.output
+    got = dict(np.load(tmp_path / "out.npz"))
+    module = user_module("seq2seq").build().eval()
+    for key, (src, tgt) in items.items():
+        with torch.no_grad():
+            expected = module(torch.from_numpy(src)[None], torch.ones(1, len(src), dtype=torch.bool),
+                              torch.from_numpy(tgt)[None], torch.ones(1, len(tgt), dtype=torch.bool))[0]
+        assert got[key].shape == (len(tgt), 50)
+        np.testing.assert_allclose(got[key], expected.numpy(), atol=ATOL, rtol=RTOL, err_msg=key)

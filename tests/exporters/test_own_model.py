@@ -305,3 +305,23 @@ def test_auto_falls_back_to_the_checked_plain_graph_with_a_warning(tmp_path):
     assert any("--fuse auto: mha fusion not used" in w and "exported the unfused graph" in w for w in result.warnings)
     # A -1 "mask" hides nothing: padding moves the outputs, so the axis is not padded either.
     assert result.metadata.signature.paddable_axes == frozenset()
+
+
+def test_the_export_refuses_what_a_load_would_refuse_in_the_same_words(tmp_path, monkeypatch):
+    """The export runs the load check on the file it is about to write: a file whose metadata the graph
+    contradicts (here the heads, recorded as 7 over 4-head attentions) is not written, and the refusal names
+    the problem in the words a load would."""
+    from mha_deploy.errors import ModelFileError
+    from mha_deploy.exporters import export as export_module
+
+    monkeypatch.setattr(export_module, "graph_heads", lambda model, d_model: {7})
+    module, inputs = user_module("classifier").build(), user_module("classifier").INPUTS
+    problem = "the graph's attentions split up to 4 heads, its metadata says 7"
+    with pytest.raises(ExportError, match=f"m.onnx: {problem}; the load check every session runs would refuse"):
+        export_model(module, tmp_path / "m.onnx", inputs)
+    assert list(tmp_path.iterdir()) == []
+    # the same file written without the check: every session refuses it, in the same words
+    monkeypatch.setattr(export_module, "_check_loads", lambda model, output: None)
+    export_model(module, tmp_path / "m.onnx", inputs)
+    with pytest.raises(ModelFileError, match=f"m.onnx: {problem}; the file was edited after export"):
+        MHASession(tmp_path / "m.onnx", provider="cpu")

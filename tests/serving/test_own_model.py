@@ -119,3 +119,69 @@ def test_grpc_typed_int64_contents(classifier_server):
         response = service_pb2_grpc.GRPCInferenceServiceStub(channel).ModelInfer(request, timeout=20)
     logits = np.frombuffer(response.raw_output_contents[0], np.float32).reshape(4, 3)
     np.testing.assert_allclose(logits, _alone(ids, mask), atol=ATOL, rtol=RTOL)
+
+
+# Users' models as they come: a Hugging Face encoder (per-token hidden states) and an encoder-decoder (logits over
+# the target, the encoder's hidden states over the source), outputs named as the forwards return them.
+SERVED_FAMILIES = [("hf_encoder", "build_distilbert"), ("hf_seq2seq", "build_bart_eager")]
+FAMILY_OUTPUTS = {"hf_encoder": {"last_hidden_state": "input_ids"},
+                  "hf_seq2seq": {"logits": "decoder_input_ids", "encoder_last_hidden_state": "input_ids"}}
+
+
+@pytest.fixture(scope="module")
+def family_servers(own_model, start_server):
+    servers = {}
+
+    def serve(file: str, factory: str):
+        if (file, factory) not in servers:
+            path = own_model(file, factory)[0]
+            servers[file, factory] = path.stem, start_server(path, grpc=True)
+        return servers[file, factory]
+
+    return serve
+
+
+def _family_items(file: str, seed: int = 6) -> list[dict[str, np.ndarray]]:
+    """Items of different lengths, unpadded: each input by name (ids only; the server builds the masks)."""
+    rng = np.random.default_rng(seed)
+    names = ("input_ids", "decoder_input_ids") if file == "hf_seq2seq" else ("input_ids",)
+    return [{name: rng.integers(2, 96, int(rng.integers(2, 14))) for name in names} for _ in range(4)]
+
+
+@pytest.mark.parametrize("protocol", ["http", "grpc"])
+@pytest.mark.parametrize(("file", "factory"), SERVED_FAMILIES)
+def test_tritonclient_gets_a_users_model_answer_item_by_item(family_servers, file, factory, protocol):
+    name, server = family_servers(file, factory)
+    client_module = tritonclient_http if protocol == "http" else tritonclient_grpc
+    client = client_module.InferenceServerClient(server.url if protocol == "http" else server.grpc_url)
+    items = _family_items(file)
+    masks = {"input_ids": "attention_mask", "decoder_input_ids": "decoder_attention_mask"}
+    tensors, lengths = [], {}
+    for ids_name, mask_name in masks.items():
+        if ids_name not in items[0]:
+            continue
+        lengths[ids_name] = [len(item[ids_name]) for item in items]
+        ids = np.ones((len(items), max(lengths[ids_name])), np.int64)  # right-padded with the pad id
+        mask = np.zeros(ids.shape, bool)
+        for row, item in enumerate(items):
+            ids[row, : len(item[ids_name])] = item[ids_name]
+            mask[row, : len(item[ids_name])] = True
+        for tensor_name, array, datatype in ((ids_name, ids, "INT64"), (mask_name, mask, "BOOL")):
+            tensor = client_module.InferInput(tensor_name, list(array.shape), datatype)
+            tensor.set_data_from_numpy(array)
+            tensors.append(tensor)
+    response = client.infer(name, tensors)
+    module = getattr(user_module(file), factory)().eval()
+    # each output, as the forward names it -> the input whose positions are its rows
+    rows_of = FAMILY_OUTPUTS[file]
+    metadata = client.get_model_metadata(name, **({"as_json": True} if protocol == "grpc" else {}))
+    assert [output["name"] for output in metadata["outputs"]] == list(rows_of)
+    for row, item in enumerate(items):
+        feeds = {key: torch.from_numpy(value)[None] for key, value in item.items()}
+        feeds.update({masks[key]: torch.ones_like(value) for key, value in feeds.items()})
+        with torch.no_grad():
+            alone = module(**feeds)
+        for output, rows in rows_of.items():
+            real = len(item[rows])
+            np.testing.assert_allclose(response.as_numpy(output)[row, :real], alone[output][0].numpy(),
+                                       atol=ATOL, rtol=RTOL, err_msg=f"{file}:{factory} {output} item {row}")
