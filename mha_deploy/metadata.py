@@ -80,6 +80,9 @@ class ParityReport:
 class ModelMetadata:
     """Everything a session needs to know about an exported model."""
 
+    # A user's own model (signature.model "custom") may hold attentions of several widths: num_heads is then the
+    # most heads one of them splits into (it sizes the largest score tensor an item needs), as the written graph
+    # states it, and d_model the widest attention's width (the inputs' where the graph does not say).
     d_model: int
     num_heads: int
     signature: Signature
