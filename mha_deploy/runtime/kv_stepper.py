@@ -24,8 +24,8 @@ leave (``keep``), their cache rows go, and so do leading columns that no remaini
 An encoder-decoder (``encoder=``, ``decoder_start_token_id=``): ``prefill`` runs the encoder once on
 the prompts (its inputs ``input_ids``, ``attention_mask``; output ``last_hidden_state`` or its
 first), then the decoder from the start id with empty caches; the first call's encoder caches are
-fed back on every later call. Written to Optimum's layout; tested on a hand-written decoder-only
-file (tests/runtime/test_generation.py).
+fed back on every later call. Tested (tests/runtime/test_generation.py) on a hand-written GPT and
+a hand-written encoder-decoder (two files), each exported by torch with its cache in these names.
 """
 
 from __future__ import annotations
@@ -189,16 +189,16 @@ class KVCacheStepper:
                 f"input_ids and attention_mask must both be [batch, seq], got {input_ids.shape} and "
                 f"{attention_mask.shape}"
             )
-        if "attention_mask" not in self.graph.inputs and not attention_mask.all():
-            raise InputError(
-                f"{self.graph.source} takes no attention_mask, so it cannot tell padding from tokens: give prompts "
-                "of one length (or one prompt per call)"
-            )
         self._reset(len(input_ids))
         if self.encoder is not None:
             self.encoder_feeds = self._encode(input_ids, attention_mask)
             input_ids = np.full((len(input_ids), 1), self.decoder_start_token_id, np.int64)
             attention_mask = np.ones_like(input_ids)
+        elif "attention_mask" not in self.graph.inputs and not attention_mask.all():
+            raise InputError(
+                f"{self.graph.source} takes no attention_mask, so it cannot tell padding from tokens: give prompts "
+                "of one length (or one prompt per call)"
+            )
         return self._call(input_ids, attention_mask, first=True)
 
     def step(self, next_ids: np.ndarray) -> np.ndarray:

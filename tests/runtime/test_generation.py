@@ -64,6 +64,34 @@ class RecomputeStepper:
             return self.logits_of(torch.from_numpy(self.ids), mask, positions)[:, -1].float().numpy()
 
 
+class Seq2SeqRecomputeStepper:
+    """The encoder-decoder form: the prompts are the source, every row's target starts at ``start``, and each call
+    runs the model over the whole source and target again."""
+
+    def __init__(self, logits_of, start: int):
+        self.logits_of = logits_of  # (source ids, source mask, target ids) tensors -> logits [rows, target, vocab]
+        self.decoder_start_token_id = start
+        self.rows_per_call: list[int] = []
+
+    def prefill(self, input_ids, attention_mask):
+        self.source, self.mask = torch.from_numpy(input_ids), torch.from_numpy(attention_mask)
+        self.target = torch.full((len(input_ids), 1), self.decoder_start_token_id)
+        return self._logits()
+
+    def step(self, next_ids):
+        self.target = torch.cat([self.target, torch.from_numpy(next_ids)[:, None]], 1)
+        return self._logits()
+
+    def keep(self, rows):
+        rows = torch.from_numpy(np.asarray(rows))
+        self.source, self.mask, self.target = self.source[rows], self.mask[rows], self.target[rows]
+
+    def _logits(self):
+        self.rows_per_call.append(len(self.target))
+        with torch.no_grad():
+            return self.logits_of(self.source, self.mask, self.target)[:, -1].float().numpy()
+
+
 class CountingStepper:
     """Another stepper, its calls' row counts recorded."""
 
@@ -169,6 +197,42 @@ def test_stream_yields_what_generate_returns(gpt2, gpt2_ends):
     assert streamed == [t.tolist() for t in expected]
 
 
+# --- Hugging Face BART: an encoder-decoder starts from its decoder start id ----------------------------------
+
+SEQ2SEQ_SEARCHES = ("greedy", "greedy-penalised", "beams", "beams-short")
+
+
+@pytest.fixture(scope="module")
+def bart():
+    model = user_module("hf_seq2seq").build_bart()
+    with torch.no_grad():  # as GPT-2's: initial weights give near-uniform logits
+        for parameter in model.parameters():
+            parameter.mul_(5.0)
+    return model
+
+
+def bart_stepper(model) -> Seq2SeqRecomputeStepper:
+    return Seq2SeqRecomputeStepper(
+        lambda source, mask, target: model(input_ids=source, attention_mask=mask, decoder_input_ids=target).logits,
+        model.config.decoder_start_token_id,
+    )
+
+
+@pytest.mark.parametrize("ends", [False, True], ids=["no-eos", "eos"])
+@pytest.mark.parametrize("search", SEQ2SEQ_SEARCHES)
+def test_encoder_decoder_search_equals_transformers_generate(bart, search, ends):
+    ids, mask = prompts(PROMPTS["left-padded"], bart.config.vocab_size, seed=4)
+    eos = end_ids(generate(bart_stepper(bart), ids, mask, max_new_tokens=MAX_NEW).tokens) if ends else None
+    with torch.no_grad():  # BART's config forces its eos id at the last step: not a rule this loop has
+        expected = bart.generate(input_ids=torch.from_numpy(ids), attention_mask=torch.from_numpy(mask),
+                                 do_sample=False, max_new_tokens=MAX_NEW, eos_token_id=eos, pad_token_id=PAD,
+                                 forced_eos_token_id=None, **SEARCHES[search])
+    expected = expected[:, 1:].numpy()  # transformers returns the start id first
+    out = generate(bart_stepper(bart), ids, mask, max_new_tokens=MAX_NEW, eos_token_id=eos, pad_token_id=PAD,
+                   **SEARCHES[search])
+    np.testing.assert_array_equal(out.padded(expected.shape[1]), expected)
+
+
 # --- the ONNX stepper: a cache-aware GPT exported by torch, against the same loop over the module in torch ---
 
 
@@ -208,6 +272,60 @@ def test_onnx_cache_equals_the_torch_loop(cached_gpt, search):
     assert onnx_stepper.rows_per_call == torch_stepper.rows_per_call  # rows leave (and beams move) alike
     if search == "greedy":
         assert min(onnx_stepper.rows_per_call) < len(ids)  # some row ended early and left
+
+
+@pytest.fixture(scope="module")
+def cached_seq2seq(tmp_path_factory):
+    from tests.runtime import cached_seq2seq
+
+    encoder, decoder = cached_seq2seq.build(seed=1)
+    folder = tmp_path_factory.mktemp("generation-seq2seq")
+    cached_seq2seq.export(encoder, decoder, folder / "encoder.onnx", folder / "decoder.onnx")
+    empty = torch.zeros(1, cached_seq2seq.HEADS, 0, cached_seq2seq.HEAD_DIM)
+
+    def logits_of(source, mask, target):
+        caches = tuple(empty.expand(len(target), -1, -1, -1) for _ in range(4 * cached_seq2seq.LAYERS))
+        return decoder(target, mask, encoder(source, mask), caches)[0]
+
+    return folder, logits_of, cached_seq2seq.START_ID
+
+
+@pytest.mark.parametrize("search", ["greedy", "beams"])
+def test_onnx_encoder_decoder_equals_the_torch_loop(cached_seq2seq, search):
+    folder, logits_of, start = cached_seq2seq
+    ids, mask = prompts(PROMPTS["left-padded"], 64, seed=6)
+    eos = end_ids(generate(Seq2SeqRecomputeStepper(logits_of, start), ids, mask, max_new_tokens=MAX_NEW).tokens)
+    options = {"max_new_tokens": MAX_NEW, "eos_token_id": eos, **ORT_SEARCHES[search]}
+    torch_stepper = Seq2SeqRecomputeStepper(logits_of, start)
+    expected = generate(torch_stepper, ids, mask, **options)
+    onnx_stepper = CountingStepper(KVCacheStepper(folder / "decoder.onnx", encoder=folder / "encoder.onnx",
+                                                  decoder_start_token_id=start))
+    out = generate(onnx_stepper, ids, mask, **options)
+    assert [t.tolist() for t in out.tokens] == [t.tolist() for t in expected.tokens]
+    assert onnx_stepper.rows_per_call == torch_stepper.rows_per_call
+
+
+def test_encoder_caches_are_computed_once_and_passed_back(cached_seq2seq):
+    folder, _, start = cached_seq2seq
+    stepper = KVCacheStepper(folder / "decoder.onnx", encoder=folder / "encoder.onnx", decoder_start_token_id=start)
+    ids, mask = prompts([4, 2], 64, seed=6)
+    stepper.prefill(ids, mask)
+    encoder_key = stepper.past["past_key_values.1.encoder.key"]
+    assert encoder_key.shape[2] == ids.shape[1]  # the source's length, not the target's
+    stepper.step(np.array([3, 4]))
+    assert stepper.past["past_key_values.1.encoder.key"] is encoder_key
+    assert stepper.past["past_key_values.1.decoder.key"].shape[2] == 2
+    stepper.keep(np.array([1]))
+    assert stepper.past["past_key_values.1.encoder.key"].shape[0] == 1
+    assert stepper.encoder_feeds["encoder_hidden_states"].shape[0] == 1
+
+
+def test_an_encoder_decoder_needs_its_encoder_and_start_id(cached_seq2seq):
+    folder = cached_seq2seq[0]
+    with pytest.raises(OptionError, match="encoder"):
+        KVCacheStepper(folder / "decoder.onnx", decoder_start_token_id=2)
+    with pytest.raises(OptionError, match="cross-attention"):
+        KVCacheStepper(folder / "decoder.onnx", num_heads=4, head_dim=8)
 
 
 def test_leaving_rows_free_their_cache_and_unused_columns(cached_gpt):
