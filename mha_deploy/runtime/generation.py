@@ -206,12 +206,15 @@ def prompt_batch(input_ids, attention_mask=None) -> tuple[np.ndarray, np.ndarray
     if _ragged(input_ids):
         if attention_mask is not None:
             raise InputError("a list of prompts carries its own lengths: give attention_mask only with an array")
-        prompts = [np.asarray(p, np.int64).ravel() for p in input_ids]
+        prompts = [np.asarray(p).ravel() for p in input_ids]
+        for row, prompt in enumerate(prompts):
+            if prompt.size and prompt.dtype.kind not in "iu":
+                raise InputError(f"prompt {row} must hold integer token ids, got {prompt.dtype} values")
         width = max((len(p) for p in prompts), default=0)
         ids = np.zeros((len(prompts), width), np.int64)
         mask = np.zeros((len(prompts), width), np.int64)
         for row, prompt in enumerate(prompts):
-            ids[row, width - len(prompt) :] = prompt
+            ids[row, width - len(prompt) :] = prompt.astype(np.int64)
             mask[row, width - len(prompt) :] = 1
     else:
         ids = np.asarray(input_ids)

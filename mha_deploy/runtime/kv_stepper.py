@@ -72,19 +72,22 @@ class _Graph:
         self.source = getattr(model, "source", None) or "<onnxruntime session>"
         if isinstance(model, ort.InferenceSession):
             self._run = lambda feeds: dict(zip(self.outputs, model.run(list(self.outputs), feeds), strict=True))
-            ports = model.get_inputs()
-            self.outputs = tuple(o.name for o in model.get_outputs())
-            self.inputs = {p.name: _Port(p.name, np.dtype(ORT_TYPES.get(p.type, np.float32)), tuple(p.shape))
-                           for p in ports}
+            self.inputs, outputs = ({p.name: _Port(p.name, np.dtype(ORT_TYPES.get(p.type, np.float32)), tuple(p.shape))
+                                     for p in ports} for ports in (model.get_inputs(), model.get_outputs()))
         elif hasattr(model, "run") and hasattr(model, "source") and hasattr(model, "output_names"):
             self._run = model.run  # an MHASession: validated on its signature
-            self.outputs = tuple(model.output_names)
-            self.inputs = _graph_ports(model.source)
+            graph = onnx.load(model.source, load_external_data=False).graph
+            self.inputs, outputs = _ports(graph.input), _ports(graph.output)
         else:
             raise OptionError(
                 f"a KVCacheStepper runs an MHASession, an onnxruntime.InferenceSession or a file path, not "
                 f"{type(model).__name__}"
             )
+
+        self.outputs = tuple(outputs)
+        logits = outputs.get("logits")
+        vocab = logits.shape[-1] if logits is not None and logits.shape else None
+        self.vocab_size = vocab if isinstance(vocab, int) and vocab > 0 else None  # None: the file leaves it open
 
     def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         return self._run(feeds)
@@ -108,11 +111,10 @@ def _open(path, threads: int | None):
     return session
 
 
-def _graph_ports(path: str) -> dict[str, _Port]:
-    """An ONNX file's inputs with their element types and declared shapes, read without its weights."""
-    graph = onnx.load(path, load_external_data=False).graph
+def _ports(values) -> dict[str, _Port]:
+    """An ONNX graph's inputs or outputs with their element types and declared shapes."""
     ports = {}
-    for value in graph.input:
+    for value in values:
         tensor = value.type.tensor_type
         dtype = onnx.helper.tensor_dtype_to_np_dtype(tensor.elem_type)
         shape = tuple(d.dim_value if d.HasField("dim_value") else (d.dim_param or None) for d in tensor.shape.dim)
@@ -189,17 +191,32 @@ class KVCacheStepper:
                 f"input_ids and attention_mask must both be [batch, seq], got {input_ids.shape} and "
                 f"{attention_mask.shape}"
             )
+        if self.encoder is None:
+            self._check_vocabulary(input_ids, attention_mask)
+            if "attention_mask" not in self.graph.inputs and not attention_mask.all():
+                raise InputError(
+                    f"{self.graph.source} takes no attention_mask, so it cannot tell padding from tokens: give "
+                    "prompts of one length (or one prompt per call)"
+                )
         self._reset(len(input_ids))
         if self.encoder is not None:
             self.encoder_feeds = self._encode(input_ids, attention_mask)
             input_ids = np.full((len(input_ids), 1), self.decoder_start_token_id, np.int64)
             attention_mask = np.ones_like(input_ids)
-        elif "attention_mask" not in self.graph.inputs and not attention_mask.all():
-            raise InputError(
-                f"{self.graph.source} takes no attention_mask, so it cannot tell padding from tokens: give prompts "
-                "of one length (or one prompt per call)"
-            )
         return self._call(input_ids, attention_mask, first=True)
+
+    def _check_vocabulary(self, input_ids: np.ndarray, attention_mask: np.ndarray) -> None:
+        """Refuse prompts with ids the embedding has no row for (ORT would fail in a Gather, naming no prompt).
+        The logits say how large a decoder-only model's vocabulary is (an encoder's may differ)."""
+        vocab = self.graph.vocab_size
+        if vocab is None:
+            return
+        bad = np.flatnonzero(((input_ids >= vocab) & (attention_mask != 0)).any(axis=1))
+        if bad.size:
+            raise InputError(
+                f"prompts {bad.tolist()} hold token ids past the vocabulary of {self.graph.source} ({vocab} ids, 0 to "
+                f"{vocab - 1}): was the prompt tokenized for another model?"
+            )
 
     def step(self, next_ids: np.ndarray) -> np.ndarray:
         next_ids = np.asarray(next_ids, np.int64).reshape(-1, 1)

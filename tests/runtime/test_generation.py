@@ -346,6 +346,12 @@ def test_onnx_stepper_is_a_token_stepper(cached_gpt):
     assert isinstance(KVCacheStepper(cached_gpt[0]), TokenStepper)
 
 
+def test_ids_past_the_vocabulary_are_refused_naming_the_prompt(cached_gpt):
+    path, _, vocab = cached_gpt
+    with pytest.raises(InputError, match=rf"prompts \[1\] hold token ids past the vocabulary .*{vocab} ids"):
+        generate(KVCacheStepper(path), [[3, 4], [5, vocab]])
+
+
 def test_a_file_without_a_cache_is_refused(tmp_path):
     from onnx import TensorProto, helper, save
 
@@ -507,7 +513,7 @@ def test_bad_options_are_refused_before_any_call(options):
 
 @pytest.mark.parametrize(("prompts_given", "match"), [
     ([[1, 2], []], "empty"), (np.zeros((0, 3), np.int64), "no prompt"), (np.array([[1.5, 2.0]]), "integer"),
-    ([[1, -2]], "non-negative"),
+    ([[1, -2]], "non-negative"), ([[1, 2], [1.5]], "prompt 1 must hold integer"),
 ])
 def test_bad_prompts_are_refused(prompts_given, match):
     with pytest.raises(InputError, match=match):
