@@ -112,7 +112,10 @@ _pack_tokens_option = click.option(
                    "past_key/past_value [batch, heads, past_seq, d_k] (past_seq 0 for the prefill), outputs "
                    "present_key/present_value [batch, heads, past_seq + seq, d_k]; key_padding_mask covers "
                    "past_seq + seq. A decoder has past_key_values.{i}.key/.value/.encoder_key/.encoder_value and "
-                   "present.{i}.* per layer (see inspect).")
+                   "present.{i}.* per layer (see inspect). With --module (a causal LM: --input IDS:tokens "
+                   "--input MASK:padding-mask, logits out): input_ids, attention_mask (int64 over past_seq + seq), "
+                   "past_key_values.{i}.key/.value per attention in, logits and present.{i}.* out, checked call by "
+                   "call against the module's forward.")
 @click.option("--fuse", type=click.Choice(FUSE_CHOICES), default="auto", show_default=True,
               help="Fuse each attention into one op. mha: ORT contrib MultiHeadAttention; it takes the padding "
                    "mask and causal flag as they are, so no [batch, q_len, kv_len] mask is built in the graph "
@@ -176,7 +179,7 @@ def export(ctx, checkpoint, prefix, d_model, heads, model_kind, layers, d_ff, at
     options = {"opset": opset, "atol": atol, "rtol": rtol, "fuse": fuse, "quantize": quantize, "dtype": dtype,
                "pack_tokens": pack_tokens}
     lone_block = ("prefix", "d_model", "heads", "model_kind", "layers", "d_ff", "attention", "mask",
-                  "return_weights", "kv_cache", "seed")
+                  "return_weights", "seed")
     own_model = ("inputs", "output_names", "max_length")
     if module_spec is not None:
         given = [name for name in lone_block if _given(ctx, name)]
@@ -187,7 +190,7 @@ def export(ctx, checkpoint, prefix, d_model, heads, model_kind, layers, d_ff, at
         module = load_factory(module_spec)
         click.echo(f"exporting {type(module).__name__} from {module_spec}, inputs {', '.join(inputs)}", err=True)
         result = export_model(module, output, inputs, output_names=output_names or None, checkpoint=checkpoint,
-                              max_length=max_length, **options)
+                              max_length=max_length, kv_cache=kv_cache, **options)
     elif given := [name for name in own_model if _given(ctx, name)]:
         raise click.UsageError(f"{_flags(given)} describe your own model: give it with --module FILE.py:FACTORY")
     elif model_kind == "mha":

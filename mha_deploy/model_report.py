@@ -148,6 +148,15 @@ def _readable(value: object) -> object:
 def cache_layout(signature: Signature) -> list[str]:
     """How a KV-cache model's past and present tensors pair up, for ``inspect``."""
     query = signature.query_axis
+    if signature.model == "custom":
+        # A user's causal LM (exporters.own_kv_cache): one graph for every call, a cache per attention.
+        mask = signature.mask_of(signature.query_input)
+        return [
+            f"  cache  past_key_values.{{i}}.key/.value -> present.{{i}}.key/.value (i < {signature.layers}, one per "
+            f"attention): [batch, heads, past_seq, head_dim] in, [batch, heads, past_seq + {query}, head_dim] out "
+            "(past ++ new)",
+            f"         {mask} [batch, past_seq + {query}]: every token of the sequence so far, 1 = real",
+        ]
     if signature.model == "mha":
         lines = [
             "  cache  past_key -> present_key, past_value -> present_value: [batch, heads, past_seq, d_k] in, "

@@ -124,12 +124,15 @@ class Signature:
 
     @classmethod
     def custom(
-        cls, inputs: tuple[TensorSpec, ...], outputs: tuple[TensorSpec, ...], paddable: tuple[str, ...] = ()
+        cls, inputs: tuple[TensorSpec, ...], outputs: tuple[TensorSpec, ...], paddable: tuple[str, ...] = (),
+        layers: int = 0,
     ) -> Signature:
-        """A user's own model: ``inputs`` (tokens, sequences, padding masks) and ``outputs`` as declared."""
+        """A user's own model: ``inputs`` (tokens, sequences, padding masks) and ``outputs`` as declared.
+        ``layers`` > 0: a causal LM with a KV cache per attention (``exporters.own_kv_cache``): past inputs and
+        present outputs among them, its padding mask over past_seq + seq."""
         has_masks = any(spec.role == PADDING_MASK for spec in inputs)
         return cls(
-            "self", "padding" if has_masks else "none", model="custom",
+            "self", "padding" if has_masks else "none", model="custom", kv_cache=layers > 0, layers=max(layers, 1),
             custom_inputs=tuple(inputs), custom_outputs=tuple(outputs), custom_paddable=tuple(paddable),
         )
 
@@ -163,9 +166,17 @@ class Signature:
             )
 
     def _check_custom(self) -> None:
-        if self.kv_cache or self.return_weights or self.layers != 1:
-            raise SignatureError("a custom model declares its tensors: no kv_cache, return_weights or layers")
-        inputs, outputs = self.custom_inputs, self.custom_outputs
+        if self.return_weights or (self.layers != 1 and not self.kv_cache):
+            raise SignatureError("a custom model declares its tensors: no return_weights, and layers only with a cache")
+        caches = [spec for spec in self.custom_inputs if spec.role == PAST]
+        if self.kv_cache and len(caches) != 2 * self.layers:
+            raise SignatureError(
+                f"a cache of {self.layers} layers has {2 * self.layers} past inputs, got {len(caches)}"
+            )
+        if caches and not self.kv_cache:
+            raise SignatureError(f"{caches[0].name}: past inputs belong to a KV-cache model")
+        inputs = tuple(spec for spec in self.custom_inputs if spec.role != PAST)
+        outputs = self.custom_outputs
         names = [spec.name for spec in (*inputs, *outputs)]
         if duplicate := next((name for name in names if names.count(name) > 1), None):
             raise SignatureError(f"{duplicate} is declared twice: every input and output needs its own name")
@@ -187,7 +198,9 @@ class Signature:
         for spec in inputs:
             if spec.role != PADDING_MASK:
                 continue
-            if spec.marks not in sequences or sequences[spec.marks] != spec.axes[1]:
+            # With a cache, the mask covers the cached tokens too: [batch, total_seq].
+            axis = spec.axes[1] if not (self.kv_cache and spec.axes[1] == TOTAL_AXIS) else sequences.get(spec.marks)
+            if spec.marks not in sequences or sequences[spec.marks] != axis:
                 along = [name for name, axis in sequences.items() if axis == spec.axes[1]]
                 raise SignatureError(
                     f"{spec.name}: a padding mask marks a tokens or sequence input on its length axis "
@@ -316,6 +329,8 @@ class Signature:
         """Each past input -> (its length axis, the length axis of its present output)."""
         if not self.kv_cache:
             return {}
+        if self.model == "custom":
+            return {spec.name: (PAST_AXIS, TOTAL_AXIS) for spec in self.custom_inputs if spec.role == PAST}
         if self.model == "mha":
             return dict.fromkeys(CACHE_PAIRS, (PAST_AXIS, TOTAL_AXIS))
         caches = {}
@@ -337,6 +352,7 @@ class Signature:
         """
         if self.model == "mha":
             return {name: CACHE_PAIRS[name] for name in self._caches}
+        # A custom model's: Optimum's names, as a decoder stack's
         return {name: name.replace("past_key_values.", "present.", 1) for name in self._caches}
 
     @property

@@ -25,7 +25,17 @@ from mha_deploy.errors import (
 from mha_deploy.exporters.fusion import FusionReport, fuse_attention
 from mha_deploy.exporters.graphs import attention_graph
 from mha_deploy.exporters.kv_cache import CacheProjection, attach_caches, decode_on_mha, prefill_or_decode
+from mha_deploy.exporters.own_kv_cache import (
+    OWN_CACHE_CASES,
+    attach_own_caches,
+    cache_signature,
+    capped_cache_cases,
+    check_own_cache_parity,
+    find_attention_caches,
+    lm_tensors,
+)
 from mha_deploy.exporters.own_model import (
+    Declared,
     InputDecl,
     ModuleState,
     count_attentions,
@@ -220,12 +230,16 @@ def _optimised_kv_cache(
     return model, report
 
 
-def _checked(module, model: onnx.ModelProto, atol, rtol, parity_cases, quantize) -> ParityReport:
+def _checked(module, model: onnx.ModelProto, atol, rtol, parity_cases, quantize,
+             declared: Signature | None = None) -> ParityReport:
     # Parity runs on the in-memory model on the CPU provider, which every
     # machine has, so that a failed check never leaves a file behind. ORT's own
     # graph optimisations stay off so that they cannot mask a bad fusion.
     session = MHASession(model.SerializeToString(), provider="cpu", optimization="disabled")
     budget = INT8_REL_ERR_BUDGET if quantize == "int8" else None
+    if declared is not None:
+        # A user's causal LM with a cache: ``module`` as declared (``declared``, without the cache) is the reference.
+        return check_own_cache_parity(module, declared, session, parity_cases, atol, rtol)
     if session.signature.kv_cache:
         # ``module`` is then the cache-free reference: one causal forward of the whole sequence.
         return check_cache_parity(module, session, parity_cases, atol=atol, rtol=rtol, rel_budget=budget)
@@ -401,6 +415,7 @@ def export_model(
     output_names: Sequence[str] | None = None,
     checkpoint: str | os.PathLike | None = None,
     max_length: int | None = None,
+    kv_cache: bool = False,
     **options,
 ) -> ExportResult:
     """Export a user's own ``module`` (built around the reference attention) whose forward takes ``inputs``.
@@ -420,6 +435,10 @@ def export_model(
     (``errors.as_export_error``: ``SignatureError``, ``CheckpointError``, ``ModelFileError``, ``OutputError``).
     ``module`` is left as it was given (its training mode, buffers and plain attributes), the checkpoint
     loaded into it.
+
+    ``kv_cache``: a causal LM over token ids (one tokens input and its padding mask, logits out) exported with
+    a cache per attention for generation (``own_kv_cache``): one file for the prompt and every later step,
+    checked call by call against one forward of the whole sequence.
     """
     export_options = ExportOptions(**options)
     export_options.check()
@@ -430,7 +449,7 @@ def export_model(
         load_checkpoint(module, checkpoint)
     kept = ModuleState(module, copy=True)
     try:
-        return _export_model(module, output, inputs, output_names, max_length, export_options)
+        return _export_model(module, output, inputs, output_names, max_length, export_options, kv_cache)
     except SystemExit as exc:  # the module's own code: it must not end the caller's process with its status
         raise ExportError(f"{type(module).__name__} called sys.exit({exc.code!r}) (SystemExit) while it ran for the "
                           "export: a forward must return its outputs") from exc
@@ -438,9 +457,13 @@ def export_model(
         kept.restore(module)
 
 
-def _export_model(module, output, inputs, output_names, max_length, export_options) -> ExportResult:
+def _export_model(module, output, inputs, output_names, max_length, export_options, kv_cache) -> ExportResult:
     declared = declare_model(module, inputs, output_names)
     signature = declared.signature
+    if kv_cache:
+        lm_tensors(signature)
+        if export_options.quantize != "none" or export_options.dtype != "fp32":
+            raise ExportError("--kv-cache exports a user's module in fp32 for now: drop --quantize and --dtype")
     try:
         with reference_attention():
             plain = export_onnx(declared.traced, signature, declared.d_model, export_options.opset)
@@ -453,6 +476,11 @@ def _export_model(module, output, inputs, output_names, max_length, export_optio
     inputs, vocabulary_warnings = graph_vocabularies(signature.custom_inputs, plain)
     signature = replace(signature, custom_inputs=inputs)
     attention_ops = count_attentions(plain)
+    if kv_cache:
+        result = _export_own_cache(replace(declared, signature=signature), plain, attention_ops, output,
+                                   export_options, max_length)
+        result.warnings[:0] = [*declared.warnings, *vocabulary_warnings]
+        return result
     d_model, heads = widest_attention(plain, declared.d_model)
     metadata = ModelMetadata(d_model=d_model, num_heads=heads, signature=signature, layers=max(attention_ops, 1))
     cases = export_options.parity_cases or capped_cases(default_cases(signature), max_length)
@@ -460,6 +488,24 @@ def _export_model(module, output, inputs, output_names, max_length, export_optio
     result = _finish(declared.wrapper, plain, metadata, output, export_options, attention_ops)
     result.warnings[:0] = [*declared.warnings, *vocabulary_warnings]
     return result
+
+
+def _export_own_cache(
+    declared: Declared, plain: onnx.ModelProto, attention_ops: int, output: Path, options: ExportOptions,
+    max_length: int | None,
+) -> ExportResult:
+    """``export_model`` with ``kv_cache``: ``plain`` rewired to take and return a cache per attention."""
+    layers = find_attention_caches(plain, attention_ops)
+    if len({(layer.heads, layer.head_dim) for layer in layers}) > 1:
+        raise ExportError("--kv-cache: the attentions differ in heads or head size; one cache shape is supported")
+    signature = cache_signature(declared.signature, layers)
+    cached = attach_own_caches(plain, declared.signature, signature, layers)
+    heads, head_dim = layers[0].heads, layers[0].head_dim
+    metadata = ModelMetadata(d_model=heads * head_dim, num_heads=heads, signature=signature, layers=len(layers))
+    cases = options.parity_cases or capped_cache_cases(OWN_CACHE_CASES, max_length)
+    # Token packing gathers the real tokens of one call's mask; a cache's mask spans calls.
+    options = replace(options, parity_cases=cases, pack_tokens=False)
+    return _finish(declared.wrapper, cached, metadata, output, options, attention_ops, declared=declared.signature)
 
 
 def widest_attention(plain: onnx.ModelProto, width: int) -> tuple[int, int]:
@@ -496,11 +542,13 @@ def _finish(
     options: ExportOptions,
     attention_ops: int,
     first_call: FirstCall | None = None,
+    declared: Signature | None = None,
 ) -> ExportResult:
     """Fuse, quantize or cast, check parity against ``module``, record metadata, and write ``output``.
 
     ``first_call`` (KV-cache models): the graph of the first call (``plain`` is then the later calls'), the
-    two joined by ``_optimised_kv_cache``.
+    two joined by ``_optimised_kv_cache``. ``declared``: a user's causal LM with a cache (``own_kv_cache``),
+    ``module`` its cache-free forward taking ``declared``'s inputs.
     """
     metadata.dtype = DTYPES[options.dtype]
     metadata.opset = options.opset
@@ -519,7 +567,8 @@ def _finish(
         else:
             model, fusion, packing = _optimised(
                 plain, fuse_target, options.quantize, metadata.dtype, attention_ops, pack)
-        return model, fusion, packing, _checked(module, model, atol, rtol, options.parity_cases, options.quantize)
+        return model, fusion, packing, _checked(module, model, atol, rtol, options.parity_cases, options.quantize,
+                                                declared)
 
     def build_packed(fuse_target: str):
         # Packing is exact on every real row; a model that reads its padded rows where no mask zeroes them

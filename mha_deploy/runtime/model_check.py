@@ -327,13 +327,17 @@ def check_cache_behaviour(run: RunFn, metadata: ModelMetadata, source: str) -> N
         name: rng.standard_normal((1, 4 if name == query else 3, metadata.d_model)).astype(metadata.dtype)
         for name in signature.sequence_inputs
     }
+    if signature.model == "custom":  # a causal LM over token ids (exporters.own_kv_cache)
+        sequences = {query: random_item(signature, metadata.fixed_sizes, {signature.query_axis: 4}, rng,
+                                        metadata.dtype)[query][None]}
     x = sequences[query]
+    output = signature.output_names[0]
     empty = np.zeros((1, metadata.num_heads, 0, metadata.d_model // metadata.num_heads), metadata.dtype)
 
     def call(tokens: np.ndarray, past: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         total = tokens.shape[1] + past[signature.growing_caches[0]].shape[2]
         masks = {
-            name: np.ones((1, total if marks == query else sequences[marks].shape[1]), bool)
+            name: np.ones((1, total if marks == query else sequences[marks].shape[1]), signature.tensors[name].dtype)
             for name, marks in signature.padding_masks.items()
         }
         return run({**sequences, query: tokens, **past, **masks})
@@ -342,7 +346,7 @@ def check_cache_behaviour(run: RunFn, metadata: ModelMetadata, source: str) -> N
     first = call(x[:, :3], dict.fromkeys(signature.cache_pairs, empty))
     second = call(x[:, 3:], {past: first[present] for past, present in signature.cache_pairs.items()})
     pieces = {
-        "output": np.concatenate([first["output"], second["output"]], axis=1),
+        output: np.concatenate([first[output], second[output]], axis=1),
         **{present: second[present] for present in signature.cache_pairs.values()},
     }
     for name, got in pieces.items():

@@ -293,6 +293,9 @@ def validate_inputs(metadata: ModelMetadata, inputs: Mapping[str, object]) -> di
         problem = _id_problem(specs[name], feeds[name]) if specs[name].role == TOKENS else None
         if problem:
             raise InputError(problem.message)
+    for name in signature.padding_masks:
+        if specs[name].dtype == "int64":  # a causal LM's attention_mask, as onnxruntime-genai feeds it
+            feeds[name] = feeds[name].astype(np.int64)
     return feeds
 
 

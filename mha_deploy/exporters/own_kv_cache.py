@@ -1,0 +1,363 @@
+"""A KV cache for a user's own causal LM, written with no cache code: the plain export rewired to take the
+keys/values of earlier calls and return them grown by this call's tokens.
+
+The route: the rewired graph still runs the module's own forward over the whole sequence, past + new tokens,
+so that everything the module derives from the length (``arange`` positions, a sinusoidal table sliced by
+length, a causal ``tril``, a cumulative sum over the mask) sees the length it would see in a full forward,
+whatever way the module writes it; nothing has to be recognised but the attentions. The past positions'
+tokens are placeholders (id 0): at each attention the keys and values of the past positions are replaced by
+the cache (``present = past ++ this call's keys/values``), and since an attention is the only op through
+which one position reads another, every new position then computes exactly what the full forward computes
+for it. The per-token outputs are cut to the new positions. Parity per step (``check_own_cache_parity``)
+proves it for each export: a module with another cross-position op (a pooling, a norm over the sequence)
+fails there and is not written.
+
+What it costs: each call still runs the per-token layers and the attentions' queries over every position,
+so a step is as expensive as the full forward's; the file fixes the interface (Optimum's names, the
+attention mask over past + new tokens that onnxruntime-genai feeds) and its exactness, not yet the speed.
+
+    tokens    = Concat(zeros [batch, past_seq], input_ids)                 [batch, total_seq]
+    mask      = Cast(attention_mask)                                         [batch, total_seq]
+    per attention i, K = the keys as the scores MatMul reads them, [batch, heads, total_seq, d_k]:
+    present.i.key   = Concat(past_key_values.i.key,   K[:, :, past_seq:])    [batch, heads, total_seq, d_k]
+    present.i.value = Concat(past_key_values.i.value, V[:, :, past_seq:])
+    logits    = logits over every position [:, past_seq:]                    [batch, seq, vocab]
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+import torch
+from onnx import TensorProto, helper
+
+from mha_deploy.compare import compare_arrays, compare_outputs
+from mha_deploy.errors import ExportError
+from mha_deploy.exporters.parity import CacheCase, torch_reference
+from mha_deploy.inputs import padding_mask
+from mha_deploy.metadata import ParityReport
+from mha_deploy.runtime.session import MHASession
+from mha_deploy.signature import (
+    BATCH_AXIS,
+    MODEL_DTYPE,
+    PADDING_MASK,
+    PAST,
+    PAST_AXIS,
+    PRESENT,
+    TOKENS,
+    TOTAL_AXIS,
+    Signature,
+    TensorSpec,
+)
+
+# Optimum's and onnxruntime-genai's names for a decoder's inputs and its per-token output.
+INPUT_IDS, ATTENTION_MASK, LOGITS = "input_ids", "attention_mask", "logits"
+_PREFIX = "kv_cache."  # names of the values this pass adds (the user's own names stay free)
+_INT64_MAX = np.iinfo(np.int64).max
+
+
+@dataclass(frozen=True)
+class AttentionCache:
+    """Where one attention reads its keys and values: the scores MatMul (keys as its second input,
+    [batch, heads, d_k, seq]) and the probabilities' MatMul (values as its second input)."""
+
+    scores: str
+    weighted: str
+    heads: int
+    head_dim: int
+
+
+def cache_signature(signature: Signature, layers: list[AttentionCache]) -> Signature:
+    """The cache-free ``signature`` of a causal LM as its cache model takes it: ``input_ids`` [batch, seq],
+    ``attention_mask`` int64 [batch, total_seq] (1 = real, over the cached tokens and the new ones),
+    ``past_key_values.{i}.key|value`` [batch, heads, past_seq, head_dim] per attention; ``logits``
+    [batch, seq, vocab] and ``present.{i}.key|value`` [batch, heads, total_seq, head_dim] out."""
+    tokens, _, output = lm_tensors(signature)
+    inputs = [
+        replace(tokens, name=INPUT_IDS),
+        TensorSpec(ATTENTION_MASK, PADDING_MASK, "int64", (BATCH_AXIS, TOTAL_AXIS), marks=INPUT_IDS),
+    ]
+    outputs = [replace(output, name=LOGITS)]
+    for i, layer in enumerate(layers):
+        for kind in ("key", "value"):
+            axes = (BATCH_AXIS, layer.heads, PAST_AXIS, layer.head_dim)
+            inputs.append(TensorSpec(f"past_key_values.{i}.{kind}", PAST, MODEL_DTYPE, axes))
+            axes = (BATCH_AXIS, layer.heads, TOTAL_AXIS, layer.head_dim)
+            outputs.append(TensorSpec(f"present.{i}.{kind}", PRESENT, MODEL_DTYPE, axes))
+    return Signature.custom(tuple(inputs), tuple(outputs), signature.custom_paddable, layers=len(layers))
+
+
+def lm_tensors(signature: Signature) -> tuple[TensorSpec, TensorSpec, TensorSpec]:
+    """The token ids, their padding mask and the per-token logits of a causal LM, or an ``ExportError`` saying
+    what a cache export needs (checked before the trace, which is the slow part)."""
+    tokens = [spec for spec in signature.custom_inputs if spec.role == TOKENS]
+    others = [spec for spec in signature.custom_inputs if spec.role not in (TOKENS, PADDING_MASK)]
+    masks = [spec for spec in signature.custom_inputs if spec.role == PADDING_MASK]
+    if len(tokens) != 1 or others or len(masks) != 1 or masks[0].marks != tokens[0].name:
+        declared = ", ".join(f"{spec.name}:{spec.role}" for spec in signature.custom_inputs)
+        raise ExportError(
+            f"--kv-cache exports a causal language model over token ids: declare its ids and their padding "
+            f"mask (--input NAME:tokens --input MASK:padding-mask), and nothing else; got {declared}"
+        )
+    outputs = signature.custom_outputs
+    query_axis = tokens[0].axes[1]
+    if len(outputs) != 1 or len(outputs[0].axes) < 2 or outputs[0].axes[1] != query_axis:
+        raise ExportError(
+            f"--kv-cache needs the module to return one tensor with a row per token (its logits), got "
+            f"{', '.join(f'{spec.name} {spec.describe()}' for spec in outputs)}"
+        )
+    return tokens[0], masks[0], outputs[0]
+
+
+def find_attention_caches(plain: onnx.ModelProto, expected: int) -> list[AttentionCache]:
+    """Each attention of the plain export in graph order, with the MatMuls that read its keys and values;
+    an ``ExportError`` unless every one of the ``expected`` attentions is found in the reference form
+    (a Softmax over Q·Kᵀ scores, its probabilities times V, 4-D keys and values with static heads)."""
+    from mha_deploy.exporters.fusion.pipeline import _score_nodes, unfused_attentions
+
+    model = ir.serde.deserialize_model(plain)
+    found = unfused_attentions(model)
+    caches, problems = [], []
+    for node in found:
+        scores = _score_nodes(node) if node.op_type == "Softmax" else None
+        weighted = _probabilities_matmul(node) if scores else None
+        if scores is None or weighted is None:
+            problems.append(f"{node.name}: not a Softmax over Q·Kᵀ times V (an {node.op_type} op)")
+            continue
+        keys_t, values = scores[-1].inputs[1], weighted.inputs[1]
+        dims = [_static_dims(keys_t), _static_dims(values)]
+        if None in dims or dims[0][0] != dims[1][0] or dims[0][1] != dims[1][2]:
+            problems.append(f"{node.name}: keys/values are not [batch, heads, seq, d_k] with static heads")
+            continue
+        caches.append(AttentionCache(scores[-1].name, weighted.name, dims[1][0], dims[1][2]))
+    if problems or len(caches) != expected or not caches:
+        raise ExportError(
+            f"--kv-cache: {len(caches)} of {expected} attention(s) found where a cache can be attached"
+            f"{' (' + '; '.join(problems[:3]) + ')' if problems else ''}; a cache for the rest would be "
+            "silently wrong, so nothing is written"
+        )
+    return caches
+
+
+def _probabilities_matmul(softmax: ir.Node) -> ir.Node | None:
+    """The MatMul that weights values by ``softmax``'s probabilities (directly, or through a Where that zeroes
+    fully-masked rows)."""
+    probabilities = [softmax.outputs[0]]
+    probabilities += [u.node.outputs[0] for u in softmax.outputs[0].uses() if u.node.op_type == "Where"]
+    for value in probabilities:
+        for use in value.uses():
+            if use.node.op_type == "MatMul" and use.idx == 0:
+                return use.node
+    return None
+
+
+def _static_dims(value: ir.Value) -> tuple[int, int, int] | None:
+    """(dim 1, dim 2, dim 3) of a rank-4 value, None unless dims 1 and the head dim are static."""
+    shape = value.shape
+    if shape is None or shape.rank() != 4:
+        return None
+    dims = [shape[i] if isinstance(shape[i], int) else None for i in (1, 2, 3)]
+    return tuple(dims) if dims[0] is not None else None  # the seq dim may be symbolic
+
+
+def attach_own_caches(
+    plain: onnx.ModelProto, signature: Signature, cached: Signature, layers: list[AttentionCache]
+) -> onnx.ModelProto:
+    """``plain`` (the cache-free export of ``signature``) rewired to ``cached``'s cache interface."""
+    model = onnx.ModelProto()
+    model.CopyFrom(plain)
+    graph = model.graph
+    tokens, mask, output = lm_tensors(signature)
+    types = {value.name: value.type for value in (*graph.input, *graph.output, *graph.value_info)}
+    float_type = types[output.name].tensor_type.elem_type
+    for name in (tokens.name, mask.name, output.name):
+        _rename_value(graph, name, _PREFIX + name)
+    past = _PREFIX + "past_seq"
+    nodes = [
+        helper.make_node("Shape", ["past_key_values.0.key"], [past], start=2, end=3),
+        helper.make_node("Shape", [INPUT_IDS], [_PREFIX + "batch"], start=0, end=1),
+        helper.make_node("Concat", [_PREFIX + "batch", past], [_PREFIX + "past_shape"], axis=0),
+        helper.make_node("ConstantOfShape", [_PREFIX + "past_shape"], [_PREFIX + "past_ids"],
+                         value=helper.make_tensor("zero", TensorProto.INT64, [1], [0])),
+        helper.make_node("Concat", [_PREFIX + "past_ids", INPUT_IDS], [_PREFIX + tokens.name], axis=1),
+        helper.make_node("Identity", [ATTENTION_MASK], [_PREFIX + "whole_mask"]),
+        helper.make_node("Cast", [_PREFIX + "whole_mask"], [_PREFIX + mask.name],
+                         to=types[mask.name].tensor_type.elem_type),
+        _int64_constant(_PREFIX + "end", _INT64_MAX),
+        _int64_constant(_PREFIX + "seq_axis", 2),
+        _int64_constant(_PREFIX + "token_axis", 1),
+    ]
+    # The whole sequence's values keep the length the plain graph gave them: the fusion's mask reading
+    # matches the keys' length to the queries' by these shapes.
+    whole_mask = onnx.TypeProto()
+    whole_mask.CopyFrom(types[mask.name])
+    whole_mask.tensor_type.elem_type = TensorProto.INT64
+    shapes = [(_PREFIX + tokens.name, types[tokens.name]), (_PREFIX + mask.name, types[mask.name]),
+              (_PREFIX + "whole_mask", whole_mask)]
+    by_name = {node.name: node for node in graph.node}
+    for i, layer in enumerate(layers):
+        scores, weighted = by_name[layer.scores], by_name[layer.weighted]
+        keys_t, values = scores.input[1], weighted.input[1]
+        key, value = f"{_PREFIX}{i}.key", f"{_PREFIX}{i}.value"
+        nodes += [
+            helper.make_node("Transpose", [keys_t], [key + ".new"], perm=[0, 1, 3, 2]),
+            *_grown(key + ".new", f"past_key_values.{i}.key", key, past),
+            helper.make_node("Transpose", [key], [key + ".t"], perm=[0, 1, 3, 2]),
+            helper.make_node("Identity", [key], [f"present.{i}.key"]),
+            *_grown(values, f"past_key_values.{i}.value", value, past),
+            helper.make_node("Identity", [value], [f"present.{i}.value"]),
+        ]
+        scores.input[1], weighted.input[1] = key + ".t", value
+        if values in types:  # [batch, heads, seq, d_k]; the keys as the scores read them [batch, heads, d_k, seq]
+            transposed = onnx.TypeProto()
+            transposed.CopyFrom(types[values])
+            dims = transposed.tensor_type.shape.dim
+            if len(dims) == 4:
+                swapped = [onnx.TensorShapeProto.Dimension(), onnx.TensorShapeProto.Dimension()]
+                swapped[0].CopyFrom(dims[3])
+                swapped[1].CopyFrom(dims[2])
+                dims[2].CopyFrom(swapped[0])
+                dims[3].CopyFrom(swapped[1])
+            shapes += [(key, types[values]), (key + ".t", transposed), (value, types[values])]
+    nodes.append(helper.make_node("Slice", [_PREFIX + output.name, past, _PREFIX + "end", _PREFIX + "token_axis"],
+                                  [LOGITS]))
+    graph.node.extend(nodes)
+    for name, value_type in shapes:
+        graph.value_info.add(name=name).type.CopyFrom(value_type)
+    _set_interface(graph, cached, float_type)
+    return _sorted(model)
+
+
+def _int64_constant(name: str, value: int) -> onnx.NodeProto:
+    return helper.make_node("Constant", [], [name], value=helper.make_tensor(name, TensorProto.INT64, [1], [value]))
+
+
+def _grown(new: str, past_name: str, grown: str, past: str) -> list[onnx.NodeProto]:
+    """grown = past ++ new[:, :, past_seq:]: the cache grown by this call's positions."""
+    cut = f"{grown}.cut"
+    return [
+        helper.make_node("Slice", [new, past, _PREFIX + "end", _PREFIX + "seq_axis"], [cut]),
+        helper.make_node("Concat", [past_name, cut], [grown], axis=2),
+    ]
+
+
+def _rename_value(graph: onnx.GraphProto, old: str, new: str) -> None:
+    for node in graph.node:
+        node.input[:] = [new if name == old else name for name in node.input]
+        node.output[:] = [new if name == old else name for name in node.output]
+        for attribute in node.attribute:
+            if attribute.type == onnx.AttributeProto.GRAPH:
+                _rename_value(attribute.g, old, new)
+    for value in (*graph.input, *graph.output, *graph.value_info):
+        if value.name == old:
+            value.name = new
+
+
+def _set_interface(graph: onnx.GraphProto, cached: Signature, float_type: int) -> None:
+    """The graph's inputs and outputs as ``cached`` declares them (the placeholders' old ones dropped)."""
+    dtypes = {MODEL_DTYPE: float_type, "int64": TensorProto.INT64, "bool": TensorProto.BOOL}
+
+    def info(spec: TensorSpec) -> onnx.ValueInfoProto:
+        dims = [axis if isinstance(axis, int) else str(axis) for axis in spec.axes]
+        return helper.make_tensor_value_info(spec.name, dtypes[spec.dtype], dims)
+
+    graph.ClearField("input")
+    graph.input.extend(info(spec) for spec in cached.custom_inputs)
+    graph.ClearField("output")
+    graph.output.extend(info(spec) for spec in cached.custom_outputs)
+
+
+def _sorted(model: onnx.ModelProto) -> onnx.ModelProto:
+    """The model with its nodes in topological order (the new ones were appended)."""
+    ir_model = ir.serde.deserialize_model(model)
+    ir_model.graph.sort()
+    return ir.serde.serialize_model(ir_model)
+
+
+# A prompt, one-token steps, then a several-token step; batch 1 unpadded, prompts padded on the right, the
+# left and both (each row its own length), and a prompt past the 256 keys where the fused kernels change.
+OWN_CACHE_CASES = (
+    CacheCase(1, 1, 2, 3, "none"),
+    CacheCase(3, 7, 2, 3, "right"),
+    CacheCase(3, 6, 2, 4, "left"),
+    CacheCase(2, 260, 1, 3, "mixed"),
+)
+
+
+def capped_cache_cases(cases: Sequence[CacheCase], max_length: int | None) -> tuple[CacheCase, ...]:
+    """``cases`` with every whole sequence at most ``max_length`` tokens (the prompt shortened)."""
+    if max_length is None:
+        return tuple(cases)
+    return tuple(replace(c, prefill=max(1, min(c.prefill, max_length - c.steps - c.chunk))) for c in cases)
+
+
+def check_own_cache_parity(
+    reference: torch.nn.Module,
+    declared: Signature,
+    session: MHASession,
+    cases: Sequence[CacheCase],
+    atol: float,
+    rtol: float,
+    seed: int = 0,
+) -> ParityReport:
+    """A causal LM's cache ``session`` decoding each case call by call (a prompt, then steps) against
+    ``reference``, the module's one forward over the whole sequence (its ``declared`` cache-free inputs): each
+    call's logits on every real row, named by the call where they differ; and the cache after the last call
+    against the cache one call over the whole sequence returns, on real positions."""
+    tokens, mask, output = lm_tensors(declared)
+    comparisons, failures, labels = [], [], []
+    for index, case in enumerate(cases):
+        rng = np.random.default_rng(seed + index)
+        total = sum(case.calls)
+        ids = rng.integers(0, tokens.vocab or 2, (case.batch, total))
+        real = np.ones((case.batch, total), bool)
+        real[:, : case.prefill] = padding_mask(case.batch, case.prefill, case.padding, rng)
+        ids[~real] = 0  # what the validator hands ONNX Runtime
+        label = case.label(declared)
+        labels.append(label)
+        expected = torch_reference(reference, declared, {tokens.name: ids, mask.name: real})[output.name]
+        past = {name: np.zeros((case.batch, *_cache_dims(session, name, 0)), np.float32)
+                for name in session.signature.cache_pairs}
+        start = 0
+        for call, length in enumerate(case.calls, 1):
+            end = start + length
+            result = session.run({INPUT_IDS: ids[:, start:end], ATTENTION_MASK: real[:, :end], **past})
+            for comparison in compare_outputs(
+                session.signature, {LOGITS: result[LOGITS]}, {LOGITS: expected[:, start:end]}, real[:, start:end],
+                atol, rtol, names=[LOGITS],
+            ):
+                comparisons.append(comparison)
+                if not comparison.passed:
+                    failures.append(f"{label} call {call} of {len(case.calls)} ({length} token(s) after {start}): "
+                                    f"{comparison.summary()}")
+            past = {name: result[present] for name, present in session.signature.cache_pairs.items()}
+            start = end
+        whole = session.run({INPUT_IDS: ids, ATTENTION_MASK: real, **{
+            name: np.zeros((case.batch, *_cache_dims(session, name, 0)), np.float32) for name in past}})
+        for name, present in session.signature.cache_pairs.items():
+            # [batch, heads, total, d_k] -> [batch, total, heads, d_k]: the real positions' rows
+            got, want = (np.moveaxis(a, 2, 1)[real] for a in (past[name], whole[present]))
+            comparison = compare_arrays(present, got, want, atol, rtol)
+            comparisons.append(comparison)
+            if not comparison.passed:
+                failures.append(f"{label}: {present} after the calls is not one call's ({comparison.summary()})")
+    return ParityReport(
+        passed=not failures,
+        atol=atol,
+        rtol=rtol,
+        max_abs_err=max(c.max_abs_err for c in comparisons),
+        required_atol=max(c.required_atol for c in comparisons),
+        required_rtol=max(c.required_rtol for c in comparisons),
+        shapes=labels,
+        failures=failures,
+        rel_err=max(c.rel_err for c in comparisons),
+    )
+
+
+def _cache_dims(session: MHASession, name: str, length: int) -> tuple[int, int, int]:
+    _, heads, _, head_dim = session.signature.tensors[name].axes
+    return heads, length, head_dim

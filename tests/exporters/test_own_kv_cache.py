@@ -1,0 +1,207 @@
+"""A KV-cache export of a user's causal LM written with no cache code (exporters.own_kv_cache): the file's
+interface, step-by-step decoding against the module's own full forward, and what is refused."""
+
+import pytest
+
+pytest.importorskip("torch")
+
+import numpy as np
+import onnx
+import torch
+from click.testing import CliRunner
+from torch import nn
+
+from mha_deploy.cli import main
+from mha_deploy.errors import ExportError, ParityError
+from mha_deploy.exporters import export_model
+from mha_deploy.exporters.parity import CacheCase
+from mha_deploy.onnx_nodes import all_nodes
+from mha_deploy.runtime import MHASession
+from tests.conftest import OWN_MODEL_ATOL, OWN_MODEL_RTOL, USER_MODELS, user_module
+
+# Right padding only: under left padding the tutorial's nn.TransformerDecoder and GPT-2 exports give NaN in
+# padded rows (fully-masked rows, the same without a cache); the tutorial-form LM is checked on both sides.
+RIGHT_ONLY = (CacheCase(1, 1, 2, 3, "none"), CacheCase(3, 7, 2, 3, "right"))
+
+
+@pytest.fixture(scope="session")
+def lm_cache(tmp_path_factory):
+    """``lm_cache(name) -> (path, CLI output)``: tests/user_models/<name>.py exported once per session with
+    ``mha-deploy export --module ... --kv-cache``."""
+    cache = {}
+
+    def export(name: str):
+        if name not in cache:
+            path = tmp_path_factory.mktemp("own-kv") / f"{name}.onnx"
+            inputs = [arg for spec in user_module(name).INPUTS for arg in ("--input", spec)]
+            result = CliRunner().invoke(
+                main, ["export", "--module", f"{USER_MODELS / name}.py:build", *inputs, "--kv-cache", "-o", str(path)]
+            )
+            assert result.exit_code == 0, result.output
+            cache[name] = path, result.output
+        return cache[name]
+
+    return export
+
+
+def test_the_file_takes_and_returns_a_cache_per_attention_in_optimums_names(lm_cache):
+    path, _ = lm_cache("causal_lm")
+    session = MHASession(path, provider="cpu")
+    signature = session.signature
+    assert signature.kv_cache and signature.layers == 2
+    caches = [f"past_key_values.{i}.{kind}" for i in range(2) for kind in ("key", "value")]
+    assert signature.input_names == ("input_ids", "attention_mask", *caches)
+    assert signature.output_names == ("logits", *(name.replace("past_key_values", "present") for name in caches))
+    assert signature.cache_pairs == {name: name.replace("past_key_values", "present") for name in caches}
+    # [batch, heads, past_seq, head_dim]: TinyLM's d_model 32 over 4 heads
+    assert signature.tensors["past_key_values.1.value"].axes == ("batch", 4, "past_seq", 8)
+    assert signature.tensors["present.0.key"].axes == ("batch", 4, "total_seq", 8)
+    assert signature.tensors["attention_mask"].dtype == "int64"
+    graph_inputs = {i.name: i.type.tensor_type.elem_type for i in onnx.load(str(path)).graph.input}
+    assert graph_inputs["attention_mask"] == onnx.TensorProto.INT64  # as onnxruntime-genai feeds it
+
+
+def test_every_attention_is_fused_as_in_a_cache_free_export(lm_cache):
+    path, output = lm_cache("causal_lm")
+    ops = [node.op_type for node in all_nodes(onnx.load(str(path)).graph)]
+    assert "Softmax" not in ops
+    assert "2 fused into com.microsoft.GroupQueryAttention" in output
+
+
+def _decode(session, ids, mask, calls):
+    """Logits of each call of ``calls`` tokens, fed the previous call's present outputs."""
+    signature = session.signature
+    past = {name: np.zeros((ids.shape[0], *signature.tensors[name].axes[1:2], 0,
+                            signature.tensors[name].axes[3]), np.float32) for name in signature.cache_pairs}
+    start, logits = 0, []
+    for length in calls:
+        end = start + length
+        result = session.run({"input_ids": ids[:, start:end], "attention_mask": mask[:, :end], **past})
+        logits.append((start, end, result["logits"]))
+        past = {name: result[present] for name, present in signature.cache_pairs.items()}
+        start = end
+    return logits, past
+
+
+@pytest.mark.parametrize("padding", ["right", "left"])
+def test_each_step_equals_the_modules_full_forward(lm_cache, padding):
+    """A padded prompt, one-token steps, then several tokens at once: every call's logits on real rows equal
+    the module's one forward over the whole sequence (right padding leaves holes the steps grow past)."""
+    path, _ = lm_cache("causal_lm")
+    session = MHASession(path, provider="cpu")
+    module = user_module("causal_lm").build().eval()
+    rng = np.random.default_rng(3)
+    calls = (6, 1, 1, 4, 2)
+    ids = rng.integers(0, 50, (3, sum(calls)))
+    mask = np.ones(ids.shape, bool)
+    for row, length in enumerate((6, 3, 1)):  # the prompt's real tokens, on the other side from the padding
+        prompt = np.arange(calls[0]) >= calls[0] - length if padding == "left" else np.arange(calls[0]) < length
+        mask[row, : calls[0]] = prompt
+    with torch.no_grad():
+        expected = module(torch.from_numpy(ids), torch.from_numpy(mask)).numpy()
+    logits, cache = _decode(session, ids, mask.astype(np.int64), calls)
+    for start, end, got in logits:
+        real = mask[:, start:end]
+        np.testing.assert_allclose(got[real], expected[:, start:end][real], atol=OWN_MODEL_ATOL, rtol=OWN_MODEL_RTOL,
+                                   err_msg=f"{padding} padding, tokens {start}:{end}")
+    # The cache grown call by call is the cache of one call over the whole sequence, on real positions.
+    _, whole = _decode(session, ids, mask.astype(np.int64), (sum(calls),))
+    for name, array in cache.items():
+        np.testing.assert_allclose(np.moveaxis(array, 2, 1)[mask], np.moveaxis(whole[name], 2, 1)[mask],
+                                   atol=OWN_MODEL_ATOL, rtol=OWN_MODEL_RTOL, err_msg=name)
+
+
+def test_export_records_per_step_parity(lm_cache):
+    path, _ = lm_cache("causal_lm")
+    parity = MHASession(path, provider="cpu").metadata.parity
+    assert parity.passed
+    assert any("/left" in shape for shape in parity.shapes) and any("/right" in shape for shape in parity.shapes)
+
+
+@pytest.mark.parametrize("name", ["torch_decoder", "hf_gpt2"])
+def test_torch_and_hugging_face_decoders_get_a_cache(tmp_path, name):
+    pytest.importorskip("transformers")
+    module = user_module(name)
+    result = export_model(module.build(), tmp_path / "lm.onnx", module.INPUTS, kv_cache=True, parity_cases=RIGHT_ONLY)
+    assert result.parity.passed
+    layers = 4 if name == "torch_decoder" else 2  # nn.TransformerDecoder: self- and cross-attention per layer
+    assert MHASession(result.path, provider="cpu").signature.layers == layers
+
+
+class MeanCentred(nn.Module):
+    """Causal attention, then each position minus the sequence's mean: one position reads every other one
+    outside the attention, so no KV cache can reproduce it."""
+
+    def __init__(self, vocab=20, d_model=16):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Embedding(vocab, d_model)
+        self.attn = nn.MultiheadAttention(d_model, 2, batch_first=True)
+        self.head = nn.Linear(d_model, vocab)
+
+    def forward(self, ids, mask):
+        x = self.embed(ids)
+        t = ids.size(1)
+        causal = torch.triu(torch.ones(t, t, dtype=torch.bool), 1)
+        y, _ = self.attn(x, x, x, attn_mask=causal, key_padding_mask=~mask, need_weights=False)
+        return self.head(y - y.mean(dim=1, keepdim=True))
+
+
+def test_a_module_no_cache_can_reproduce_is_refused_naming_the_call(tmp_path):
+    target = tmp_path / "lm.onnx"
+    with pytest.raises(ParityError, match=r"call \d of \d .*nothing written"):
+        export_model(MeanCentred(), target, ["ids:tokens", "mask:padding-mask"], kv_cache=True,
+                     parity_cases=(CacheCase(2, 4, 1, 2, "none"),), fuse="none")
+    assert list(tmp_path.iterdir()) == []
+
+
+class SingleHead(nn.Module):
+    """One head over [batch, seq, d] with no head axis: keys the cache pass cannot lay out per head."""
+
+    def __init__(self, vocab=20, d_model=16):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Embedding(vocab, d_model)
+        self.qkv = nn.Linear(d_model, 3 * d_model)
+        self.head = nn.Linear(d_model, vocab)
+
+    def forward(self, ids, mask):
+        q, k, v = self.qkv(self.embed(ids)).chunk(3, dim=-1)
+        t = ids.size(1)
+        keep = torch.tril(torch.ones(t, t, dtype=torch.bool)) & mask[:, None, :]
+        scores = (q @ k.transpose(1, 2)).masked_fill(~keep, -1e9)
+        return self.head(torch.softmax(scores, dim=-1) @ v)
+
+
+def test_attention_the_pass_cannot_lay_out_is_refused_not_cached_wrongly(tmp_path):
+    with pytest.raises(ExportError, match=r"0 of 1 attention\(s\) found where a cache can be attached.*silently wrong"):
+        export_model(SingleHead(), tmp_path / "lm.onnx", ["ids:tokens", "mask:padding-mask"], kv_cache=True)
+    assert list(tmp_path.iterdir()) == []
+
+
+class Unmasked(nn.Module):
+    def __init__(self, vocab=20, d_model=16):
+        super().__init__()
+        self.embed, self.head = nn.Embedding(vocab, d_model), nn.Linear(d_model, vocab)
+
+    def forward(self, ids):
+        return self.head(self.embed(ids))
+
+
+def test_a_cache_needs_token_ids_and_their_mask(tmp_path):
+    with pytest.raises(ExportError, match="declare its ids and their padding mask"):
+        export_model(Unmasked(), tmp_path / "lm.onnx", ["ids:tokens"], kv_cache=True)
+
+
+def test_quantized_and_half_caches_are_not_offered_yet(tmp_path):
+    with pytest.raises(ExportError, match="fp32 for now"):
+        export_model(user_module("causal_lm").build(), tmp_path / "lm.onnx", user_module("causal_lm").INPUTS,
+                     kv_cache=True, dtype="fp16")
+
+
+def test_inspect_describes_the_cache_per_attention(lm_cache):
+    path, _ = lm_cache("causal_lm")
+    result = CliRunner().invoke(main, ["inspect", str(path)])
+    assert result.exit_code == 0, result.output
+    assert "past_key_values.{i}.key/.value -> present.{i}.key/.value (i < 2, one per attention)" in result.output
+    assert "encoder_key" not in result.output
