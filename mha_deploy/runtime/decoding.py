@@ -75,6 +75,11 @@ class IncrementalDecoder:
             raise OptionError(
                 f"{session.source} has no KV cache: export it with --kv-cache (--mask causal or padding-causal)"
             )
+        if signature.model == "custom":
+            raise OptionError(
+                f"{session.source} is a causal LM over token ids (export --module --kv-cache): this decoder steps "
+                "float sequences; run it with session.run on input_ids, attention_mask and past_key_values.*"
+            )
         if capacity is not None and capacity < 1:
             raise OptionError(f"capacity must be at least 1 token, got {capacity}")
         self.session = session

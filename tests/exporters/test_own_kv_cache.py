@@ -12,7 +12,7 @@ from click.testing import CliRunner
 from torch import nn
 
 from mha_deploy.cli import main
-from mha_deploy.errors import ExportError, ParityError
+from mha_deploy.errors import ExportError, OptionError, ParityError
 from mha_deploy.exporters import export_model
 from mha_deploy.exporters.parity import CacheCase
 from mha_deploy.onnx_nodes import all_nodes
@@ -205,3 +205,9 @@ def test_inspect_describes_the_cache_per_attention(lm_cache):
     assert result.exit_code == 0, result.output
     assert "past_key_values.{i}.key/.value -> present.{i}.key/.value (i < 2, one per attention)" in result.output
     assert "encoder_key" not in result.output
+
+
+def test_the_float_sequence_decoder_refuses_a_token_lm(lm_cache):
+    path, _ = lm_cache("causal_lm")
+    with pytest.raises(OptionError, match=r"run it with session\.run on input_ids"):
+        MHASession(path, provider="cpu").decoder()
