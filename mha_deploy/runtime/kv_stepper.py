@@ -69,6 +69,7 @@ class _Graph:
     def __init__(self, model, threads: int | None):
         if isinstance(model, str | os.PathLike):
             model = _open(model, threads)
+        self.session = model
         self.source = getattr(model, "source", None) or "<onnxruntime session>"
         if isinstance(model, ort.InferenceSession):
             self._run = lambda feeds: dict(zip(self.outputs, model.run(list(self.outputs), feeds), strict=True))

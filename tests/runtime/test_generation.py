@@ -6,6 +6,7 @@ module in torch."""
 from __future__ import annotations
 
 import numpy as np
+import onnxruntime as ort
 import pytest
 
 from mha_deploy.errors import InputError, ModelFileError, OptionError
@@ -343,7 +344,9 @@ def test_leaving_rows_free_their_cache_and_unused_columns(cached_gpt):
 
 
 def test_onnx_stepper_is_a_token_stepper(cached_gpt):
-    assert isinstance(KVCacheStepper(cached_gpt[0]), TokenStepper)
+    stepper = KVCacheStepper(cached_gpt[0])
+    assert isinstance(stepper, TokenStepper)
+    assert isinstance(stepper.graph.session, ort.InferenceSession)  # no mha-deploy metadata: plain ORT on the CPU
 
 
 def test_ids_past_the_vocabulary_are_refused_naming_the_prompt(cached_gpt):
