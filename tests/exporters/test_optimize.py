@@ -243,6 +243,19 @@ def test_parity_failure_writes_nothing_and_auto_falls_back(elsewhere, tmp_path, 
     assert result.fusion.target == "none" and any("parity FAILED" in w for w in result.warnings)
 
 
+def test_a_file_a_load_would_refuse_is_refused_in_the_same_words_and_not_written(elsewhere, tmp_path, monkeypatch):
+    """optimize runs the load check on the file it is about to write, as export does: metadata the graph
+    contradicts (heads recorded as 7 over 4-head attentions) is refused with the load's words, nothing written."""
+    from mha_deploy.errors import ModelFileError
+
+    monkeypatch.setattr("mha_deploy.exporters.export.graph_heads", lambda model, d_model: {7})
+    with pytest.raises(ModelFileError, match=r"m.onnx: the graph's attentions split up to 4 heads, its metadata says "
+                                             r"7; the load check every session runs would refuse the file") as info:
+        optimize_model(elsewhere("classifier", 18), tmp_path / "m.onnx", user_module("classifier").INPUTS)
+    assert isinstance(info.value, ExportError)
+    assert list(tmp_path.iterdir()) == []
+
+
 def _static_batch(source, target):
     model = onnx.load(str(source))
     model.graph.input[0].type.tensor_type.shape.dim[0].dim_value = 2
