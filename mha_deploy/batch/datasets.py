@@ -130,8 +130,8 @@ def _group_names(names: list[str], signature: Signature, source: Path) -> dict[s
     parts = signature.sequence_inputs
     if len(parts) == 1:  # one sequence per item: the key is the id
         return {name: {parts[0]: name} for name in names}
-    # A custom model's first input is the item itself (<id>), its others <id>.<input>; the built-in
-    # cross-attention and decoder name every part.
+    # A custom model's query input (its first per-token output's rows: an encoder-decoder's target) is the item
+    # itself (<id>), its others <id>.<input>; the built-in cross-attention and decoder name every part.
     bare = signature.query_input if signature.model == "custom" else None
     items: dict[str, dict[str, str]] = {}
     for name in names:
