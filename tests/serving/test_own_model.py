@@ -156,12 +156,11 @@ def test_tritonclient_gets_a_users_model_answer_item_by_item(family_servers, fil
     client = client_module.InferenceServerClient(server.url if protocol == "http" else server.grpc_url)
     items = _family_items(file)
     masks = {"input_ids": "attention_mask", "decoder_input_ids": "decoder_attention_mask"}
-    tensors, lengths = [], {}
+    tensors = []
     for ids_name, mask_name in masks.items():
         if ids_name not in items[0]:
             continue
-        lengths[ids_name] = [len(item[ids_name]) for item in items]
-        ids = np.ones((len(items), max(lengths[ids_name])), np.int64)  # right-padded with the pad id
+        ids = np.ones((len(items), max(len(item[ids_name]) for item in items)), np.int64)  # padded with pad ids
         mask = np.zeros(ids.shape, bool)
         for row, item in enumerate(items):
             ids[row, : len(item[ids_name])] = item[ids_name]
