@@ -211,3 +211,23 @@ def test_the_float_sequence_decoder_refuses_a_token_lm(lm_cache):
     path, _ = lm_cache("causal_lm")
     with pytest.raises(OptionError, match=r"run it with session\.run on input_ids"):
         MHASession(path, provider="cpu").decoder()
+
+
+def test_the_generation_loop_drives_the_file_to_the_modules_greedy_tokens(lm_cache):
+    """runtime.generation over the file (prompts of different lengths, left-padded in one batch) gives the
+    tokens of a greedy loop that runs the module's whole forward on each prompt alone for every new token."""
+    from mha_deploy.runtime.generation import generate
+    from mha_deploy.runtime.kv_stepper import KVCacheStepper
+
+    path, _ = lm_cache("causal_lm")
+    module = user_module("causal_lm").build().eval()
+    rng = np.random.default_rng(4)
+    prompts = [rng.integers(0, 50, length).tolist() for length in (5, 2, 9)]
+    generated = generate(KVCacheStepper(path), prompts, max_new_tokens=24).tokens
+    for prompt, tokens in zip(prompts, generated, strict=True):
+        ids = list(prompt)
+        with torch.no_grad():
+            for _ in range(24):
+                row = torch.tensor([ids])
+                ids.append(int(module(row, torch.ones_like(row, dtype=torch.bool))[0, -1].argmax()))
+        assert tokens.tolist() == ids[len(prompt):]
