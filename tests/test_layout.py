@@ -64,7 +64,7 @@ def test_every_package_is_placed_in_the_layering():
     placed = {name.split(".")[1] for name in FORBIDDEN} | {"models", "exporters", "bench"}
     top_level = {m.name for m in pkgutil.iter_modules(mha_deploy.__path__)}
     # Shared, dependency-free modules every layer may use.
-    shared = {"errors", "atomic", "metadata", "model_report", "cli", "cli_options", "checkpoint_names"}
+    shared = {"errors", "atomic", "metadata", "model_report", "cli", "checkpoint_names"}
     assert top_level - shared <= placed, f"unplaced modules: {sorted(top_level - shared - placed)}"
 
 

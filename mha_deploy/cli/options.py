@@ -31,7 +31,7 @@ def option_group(*options: Decorator) -> Decorator:
     return apply
 
 
-# The reference MHA a command builds (see ``cli._load_model``): from a checkpoint, or seeded random weights.
+# The reference MHA a command builds (see ``cli.builtin.load_model``): from a checkpoint, or seeded random weights.
 model_options = option_group(
     click.option("--checkpoint", type=click.Path(dir_okay=False, path_type=Path),
                  help="State dict (.safetensors, .pt, .pth) of one attention block, or of a bigger model with "
@@ -74,3 +74,14 @@ def session_options(provider: str = "auto", threads: int | None = None) -> Decor
                      show_default=True if threads is not None else "one per core",
                      help="Intra-op threads of ONNX Runtime (and of torch where it runs)."),
     )
+
+
+# export and optimize: token packing (exporters.token_packing)
+pack_tokens_option = click.option(
+    "--pack-tokens/--no-pack-tokens", default=True, show_default=True,
+    help="Run the per-token layers (projections, feed-forwards, norms) on the real tokens only, gathered where "
+         "such a run starts and put back where an attention, a pooling or an output reads them: a quarter "
+         "padded, 1.16-1.28x faster at d_model 512 (an unpadded batch 1-2% slower). Only along an axis with a "
+         "padding mask that the model may be padded on, only where the MatMul work outweighs the copies "
+         "(a stack or your own model from d_model 256, a lone block from 1024), not for fp16 or --kv-cache, and "
+         "dropped with a warning if parity fails with it.")

@@ -1,0 +1,13 @@
+"""``mha-deploy``: a thin Click layer over the library, one module per command.
+
+Heavy modules (torch, onnxruntime) are imported inside the commands that need
+them, so ``--help`` is instant and serving commands never load torch. Importing
+a command's module registers it on ``main``.
+"""
+
+from __future__ import annotations
+
+from mha_deploy.cli import bench, export, infer, inspect, optimize, serve, triton  # noqa: F401  (registers them)
+from mha_deploy.cli.group import main
+
+__all__ = ["main"]

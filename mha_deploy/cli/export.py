@@ -1,0 +1,163 @@
+"""``mha-deploy export``: the reference MHA, a stack of it, or your own module, to ONNX."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from mha_deploy.cli.builtin import build_stack, load_model
+from mha_deploy.cli.group import main
+from mha_deploy.cli.options import model_options, pack_tokens_option
+from mha_deploy.metadata import (
+    ATTENTION_KINDS,
+    DTYPE_CHOICES,
+    FUSE_CHOICES,
+    MASK_MODES,
+    MAX_OPSET,
+    MIN_OPSET,
+    MODEL_KINDS,
+    QUANTIZE_CHOICES,
+    Signature,
+)
+
+
+@main.command()
+@model_options
+@click.option("--model", "model_kind", type=click.Choice(MODEL_KINDS), default="mha",
+              show_default=True, help="A lone MHA, or a post-norm Transformer stack of --layers layers built from it "
+                                      "(random init; decoder inputs: x, memory).")
+@click.option("--layers", type=click.IntRange(min=1), default=1, show_default=True, help="Layers of a stack.")
+@click.option("--d-ff", type=click.IntRange(min=1), help="Feed-forward width of a stack (default 4 x d_model).")
+@click.option("--attention", type=click.Choice(ATTENTION_KINDS), default="self", show_default=True,
+              help="For --model mha.")
+@click.option("--mask", type=click.Choice(MASK_MODES), default="none", show_default=True,
+              help="padding adds input key_padding_mask (bool, True = real token); causal is built into the graph.")
+@click.option("--return-weights", is_flag=True, help="Also output attn_weights [batch, heads, q_seq, kv_seq].")
+@click.option("--kv-cache", is_flag=True,
+              help="Incremental decoding (--mask causal or padding-causal, or --model decoder): inputs "
+                   "past_key/past_value [batch, heads, past_seq, d_k] (past_seq 0 for the prefill), outputs "
+                   "present_key/present_value [batch, heads, past_seq + seq, d_k]; key_padding_mask covers "
+                   "past_seq + seq. A decoder has past_key_values.{i}.key/.value/.encoder_key/.encoder_value and "
+                   "present.{i}.* per layer (see inspect). With --module (a causal LM: --input IDS:tokens "
+                   "--input MASK:padding-mask, logits out): input_ids, attention_mask (int64 over past_seq + seq), "
+                   "past_key_values.{i}.key/.value per attention in, logits and present.{i}.* out, checked call by "
+                   "call against the module's forward.")
+@click.option("--fuse", type=click.Choice(FUSE_CHOICES), default="auto", show_default=True,
+              help="Fuse each attention into one op. mha: ORT contrib MultiHeadAttention; it takes the padding "
+                   "mask and causal flag as they are, so no [batch, q_len, kv_len] mask is built in the graph "
+                   "(onnx builds one for a padding mask, which costs memory). onnx: standard Attention (opset 23), "
+                   "the only op that can also output the probabilities. none: the plain graph. auto picks mha for "
+                   "that memory saving, or onnx when --return-weights asks for the probabilities; it falls back to "
+                   "none with a warning if fusion or parity fails.")
+@click.option("--quantize", type=click.Choice(QUANTIZE_CHOICES), default="none", show_default=True,
+              help="int8: dynamic int8 projections for ORT's CPU provider, attention kept fused; parity then "
+                   "means a relative error within 5%.")
+@click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True, help="Seed of the random-init model.")
+@click.option("--opset", type=click.IntRange(MIN_OPSET, MAX_OPSET), default=MAX_OPSET, show_default=True,
+              help=f"ONNX opset (torch's exporter needs >= {MIN_OPSET}; --fuse onnx, the standard Attention op, "
+                   f"needs {MAX_OPSET}).")
+@click.option("--dtype", type=click.Choice(DTYPE_CHOICES), default="fp32", show_default=True,
+              help="fp16: half-precision weights and I/O (for CUDA), checked against the fp32 torch reference.")
+@click.option("--atol", type=click.FloatRange(min=0),
+              help="Parity tolerance, absolute (default 1e-5 for fp32, 5e-3 for fp16).")
+@click.option("--rtol", type=click.FloatRange(min=0),
+              help="Parity tolerance, relative (default 1e-4 for fp32, 5e-3 for fp16).")
+@click.option("--module", "module_spec", metavar="FILE.py:FACTORY",
+              help="Your own model: FACTORY() in FILE.py returns the nn.Module (--checkpoint then loads its state "
+                   "dict strictly). Declare its forward's inputs with --input.")
+@click.option("--input", "inputs", multiple=True, metavar="NAME:ROLE[:AXIS][:FEATURES]",
+              help="With --module, one per forward parameter to feed, bound by NAME (any order; parameters not "
+                   "declared keep their defaults); the file takes its inputs in this order. ROLE: tokens (int64 "
+                   "ids [batch, seq]), "
+                   "sequence (float [batch, seq, FEATURES]; FEATURES read off the module when omitted) or "
+                   "padding-mask ([batch, seq], True/1 = real token; it marks the input on the same AXIS). AXIS "
+                   "(default seq) names a length axis: an encoder-decoder's target is e.g. tgt:tokens:tgt_seq.")
+@click.option("--output-name", "output_names", multiple=True, metavar="NAME",
+              help="With --module, names of the forward's outputs in order (default: where each was returned: "
+                   "output for a lone tensor, a dict's key, output_<i> for a tuple's items, <name>.<i> inside "
+                   "them, None values skipped).")
+@click.option("--max-length", type=click.IntRange(min=1),
+              help="With --module, the longest sequence the module takes (e.g. its position table): parity "
+                   "checks no longer one.")
+@pack_tokens_option
+@click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path), required=True,
+              help="Where to write the .onnx file (written only if parity passes).")
+@click.pass_context
+def export(ctx, checkpoint, prefix, d_model, heads, model_kind, layers, d_ff, attention, mask, return_weights, kv_cache,
+           fuse, quantize, seed, opset, dtype, atol, rtol, module_spec, inputs, output_names, max_length, pack_tokens,
+           output):
+    """Export a reference MHA to ONNX with dynamic batch and sequence axes, checked against torch.
+
+    \b
+    Examples:
+      mha-deploy export -o mha.onnx
+      mha-deploy export --attention cross --mask padding -o cross.onnx
+      mha-deploy export --fuse onnx --mask padding-causal -o mha.onnx
+      mha-deploy export --mask padding-causal --kv-cache -o decode.onnx
+      mha-deploy export --quantize int8 -o mha-int8.onnx
+      mha-deploy export --dtype fp16 --fuse mha --mask padding -o mha-fp16.onnx
+      mha-deploy export --model decoder --layers 6 --mask padding -o decoder.onnx
+      mha-deploy export --checkpoint attn.safetensors --heads 8 --mask padding-causal -o mha.onnx
+      mha-deploy export --module model.py:build --input ids:tokens --input mask:padding-mask -o model.onnx
+    """
+    from mha_deploy.exporters import export_builtin, export_model, load_factory
+
+    options = {"opset": opset, "atol": atol, "rtol": rtol, "fuse": fuse, "quantize": quantize, "dtype": dtype,
+               "pack_tokens": pack_tokens}
+    lone_block = ("prefix", "d_model", "heads", "model_kind", "layers", "d_ff", "attention", "mask",
+                  "return_weights", "seed")
+    own_model = ("inputs", "output_names", "max_length")
+    if module_spec is not None:
+        given = [name for name in lone_block if _given(ctx, name)]
+        if given:
+            raise click.UsageError(f"--module exports your model as it is: {_flags(given)} describe the built-in ones")
+        if not inputs:
+            raise click.UsageError("--module needs its forward's inputs: --input NAME:ROLE for each")
+        module = load_factory(module_spec)
+        click.echo(f"exporting {type(module).__name__} from {module_spec}, inputs {', '.join(inputs)}", err=True)
+        result = export_model(module, output, inputs, output_names=output_names or None, checkpoint=checkpoint,
+                              max_length=max_length, kv_cache=kv_cache, **options)
+    elif given := [name for name in own_model if _given(ctx, name)]:
+        raise click.UsageError(f"{_flags(given)} describe your own model: give it with --module FILE.py:FACTORY")
+    elif model_kind == "mha":
+        if layers != 1:
+            raise click.UsageError("--layers is for --model encoder or decoder")
+        signature = Signature(attention, mask, return_weights, kv_cache=kv_cache)
+        mha = load_model(checkpoint, d_model, heads, seed, prefix=prefix)
+        click.echo(f"exporting d_model={mha.d_model} heads={mha.num_heads} attention={attention} mask={mask}"
+                   + (" kv-cache" if kv_cache else ""), err=True)
+        result = export_builtin(mha, output, signature, **options)
+    else:
+        if checkpoint is not None or prefix is not None or return_weights:
+            raise click.UsageError(
+                f"--model {model_kind} exports a seeded random stack: no --checkpoint, --prefix or --return-weights"
+            )
+        # The flags' I/O contract, checked before a stack is built for it.
+        signature = Signature("self" if model_kind == "encoder" else "cross", mask, model=model_kind,
+                              kv_cache=kv_cache, layers=layers if kv_cache else 1)
+        stack = build_stack(model_kind, layers, d_model, heads, d_ff, seed)
+        click.echo(f"exporting a {layers}-layer {model_kind}, mask={mask}" + (" kv-cache" if kv_cache else ""),
+                   err=True)
+        result = export_builtin(stack, output, signature, **options)
+    echo_export(result)
+
+
+def echo_export(result) -> None:
+    """What export and optimize print: warnings, the fusion, token packing, parity, the file."""
+    for warning in result.warnings:
+        click.echo(f"warning: {warning}", err=True)
+    click.echo(result.fusion.summary())
+    if result.packing is not None:
+        click.echo(result.packing.describe())
+    click.echo(result.parity.summary())
+    click.echo(f"wrote {result.path}")
+
+
+def _given(ctx: click.Context, name: str) -> bool:
+    return ctx.get_parameter_source(name) not in (None, click.core.ParameterSource.DEFAULT)
+
+
+def _flags(names: list[str]) -> str:
+    flags = {"model_kind": "--model", "inputs": "--input", "output_names": "--output-name"}
+    return ", ".join(flags.get(name, "--" + name.replace("_", "-")) for name in names)

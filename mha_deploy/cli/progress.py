@@ -1,0 +1,26 @@
+"""The progress bar dataset commands show on stderr."""
+
+from __future__ import annotations
+
+
+def run_with_progress(run, show: bool):
+    """``run(on_start, on_batch)`` with a rich progress bar on stderr: items, items/s and tokens/s."""
+    import time
+
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    columns = (TextColumn("infer"), BarColumn(), MofNCompleteColumn(), TextColumn("items"),
+               TextColumn("{task.fields[rate]}"), TimeRemainingColumn())
+    with Progress(*columns, console=Console(stderr=True), disable=not show, transient=False) as bar:
+        task = bar.add_task("infer", total=None, rate="")
+        counts = {"items": 0, "tokens": 0, "start": time.perf_counter()}
+
+        def on_batch(items: int, tokens: int) -> None:
+            counts["items"] += items
+            counts["tokens"] += tokens
+            elapsed = max(time.perf_counter() - counts["start"], 1e-9)
+            rate = f"{counts['items'] / elapsed:.1f} items/s {counts['tokens'] / elapsed:,.0f} tokens/s"
+            bar.update(task, advance=items, rate=rate)
+
+        return run(lambda total: bar.update(task, total=total), on_batch)

@@ -1,0 +1,104 @@
+"""``mha-deploy serve``: the HTTP (and gRPC) server."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from mha_deploy.batching import BatchingConfig
+from mha_deploy.cli.group import main
+from mha_deploy.cli.options import RenamedOption, session_options
+
+# ServeConfig.graceful_timeout_s (not imported: the serving package loads onnxruntime).
+DEFAULT_DRAIN_TIMEOUT_S = 30.0
+
+
+@main.command()
+@click.argument("model", type=click.Path(path_type=Path))
+@click.option("--host", default="127.0.0.1", show_default=True,
+              help="Address to bind; 0.0.0.0 exposes the server to the network.")
+@click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True)
+@click.option("--max-batch", type=click.IntRange(min=1), default=BatchingConfig.max_batch, show_default=True,
+              help="Most requests run together in one padded batch; 1 turns micro-batching off.")
+@click.option("--max-wait-ms", type=click.FloatRange(min=0), default=BatchingConfig.max_wait_ms, show_default=True,
+              help="Longest a request waits for others to join its batch.")
+@click.option("--max-batch-tokens", type=click.IntRange(min=1), default=BatchingConfig.max_batch_tokens,
+              show_default=True,
+              help="Most padded positions (requests x longest sequence) in one run; bounds its memory.")
+@click.option("--workers", type=click.IntRange(min=1), default=BatchingConfig.workers, show_default=True,
+              help="Batches run at once, each in its own thread.")
+@session_options()
+@click.option("--max-body-mb", type=click.FloatRange(min=0, min_open=True), default=64, show_default=True,
+              help="Larger request bodies get 413.")
+@click.option("--max-item-tokens", cls=RenamedOption, old_names=("--max-tokens",), type=click.IntRange(min=1),
+              default=1024, show_default=True, help="Longest sequence one request may hold; longer ones get 422.")
+@click.option("--optimized-model", type=click.Path(dir_okay=False, path_type=Path),
+              help="Cache of ORT's optimized graph: written on the first start, reused for faster later starts.")
+@click.option("--spin", is_flag=True,
+              help="Let idle ORT threads spin-wait (off by default: it takes CPU from request handling).")
+@click.option("--log-level", type=click.Choice(("debug", "info", "warning", "error")), default="info",
+              show_default=True)
+@click.option("--access-log", is_flag=True, help="Log every request (costs throughput).")
+@click.option("--drain-timeout", type=click.FloatRange(min=0), default=DEFAULT_DRAIN_TIMEOUT_S, show_default=True,
+              help="Seconds a SIGTERM waits for accepted requests to finish before the server exits anyway.")
+@click.option("--name", help="Model name in the v2 protocol (/v2/models/NAME; default: the file's stem).")
+@click.option("--grpc-port", type=click.IntRange(0, 65535),
+              help="Also serve the v2 protocol over gRPC (inference.GRPCInferenceService) on this port.")
+@click.option("--max-queue", type=click.IntRange(min=1), default=BatchingConfig.max_queue, show_default=True,
+              help="Items waiting for a batch; beyond it requests get 503 with Retry-After (gRPC: UNAVAILABLE).")
+@click.option("--api-key-file", type=click.Path(dir_okay=False, path_type=Path),
+              help="File of API keys, one per line: every route but health then needs 'Authorization: Bearer KEY'.")
+@click.option("--ssl-certfile", type=click.Path(dir_okay=False, path_type=Path),
+              help="PEM certificate (chain): serve REST and gRPC over TLS (with --ssl-keyfile).")
+@click.option("--ssl-keyfile", type=click.Path(dir_okay=False, path_type=Path), help="PEM private key for TLS.")
+@click.option("--body-timeout", type=click.FloatRange(min=0, min_open=True), default=10.0, show_default=True,
+              help="Seconds a request body may take to arrive; slower ones get 408.")
+@click.option("--max-connections", type=click.IntRange(min=1), default=1000, show_default=True,
+              help="Requests (and gRPC calls) in progress at once, counted once authorised (health checks aside); "
+                   "beyond it 503 (RESOURCE_EXHAUSTED). Idle connections take none.")
+@click.option("--keep-alive-timeout", type=click.FloatRange(min=0, min_open=True), default=5.0, show_default=True,
+              help="Seconds a connection with no request in progress stays open (new, or between requests).")
+@click.option("--header-timeout", type=click.FloatRange(min=0, min_open=True), default=10.0, show_default=True,
+              help="Seconds a request's headers may take to arrive, from its first byte; then the connection closes.")
+@click.option("--max-idle-connections", type=click.IntRange(min=1),
+              help="Connections with no request in progress kept at once; beyond, the longest idle is closed "
+                   "(default: half the open-file limit).")
+def serve(model, host, port, max_batch, max_wait_ms, max_batch_tokens, workers, provider, threads, max_body_mb,
+          max_item_tokens, optimized_model, spin, log_level, access_log, drain_timeout, name, grpc_port, max_queue,
+          api_key_file, ssl_certfile, ssl_keyfile, body_timeout, max_connections, keep_alive_timeout,
+          header_timeout, max_idle_connections):
+    """Serve a model over HTTP (and gRPC) with dynamic micro-batching (needs the 'serve' extra).
+
+    The Open Inference Protocol (KServe v2, what Triton's and KServe's clients
+    speak): GET /v2, /v2/models/NAME, /v2/health/live|ready, POST
+    /v2/models/NAME/infer with JSON or binary tensors; over gRPC with --grpc-port.
+    POST /v1/infer takes {"x": [[...d_model floats] x seq]} (cross-attention: query, key,
+    value) as JSON, an .npy body (application/x-npy) or an .npz body (application/x-npz).
+    All share one micro-batcher. GET /healthz, /readyz and /metrics (Prometheus) are
+    for orchestration. SIGTERM finishes every accepted request (up to --drain-timeout)
+    before exiting.
+
+    \b
+    Example:
+      mha-deploy serve mha.onnx --port 8000 --grpc-port 8001 --max-batch 32 --max-wait-ms 2
+      curl -s localhost:8000/v1/infer -H 'Content-Type: application/json' -d '{"x": [[0.1, ...]]}'
+      curl -s localhost:8000/v2/models/mha
+    """
+    from mha_deploy.serving.http import ServeConfig
+    from mha_deploy.serving.http import serve as run_server
+    from mha_deploy.serving.http.parsing import RequestLimits
+
+    limits = RequestLimits(
+        max_body_bytes=int(max_body_mb * 2**20), max_item_tokens=max_item_tokens, body_timeout_s=body_timeout
+    )
+    batching = BatchingConfig(max_batch=max_batch, max_wait_ms=max_wait_ms, workers=workers, max_queue=max_queue,
+                              max_batch_tokens=max_batch_tokens)
+    run_server(ServeConfig(
+        model, host=host, port=port, provider=provider, threads=threads, batching=batching, limits=limits,
+        optimized_model_path=optimized_model, spin=spin, log_level=log_level, access_log=access_log,
+        graceful_timeout_s=drain_timeout, name=name, grpc_port=grpc_port, api_key_file=api_key_file,
+        ssl_certfile=ssl_certfile, ssl_keyfile=ssl_keyfile, max_connections=max_connections,
+        keep_alive_timeout_s=keep_alive_timeout, header_timeout_s=header_timeout,
+        max_idle_connections=max_idle_connections,
+    ))
