@@ -17,8 +17,9 @@ Outputs: ``logits`` [batch, seq, vocab] and ``present.{i}.key|value`` = past ++ 
 and values (``present.{i}.encoder.key|value``: the encoder's keys and values, read from the first
 call and passed back unchanged after it).
 
-Every row shares one cache width; a row padded in the prompt keeps its padding as masked holes, so
-positions come from the mask (each row's count of real tokens), not from the width. When rows
+Every row shares one cache width; a row padded in the prompt (either side) keeps its padding as masked
+holes, zeroed once after the prompt, so positions come from the mask (each row's count of real tokens),
+not from the width. When rows
 leave (``keep``), their cache rows go, and so do leading columns that no remaining row uses.
 
 An encoder-decoder (``encoder=``, ``decoder_start_token_id=``): ``prefill`` runs the encoder once on
@@ -273,7 +274,19 @@ class KVCacheStepper:
         if first:  # the encoder's keys and values: computed now, passed back unchanged after
             for name, present in self.cross_caches.items():
                 self.past[name] = outputs[present]
-        return np.asarray(outputs["logits"][:, -1, :], np.float32)
+            self._zero_holes()
+        # Each row's last real new token: a right-padded prompt's last column is padding.
+        last = new_mask.shape[1] - 1 - np.argmax(new_mask[:, ::-1] != 0, axis=1)
+        return np.asarray(outputs["logits"][np.arange(len(last)), last, :], np.float32)
+
+    def _zero_holes(self) -> None:
+        """Zeros where the prompt was padding, in every self-attention cache. A padded position's keys and values
+        are masked for every real token, but a graph may compute NaN there (a query row with no key to attend
+        to), and a masked NaN value still poisons the weighted sum (0 * NaN). Holes appear in the prompt only."""
+        rows, columns = np.nonzero(self.mask == 0)
+        if rows.size:
+            for name in self.self_caches:
+                self.past[name][rows, :, columns, :] = 0
 
 
 def _present(past_name: str) -> str:

@@ -329,6 +329,33 @@ def test_an_encoder_decoder_needs_its_encoder_and_start_id(cached_seq2seq):
         KVCacheStepper(folder / "decoder.onnx", num_heads=4, head_dim=8)
 
 
+def right_padded(ids: np.ndarray, mask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The same prompts with their real tokens first."""
+    order = np.argsort(mask == 0, axis=1, kind="stable")
+    return np.take_along_axis(ids, order, axis=1), np.take_along_axis(mask, order, axis=1)
+
+
+@pytest.mark.parametrize("search", ["greedy", "beams"])
+def test_right_padded_prompts_generate_what_left_padded_ones_do(cached_gpt, search):
+    """The cache keeps a right-padded row's padding as holes before its new tokens; the positions the stepper
+    feeds count real tokens only, so the tokens are those of the same prompts padded on the left."""
+    path, _, vocab = cached_gpt
+    ids, mask = prompts(PROMPTS["left-padded"], vocab, seed=5)
+    options = {"max_new_tokens": MAX_NEW, **ORT_SEARCHES[search]}
+    expected = generate(KVCacheStepper(path), ids, mask, **options)
+    out = generate(KVCacheStepper(path), *right_padded(ids, mask), **options)
+    assert [t.tolist() for t in out.tokens] == [t.tolist() for t in expected.tokens]
+
+
+def test_padding_holes_are_zeros_in_the_cache(cached_gpt):
+    stepper = KVCacheStepper(cached_gpt[0])
+    ids, mask = prompts([4, 2, 3], cached_gpt[2], seed=5)
+    stepper.prefill(*right_padded(ids, mask))
+    holes = stepper.mask == 0
+    for cache in stepper.past.values():
+        assert not cache.transpose(0, 2, 1, 3)[holes].any() and cache.transpose(0, 2, 1, 3)[~holes].all()
+
+
 def test_leaving_rows_free_their_cache_and_unused_columns(cached_gpt):
     path, _, vocab = cached_gpt
     stepper = KVCacheStepper(path)
