@@ -78,7 +78,8 @@ class IncrementalDecoder:
         if signature.model == "custom":
             raise OptionError(
                 f"{session.source} is a causal LM over token ids (export --module --kv-cache): this decoder steps "
-                "float sequences; run it with session.run on input_ids, attention_mask and past_key_values.*"
+                "float sequences; generate with mha_deploy.runtime.kv_stepper.KVCacheStepper, or run it with "
+                "session.run on input_ids, attention_mask and past_key_values.*"
             )
         if capacity is not None and capacity < 1:
             raise OptionError(f"capacity must be at least 1 token, got {capacity}")

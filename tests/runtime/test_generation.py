@@ -10,6 +10,7 @@ import onnxruntime as ort
 import pytest
 
 from mha_deploy.errors import InputError, ModelFileError, OptionError
+from mha_deploy.runtime import MHASession
 from mha_deploy.runtime import logits as ours
 from mha_deploy.runtime.generation import GenerationConfig, TokenStepper, generate, prompt_batch, stream
 from mha_deploy.runtime.kv_stepper import KVCacheStepper
@@ -553,3 +554,39 @@ def test_bad_prompts_are_refused(prompts_given, match):
 def test_beam_search_cannot_stream():
     with pytest.raises(OptionError, match="stream"):
         stream(FixedLogits(np.zeros(4)), [[1, 2]], num_beams=2)
+
+
+# --- an mha-deploy KV-cache export of a user's causal LM (export --module --kv-cache), opened as an MHASession:
+# greedy is held to the module in tests/exporters/test_own_kv_cache.py; here beams and sampling, rows ending at
+# different steps (their cache rows and unused columns dropped while MHASession validates every call) ---
+
+
+@pytest.fixture(scope="module")
+def own_lm(tmp_path_factory):
+    from mha_deploy.exporters import export_model
+
+    module = user_module("causal_lm")
+    path = tmp_path_factory.mktemp("generation-own") / "lm.onnx"
+    export_model(module.build(), path, module.INPUTS, kv_cache=True)
+    model = module.build().eval()
+
+    def logits_of(ids, mask, positions):
+        return model(ids, mask.bool())
+
+    return path, logits_of
+
+
+@pytest.mark.parametrize("search", ["beams", "sampled"])
+def test_generate_over_an_own_model_kv_cache_export(own_lm, search):
+    path, logits_of = own_lm
+    ids, mask = prompts([9, 2, 4, 6], 50, seed=5)
+    eos = end_ids(generate(RecomputeStepper(logits_of), ids, mask, max_new_tokens=MAX_NEW).tokens)
+    options = {"max_new_tokens": MAX_NEW, "eos_token_id": eos, **ORT_SEARCHES[search]}
+    torch_stepper = RecomputeStepper(logits_of)
+    expected = generate(torch_stepper, ids, mask, **options)
+    stepper = KVCacheStepper(path)
+    assert isinstance(stepper.graph.session, MHASession)  # an mha-deploy file: inputs checked on its metadata
+    counting = CountingStepper(stepper)
+    out = generate(counting, ids, mask, **options)
+    assert [t.tolist() for t in out.tokens] == [t.tolist() for t in expected.tokens]
+    assert counting.rows_per_call == torch_stepper.rows_per_call
