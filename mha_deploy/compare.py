@@ -37,10 +37,12 @@ class Comparison:
     required_rtol: float  # smallest rtol that passes at this atol (inf if some |r| == 0 needs it)
     finite: bool  # every position (real or padding) is finite
     rel_budget: float | None = None  # when set, passing means rel_err <= rel_budget
+    # Every compared reference element is finite: a NaN there compares as no error at all (NaN > x is False).
+    reference_finite: bool = True
 
     @property
     def passed(self) -> bool:
-        if not self.finite:
+        if not self.finite or not self.reference_finite:
             return False
         if self.rel_budget is not None:
             return self.rel_err <= self.rel_budget
@@ -50,6 +52,8 @@ class Comparison:
         verdict = "PASSED" if self.passed else "FAILED"
         if not self.finite:
             return f"{self.name}: FAILED | non-finite values"
+        if not self.reference_finite:
+            return f"{self.name}: FAILED | the reference has non-finite values on real rows"
         if self.rel_budget is not None:
             return (
                 f"{self.name}: {verdict} | relative error {self.rel_err:.3%} (budget {self.rel_budget:.1%}), "
@@ -86,6 +90,7 @@ def compare_arrays(
         raise InputError(f"{name}: shape {actual64.shape} differs from the reference's {expected64.shape}")
     abs_err = np.abs(actual64 - expected64)
     reference = np.abs(expected64)
+    reference_finite = bool(np.isfinite(expected64).all())
     if abs_err.size == 0:
         return Comparison(name, atol, rtol, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, finite, rel_budget)
     nonzero = reference > _TINY
@@ -111,6 +116,7 @@ def compare_arrays(
         required_rtol=required_rtol,
         finite=finite,
         rel_budget=rel_budget,
+        reference_finite=reference_finite,
     )
 
 

@@ -14,7 +14,8 @@ import numpy as np
 import torch
 
 from mha_deploy.compare import Comparison, compare_outputs
-from mha_deploy.errors import ExportError, MHADeployError, first_line
+from mha_deploy.errors import ExportError, MHADeployError, ParityError, first_line
+from mha_deploy.exporters.reference_form import without_fast_path
 from mha_deploy.inputs import PADDING_SIDES, InputCase, cast_floats, make_inputs, padding_mask, real_query_rows
 from mha_deploy.metadata import ParityReport, Signature
 from mha_deploy.runtime.session import MHASession
@@ -184,7 +185,10 @@ def _judge(
                 "takes at most N tokens (a position table), give --max-length N"
             ) from exc
         rows = real_query_rows(signature, feeds)
-        for comparison in compare_outputs(signature, actual, expected, rows, atol, rtol, rel_budget):
+        compared = compare_outputs(signature, actual, expected, rows, atol, rtol, rel_budget)
+        if module and not all(c.finite and c.reference_finite for c in compared):
+            _refuse_nan_attention(reference, signature, feeds, label)
+        for comparison in compared:
             comparisons.append(comparison)
             if not comparison.passed:
                 failures.append(f"{label}: {comparison.summary()}")
@@ -202,12 +206,65 @@ def _judge(
     )
 
 
+def _refuse_nan_attention(module: torch.nn.Module, signature: Signature, feeds: dict[str, np.ndarray],
+                          label: str) -> None:
+    """Raise, in one line, when torch itself turns finite inputs into NaN at ``label`` (the NaN in the ONNX
+    graph, or in the reference's real rows, is then the module's own): typically a hand-written softmax over a
+    query row whose keys are all masked with -inf, which left padding under a causal mask makes."""
+    source = nan_source(module, signature, feeds)
+    if source is None:
+        return
+    raise ParityError(
+        f"parity at {label}: {source} gives NaN in torch itself, the ONNX graph computes the same; an "
+        "attention's softmax over a query row whose keys are all masked with -inf does (left padding under a "
+        "causal mask makes such rows, and the next layer's keys and values carry the NaN to real rows): fill "
+        "masked scores with a finite value (torch.finfo(dtype).min) or call F.scaled_dot_product_attention "
+        "(nn.MultiheadAttention: need_weights=False), which gives 0 there"
+    )
+
+
+def _finite(value) -> bool:
+    """Every floating-point tensor in ``value`` (nested tuples, lists, dicts) is finite."""
+    if isinstance(value, torch.Tensor):
+        return not value.is_floating_point() or bool(torch.isfinite(value).all())
+    if isinstance(value, dict):
+        return all(_finite(v) for v in value.values())
+    if isinstance(value, (tuple, list)):
+        return all(_finite(v) for v in value)
+    return True
+
+
+def nan_source(module: torch.nn.Module, signature: Signature, feeds: dict[str, np.ndarray]) -> str | None:
+    """The submodule of ``module`` whose forward first turns finite inputs into a non-finite output on
+    ``feeds``, as ``name (Class)`` (named within the user's module, not the export's wrapper around it); None
+    when torch's outputs are finite."""
+    user = getattr(module, "module", None)
+    user = user if isinstance(user, torch.nn.Module) else module
+    names = {layer: name for name, layer in user.named_modules()}
+    found: list[torch.nn.Module] = []
+
+    def watch(layer, args, kwargs, output):
+        if not found and _finite((args, kwargs)) and not _finite(output):
+            found.append(layer)
+
+    handles = [layer.register_forward_hook(watch, with_kwargs=True) for layer in names]
+    try:
+        torch_reference(module, signature, feeds)
+    finally:
+        for handle in handles:
+            handle.remove()
+    if not found:
+        return None
+    name = names[found[0]]
+    return f"{name or 'the module'} ({type(found[0]).__name__})"
+
+
 def default_cases(signature: Signature) -> tuple[ParityCase, ...]:
     return SELF_CASES if len(signature.sequence_axes) == 1 else CROSS_CASES
 
 
 def torch_reference(module: torch.nn.Module, signature: Signature, feeds: dict[str, np.ndarray]) -> dict:
-    with torch.no_grad():
+    with torch.no_grad(), without_fast_path():
         result = module(*(torch.from_numpy(feeds[name]) for name in signature.input_names))
     result = result if isinstance(result, tuple) else (result,)
     return {name: tensor.float().numpy() for name, tensor in zip(signature.output_names, result, strict=True)}

@@ -12,6 +12,17 @@ op's own mask, causal on GroupQueryAttention.
 Exactness: the same arithmetic in the same order as torch's math path (scale folded as
 ``1 / sqrt(d)`` unless given, bool masks filled with -inf, float masks added). Parity against the
 original module, unrewritten, is what every export checks.
+
+A query row with no visible key (left padding under a causal mask makes one): torch's
+``F.scaled_dot_product_attention`` returns 0 there (its ``_safe_softmax``), and so does
+``nn.MultiheadAttention`` with ``need_weights=False`` (what ``nn.Transformer*`` layers call), both
+measured on torch 2.13; with ``need_weights=True`` it takes a plain softmax and returns NaN. The
+reference form gives the same: ``Where(IsNaN(p), 0, p)`` after the softmax, the spelling of a safe
+softmax the upstream SDPA fusion absorbs, so the fused graph has no trace of it. A NaN left there
+would reach real rows through the next layer's keys and values (0 x NaN). torch's fast path
+(``_native_multi_head_attention``, taken in eval under ``no_grad`` with bool masks) returns NaN
+there instead: parity runs the module with it off (``without_fast_path``), in the semantics torch
+documents and trains with.
 """
 
 from __future__ import annotations
@@ -50,7 +61,14 @@ def reference_sdpa(
             scores = scores.masked_fill(attn_mask == 0, float("-inf"))
         else:
             scores = scores + attn_mask
-    return torch.matmul(torch.softmax(scores, dim=-1), value)
+    return torch.matmul(_safe_softmax(scores), value)
+
+
+def _safe_softmax(scores: torch.Tensor) -> torch.Tensor:
+    """Softmax over the last axis, 0 on a row whose scores are all -inf (torch's ``_safe_softmax``; written with
+    IsNaN, which such a row's softmax is everywhere, as the upstream SDPA fusion reads it)."""
+    weights = torch.softmax(scores, dim=-1)
+    return torch.where(torch.isnan(weights), 0.0, weights)
 
 
 def _projections(attention: nn.MultiheadAttention):
@@ -91,7 +109,9 @@ def reference_multihead_forward(
             scores = scores.masked_fill(keep.unsqueeze(1).unsqueeze(2) == 0, float("-inf"))
         else:
             scores = scores + key_padding_mask.unsqueeze(1).unsqueeze(2)
-    weights = torch.softmax(scores, dim=-1)
+    # torch computes need_weights=True with a plain softmax (NaN on a row with no visible key), and
+    # need_weights=False through scaled_dot_product_attention (0 there).
+    weights = torch.softmax(scores, dim=-1) if need_weights else _safe_softmax(scores)
     context = torch.matmul(weights, v).transpose(1, 2).contiguous().view(batch, q_len, heads * d_k)
     output = self.out_proj(context)
     if not self.batch_first:
@@ -123,15 +143,25 @@ def in_reference_form(module: nn.Module) -> tuple[nn.Module, int]:
 
 
 @contextlib.contextmanager
-def reference_attention() -> Iterator[None]:
-    """While tracing: ``F.scaled_dot_product_attention`` computes in the reference form, and torch's fused
-    fast paths (``nn.TransformerEncoderLayer``'s) are off, so that every attention goes through code the
-    exporter sees."""
+def without_fast_path() -> Iterator[None]:
+    """torch's fused fast paths (``nn.MultiheadAttention``'s and ``nn.TransformerEncoderLayer``'s) off: the
+    module computes through the code the exporter sees, and gives 0, not NaN, on a query row with no
+    visible key (the fast path's NaN there reaches real rows of the next layer)."""
     fast_path = torch.backends.mha.get_fastpath_enabled()
-    F.scaled_dot_product_attention = reference_sdpa
     torch.backends.mha.set_fastpath_enabled(False)
     try:
         yield
     finally:
-        F.scaled_dot_product_attention = _TORCH_SDPA
         torch.backends.mha.set_fastpath_enabled(fast_path)
+
+
+@contextlib.contextmanager
+def reference_attention() -> Iterator[None]:
+    """While tracing: ``F.scaled_dot_product_attention`` computes in the reference form, and torch's fast
+    paths are off, so that every attention goes through code the exporter sees."""
+    F.scaled_dot_product_attention = reference_sdpa
+    try:
+        with without_fast_path():
+            yield
+    finally:
+        F.scaled_dot_product_attention = _TORCH_SDPA

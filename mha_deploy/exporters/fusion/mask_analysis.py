@@ -35,12 +35,24 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import onnx_ir as ir
 
 from mha_deploy.exporters.fusion.constant_values import constant_array, scalar_constant
 
 # Anything at least this negative is a masking fill: exp of it underflows to 0 in every float type.
 MIN_FILL_MAGNITUDE = 1e4
+
+
+def finite_fill(fill: float, dtype) -> float:
+    """``fill`` for a fused op's masked scores, raised to half ``dtype``'s lowest value when below it (-inf, the
+    fill torch's masks and the reference form use). A fused kernel adds it to every score of a row with no
+    visible key: -inf there gives NaN (contrib MultiHeadAttention's key_padding_mask and attention_bias on ORT
+    1.31 CPU, measured), a finite fill the average of the values. Half, so that adding it to a score or to a
+    second fill cannot overflow."""
+    return max(float(fill), float(np.finfo(dtype).min) / 2)
+
+
 # Ops that broadcast their inputs (right-aligned) without changing which element masks which score.
 _BROADCASTING = {"And", "Or", "Mul", "Add", "Where", "Equal", "Not", "Cast", "Expand"}
 # Axes of the [batch, heads, q_len, kv_len] scores, counted from the right.

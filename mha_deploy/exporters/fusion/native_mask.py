@@ -10,7 +10,8 @@ input of the same form, and both have a ``unidirectional`` (causal) flag.
 When ``mask_analysis`` recognises the bias as key padding and/or causal, the
 bias is dropped for those. Measured on ORT 1.31 CPU (see tests): both give the
 reference's result on every row with a visible key; rows with none (left
-padding + causal) are finite.
+padding + causal, a batch row all padding) are finite: the fill is made finite
+(``finite_fill``), with -inf key_padding_mask alone gives NaN there.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import onnx_ir as ir
 from onnxscript.rewriter import pattern
 
 from mha_deploy.exporters.fusion.contrib_mha import has_inputs_from, optional_input
-from mha_deploy.exporters.fusion.mask_analysis import MaskParts, analyse_bias_for
+from mha_deploy.exporters.fusion.mask_analysis import MaskParts, analyse_bias_for, finite_fill
 
 # (op type, index of the key-padding input, index of attention_bias)
 _MASK_INPUTS = {"MultiHeadAttention": (4, 5), "Attention": (3, 5)}
@@ -69,7 +70,7 @@ class NativeMask(pattern.RewriteRuleClassBase):
         while inputs and inputs[-1] is None:
             inputs.pop()
         attributes = {name: attr.value for name, attr in node.attributes.items()}
-        attributes["mask_filter_value"] = parts.fill
+        attributes["mask_filter_value"] = finite_fill(parts.fill, node.inputs[0].dtype.numpy())
         if parts.causal:
             attributes["unidirectional"] = 1
         return getattr(op, self._op_type)(*inputs, _domain="com.microsoft", **attributes)

@@ -15,6 +15,8 @@ The chain, per target (own rules marked *, the rest is upstream
       attention (packed_qkv)  self-attention MHA -> com.microsoft.Attention (packed weights)
     * native_mask             float bias -> key_padding_mask / mask_index + unidirectional, when
                               mask_analysis reads it as key padding and/or causal (else it stays)
+    * finite_bias             a float bias native_mask left -> Max(bias, finite fill): a -inf bias
+                              gives NaN on a row with no visible key in the contrib kernels
     * short_sequence          MHA, mask-free, with key_padding_mask or causal (self-attention)
                               -> If(kv_len <= 256 and scores <= 64 MB, standard Attention
                               (additive attn_mask, is_causal), MHA): its materialising kernel
@@ -62,6 +64,7 @@ from onnxscript.rewriter.ort_fusions.sdpa_via_mha import replace_sdpa_by_mha
 from mha_deploy.errors import ExportError
 from mha_deploy.exporters.fusion.bias_axes import fuse_bias_axes
 from mha_deploy.exporters.fusion.causal_gqa import fuse_causal_gqa
+from mha_deploy.exporters.fusion.finite_bias import fuse_finite_bias
 from mha_deploy.exporters.fusion.masked_fill_bias import fuse_masked_fill_bias, masked_fill_bias_rules
 from mha_deploy.exporters.fusion.native_mask import fuse_native_mask
 from mha_deploy.exporters.fusion.onnx_attention import fuse_onnx_attention
@@ -254,6 +257,7 @@ def _run_chain(model: ir.Model, target: str, packed_qkv: bool, short_sequences: 
     _type_attention_outputs(model)
     if target == "mha":
         counts["native_mask"] = fuse_native_mask(model)
+        counts["finite_bias"] = fuse_finite_bias(model)
         # causal_gqa and padding_flash check the shapes of the mask/bias values the rules before created.
         common_passes.ShapeInferencePass()(model)
         if short_sequences:

@@ -75,7 +75,7 @@ from mha_deploy.exporters.fusion.contrib_mha import (
     move_bias_out,
     optional_input,
 )
-from mha_deploy.exporters.fusion.mask_analysis import dims_match
+from mha_deploy.exporters.fusion.mask_analysis import dims_match, finite_fill
 from mha_deploy.exporters.fusion.op_branches import (
     copied_attributes,
     in_subgraph,
@@ -178,7 +178,7 @@ def _standard_branch(q, key, value, mask, attributes, attention: ir.Value, name:
         return op_branch("", "Attention", [q, key, value], attributes, name, like=attention)
     op = TapeBuilder()
     dtype = attention.dtype.numpy()
-    zero, fill = (op.Constant(value=ir.tensor(np.array(x, dtype))) for x in (0, np.finfo(dtype).min / 2))
+    zero, fill = (op.Constant(value=ir.tensor(np.array(x, dtype))) for x in (0, finite_fill(-np.inf, dtype)))
     additive = op.Unsqueeze(op.Where(op.Cast(mask, to=ir.DataType.BOOL), zero, fill), int64(op, [1, 2]))
     rows = op.Concat(int64(op, [1, 1]), op.Shape(q, start=1, end=2), int64(op, [1]), axis=0)
     output = op.Attention(q, key, value, op.Expand(additive, rows), **attributes)

@@ -99,3 +99,24 @@ def test_leaves_alone(model, reason):
     assert count == 0
     assert list(hg.node(rewritten, "MultiHeadAttention").input) == list(hg.node(model, "MultiHeadAttention").input)
     assert any(reason in why for why in hg.failed_checks(model, native_mask_rules))
+
+
+@pytest.mark.parametrize("mask", ["padding", "padding-causal"])
+def test_an_infinite_fill_becomes_a_finite_mask_filter_value(mask):
+    # torch's masks and the reference form fill with -inf: as mask_filter_value, contrib MultiHeadAttention
+    # gives NaN on a batch row whose keys are all padding (test_finite_bias pins it).
+    g = hg.Graph()
+    q, k, v = (g.input(name, np.float32, [BATCH, SEQ, HIDDEN]) for name in ("query", "key", "value"))
+    parts = [hg.key_padding_mask(g, BATCH, SEQ)] + ([hg.causal_mask(g, SEQ)] if "causal" in mask else [])
+    combined = parts[0] if len(parts) == 1 else g.op("And", *parts)
+    bias = hg.mask_bias(g, combined, fill=-np.inf, expand_to=[BATCH, 1, SEQ, SEQ])
+    g.output(g.op("MultiHeadAttention", q, k, v, "", "", bias, domain="com.microsoft", num_heads=HEADS))
+    model = g.model()
+    rewritten, count = hg.rewrite(model, native_mask_rules)
+    assert count == 1
+    fill = hg.attributes(hg.node(rewritten, "MultiHeadAttention"))["mask_filter_value"]
+    assert fill == pytest.approx(float(np.finfo(np.float32).min) / 2)
+    feeds = _feeds(model)
+    feeds["key_padding_mask"][-1] = False  # a batch row that is all padding
+    (output,) = hg.run(rewritten, feeds).values()
+    assert np.isfinite(output).all()
