@@ -22,10 +22,11 @@ __all__ = [
 
 METADATA_KEY = "mha_deploy"
 # Bumped when the meaning of a recorded field changes: the newest format this version reads. Files are
-# written in the oldest format that holds them, 1, except a custom model's (declared tensors; 2), which
-# earlier mha-deploy cannot read: it then says to upgrade.
-METADATA_FORMAT = 2
+# written in the oldest format that holds them, 1, except a custom model's (declared tensors; 2) and a model
+# with a max length (3), which earlier mha-deploy cannot read: it then says to upgrade.
+METADATA_FORMAT = 3
 _CUSTOM_FORMAT = 2
+_MAX_LENGTH_FORMAT = 3
 
 # The choices the exporter, the runtime and serving accept, defined here (no torch, no
 # onnxruntime) so that the CLI lists them without importing either; the modules that
@@ -96,6 +97,9 @@ class ModelMetadata:
     versions: dict[str, str] = field(default_factory=dict)
     parity: ParityReport | None = None
     format: int = 1
+    # The longest sequence the model takes on any length axis (a position table's size, --max-length); None:
+    # no limit recorded. The validator refuses a longer one before ONNX Runtime indexes past the table.
+    max_length: int | None = None
 
     @property
     def fixed_sizes(self) -> dict[str, int]:
@@ -114,6 +118,10 @@ class ModelMetadata:
                 del raw["signature"][name]
         else:
             raw["format"] = max(self.format, _CUSTOM_FORMAT)
+        if self.max_length is None:
+            del raw["max_length"]
+        else:
+            raw["format"] = max(raw["format"], _MAX_LENGTH_FORMAT)
         return json.dumps(raw, sort_keys=True)
 
     @classmethod
@@ -131,6 +139,10 @@ class ModelMetadata:
             value = getattr(metadata, name)
             if type(value) is not int or value < 1:
                 raise ModelFileError(f"{source}: mha-deploy metadata {name} is {value!r}, not a positive integer")
+        if metadata.max_length is not None and (type(metadata.max_length) is not int or metadata.max_length < 1):
+            raise ModelFileError(
+                f"{source}: mha-deploy metadata max_length is {metadata.max_length!r}, not a positive integer"
+            )
         if metadata.signature.layers not in (1, metadata.layers):
             raise ModelFileError(
                 f"{source}: its metadata says {metadata.layers} layers, its cache layout {metadata.signature.layers}"

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from mha_deploy.errors import ModelFileError, SignatureError
-from mha_deploy.metadata import ModelMetadata
+from mha_deploy.metadata import METADATA_FORMAT, ModelMetadata
 from mha_deploy.signature import Signature, TensorSpec
 
 IDS = TensorSpec("src", "tokens", "int64", ("batch", "src_seq"), vocab=40)
@@ -25,11 +27,24 @@ def test_a_custom_signature_survives_the_files_metadata():
     assert LOGITS.dims({}) == (-1, -1, 50) and IDS.item_shape(7, {}) == (7,)
 
 
-def test_an_older_reader_is_told_to_upgrade():
-    raw = ModelMetadata(32, 4, Signature.custom((IDS,), (POOLED,))).to_json()
-    assert '"format": 2' in raw
+@pytest.mark.parametrize(("max_length", "written_format"), [(None, 2), (512, 3)], ids=["custom", "max-length"])
+def test_an_older_reader_is_told_to_upgrade(max_length, written_format):
+    raw = ModelMetadata(32, 4, Signature.custom((IDS,), (POOLED,)), max_length=max_length).to_json()
+    assert f'"format": {written_format}' in raw and ('"max_length"' in raw) == (max_length is not None)
     with pytest.raises(ModelFileError, match="newer than this mha-deploy"):
-        ModelMetadata.from_json(raw.replace('"format": 2', '"format": 3'))
+        ModelMetadata.from_json(raw.replace(f'"format": {written_format}', f'"format": {METADATA_FORMAT + 1}'))
+
+
+def test_the_max_length_survives_the_files_metadata():
+    metadata = ModelMetadata(32, 4, Signature.custom((IDS,), (POOLED,)), max_length=512)
+    assert ModelMetadata.from_json(metadata.to_json()).max_length == 512
+
+
+@pytest.mark.parametrize("value", ["512", 0, -3, 1.5])
+def test_a_max_length_that_is_no_positive_integer_is_refused(value):
+    raw = ModelMetadata(32, 4, Signature.custom((IDS,), (POOLED,)), max_length=512).to_json()
+    with pytest.raises(ModelFileError, match=r"max_length .* not a positive integer"):
+        ModelMetadata.from_json(raw.replace('"max_length": 512', f'"max_length": {json.dumps(value)}'))
 
 
 @pytest.mark.parametrize(

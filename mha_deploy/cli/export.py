@@ -78,8 +78,9 @@ from mha_deploy.metadata import (
                    "output for a lone tensor, a dict's key, output_<i> for a tuple's items, <name>.<i> inside "
                    "them, None values skipped).")
 @click.option("--max-length", type=click.IntRange(min=1),
-              help="With --module, the longest sequence the module takes (e.g. its position table): parity "
-                   "checks no longer one.")
+              help="With --module, the longest sequence the module takes (default: read off its position "
+                   "table, an nn.Embedding indexed by position, if any): parity checks no longer one, and it is "
+                   "recorded in the file so that a longer sequence is refused.")
 @pack_tokens_option
 @click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path), required=True,
               help="Where to write the .onnx file (written only if parity passes).")
@@ -151,6 +152,8 @@ def echo_export(result) -> None:
     if result.packing is not None:
         click.echo(result.packing.describe())
     click.echo(result.parity.summary())
+    if result.metadata.max_length is not None:
+        click.echo(f"max length {result.metadata.max_length} recorded: longer sequences are refused")
     click.echo(f"wrote {result.path}")
 
 

@@ -42,6 +42,7 @@ from mha_deploy.exporters.own_model import (
     declare_model,
     graph_vocabularies,
     load_checkpoint,
+    position_tables,
     trace_failure,
 )
 from mha_deploy.exporters.parity import (
@@ -55,7 +56,7 @@ from mha_deploy.exporters.parity import (
 )
 from mha_deploy.exporters.precision import DTYPES, FP16_ATOL, FP16_RTOL, to_float16
 from mha_deploy.exporters.quantize import quantize_int8
-from mha_deploy.exporters.reference_form import reference_attention
+from mha_deploy.exporters.reference_form import reference_attention, without_fast_path
 from mha_deploy.exporters.stack_graphs import decoder_cache_graphs, export_stack_onnx, stack_graph
 from mha_deploy.exporters.token_packing import PackingReport, pack_model, packing_masks
 from mha_deploy.exporters.torch_export import DEFAULT_OPSET, export_onnx
@@ -458,8 +459,11 @@ def export_model(
 
 
 def _export_model(module, output, inputs, output_names, max_length, export_options, kv_cache) -> ExportResult:
-    declared = declare_model(module, inputs, output_names)
-    signature = declared.signature
+    # The probes run the module as parity does: with torch's fast path off (reference_form.without_fast_path).
+    with without_fast_path():
+        declared = declare_model(module, inputs, output_names)
+        signature = declared.signature
+        max_length = _max_length(max_length, position_tables(declared.wrapper, signature))
     if kv_cache:
         lm_tensors(signature)
         if export_options.quantize != "none" or export_options.dtype != "fp32":
@@ -482,7 +486,8 @@ def _export_model(module, output, inputs, output_names, max_length, export_optio
         result.warnings[:0] = [*declared.warnings, *vocabulary_warnings]
         return result
     d_model, heads = widest_attention(plain, declared.d_model)
-    metadata = ModelMetadata(d_model=d_model, num_heads=heads, signature=signature, layers=max(attention_ops, 1))
+    metadata = ModelMetadata(d_model=d_model, num_heads=heads, signature=signature, layers=max(attention_ops, 1),
+                             max_length=max_length)
     cases = export_options.parity_cases or capped_cases(default_cases(signature), max_length)
     export_options = replace(export_options, parity_cases=cases)
     result = _finish(declared.wrapper, plain, metadata, output, export_options, attention_ops)
@@ -501,11 +506,26 @@ def _export_own_cache(
     signature = cache_signature(declared.signature, layers)
     cached = attach_own_caches(plain, declared.signature, signature, layers)
     heads, head_dim = layers[0].heads, layers[0].head_dim
-    metadata = ModelMetadata(d_model=heads * head_dim, num_heads=heads, signature=signature, layers=len(layers))
+    metadata = ModelMetadata(d_model=heads * head_dim, num_heads=heads, signature=signature, layers=len(layers),
+                             max_length=max_length)
     cases = options.parity_cases or capped_cache_cases(OWN_CACHE_CASES, max_length)
     # Token packing gathers the real tokens of one call's mask; a cache's mask spans calls.
     options = replace(options, parity_cases=cases, pack_tokens=False)
     return _finish(declared.wrapper, cached, metadata, output, options, attention_ops, declared=declared.signature)
+
+
+def _max_length(given: int | None, tables) -> int | None:
+    """The max length to record: ``given`` (--max-length), else the shortest position table's; a given one
+    longer than a table takes is refused (ONNX Runtime would index past the table)."""
+    shortest = min(tables, key=lambda table: table.max_length, default=None)
+    if given is None or shortest is None:
+        return given if shortest is None else shortest.max_length
+    if given > shortest.max_length:
+        raise ExportError(
+            f"--max-length {given} is longer than the module's position table {shortest.name} takes "
+            f"({shortest.max_length} positions): give at most {shortest.max_length}, or leave it out"
+        )
+    return given
 
 
 def widest_attention(plain: onnx.ModelProto, width: int) -> tuple[int, int]:

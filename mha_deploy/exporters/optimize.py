@@ -118,7 +118,8 @@ def optimize_model(
     (roles ``tokens``, ``sequence``, ``padding-mask``, as for ``export_model``). ``output_names`` renames the
     graph's outputs, in order. ``fuse`` as for ``export_mha`` (``auto`` falls back to the unfused graph with a
     warning; ``mha``/``onnx`` fail, writing nothing, if an attention stays unfused). Parity of the written graph
-    against ``source``, both in ORT, is checked at unseen shapes, lengths capped at ``max_length``.
+    against ``source``, both in ORT, is checked at unseen shapes, lengths capped at ``max_length``, which the
+    file records (a longer sequence is refused).
     ``pack_tokens`` as for ``export_model`` (``ExportOptions``). Raises
     ``ExportError`` (``ParityError`` for parity; of another layer's kind too, as ``export_model``'s) and writes
     nothing when anything fails.
@@ -154,7 +155,8 @@ def optimize_model(
         warnings.append("the graph holds no attention subgraph (Softmax over MatMul scores): nothing to fuse")
     widths = [spec.axes[2] for spec in specs if spec.role == SEQUENCE]
     d_model, heads = widest_attention(plain, next(iter(widths), 0) or _embedding_width(model, specs))
-    metadata = ModelMetadata(d_model=d_model, num_heads=heads, signature=signature, layers=max(attention_ops, 1))
+    metadata = ModelMetadata(d_model=d_model, num_heads=heads, signature=signature, layers=max(attention_ops, 1),
+                             max_length=max_length)
     options = replace(options, parity_cases=parity_cases or capped_cases(default_cases(signature), max_length))
     result = _finish(reference, plain, metadata, output, options, attention_ops)
     result.warnings[:0] = warnings

@@ -30,6 +30,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from mha_deploy.errors import CheckpointError, ExportError, first_line
@@ -623,6 +624,82 @@ def declare_model(
     return Declared(wrapper, DeclaredModule(traced, wrapper.mask_dtypes, binding), signature, d_model, warnings)
 
 
+# Two lengths the position tables are read at: short, so that any table holds them.
+_POSITION_PROBE_LENGTHS = (3, 7)
+# The token ids the probes are filled with, one at a time (any vocabulary holds them).
+_POSITION_PROBE_IDS = (0, 1, 2)
+
+
+@dataclass(frozen=True)
+class PositionTable:
+    """An ``nn.Embedding`` indexed by position: the longest sequence it takes, and where it sits."""
+
+    name: str
+    max_length: int
+
+
+def position_tables(wrapper: DeclaredModule, signature: Signature) -> list[PositionTable]:
+    """The ``nn.Embedding`` s of the user's module indexed by position, read off two eager runs, unpadded, at
+    two lengths (every length axis alike): those whose largest index grows by exactly the length's growth (an
+    ``arange`` of the length plus an offset: GPT-2's, BART's offset 2, RoBERTa's ``padding_idx + 1 +
+    cumsum(mask)``). Such a table holding ``n`` rows with the first position at index ``c`` takes at most
+    ``n - c`` tokens; a longer sequence would index past it (ONNX Runtime: ``Gather ... idx=...``). A
+    position table held as a plain tensor and sliced (a sinusoidal buffer) is not read."""
+
+    user = wrapper.module
+    names = {layer: name for name, layer in user.named_modules() if isinstance(layer, nn.Embedding)}
+    growth = _POSITION_PROBE_LENGTHS[1] - _POSITION_PROBE_LENGTHS[0]
+    found: dict[nn.Embedding, int] = {}
+    # Every token the same id, tried with a few: RoBERTa's positions count the ids that are not its padding id,
+    # which one filler (1) would be.
+    for filler in _POSITION_PROBE_IDS:
+        runs = [_largest_indices(wrapper, signature, length, names, filler) for length in _POSITION_PROBE_LENGTHS]
+        largest = [seen for seen, _ in runs]
+        token_tables = set().union(*(tokens for _, tokens in runs))
+        for layer in names:
+            grows = layer in largest[0] and largest[1].get(layer) == largest[0][layer] + growth
+            if grows and layer not in token_tables:
+                first = largest[0][layer] - (_POSITION_PROBE_LENGTHS[0] - 1)
+                found.setdefault(layer, layer.num_embeddings - first)
+    return [PositionTable(names[layer], length) for layer, length in found.items()]
+
+
+def _largest_indices(
+    wrapper: DeclaredModule, signature: Signature, length: int, tables, filler: int
+) -> tuple[dict, set]:
+    """One unpadded run at ``length``, every token id ``filler``: each of ``tables`` -> the largest index it was
+    given, and those indexed by a tokens input as it is (a vocabulary, whatever its indices do)."""
+    from mha_deploy.inputs import InputCase, make_inputs
+
+    feeds = make_inputs(signature, 0, InputCase(2, length, length, "none"), seed=0)
+    for spec in signature.inputs:
+        if spec.role == TOKENS:
+            feeds[spec.name] = np.full_like(feeds[spec.name], filler)
+    ids = [torch.from_numpy(feeds[spec.name]) for spec in signature.inputs if spec.role == TOKENS]
+    by_weight = {id(layer.weight): layer for layer in tables}
+    seen: dict[nn.Embedding, int] = {}
+    token_tables: set[nn.Embedding] = set()
+    embedding = F.embedding
+
+    # F.embedding, not the modules' hooks: a subclass (BART's and Marian's position tables) takes the token ids
+    # in its forward and indexes its table with positions it computes.
+    def watched(indices, weight, *args, **kwargs):
+        layer = by_weight.get(id(weight))
+        if layer is not None and indices.numel():
+            seen[layer] = max(seen.get(layer, -1), int(indices.max()))
+            if any(indices.shape == t.shape and torch.equal(indices, t) for t in ids):
+                token_tables.add(layer)
+        return embedding(indices, weight, *args, **kwargs)
+
+    F.embedding = watched
+    try:
+        with torch.no_grad():
+            wrapper(*(torch.from_numpy(feeds[name]) for name in signature.input_names))
+    finally:
+        F.embedding = embedding
+    return seen, token_tables
+
+
 def _embedding_width(module: nn.Module) -> int:
     return next((layer.embedding_dim for layer in module.modules() if isinstance(layer, nn.Embedding)), 0)
 
@@ -650,5 +727,6 @@ __all__ = [
     "graph_vocabularies",
     "load_checkpoint",
     "load_factory",
+    "position_tables",
     "trace_failure",
 ]

@@ -96,7 +96,19 @@ def shape_problem(
         return Problem("wrong_shape", f"{name} has shape {tuple(shape)}, this model expects {layout}")
     if max_item_tokens is not None and shape[0] > max_item_tokens:
         return Problem("too_many_tokens", f"{name} has {shape[0]} tokens, at most {max_item_tokens} are accepted")
-    return None
+    return length_problem(metadata, name, shape[0])
+
+
+def length_problem(metadata: ModelMetadata, name: str, length: int) -> Problem | None:
+    """A sequence longer than the model's recorded max length (its position table: ONNX Runtime would index
+    past it), or None."""
+    if metadata.max_length is None or length <= metadata.max_length:
+        return None
+    return Problem(
+        "too_long",
+        f"{name} is {length} tokens long, this model takes at most {metadata.max_length} (its max length, "
+        "recorded at export): truncate or split it",
+    )
 
 
 def _length_problem(signature: Signature, lengths: Mapping[str, int]) -> Problem | None:
@@ -429,6 +441,9 @@ def _sequence_array(spec: TensorSpec, value: object, metadata: ModelMetadata) ->
         )
     if array.shape[0] == 0 or array.shape[1] == 0:
         raise InputError(f"{name} is empty (shape {array.shape}): batch and sequence length must be at least 1")
+    problem = length_problem(metadata, name, array.shape[1])
+    if problem:
+        raise InputError(problem.message)
     return np.ascontiguousarray(array)
 
 

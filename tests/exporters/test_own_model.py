@@ -250,6 +250,45 @@ def test_the_vocabulary_is_the_table_the_ids_index(tmp_path):
         session.run({"ids": np.array([[1000, 1]]), "mask": np.ones((1, 2), bool)})
 
 
+@pytest.mark.parametrize(("given", "recorded"), [(None, 64), (40, 40), (65, None)], ids=["read", "given", "too-long"])
+def test_the_max_length_is_the_position_tables_unless_given_shorter(tmp_path, given, recorded):
+    path = tmp_path / "m.onnx"
+    if recorded is None:
+        with pytest.raises(ExportError, match="--max-length 65 is longer than the module's position table pos takes "
+                                              r"\(64 positions\)"):
+            export_model(_BigVocabulary(), path, ["ids:tokens", "mask:padding-mask"], max_length=given)
+        assert not path.exists()
+        return
+    result = export_model(_BigVocabulary(), path, ["ids:tokens", "mask:padding-mask"], max_length=given)
+    assert result.metadata.max_length == recorded
+    assert max(int(shape.split("x")[1].split("/")[0]) for shape in result.parity.shapes) == recorded
+    with pytest.raises(InputError, match=f"ids is {recorded + 1} tokens long, this model takes at most {recorded} "):
+        MHASession(path, provider="cpu").run({"ids": np.ones((1, recorded + 1), np.int64),
+                                              "mask": np.ones((1, recorded + 1), bool)})
+
+
+# (model file, factory) -> the max length read off its position tables: an arange (BERT), RoBERTa's positions
+# after padding_idx (514 rows, 512 positions), BART's table with its offset of 2 indexed inside its own forward;
+# none for T5's relative position buckets and a model without a position table.
+POSITION_TABLES = {
+    ("hf_encoder", "build_bert"): 512,
+    ("hf_encoder", "build_roberta"): 512,
+    ("hf_seq2seq", "build_bart"): 512,
+    ("hf_seq2seq", "build_t5"): None,
+    ("causal_lm", "build"): None,
+}
+
+
+@pytest.mark.parametrize(("name", "factory"), list(POSITION_TABLES))
+def test_position_tables_are_read_off_the_module(name, factory):
+    from mha_deploy.exporters.own_model import declare_model, position_tables
+
+    model = user_module(name)
+    declared = declare_model(getattr(model, factory)(), model.INPUTS)
+    tables = position_tables(declared.wrapper, declared.signature)
+    assert min((table.max_length for table in tables), default=None) == POSITION_TABLES[name, factory], tables
+
+
 # The kernel each user model's attentions end on (op -> count): padding masks as the op's own key_padding_mask
 # (flash when nothing is padded), causal ones (tril, pad & tril) on GroupQueryAttention; none through a float
 # attention_bias, which would materialise [batch, heads, q, kv].

@@ -73,3 +73,43 @@ def test_the_runner_skips_the_item_and_the_server_answers_422(small_machine, unf
     with pytest.raises(RequestError) as refused:
         parse_request(buffer.getvalue(), "application/x-npy", unfused.metadata, RequestLimits(max_item_tokens=10**6))
     assert (refused.value.status, refused.value.kind) == (422, "too_long_for_memory")
+
+
+# --- the max length a file records (a position table's size, --max-length) -----------------------------
+MAX_LENGTH = 8
+
+
+@pytest.mark.parametrize("signature", [Signature("self", "padding"), Signature("cross", "padding")],
+                         ids=["self", "cross"])
+@pytest.mark.parametrize("length", [MAX_LENGTH, MAX_LENGTH + 1])
+def test_a_sequence_longer_than_the_max_length_is_refused_naming_it(signature, length):
+    from mha_deploy.errors import InputError
+    from mha_deploy.inputs import InputCase, make_inputs
+
+    metadata = ModelMetadata(D, TEST_HEADS, signature, max_length=MAX_LENGTH)
+    item = {name: np.zeros((length, D), np.float32) for name in signature.sequence_inputs}
+    batch = make_inputs(signature, D, InputCase(2, length, length, "right"))
+    problem = validation.item_problem(metadata, item)
+    if length <= MAX_LENGTH:
+        assert problem is None
+        validation.validate_inputs(metadata, batch)
+        return
+    assert problem.kind == "too_long"
+    assert f"is {length} tokens long, this model takes at most {MAX_LENGTH}" in problem.message
+    with pytest.raises(InputError, match=f"at most {MAX_LENGTH} "):
+        validation.validate_inputs(metadata, batch)
+
+
+def test_mhasession_refuses_a_sequence_longer_than_the_position_table(own_model):
+    """The classifier's position table holds 512 positions: the export records 512 without --max-length, and
+    513 tokens are an InputError, not ONNX Runtime's ``Gather ... idx=512``."""
+    pytest.importorskip("torch")
+    from mha_deploy.errors import InputError
+
+    path, output = own_model("classifier")
+    session = MHASession(path, provider="cpu")
+    assert session.metadata.max_length == 512 and "max length 512 recorded" in output
+    ids, mask = np.ones((1, 513), np.int64), np.ones((1, 513), bool)
+    with pytest.raises(InputError, match="input_ids is 513 tokens long, this model takes at most 512"):
+        session.run({"input_ids": ids, "attention_mask": mask})
+    assert session.run({"input_ids": ids[:, :512], "attention_mask": mask[:, :512]})["output"].shape == (1, 3)

@@ -184,3 +184,24 @@ def test_tritonclient_gets_a_users_model_answer_item_by_item(family_servers, fil
             real = len(item[rows])
             np.testing.assert_allclose(response.as_numpy(output)[row, :real], alone[output][0].numpy(),
                                        atol=ATOL, rtol=RTOL, err_msg=f"{file}:{factory} {output} item {row}")
+
+
+@pytest.mark.parametrize("protocol", ["http", "grpc"])
+def test_a_sequence_longer_than_the_position_table_is_a_bad_request(classifier_server, protocol):
+    """The export recorded the classifier's position table (512): 513 tokens are refused before ONNX Runtime,
+    400 over REST, INVALID_ARGUMENT over gRPC, naming the limit; the server keeps answering."""
+    name, server = classifier_server
+    client_module = tritonclient_http if protocol == "http" else tritonclient_grpc
+    client = client_module.InferenceServerClient(server.url if protocol == "http" else server.grpc_url)
+
+    def infer(length: int):
+        tensors = [client_module.InferInput("input_ids", [1, length], "INT64"),
+                   client_module.InferInput("attention_mask", [1, length], "BOOL")]
+        tensors[0].set_data_from_numpy(np.ones((1, length), np.int64))
+        tensors[1].set_data_from_numpy(np.ones((1, length), bool))
+        return client.infer(name, tensors)
+
+    with pytest.raises(Exception, match="this model takes at most 512") as raised:
+        infer(513)
+    assert raised.value.status() == ("400" if protocol == "http" else "StatusCode.INVALID_ARGUMENT")
+    assert infer(512).as_numpy("output").shape == (1, 3)
