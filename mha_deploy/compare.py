@@ -5,6 +5,13 @@ fp16 and int8 budgets, and the tests. Per output it reports max and mean
 absolute and relative error, the relative error of the whole tensor, and the
 smallest atol (at the given rtol) and rtol (at the given atol) that would have
 passed, so a failure says how far off it was.
+
+With ``atol_per_row`` (export-time parity's default) atol is in units of each
+output row's magnitude: an element passes when ``|a - r| <= atol * s + rtol *
+|r|``, ``s`` the largest ``|r|`` over its row (the last axis), at least 1.
+fp32 rounding grows with the magnitudes a value is summed from, not with the
+value itself: a logit near 0 in a row of logits in the hundreds carries the
+row's rounding (docs/export.md, "The default tolerance").
 """
 
 from __future__ import annotations
@@ -39,6 +46,8 @@ class Comparison:
     rel_budget: float | None = None  # when set, passing means rel_err <= rel_budget
     # Every compared reference element is finite: a NaN there compares as no error at all (NaN > x is False).
     reference_finite: bool = True
+    # atol (and required_atol) in units of each row's magnitude: max |reference| over the last axis, at least 1.
+    atol_per_row: bool = False
 
     @property
     def passed(self) -> bool:
@@ -59,11 +68,25 @@ class Comparison:
                 f"{self.name}: {verdict} | relative error {self.rel_err:.3%} (budget {self.rel_budget:.1%}), "
                 f"max abs err {self.max_abs_err:.3g}"
             )
+        tolerance = tolerance_words(self.atol, self.rtol, self.atol_per_row)
         return (
             f"{self.name}: {verdict} | max abs err {self.max_abs_err:.3g}, mean {self.mean_abs_err:.3g}; "
-            f"max rel err {self.max_rel_err:.3g} (tolerance atol={self.atol:g} rtol={self.rtol:g}; "
+            f"max rel err {self.max_rel_err:.3g} (tolerance {tolerance}; "
             f"would pass with atol >= {self.required_atol:.3g} or rtol >= {self.required_rtol:.3g})"
         )
+
+
+def tolerance_words(atol: float, rtol: float, atol_per_row: bool) -> str:
+    """``atol=1e-05 x row scale rtol=0.0001``: the tolerance as the comparison applied it."""
+    return f"atol={atol:g}{' x row scale' if atol_per_row else ''} rtol={rtol:g}"
+
+
+def row_scale(reference: np.ndarray) -> np.ndarray:
+    """|reference| [..., n] -> [..., 1]: the largest magnitude of each row (the last axis), at least 1. A vector
+    holds one value per item (a per-item score, a per-token one on real rows): each is its own row."""
+    if reference.ndim <= 1:
+        return np.maximum(1.0, reference)
+    return np.maximum(1.0, reference.max(axis=-1, keepdims=True))
 
 
 def _rows_first(signature: Signature, name: str, array: np.ndarray) -> np.ndarray | None:
@@ -82,8 +105,10 @@ def compare_arrays(
     atol: float,
     rtol: float,
     rel_budget: float | None = None,
+    atol_per_row: bool = False,
 ) -> Comparison:
-    """Compare two arrays of the same shape (already restricted to the positions that matter)."""
+    """Compare two arrays of the same shape (already restricted to the positions that matter); with
+    ``atol_per_row``, atol counts in units of each row's magnitude (``row_scale``)."""
     finite = bool(np.isfinite(actual).all())
     actual64, expected64 = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
     if actual64.shape != expected64.shape:
@@ -92,10 +117,12 @@ def compare_arrays(
     reference = np.abs(expected64)
     reference_finite = bool(np.isfinite(expected64).all())
     if abs_err.size == 0:
-        return Comparison(name, atol, rtol, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, finite, rel_budget)
+        return Comparison(name, atol, rtol, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, finite, rel_budget,
+                          atol_per_row=atol_per_row)
     nonzero = reference > _TINY
     rel = abs_err[nonzero] / reference[nonzero]
-    excess = abs_err - atol
+    scale = row_scale(reference) if atol_per_row else 1.0
+    excess = abs_err - atol * scale
     over = excess > 0
     if not over.any():
         required_rtol = 0.0
@@ -112,11 +139,12 @@ def compare_arrays(
         max_rel_err=float(rel.max()) if rel.size else 0.0,
         mean_rel_err=float(rel.mean()) if rel.size else 0.0,
         rel_err=float(np.linalg.norm(abs_err) / max(float(np.linalg.norm(expected64)), _TINY)),
-        required_atol=float(max(0.0, (abs_err - rtol * reference).max())),
+        required_atol=float(max(0.0, ((abs_err - rtol * reference) / scale).max())),
         required_rtol=required_rtol,
         finite=finite,
         rel_budget=rel_budget,
         reference_finite=reference_finite,
+        atol_per_row=atol_per_row,
     )
 
 
@@ -129,8 +157,10 @@ def compare_outputs(
     rtol: float = 1e-4,
     rel_budget: float | None = None,
     names: Iterable[str] | None = None,
+    atol_per_row: bool = False,
 ) -> list[Comparison]:
-    """Compare each output (default: every output of ``signature``) on the real query ``rows`` [batch, q_len].
+    """Compare each output (default: every output of ``signature``) on the real query ``rows`` [batch, q_len]
+    (``atol_per_row`` as for ``compare_arrays``: a row is an output's last axis).
 
     Padded query rows are never returned to users, so only their finiteness is checked.
     """
@@ -144,7 +174,7 @@ def compare_outputs(
             got_real, want_real = got[rows], want[rows]
         else:
             got_real, want_real = got, want
-        comparison = compare_arrays(name, got_real, want_real, atol, rtol, rel_budget)
+        comparison = compare_arrays(name, got_real, want_real, atol, rtol, rel_budget, atol_per_row)
         comparison.finite = bool(np.isfinite(got).all())
         results.append(comparison)
     return results

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field
 
+from mha_deploy.compare import tolerance_words
 from mha_deploy.errors import ModelFileError, SignatureError
 
 # The I/O contract lives in its own module; re-exported here, where it was first defined.
@@ -22,11 +23,13 @@ __all__ = [
 
 METADATA_KEY = "mha_deploy"
 # Bumped when the meaning of a recorded field changes: the newest format this version reads. Files are
-# written in the oldest format that holds them, 1, except a custom model's (declared tensors; 2) and a model
-# with a max length (3), which earlier mha-deploy cannot read: it then says to upgrade.
-METADATA_FORMAT = 3
+# written in the oldest format that holds them, 1, except a custom model's (declared tensors; 2), a model
+# with a max length (3) and a parity report whose atol is per row (4), which earlier mha-deploy cannot read:
+# it then says to upgrade.
+METADATA_FORMAT = 4
 _CUSTOM_FORMAT = 2
 _MAX_LENGTH_FORMAT = 3
+_ROW_ATOL_FORMAT = 4
 
 # The choices the exporter, the runtime and serving accept, defined here (no torch, no
 # onnxruntime) so that the CLI lists them without importing either; the modules that
@@ -61,6 +64,9 @@ class ParityReport:
     rel_err: float = 0.0
     # When set (quantized models), parity means rel_err <= rel_budget instead of the atol/rtol test.
     rel_budget: float | None = None
+    # atol (and required_atol) in units of each output row's magnitude (compare.row_scale); files from before
+    # it hold absolute ones.
+    atol_per_row: bool = False
 
     def summary(self) -> str:
         verdict = "PASSED" if self.passed else "FAILED"
@@ -69,9 +75,10 @@ class ParityReport:
                 f"parity {verdict} over {len(self.shapes)} shapes ({', '.join(self.shapes)}): "
                 f"relative error {self.rel_err:.3%} (budget {self.rel_budget:.1%}), max abs err {self.max_abs_err:.3g}"
             )
+        tolerance = tolerance_words(self.atol, self.rtol, self.atol_per_row)
         return (
             f"parity {verdict} over {len(self.shapes)} shapes ({', '.join(self.shapes)}): "
-            f"max abs err {self.max_abs_err:.3g} (tolerance atol={self.atol:g} rtol={self.rtol:g}; "
+            f"max abs err {self.max_abs_err:.3g} (tolerance {tolerance}; "
             f"would pass with atol >= {self.required_atol:.3g} at this rtol, "
             f"or rtol >= {self.required_rtol:.3g} at this atol)"
         )
@@ -122,6 +129,11 @@ class ModelMetadata:
             del raw["max_length"]
         else:
             raw["format"] = max(raw["format"], _MAX_LENGTH_FORMAT)
+        if raw["parity"] is not None:
+            if raw["parity"]["atol_per_row"]:
+                raw["format"] = max(raw["format"], _ROW_ATOL_FORMAT)
+            else:
+                del raw["parity"]["atol_per_row"]
         return json.dumps(raw, sort_keys=True)
 
     @classmethod

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import onnx
 
+from mha_deploy.compare import tolerance_words
 from mha_deploy.errors import ModelFileError
 from mha_deploy.metadata import METADATA_KEY, ModelMetadata
 from mha_deploy.onnx_nodes import LONG_KERNEL, all_nodes, kernel_tag, packing_tags
@@ -119,7 +120,8 @@ class ModelReport:
         if parity:
             lines.append(
                 f"  parity {'PASSED' if parity['passed'] else 'FAILED'}: max abs err {parity['max_abs_err']:.3g} "
-                f"at atol={parity['atol']:g} rtol={parity['rtol']:g} over {', '.join(parity['shapes'])}"
+                f"at {tolerance_words(parity['atol'], parity['rtol'], parity.get('atol_per_row', False))} over "
+                f"{', '.join(parity['shapes'])}"
             )
         lines.append("  versions " + ", ".join(f"{k} {v}" for k, v in meta["versions"].items()))
         return "\n".join(lines)

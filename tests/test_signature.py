@@ -7,7 +7,7 @@ import json
 import pytest
 
 from mha_deploy.errors import ModelFileError, SignatureError
-from mha_deploy.metadata import METADATA_FORMAT, ModelMetadata
+from mha_deploy.metadata import METADATA_FORMAT, ModelMetadata, ParityReport
 from mha_deploy.signature import Signature, TensorSpec
 
 IDS = TensorSpec("src", "tokens", "int64", ("batch", "src_seq"), vocab=40)
@@ -33,6 +33,17 @@ def test_an_older_reader_is_told_to_upgrade(max_length, written_format):
     assert f'"format": {written_format}' in raw and ('"max_length"' in raw) == (max_length is not None)
     with pytest.raises(ModelFileError, match="newer than this mha-deploy"):
         ModelMetadata.from_json(raw.replace(f'"format": {written_format}', f'"format": {METADATA_FORMAT + 1}'))
+
+
+@pytest.mark.parametrize("per_row", [False, True], ids=["absolute", "per-row"])
+def test_a_parity_report_keeps_whether_its_atol_is_per_row(per_row):
+    parity = ParityReport(True, 1e-5, 1e-4, 1e-6, 1e-7, 0.0, atol_per_row=per_row)
+    raw = ModelMetadata(32, 4, Signature.custom((IDS,), (POOLED,)), parity=parity).to_json()
+    # Files before per-row atol hold absolute ones and no such key; a per-row report needs format 4.
+    assert ('"atol_per_row"' in raw) == per_row and (f'"format": {4 if per_row else 2}' in raw)
+    back = ModelMetadata.from_json(raw).parity
+    assert back.atol_per_row == per_row
+    assert ("atol=1e-05 x row scale rtol=0.0001" in back.summary()) == per_row
 
 
 def test_the_max_length_survives_the_files_metadata():

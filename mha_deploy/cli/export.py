@@ -60,7 +60,8 @@ from mha_deploy.metadata import (
 @click.option("--dtype", type=click.Choice(DTYPE_CHOICES), default="fp32", show_default=True,
               help="fp16: half-precision weights and I/O (for CUDA), checked against the fp32 torch reference.")
 @click.option("--atol", type=click.FloatRange(min=0),
-              help="Parity tolerance, absolute (default 1e-5 for fp32, 5e-3 for fp16).")
+              help="Parity tolerance, absolute, in units of each output row's magnitude (its largest |value|, at "
+                   "least 1; default 1e-5 for fp32, 5e-3 for fp16).")
 @click.option("--rtol", type=click.FloatRange(min=0),
               help="Parity tolerance, relative (default 1e-4 for fp32, 5e-3 for fp16).")
 @click.option("--module", "module_spec", metavar="FILE.py:FACTORY",

@@ -26,7 +26,9 @@ from mha_deploy.metadata import FUSE_CHOICES
                    "a warning if fusion or parity fails, mha and onnx fail instead.")
 @click.option("--max-length", type=click.IntRange(min=1),
               help="The longest sequence the graph takes (e.g. its position table): parity checks no longer one.")
-@click.option("--atol", type=click.FloatRange(min=0), help="Parity tolerance, absolute (default 1e-5).")
+@click.option("--atol", type=click.FloatRange(min=0),
+              help="Parity tolerance, absolute, in units of each output row's magnitude (its largest |value|, at "
+                   "least 1; default 1e-5).")
 @click.option("--rtol", type=click.FloatRange(min=0), help="Parity tolerance, relative (default 1e-4).")
 @pack_tokens_option
 @click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path), required=True,

@@ -185,7 +185,7 @@ def _judge(
                 "takes at most N tokens (a position table), give --max-length N"
             ) from exc
         rows = real_query_rows(signature, feeds)
-        compared = compare_outputs(signature, actual, expected, rows, atol, rtol, rel_budget)
+        compared = compare_outputs(signature, actual, expected, rows, atol, rtol, rel_budget, atol_per_row=True)
         if module and not all(c.finite and c.reference_finite for c in compared):
             _refuse_nan_attention(reference, signature, feeds, label)
         for comparison in compared:
@@ -203,6 +203,7 @@ def _judge(
         failures=failures,
         rel_err=max(c.rel_err for c in comparisons),
         rel_budget=rel_budget,
+        atol_per_row=True,
     )
 
 
@@ -281,7 +282,8 @@ def check_parity(
 ) -> ParityReport:
     """Run ``module`` (torch, eager; or a ``Reference`` function) and ``session`` (ORT) on each case and compare.
 
-    Each real query position must satisfy ``|actual - ref| <= atol + rtol * |ref|``;
+    Each real query position must satisfy ``|actual - ref| <= atol * s + rtol * |ref|``, ``s`` the largest
+    ``|ref|`` of its output row, at least 1 (``compare.row_scale``);
     with ``rel_budget`` (quantized models) the test is instead
     ``||actual - ref|| / ||ref|| <= rel_budget`` per output and shape.
     """
