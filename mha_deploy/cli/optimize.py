@@ -25,7 +25,8 @@ from mha_deploy.metadata import FUSE_CHOICES
               help="As for export: mha, onnx (opset 23 graphs) or none; auto picks mha and falls back to none with "
                    "a warning if fusion or parity fails, mha and onnx fail instead.")
 @click.option("--max-length", type=click.IntRange(min=1),
-              help="The longest sequence the graph takes (e.g. its position table): parity checks no longer one.")
+              help="The longest sequence the graph takes (e.g. its position table): parity checks no longer one, "
+                   "and it is recorded in the file so that a longer sequence is refused.")
 @click.option("--atol", type=click.FloatRange(min=0),
               help="Parity tolerance, absolute, in units of each output row's magnitude (its largest |value|, at "
                    "least 1; default 1e-5).")
