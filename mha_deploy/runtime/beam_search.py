@@ -91,8 +91,7 @@ class BeamSearchScorer:
         n, beams = len(self.items), self.num_beams
         vocab = log_probs.shape[-1]
         total = (log_probs.astype(np.float32).reshape(n, beams, vocab) + self.running_scores[:, :, None]).reshape(n, -1)
-        # Best continuations first; stable, so that equal scores keep the lower (beam, token) first.
-        order = np.argsort(-total, axis=1, kind="stable")[:, : self.candidates]
+        order = _best(total, self.candidates)
         scores = np.take_along_axis(total, order, axis=1)  # [n, candidates]
         source, token = order // vocab, order % vocab
         tokens = np.concatenate([np.take_along_axis(self.running, source[:, :, None], axis=1), token[:, :, None]], 2)
@@ -163,3 +162,15 @@ class BeamSearchScorer:
         self.kept_tokens = [self.kept_tokens[i] for i in keep]
         self.kept_finished = self.kept_finished[keep]
         self.improvable = self.improvable[keep]
+
+
+def _best(values: np.ndarray, k: int) -> np.ndarray:
+    """Per row, the indices of the ``k`` largest values, largest first, equal values in index order (what a
+    stable sort of the whole row gives), without sorting the whole row: a row is num_beams * vocab long."""
+    k = min(k, values.shape[1])
+    kth = -np.partition(-values, k - 1, axis=1)[:, k - 1]
+    best = np.empty((len(values), k), np.int64)
+    for row, (scores, floor) in enumerate(zip(values, kth, strict=True)):
+        candidates = np.flatnonzero(scores >= floor)  # k of them, more when several equal the k-th
+        best[row] = candidates[np.lexsort((candidates, -scores[candidates]))][:k]
+    return best

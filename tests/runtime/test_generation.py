@@ -512,6 +512,18 @@ def test_processor_equals_transformers_namesake(name, ties):
     np.testing.assert_allclose(result, expected, rtol=1e-6, atol=0)
 
 
+@pytest.mark.parametrize("ties", [False, True], ids=["distinct", "ties"])
+def test_beam_candidates_are_a_stable_sort_of_the_scores(ties):
+    from mha_deploy.runtime.beam_search import _best
+
+    values = np.random.default_rng(8).normal(0, 2, (5, 400)).astype(np.float32)
+    values[1, :50] = -np.inf
+    if ties:
+        values = np.round(values)
+    for k in (1, 8, 400):
+        np.testing.assert_array_equal(_best(values, k), np.argsort(-values, axis=1, kind="stable")[:, :k])
+
+
 def test_log_softmax_equals_torch():
     scores = np.random.default_rng(1).normal(0, 4, (3, 20)).astype(np.float32)
     scores[0, :5] = -np.inf
