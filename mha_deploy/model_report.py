@@ -114,6 +114,8 @@ class ModelReport:
                 f"mask={sig['mask']} dtype={meta['dtype']} fusion={meta['fusion']}"
             )
         lines += self._vocabulary_lines(sig)
+        if meta.get("max_length") is not None:
+            lines.append(f"  max length {meta['max_length']}: a longer sequence is refused before ONNX Runtime")
         if sig.get("kv_cache"):
             lines += cache_layout(Signature(**sig))
         parity = meta.get("parity")

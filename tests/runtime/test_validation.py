@@ -109,6 +109,9 @@ def test_mhasession_refuses_a_sequence_longer_than_the_position_table(own_model)
     path, output = own_model("classifier")
     session = MHASession(path, provider="cpu")
     assert session.metadata.max_length == 512 and "max length 512 recorded" in output
+    from mha_deploy.model_report import describe_model
+
+    assert "max length 512: a longer sequence is refused" in describe_model(path).text()
     ids, mask = np.ones((1, 513), np.int64), np.ones((1, 513), bool)
     with pytest.raises(InputError, match="input_ids is 513 tokens long, this model takes at most 512"):
         session.run({"input_ids": ids, "attention_mask": mask})
