@@ -40,7 +40,7 @@ from mha_deploy.runtime.digest import sha256_digest
 
 __all__ = [
     "MANIFEST_FORMAT", "MANIFEST_NAME", "DatasetJob", "OutputError", "OutputInUseError", "count_items",
-    "manifest_path", "model_fingerprint", "run_dataset", "run_shard",
+    "manifest_path", "model_fingerprint", "run_dataset", "run_shard", "run_shards",
 ]
 
 MANIFEST_NAME = "_mha_deploy_manifest.json"
@@ -65,6 +65,8 @@ class DatasetJob:
     Use it as a context manager to hold the output's lock from the start
     (``plan`` takes it otherwise) until the end; ``options`` are the runner's,
     set by ``run_dataset`` from its runner (and recorded in the manifest).
+    ``shards`` replaces infer's listing (``list_shards``); ``settings`` are
+    what else makes the outputs what they are, refused when a rerun differs.
     """
 
     def __init__(
@@ -74,11 +76,17 @@ class DatasetJob:
         model: str | os.PathLike,
         overwrite: bool = False,
         options: RunnerOptions | None = None,
+        shards: list[Shard] | None = None,
+        settings: dict | None = None,
     ):
         self.input_path, self.output_path = Path(input_path), Path(output_path)
         if self.input_path.resolve() == self.output_path.resolve():
             raise InputError("the output must differ from the input (the input would be overwritten)")
-        self.shards = list_shards(self.input_path, self.output_path)
+        # Another command's shards (generate writes JSONL whatever it reads); infer's by default.
+        self.shards = shards if shards is not None else list_shards(self.input_path, self.output_path)
+        # What else decides the outputs' contents (generate: the search, its ids, the encoder): recorded and, like
+        # the model, compared on a rerun, so that outputs made another way are never taken as done.
+        self.settings = dict(settings or {})
         self.manifest_path = manifest_path(self.input_path, self.output_path)
         self.lock = OutputLock(lock_path(self.output_path, self.input_path.is_dir()), self.output_path)
         self.model_path = Path(model)
@@ -185,6 +193,13 @@ class DatasetJob:
                 f"({previous['model'][:19]}…, now {self.model[:19]}…); pass --overwrite to redo them "
                 "or choose another --output"
             )
+        settings = previous.get("settings", {})
+        if settings != self.settings:
+            changed = sorted(k for k in {*settings, *self.settings} if settings.get(k) != self.settings.get(k))
+            raise InputError(
+                f"{where}: existing outputs were made with other settings ({', '.join(changed)} differ); pass "
+                "--overwrite to redo them or choose another --output"
+            )
         source = previous.get("input")
         if source is not None and source != str(self.input_path.resolve()):
             raise InputError(
@@ -223,6 +238,8 @@ class DatasetJob:
             "input": str(self.input_path.resolve()),
             "shards": self._records,
         }
+        if self.settings:  # only when set: infer's manifests stay as they were
+            manifest["settings"] = self.settings
         try:
             with atomic_path(self.manifest_path) as tmp:
                 tmp.write_text(json.dumps(manifest, indent=1, sort_keys=True))
@@ -334,18 +351,34 @@ def run_dataset(
 
     The output stays locked until the end (and after, when the caller holds ``job`` open itself).
     """
-    stats = RunStats(provider=runner.session.provider)
+    return run_shards(
+        job, runner.options, runner.session.provider, lambda todo: count_items(todo, runner),
+        lambda shard: run_shard(runner, shard, on_batch), on_start,
+    )
+
+
+def run_shards(
+    job: DatasetJob,
+    options: RunnerOptions,
+    provider: str,
+    count: Callable[[list[Shard]], int],
+    run_one: Callable[[Shard], RunStats],
+    on_start: Callable[[int], None] | None = None,
+) -> RunStats:
+    """The job's loop for any command's shards: plan, ``on_start(count(todo))``, ``run_one`` each shard not done
+    and record it, leave no manifest if nothing finished; the output locked throughout."""
+    stats = RunStats(provider=provider)
     start = time.perf_counter()
     owns_lock = not job.lock.held
-    job.options = runner.options
+    job.options = options
     try:
         todo, done = job.plan()
         stats.shards_skipped = len(done)
         try:
             if on_start:
-                on_start(count_items(todo, runner))
+                on_start(count(todo))
             for shard in todo:
-                shard_stats = run_shard(runner, shard, on_batch)
+                shard_stats = run_one(shard)
                 job.record(shard, shard_stats)
                 stats.merge(shard_stats)
         except BaseException:

@@ -7,7 +7,7 @@ a command's module registers it on ``main``.
 
 from __future__ import annotations
 
-from mha_deploy.cli import bench, export, infer, inspect, optimize, serve, triton  # noqa: F401  (registers them)
+from mha_deploy.cli import bench, export, generate, infer, inspect, optimize, serve, triton  # noqa: F401  (registers them)
 from mha_deploy.cli.group import main
 
 __all__ = ["main"]

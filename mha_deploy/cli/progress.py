@@ -3,17 +3,18 @@
 from __future__ import annotations
 
 
-def run_with_progress(run, show: bool):
-    """``run(on_start, on_batch)`` with a rich progress bar on stderr: items, items/s and tokens/s."""
+def run_with_progress(run, show: bool, label: str = "infer"):
+    """``run(on_start, on_batch)`` with a rich progress bar on stderr, named ``label``: items, items/s and
+    tokens/s (generate counts new tokens)."""
     import time
 
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-    columns = (TextColumn("infer"), BarColumn(), MofNCompleteColumn(), TextColumn("items"),
+    columns = (TextColumn(label), BarColumn(), MofNCompleteColumn(), TextColumn("items"),
                TextColumn("{task.fields[rate]}"), TimeRemainingColumn())
     with Progress(*columns, console=Console(stderr=True), disable=not show, transient=False) as bar:
-        task = bar.add_task("infer", total=None, rate="")
+        task = bar.add_task(label, total=None, rate="")
         counts = {"items": 0, "tokens": 0, "start": time.perf_counter()}
 
         def on_batch(items: int, tokens: int) -> None:

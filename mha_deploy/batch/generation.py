@@ -1,0 +1,409 @@
+"""Generation over a dataset of prompts: ``mha-deploy generate``'s library side. No torch.
+
+Prompts are read from JSONL (``{"id": ..., "input_ids": [...]}``, or ``{"id": ..., "prompt": "..."}`` with a
+Hugging Face ``tokenizers`` tokenizer), npz (``<id>`` -> int ids [seq]) or Parquet (columns ``id`` and
+``input_ids`` or ``prompt``). Each window of ``bucket_window`` prompts is cut into batches by the one
+planner (``batch.planner``), sorted by length, within ``batch_size`` rows and ``max_batch_tokens`` cache
+positions (rows x (longest prompt + max_new_tokens): what the batch's KV cache may grow to); each batch is
+one call of the torch-free loop (``runtime.generation.generate``) over a ``TokenStepper``. Outputs are JSONL
+lines ``{"id": ..., "output_ids": [...], "text": ...}`` (the new tokens only; ``text`` with a tokenizer), in
+input order, one output file per input shard (``<stem>.jsonl``). Shards are run, locked, recorded and
+resumed by ``batch.job`` (``DatasetJob``, ``run_shards``): a killed run's rerun skips the finished shards and
+redoes the others from their start, so its outputs are byte for byte those of an uninterrupted run (sampling
+included: batch ``b`` of a shard samples with ``seed + b``, and the plan depends only on the prompts and options).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import zipfile
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+import numpy as np
+
+from mha_deploy.atomic import atomic_path, stale_temporaries
+from mha_deploy.batch.datasets import Shard
+from mha_deploy.batch.items import read_arrays
+from mha_deploy.batch.job import DatasetJob, run_shards
+from mha_deploy.batch.lock import OutputError
+from mha_deploy.batch.planner import BatchLimits, plan_batches
+from mha_deploy.batch.runner import BatchCallback, ItemError, RunStats
+from mha_deploy.batching import RunnerOptions
+from mha_deploy.errors import InputError, MHADeployError
+from mha_deploy.runtime.digest import sha256_digest
+from mha_deploy.runtime.generation import GenerationConfig, TokenStepper, generate, prompt_batch
+from mha_deploy.signature import PADDING_MASK, TOKENS, Signature, TensorSpec
+
+PROMPT_SUFFIXES = (".jsonl", ".npz", ".parquet")
+OUTPUT_SUFFIX = ".jsonl"
+
+
+
+def _prompt_signature(paddable: bool) -> Signature:
+    """What the planner sees of a prompt: token ids on one length axis, which prompts of different lengths may
+    share (padded) or not (a batch then holds prompts of one length)."""
+    return Signature.custom(
+        (TensorSpec("input_ids", TOKENS, "int64", ("batch", "seq")),
+         TensorSpec("attention_mask", PADDING_MASK, "bool", ("batch", "seq"), marks="input_ids")),
+        (TensorSpec("output_ids", TOKENS, "int64", ("batch", "new_seq")),),
+        paddable=("seq",) if paddable else (),
+    )
+
+
+PADDED_PROMPTS, EQUAL_PROMPTS = _prompt_signature(True), _prompt_signature(False)
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """One prompt as read: its id as the input gave it, its token ids int64 [seq], or why it cannot run."""
+
+    id: object
+    input_ids: np.ndarray | None
+    problem: str | None = None
+
+    @property
+    def label(self) -> str:
+        return f"prompt {self.id!r}"
+
+
+class PromptTokenizer:
+    """A Hugging Face ``tokenizers`` tokenizer (``tokenizer.json``): text to ids for prompts, ids to text."""
+
+    def __init__(self, path: str | os.PathLike):
+        from tokenizers import Tokenizer
+
+        self.path = Path(path)
+        try:
+            self.tokenizer = Tokenizer.from_file(str(self.path))
+        except Exception as exc:  # a missing file, or not the tokenizers format
+            raise InputError(f"{self.path}: not a tokenizers tokenizer.json ({exc})") from exc
+
+    def encode(self, text: str) -> np.ndarray:
+        return np.asarray(self.tokenizer.encode(text).ids, np.int64)
+
+    def decode(self, ids: np.ndarray) -> str:
+        return self.tokenizer.decode([int(i) for i in ids], skip_special_tokens=True)
+
+
+# --- reading ---------------------------------------------------------------------------------------
+
+
+def read_prompts(path: Path, tokenizer: PromptTokenizer | None = None) -> Iterator[Prompt]:
+    """The prompts of one shard, in file order; an unusable one comes with its problem, not as an exception."""
+    if path.suffix == ".jsonl":
+        return _jsonl_prompts(path, tokenizer)
+    if path.suffix == ".npz":
+        return (_array_prompt(key, ids) for key, ids in read_arrays(path).items())
+    return _parquet_prompts(path, tokenizer)
+
+
+def count_prompts(path: Path) -> int:
+    """Prompts in one shard, without tokenizing them."""
+    if path.suffix == ".jsonl":
+        with path.open("rb") as lines:
+            return sum(1 for line in lines if line.strip())
+    try:
+        if path.suffix == ".npz":
+            with zipfile.ZipFile(path) as archive:
+                return len(archive.namelist())
+        import pyarrow.parquet as pq
+
+        return pq.ParquetFile(path).metadata.num_rows
+    except Exception as exc:  # zipfile's or pyarrow's refusal of a damaged file
+        raise InputError(f"{path}: cannot read it ({type(exc).__name__}: {exc})") from exc
+
+
+def _jsonl_prompts(path: Path, tokenizer: PromptTokenizer | None) -> Iterator[Prompt]:
+    try:
+        with path.open(encoding="utf-8") as lines:
+            for number, line in enumerate(lines, 1):
+                if not line.strip():
+                    continue
+                try:
+                    record = json.loads(line)
+                except ValueError as exc:
+                    yield Prompt(f"line {number}", None, f"line {number} is not JSON ({exc})")
+                    continue
+                if not isinstance(record, dict) or "id" not in record:
+                    yield Prompt(f"line {number}", None, f"line {number} is not an object with an \"id\"")
+                    continue
+                yield _record_prompt(record, tokenizer)
+    except UnicodeDecodeError as exc:
+        raise InputError(f"{path}: not UTF-8 text ({exc})") from exc
+
+
+def _parquet_prompts(path: Path, tokenizer: PromptTokenizer | None) -> Iterator[Prompt]:
+    import pyarrow.parquet as pq
+
+    try:
+        file = pq.ParquetFile(path)
+    except Exception as exc:
+        raise InputError(f"{path}: cannot read it as Parquet ({exc})") from exc
+    names = file.schema_arrow.names
+    if "id" not in names or not {"input_ids", "prompt"} & set(names):
+        raise InputError(f"{path}: needs columns id and input_ids (list of int) or prompt (string), has {names}")
+    columns = ["id", *(name for name in ("input_ids", "prompt") if name in names)]
+    for batch in file.iter_batches(batch_size=1024, columns=columns):
+        for record in batch.to_pylist():
+            yield _record_prompt({k: v for k, v in record.items() if v is not None}, tokenizer)
+
+
+def _record_prompt(record: dict, tokenizer: PromptTokenizer | None) -> Prompt:
+    """A JSON line's or Parquet row's prompt: ``input_ids`` as given, or ``prompt`` through the tokenizer."""
+    item_id = record["id"]
+    label = f"prompt {item_id!r}"
+    if ("input_ids" in record) == ("prompt" in record):
+        return Prompt(item_id, None, f"{label}: give \"input_ids\" (token ids) or \"prompt\" (text), one of them")
+    if "prompt" in record:
+        if not isinstance(record["prompt"], str):
+            return Prompt(item_id, None, f"{label}: \"prompt\" must be text")
+        if tokenizer is None:
+            return Prompt(item_id, None, f"{label}: a text prompt needs --tokenizer tokenizer.json to become ids")
+        return Prompt(item_id, tokenizer.encode(record["prompt"]))
+    ids = record["input_ids"]
+    if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+        return Prompt(item_id, None, f"{label}: \"input_ids\" must be a list of integer token ids")
+    return Prompt(item_id, np.asarray(ids, np.int64))
+
+
+def _array_prompt(key: str, ids: np.ndarray) -> Prompt:
+    if ids.ndim != 1 or (ids.size and ids.dtype.kind not in "iu"):
+        return Prompt(key, None, f"prompt {key!r}: must be integer token ids [seq], got {ids.dtype} {ids.shape}")
+    return Prompt(key, ids.astype(np.int64))
+
+
+def list_prompt_shards(input_path: Path, output_path: Path) -> list[Shard]:
+    """One prompt file -> ``output_path`` (.jsonl), or a directory's prompt files -> ``output_path/<stem>.jsonl``."""
+    input_path, output_path = Path(input_path), Path(output_path)
+    if input_path.is_dir():
+        if output_path.exists() and not output_path.is_dir():
+            raise InputError(f"--input {input_path} is a directory, so --output must be one too")
+        paths = sorted(p for p in input_path.iterdir()
+                       if p.is_file() and p.suffix in PROMPT_SUFFIXES and not p.name.startswith((".", "_")))
+        if not paths:
+            raise InputError(f"{input_path}: no {', '.join(PROMPT_SUFFIXES)} files in this directory")
+        outputs = [p.stem + OUTPUT_SUFFIX for p in paths]
+        if len(set(outputs)) < len(outputs):
+            raise InputError(f"{input_path}: two prompt files share a stem, so their outputs would share a name")
+        return [Shard(p.name, p, output_path / name) for p, name in zip(paths, outputs, strict=True)]
+    if not input_path.is_file():
+        raise InputError(f"input file not found: {input_path}")
+    if input_path.suffix not in PROMPT_SUFFIXES:
+        raise InputError(f"input file {input_path} must end in {' or '.join(PROMPT_SUFFIXES)}")
+    if output_path.suffix != OUTPUT_SUFFIX:
+        raise InputError(f"output file {output_path} must end in {OUTPUT_SUFFIX} (one JSON line per prompt)")
+    return [Shard(input_path.name, input_path, output_path)]
+
+
+# --- running ---------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PromptLimits:
+    """What a prompt may hold: ids in ``[0, vocab)`` (None: not known) and, with ``max_length``, at most
+    ``max_length - max_new_tokens`` tokens, so that the prompt and its new tokens fit the model."""
+
+    vocab: int | None = None
+    max_length: int | None = None
+
+    def problem(self, prompt: Prompt, max_new_tokens: int) -> str | None:
+        if prompt.problem is not None:
+            return prompt.problem
+        ids = prompt.input_ids
+        if ids.size == 0:
+            return f"{prompt.label}: is empty; give at least one token"
+        bad = ids[(ids < 0) | (ids >= self.vocab)] if self.vocab is not None else ids[ids < 0]
+        if bad.size:
+            allowed = f"0 to {self.vocab - 1}" if self.vocab is not None else "non-negative"
+            return (f"{prompt.label}: token id {int(bad[0])} is past the model's vocabulary ({allowed}); was it "
+                    "tokenized for another model?")
+        if self.max_length is not None and ids.size + max_new_tokens > self.max_length:
+            return (f"{prompt.label}: {ids.size} tokens + {max_new_tokens} new ones exceed --max-length "
+                    f"{self.max_length}; shorten it or lower --max-new-tokens")
+        return None
+
+
+def pads_exactly(stepper) -> bool:
+    """Whether a ``KVCacheStepper``'s prompts of different lengths can share a batch and still give each the tokens it
+    gets alone. A decoder-only file must take ``position_ids`` (the stepper counts them over each row's real tokens):
+    a module's own position source (``arange`` over the cache, as ``export --module --kv-cache`` keeps it) sees the
+    padding, so a padded prompt's positions shift. An encoder takes its source padded on the right, so its
+    ``attention_mask`` suffices; the decoder's rows all start from the start id."""
+    encoder = getattr(stepper, "encoder", None)
+    if encoder is not None:
+        return "attention_mask" in encoder.inputs
+    inputs = stepper.graph.inputs
+    return "attention_mask" in inputs and "position_ids" in inputs
+
+
+def prompt_limits(stepper, max_length: int | None = None) -> PromptLimits:
+    """The limits a ``KVCacheStepper``'s files set: a decoder-only model's vocabulary is its logits' last axis, an
+    encoder-decoder's source vocabulary the rows of the tables its encoder's ``input_ids`` index."""
+    encoder = getattr(stepper, "encoder", None)
+    if encoder is None:
+        return PromptLimits(getattr(getattr(stepper, "graph", None), "vocab_size", None), max_length)
+    import onnx
+
+    from mha_deploy.token_tables import vocabulary
+
+    source = encoder.session.source if hasattr(encoder.session, "source") else encoder.source
+    return PromptLimits(vocabulary(onnx.load(str(source), load_external_data=False), "input_ids"), max_length)
+
+
+class PromptGenerator:
+    """Generates for a stream of prompts through one ``TokenStepper``, batch by batch (see the module's doc).
+
+    ``options`` are the batch runner's (``RunnerOptions``): rows and cache positions per batch, the window
+    sorted by length, and what a bad prompt does ("stop": ``InputError`` naming it; "skip": left out and
+    listed in ``RunStats.errors``).
+    """
+
+    def __init__(
+        self,
+        stepper: TokenStepper,
+        config: GenerationConfig,
+        options: RunnerOptions | None = None,
+        *,
+        limits: PromptLimits | None = None,
+        tokenizer: PromptTokenizer | None = None,
+        provider: str = "cpu",
+        pad_prompts: bool = True,
+    ):
+        self.stepper, self.config = stepper, config
+        self.pad_prompts = pad_prompts  # prompts of different lengths share batches (see ``pads_exactly``)
+        self.options = options or RunnerOptions()
+        self.limits = limits or PromptLimits()
+        self.tokenizer = tokenizer
+        self.provider = provider
+
+    def run_stream(
+        self, prompts: Iterable[Prompt], stats: RunStats, on_batch: BatchCallback | None = None, source: str = ""
+    ) -> Iterator[list[tuple[Prompt, np.ndarray]]]:
+        """Per window of prompts, (prompt, new tokens) in input order; ``on_batch(prompts, new tokens)``."""
+        window: list[Prompt] = []
+        batches = 0  # batches run so far in this stream: batch b samples with seed + b
+        for prompt in prompts:
+            problem = self.limits.problem(prompt, self.config.max_new_tokens)
+            if problem:
+                error = ItemError(source, str(prompt.id), problem)
+                if self.options.on_error == "stop":
+                    raise InputError(str(error))
+                stats.errors.append(error)
+                continue
+            window.append(prompt)
+            if len(window) >= self.options.window_items:
+                results, batches = self._run_window(window, stats, on_batch, batches)
+                yield results
+                window = []
+        if window:
+            yield self._run_window(window, stats, on_batch, batches)[0]
+
+    def _plan(self, window: list[Prompt]) -> list[list[int]]:
+        # The planner counts an item's length on its arrays: a view as long as the prompt and its new tokens,
+        # the cache positions its row may take, bounds the batch's cache with max_batch_tokens.
+        new = self.config.max_new_tokens
+        items = [{"input_ids": np.broadcast_to(np.int64(0), (p.input_ids.size + new,))} for p in window]
+        limits = BatchLimits(self.options.batch_size, self.options.max_batch_tokens)
+        signature = PADDED_PROMPTS if self.pad_prompts else EQUAL_PROMPTS
+        return plan_batches(items, signature, limits, sort=self.options.bucket_window > 0)
+
+    def _run_window(
+        self, window: list[Prompt], stats: RunStats, on_batch: BatchCallback | None, first_batch: int
+    ) -> tuple[list[tuple[Prompt, np.ndarray]], int]:
+        """The window's (prompt, new tokens) in input order, and the number of the next batch."""
+        results: list[np.ndarray | None] = [None] * len(window)
+        number = first_batch
+        for number, indices in enumerate(self._plan(window), first_batch):
+            config = self.config
+            if config.seed is not None:
+                config = replace(config, seed=config.seed + number)
+            t0 = time.perf_counter()
+            output = generate(self.stepper, *self._prompt_batch([window[i].input_ids for i in indices]),
+                              config=config)
+            stats.batch_ms.append((time.perf_counter() - t0) * 1e3)
+            new_tokens = sum(len(tokens) for tokens in output.tokens)
+            for index, tokens in zip(indices, output.tokens, strict=True):
+                results[index] = tokens
+            stats.items += len(indices)
+            stats.tokens += new_tokens
+            stats.padded_tokens += new_tokens
+            if on_batch:
+                on_batch(len(indices), new_tokens)
+        return list(zip(window, results, strict=True)), number + 1
+
+    def _prompt_batch(self, prompts: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+        """(ids, mask) [rows, longest]: an encoder's source padded on the right (where every position source of an
+        encoder still counts from its first real token), a decoder's prompts on the left (its next token is then
+        every row's last column)."""
+        ids, mask = prompt_batch(prompts)  # left-padded
+        if getattr(self.stepper, "decoder_start_token_id", None) is not None:
+            for row, prompt in enumerate(prompts):
+                ids[row], mask[row] = np.roll(ids[row], len(prompt)), np.roll(mask[row], len(prompt))
+        return ids, mask
+
+    def line(self, prompt: Prompt, tokens: np.ndarray) -> str:
+        """One output line: ``{"id", "output_ids"[, "text"]}``."""
+        record = {"id": prompt.id, "output_ids": [int(t) for t in tokens]}
+        if self.tokenizer is not None:
+            record["text"] = self.tokenizer.decode(tokens)
+        return json.dumps(record, ensure_ascii=False) + "\n"
+
+
+def run_prompt_shard(generator: PromptGenerator, shard: Shard, on_batch: BatchCallback | None = None) -> RunStats:
+    """One shard's prompts into its JSONL output, written beside it and renamed into place when complete."""
+    stats = RunStats(provider=generator.provider)
+    start = time.perf_counter()
+    for stale in stale_temporaries(shard.output):
+        stale.unlink(missing_ok=True)
+    try:
+        with atomic_path(shard.output) as tmp, tmp.open("w", encoding="utf-8") as out:
+            prompts = read_prompts(shard.path, generator.tokenizer)
+            for window in generator.run_stream(prompts, stats, on_batch, source=shard.name):
+                out.writelines(generator.line(prompt, tokens) for prompt, tokens in window)
+    except MHADeployError:
+        raise
+    except OSError as exc:
+        raise OutputError(f"{shard.output}: cannot write it ({exc.strerror or exc})") from exc
+    stats.seconds = time.perf_counter() - start
+    stats.shards_written = 1
+    return stats
+
+
+def generation_job(
+    input_path: str | os.PathLike,
+    output_path: str | os.PathLike,
+    model: str | os.PathLike,
+    generator: PromptGenerator,
+    *,
+    encoder: str | os.PathLike | None = None,
+    overwrite: bool = False,
+) -> DatasetJob:
+    """The ``DatasetJob`` of a generation: its shards, and as settings everything besides the model that makes
+    the outputs (the search, the limits, the encoder's and tokenizer's bytes), so a rerun that differs is refused."""
+    settings = {
+        "generation": asdict(generator.config),
+        "limits": asdict(generator.limits),
+        "pad_prompts": generator.pad_prompts,
+        "encoder": sha256_digest(encoder) if encoder is not None else None,
+        "tokenizer": sha256_digest(generator.tokenizer.path) if generator.tokenizer is not None else None,
+    }
+    shards = list_prompt_shards(Path(input_path), Path(output_path))
+    return DatasetJob(input_path, output_path, model, overwrite=overwrite, options=generator.options,
+                      shards=shards, settings=json.loads(json.dumps(settings)))
+
+
+def run_generation(
+    job: DatasetJob,
+    generator: PromptGenerator,
+    on_start: Callable[[int], None] | None = None,
+    on_batch: BatchCallback | None = None,
+) -> RunStats:
+    """Every shard of ``job`` not done yet through ``generator``; ``on_start(total prompts)`` before the first."""
+    return run_shards(
+        job, generator.options, generator.provider, lambda todo: sum(count_prompts(s.path) for s in todo),
+        lambda shard: run_prompt_shard(generator, shard, on_batch), on_start,
+    )
