@@ -205,10 +205,13 @@ def list_prompt_shards(input_path: Path, output_path: Path) -> list[Shard]:
 @dataclass(frozen=True)
 class PromptLimits:
     """What a prompt may hold: ids in ``[0, vocab)`` (None: not known) and, with ``max_length``, at most
-    ``max_length - max_new_tokens`` tokens, so that the prompt and its new tokens fit the model."""
+    ``max_length - max_new_tokens`` tokens, so that the prompt and its new tokens fit the model (an encoder's
+    source: ``max_length`` tokens, ``with_new_tokens`` False). ``length_from`` says where the limit came from."""
 
     vocab: int | None = None
     max_length: int | None = None
+    with_new_tokens: bool = True
+    length_from: str = "--max-length"
 
     def problem(self, prompt: Prompt, max_new_tokens: int) -> str | None:
         if prompt.problem is not None:
@@ -221,9 +224,13 @@ class PromptLimits:
             allowed = f"0 to {self.vocab - 1}" if self.vocab is not None else "non-negative"
             return (f"{prompt.label}: token id {int(bad[0])} is past the model's vocabulary ({allowed}); was it "
                     "tokenized for another model?")
-        if self.max_length is not None and ids.size + max_new_tokens > self.max_length:
-            return (f"{prompt.label}: {ids.size} tokens + {max_new_tokens} new ones exceed --max-length "
+        if self.max_length is None:
+            return None
+        if self.with_new_tokens and ids.size + max_new_tokens > self.max_length:
+            return (f"{prompt.label}: {ids.size} tokens + {max_new_tokens} new ones exceed {self.length_from} "
                     f"{self.max_length}; shorten it or lower --max-new-tokens")
+        if not self.with_new_tokens and ids.size > self.max_length:
+            return f"{prompt.label}: {ids.size} tokens exceed {self.length_from} {self.max_length}; shorten it"
         return None
 
 
@@ -242,16 +249,23 @@ def pads_exactly(stepper) -> bool:
 
 def prompt_limits(stepper, max_length: int | None = None) -> PromptLimits:
     """The limits a ``KVCacheStepper``'s files set: a decoder-only model's vocabulary is its logits' last axis, an
-    encoder-decoder's source vocabulary the rows of the tables its encoder's ``input_ids`` index."""
+    encoder-decoder's source vocabulary the rows of the tables its encoder's ``input_ids`` index; the longest
+    sequence is ``max_length`` when given, else what the (encoder's) file records (``export --max-length``)."""
     encoder = getattr(stepper, "encoder", None)
+    graph = stepper.graph if encoder is None else encoder
+    recorded = getattr(getattr(graph.session, "metadata", None), "max_length", None)
+    length = {"max_length": max_length, "length_from": "--max-length"} if max_length is not None else (
+        {"max_length": recorded, "length_from": "the file's max_length"})
     if encoder is None:
-        return PromptLimits(getattr(getattr(stepper, "graph", None), "vocab_size", None), max_length)
+        return PromptLimits(graph.vocab_size, **length)
     import onnx
 
     from mha_deploy.token_tables import vocabulary
 
-    source = encoder.session.source if hasattr(encoder.session, "source") else encoder.source
-    return PromptLimits(vocabulary(onnx.load(str(source), load_external_data=False), "input_ids"), max_length)
+    # An encoder given as a session (not a file) leaves the vocabulary unknown: ORT then names the bad id itself.
+    path = Path(encoder.source)
+    source = vocabulary(onnx.load(str(path), load_external_data=False), "input_ids") if path.is_file() else None
+    return PromptLimits(source, with_new_tokens=False, **length)
 
 
 class PromptGenerator:

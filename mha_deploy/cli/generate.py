@@ -50,7 +50,8 @@ from mha_deploy.metadata import ON_ERROR_CHOICES
               help="Seed of the sampling (batch b of a shard samples with seed + b, so a rerun draws the same).")
 @click.option("--max-length", type=click.IntRange(min=1),
               help="The longest sequence the model takes (e.g. its position table): a prompt whose tokens and "
-                   "--max-new-tokens exceed it is a bad prompt.")
+                   "--max-new-tokens exceed it is a bad prompt (an encoder-decoder's source: its tokens alone). "
+                   "Default: what the file (the encoder's) records, from export --max-length.")
 @click.option("--batch-size", type=click.IntRange(min=1), default=RunnerOptions.batch_size, show_default=True,
               help="At most this many prompts per batch.")
 @click.option("--max-batch-tokens", type=click.IntRange(min=1),

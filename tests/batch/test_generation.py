@@ -162,6 +162,21 @@ def test_a_bad_prompt_is_one_line_naming_it_or_skipped(lm, tmp_path, bad, messag
     assert [r["id"] for r in read_jsonl(tmp_path / "out.jsonl")] == ["ok", "ok2"]
 
 
+def test_the_files_max_length_bounds_prompts_and_new_tokens(tmp_path):
+    path = tmp_path / "lm16.onnx"
+    inputs = [arg for spec in user_module("causal_lm").INPUTS for arg in ("--input", spec)]
+    result = CliRunner().invoke(main, ["export", "--module", f"{USER_MODELS / 'causal_lm'}.py:build", *inputs,
+                                       "--kv-cache", "--max-length", "16", "-o", str(path)])
+    assert result.exit_code == 0, result.output
+    source = write_jsonl(tmp_path / "in.jsonl",
+                         [{"id": "fits", "input_ids": [1] * 8}, {"id": "no", "input_ids": [1] * 9}])
+    result = run(path, "--input", source, "--output", tmp_path / "out.jsonl", "--max-new-tokens", MAX_NEW,
+                 "--on-error", "skip")
+    assert result.exit_code == 0, result.output
+    assert "prompt 'no': 9 tokens + 8 new ones exceed the file's max_length 16" in result.stderr
+    assert [r["id"] for r in read_jsonl(tmp_path / "out.jsonl")] == ["fits"]
+
+
 def test_a_rerun_with_other_settings_is_refused_until_overwrite(lm, tmp_path):
     source = write_jsonl(tmp_path / "in.jsonl", [{"id": "a", "input_ids": [1, 2, 3]}])
     args = [lm, "--input", source, "--output", tmp_path / "out.jsonl"]
