@@ -300,8 +300,13 @@ class PromptGenerator:
         """Per window of prompts, (prompt, new tokens) in input order; ``on_batch(prompts, new tokens)``."""
         window: list[Prompt] = []
         batches = 0  # batches run so far in this stream: batch b samples with seed + b
+        seen: set[str] = set()  # ids so far, as JSON: two output lines of one id could not be told apart
         for prompt in prompts:
             problem = self.limits.problem(prompt, self.config.max_new_tokens)
+            key = json.dumps(prompt.id, sort_keys=True)
+            if problem is None and key in seen:
+                problem = f"{prompt.label}: appears twice in this shard; give each prompt its own id"
+            seen.add(key)
             if problem:
                 error = ItemError(source, str(prompt.id), problem)
                 if self.options.on_error == "stop":

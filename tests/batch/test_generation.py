@@ -143,6 +143,7 @@ BAD_PROMPTS = [
     ({"id": "text", "prompt": "hello"}, "prompt 'text': a text prompt needs --tokenizer"),
     ({"id": "floats", "input_ids": [1.5]}, "prompt 'floats': \"input_ids\" must be a list of integer token ids"),
     ({"input_ids": [1]}, "line 2 is not an object with an \"id\""),
+    ({"id": "ok", "input_ids": [1]}, "prompt 'ok': appears twice in this shard"),
 ]
 
 
