@@ -147,7 +147,14 @@ def _parquet_prompts(path: Path, tokenizer: PromptTokenizer | None) -> Iterator[
     if "id" not in names or not {"input_ids", "prompt"} & set(names):
         raise InputError(f"{path}: needs columns id and input_ids (list of int) or prompt (string), has {names}")
     columns = ["id", *(name for name in ("input_ids", "prompt") if name in names)]
-    for batch in file.iter_batches(batch_size=1024, columns=columns):
+    batches = file.iter_batches(batch_size=1024, columns=columns)
+    while True:
+        try:
+            batch = next(batches, None)
+        except Exception as exc:  # a damaged row group: pyarrow's error, named here
+            raise InputError(f"{path}: cannot read it ({type(exc).__name__}: {exc})") from exc
+        if batch is None:
+            return
         for record in batch.to_pylist():
             yield _record_prompt({k: v for k, v in record.items() if v is not None}, tokenizer)
 

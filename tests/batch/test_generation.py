@@ -135,6 +135,23 @@ def test_npz_and_parquet_prompts_give_the_jsonl_outputs(lm, tmp_path, suffix):
     }
 
 
+def test_an_unreadable_prompt_file_is_one_line_naming_it(lm, tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"id": ["a"], "input_ids": [[1, 2]]}), tmp_path / "in.parquet")
+    data = (tmp_path / "in.parquet").read_bytes()
+    (tmp_path / "in.parquet").write_bytes(data[: len(data) // 2])
+    (tmp_path / "in.npz").write_bytes(b"not a zip")
+    pq.write_table(pa.table({"id": ["a"], "text": ["x"]}), tmp_path / "cols.parquet")
+    for name, fragment in (("in.parquet", "cannot read it"), ("in.npz", "cannot read it"),
+                           ("cols.parquet", "needs columns id and input_ids (list of int) or prompt (string)")):
+        result = run(lm, "--input", tmp_path / name, "--output", tmp_path / "out.jsonl")
+        error = result.stderr.strip()
+        assert result.exit_code == 1 and name in error and fragment in error and "\n" not in error, error
+        assert not list(tmp_path.glob("*out.jsonl*"))
+
+
 BAD_PROMPTS = [
     ({"id": "far", "input_ids": [3, VOCAB]}, f"prompt 'far': token id {VOCAB} is past the model's vocabulary"),
     ({"id": "neg", "input_ids": [-1, 2]}, "prompt 'neg': token id -1 is past the model's vocabulary"),
