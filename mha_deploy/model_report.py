@@ -12,7 +12,7 @@ import onnx
 from mha_deploy.compare import tolerance_words
 from mha_deploy.errors import ModelFileError
 from mha_deploy.metadata import METADATA_KEY, ModelMetadata
-from mha_deploy.onnx_nodes import LONG_KERNEL, all_nodes, kernel_tag, packing_tags
+from mha_deploy.onnx_nodes import BIAS_PROP, LONG_KERNEL, POSITION_BIAS, all_nodes, kernel_tag, packing_tags
 from mha_deploy.signature import TOKENS, Signature
 from mha_deploy.token_tables import vocabulary
 
@@ -35,7 +35,8 @@ _MHA_NON_FLASH_INPUTS = ("key_padding_mask", "attention_bias", "past_key", "past
 # The fusion gives MultiHeadAttention its native key_padding_mask / unidirectional for every mask it reads
 # as key padding and/or causal: a float attention_bias is a mask it could not read.
 MASK_NOT_RECOGNISED = "mask not recognised, additive attention_bias"
-_MHA_INPUT_LABELS = {"attention_bias": MASK_NOT_RECOGNISED}
+# An attention_bias the fusion read as a bias that masks nothing (onnx_nodes.BIAS_PROP).
+BIAS_NOT_MASK = f"{POSITION_BIAS}, additive attention_bias"
 
 
 @dataclass
@@ -210,7 +211,8 @@ def _kernel(node: onnx.NodeProto) -> str:
     if node.op_type == "GroupQueryAttention":
         return "GroupQueryAttention (causal)"
     if node.op_type == "MultiHeadAttention":
-        reasons = [_MHA_INPUT_LABELS.get(role, role) for role in _MHA_NON_FLASH_INPUTS if role in info.inputs]
+        labels = {"attention_bias": _bias_label(node)}
+        reasons = [labels.get(role, role) for role in _MHA_NON_FLASH_INPUTS if role in info.inputs]
         reasons += ["causal"] if causal else []
         if not reasons:
             return "MultiHeadAttention (flash)"
@@ -222,6 +224,12 @@ def _kernel(node: onnx.NodeProto) -> str:
             parts.append("returns probabilities")
         return f"Attention (ONNX standard{': ' + ', '.join(parts) if parts else ''})"
     return f"Attention (packed QKV{': ' + ', '.join(parts) if parts else ''})"
+
+
+def _bias_label(node: onnx.NodeProto) -> str:
+    """What an attention op's attention_bias is: a bias the fusion read as one, or a mask it could not read."""
+    tagged = any(p.key == BIAS_PROP and p.value == POSITION_BIAS for p in node.metadata_props)
+    return BIAS_NOT_MASK if tagged else MASK_NOT_RECOGNISED
 
 
 def _branches(node: onnx.NodeProto) -> dict[str, onnx.GraphProto]:

@@ -16,12 +16,20 @@ from collections.abc import Iterator
 
 import onnx
 
-__all__ = ["KERNEL_PROP", "LONG_KERNEL", "PACKING_PROP", "all_nodes", "kernel_tag", "packing_tags"]
+__all__ = [
+    "BIAS_PROP", "KERNEL_PROP", "LONG_KERNEL", "PACKING_PROP", "POSITION_BIAS", "all_nodes", "kernel_tag",
+    "packing_tags",
+]
 
 KERNEL_PROP = "mha_deploy.kernel"
 # What token packing did, on the node that finds a mask's real tokens (exporters.token_packing)
 PACKING_PROP = "mha_deploy.packing"
 LONG_KERNEL = "{long}"
+# On an attention op whose attention_bias the fusion read as a bias that masks nothing (e.g. T5's relative
+# position bias), its mask parts given to the op's own inputs: POSITION_BIAS. Without it, an attention_bias is
+# a mask the fusion could not read.
+BIAS_PROP = "mha_deploy.attention_bias"
+POSITION_BIAS = "position bias"
 
 
 def all_nodes(graph: onnx.GraphProto) -> Iterator[onnx.NodeProto]:

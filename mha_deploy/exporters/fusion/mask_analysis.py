@@ -8,6 +8,11 @@ take its native key-padding input and causal flag instead of a materialised
 float [batch, 1, q_len, kv_len] bias. Anything else is reported as unrecognised
 and the caller keeps the bias (still fused, just not lean).
 
+``analyse_bias_for`` reads a mask by its ops first (the algebra below: exact on any
+values, no graph run), then, when the algebra does not know the spelling (Hugging
+Face's index-grid masks, ``(1 - mask) * fill``, a position bias added next to the
+mask), by what it computes: ``mask_probe`` runs it on probe inputs.
+
 A small algebra, not a list of graphs. A mask is read in one of two forms:
 a *keep* mask (nonzero = attend) or a *blocked* mask (nonzero = masked out);
 either is a conjunction of parts in keep terms:
@@ -39,9 +44,7 @@ import numpy as np
 import onnx_ir as ir
 
 from mha_deploy.exporters.fusion.constant_values import constant_array, scalar_constant
-
-# Anything at least this negative is a masking fill: exp of it underflows to 0 in every float type.
-MIN_FILL_MAGNITUDE = 1e4
+from mha_deploy.exporters.fusion.mask_probe import MIN_FILL_MAGNITUDE, probe_bias
 
 
 def finite_fill(fill: float, dtype) -> float:
@@ -73,8 +76,10 @@ class MaskParts:
     padding_marks_real: bool = True
     # Lower-triangular (key position <= query position, diagonal included).
     causal: bool = False
-    # The [q_len, kv_len] causal part, kept to check its dims against the op's.
+    # The [q_len, kv_len] causal part, kept to check its dims against the op's (None when read by probes).
     causal_value: ir.Value | None = None
+    # Summands of the bias that mask nothing (T5's relative position bias): the op keeps them as its bias.
+    bias_terms: tuple[ir.Value, ...] = ()
 
     def real_keys(self, op) -> ir.Value:
         """bool [batch, kv_len], True = real token. The source is cast to bool, never to an integer type
@@ -305,8 +310,25 @@ def analyse_bias(bias: ir.Value | None) -> MaskParts | None:
 
 
 def analyse_bias_for(bias: ir.Value | None, batch, q_len, kv_len) -> MaskParts | None:
-    """``analyse_bias``, and only if its parts fit an op over [batch, q_len] queries and [batch, kv_len] keys."""
-    parts = analyse_bias(bias)
+    """What ``bias`` is for an op over [batch, q_len] queries and [batch, kv_len] keys: ``analyse_bias``'s
+    reading when it fits the op, else what probing the bias finds (``mask_probe``); None when neither reads
+    it as key padding and/or causal (plus terms that mask nothing)."""
+    parts = _fitting(analyse_bias(bias), batch, q_len, kv_len)
+    if parts is not None or bias is None or None in (batch, q_len, kv_len):
+        return parts
+    probed = probe_bias(bias, (batch, q_len, kv_len))
+    if probed is None:
+        return None
+    return MaskParts(
+        fill=probed.fill,
+        key_padding=probed.key_padding,
+        padding_marks_real=probed.padding_marks_real,
+        causal=probed.causal,
+        bias_terms=probed.bias_terms,
+    )
+
+
+def _fitting(parts: MaskParts | None, batch, q_len, kv_len) -> MaskParts | None:
     if parts is None:
         return None
     if parts.key_padding is not None and not dims_match(parts.key_padding, [batch, kv_len]):

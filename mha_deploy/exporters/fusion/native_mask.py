@@ -21,6 +21,7 @@ from onnxscript.rewriter import pattern
 
 from mha_deploy.exporters.fusion.contrib_mha import has_inputs_from, optional_input
 from mha_deploy.exporters.fusion.mask_analysis import MaskParts, analyse_bias_for, finite_fill
+from mha_deploy.onnx_nodes import BIAS_PROP, POSITION_BIAS
 
 # (op type, index of the key-padding input, index of attention_bias)
 _MASK_INPUTS = {"MultiHeadAttention": (4, 5), "Attention": (3, 5)}
@@ -51,10 +52,12 @@ class NativeMask(pattern.RewriteRuleClassBase):
         batch, q_len = query.shape[0], query.shape[1]
         # Packed Attention is self-attention: its keys are the query sequence.
         kv_len = q_len if self._op_type == "Attention" else _kv_len(node)
+        if BIAS_PROP in node.metadata_props:
+            return result.fail("the op's attention_bias was already read: a bias that masks nothing", node)
         parts = analyse_bias_for(optional_input(node, self._bias_index), batch, q_len, kv_len)
         if parts is None:
             return result.fail("attention_bias is not a padding/causal mask that fits this op", node)
-        if node.attributes.get_int("unidirectional", 0):
+        if parts.causal and node.attributes.get_int("unidirectional", 0):
             return result.fail("the op is already unidirectional", node)
         self._parts = parts
         return result
@@ -64,16 +67,30 @@ class NativeMask(pattern.RewriteRuleClassBase):
         parts: MaskParts = self._parts
         inputs = list(node.inputs[: self._bias_index + 1])
         inputs += [None] * (self._bias_index + 1 - len(inputs))
-        inputs[self._bias_index] = None
+        # What masks nothing (a position bias) stays the op's bias, summed once when it has several terms.
+        inputs[self._bias_index] = _sum(op, parts.bias_terms)
         if parts.key_padding is not None:
             inputs[self._padding_index] = op.Cast(parts.real_keys(op), to=ir.DataType.INT32)
         while inputs and inputs[-1] is None:
             inputs.pop()
         attributes = {name: attr.value for name, attr in node.attributes.items()}
-        attributes["mask_filter_value"] = finite_fill(parts.fill, node.inputs[0].dtype.numpy())
+        if parts.key_padding is not None or parts.causal:
+            attributes["mask_filter_value"] = finite_fill(parts.fill, node.inputs[0].dtype.numpy())
         if parts.causal:
             attributes["unidirectional"] = 1
-        return getattr(op, self._op_type)(*inputs, _domain="com.microsoft", **attributes)
+        fused = getattr(op, self._op_type)(*inputs, _domain="com.microsoft", **attributes)
+        if parts.bias_terms:
+            fused.producer().metadata_props[BIAS_PROP] = POSITION_BIAS
+        return fused
+
+
+def _sum(op, terms: tuple[ir.Value, ...]) -> ir.Value | None:
+    if not terms:
+        return None
+    total = terms[0]
+    for term in terms[1:]:
+        total = op.Add(total, term)
+    return total
 
 
 def _kv_len(node: ir.Node):

@@ -6,6 +6,7 @@ The chain, per target (own rules marked *, the rest is upstream
     * sdpa_from_attention     standard Attention over 4-D Q/K/V (torch's F.scaled_dot_product_attention)
                               -> SDPA (private op) with an additive mask, so upstream's mha takes it
     * masked_fill_bias        Where-masked scores -> additive bias, so upstream matches
+    * score_bias_sum          two biases added to the scores (T5: position bias, mask) -> their sum added
       sdpa                    MatMul/scale/(Add mask)/Softmax/MatMul -> SDPA (private op)
       mha                     SDPA + head split/merge -> com.microsoft.MultiHeadAttention
     * bias_axes               a bias upstream left without its key axis -> Expanded to [*, *, q, kv]
@@ -75,6 +76,7 @@ from mha_deploy.exporters.fusion.onnx_attention_weights import (
 from mha_deploy.exporters.fusion.output_bias import fuse_output_bias
 from mha_deploy.exporters.fusion.padding_flash import fuse_padding_flash
 from mha_deploy.exporters.fusion.projection_shape import fuse_projection_shape
+from mha_deploy.exporters.fusion.score_bias_sum import fuse_score_bias_sum, score_bias_sum_rules
 from mha_deploy.exporters.fusion.sdpa_from_attention import (
     fuse_sdpa_from_attention,
     is_torch_attention,
@@ -163,8 +165,9 @@ class FusionReport:
 
     @property
     def unrecognised_masks(self) -> list[str]:
-        """The fused ops whose mask was not read as key padding or causal: they add a float attention_bias."""
-        return [op.name for op in self.ops if "attention_bias" in op.mask_inputs]
+        """The fused ops whose mask was not read as key padding or causal: they add a float attention_bias
+        (one read as a bias that masks nothing, a position bias, is not counted)."""
+        return [op.name for op in self.ops if MASK_NOT_RECOGNISED in op.kernel]
 
 
 def _score_nodes(softmax: ir.Node) -> list[ir.Node] | None:
@@ -236,6 +239,7 @@ def _run_chain(model: ir.Model, target: str, packed_qkv: bool, short_sequences: 
     counts = {}
     counts["sdpa_from_attention"] = fuse_sdpa_from_attention(model)
     counts["masked_fill_bias"] = fuse_masked_fill_bias(model)
+    counts["score_bias_sum"] = fuse_score_bias_sum(model)
     # sdpa and onnx_attention_weights check the shapes of values this rule created.
     common_passes.ShapeInferencePass()(model)
     if target == "onnx":
@@ -296,12 +300,16 @@ class _FailedMatches(pattern.MatchingTracer):
 
 # Rules that only prepare an attention for the fusing ones: where their pattern does not
 # match there was nothing to prepare (no masked_fill, or already rewritten), which is no reason.
-_PREPARING_RULES = {"masked_fill_bias"}
+_PREPARING_RULES = {"masked_fill_bias", "score_bias_sum"}
 
 
 def _softmax_rules(target: str) -> dict[str, pattern.RewriteRuleSet]:
     """The chain's rules that start from an attention's Softmax: while it is there, none of them matched."""
-    rules = {"sdpa_from_attention": sdpa_from_attention_rules, "masked_fill_bias": masked_fill_bias_rules}
+    rules = {
+        "sdpa_from_attention": sdpa_from_attention_rules,
+        "masked_fill_bias": masked_fill_bias_rules,
+        "score_bias_sum": score_bias_sum_rules,
+    }
     if target == "onnx":
         rules["onnx_attention_weights"] = onnx_attention_weights_rules
     rules["sdpa"] = sdpa_rules

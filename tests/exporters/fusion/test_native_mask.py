@@ -82,12 +82,20 @@ def test_bias_becomes_native_mask_inputs(build, mask):
     hg.assert_same_outputs(model, rewritten, _feeds(model))
 
 
+def test_two_ranges_of_one_length_are_causal():
+    """Key and query positions from two Ranges: the algebra cannot tell that they index one sequence, but over
+    one length they do, and probing the bias (mask_probe) reads "key <= query"."""
+    model = _mha("two-ranges")
+    rewritten, count = hg.rewrite(model, native_mask_rules)
+    assert count == 1
+    assert hg.attributes(hg.node(rewritten, "MultiHeadAttention")).get("unidirectional") == 1
+    hg.assert_same_outputs(model, rewritten, _feeds(model))
+
+
 @pytest.mark.parametrize(
     ("model", "reason"),
     [
         pytest.param(_mha("input"), "not a padding/causal mask", id="bias-is-an-input"),
-        # Keys and queries from two Ranges need not be one sequence: not "key <= query".
-        pytest.param(_mha("two-ranges"), "not a padding/causal mask", id="causal-from-two-ranges"),
         # One padding row for the whole batch: mask_index wants [batch, kv_len].
         pytest.param(_mha("padding", padding_shape=(1, SEQ)), "not a padding/causal mask", id="padding-not-per-batch"),
         pytest.param(_mha("padding", padding_input=True), "already has a key padding mask", id="padding-input-taken"),
