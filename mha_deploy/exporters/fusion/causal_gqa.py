@@ -174,7 +174,7 @@ class CausalGQA(ContribMHARule):
         small = op.LessOrEqual(scores, int64(op, self.materialise_max_bytes))
         inputs = [q, k, v, None, None, seqlens, total]
         # The cut output's length is the longest row's, not the model's seq.
-        known = cut_shape and attention.shape is not None
+        known = cut_shape and attention.shape is not None and attention.shape.rank() == 3
         shape = ir.Shape([attention.shape[0], None, attention.shape[2]]) if known else None
         materialised, tiled = (
             op_branch(

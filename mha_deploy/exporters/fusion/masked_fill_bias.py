@@ -50,9 +50,30 @@ class MaskedFillToBias(pattern.RewriteRuleClassBase):
         return op.Softmax(op.Add(scores, bias), axis=-1)
 
 
-masked_fill_bias_rules = pattern.RewriteRuleSet([MaskedFillToBias.rule()])
+class NestedMaskedFillToBias(MaskedFillToBias):
+    """``Softmax(Add(Where(cond, FILL, scores), bias))`` -> ``Softmax(Add(Add(scores, Where(cond, FILL, 0)),
+    bias))``: the inner of two ``masked_fill`` s (torch's decoder layers fill the causal mask, then the key
+    padding; ``score_bias_sum`` then adds the two biases up before upstream's SDPA sees them)."""
+
+    def pattern(self, op, cond, fill, scores, outer):
+        return op.Softmax(op.Add(op.Where(cond, fill, scores), outer), axis=-1)
+
+    def rewrite(self, op, cond, fill, scores, outer, **_):
+        dtype = scores.dtype.numpy()
+        zero = op.Constant(value=ir.tensor(np.zeros((), dtype=dtype)))
+        return op.Softmax(op.Add(op.Add(scores, op.Where(cond, fill, zero)), outer), axis=-1)
+
+
+masked_fill_bias_rules = pattern.RewriteRuleSet([MaskedFillToBias.rule(), NestedMaskedFillToBias.rule()])
 
 
 def fuse_masked_fill_bias(model: ir.Model) -> int:
-    """Apply the rule everywhere in ``model``; the number of rewrites."""
-    return masked_fill_bias_rules.apply_to_model(model)
+    """Apply the rules everywhere in ``model`` until none applies (the nested rule matches what the first one
+    wrote); the number of rewrites."""
+    total = 0
+    for _ in range(4):
+        count = masked_fill_bias_rules.apply_to_model(model)
+        total += count
+        if not count:
+            break
+    return total

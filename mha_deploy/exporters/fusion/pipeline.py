@@ -7,6 +7,7 @@ The chain, per target (own rules marked *, the rest is upstream
                               -> SDPA (private op) with an additive mask, so upstream's mha takes it
     * masked_fill_bias        Where-masked scores -> additive bias, so upstream matches
     * score_bias_sum          two biases added to the scores (T5: position bias, mask) -> their sum added
+    * shared_heads            a head-split Transpose several attentions read -> one copy each
       sdpa                    MatMul/scale/(Add mask)/Softmax/MatMul -> SDPA (private op)
       mha                     SDPA + head split/merge -> com.microsoft.MultiHeadAttention
     * bias_axes               a bias upstream left without its key axis -> Expanded to [*, *, q, kv]
@@ -82,6 +83,7 @@ from mha_deploy.exporters.fusion.sdpa_from_attention import (
     is_torch_attention,
     sdpa_from_attention_rules,
 )
+from mha_deploy.exporters.fusion.shared_heads import unshare_head_transposes
 from mha_deploy.exporters.fusion.short_sequence import fuse_short_sequence
 from mha_deploy.model_report import MASK_NOT_RECOGNISED, attention_ops
 
@@ -240,6 +242,7 @@ def _run_chain(model: ir.Model, target: str, packed_qkv: bool, short_sequences: 
     counts["sdpa_from_attention"] = fuse_sdpa_from_attention(model)
     counts["masked_fill_bias"] = fuse_masked_fill_bias(model)
     counts["score_bias_sum"] = fuse_score_bias_sum(model)
+    counts["shared_heads"] = unshare_head_transposes(model)
     # sdpa and onnx_attention_weights check the shapes of values this rule created.
     common_passes.ShapeInferencePass()(model)
     if target == "onnx":

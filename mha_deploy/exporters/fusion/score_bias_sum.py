@@ -41,7 +41,8 @@ class ScoreBiasSum(pattern.RewriteRuleClassBase):
             return result.fail("the innermost Add's first operand is not the scores MatMul", scores)
         if any(_is_scores(term) for term in (first, second)):
             return result.fail("a term added to the scores is itself a MatMul", first)
-        if scores.dtype is None or any(term.dtype != scores.dtype for term in (first, second)):
+        # (A term a rule before just built has no type yet.)
+        if any(term.dtype not in (None, scores.dtype) for term in (first, second)):
             return result.fail("the terms are not of the scores' float type", scores)
         return result
 

@@ -113,3 +113,60 @@ def test_idiom_gets_the_reference_forms_kernel(idiom, fill, shape):
     assert kernel in op.kernel, op.describe()
     assert report.unrecognised_masks == [] and "materialised)" not in report.summary(), report.summary()
     um.assert_parity_with_torch(module, fused, every_row=SHAPES[shape][1] is CAUSAL)
+
+
+def _sliding_window(pad: torch.Tensor, s: int) -> torch.Tensor:
+    """Causal within a window of 2 keys: neither key padding nor causal."""
+    q_idx, kv_idx = torch.arange(s)[:, None], torch.arange(s)[None, :]
+    return pad[:, None, None, :] & (kv_idx <= q_idx) & (kv_idx > q_idx - 2)
+
+
+def test_a_mask_that_is_neither_stays_a_reported_bias():
+    """A sliding window looks causal at short lengths: it must stay the op's attention_bias, reported as such."""
+    module, plain = um.module_and_export("idiom-sliding-window", lambda: _WindowAttention())
+    fused, report = um.fuse(plain)
+    (op,) = report.ops
+    assert set(op.mask_inputs) == {"attention_bias"}, op.describe()
+    assert report.unrecognised_masks == [op.name] and "materialised)" in report.summary()
+    um.assert_parity_with_torch(module, fused)
+
+
+class _WindowAttention(IdiomAttention):
+    def __init__(self):
+        super().__init__("where", torch.finfo(torch.float32).min, "padding")
+        self.keep = _sliding_window
+
+
+class PositionBiasAttention(nn.Module):
+    """T5's attention: no 1/sqrt(d) scale, a relative position bias [1, heads, q, kv] from a learned table
+    added to the scores next to the (1 - mask) * finfo.min mask."""
+
+    def __init__(self, shape: str):
+        super().__init__()
+        self.q, self.k, self.v, self.out = (nn.Linear(um.D_MODEL, um.D_MODEL, bias=False) for _ in range(4))
+        self.relative = nn.Embedding(9, um.HEADS)
+        self.keep = SHAPES[shape][0]
+
+    def forward(self, x, pad):
+        b, s, _ = x.shape
+        q, k, v = (p(x).view(b, -1, um.HEADS, D_K).transpose(1, 2) for p in (self.q, self.k, self.v))
+        distance = (torch.arange(s)[None, :] - torch.arange(s)[:, None]).clamp(-4, 4) + 4
+        position_bias = self.relative(distance).permute(2, 0, 1).unsqueeze(0)
+        mask = (1.0 - self.keep(pad, s).to(x.dtype)) * torch.finfo(x.dtype).min
+        scores = q @ k.transpose(-2, -1)
+        scores += position_bias + mask
+        heads = torch.softmax(scores.float(), dim=-1).type_as(scores) @ v
+        return self.out(heads.transpose(1, 2).contiguous().view(b, s, -1))
+
+
+@pytest.mark.parametrize(("shape", "causal"), [("padding", False), ("padding-causal", True)])
+def test_position_bias_is_the_ops_bias_and_its_mask_the_ops_mask(shape, causal):
+    module, plain = um.module_and_export(f"position-bias-{shape}", lambda: PositionBiasAttention(shape))
+    fused, report = um.fuse(plain)
+    (op,) = report.ops
+    assert op.op_type == "com.microsoft.MultiHeadAttention", op.describe()
+    assert set(op.mask_inputs) == {"key_padding_mask", "attention_bias"}, op.describe()
+    assert op.attributes["scale"] == 1.0 and bool(op.attributes.get("unidirectional", 0)) == causal
+    assert "position bias, additive attention_bias" in op.kernel, op.describe()
+    assert report.unrecognised_masks == [] and "materialised)" not in report.summary(), report.summary()
+    um.assert_parity_with_torch(module, fused)
