@@ -55,25 +55,11 @@ MODELS = {
 IDS = [f"{name}:{factory}" for name, factory in MODELS]
 
 
-class _Logits(torch.nn.Module):
-    """GPT-2's forward takes past_key_values second: bound by keyword until inputs bind by name."""
-
-    def __init__(self, model):
-        super().__init__()
-        self.model = model
-
-    def forward(self, input_ids, attention_mask):
-        return self.model(input_ids=input_ids, attention_mask=attention_mask).logits
-
-
 @functools.cache
 def _plain(name: str, factory: str):
     """(the declared module, its plain graph as ``export --module`` traces it)."""
     module_file = user_module(name)
-    module = getattr(module_file, factory)()
-    if name == "hf_gpt2":
-        module = _Logits(module)
-    declared = declare_model(module, module_file.INPUTS)
+    declared = declare_model(getattr(module_file, factory)(), module_file.INPUTS)
     with reference_attention():
         plain = export_onnx(declared.traced, declared.signature, declared.d_model, DEFAULT_OPSET)
     return declared, plain
