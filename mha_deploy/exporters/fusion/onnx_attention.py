@@ -62,6 +62,9 @@ class OnnxAttentionFromMHA(ContribMHARule):
         if bias is None:
             return result
         parts = analyse_bias_for(bias, batch, q_len, kv_len)
+        if parts is not None and parts.bias_terms:
+            # A position bias next to the mask (T5): attn_mask is one additive input, the bias as it is.
+            parts = None
         if parts is None and (bias.shape is None or bias.shape.rank() != 4 or bias.shape[2] != q_len):
             return result.fail("attention_bias is neither recognised nor explicit on the q_len axis", bias)
         self._parts = parts

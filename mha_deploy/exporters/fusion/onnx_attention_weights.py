@@ -80,7 +80,8 @@ class OnnxAttentionWithWeights(pattern.RewriteRuleClassBase):
         parts = analyse_bias_for(bias, bindings["B"], bindings["S"], bindings["T"])
         if parts is None:
             return result.fail("the mask is not a recognised padding/causal mask", bias)
-        self._parts = parts
+        # A position bias next to the mask (T5): attn_mask is one additive input, the bias as it is.
+        self._parts = None if parts.bias_terms else parts
         return result
 
     def rewrite(self, op, query_BSD, key_BSD, value_BSD, **_):
@@ -91,7 +92,7 @@ class OnnxAttentionWithWeights(pattern.RewriteRuleClassBase):
         }
         if self._scale is not None:
             attributes["scale"] = self._scale
-        mask = None
+        mask = self._bias if self._parts is None else None
         if self._parts is not None:
             if self._parts.causal:
                 attributes["is_causal"] = 1

@@ -170,3 +170,14 @@ def test_position_bias_is_the_ops_bias_and_its_mask_the_ops_mask(shape, causal):
     assert "position bias, additive attention_bias" in op.kernel, op.describe()
     assert report.unrecognised_masks == [] and "materialised)" not in report.summary(), report.summary()
     um.assert_parity_with_torch(module, fused)
+
+
+def test_position_bias_is_kept_on_the_onnx_target():
+    """Standard Attention has one additive attn_mask: the position bias goes with the mask, as the model adds it."""
+    module, plain = um.module_and_export(
+        "position-bias-padding-causal", lambda: PositionBiasAttention("padding-causal")
+    )
+    fused, report = um.fuse(plain, "onnx")
+    (op,) = report.ops
+    assert op.op_type == "Attention" and set(op.mask_inputs) == {"attn_mask"}, op.describe()
+    um.assert_parity_with_torch(module, fused)
