@@ -228,6 +228,9 @@ def _has_position_constants(nodes: list[ir.Node]) -> bool:
 
 
 def _model(nodes: list[ir.Node], inputs: list[ir.Value], outputs: list[ir.Value]) -> onnx.ModelProto:
+    """The standalone model computing ``outputs`` from ``inputs`` (each input and output typed)."""
+    if not nodes or any(v.dtype is None for v in (*inputs, *outputs)) or any(v.shape is None for v in inputs):
+        raise _NotReadable
     graph = nodes[0].graph
     initializers, seen = [], set()
     for node in nodes:
