@@ -9,6 +9,8 @@ The chain, per target (own rules marked *, the rest is upstream
     * score_bias_sum          two biases added to the scores (T5: position bias, mask) -> their sum added
     * shared_heads            a head-split Transpose several attentions read -> one copy each
       sdpa                    MatMul/scale/(Add mask)/Softmax/MatMul -> SDPA (private op)
+    * head_merge_view         heads merged straight into [batch * seq, d] (GPT-2's Conv1D) -> merged
+                              to [batch, seq, d] first, so that mha takes the right Reshape
       mha                     SDPA + head split/merge -> com.microsoft.MultiHeadAttention
     * bias_axes               a bias upstream left without its key axis -> Expanded to [*, *, q, kv]
     mha:
@@ -67,6 +69,7 @@ from mha_deploy.errors import ExportError
 from mha_deploy.exporters.fusion.bias_axes import fuse_bias_axes
 from mha_deploy.exporters.fusion.causal_gqa import fuse_causal_gqa
 from mha_deploy.exporters.fusion.finite_bias import fuse_finite_bias
+from mha_deploy.exporters.fusion.head_merge_view import fuse_head_merge_view
 from mha_deploy.exporters.fusion.masked_fill_bias import fuse_masked_fill_bias, masked_fill_bias_rules
 from mha_deploy.exporters.fusion.native_mask import fuse_native_mask
 from mha_deploy.exporters.fusion.onnx_attention import fuse_onnx_attention
@@ -248,6 +251,7 @@ def _run_chain(model: ir.Model, target: str, packed_qkv: bool, short_sequences: 
     if target == "onnx":
         counts["onnx_attention_weights"] = fuse_onnx_attention_weights(model)
     counts["sdpa"] = fuse_sdpa(model, apply_shape_inference=True)
+    counts["head_merge_view"] = fuse_head_merge_view(model)
     counts["mha"] = fuse_mha2(model)
     if target == "mha":
         counts["projection_shape"] = fuse_projection_shape(model)
