@@ -24,6 +24,13 @@ the batch or seq axes (weights, biases, scalars), or span only seq with batch 1
 (a position table [1, seq, ...], gathered by each token's position). Ops on the
 masks alone stay as they are.
 
+Packing an op is right only where nothing reads its padded rows (``_padding_readers``): what reads a packed
+value must be a per-token op, an attention that masks padding, an op that moves elements with their tokens
+(a head split or merge), a Shape or a per-token model output. What anything else reads (BERT's pooler at
+position 0, RoBERTa's cumulative sum of position ids, an output that is not per-token) is computed unpacked,
+back to the inputs. A view flattened to [batch * seq, d] around a 2-D Gemm (GPT-2's Conv1D) packs as the
+projection it is.
+
 Gathering and putting back cost copies, so a connected run of packed ops is kept
 only when its MatMul work per token is worth the rows it copies in and out
 (``MIN_WORK_PER_COPIED_ELEMENT``): a whole transformer stack is one run with the
@@ -37,8 +44,10 @@ attentions inside it; a lone projection between two attentions is not.
 
 from __future__ import annotations
 
+import collections
 import itertools
 import math
+import re
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -116,6 +125,13 @@ class _Plan:
     mask: _Mask
     rank: int  # of its (first) output, unpacked
     inputs: dict[int, str]  # input index -> "packed", "entry", "position", "squeeze" (others: as they are)
+    # its output is [batch * seq, ...] (a view flattened for a 2-D Gemm, GPT-2's Conv1D), packed [tokens, ...]
+    flat: bool = False
+    reshape_to: tuple[int, ...] | None = None  # a Reshape's shape on packed rows
+
+    @property
+    def packed_rank(self) -> int:
+        return self.rank if self.flat else self.rank - 1
 
 
 def packing_masks(signature: Signature) -> list[str]:
@@ -150,6 +166,9 @@ def _pack_tokens(model: ir.Model, masks: list[str], types: dict) -> PackingRepor
         return report
     _fill_missing_shapes(model, types)
     plans = _candidates(graph, mask_specs)
+    read_padded, why = _padding_readers(graph, plans, mask_specs)
+    if read_padded:
+        plans = _candidates(graph, mask_specs, excluded=read_padded)
     runs = _runs(plans)
     kept: dict[ir.Node, _Plan] = {}
     best = (0, 0)
@@ -161,7 +180,9 @@ def _pack_tokens(model: ir.Model, masks: list[str], types: dict) -> PackingRepor
         report.runs += 1
         kept.update({node: plans[node] for node in run})
     report.work_per_copied = best[0] / max(best[1], 1)
-    if not kept and best[0]:
+    if not kept and why and not plans:
+        report.reason = why
+    elif not kept and best[0]:
         report.reason = (
             f"too small to pay for its copies: the largest run of per-token ops does {report.work_per_copied:.0f} "
             f"multiply-adds per element it copies in and out, below {MIN_WORK_PER_COPIED_ELEMENT} "
@@ -198,6 +219,19 @@ def _fill_missing_shapes(model: ir.Model, types: dict) -> None:
                                     for dim in tensor.shape.dim])
             if value.dtype is None and tensor.elem_type:
                 value.dtype = ir.DataType(tensor.elem_type)
+        _fill_attention_shape(node)
+
+
+def _fill_attention_shape(node: ir.Node) -> None:
+    """An ORT attention op's output, which onnx's inference does not know: [batch, q_len, value width], read off
+    its 3-D query and value (GPT-2's Conv1D flattens it next: the flattening is packed when its rows are
+    known)."""
+    if (node.domain != "com.microsoft" or node.op_type not in ("MultiHeadAttention", "GroupQueryAttention")
+            or node.outputs[0].shape is not None or len(node.inputs) < 3):
+        return
+    query, value = _dims(node.inputs[0]), _dims(node.inputs[2]) if node.inputs[2] is not None else None
+    if query is not None and value is not None and len(query) == len(value) == 3 and isinstance(value[2], int):
+        node.outputs[0].shape = ir.Shape([*node.inputs[0].shape[:2], value[2]])
 
 
 def _mask_spec(value: ir.Value | None) -> _Mask | None:
@@ -213,7 +247,17 @@ def _mask_spec(value: ir.Value | None) -> _Mask | None:
 def _dims(value: ir.Value | None) -> list | None:
     if value is None or value.shape is None:
         return None
-    return [dim.value if isinstance(dim, ir.SymbolicDim) else dim for dim in value.shape]
+    return [_symbol(dim.value) if isinstance(dim, ir.SymbolicDim) else dim for dim in value.shape]
+
+
+_CAPPED = re.compile(r"^Min\((?:(\d+), (\w+)|(\w+), (\d+))\)$")
+
+
+def _symbol(name: str | None) -> str | None:
+    """A symbolic dim's name; ``Min(512, seq)`` (a table sliced to the sequence length, as torch's exporter
+    names it) is ``seq``: a longer sequence fails on the table, not on packing."""
+    match = _CAPPED.match(name or "")
+    return (match.group(2) or match.group(3)) if match else name
 
 
 def _aligned(value: ir.Value, masks: list[_Mask]) -> _Mask | None:
@@ -229,8 +273,9 @@ def _classify(value: ir.Value, rank: int, mask: _Mask | None, masks: list[_Mask]
     "packed" (already), "entry" (a [batch, seq, ...] tensor to gather), "position" ([1, seq, ...] or
     [seq, ...]: gathered by position), "squeeze" ([1, 1, ...]), "as-is" (spans neither axis), or None (the
     op is not per-token in this input)."""
-    if value in packed:
-        return ("packed", packed[value].mask) if packed[value].rank == rank else (None, None)
+    if value in packed:  # flattened rows are read by the ops that know them only (_flat_plan)
+        plan = packed[value]
+        return ("packed", plan.mask) if plan.rank == rank and not plan.flat else (None, None)
     dims = _dims(value)
     if dims is None:
         return None, None
@@ -253,8 +298,8 @@ def _classify(value: ir.Value, rank: int, mask: _Mask | None, masks: list[_Mask]
     return ("position", seq_mask) if seq_mask is not None else (None, None)
 
 
-def _candidates(graph: ir.Graph, masks: list[_Mask]) -> dict[ir.Node, _Plan]:
-    """The model graph's ops that are per-token in some mask's axes, in graph order.
+def _candidates(graph: ir.Graph, masks: list[_Mask], excluded: set[ir.Node] = frozenset()) -> dict[ir.Node, _Plan]:
+    """The model graph's ops that are per-token in some mask's axes, in graph order, but for ``excluded``.
 
     Ops on the masks alone are left as they are: they cost nothing worth saving, and a mask put back with zeros
     (or the spare row) at padded positions would no longer say what the mask said there. Where per-token ops
@@ -268,13 +313,116 @@ def _candidates(graph: ir.Graph, masks: list[_Mask]) -> dict[ir.Node, _Plan]:
         if not any(value in data for value in _reads(node)):
             continue
         data.update(node.outputs)
-        plan = _plan(node, masks, packed)
+        plan = _plan(node, masks, packed) if node not in excluded else None
         if plan is None:
             continue
         plans[node] = plan
         for output in node.outputs:
             packed[output] = plan
     return plans
+
+
+def _padding_readers(graph: ir.Graph, plans: dict[ir.Node, _Plan], masks: list[_Mask]) -> tuple[set, str]:
+    """The candidate ops whose outputs must keep their padded rows, and why (each reader that stops some).
+
+    Packed, a value is right on its real rows only: put back, its padded rows hold the spare row or zeros. That
+    is right where whatever reads it ignores padded rows: a per-token op (row by row), an attention whose mask
+    hides padded keys (its padded query rows are padded rows again), a Shape, a per-token model output (its
+    padded rows are not returned). Anything else may read them: a pooling of position 0 (BERT's pooler), a
+    cumulative sum along the sequence (RoBERTa's position ids), an attention that masks no padding, a model
+    output that is not per-token. What it reads must then be right on every row, and so must what that is
+    computed from, back to the inputs: none of those ops is packed. A masked product (``x * mask``) ends the
+    walk: it is zero at padded rows, and so are its packed rows put back."""
+    mask_names = {mask.name for mask in masks}
+    mask_only = _mask_only_values(graph, mask_names)
+    need: collections.deque[tuple[ir.Value, str]] = collections.deque()
+    for node in graph:
+        if node in plans or node.op_type == "Shape" or _keeps_tokens(node, masks):
+            continue
+        if _is_attention(node):
+            if any(value in mask_only for value in _reads(node)):
+                continue
+            why = f"attention {node.name} masks no padding"
+        else:
+            why = f"{node.op_type} {node.name} reads padded rows"
+        need.extend((value, why) for value in _reads(node) if value is not None)
+    need.extend((value, f"output {value.name} is not per-token") for value in graph.outputs
+             if _aligned(value, masks) is None)
+    reached: set[ir.Node] = set()
+    whys: list[str] = []
+    while need:
+        value, why = need.popleft()  # breadth first: the reason nearest to the ops it stops
+        node = value.producer()
+        # a Shape reads no row; a masked product is zero at padded rows, packed or not
+        if (node is None or node in reached or node.op_type in ("Shape", "Size")
+                or (node in plans and _masked_product(node, plans[node].mask))):
+            continue
+        reached.add(node)
+        if node in plans and why not in whys:
+            whys.append(why)
+        need.extend((read, why) for read in _reads(node) if read is not None)
+    return reached & set(plans), "; ".join(whys)
+
+
+def _keeps_tokens(node: ir.Node, masks: list[_Mask]) -> bool:
+    """``node`` moves each element of a [batch, seq, ...] tensor with its token (a head split or merge): its
+    padded rows' elements are padded rows' elements again, wherever they go. What reads them is checked as
+    anything else that reads a packed value."""
+    if node.op_type in ("Transpose", "Identity"):
+        return True
+    if node.op_type == "Split":
+        axis, rank = node.attributes.get_int("axis", 0), len(_dims(node.inputs[0]) or [])
+        return axis >= 2 or (rank > 0 and axis + rank >= 2)
+    if node.op_type != "Reshape":
+        return False
+    shape = constant_array(node.inputs[1])
+    if shape is not None and not node.attributes.get_int("allowzero", 0) and shape.size >= 2 and not shape.reshape(
+            -1)[:2].any():
+        return True  # [0, 0, ...]: the first two axes kept, the tokens' elements split or merged after them
+    values = [node.inputs[0], *node.outputs]
+    return any(all((_dims(value) or []).count(mask.batch) == 1 and (_dims(value) or []).count(mask.seq) == 1
+                   for value in values)
+               for mask in masks)
+
+
+def _mask_only_values(graph: ir.Graph, mask_names: set[str]) -> set[ir.Value]:
+    """Values computed from the padding masks and no other input's content (sizes read with Shape aside)."""
+    mask_derived = {value for value in graph.inputs if value.name in mask_names}
+    content = {value for value in graph.inputs if value.name not in mask_names}
+    for node in graph.all_nodes():
+        if node.op_type in ("Shape", "Size"):
+            continue
+        reads = _reads(node)
+        if any(value in content for value in reads):
+            content.update(node.outputs)
+        if any(value in mask_derived for value in reads):
+            mask_derived.update(node.outputs)
+    return mask_derived - content
+
+
+def _is_attention(node: ir.Node) -> bool:
+    domain = "" if node.domain == "ai.onnx" else node.domain
+    return (domain, node.op_type) in ATTENTION_INPUT_ROLES or (
+        node.op_type == "If" and KERNEL_PROP in node.metadata_props)
+
+
+def _masked_product(node: ir.Node, mask: _Mask) -> bool:
+    """``node`` is x * (the padding mask ``mask``, cast, given trailing axes or broadcast over them): zero at
+    padded rows."""
+    if node.op_type != "Mul":
+        return False
+    for value in node.inputs:
+        while value is not None and value.name != mask.name:
+            producer = value.producer()
+            if producer is None or producer.op_type not in ("Cast", "CastLike", "Identity", "Unsqueeze", "Expand"):
+                break
+            # the mask's axes stay the first two
+            if (_dims(producer.outputs[0]) or [])[:2] != [mask.batch, mask.seq]:
+                break
+            value = producer.inputs[0]
+        if value is not None and value.name == mask.name and value.producer() is None:
+            return True
+    return False
 
 
 def _reads(node: ir.Node) -> list[ir.Value | None]:
@@ -303,6 +451,8 @@ def _plan(node: ir.Node, masks: list[_Mask], packed: dict) -> _Plan | None:
     op = node.op_type
     out_dims = _dims(node.outputs[0])
     rank = len(out_dims) if out_dims is not None else None
+    if op in ("Gemm", "Reshape") or (op == "MatMul" and node.inputs[0] in packed and packed[node.inputs[0]].flat):
+        return _flat_plan(node, masks, packed, out_dims)
     if op == "MatMul":
         data, weight = node.inputs
         weight_dims = _dims(weight)
@@ -357,6 +507,46 @@ def _plan(node: ir.Node, masks: list[_Mask], packed: dict) -> _Plan | None:
     return _Plan(mask, rank, kinds)
 
 
+def _flat_plan(node: ir.Node, masks: list[_Mask], packed: dict, out_dims: list | None) -> _Plan | None:
+    """A projection on a view flattened to [batch * seq, d] (``x.view(-1, d)``, a 2-D Gemm or MatMul, the view
+    back to [batch, seq, ...]), as GPT-2's Conv1D runs its ``addmm``. Packed, the rows are the tokens either
+    way: the views keep them, the projection runs on them."""
+    data = node.inputs[0]
+    source = packed.get(data)
+    # the axes after the rows: fixed sizes
+    if out_dims is None or not all(isinstance(dim, int) for dim in out_dims[2 if source and source.flat
+                                                                          and node.op_type == "Reshape" else 1:]):
+        return None
+    if node.op_type in ("Gemm", "MatMul"):
+        weight, bias = node.inputs[1], (node.inputs[2] if len(node.inputs) > 2 else None)
+        if (source is None or not source.flat or node.attributes.get_int("transA", 0) or weight in packed
+                or len(_dims(weight) or []) != 2 or not all(isinstance(dim, int) for dim in _dims(weight))):
+            return None
+        if bias is not None and (bias in packed or len(_dims(bias) or [0, 0, 0]) > 2
+                                 or (len(_dims(bias)) == 2 and _dims(bias)[0] != 1)):
+            return None  # a bias with rows of its own
+        return _Plan(source.mask, len(out_dims), {0: "packed"}, flat=True)
+    in_dims = _dims(data)
+    if in_dims is None or not all(isinstance(dim, int) for dim in in_dims[1 if source and source.flat else 2:]):
+        return None
+    if source is not None and source.flat:
+        # [batch * seq, ...] -> [batch, seq, ...]: on packed rows, [tokens, ...] whatever its shape input says
+        if out_dims[:2] != [source.mask.batch, source.mask.seq] or math.prod(out_dims[2:]) != math.prod(
+                in_dims[1:]):
+            return None
+        return _Plan(source.mask, len(out_dims), {0: "packed"}, reshape_to=(-1, *out_dims[2:]))
+    # [batch, seq, ...] -> [batch * seq, ...]: a shape [-1, ...] keeps its rows' elements together
+    shape = constant_array(node.inputs[1])
+    if shape is None or (node.attributes.get_int("allowzero", 0) and not shape.all()):
+        return None
+    shape = [int(dim) for dim in shape.reshape(-1)]
+    kind, mask = _classify(data, len(in_dims), None, masks, packed)
+    if (kind not in ("packed", "entry") or len(shape) < 2 or shape[0] != -1 or min(shape[1:]) < 1
+            or math.prod(shape[1:]) != math.prod(in_dims[2:])):
+        return None
+    return _Plan(mask, len(shape), {0: kind}, flat=True)
+
+
 def _runs(plans: dict[ir.Node, _Plan]) -> list[list[ir.Node]]:
     """Candidate ops joined where one reads another's output; each run in graph order."""
     parent = {node: node for node in plans}
@@ -396,7 +586,7 @@ def _cost(run: list[ir.Node], plans: dict[ir.Node, _Plan]) -> tuple[int, int]:
     entries = set()
     for node in run:
         plan = plans[node]
-        if node.op_type == "MatMul":
+        if node.op_type in ("MatMul", "Gemm"):
             weight = _dims(node.inputs[1])
             work += weight[0] * weight[1] if all(isinstance(d, int) for d in weight) else 0
         for index, kind in plan.inputs.items():
@@ -406,7 +596,7 @@ def _cost(run: list[ir.Node], plans: dict[ir.Node, _Plan]) -> tuple[int, int]:
                 copied += _row_elements(value, 2 if kind == "entry" or len(_dims(value)) == plan.rank else 1)
         for output in node.outputs:
             if _exits(output, members) or output.is_graph_output():
-                copied += _row_elements(output, 2)
+                copied += _row_elements(output, 1 if plan.flat else 2)
     return work, copied
 
 
@@ -510,7 +700,7 @@ def _rewrite(graph: ir.Graph, kept: dict[ir.Node, _Plan], report: PackingReport)
         if tape.nodes:
             _insert(graph, tape, before=node)
         report.ops += 1
-        report.matmuls += node.op_type == "MatMul"
+        report.matmuls += node.op_type in ("MatMul", "Gemm")
         for output in node.outputs:
             _leave(graph, output, plan, index(plan.mask), members, attention_nodes, report)
     report.masks = sorted({plan.mask.name for plan in kept.values()})
@@ -532,8 +722,11 @@ def _enter(tape, value: ir.Value, kind: str, plan: _Plan, index: _Index) -> ir.V
 
 
 def _packed_attributes(tape, node: ir.Node, plan: _Plan) -> None:
-    """Axis attributes and inputs of ``node`` counted from the front lose the batch axis."""
-    if node.op_type in _AXIS_OPS:
+    """Axis attributes and inputs of ``node`` counted from the front lose the batch axis; a Reshape to
+    [batch, seq, ...] takes the packed rows' shape."""
+    if plan.reshape_to is not None:
+        node.replace_input_with(1, _int64(tape, list(plan.reshape_to)))
+    elif node.op_type in _AXIS_OPS:
         axis = node.attributes.get_int("axis", _AXIS_OPS[node.op_type])
         if axis >= 0:
             node.attributes["axis"] = ir.AttrInt64("axis", axis - 1)
@@ -571,21 +764,26 @@ def _leave(graph: ir.Graph, value: ir.Value, plan: _Plan, index: _Index, members
     is_output = value.is_graph_output()
     dims, unpacked_shape = _dims(value), value.shape
     if dims is not None:
-        value.shape = ir.Shape([f"{index.mask.name}_{PACKED_AXIS}", *value.shape[2:]])
+        value.shape = ir.Shape([f"{index.mask.name}_{PACKED_AXIS}", *value.shape[1 if plan.flat else 2:]])
     if not exits and not is_output:
         return
     tape = ir.tape.Tape()
-    if (all(use.node in attention_nodes for use in exits) and not is_output and plan.rank >= 3
-            and value.dtype is not None and value.dtype.is_floating_point()):
+    original = value.name
+    if (all(use.node in attention_nodes for use in exits) and not is_output and plan.packed_rank >= 2
+            and not plan.flat and value.dtype is not None and value.dtype.is_floating_point()):
         rows = tape.op("Gather", [value, index.get("row")], attributes={"axis": 0})
     else:
-        rank = plan.rank - 1
+        rank = plan.packed_rank
         padded = tape.op("Pad", [value, _int64(tape, [0] * rank + [1] + [0] * (rank - 1))])
-        rows = tape.op("Gather", [padded, index.get("zero_row")], attributes={"axis": 0})
-    shape = tape.op("Concat", [index.get("shape"), tape.op("Shape", [value], attributes={"start": 1})],
-                    attributes={"axis": 0})
-    original = value.name
-    back = tape.op("Reshape", [rows, shape], name=f"{original}_unpacked")
+        # flattened rows are [batch * seq, ...] once gathered
+        rows = tape.op("Gather", [padded, index.get("zero_row")], attributes={"axis": 0},
+                       name=f"{original}_unpacked" if plan.flat else None)
+    if plan.flat:
+        back = rows
+    else:
+        shape = tape.op("Concat", [index.get("shape"), tape.op("Shape", [value], attributes={"start": 1})],
+                        attributes={"axis": 0})
+        back = tape.op("Reshape", [rows, shape], name=f"{original}_unpacked")
     back.shape, back.dtype = unpacked_shape, value.dtype
     _insert(graph, tape, after=value.producer())
     report.copies += 1

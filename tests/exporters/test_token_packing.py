@@ -17,6 +17,7 @@ torch = pytest.importorskip("torch")
 from click.testing import CliRunner  # noqa: E402
 
 from mha_deploy.cli import main  # noqa: E402
+from mha_deploy.errors import ParityError  # noqa: E402
 from mha_deploy.exporters import export, export_model, token_packing  # noqa: E402
 from mha_deploy.inputs import InputCase, make_inputs  # noqa: E402
 from mha_deploy.model_report import describe_model  # noqa: E402
@@ -225,3 +226,88 @@ def test_the_pass_names_nothing_as_the_model_already_does(tmp_path, pack_any_siz
     (got,) = ort.InferenceSession(packed.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)
     (want,) = ort.InferenceSession(str(fused.path), providers=["CPUExecutionProvider"]).run(None, feeds)
     np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-4)
+
+
+# Models as people write them: packed and equal to the module, or not packed for a reason the analysis found
+# (None: packed). A pack that parity drops is a defect of the analysis, never an outcome.
+PEOPLES_MODELS = [
+    ("hf_encoder", "build_distilbert", None),
+    ("hf_encoder", "build_distilbert_eager", None),
+    # The pooler reads position 0, padded under left padding.
+    ("hf_encoder", "build_bert", "Gather node_select reads padded rows"),
+    ("hf_encoder", "build_bert_eager", "Gather node_select reads padded rows"),
+    # Its position ids are a cumulative sum over input_ids != pad: their ops stay unpacked; and the pooler.
+    ("hf_encoder", "build_roberta", "CumSum node_cumsum reads padded rows"),
+    ("hf_encoder", "build_roberta_eager", "CumSum node_cumsum reads padded rows"),
+    ("hf_gpt2", "build", None),
+    ("hf_gpt2", "build_eager", None),
+    ("hf_seq2seq", "build_bart", None),
+    ("hf_seq2seq", "build_bart_eager", None),
+    ("hf_seq2seq", "build_marian", None),
+    ("hf_seq2seq", "build_marian_eager", None),
+    ("hf_seq2seq", "build_t5", None),
+    ("hf_seq2seq", "build_t5_eager", None),
+    ("torch_transformer", "build", None),
+    ("torch_decoder", "build", None),
+]
+
+
+class _KeywordCall(torch.nn.Module):
+    """GPT-2's forward takes past_key_values second: the declared inputs by name, the logits out."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids, attention_mask):
+        return self.model(input_ids=input_ids, attention_mask=attention_mask).logits
+
+
+@pytest.fixture(scope="session")
+def peoples_export(tmp_path_factory):
+    """``peoples_export(file, factory)`` -> the ExportResult of tests/user_models/<file>.py's factory, packed at
+    any size, once per session."""
+    cache = {}
+
+    def export_(name: str, factory: str):
+        if (name, factory) not in cache:
+            module = user_module(name)
+            model = getattr(module, factory)()
+            if name == "hf_gpt2":
+                model = _KeywordCall(model)
+            path = tmp_path_factory.mktemp("peoples") / f"{name}_{factory}.onnx"
+            saved = token_packing.MIN_WORK_PER_COPIED_ELEMENT
+            token_packing.MIN_WORK_PER_COPIED_ELEMENT = 0
+            try:
+                cache[name, factory] = export_model(model, path, module.INPUTS)
+            except ParityError as error:
+                cache[name, factory] = error
+            finally:
+                token_packing.MIN_WORK_PER_COPIED_ELEMENT = saved
+        result = cache[name, factory]
+        if isinstance(result, ParityError):
+            assert "non-finite" in str(result), result
+            pytest.skip(f"the unpacked export fails parity too: a fully masked row is NaN ({result})")
+        return result
+
+    return export_
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("name", "factory", "refused"), PEOPLES_MODELS,
+                         ids=[f"{name}:{factory}" for name, factory, _ in PEOPLES_MODELS])
+def test_peoples_models_are_packed_right_or_refused_with_the_reason(peoples_export, name, factory, refused):
+    result = peoples_export(name, factory)
+    assert result.parity.passed
+    assert not any(warning.startswith("token packing not used") for warning in result.warnings), result.warnings
+    if result.metadata.fusion == "none":
+        # unfused (an attention no rule knows yet): packing is for fused graphs only
+        assert result.packing is None
+        return
+    if refused is not None:
+        assert result.packing.runs == 0 and refused in result.packing.reason, result.packing.describe()
+        return
+    # every dense layer runs packed: each MatMul and Gemm of the graph (the attentions' own are in their ops)
+    graph = onnx.load(str(result.path)).graph
+    assert result.packing.runs and result.packing.matmuls == sum(
+        node.op_type in ("MatMul", "Gemm") for node in graph.node), result.packing.describe()
