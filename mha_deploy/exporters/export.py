@@ -58,7 +58,7 @@ from mha_deploy.exporters.precision import DTYPES, FP16_ATOL, FP16_RTOL, to_floa
 from mha_deploy.exporters.quantize import quantize_int8
 from mha_deploy.exporters.reference_form import reference_attention, without_fast_path
 from mha_deploy.exporters.stack_graphs import decoder_cache_graphs, export_stack_onnx, stack_graph
-from mha_deploy.exporters.token_packing import PackingReport, pack_model, packing_masks
+from mha_deploy.exporters.token_packing import PackingReport, pack_model, packing_masks, row_outputs
 from mha_deploy.exporters.torch_export import DEFAULT_OPSET, export_onnx
 from mha_deploy.metadata import (
     FUSE_CHOICES,
@@ -167,7 +167,8 @@ def auto_fusion_target(signature: Signature) -> str:
 
 
 def _optimised(
-    plain: onnx.ModelProto, target: str, quantize: str, dtype: str, attention_ops: int, pack_by: Sequence[str] = ()
+    plain: onnx.ModelProto, target: str, quantize: str, dtype: str, attention_ops: int, pack_by: Sequence[str] = (),
+    rows_only: Sequence[str] | None = None,
 ) -> tuple[onnx.ModelProto, FusionReport, PackingReport | None]:
     """``plain`` fused for ``target``, its tokens packed by the padding masks ``pack_by`` (target mha only: onnx
     is the target for CUDA graphs, whose shapes must not depend on the data), quantized and cast as asked;
@@ -184,7 +185,7 @@ def _optimised(
         raise ExportError(f"{report.summary()}, expected {attention_ops}: the graph holds attentions no rule knows")
     packing = None
     if pack_by and target == "mha":
-        fused, packing = pack_model(fused, pack_by)
+        fused, packing = pack_model(fused, pack_by, rows_only)
     if quantize == "int8":
         fused = quantize_int8(fused)
     if dtype == "float16":
@@ -586,7 +587,8 @@ def _finish(
             packing = None
         else:
             model, fusion, packing = _optimised(
-                plain, fuse_target, options.quantize, metadata.dtype, attention_ops, pack)
+                plain, fuse_target, options.quantize, metadata.dtype, attention_ops, pack,
+                row_outputs(metadata.signature))
         return model, fusion, packing, _checked(module, model, atol, rtol, options.parity_cases, options.quantize,
                                                 declared)
 
@@ -602,8 +604,10 @@ def _finish(
             if not pack_by or fuse_target != "mha":
                 raise
             why = first_line(str(exc))
+        # raises when packing was not what failed (the fusion itself): the caller says so
+        unpacked = build(fuse_target, [])
         warnings.append(f"token packing not used ({why})")
-        return build(fuse_target, [])
+        return unpacked
 
     try:
         model, fusion, packing, report = build_packed(target)

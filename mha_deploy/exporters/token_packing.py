@@ -24,12 +24,13 @@ the batch or seq axes (weights, biases, scalars), or span only seq with batch 1
 (a position table [1, seq, ...], gathered by each token's position). Ops on the
 masks alone stay as they are.
 
-Packing an op is right only where nothing reads its padded rows (``_padding_readers``): what reads a packed
-value must be a per-token op, an attention that masks padding, an op that moves elements with their tokens
-(a head split or merge), a Shape or a per-token model output. What anything else reads (BERT's pooler at
-position 0, RoBERTa's cumulative sum of position ids, an output that is not per-token) is computed unpacked,
-back to the inputs. A view flattened to [batch * seq, d] around a 2-D Gemm (GPT-2's Conv1D) packs as the
-projection it is.
+Packing an op is right only where nothing reads its padded rows (``_padding_readers``): what reads a
+packed value must be a per-token op, an attention that masks padding, an op that moves elements with their
+tokens (a head split or merge), a Shape or a per-token model output. What anything else reads (RoBERTa's
+cumulative sum of position ids, an output that is not per-token) is computed unpacked, back to the inputs.
+Positions read along the sequence by a fixed Gather (BERT's pooler at position 0) are packed in every row
+as if real. A view flattened to [batch * seq, d] around a 2-D Gemm (GPT-2's Conv1D) packs as the projection
+it is.
 
 Gathering and putting back cost copies, so a connected run of packed ops is kept
 only when its MatMul work per token is worth the rows it copies in and out
@@ -95,6 +96,9 @@ class PackingReport:
     # the largest run's MatMul multiply-adds per token over the elements per token it copies
     work_per_copied: float = 0.0
     reason: str = ""  # why nothing was packed
+    # positions packed in every row as if real, because an op reads them there, e.g. "position 0 of
+    # attention_mask's rows (Gather node_select reads it)"
+    positions: list[str] = field(default_factory=list)
 
     @property
     def text(self) -> str:
@@ -104,7 +108,8 @@ class PackingReport:
             return f"not applied ({self.reason or 'no run of per-token ops found'})"
         return (
             f"{self.matmuls} MatMul(s) and {self.ops - self.matmuls} other op(s) run on the real tokens of "
-            f"{', '.join(self.masks)} only ({self.runs} run(s) of per-token ops, {self.copies} gathers/scatters)"
+            f"{', '.join(self.masks)} only ({self.runs} run(s) of per-token ops, {self.copies} gathers/scatters"
+            f"{''.join(f'; and {read}' for read in self.positions)})"
         )
 
     def describe(self) -> str:
@@ -146,15 +151,25 @@ def packing_masks(signature: Signature) -> list[str]:
             and sum(other.axes[1] == spec.axes[1] for other in masks) == 1]
 
 
-def pack_model(model: onnx.ModelProto, masks: list[str]) -> tuple[onnx.ModelProto, PackingReport]:
+def row_outputs(signature: Signature) -> list[str]:
+    """The outputs whose padded rows nobody reads: rows along the query axis (parity compares real query rows
+    only, and the runners return those). Any other output (an encoder-decoder's encoder states) is compared
+    and returned whole, padded rows included."""
+    return [spec.name for spec in signature.outputs if len(spec.axes) > 1 and spec.axes[1] == signature.query_axis]
+
+
+def pack_model(model: onnx.ModelProto, masks: list[str], rows_only: list[str] | None = None,
+               ) -> tuple[onnx.ModelProto, PackingReport]:
     """``model`` with its per-token ops run on the real tokens of ``masks`` (bool [batch, seq] graph inputs,
-    True = real token) only, and the report of what was packed; ``model`` itself is left as it was."""
+    True = real token) only, and the report of what was packed; ``model`` itself is left as it was.
+    ``rows_only``: the outputs whose padded rows nobody reads (``row_outputs``; None: every output with a
+    mask's [batch, seq] axes first)."""
     rewritten = ir.from_proto(model)
-    report = _pack_tokens(rewritten, masks, _inferred_types(model))
+    report = _pack_tokens(rewritten, masks, _inferred_types(model), rows_only)
     return (ir.to_proto(rewritten) if report.runs else model), report
 
 
-def _pack_tokens(model: ir.Model, masks: list[str], types: dict) -> PackingReport:
+def _pack_tokens(model: ir.Model, masks: list[str], types: dict, rows_only: list[str] | None) -> PackingReport:
     """Rewrite ``model`` in place (``pack_model``); ``types``: onnx's inferred tensor types by value name."""
     report = PackingReport()
     graph = model.graph
@@ -166,7 +181,7 @@ def _pack_tokens(model: ir.Model, masks: list[str], types: dict) -> PackingRepor
         return report
     _fill_missing_shapes(model, types)
     plans = _candidates(graph, mask_specs)
-    read_padded, why = _padding_readers(graph, plans, mask_specs)
+    read_padded, why, positions = _padding_readers(graph, plans, mask_specs, rows_only)
     if read_padded:
         plans = _candidates(graph, mask_specs, excluded=read_padded)
     runs = _runs(plans)
@@ -188,7 +203,7 @@ def _pack_tokens(model: ir.Model, masks: list[str], types: dict) -> PackingRepor
             f"multiply-adds per element it copies in and out, below {MIN_WORK_PER_COPIED_ELEMENT} "
             "(about d_model 256)")
     if kept:
-        _rewrite(graph, kept, report)
+        _rewrite(graph, kept, report, positions)
     return report
 
 
@@ -220,6 +235,48 @@ def _fill_missing_shapes(model: ir.Model, types: dict) -> None:
             if value.dtype is None and tensor.elem_type:
                 value.dtype = ir.DataType(tensor.elem_type)
         _fill_attention_shape(node)
+        _fill_reshape_shape(node)
+
+
+def _fill_reshape_shape(node: ir.Node) -> None:
+    """A Reshape's output dims where onnx's inference left them unnamed and its shape input is built from its
+    input's own Shape (torch's ``keepdim`` views: ``Concat(Shape(x)[0], Shape(x)[1], [1])``)."""
+    if node.op_type != "Reshape" or node.attributes.get_int("allowzero", 0):
+        return
+    dims, known = _dims(node.outputs[0]), _shape_value(node.inputs[1])
+    if known is None or (dims is not None and len(dims) == len(known) and not any(
+            (isinstance(dim, str) and dim.startswith("unk__")) or dim is None for dim in dims)):
+        return
+    source = _dims(node.inputs[0]) or []
+    known = [source[axis] if dim == 0 and axis < len(source) else dim for axis, dim in enumerate(known)]
+    if all(dim is not None and dim != -1 for dim in known):
+        node.outputs[0].shape = ir.Shape(known)
+
+
+def _shape_value(value: ir.Value | None) -> list | None:
+    """The elements of a 1-D shape tensor, ints or symbolic dims' names, where it is constant or Concats of
+    constants and Shapes of values with known dims."""
+    if value is None:
+        return None
+    constant = constant_array(value)
+    if constant is not None:
+        return [int(dim) for dim in constant.reshape(-1)] if constant.ndim <= 1 else None
+    node = value.producer()
+    if node is None:
+        return None
+    if node.op_type == "Shape":
+        dims = _dims(node.inputs[0])
+        if dims is None:
+            return None
+        start, end = node.attributes.get_int("start", 0), node.attributes.get_int("end", len(dims))
+        return dims[start:end]
+    if node.op_type in ("Reshape", "Squeeze", "Unsqueeze", "Identity"):
+        inner = _shape_value(node.inputs[0])
+        return inner if inner is not None and len(inner) == 1 else None
+    if node.op_type == "Concat" and node.attributes.get_int("axis", 0) == 0:
+        parts = [_shape_value(part) for part in node.inputs]
+        return None if any(part is None for part in parts) else [dim for part in parts for dim in part]
+    return None
 
 
 def _fill_attention_shape(node: ir.Node) -> None:
@@ -322,8 +379,10 @@ def _candidates(graph: ir.Graph, masks: list[_Mask], excluded: set[ir.Node] = fr
     return plans
 
 
-def _padding_readers(graph: ir.Graph, plans: dict[ir.Node, _Plan], masks: list[_Mask]) -> tuple[set, str]:
-    """The candidate ops whose outputs must keep their padded rows, and why (each reader that stops some).
+def _padding_readers(graph: ir.Graph, plans: dict[ir.Node, _Plan], masks: list[_Mask],
+                     rows_only: list[str] | None = None) -> tuple[set, str, dict]:
+    """The candidate ops whose outputs must keep their padded rows, why (each reader that stops some), and the
+    positions that ops read in every row of a mask's axis ({mask: {position: [reader, ...]}}).
 
     Packed, a value is right on its real rows only: put back, its padded rows hold the spare row or zeros. That
     is right where whatever reads it ignores padded rows: a per-token op (row by row), an attention whose mask
@@ -331,13 +390,22 @@ def _padding_readers(graph: ir.Graph, plans: dict[ir.Node, _Plan], masks: list[_
     padded rows are not returned). Anything else may read them: a pooling of position 0 (BERT's pooler), a
     cumulative sum along the sequence (RoBERTa's position ids), an attention that masks no padding, a model
     output that is not per-token. What it reads must then be right on every row, and so must what that is
-    computed from, back to the inputs: none of those ops is packed. A masked product (``x * mask``) ends the
-    walk: it is zero at padded rows, and so are its packed rows put back."""
+    computed from, back to the inputs: none of those ops is packed. But for a Gather of fixed positions along
+    the sequence (the pooler's ``hidden[:, 0]``, a last token's ``hidden[:, -1]``): those positions are packed
+    in every row as if they were real tokens, so their rows are right, padded or not (a row's attention sees
+    its real keys: a row of padding only, whose attention sees no key, is the one left out). A masked product
+    (``x * mask``) ends the walk: it is zero at padded rows, and so are its packed rows put back."""
     mask_names = {mask.name for mask in masks}
     mask_only = _mask_only_values(graph, mask_names)
     need: collections.deque[tuple[ir.Value, str]] = collections.deque()
+    positions: dict[_Mask, dict[int, list[str]]] = {}
     for node in graph:
         if node in plans or node.op_type == "Shape" or _keeps_tokens(node, masks):
+            continue
+        if (read := _positions_read(node, masks)) is not None:
+            mask, indices = read
+            for index in indices:
+                positions.setdefault(mask, {}).setdefault(index, []).append(f"{node.op_type} {node.name}")
             continue
         if _is_attention(node):
             if any(value in mask_only for value in _reads(node)):
@@ -346,26 +414,43 @@ def _padding_readers(graph: ir.Graph, plans: dict[ir.Node, _Plan], masks: list[_
         else:
             why = f"{node.op_type} {node.name} reads padded rows"
         need.extend((value, why) for value in _reads(node) if value is not None)
-    need.extend((value, f"output {value.name} is not per-token") for value in graph.outputs
-             if _aligned(value, masks) is None)
+    need.extend((value, f"output {value.name} is returned with its padded rows") for value in graph.outputs
+                if _aligned(value, masks) is None or (rows_only is not None and value.name not in rows_only))
     reached: set[ir.Node] = set()
     whys: list[str] = []
     while need:
         value, why = need.popleft()  # breadth first: the reason nearest to the ops it stops
         node = value.producer()
-        # a Shape reads no row; a masked product is zero at padded rows, packed or not
+        # a Shape reads no row; a masked product is zero at padded rows, packed or not; the positions a Gather
+        # reads are packed
         if (node is None or node in reached or node.op_type in ("Shape", "Size")
-                or (node in plans and _masked_product(node, plans[node].mask))):
+                or (node in plans and _masked_product(node, plans[node].mask))
+                or _positions_read(node, masks) is not None):
             continue
         reached.add(node)
         if node in plans and why not in whys:
             whys.append(why)
         need.extend((read, why) for read in _reads(node) if read is not None)
-    return reached & set(plans), "; ".join(whys)
+    return reached & set(plans), "; ".join(whys), positions
+
+
+def _positions_read(node: ir.Node, masks: list[_Mask]) -> tuple[_Mask, list[int]] | None:
+    """(mask, positions) when ``node`` is a Gather of fixed positions along a mask's seq axis."""
+    if node.op_type != "Gather" or len(node.inputs) != 2:
+        return None
+    dims, indices = _dims(node.inputs[0]), constant_array(node.inputs[1])
+    mask = _aligned(node.inputs[0], masks)
+    if mask is None or indices is None or indices.ndim > 1 or indices.size > 8 or indices.dtype.kind not in "iu":
+        return None
+    axis = node.attributes.get_int("axis", 0)
+    if (axis + len(dims) if axis < 0 else axis) != 1:
+        return None
+    return mask, sorted({int(index) for index in indices.reshape(-1)})
 
 
 def _keeps_tokens(node: ir.Node, masks: list[_Mask]) -> bool:
-    """``node`` moves each element of a [batch, seq, ...] tensor with its token (a head split or merge): its
+    """``node`` moves each element of a [batch, seq, ...] tensor with its token (a head split or merge, a
+    broadcast over trailing axes): its
     padded rows' elements are padded rows' elements again, wherever they go. What reads them is checked as
     anything else that reads a packed value."""
     if node.op_type in ("Transpose", "Identity"):
@@ -373,9 +458,9 @@ def _keeps_tokens(node: ir.Node, masks: list[_Mask]) -> bool:
     if node.op_type == "Split":
         axis, rank = node.attributes.get_int("axis", 0), len(_dims(node.inputs[0]) or [])
         return axis >= 2 or (rank > 0 and axis + rank >= 2)
-    if node.op_type != "Reshape":
+    if node.op_type not in ("Reshape", "Expand"):
         return False
-    shape = constant_array(node.inputs[1])
+    shape = constant_array(node.inputs[1]) if node.op_type == "Reshape" else None
     if shape is not None and not node.attributes.get_int("allowzero", 0) and shape.size >= 2 and not shape.reshape(
             -1)[:2].any():
         return True  # [0, 0, ...]: the first two axes kept, the tokens' elements split or merged after them
@@ -514,8 +599,7 @@ def _flat_plan(node: ir.Node, masks: list[_Mask], packed: dict, out_dims: list |
     data = node.inputs[0]
     source = packed.get(data)
     # the axes after the rows: fixed sizes
-    if out_dims is None or not all(isinstance(dim, int) for dim in out_dims[2 if source and source.flat
-                                                                          and node.op_type == "Reshape" else 1:]):
+    if out_dims is None or not all(isinstance(dim, int) for dim in out_dims[2 if node.op_type == "Reshape" else 1:]):
         return None
     if node.op_type in ("Gemm", "MatMul"):
         weight, bias = node.inputs[1], (node.inputs[2] if len(node.inputs) > 2 else None)
@@ -527,7 +611,8 @@ def _flat_plan(node: ir.Node, masks: list[_Mask], packed: dict, out_dims: list |
             return None  # a bias with rows of its own
         return _Plan(source.mask, len(out_dims), {0: "packed"}, flat=True)
     in_dims = _dims(data)
-    if in_dims is None or not all(isinstance(dim, int) for dim in in_dims[1 if source and source.flat else 2:]):
+    row_axes = 1 if source and source.flat else 2
+    if in_dims is None or len(in_dims) < 2 or not all(isinstance(dim, int) for dim in in_dims[row_axes:]):
         return None
     if source is not None and source.flat:
         # [batch * seq, ...] -> [batch, seq, ...]: on packed rows, [tokens, ...] whatever its shape input says
@@ -535,13 +620,19 @@ def _flat_plan(node: ir.Node, masks: list[_Mask], packed: dict, out_dims: list |
                 in_dims[1:]):
             return None
         return _Plan(source.mask, len(out_dims), {0: "packed"}, reshape_to=(-1, *out_dims[2:]))
+    kind, mask = _classify(data, len(in_dims), None, masks, packed)
+    if kind not in ("packed", "entry"):
+        return None
+    if out_dims[:2] == [mask.batch, mask.seq] and all(isinstance(dim, int) for dim in out_dims[2:]) and math.prod(
+            out_dims[2:]) == math.prod(in_dims[2:]):
+        # [batch, seq, ...] -> [batch, seq, ...] (GPT-2's view back to its input's shape, computed)
+        return _Plan(mask, len(out_dims), {0: kind}, reshape_to=(-1, *out_dims[2:]))
     # [batch, seq, ...] -> [batch * seq, ...]: a shape [-1, ...] keeps its rows' elements together
     shape = constant_array(node.inputs[1])
     if shape is None or (node.attributes.get_int("allowzero", 0) and not shape.all()):
         return None
     shape = [int(dim) for dim in shape.reshape(-1)]
-    kind, mask = _classify(data, len(in_dims), None, masks, packed)
-    if (kind not in ("packed", "entry") or len(shape) < 2 or shape[0] != -1 or min(shape[1:]) < 1
+    if (len(shape) < 2 or shape[0] != -1 or min(shape[1:]) < 1
             or math.prod(shape[1:]) != math.prod(in_dims[2:])):
         return None
     return _Plan(mask, len(shape), {0: kind}, flat=True)
@@ -603,22 +694,31 @@ def _cost(run: list[ir.Node], plans: dict[ir.Node, _Plan]) -> tuple[int, int]:
 class _Index:
     """The index tensors of one mask, made on first use, ahead of ``anchor`` (the graph's first op)."""
 
-    def __init__(self, graph: ir.Graph, mask: _Mask, anchor: ir.Node):
+    def __init__(self, graph: ir.Graph, mask: _Mask, anchor: ir.Node, positions: list[int] = ()):
         self.graph, self.mask, self.anchor = graph, mask, anchor
         self.value = next(value for value in graph.inputs if value.name == mask.name)
-        self._cache: dict[str, ir.Value] = {}
+        self.positions = list(positions)  # packed in every row as if real (_padding_readers)
+        self._cache: dict[str, ir.Value] = {} if self.positions else {"rows": self.value}
 
     def get(self, what: str) -> ir.Value:
         if what in self._cache:
             return self._cache[what]
         # what this one is made from first, so that its nodes go in ahead of this one's
-        made_from = {"real": ["flat"], "position": ["real"], "row": ["flat"], "zero_row": ["flat", "row"]}.get(
-            what, [])
+        made_from = {"flat": ["rows"], "real": ["flat"], "position": ["real"], "row": ["flat"],
+                     "zero_row": ["flat", "row"]}.get(what, [])
         sources = [self.get(name) for name in made_from]
         tape = ir.tape.Tape()
         prefix = f"{self.mask.name}_packing"
-        if what == "flat":
-            value = tape.op("Reshape", [self.value, _int64(tape, [-1])], name=f"{prefix}_flat")
+        if what == "rows":  # bool [batch, seq]: the mask, or it and the positions read in every row
+            seq = tape.op("Shape", [self.value], attributes={"start": 1, "end": 2})
+            at = tape.op("Range", [_int64(tape, 0), tape.op("Squeeze", [seq]), _int64(tape, 1)])
+            wanted = tape.op("Mod", [tape.op("Add", [_int64(tape, self.positions), seq]), seq])  # -1: the last
+            hit = tape.op("Equal", [tape.op("Unsqueeze", [at, _int64(tape, [1])]), wanted])  # [seq, positions]
+            read = tape.op("Greater", [tape.op("ReduceMax", [tape.op("Cast", [hit], attributes={
+                "to": ir.DataType.INT64}), _int64(tape, [1])], attributes={"keepdims": 0}), _int64(tape, 0)])
+            value = tape.op("Or", [self.value, read], name=f"{prefix}_rows")
+        elif what == "flat":
+            value = tape.op("Reshape", [sources[0], _int64(tape, [-1])], name=f"{prefix}_flat")
         elif what == "real":  # int64 [tokens + 1]: the flat positions of the real tokens, then position 0
             real = tape.op("Reshape", [tape.op("NonZero", sources), _int64(tape, [-1])])
             value = tape.op("Concat", [real, _int64(tape, [0])], attributes={"axis": 0}, name=f"{prefix}_real")
@@ -673,7 +773,8 @@ def _int64(tape, value) -> ir.Value:
     return tape.op("Constant", [], attributes={"value": ir.tensor(np.array(value, np.int64))})
 
 
-def _rewrite(graph: ir.Graph, kept: dict[ir.Node, _Plan], report: PackingReport) -> None:
+def _rewrite(graph: ir.Graph, kept: dict[ir.Node, _Plan], report: PackingReport,
+             positions: dict[_Mask, dict[int, list[str]]]) -> None:
     indexes: dict[_Mask, _Index] = {}
     anchor = next(iter(graph))
     entries: dict[tuple[ir.Value, str], ir.Value] = {}
@@ -682,7 +783,7 @@ def _rewrite(graph: ir.Graph, kept: dict[ir.Node, _Plan], report: PackingReport)
 
     def index(mask: _Mask) -> _Index:
         if mask not in indexes:
-            indexes[mask] = _Index(graph, mask, anchor)
+            indexes[mask] = _Index(graph, mask, anchor, sorted(positions.get(mask, {})))
         return indexes[mask]
 
     for node, plan in kept.items():
@@ -704,6 +805,9 @@ def _rewrite(graph: ir.Graph, kept: dict[ir.Node, _Plan], report: PackingReport)
         for output in node.outputs:
             _leave(graph, output, plan, index(plan.mask), members, attention_nodes, report)
     report.masks = sorted({plan.mask.name for plan in kept.values()})
+    report.positions = [
+        f"position {position} of {mask.name}'s rows ({', '.join(readers)} read{'s' if len(readers) == 1 else ''} it)"
+        for mask in indexes for position, readers in sorted(positions.get(mask, {}).items())]
     # inspect reads it there, as it reads the kernels off the fusion's Ifs
     first = min(indexes.values(), key=lambda index: index.mask.name)
     first.get("real").producer().metadata_props[PACKING_PROP] = report.text
