@@ -99,6 +99,7 @@ class PackingReport:
     # positions packed in every row as if real, because an op reads them there, e.g. "position 0 of
     # attention_mask's rows (Gather node_select reads it)"
     positions: list[str] = field(default_factory=list)
+    unpacked: str = ""  # the per-token ops left unpacked because something reads their padded rows, and what
 
     @property
     def text(self) -> str:
@@ -109,7 +110,7 @@ class PackingReport:
         return (
             f"{self.matmuls} MatMul(s) and {self.ops - self.matmuls} other op(s) run on the real tokens of "
             f"{', '.join(self.masks)} only ({self.runs} run(s) of per-token ops, {self.copies} gathers/scatters"
-            f"{''.join(f'; and {read}' for read in self.positions)})"
+            f"{''.join(f'; and {read}' for read in self.positions)}{f'; {self.unpacked}' if self.unpacked else ''})"
         )
 
     def describe(self) -> str:
@@ -195,7 +196,7 @@ def _pack_tokens(model: ir.Model, masks: list[str], types: dict, rows_only: list
         report.runs += 1
         kept.update({node: plans[node] for node in run})
     report.work_per_copied = best[0] / max(best[1], 1)
-    if not kept and why and not plans:
+    if not kept and why and not best[0]:
         report.reason = why
     elif not kept and best[0]:
         report.reason = (
@@ -204,6 +205,8 @@ def _pack_tokens(model: ir.Model, masks: list[str], types: dict, rows_only: list
             "(about d_model 256)")
     if kept:
         _rewrite(graph, kept, report, positions)
+        if read_padded:
+            report.unpacked = f"{len(read_padded)} per-token op(s) left unpacked: {why}"
     return report
 
 
@@ -367,7 +370,8 @@ def _candidates(graph: ir.Graph, masks: list[_Mask], excluded: set[ir.Node] = fr
     # values that depend on some input other than the masks
     data = {value for value in graph.inputs if value.name not in mask_names}
     for node in graph:
-        if not any(value in data for value in _reads(node)):
+        # a size read off the data is not data (GPT-2's attention_mask.view(batch, -1) is the mask still)
+        if node.op_type in ("Shape", "Size") or not any(value in data for value in _reads(node)):
             continue
         data.update(node.outputs)
         plan = _plan(node, masks, packed) if node not in excluded else None
