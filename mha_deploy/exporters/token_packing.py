@@ -286,6 +286,16 @@ def _fill_attention_shape(node: ir.Node) -> None:
     """An ORT attention op's output, which onnx's inference does not know: [batch, q_len, value width], read off
     its 3-D query and value (GPT-2's Conv1D flattens it next: the flattening is packed when its rows are
     known)."""
+    if node.op_type == "If" and KERNEL_PROP in node.metadata_props and node.outputs[0].shape is None:
+        # the fusion's kernel If: its branches' attention ops all give the same shape
+        for inner in node.attributes.values():
+            if inner.type == ir.AttributeType.GRAPH:
+                for op in inner.as_graph().all_nodes():
+                    _fill_attention_shape(op)
+                    if _is_attention(op) and op.outputs[0].shape is not None:
+                        node.outputs[0].shape = ir.Shape(list(op.outputs[0].shape))
+                        return
+        return
     if (node.domain != "com.microsoft" or node.op_type not in ("MultiHeadAttention", "GroupQueryAttention")
             or node.outputs[0].shape is not None or len(node.inputs) < 3):
         return
