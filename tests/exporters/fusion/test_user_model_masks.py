@@ -93,16 +93,9 @@ def test_every_mask_lands_on_its_kernel(name, factory):
             assert "position bias, additive attention_bias" in op.kernel, op.describe()
 
 
-# GPT-2's Conv1D (an addmm on a 3-D view) leaves a Gemm over 3-D input after fusion, which ORT refuses.
-_GEMM_3D = {("hf_gpt2", "build_eager")}
-
-
 @pytest.mark.parametrize("side", ["right", "left"])
 @pytest.mark.parametrize(("name", "factory"), list(MODELS), ids=IDS)
-def test_fused_graph_equals_the_module(name, factory, side, request):
-    if (name, factory) in _GEMM_3D:
-        request.applymarker(pytest.mark.xfail(reason="GPT-2's Conv1D leaves a Gemm over 3-D input that ORT "
-                                              "refuses (issue 28, item 5)", strict=False))
+def test_fused_graph_equals_the_module(name, factory, side):
     declared, _ = _plain(name, factory)
     fused, _ = _fused(name, factory)
     signature = declared.signature
