@@ -56,7 +56,7 @@ from mha_deploy.bench.backends import ort_file, torch_module
 from mha_deploy.bench.gemm import GEMM_SIZES, peak_gemm_gflops
 from mha_deploy.bench.suite import bench_case
 from mha_deploy.bench.target import CPU_FP32
-from mha_deploy.bench.timing import load_average
+from mha_deploy.bench.timing import load_average, load_line
 from mha_deploy.errors import first_line
 from mha_deploy.exporters import export_model
 from mha_deploy.exporters.own_model import declare_model, import_model_file
@@ -314,13 +314,6 @@ def report_lines(figures: dict) -> list[str]:
     return lines
 
 
-def _load_line(before, after) -> str:
-    if before is None or after is None:
-        return "load average: unknown on this OS"
-    text = [" ".join(f"{v:.2f}" for v in load) for load in (before, after)]
-    return f"load average {text[0]} before, {text[1]} after (1/5/15 min; above the thread count: cores were shared)"
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help=f"smoke test: shapes {QUICK_SHAPES}, tiny budgets")
@@ -365,7 +358,7 @@ def main() -> None:
                    f"({'per model' if args.padding_side == 'model' else args.padding_side})",
         "gemm_gflops": gemm[0], "gemm_size": gemm[1], "targets": TARGETS, "models": models,
         "seconds": time.perf_counter() - started,
-        "load": _load_line(load_before, load_average()), "quiet": gate.summary() if gate else "",
+        "load": load_line(load_before, load_average(), args.threads), "quiet": gate.summary() if gate else "",
     }
     print("\n".join(report_lines(figures)))
     print(f"run took {figures['seconds']:.0f} s")

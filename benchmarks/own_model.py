@@ -41,7 +41,7 @@ from mha_deploy.bench.backends import ort_file, torch_module
 from mha_deploy.bench.gemm import GEMM_SIZES, peak_gemm_gflops
 from mha_deploy.bench.memory import measure_module_peak_rss, measure_peak_rss
 from mha_deploy.bench.target import CPU_FP32
-from mha_deploy.bench.timing import load_average, time_blocks
+from mha_deploy.bench.timing import load_average, load_line, time_blocks
 from mha_deploy.compare import compare_outputs
 from mha_deploy.exporters import export_model
 from mha_deploy.exporters.own_model import import_model_file
@@ -206,13 +206,6 @@ def report_lines(figures: dict) -> list[str]:
     return lines
 
 
-def _load_line(before, after) -> str:
-    if before is None or after is None:
-        return "load average: unknown on this OS"
-    text = [" ".join(f"{v:.2f}" for v in load) for load in (before, after)]
-    return f"load average {text[0]} before, {text[1]} after (1/5/15 min; above the thread count: cores were shared)"
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true",
@@ -269,7 +262,7 @@ def main() -> None:
                            "packing": result.packing.describe() if result.packing else None}
                     for name, (result, seconds) in exports.items()},
         "shapes": results, "memory": memory,
-        "load": _load_line(load_before, load_average()), "quiet": gate.summary() if gate else "",
+        "load": load_line(load_before, load_average(), args.threads), "quiet": gate.summary() if gate else "",
     }
     print("\n".join(report_lines(figures)))
     if args.json:

@@ -31,7 +31,7 @@ from mha_deploy.bench.cases import DEFAULT_SHAPES, MaskMode
 from mha_deploy.bench.gemm import GEMM_SIZES, peak_gemm_gflops
 from mha_deploy.bench.memory import MemoryRow, measure_peak_rss
 from mha_deploy.bench.target import CPU_FP32, BenchTarget
-from mha_deploy.bench.timing import QuietGate, load_average, mha_flops, time_blocks
+from mha_deploy.bench.timing import QuietGate, load_average, load_line, mha_flops, time_blocks
 from mha_deploy.compare import compare_outputs
 from mha_deploy.errors import OptionError
 from mha_deploy.exporters.export import INT8_REL_ERR_BUDGET, auto_fusion_target
@@ -134,19 +134,10 @@ class BenchReport:
                         f"{m.mask:<14} {f'{m.batch}x{m.seq}':<9} {m.backend:<22} {m.peak_rss_mb:11.0f} "
                         f"{m.run_mb:8.0f} {plain.run_mb if plain else float('nan'):16.0f}"
                     )
-        lines += ["", self._load_line()]
+        lines += ["", load_line(self.load_before, self.load_after, self.threads)]
         if self.quiet:
             lines.append(self.quiet)
         return "\n".join(lines)
-
-    def _load_line(self) -> str:
-        if self.load_before is None or self.load_after is None:
-            return "load average: unknown on this OS"
-        before, after = (" ".join(f"{v:.2f}" for v in load) for load in (self.load_before, self.load_after))
-        return (
-            f"load average {before} before, {after} after (1/5/15 min; above {self.threads} means "
-            "the cores were shared)"
-        )
 
 
 def _tolerance(precision: str) -> dict:

@@ -131,6 +131,15 @@ def load_average() -> tuple[float, float, float] | None:
         return None
 
 
+def load_line(before, after, threads: int) -> str:
+    """The load averages before and after a run, in the words every bench report ends with."""
+    if before is None or after is None:
+        return "load average: unknown on this OS"
+    text = [" ".join(f"{v:.2f}" for v in load) for load in (before, after)]
+    return (f"load average {text[0]} before, {text[1]} after (1/5/15 min; above {threads} means the cores were "
+            "shared)")
+
+
 def mha_flops(batch: int, seq: int, d_model: int) -> float:
     """FLOPs of one self-attention MHA: 4 projections (8·B·S·d²) + QK^T and PV (4·B·S²·d).
 

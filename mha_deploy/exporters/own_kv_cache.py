@@ -37,7 +37,7 @@ from onnx import TensorProto, helper
 
 from mha_deploy.compare import compare_arrays, compare_outputs
 from mha_deploy.errors import ExportError
-from mha_deploy.exporters.parity import CacheCase, torch_reference
+from mha_deploy.exporters.parity import CacheCase, parity_report, torch_reference
 from mha_deploy.inputs import padding_mask
 from mha_deploy.metadata import ParityReport
 from mha_deploy.runtime.session import MHASession
@@ -345,17 +345,7 @@ def check_own_cache_parity(
             comparisons.append(comparison)
             if not comparison.passed:
                 failures.append(f"{label}: {present} after the calls is not one call's ({comparison.summary()})")
-    return ParityReport(
-        passed=not failures,
-        atol=atol,
-        rtol=rtol,
-        max_abs_err=max(c.max_abs_err for c in comparisons),
-        required_atol=max(c.required_atol for c in comparisons),
-        required_rtol=max(c.required_rtol for c in comparisons),
-        shapes=labels,
-        failures=failures,
-        rel_err=max(c.rel_err for c in comparisons),
-    )
+    return parity_report(comparisons, labels, failures, atol, rtol)
 
 
 def _cache_dims(session: MHASession, name: str, length: int) -> tuple[int, int, int]:

@@ -192,6 +192,12 @@ def _judge(
             comparisons.append(comparison)
             if not comparison.passed:
                 failures.append(f"{label}: {comparison.summary()}")
+    return parity_report(comparisons, labels, failures, atol, rtol, rel_budget=rel_budget, atol_per_row=True)
+
+
+def parity_report(comparisons: list, labels: list[str], failures: list[str], atol: float, rtol: float,
+                  **settings) -> ParityReport:
+    """The report of a parity run: the worst of its comparisons, the shapes it ran, what failed."""
     return ParityReport(
         passed=not failures,
         atol=atol,
@@ -202,8 +208,7 @@ def _judge(
         shapes=labels,
         failures=failures,
         rel_err=max(c.rel_err for c in comparisons),
-        rel_budget=rel_budget,
-        atol_per_row=True,
+        **settings,
     )
 
 
