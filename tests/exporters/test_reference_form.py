@@ -150,7 +150,7 @@ def exported(tmp_path_factory):
 
 
 # (model, --fuse, the kernel its attentions take, "" for the unfused graph). nn.MultiheadAttention's reference
-# form (two masked_fills: key padding, then the causal attn_mask) is not fused yet: --fuse auto exports it unfused.
+# form (two masked_fills: key padding, then the causal attn_mask) fuses onto the causal kernel like the tutorial's.
 TARGETS = [
     ("sdpa-bool", "auto", "GroupQueryAttention (causal, padded tokens compacted out"),
     ("sdpa-bool", "onnx", "Attention (ONNX standard: causal, attn_mask)"),
@@ -159,9 +159,9 @@ TARGETS = [
     ("sdpa-float", "onnx", "Attention (ONNX standard: causal, attn_mask)"),
     ("sdpa-window", "auto", "MultiHeadAttention (mask not recognised, additive attention_bias"),
     ("sdpa-window", "onnx", "Attention (ONNX standard: attn_mask)"),
-    ("nn-multihead", "auto", ""),
+    ("nn-multihead", "auto", "GroupQueryAttention (causal, padded tokens compacted out"),
     ("nn-multihead", "none", ""),
-    ("nn-transformer-decoder", "auto", ""),
+    ("nn-transformer-decoder", "auto", "GroupQueryAttention (causal, padded tokens compacted out"),
 ]
 
 
