@@ -9,7 +9,7 @@ import click
 
 from mha_deploy.batching import RunnerOptions
 from mha_deploy.cli.group import main
-from mha_deploy.cli.progress import run_with_progress
+from mha_deploy.cli.progress import echo_run_notes, run_with_progress
 from mha_deploy.metadata import ON_ERROR_CHOICES
 
 
@@ -119,12 +119,7 @@ def generate(model, input_path, output_path, tokenizer, encoder, max_new_tokens,
     with job:  # the output is locked from here to the end: a second run on it fails at once, naming this pid
         stats = run_with_progress(
             lambda on_start, on_batch: run_generation(job, generator, on_start, on_batch), progress, "generate")
-    for name, reason in job.redo_reasons.items():
-        click.echo(f"redid {name}: {reason}", err=True)
-    for error in stats.errors[:20]:
-        click.echo(f"skipped {error}", err=True)
-    if len(stats.errors) > 20:
-        click.echo(f"... and {len(stats.errors) - 20} more bad prompts (all listed in {job.manifest_path})", err=True)
+    echo_run_notes(job, stats.errors, "bad prompts")
     if as_json:
         click.echo(json.dumps({**stats.to_dict(), "output": str(output_path), "manifest": str(job.manifest_path)}))
         return

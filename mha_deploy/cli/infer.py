@@ -10,7 +10,7 @@ import click
 from mha_deploy.batching import RunnerOptions
 from mha_deploy.cli.group import main
 from mha_deploy.cli.options import RenamedOption, session_options
-from mha_deploy.cli.progress import run_with_progress
+from mha_deploy.cli.progress import echo_run_notes, run_with_progress
 from mha_deploy.metadata import ON_ERROR_CHOICES
 
 
@@ -86,14 +86,7 @@ def infer(model, input_path, output_path, batch_size, max_batch_tokens, bucket_w
             runner = BatchRunner(session, options)
             stats = run_with_progress(
                 lambda on_start, on_batch: run_dataset(job, runner, on_start, on_batch), progress)
-    for name, reason in job.redo_reasons.items():
-        click.echo(f"redid {name}: {reason}", err=True)
-    for name in job.unrecorded:
-        click.echo(f"warning: {name} changed while it ran; not recorded as done, the next run redoes it", err=True)
-    for error in stats.errors[:20]:
-        click.echo(f"skipped {error}", err=True)
-    if len(stats.errors) > 20:
-        click.echo(f"... and {len(stats.errors) - 20} more bad items (all listed in {job.manifest_path})", err=True)
+    echo_run_notes(job, stats.errors, "bad items")
     if as_json:
         click.echo(json.dumps({**stats.to_dict(), "output": str(output_path), "manifest": str(job.manifest_path)}))
         return

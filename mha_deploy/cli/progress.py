@@ -1,4 +1,4 @@
-"""The progress bar dataset commands show on stderr."""
+"""The progress bar dataset commands show on stderr, and what they say about a run when it ends."""
 
 from __future__ import annotations
 
@@ -25,3 +25,18 @@ def run_with_progress(run, show: bool, label: str = "infer"):
             bar.update(task, advance=items, rate=rate)
 
         return run(lambda total: bar.update(task, total=total), on_batch)
+
+
+def echo_run_notes(job, errors, noun: str) -> None:
+    """On stderr: the shards a dataset run redid and why, those it could not record, and the first 20 of the
+    ``noun``s it skipped (the manifest lists them all)."""
+    import click
+
+    for name, reason in job.redo_reasons.items():
+        click.echo(f"redid {name}: {reason}", err=True)
+    for name in job.unrecorded:
+        click.echo(f"warning: {name} changed while it ran; not recorded as done, the next run redoes it", err=True)
+    for error in errors[:20]:
+        click.echo(f"skipped {error}", err=True)
+    if len(errors) > 20:
+        click.echo(f"... and {len(errors) - 20} more {noun} (all listed in {job.manifest_path})", err=True)
