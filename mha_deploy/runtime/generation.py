@@ -274,7 +274,7 @@ def _sample(stepper: TokenStepper, ids: np.ndarray, mask: np.ndarray, config: Ge
     generated = 0
     while True:
         scores = processors(TokenHistory(history, generated), logits.astype(np.float32, copy=False))
-        next_ids = _draw(scores, rng) if config.do_sample else np.argmax(scores, axis=-1)
+        next_ids = draw_tokens(scores, rng) if config.do_sample else np.argmax(scores, axis=-1)
         history = np.concatenate([history, next_ids[:, None]], axis=1)
         generated += 1
         finished = criteria(TokenHistory(history, generated))
@@ -288,7 +288,7 @@ def _sample(stepper: TokenStepper, ids: np.ndarray, mask: np.ndarray, config: Ge
         logits = stepper.step(next_ids)
 
 
-def _draw(scores: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+def draw_tokens(scores: np.ndarray, rng: np.random.Generator) -> np.ndarray:
     """One token per row drawn from softmax(scores) (filtered scores, -inf, have probability 0)."""
     probabilities = np.exp(log_softmax(scores).astype(np.float64))
     cumulative = np.cumsum(probabilities, axis=-1)

@@ -31,6 +31,7 @@ a hand-written encoder-decoder (two files), each exported by torch with its cach
 
 from __future__ import annotations
 
+import copy
 import os
 import re
 from dataclasses import dataclass
@@ -225,6 +226,54 @@ class KVCacheStepper:
         if len(next_ids) != self.rows or self.rows == 0:
             raise InputError(f"step takes one token per running row ({self.rows}), got {len(next_ids)}")
         return self._call(next_ids, np.ones_like(next_ids), first=False)
+
+    # --- beyond the protocol: what a server's continuous batching needs ----------------------------
+
+    def extend(self, input_ids: np.ndarray) -> np.ndarray:
+        """Append several real tokens to every row (int64 [rows, seq]), as a long prompt prefilled in chunks does
+        after ``prefill`` of its first chunk; returns the logits of each row's last token [rows, vocab]."""
+        input_ids = np.asarray(input_ids, np.int64)
+        if input_ids.ndim != 2 or input_ids.shape[0] != self.rows or self.rows == 0 or input_ids.shape[1] == 0:
+            raise InputError(f"extend takes [rows={self.rows}, seq >= 1] token ids, got shape {input_ids.shape}")
+        if self.encoder is None:
+            self._check_vocabulary(input_ids, np.ones_like(input_ids))
+        return self._call(input_ids, np.ones_like(input_ids), first=False)
+
+    def fork(self) -> KVCacheStepper:
+        """An empty stepper over the same files and sessions (nothing loaded twice): a server prefills a new
+        request in one, then ``join``s it to the running rows."""
+        twin = copy.copy(self)
+        twin._reset(0)
+        return twin
+
+    def join(self, other: KVCacheStepper) -> None:
+        """Append ``other``'s rows after this stepper's (``other`` is left empty). The caches share one width: the
+        narrower side gets masked holes on the left, zero keys and values that no token attends to; positions come
+        from each row's count of real tokens (``position_ids``), so a file that takes them continues every row as
+        it would alone. A file with its own positions over the cache width does not (see ``pads_exactly``)."""
+        if other.graph is not self.graph:
+            raise OptionError("join takes rows of a stepper forked from this one (same graph)")
+        if self.encoder is not None:
+            raise OptionError(
+                "joining an encoder-decoder's rows is not supported: their encoder states differ in length")
+        if other.rows == 0:
+            return
+        width = max(self.mask.shape[1], other.mask.shape[1])
+
+        def left_padded(array: np.ndarray, axis: int) -> np.ndarray:
+            pad = [(0, 0)] * array.ndim
+            pad[axis] = (width - array.shape[axis], 0)
+            return np.pad(array, pad) if pad[axis][0] else array
+
+        self.mask = np.concatenate([left_padded(self.mask, 1), left_padded(other.mask, 1)])
+        for name in self.past:
+            self.past[name] = np.concatenate([left_padded(self.past[name], 2), left_padded(other.past[name], 2)])
+        other._reset(0)
+
+    @property
+    def cache_positions(self) -> int:
+        """Positions the self-attention cache holds now, holes included: rows x width (what its memory scales with)."""
+        return int(self.mask.size)
 
     def keep(self, rows: np.ndarray) -> None:
         rows = np.asarray(rows, np.int64).ravel()

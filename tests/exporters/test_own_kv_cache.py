@@ -17,27 +17,7 @@ from mha_deploy.exporters import export_model
 from mha_deploy.exporters.parity import CacheCase
 from mha_deploy.onnx_nodes import all_nodes
 from mha_deploy.runtime import MHASession
-from tests.conftest import OWN_MODEL_ATOL, OWN_MODEL_RTOL, USER_MODELS, user_module
-
-
-@pytest.fixture(scope="session")
-def lm_cache(tmp_path_factory):
-    """``lm_cache(name) -> (path, CLI output)``: tests/user_models/<name>.py exported once per session with
-    ``mha-deploy export --module ... --kv-cache``."""
-    cache = {}
-
-    def export(name: str):
-        if name not in cache:
-            path = tmp_path_factory.mktemp("own-kv") / f"{name}.onnx"
-            inputs = [arg for spec in user_module(name).INPUTS for arg in ("--input", spec)]
-            result = CliRunner().invoke(
-                main, ["export", "--module", f"{USER_MODELS / name}.py:build", *inputs, "--kv-cache", "-o", str(path)]
-            )
-            assert result.exit_code == 0, result.output
-            cache[name] = path, result.output
-        return cache[name]
-
-    return export
+from tests.conftest import OWN_MODEL_ATOL, OWN_MODEL_RTOL, user_module
 
 
 def test_the_file_takes_and_returns_a_cache_per_attention_in_optimums_names(lm_cache):

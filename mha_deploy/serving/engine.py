@@ -1,0 +1,432 @@
+"""Continuous batching of a KV-cache decoder: one decode loop (a thread) per model, requests joining and leaving it
+between steps. No torch, no HTTP (the server's routes are adapters over ``GenerationEngine``).
+
+Each turn of the loop:
+
+1. Cancelled requests leave (their cache rows are dropped with ``KVCacheStepper.keep``), and waiting requests are
+   admitted in arrival order while the KV budget holds them (``KVBudget``: planned from each request's prompt and
+   ``max_new_tokens``, never from what it happens to use).
+2. Prefill, within ``prefill_chunk`` prompt tokens per turn: an admitted prompt runs alone in a stepper forked from the
+   model's (``KVCacheStepper.fork``), a long one in chunks over several turns (``extend``), so that the running rows
+   keep stepping between its chunks. Its first token is chosen from the prefill's logits, and its cache rows join a
+   running cohort (``KVCacheStepper.join``: the narrower cache gets masked holes on the left).
+3. One decode step per cohort: every running row's last token in, one logits row out; each row chooses its next
+   token with its own settings (its own ``GenerationConfig``'s logits processors and stopping criteria, its own
+   seeded generator), and finished rows leave at once.
+
+**Exactness.** A row must get the tokens it gets alone. Holes take no position when the file takes ``position_ids``
+(the stepper counts each row's real tokens), so then every row shares one cohort whatever its length
+(``mix_lengths``). A file whose own positions count over the cache's width (``export --module --kv-cache`` of a model
+with absolute positions, today) would shift a row's positions by its holes: there a row joins only a cohort of
+exactly its length (no holes ever), and cohorts of different lengths take one call each per turn; two cohorts that
+become aligned merge. ``batch.generation.pads_exactly`` decides, as it does for ``mha-deploy generate``; a model
+with no positions at all (TinyLM) may be told ``mix_lengths=True``. Within a cohort the decoder's arithmetic per row
+does not depend on the other rows except through masked holes, whose keys get probability 0 exactly; greedy tokens
+are held equal to the request alone in the tests.
+
+**Memory.** ``KVBudget`` bounds the cache positions the running requests can ever hold: in a mixed cohort every row
+is as wide as the widest (rows x the largest prompt + max_new_tokens), in aligned cohorts each row holds its own
+length. A request that fits waits in the queue (at most ``max_waiting``), one that never fits is refused at once, and
+a full queue refuses with ``EngineBusy``: nothing waits forever, nothing allocates past the budget (joining and
+leaving copy the cohort's cache once, briefly holding both).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from mha_deploy.errors import InputError, MHADeployError
+from mha_deploy.runtime.generation import GenerationConfig, draw_tokens
+from mha_deploy.runtime.kv_stepper import KVCacheStepper
+from mha_deploy.runtime.logits import TokenHistory, log_softmax
+
+logger = logging.getLogger("mha_deploy.serve")
+
+
+class EngineBusy(MHADeployError):
+    """The queue is full (or the engine is stopping): retry later."""
+
+
+class RequestTooLarge(InputError):
+    """A request that could never run here: its prompt and max_new_tokens exceed the KV budget or the model."""
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """One sequence to generate: ``prompt`` int64 [seq] (at least one token), ``config`` its settings (greedy or
+    sampled, ``max_new_tokens``, end ids, seed; ``num_beams`` must be 1), ``logprobs`` how many alternatives' log
+    probabilities to report per token (None: none; 0: the chosen token's only)."""
+
+    prompt: np.ndarray
+    config: GenerationConfig
+    logprobs: int | None = None
+
+    @property
+    def kv_need(self) -> int:
+        """Cache positions its row can reach: the prompt and every new token."""
+        return len(self.prompt) + self.config.max_new_tokens
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    """What a request hears: a new ``token`` (with its log probability under the model's raw distribution, and
+    ``top_logprobs`` {id: logprob} when asked), or ``token`` None with ``error`` when the engine failed it.
+    ``finish_reason`` is set on the last event: "stop" (an end id, kept as the token), "length" (max_new_tokens),
+    "error"."""
+
+    token: int | None
+    finish_reason: str | None = None
+    logprob: float | None = None
+    top_logprobs: dict[int, float] | None = None
+    error: str | None = None
+
+
+class GenerationObserver:
+    """Hooks for metrics; the defaults do nothing (the server's Prometheus metrics override them)."""
+
+    def first_token(self, seconds: float) -> None:  # time from submit to the first token
+        pass
+
+    def finished(self, tokens: int, seconds_after_first: float) -> None:  # one request's end
+        pass
+
+    def tokens(self, count: int) -> None:  # tokens generated by one turn
+        pass
+
+    def state(self, running: int, waiting: int, cache_positions: int) -> None:  # after every turn
+        pass
+
+
+class KVBudget:
+    """Which requests may run at once within ``max_kv_tokens`` cache positions: a pure function of their needs.
+
+    ``mixed``: one cohort, every row as wide as the widest possible row (rows x max need); otherwise each row holds
+    its own length (sum of needs)."""
+
+    def __init__(self, max_kv_tokens: int, mixed: bool):
+        self.max_kv_tokens = max_kv_tokens
+        self.mixed = mixed
+
+    def planned(self, needs: list[int]) -> int:
+        if not needs:
+            return 0
+        return len(needs) * max(needs) if self.mixed else sum(needs)
+
+    def fits(self, needs: list[int], need: int) -> bool:
+        return self.planned([*needs, need]) <= self.max_kv_tokens
+
+
+@dataclass(eq=False)
+class _Sequence:
+    """A request in the engine: its history, its sampler, where its cache is, and whom to tell."""
+
+    request: GenerationRequest
+    notify: Callable[[TokenEvent], None]
+    submitted: float
+    id: int
+    history: list[int] = field(default_factory=list)
+    generated: int = 0
+    prefilled: int = 0
+    stepper: KVCacheStepper | None = None  # its own while prefilling; None once joined to a cohort
+    first_token_at: float | None = None
+    cancelled: bool = False
+
+    def __post_init__(self):
+        config = self.request.config
+        self.history = self.request.prompt.tolist()
+        self.processors = config.logits_processors()
+        self.criteria = config.stopping_criteria()
+        self.end_ids = set(config.end_ids)
+        self.rng = np.random.default_rng(config.seed)
+
+
+@dataclass(eq=False)
+class _Cohort:
+    """Rows stepping together in one cache: ``sequences[i]`` is the stepper's row i."""
+
+    stepper: KVCacheStepper
+    sequences: list[_Sequence]
+
+    @property
+    def width(self) -> int:
+        return self.stepper.mask.shape[1]
+
+
+class Ticket:
+    """A submitted request: ``cancel()`` frees its rows at the next turn (a client that went away)."""
+
+    def __init__(self, engine: GenerationEngine, sequence: _Sequence):
+        self._engine = engine
+        self._sequence = sequence
+
+    def cancel(self) -> None:
+        self._engine._cancel(self._sequence)
+
+
+class GenerationEngine:
+    """The decode loop over one ``KVCacheStepper``'s model (see the module's doc).
+
+    >>> engine = GenerationEngine(KVCacheStepper("lm.onnx"), max_kv_tokens=65536)
+    >>> engine.start()
+    >>> ticket = engine.submit(GenerationRequest(prompt, GenerationConfig(max_new_tokens=16)), on_event)
+    """
+
+    def __init__(
+        self,
+        stepper: KVCacheStepper,
+        *,
+        max_kv_tokens: int = 65536,
+        max_running: int = 64,
+        max_waiting: int = 1024,
+        prefill_chunk: int = 512,
+        mix_lengths: bool | None = None,
+        observer: GenerationObserver | None = None,
+    ):
+        if stepper.encoder is not None:
+            raise InputError("the engine serves decoder-only models: an encoder-decoder's rows cannot join one cache")
+        for name, value in (("max_kv_tokens", max_kv_tokens), ("max_running", max_running),
+                            ("max_waiting", max_waiting), ("prefill_chunk", prefill_chunk)):
+            if not isinstance(value, int) or value < 1:
+                raise InputError(f"{name} must be a positive integer, got {value!r}")
+        from mha_deploy.batch.generation import pads_exactly
+
+        self.stepper = stepper
+        self.mix_lengths = pads_exactly(stepper) if mix_lengths is None else mix_lengths
+        self.budget = KVBudget(max_kv_tokens, self.mix_lengths)
+        self.max_running = max_running
+        self.max_waiting = max_waiting
+        self.prefill_chunk = prefill_chunk
+        self.observer = observer or GenerationObserver()
+        self._lock = threading.Condition()
+        self._waiting: deque[_Sequence] = deque()
+        self._prefilling: list[_Sequence] = []
+        self._cohorts: list[_Cohort] = []
+        self._ids = itertools.count()
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+        self.turns = 0
+
+    # --- what callers use -------------------------------------------------------------------------
+
+    @property
+    def batching(self) -> str:
+        """How rows share the cache, in words (the server's startup line and model description say it)."""
+        if self.mix_lengths:
+            return "continuous batching: requests of any length share one cache (positions from position_ids)"
+        return ("continuous batching by length: the file counts positions over the cache width and takes no "
+                "position_ids, so a request shares a cohort only with rows of its exact length (as if alone); "
+                "cohorts of other lengths step in their own calls")
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._loop, name="generation-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float | None = None) -> None:
+        """Finish every accepted request (up to ``timeout`` seconds), then end the loop; new requests are refused."""
+        with self._lock:
+            self._stopping = True
+            self._lock.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def submit(self, request: GenerationRequest, notify: Callable[[TokenEvent], None]) -> Ticket:
+        """Queue ``request``; ``notify`` is called from the engine's thread with each ``TokenEvent``. Raises
+        ``RequestTooLarge`` for a request that could never run, ``EngineBusy`` when the queue is full."""
+        if request.config.num_beams != 1:
+            raise InputError("the engine searches no beams: num_beams must be 1")
+        prompt = np.asarray(request.prompt)
+        if prompt.ndim != 1 or prompt.size == 0 or prompt.dtype.kind not in "iu" or prompt.min() < 0:
+            raise InputError("a prompt is a non-empty list of non-negative token ids")
+        vocab = self.stepper.graph.vocab_size
+        if vocab is not None and prompt.max() >= vocab:
+            raise InputError(f"token id {int(prompt.max())} is past the model's vocabulary ({vocab} ids, 0 to "
+                             f"{vocab - 1})")
+        if not self.budget.fits([], request.kv_need):
+            raise RequestTooLarge(
+                f"the prompt's {len(prompt)} tokens and max_tokens {request.config.max_new_tokens} need "
+                f"{request.kv_need} cache positions, past this server's --max-kv-tokens {self.budget.max_kv_tokens}")
+        sequence = _Sequence(request, notify, time.perf_counter(), next(self._ids))
+        with self._lock:
+            if self._stopping:
+                raise EngineBusy("the server is stopping")
+            if len(self._waiting) >= self.max_waiting:
+                raise EngineBusy(f"{len(self._waiting)} requests already wait (the server's limit); retry shortly")
+            self._waiting.append(sequence)
+            self._lock.notify_all()
+        return Ticket(self, sequence)
+
+    def snapshot(self) -> dict[str, int]:
+        """Running and waiting requests, and cache positions held (holes included)."""
+        with self._lock:
+            return {"running": self._running_count(), "waiting": len(self._waiting),
+                    "cache_positions": self._cache_positions()}
+
+    # --- the loop ---------------------------------------------------------------------------------
+
+    def _cancel(self, sequence: _Sequence) -> None:
+        with self._lock:
+            sequence.cancelled = True
+            self._lock.notify_all()
+
+    def _running_count(self) -> int:
+        return len(self._prefilling) + sum(len(c.sequences) for c in self._cohorts)
+
+    def _cache_positions(self) -> int:
+        held = sum(c.stepper.cache_positions for c in self._cohorts)
+        return held + sum(s.stepper.cache_positions for s in self._prefilling if s.stepper is not None)
+
+    def _active(self) -> list[_Sequence]:
+        return [*self._prefilling, *(s for c in self._cohorts for s in c.sequences)]
+
+    def _loop(self) -> None:
+        while True:
+            with self._lock:
+                self._drop_cancelled()
+                self._admit()
+                while not self._prefilling and not self._cohorts:
+                    if self._stopping and not self._waiting:
+                        return
+                    self._lock.wait()
+                    self._drop_cancelled()
+                    self._admit()
+            try:
+                self._turn()
+            except Exception as exc:  # an ORT failure: fail every active request, keep serving the next ones
+                logger.exception("generation step failed")
+                self._fail_all(f"the model failed: {exc}")
+            self.turns += 1
+            with self._lock:
+                self.observer.state(self._running_count(), len(self._waiting), self._cache_positions())
+
+    def _drop_cancelled(self) -> None:
+        self._waiting = deque(s for s in self._waiting if not s.cancelled)
+        self._prefilling = [s for s in self._prefilling if not s.cancelled]
+        for cohort in self._cohorts:
+            self._leave(cohort, [s for s in cohort.sequences if s.cancelled])
+
+    def _admit(self) -> None:
+        """Waiting requests start in arrival order while the budget holds them (the first that does not fit waits,
+        and so do those behind it: a long request is not starved by short ones passing it)."""
+        needs = [s.request.kv_need for s in self._active()]
+        while self._waiting and len(needs) < self.max_running:
+            head = self._waiting[0]
+            if not self.budget.fits(needs, head.request.kv_need):
+                break
+            self._waiting.popleft()
+            head.stepper = self.stepper.fork()
+            self._prefilling.append(head)
+            needs.append(head.request.kv_need)
+
+    def _turn(self) -> None:
+        self._prefill()
+        now_tokens = 0
+        for cohort in list(self._cohorts):
+            last = np.array([s.history[-1] for s in cohort.sequences], np.int64)
+            logits = cohort.stepper.step(last)
+            finished = [s for s, row in zip(cohort.sequences, logits, strict=True) if self._choose(s, row)]
+            now_tokens += len(cohort.sequences)
+            self._leave(cohort, finished)
+        if not self.mix_lengths:
+            self._merge_aligned()
+        self.observer.tokens(now_tokens)
+
+    def _prefill(self) -> None:
+        """Up to ``prefill_chunk`` prompt tokens this turn, oldest request first; at least one chunk."""
+        budget = self.prefill_chunk
+        for sequence in list(self._prefilling):
+            if budget <= 0:
+                break
+            prompt = sequence.request.prompt
+            start = sequence.prefilled
+            ids = np.asarray(prompt[start : start + budget], np.int64)[None, :]
+            stepper = sequence.stepper
+            logits = stepper.prefill(ids, np.ones_like(ids)) if start == 0 else stepper.extend(ids)
+            sequence.prefilled += ids.shape[1]
+            budget -= ids.shape[1]
+            if sequence.prefilled < len(prompt):
+                continue
+            self._prefilling.remove(sequence)
+            self.observer.tokens(1)
+            if self._choose(sequence, logits[0]):
+                sequence.stepper = None
+                continue
+            self._join(sequence)
+
+    def _join(self, sequence: _Sequence) -> None:
+        width = sequence.stepper.mask.shape[1]
+        target = next((c for c in self._cohorts if self.mix_lengths or c.width == width), None)
+        if target is None:
+            target = _Cohort(self.stepper.fork(), [])
+            self._cohorts.append(target)
+        target.stepper.join(sequence.stepper)
+        target.sequences.append(sequence)
+        sequence.stepper = None
+
+    def _merge_aligned(self) -> None:
+        """Cohorts of one width hold rows of one length each (no holes): one call can step them all."""
+        by_width: dict[int, _Cohort] = {}
+        for cohort in list(self._cohorts):
+            into = by_width.setdefault(cohort.width, cohort)
+            if into is not cohort:
+                into.stepper.join(cohort.stepper)
+                into.sequences.extend(cohort.sequences)
+                self._cohorts.remove(cohort)
+
+    def _leave(self, cohort: _Cohort, leaving: list[_Sequence]) -> None:
+        if not leaving:
+            return
+        staying = [i for i, s in enumerate(cohort.sequences) if s not in leaving]
+        if not staying:
+            self._cohorts.remove(cohort)
+            return
+        cohort.stepper.keep(np.array(staying, np.int64))
+        cohort.sequences = [cohort.sequences[i] for i in staying]
+
+    def _choose(self, sequence: _Sequence, logits: np.ndarray) -> bool:
+        """The row's next token from its logits [vocab] with its own settings; tells its owner; True when finished."""
+        config = sequence.request.config
+        logits = np.asarray(logits, np.float32)[None, :]
+        history = np.asarray(sequence.history, np.int64)[None, :]
+        scores = sequence.processors(TokenHistory(history, sequence.generated), logits)
+        token = int(draw_tokens(scores, sequence.rng)[0] if config.do_sample else np.argmax(scores[0]))
+        sequence.history.append(token)
+        sequence.generated += 1
+        finished = bool(sequence.criteria(TokenHistory(np.append(history, [[token]], axis=1), sequence.generated))[0])
+        now = time.perf_counter()
+        if sequence.first_token_at is None:
+            sequence.first_token_at = now
+            self.observer.first_token(now - sequence.submitted)
+        logprob = top = None
+        wanted = sequence.request.logprobs
+        if wanted is not None:
+            raw = log_softmax(logits)[0]
+            logprob = float(raw[token])
+            if wanted > 0:
+                best = np.argsort(-raw, kind="stable")[:wanted]
+                top = {int(i): float(raw[i]) for i in best}
+        reason = None
+        if finished:
+            reason = "stop" if token in sequence.end_ids else "length"
+            self.observer.finished(sequence.generated, now - sequence.first_token_at)
+        self._notify(sequence, TokenEvent(token, reason, logprob, top))
+        return finished
+
+    def _notify(self, sequence: _Sequence, event: TokenEvent) -> None:
+        try:
+            sequence.notify(event)
+        except Exception:  # a listener that fails (its loop closed) must not stop the others' rows
+            logger.exception("a generation listener failed; its request is cancelled")
+            sequence.cancelled = True
+
+    def _fail_all(self, message: str) -> None:
+        for sequence in self._active():
+            self._notify(sequence, TokenEvent(None, "error", error=message))
+        self._prefilling, self._cohorts = [], []

@@ -1,0 +1,209 @@
+"""The continuous-batching engine (serving.engine) over TinyLM exported with a KV cache: requests joining and
+leaving one running batch get exactly the tokens they get alone; per-request settings; cancellation; the budget.
+And the stepper's own join / extend / fork (runtime.kv_stepper)."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+from mha_deploy.runtime.generation import GenerationConfig, generate
+from mha_deploy.runtime.kv_stepper import KVCacheStepper
+from mha_deploy.serving.engine import (
+    EngineBusy,
+    GenerationEngine,
+    GenerationRequest,
+    KVBudget,
+    RequestTooLarge,
+)
+
+pytest.importorskip("torch")
+
+VOCAB = 50  # TinyLM's
+
+
+@pytest.fixture(scope="module")
+def tiny(lm_cache):
+    return lm_cache("causal_lm")[0]
+
+
+def alone(path, prompt, **options) -> list[int]:
+    return generate(KVCacheStepper(path), [prompt], **options).tokens[0].tolist()
+
+
+def run_all(engine: GenerationEngine, requests: list[GenerationRequest], timeout: float = 60) -> list[list[int]]:
+    """Every request submitted at once; their tokens, each request's in order."""
+    results = [[] for _ in requests]
+    done = [threading.Event() for _ in requests]
+
+    def listener(i):
+        def notify(event):
+            assert event.error is None, event.error
+            results[i].append(event.token)
+            if event.finish_reason:
+                done[i].set()
+        return notify
+
+    for i, request in enumerate(requests):
+        engine.submit(request, listener(i))
+    for event in done:
+        assert event.wait(timeout)
+    return results
+
+
+def prompts(count, seed, longest=20):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, VOCAB, rng.integers(1, longest + 1)).astype(np.int64) for _ in range(count)]
+
+
+def test_join_pads_the_narrower_cache_with_holes_and_each_row_continues_as_alone(tiny):
+    stepper = KVCacheStepper(tiny)
+    short, long = np.array([[3, 4]]), np.array([[5, 6, 7, 8, 9]])
+    stepper.prefill(short, np.ones_like(short))
+    other = stepper.fork()
+    assert other.rows == 0 and other.graph is stepper.graph
+    other.prefill(long, np.ones_like(long))
+    stepper.join(other)
+    assert other.rows == 0 and stepper.rows == 2
+    assert stepper.mask.tolist() == [[0, 0, 0, 1, 1], [1, 1, 1, 1, 1]]
+    assert stepper.cache_positions == 10
+    logits = stepper.step(np.array([1, 2]))
+    for row, (prompt, token) in enumerate([(short, 1), (long, 2)]):
+        single = KVCacheStepper(tiny)
+        single.prefill(prompt, np.ones_like(prompt))
+        np.testing.assert_allclose(logits[row], single.step(np.array([token]))[0], atol=1e-5, rtol=1e-5)
+
+
+def test_extend_prefills_in_chunks_as_one_prefill_does(tiny):
+    prompt = np.arange(1, 13)[None, :]
+    whole = KVCacheStepper(tiny)
+    expected = whole.prefill(prompt, np.ones_like(prompt))
+    chunked = KVCacheStepper(tiny)
+    chunked.prefill(prompt[:, :5], np.ones((1, 5), np.int64))
+    chunked.extend(prompt[:, 5:9])
+    got = chunked.extend(prompt[:, 9:])
+    np.testing.assert_allclose(got, expected, atol=1e-5, rtol=1e-5)
+    with pytest.raises(Exception, match="past the vocabulary"):
+        chunked.extend(np.array([[VOCAB]]))
+
+
+@pytest.mark.parametrize("mix", [True, False], ids=["mixed-lengths", "aligned-cohorts"])
+def test_greedy_requests_sharing_the_loop_equal_each_alone(tiny, mix):
+    given = prompts(12, seed=0)
+    lengths = [3 + i % 6 for i in range(len(given))]
+    # a small prefill chunk: long prompts prefill over several turns while others step
+    engine = GenerationEngine(KVCacheStepper(tiny), max_kv_tokens=4096, prefill_chunk=7, mix_lengths=mix)
+    engine.start()
+    try:
+        got = run_all(engine, [GenerationRequest(p, GenerationConfig(max_new_tokens=n))
+                               for p, n in zip(given, lengths, strict=True)])
+    finally:
+        engine.stop(10)
+    for prompt, n, tokens in zip(given, lengths, got, strict=True):
+        assert tokens == alone(tiny, prompt.tolist(), max_new_tokens=n)
+    assert engine.snapshot() == {"running": 0, "waiting": 0, "cache_positions": 0}
+
+
+def test_per_request_settings_in_one_batch(tiny):
+    given = prompts(4, seed=1)
+    configs = [GenerationConfig(max_new_tokens=6),
+               GenerationConfig(max_new_tokens=6, do_sample=True, temperature=0.7, top_k=10, seed=5),
+               GenerationConfig(max_new_tokens=6, do_sample=True, top_p=0.8, seed=9),
+               GenerationConfig(max_new_tokens=6, repetition_penalty=1.3)]
+    full = alone(tiny, given[0].tolist(), max_new_tokens=6)
+    stop = full[2]
+    configs[0] = GenerationConfig(max_new_tokens=6, eos_token_id=stop)
+    engine = GenerationEngine(KVCacheStepper(tiny), mix_lengths=True)
+    engine.start()
+    try:
+        got = run_all(engine, [GenerationRequest(p, c) for p, c in zip(given, configs, strict=True)])
+    finally:
+        engine.stop(10)
+    assert got[0] == full[: full.index(stop) + 1]
+    for prompt, config, tokens in zip(given[1:], configs[1:], got[1:], strict=True):
+        assert tokens == generate(KVCacheStepper(tiny), [prompt.tolist()], config=config).tokens[0].tolist()
+
+
+def test_logprobs_are_the_models_raw_distribution(tiny):
+    engine = GenerationEngine(KVCacheStepper(tiny))
+    engine.start()
+    events = []
+    finished = threading.Event()
+
+    def notify(event):
+        events.append(event)
+        if event.finish_reason:
+            finished.set()
+
+    try:
+        engine.submit(GenerationRequest(np.array([4, 5, 6]), GenerationConfig(max_new_tokens=2), logprobs=3), notify)
+        assert finished.wait(30)
+    finally:
+        engine.stop(10)
+    stepper = KVCacheStepper(tiny)
+    logits = stepper.prefill(np.array([[4, 5, 6]]), np.ones((1, 3), np.int64))[0]
+    expected = logits - np.log(np.exp(logits - logits.max()).sum()) - logits.max()
+    first = events[0]
+    assert first.token == int(np.argmax(logits))
+    assert first.logprob == pytest.approx(float(expected[first.token]), abs=1e-5)
+    assert list(first.top_logprobs) == np.argsort(-expected)[:3].tolist()
+
+
+def test_cancelled_requests_free_their_rows_and_the_others_finish(tiny):
+    engine = GenerationEngine(KVCacheStepper(tiny), mix_lengths=True)
+    given = prompts(6, seed=2)
+    seen = [[] for _ in given]
+    done = [threading.Event() for _ in given]
+    tickets = []
+    cancelled = threading.Event()
+
+    def listener(i):
+        def notify(event):
+            seen[i].append(event.token)
+            if i % 2 and len(seen[i]) == 2:
+                tickets[i].cancel()
+                cancelled.set()
+            if event.finish_reason:
+                done[i].set()
+        return notify
+
+    for i, prompt in enumerate(given):
+        tickets.append(engine.submit(GenerationRequest(prompt, GenerationConfig(max_new_tokens=40)), listener(i)))
+    engine.start()
+    try:
+        for i in range(0, len(given), 2):
+            assert done[i].wait(30)
+    finally:
+        engine.stop(10)
+    for i, prompt in enumerate(given):
+        if i % 2:
+            assert not done[i].is_set() and 2 <= len(seen[i]) < 40
+        else:
+            assert seen[i] == alone(tiny, prompt.tolist(), max_new_tokens=40)
+    assert engine.snapshot()["cache_positions"] == 0
+
+
+def test_the_budget_queues_what_does_not_fit_and_refuses_what_never_fits(tiny):
+    assert KVBudget(100, mixed=True).planned([10, 30]) == 60
+    assert KVBudget(100, mixed=False).planned([10, 30]) == 40
+    assert not KVBudget(100, mixed=True).fits([40, 10], 30)
+    engine = GenerationEngine(KVCacheStepper(tiny), max_kv_tokens=40, max_waiting=2, mix_lengths=True)
+    with pytest.raises(RequestTooLarge, match="--max-kv-tokens 40"):
+        engine.submit(GenerationRequest(np.arange(1, 31), GenerationConfig(max_new_tokens=11)), print)
+    with pytest.raises(Exception, match="past the model's vocabulary"):
+        engine.submit(GenerationRequest(np.array([VOCAB]), GenerationConfig()), print)
+    request = GenerationRequest(np.arange(1, 11), GenerationConfig(max_new_tokens=10))  # needs 20: two fit
+    engine.submit(request, lambda e: None)
+    engine.submit(request, lambda e: None)
+    with pytest.raises(EngineBusy, match="2 requests already wait"):
+        engine.submit(request, lambda e: None)
+    # four at once where two fit: two wait their turn, and all finish
+    running = GenerationEngine(KVCacheStepper(tiny), max_kv_tokens=40, max_waiting=8, mix_lengths=True)
+    running.start()
+    try:
+        results = run_all(running, [request] * 4)
+    finally:
+        running.stop(10)
+    assert all(r == results[0] for r in results)
