@@ -64,10 +64,36 @@ DEFAULT_DRAIN_TIMEOUT_S = 30.0
 @click.option("--max-idle-connections", type=click.IntRange(min=1),
               help="Connections with no request in progress kept at once; beyond, the longest idle is closed "
                    "(default: half the open-file limit).")
+@click.option("--tokenizer", type=click.Path(dir_okay=False, path_type=Path),
+              help="Generator: a Hugging Face tokenizers file (tokenizer.json) for text prompts and text out; "
+                   "without it, prompts are token ids.")
+@click.option("--chat-template", type=click.Path(dir_okay=False, path_type=Path),
+              help="Generator: a jinja2 chat template over 'messages' (add_generation_prompt is true): enables "
+                   "POST /v1/chat/completions.")
+@click.option("--max-kv-tokens", type=click.IntRange(min=1), default=65536, show_default=True,
+              help="Generator: KV cache positions the running requests may hold, planned from each request's prompt "
+                   "+ max_tokens; a request that does not fit waits (--max-queue), one that never fits gets 400.")
+@click.option("--max-new-tokens", type=click.IntRange(min=1), default=1024, show_default=True,
+              help="Generator: the largest max_tokens a request may ask for.")
+@click.option("--max-length", type=click.IntRange(min=1),
+              help="Generator: prompt + max_tokens at most (a position table's size). Default: what the file records "
+                   "(export --max-length), else no limit but --max-kv-tokens.")
+@click.option("--prefill-chunk", type=click.IntRange(min=1), default=512, show_default=True,
+              help="Generator: prompt tokens prefilled per decode step; longer prompts prefill in chunks while the "
+                   "running requests keep stepping.")
+@click.option("--eos-id", "eos_ids", type=click.IntRange(min=0), multiple=True,
+              help="Generator: token id that ends every sequence (kept in its output); repeatable.")
+@click.option("--mix-lengths/--no-mix-lengths", default=None,
+              help="Generator: let requests of different lengths share one cache (masked holes). Default: when the "
+                   "file takes position_ids; otherwise a request shares steps only with rows of its exact length, so "
+                   "that its positions are as alone. --mix-lengths for a model without positions.")
+@click.option("--max-choices", type=click.IntRange(min=1), default=16, show_default=True,
+              help="Generator: sequences (n x prompts) one request may ask for.")
 def serve(model, host, port, max_batch, max_wait_ms, max_batch_tokens, workers, provider, threads, max_body_mb,
           max_item_tokens, optimized_model, spin, log_level, access_log, drain_timeout, name, grpc_port, max_queue,
           api_key_file, ssl_certfile, ssl_keyfile, body_timeout, max_connections, keep_alive_timeout,
-          header_timeout, max_idle_connections):
+          header_timeout, max_idle_connections, tokenizer, chat_template, max_kv_tokens, max_new_tokens, max_length,
+          prefill_chunk, eos_ids, mix_lengths, max_choices):
     """Serve a model over HTTP (and gRPC) with dynamic micro-batching (needs the 'serve' extra).
 
     The Open Inference Protocol (KServe v2, what Triton's and KServe's clients
@@ -79,13 +105,23 @@ def serve(model, host, port, max_batch, max_wait_ms, max_batch_tokens, workers, 
     for orchestration. SIGTERM finishes every accepted request (up to --drain-timeout)
     before exiting.
 
+    A KV-cache decoder (export --module ... --kv-cache, or Optimum's cache names) is
+    served as a generator with continuous batching: OpenAI's POST /v1/completions,
+    /v1/chat/completions (with --chat-template) and GET /v1/models, streaming as
+    server-sent events; Triton's POST /v2/models/NAME/generate and /generate_stream.
+    --max-batch is then the most requests decoding at once, --max-queue the most
+    waiting for the KV budget (beyond: 429 with Retry-After).
+
     \b
-    Example:
+    Examples:
       mha-deploy serve mha.onnx --port 8000 --grpc-port 8001 --max-batch 32 --max-wait-ms 2
       curl -s localhost:8000/v1/infer -H 'Content-Type: application/json' -d '{"x": [[0.1, ...]]}'
       curl -s localhost:8000/v2/models/mha
+      mha-deploy serve lm.onnx --tokenizer tokenizer.json --eos-id 0 --max-kv-tokens 32768
+      curl -s localhost:8000/v1/completions -H 'Content-Type: application/json' \\
+        -d '{"model": "lm", "prompt": "Once upon a time", "max_tokens": 32, "temperature": 0}'
     """
-    from mha_deploy.serving.http import ServeConfig
+    from mha_deploy.serving.http import GenerationOptions, ServeConfig
     from mha_deploy.serving.http import serve as run_server
     from mha_deploy.serving.http.parsing import RequestLimits
 
@@ -101,4 +137,9 @@ def serve(model, host, port, max_batch, max_wait_ms, max_batch_tokens, workers, 
         ssl_certfile=ssl_certfile, ssl_keyfile=ssl_keyfile, max_connections=max_connections,
         keep_alive_timeout_s=keep_alive_timeout, header_timeout_s=header_timeout,
         max_idle_connections=max_idle_connections,
+        generation=GenerationOptions(
+            tokenizer=tokenizer, chat_template=chat_template, max_kv_tokens=max_kv_tokens,
+            max_new_tokens=max_new_tokens, max_length=max_length, prefill_chunk=prefill_chunk,
+            eos_token_ids=tuple(eos_ids), mix_lengths=mix_lengths, max_choices=max_choices,
+        ),
     ))

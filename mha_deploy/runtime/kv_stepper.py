@@ -70,7 +70,7 @@ class _Graph:
 
     def __init__(self, model, threads: int | None):
         if isinstance(model, str | os.PathLike):
-            model = _open(model, threads)
+            model = open_decoder(model, threads)
         self.session = model
         self.source = getattr(model, "source", None) or "<onnxruntime session>"
         if isinstance(model, ort.InferenceSession):
@@ -96,8 +96,9 @@ class _Graph:
         return self._run(feeds)
 
 
-def _open(path, threads: int | None):
-    """An mha-deploy file as an ``MHASession`` (its metadata checked), any other ONNX file on ORT's CPU provider."""
+def open_decoder(path, threads: int | None = None, provider: str = "cpu", session_config: dict | None = None):
+    """An mha-deploy file as an ``MHASession`` on ``provider`` (its metadata checked), any other ONNX file on ORT's
+    CPU provider. ``session_config``: ORT session config entries (the server turns thread spinning off)."""
     from mha_deploy.runtime.session import MHASession
 
     try:
@@ -105,10 +106,12 @@ def _open(path, threads: int | None):
     except Exception as exc:  # a missing file, or not ONNX: say which
         raise ModelFileError(f"{path}: not a readable ONNX file: {exc}") from exc
     if METADATA_KEY in props:
-        return MHASession(path, provider="cpu", threads=threads)
+        return MHASession(path, provider=provider, threads=threads, session_config=session_config)
     options = ort.SessionOptions()
     if threads is not None:
         options.intra_op_num_threads = threads
+    for key, value in (session_config or {}).items():
+        options.add_session_config_entry(key, value)
     session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
     session.source = str(path)
     return session

@@ -219,8 +219,11 @@ class GenerationEngine:
     @property
     def batching(self) -> str:
         """How rows share the cache, in words (the server's startup line and model description say it)."""
-        if self.mix_lengths:
+        if self.mix_lengths and "position_ids" in self.stepper.graph.inputs:
             return "continuous batching: requests of any length share one cache (positions from position_ids)"
+        if self.mix_lengths:
+            return ("continuous batching: requests of any length share one cache, as told (mix_lengths): the file "
+                    "takes no position_ids, so this is exact only for a model whose tokens do not depend on positions")
         return ("continuous batching by length: the file counts positions over the cache width and takes no "
                 "position_ids, so a request shares a cohort only with rows of its exact length (as if alone); "
                 "cohorts of other lengths step in their own calls")

@@ -14,9 +14,11 @@ in ``app`` and ``serve``, so embedding ``MHASession`` needs neither.
 - ``auth``: API keys; ``body``: reading a body within size and time limits
 - ``metrics``: the Prometheus metrics
 - ``app``: ``create_app``, the /v1 routes and the app's lifetime
+- ``engine`` (``mha_deploy.serving.engine``), ``generation``, ``openai_routes``, ``triton_generate``,
+  ``generation_app``: a KV-cache decoder served as a generator (continuous batching)
 - ``server``: ``serve``, uvicorn (and gRPC) with TLS, limits and graceful shutdown
 """
 
-from mha_deploy.serving.http.server import ServeConfig, ServeError, serve
+from mha_deploy.serving.http.server import GenerationOptions, ServeConfig, ServeError, serve
 
-__all__ = ["ServeConfig", "ServeError", "serve"]
+__all__ = ["GenerationOptions", "ServeConfig", "ServeError", "serve"]

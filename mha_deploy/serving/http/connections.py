@@ -111,5 +111,10 @@ class RequestSlots:
 def refusal(path: str, status: int, kind: str, message: str, headers: dict[str, str]) -> JSONResponse:
     """A request refused before its route ran, in the route's error format (``/v2``: ``{"error": message}``,
     else ``{"error": {"kind", "message"}}``). The connection closes: the request's body, if any, is unread."""
-    body = {"error": message} if path.startswith("/v2") else {"error": {"kind": kind, "message": message}}
+    if path.startswith(("/v1/completions", "/v1/chat/completions", "/v1/models")):  # OpenAI's clients read its shape
+        body = {"error": {"message": message, "type": kind, "param": None, "code": kind}}
+    elif path.startswith("/v2"):
+        body = {"error": message}
+    else:
+        body = {"error": {"kind": kind, "message": message}}
     return JSONResponse(body, status_code=status, headers={**headers, "Connection": "close"})

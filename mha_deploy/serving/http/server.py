@@ -71,11 +71,37 @@ class ServeConfig:
     # Connections with no request in progress kept at once; beyond, the one idle the longest is closed.
     # None: half the process's open-file limit.
     max_idle_connections: int | None = None
+    # A KV-cache decoder is served as a generator (OpenAI's and Triton's generate routes) with these settings.
+    generation: GenerationOptions = field(default_factory=lambda: GenerationOptions())
 
     @property
     def model_name(self) -> str:
         """``name``, or the model file's stem with anything but letters, digits, ``_.-`` replaced by ``_``."""
         return self.name or re.sub(r"[^A-Za-z0-9_.-]", "_", Path(self.model).stem)
+
+
+@dataclass(frozen=True)
+class GenerationOptions:
+    """How a generator is served (``mha-deploy serve`` of a KV-cache decoder; ignored for other models)."""
+
+    # tokenizers' tokenizer.json: text prompts and text out (without it, token ids in and out).
+    tokenizer: str | os.PathLike | None = None
+    # A jinja2 chat template over ``messages``: enables /v1/chat/completions.
+    chat_template: str | os.PathLike | None = None
+    # Cache positions the running requests may hold at most (planned from prompt + max_tokens).
+    max_kv_tokens: int = 65536
+    # The most tokens one request may generate.
+    max_new_tokens: int = 1024
+    # Prompt + max_tokens at most (None: what the file records, else unbounded but for the KV budget).
+    max_length: int | None = None
+    # Prompt tokens prefilled per turn of the decode loop (longer prompts in chunks, between decode steps).
+    prefill_chunk: int = 512
+    # Ids that end every sequence.
+    eos_token_ids: tuple[int, ...] = ()
+    # Let requests of different lengths share one cache; None: when the file takes position_ids (pads_exactly).
+    mix_lengths: bool | None = None
+    # Sequences (n x prompts) one request may ask for.
+    max_choices: int = 16
 
 
 class ServeError(MHADeployError):
@@ -98,6 +124,10 @@ def serve(config: ServeConfig) -> None:
         raise ServeError(f"model name {config.model_name!r}: use letters, digits, '_', '.' and '-' only")
     _check_tls(config)
     api_keys = ApiKeys.from_file(config.api_key_file) if config.api_key_file is not None else None
+    generator = is_generator(config.model)
+    if generator and config.grpc_port is not None:
+        raise ServeError("a generator (KV-cache decoder) is served over REST only (OpenAI's routes and Triton's "
+                         "generate extension): drop --grpc-port")
     grpc_config = _grpc_config(config)
     _configure_logging(config.log_level)
     failures: list[BaseException] = []
@@ -131,11 +161,14 @@ def serve(config: ServeConfig) -> None:
         if server is not None:
             server.should_exit = True
 
-    app = create_app(
-        load_session, config.batching, config.limits, on_load_error,
-        model_name=config.model_name, api_keys=api_keys, grpc_config=grpc_config,
-        max_requests=config.max_connections,
-    )
+    if generator:
+        app = _generation_app(config, api_keys, on_load_error)
+    else:
+        app = create_app(
+            load_session, config.batching, config.limits, on_load_error,
+            model_name=config.model_name, api_keys=api_keys, grpc_config=grpc_config,
+            max_requests=config.max_connections,
+        )
     max_idle = config.max_idle_connections or max(64, _raise_open_file_limit() // 2)
     uvicorn_config = uvicorn.Config(
         app,
@@ -157,6 +190,59 @@ def serve(config: ServeConfig) -> None:
         raise failures[0]
     if not server.started:
         raise ServeError(f"the server did not start on {config.host}:{config.port} (see the log above)")
+
+
+def is_generator(model: str | os.PathLike) -> bool:
+    """Whether the file is a KV-cache decoder over token ids (input_ids and past_key_values.* inputs, Optimum's
+    names): served as a generator. A decoder over float sequences (``export --model decoder --kv-cache``) is not: it
+    generates no tokens. A file that cannot be read is left to the model's loader, which says why."""
+    import onnx
+
+    try:
+        graph = onnx.load(str(model), load_external_data=False).graph
+    except Exception:
+        return False
+    names = {value.name for value in graph.input}
+    return "input_ids" in names and any(name.startswith("past_key_values.") for name in names)
+
+
+def _generation_app(config: ServeConfig, api_keys, on_load_error):
+    """The generator's app: tokenizer and chat template read now (a bad file stops the start with one line), the
+    model loaded by the app's lifespan."""
+    from mha_deploy.batch.generation import PromptTokenizer
+    from mha_deploy.serving.engine import GenerationEngine
+    from mha_deploy.serving.http.generation import GenerationService, GenerationSettings
+    from mha_deploy.serving.http.generation_app import create_generation_app, load_chat_template
+
+    options = config.generation
+    tokenizer = PromptTokenizer(options.tokenizer) if options.tokenizer is not None else None
+    template = None
+    if options.chat_template is not None:
+        try:
+            template = load_chat_template(options.chat_template)
+        except Exception as exc:  # unreadable, or not a jinja2 template
+            raise ServeError(f"cannot use the chat template {options.chat_template}: {exc}") from None
+    settings = GenerationSettings(
+        max_new_tokens=options.max_new_tokens, max_length=options.max_length, max_choices=options.max_choices,
+        eos_token_ids=tuple(options.eos_token_ids),
+    )
+
+    def load_engine(metrics) -> GenerationEngine:
+        from mha_deploy.runtime.kv_stepper import KVCacheStepper, open_decoder
+
+        # Idle ORT threads spin by default, burning the CPU the event loop needs between steps.
+        model = open_decoder(config.model, config.threads, provider=config.provider,
+                             session_config={"session.intra_op.allow_spinning": "1" if config.spin else "0"})
+        return GenerationEngine(
+            KVCacheStepper(model), max_kv_tokens=options.max_kv_tokens, max_running=config.batching.max_batch,
+            max_waiting=config.batching.max_queue, prefill_chunk=options.prefill_chunk,
+            mix_lengths=options.mix_lengths, observer=metrics,
+        )
+
+    service = GenerationService(load_engine, settings, config.limits, config.model_name, on_load_error,
+                                tokenizer=tokenizer, chat_template=template)
+    return create_generation_app(service, api_keys=api_keys, max_requests=config.max_connections,
+                                 drain_timeout_s=config.graceful_timeout_s)
 
 
 def _check_tls(config: ServeConfig) -> None:

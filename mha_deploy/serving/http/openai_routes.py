@@ -1,0 +1,339 @@
+"""OpenAI-compatible routes of a generator: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``.
+
+What OpenAI's API reference names, as its clients send them: ``model``, ``prompt`` (text, a list of texts, a list of
+token ids, or a list of such lists), ``max_tokens`` (completions default 16; chat: ``max_completion_tokens`` too),
+``temperature`` (default 1: sampling; 0 is greedy), ``top_p``, ``seed``, ``n``, ``stop`` (up to 4 strings; token ids
+are taken in it too, and in ``stop_token_ids``), ``stream`` (server-sent events ending ``data: [DONE]``;
+``stream_options.include_usage`` adds a last chunk with the usage), ``logprobs`` (completions: the chosen token's and
+the ``logprobs`` likeliest tokens' log probabilities under the model's raw distribution, at most 5), ``usage``.
+Beyond OpenAI: ``top_k`` and ``repetition_penalty`` (as vLLM takes them), and ``token_ids`` in each choice (the
+generated ids; a server without a tokenizer returns no text, only them). Refused with a 400 naming the field:
+``echo``, ``suffix``, ``best_of`` other than ``n``, non-zero ``presence_penalty`` / ``frequency_penalty``,
+``logit_bias`` (not implemented here).
+
+Errors have OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``: 400 ``invalid_request_error`` for a
+bad request, 404 for an unknown model or a chat without a template, 429 with ``Retry-After`` when the queue is full,
+503 while loading or draining.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+
+import numpy as np
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from mha_deploy.serving.http.body import read_body
+from mha_deploy.serving.http.generation import (
+    Choice,
+    EventStream,
+    GenerationService,
+    Sampling,
+    until_done_or_gone,
+)
+from mha_deploy.serving.http.parsing import RequestError, load_json
+
+logger = logging.getLogger("mha_deploy.serve")
+MAX_LOGPROBS = 5
+MAX_STOP = 4
+UNSUPPORTED = {"echo": False, "suffix": None, "presence_penalty": 0, "frequency_penalty": 0, "logit_bias": None}
+ERROR_TYPES = {400: "invalid_request_error", 404: "invalid_request_error", 408: "invalid_request_error",
+               413: "invalid_request_error", 401: "authentication_error", 429: "rate_limit_error",
+               503: "server_unavailable", 500: "server_error"}
+
+
+class OpenAIError(RequestError):
+    """A ``RequestError`` that names the request field at fault (OpenAI's ``param``)."""
+
+    def __init__(self, status: int, kind: str, message: str, param: str | None = None):
+        super().__init__(status, kind, message)
+        self.param = param
+
+
+def error_body(status: int, code: str, message: str, param: str | None = None) -> dict:
+    return {"error": {"message": message, "type": ERROR_TYPES.get(status, "invalid_request_error"), "param": param,
+                      "code": code}}
+
+
+def error_response(exc: RequestError) -> Response:
+    headers = dict(exc.headers)
+    if exc.status == 429:
+        headers["Retry-After"] = "1"
+    return JSONResponse(error_body(exc.status, exc.kind, exc.message, getattr(exc, "param", None)),
+                        status_code=exc.status, headers=headers)
+
+
+def _bad(param: str, message: str, code: str = "invalid_value") -> OpenAIError:
+    return OpenAIError(400, code, f"{param}: {message}", param)
+
+
+def _number(body: dict, name: str, default, low: float, high: float):
+    value = body.get(name, default)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int | float) or not low <= value <= high:
+        raise _bad(name, f"must be a number in [{low:g}, {high:g}], got {value!r}")
+    return value
+
+
+def _integer(body: dict, name: str, default, low: int, high: int | None = None):
+    value = body.get(name, default)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int) or value < low or (high is not None and value > high):
+        bound = f"in [{low}, {high}]" if high is not None else f">= {low}"
+        raise _bad(name, f"must be an integer {bound}, got {value!r}")
+    return value
+
+
+def parse_sampling(
+    body: dict, service: GenerationService, max_tokens_names=("max_tokens",)
+) -> tuple[Sampling, tuple[str, ...]]:
+    """The settings every generation route shares, checked; a 400 names the first field at fault."""
+    for name, neutral in UNSUPPORTED.items():
+        if body.get(name, neutral) not in (neutral, None):
+            raise _bad(name, f"is not supported by this server (only {neutral!r})", "unsupported_parameter")
+    max_tokens = service.settings.default_max_tokens
+    for name in max_tokens_names:
+        if body.get(name) is not None:
+            max_tokens = _integer(body, name, None, 1)
+    stop = body.get("stop")
+    stops = [] if stop is None else [stop] if isinstance(stop, str | int) else stop
+    if not isinstance(stops, list) or len(stops) > MAX_STOP + 64:
+        raise _bad("stop", f"must be a string or a list of at most {MAX_STOP} strings (or token ids)")
+    strings = tuple(s for s in stops if isinstance(s, str) and s)
+    ids = [s for s in stops if isinstance(s, int) and not isinstance(s, bool)]
+    if len(strings) + len(ids) != len([s for s in stops if s != ""]) or len(strings) > MAX_STOP:
+        raise _bad("stop", f"must be a string or a list of at most {MAX_STOP} strings (or token ids), got {stop!r}")
+    extra = body.get("stop_token_ids") or []
+    if not isinstance(extra, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in extra):
+        raise _bad("stop_token_ids", "must be a list of token ids")
+    stop_ids = tuple(ids + extra)
+    vocab = service.engine.stepper.graph.vocab_size if service.engine is not None else None
+    if any(i < 0 or (vocab is not None and i >= vocab) for i in stop_ids):
+        raise _bad("stop", f"token ids must be in [0, {vocab})")
+    if strings and service.tokenizer is None:
+        raise _bad("stop", "stop strings need a tokenizer (start the server with --tokenizer); give token ids")
+    top_k = _integer(body, "top_k", None, -1)
+    sampling = Sampling(
+        max_tokens=max_tokens,
+        temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
+        top_p=_number(body, "top_p", 1.0, 0.0, 1.0) or 1.0,
+        top_k=None if top_k in (None, -1, 0) else top_k,
+        seed=_integer(body, "seed", None, 0),
+        stop_ids=stop_ids,
+        repetition_penalty=_number(body, "repetition_penalty", 1.0, 0.01, 100.0),
+    )
+    return sampling, strings
+
+
+def _prompts(value, service: GenerationService) -> list[np.ndarray]:
+    """``prompt`` as OpenAI takes it: a string, a list of strings, a list of ids, or a list of lists of ids."""
+    def ids(item, where: str) -> np.ndarray:
+        if isinstance(item, str):
+            return service.encode(item, where)
+        if isinstance(item, list) and all(isinstance(i, int) and not isinstance(i, bool) for i in item):
+            return np.asarray(item, np.int64)
+        raise _bad("prompt", "must be a string, a list of strings, a list of token ids or a list of such lists")
+
+    if isinstance(value, str) or (isinstance(value, list) and value and all(
+            isinstance(i, int) and not isinstance(i, bool) for i in value)):
+        return [ids(value, "prompt")]
+    if isinstance(value, list) and value:
+        return [ids(item, f"prompt[{i}]") for i, item in enumerate(value)]
+    raise _bad("prompt", "is required: a string, a list of strings, a list of token ids or a list of such lists")
+
+
+def _logprobs_block(choice: Choice, service: GenerationService, offset: int = 0) -> dict:
+    tokens = [service.token_text(e.token) for e in choice.logprobs]
+    top = [None if e.top_logprobs is None else {service.token_text(t): lp for t, lp in e.top_logprobs.items()}
+           for e in choice.logprobs]
+    offsets, position = [], offset
+    for text in tokens:
+        offsets.append(position)
+        position += len(text)
+    return {"tokens": tokens, "token_logprobs": [e.logprob for e in choice.logprobs],
+            "top_logprobs": top if any(t is not None for t in top) else None, "text_offset": offsets}
+
+
+def openai_routes(service: GenerationService) -> list[Route]:
+    settings = service.settings
+
+    async def models(request: Request) -> Response:
+        return JSONResponse({"object": "list", "data": [
+            {"id": service.model_name, "object": "model", "created": service.created, "owned_by": "mha-deploy"}]})
+
+    def check_model(body) -> None:
+        if not isinstance(body, dict):
+            raise _bad("body", "must be a JSON object")
+        name = body.get("model")
+        if not isinstance(name, str):
+            raise _bad("model", "is required (a string): this server serves " + repr(service.model_name))
+        if name != service.model_name:
+            raise OpenAIError(404, "model_not_found",
+                              f"the model {name!r} does not exist: this server serves {service.model_name!r}", "model")
+
+    def start(prompts: list[np.ndarray], body: dict, sampling: Sampling, stops, logprobs) -> list[Choice]:
+        n = _integer(body, "n", 1, 1)
+        if n * len(prompts) > settings.max_choices:
+            raise _bad("n", f"{n} choices for {len(prompts)} prompts exceed this server's limit of "
+                       f"{settings.max_choices} sequences per request")
+        if body.get("best_of") not in (None, n):
+            raise _bad("best_of", "is supported only equal to n", "unsupported_parameter")
+        engine = service.require_ready()
+        choices = []
+        configs = [sampling.config(settings, j) for j in range(n)]
+        try:
+            for p, prompt in enumerate(prompts):
+                prompt = service.check_prompt(prompt, sampling.max_tokens, "prompt" if len(prompts) == 1
+                                              else f"prompt[{p}]")
+                for j in range(n):
+                    choice = Choice(p * n + j, prompt, service, stops)
+                    choice.submit(engine, configs[j], logprobs)
+                    choices.append(choice)
+                    service.metrics.prompt_tokens.inc(len(prompt))
+        except BaseException:
+            for choice in choices:
+                choice.cancel()
+            raise
+        return choices
+
+    def usage(choices: list[Choice]) -> dict:
+        prompt = sum(len(c.prompt) for c in choices)
+        completion = sum(len(c.tokens) for c in choices)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+    async def completions(request: Request) -> Response:
+        return await _handle(request, chat=False)
+
+    async def chat_completions(request: Request) -> Response:
+        return await _handle(request, chat=True)
+
+    async def _handle(request: Request, chat: bool) -> Response:
+        with service.track("openai_chat" if chat else "openai_completions"):
+            try:
+                body = load_json(await read_body(request, service.limits))
+                check_model(body)
+                if chat:
+                    prompts, logprobs = [_chat_prompt(body, service)], None
+                    if body.get("logprobs") not in (None, False):
+                        raise _bad("logprobs", "are served on /v1/completions only", "unsupported_parameter")
+                    sampling, stops = parse_sampling(body, service, ("max_tokens", "max_completion_tokens"))
+                else:
+                    sampling, stops = parse_sampling(body, service)
+                    logprobs = _integer(body, "logprobs", None, 0, MAX_LOGPROBS)
+                    prompts = _prompts(body.get("prompt"), service)
+                stream = body.get("stream", False)
+                if not isinstance(stream, bool):
+                    raise _bad("stream", "must be true or false")
+                options = body.get("stream_options") or {}
+                include_usage = isinstance(options, dict) and options.get("include_usage") is True
+                choices = start(prompts, body, sampling, stops, logprobs)
+            except RequestError as exc:
+                service.metrics.errors.labels(exc.kind).inc()
+                service.metrics.responses.labels(str(exc.status)).inc()
+                return error_response(exc)
+            except Exception:
+                logger.exception("generation request failed")
+                service.metrics.errors.labels("internal").inc()
+                return error_response(RequestError(500, "internal_error", "internal error (the server log has it)"))
+            ident = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+            created = int(time.time())
+            service.metrics.responses.labels("200").inc()
+            if stream:
+                chunks = _stream(choices, chat, ident, created, include_usage, usage)
+                return EventStream(chunks, choices, lambda: None)
+            finished = await until_done_or_gone(choices, request.receive)
+            if not finished:
+                return Response(status_code=499)  # nobody reads it: the client went away
+            failed = next((c for c in choices if c.error), None)
+            if failed is not None:
+                return error_response(RequestError(500, "engine_error", failed.error))
+            return JSONResponse({
+                "id": ident, "object": "chat.completion" if chat else "text_completion", "created": created,
+                "model": service.model_name, "choices": [_final_choice(c, chat) for c in choices],
+                "usage": usage(choices)})
+
+    def _final_choice(choice: Choice, chat: bool) -> dict:
+        if chat:
+            return {"index": choice.index, "message": {"role": "assistant", "content": choice.text},
+                    "finish_reason": choice.finish_reason, "logprobs": None, "token_ids": choice.tokens}
+        logprobs = _logprobs_block(choice, service) if choice.logprobs else None
+        return {"index": choice.index, "text": choice.text, "logprobs": logprobs,
+                "finish_reason": choice.finish_reason, "token_ids": choice.tokens}
+
+    async def _stream(choices, chat, ident, created, include_usage, usage):
+        kind = "chat.completion.chunk" if chat else "text_completion"
+
+        def chunk(payload_choices, **extra) -> bytes:
+            payload = {"id": ident, "object": kind, "created": created, "model": service.model_name,
+                       "choices": payload_choices, **extra}
+            return b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
+
+        if chat:
+            yield chunk([{"index": c.index, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
+                         for c in choices])
+        pending = {asyncio.ensure_future(c.next_delta()): c for c in choices}
+        try:
+            while pending:
+                done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                for task in done:
+                    choice = pending.pop(task)
+                    delta = task.result()
+                    if choice.error:
+                        yield b"data: " + json.dumps(error_body(500, "engine_error", choice.error)).encode() + b"\n\n"
+                        continue
+                    new_tokens = choice.tokens[-1:]
+                    if chat:
+                        body = {"index": choice.index, "delta": {"content": delta} if delta or not choice.done else {},
+                                "finish_reason": choice.finish_reason, "token_ids": new_tokens}
+                    else:
+                        logprobs = None
+                        if choice.logprobs and choice.logprobs[-1].token == choice.tokens[-1]:
+                            last = Choice(choice.index, choice.prompt, service)
+                            last.logprobs = choice.logprobs[-1:]
+                            logprobs = _logprobs_block(last, service)
+                        body = {"index": choice.index, "text": delta, "logprobs": logprobs,
+                                "finish_reason": choice.finish_reason, "token_ids": new_tokens}
+                    yield chunk([body])
+                    if not choice.done:
+                        pending[asyncio.ensure_future(choice.next_delta())] = choice
+            if include_usage:
+                yield chunk([], usage=usage(choices))
+            yield b"data: [DONE]\n\n"
+        finally:
+            for task in pending:
+                task.cancel()
+
+    return [
+        Route("/v1/models", models, methods=["GET"]),
+        Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+    ]
+
+
+def _chat_prompt(body: dict, service: GenerationService) -> np.ndarray:
+    """The messages rendered by the server's chat template, then tokenized."""
+    if service.chat_template is None:
+        raise OpenAIError(404, "chat_template_missing",
+                          "this server has no chat template (tokenizer.json carries none): start it with "
+                          "--chat-template FILE (a jinja2 template over messages), or use /v1/completions",
+                          "messages")
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages or not all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+            for m in messages):
+        raise _bad("messages", "must be a non-empty list of {\"role\": str, \"content\": str}")
+    from jinja2 import TemplateError
+
+    try:
+        text = service.chat_template.render(messages=messages, add_generation_prompt=True)
+    except TemplateError as exc:
+        raise _bad("messages", f"the chat template refused them: {exc}") from None
+    return service.encode(text, "messages")

@@ -1,0 +1,125 @@
+"""Triton's generate extension (provisional in Triton): ``POST /v2/models/{name}[/versions/1]/generate`` and
+``/generate_stream``.
+
+Triton's request is one JSON object whose top-level fields are the model's inputs and whose ``parameters`` object
+holds the rest; the response is ``{"model_name", "model_version", "text_output"}`` (``generate_stream``: one such
+object per server-sent event, each with the text since the last). Here the inputs are ``text_input`` (text, needs
+``--tokenizer``) or ``input_ids`` (token ids), and the settings are taken from ``parameters`` or the top level, in the
+names Triton's LLM backends use: ``max_tokens``, ``temperature`` (0 or absent: greedy, as those backends default),
+``top_p``, ``top_k``, ``seed`` (or ``random_seed``), ``stop`` / ``stop_words`` (strings), ``end_id`` /
+``stop_token_ids``, ``repetition_penalty``. Each response also carries ``output_ids`` and, at the end,
+``finish_reason``. Errors are the v2 protocol's ``{"error": "..."}`` (the stream's: an ``error`` event).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import numpy as np
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from mha_deploy.serving.http import v2
+from mha_deploy.serving.http.body import read_body
+from mha_deploy.serving.http.generation import Choice, EventStream, GenerationService, until_done_or_gone
+from mha_deploy.serving.http.openai_routes import parse_sampling
+from mha_deploy.serving.http.parsing import RequestError, load_json
+
+logger = logging.getLogger("mha_deploy.serve")
+# Triton's LLM backends' names for OpenAI's, read from the top level or from parameters.
+ALIASES = {"random_seed": "seed", "stop_words": "stop", "end_id": "stop_token_ids", "max_new_tokens": "max_tokens"}
+
+
+def triton_generate_routes(service: GenerationService) -> list[Route]:
+    async def generate(request: Request) -> Response:
+        return await _handle(request, stream=False)
+
+    async def generate_stream(request: Request) -> Response:
+        return await _handle(request, stream=True)
+
+    async def _handle(request: Request, stream: bool) -> Response:
+        with service.track("triton_generate_stream" if stream else "triton_generate"):
+            try:
+                _check_model(request)
+                body = load_json(await read_body(request, service.limits))
+                if not isinstance(body, dict):
+                    raise RequestError(400, "bad_request", "the body must be a JSON object")
+                choice = _start(body)
+            except RequestError as exc:
+                service.metrics.errors.labels(exc.kind).inc()
+                service.metrics.responses.labels(str(exc.status)).inc()
+                return JSONResponse({"error": exc.message}, status_code=exc.status,
+                                    headers={**exc.headers, **({"Retry-After": "1"} if exc.status == 429 else {})})
+            service.metrics.responses.labels("200").inc()
+            if stream:
+                return EventStream(_events(choice), [choice], lambda: None)
+            if not await until_done_or_gone([choice], request.receive):
+                return Response(status_code=499)
+            if choice.error:
+                return JSONResponse({"error": choice.error}, status_code=500)
+            return JSONResponse(_response(choice, choice.text, choice.tokens, final=True))
+
+    def _check_model(request: Request) -> None:
+        name = request.path_params["name"]
+        version = request.path_params.get("version", "")
+        if name != service.model_name:
+            raise RequestError(404, "unknown_model", f"unknown model {name!r}: this server serves "
+                                                     f"{service.model_name!r}")
+        if version not in ("", v2.MODEL_VERSION):
+            raise RequestError(404, "unknown_version", f"model {name!r} has version {v2.MODEL_VERSION} only")
+
+    def _start(body: dict) -> Choice:
+        parameters = body.get("parameters") or {}
+        if not isinstance(parameters, dict):
+            raise RequestError(400, "bad_request", "parameters must be a JSON object")
+        merged = {ALIASES.get(k, k): v for k, v in {**body, **parameters}.items()}
+        merged.setdefault("temperature", 0.0)
+        if "stop_token_ids" in merged and isinstance(merged["stop_token_ids"], int):
+            merged["stop_token_ids"] = [merged["stop_token_ids"]]
+        if merged.get("stream") not in (None, False, True):
+            raise RequestError(400, "bad_request", "stream must be true or false")
+        sampling, stops = parse_sampling(merged, service)
+        text, ids = body.get("text_input"), body.get("input_ids")
+        if (text is None) == (ids is None):
+            raise RequestError(400, "bad_request", "give text_input (a string) or input_ids (token ids), one of them")
+        if text is not None:
+            if isinstance(text, list) and len(text) == 1:  # a batch of one, as a BYTES tensor of shape [1]
+                text = text[0]
+            if not isinstance(text, str):
+                raise RequestError(400, "bad_request", "text_input must be a string")
+            prompt = service.encode(text, "text_input")
+        else:
+            if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+                raise RequestError(400, "bad_request", "input_ids must be a list of token ids")
+            prompt = np.asarray(ids, np.int64)
+        engine = service.require_ready()
+        prompt = service.check_prompt(prompt, sampling.max_tokens, "text_input" if text is not None else "input_ids")
+        choice = Choice(0, prompt, service, stops)
+        choice.submit(engine, sampling.config(service.settings), None)
+        service.metrics.prompt_tokens.inc(len(prompt))
+        return choice
+
+    def _response(choice: Choice, text: str, ids: list[int], final: bool) -> dict:
+        body = {"model_name": service.model_name, "model_version": v2.MODEL_VERSION, "text_output": text,
+                "output_ids": ids}
+        if final:
+            body["finish_reason"] = choice.finish_reason
+        return body
+
+    async def _events(choice: Choice):
+        while not choice.done:
+            before = len(choice.tokens)
+            delta = await choice.next_delta()
+            if choice.error:
+                yield b"data: " + json.dumps({"error": choice.error}).encode() + b"\n\n"
+                return
+            payload = _response(choice, delta, choice.tokens[before:], final=choice.done)
+            yield b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
+
+    return [
+        Route(path + suffix, endpoint, methods=["POST"])
+        for path in ("/v2/models/{name}", "/v2/models/{name}/versions/{version}")
+        for suffix, endpoint in (("/generate", generate), ("/generate_stream", generate_stream))
+    ]

@@ -1,0 +1,287 @@
+"""``mha-deploy serve`` of a KV-cache decoder: OpenAI's official client on /v1/completions and /v1/chat/completions,
+plain and streaming, Triton's generate extension, against TinyLM (tests/user_models/causal_lm.py) and Hugging Face
+GPT-2 from a config, each with a tokenizers tokenizer trained here; every greedy completion equals the library's
+generation loop on the same prompt alone. Many concurrent streams, cancellation, bad requests, metrics."""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+
+from mha_deploy.runtime.generation import generate
+from mha_deploy.runtime.kv_stepper import KVCacheStepper
+from tests.serving.helpers import Server
+
+pytest.importorskip("torch")
+openai = pytest.importorskip("openai")
+
+TEXT = """the cat sat on the mat and the dog sat on the log . a bird sang in the tree while the sun rose over
+the hill . the dog ran to the cat and the cat ran up the tree . the bird flew over the hill and the sun set ."""
+TEMPLATE = ("{% for m in messages %}{{ m['role'] }} : {{ m['content'] }} . {% endfor %}"
+            "{% if add_generation_prompt %}assistant : {% endif %}")
+MODELS = {"tiny": ("causal_lm", 50), "gpt2": ("hf_gpt2", 96)}  # user model, vocabulary
+
+
+def train_tokenizer(path, vocab: int):
+    """A word-level tokenizer trained on TEXT, within the model's vocabulary."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import Whitespace
+    from tokenizers.trainers import WordLevelTrainer
+
+    tokenizer = Tokenizer(WordLevel(unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = Whitespace()
+    tokenizer.train_from_iterator([TEXT], WordLevelTrainer(vocab_size=vocab, special_tokens=["[UNK]"]))
+    tokenizer.save(str(path))
+    return tokenizer
+
+
+@pytest.fixture(scope="module")
+def served(lm_cache, tmp_path_factory):
+    """``served(key) -> (server, model path, tokenizer)``: one server per model for the module."""
+    cache, servers = {}, []
+
+    def start(key: str):
+        if key not in cache:
+            name, vocab = MODELS[key]
+            path = lm_cache(name)[0]
+            directory = tmp_path_factory.mktemp(f"gen-{key}")
+            tokenizer = train_tokenizer(directory / "tokenizer.json", vocab)
+            (directory / "chat.jinja").write_text(TEMPLATE)
+            extra = ["--mix-lengths"] if key == "tiny" else []  # TinyLM has no positions; GPT-2 keeps its own
+            server = Server(path, directory / "server.log", "--tokenizer", str(directory / "tokenizer.json"),
+                            "--chat-template", str(directory / "chat.jinja"), "--threads", "2", "--name", key,
+                            "--max-new-tokens", "600", "--max-length", "700", "--max-choices", "4",
+                            "--max-batch", "64", *extra)
+            servers.append(server)
+            cache[key] = server.wait_ready(), path, tokenizer
+        return cache[key]
+
+    yield start
+    for server in servers:
+        server.stop()
+
+
+def client(server: Server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"http://{server.url}/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def alone(path, ids, max_new_tokens: int) -> list[int]:
+    """The library loop on one prompt alone."""
+    return generate(KVCacheStepper(path), [list(ids)], max_new_tokens=max_new_tokens).tokens[0].tolist()
+
+
+def text_of(tokenizer, ids) -> str:
+    return tokenizer.decode(ids, skip_special_tokens=True)
+
+
+PROMPT = "the cat sat on the"
+
+
+@pytest.mark.parametrize("key", list(MODELS))
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
+def test_completions_greedy_equal_the_library_loop(served, key, stream):
+    server, path, tokenizer = served(key)
+    expected = alone(path, tokenizer.encode(PROMPT).ids, 8)
+    if stream:
+        chunks = list(client(server).completions.create(model=key, prompt=PROMPT, max_tokens=8, temperature=0,
+                                                         stream=True, stream_options={"include_usage": True}))
+        tokens = [t for c in chunks if c.choices for t in c.choices[0].token_ids]
+        text = "".join(c.choices[0].text for c in chunks if c.choices)
+        assert chunks[-1].usage.completion_tokens == 8
+        assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    else:
+        answer = client(server).completions.create(model=key, prompt=PROMPT, max_tokens=8, temperature=0)
+        tokens, text = answer.choices[0].token_ids, answer.choices[0].text
+        assert answer.usage.prompt_tokens == len(tokenizer.encode(PROMPT).ids)
+        assert answer.usage.completion_tokens == 8 and answer.choices[0].finish_reason == "length"
+    assert tokens == expected
+    assert text == text_of(tokenizer, expected)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
+def test_chat_completions_render_the_template_then_generate_as_the_library(served, stream):
+    server, path, tokenizer = served("tiny")
+    from jinja2 import Template
+
+    messages = [{"role": "user", "content": "the dog ran"}]
+    prompt = Template(TEMPLATE).render(messages=messages, add_generation_prompt=True)
+    expected = alone(path, tokenizer.encode(prompt).ids, 6)
+    chat = client(server).chat.completions
+    if stream:
+        chunks = list(chat.create(model="tiny", messages=messages, max_tokens=6, temperature=0, stream=True))
+        assert chunks[0].choices[0].delta.role == "assistant"
+        text = "".join(c.choices[0].delta.content or "" for c in chunks)
+        assert chunks[-1].choices[0].finish_reason == "length"
+    else:
+        answer = chat.create(model="tiny", messages=messages, max_tokens=6, temperature=0)
+        assert answer.choices[0].message.role == "assistant"
+        text = answer.choices[0].message.content
+        assert answer.choices[0].token_ids == expected
+    assert text == text_of(tokenizer, expected)
+
+
+def test_token_id_prompts_several_choices_stop_strings_and_logprobs(served):
+    server, path, tokenizer = served("tiny")
+    api = client(server).completions
+    prompts = [[3, 4, 5], [7, 8]]
+    answer = api.create(model="tiny", prompt=prompts, max_tokens=5, temperature=0, n=2, logprobs=2)
+    assert len(answer.choices) == 4
+    for choice in answer.choices:
+        assert choice.token_ids == alone(path, prompts[choice.index // 2], 5)
+        assert len(choice.logprobs.token_logprobs) == 5 and len(choice.logprobs.top_logprobs[0]) == 2
+    full = alone(path, [3, 4, 5], 10)
+    words = text_of(tokenizer, full).split(" ")
+    stop = " ".join(words[2:4])
+    answer = api.create(model="tiny", prompt=[3, 4, 5], max_tokens=10, temperature=0, stop=[stop])
+    assert answer.choices[0].finish_reason == "stop"
+    assert answer.choices[0].text == text_of(tokenizer, full)[: text_of(tokenizer, full).index(stop)]
+    # stop ids end it at the id, kept (as an end id is)
+    answer = api.create(model="tiny", prompt=[3, 4, 5], max_tokens=10, temperature=0, stop=[full[3]])
+    assert answer.choices[0].token_ids == full[: full.index(full[3]) + 1]
+    # sampling with a seed draws the same twice
+    draws = [api.create(model="tiny", prompt=[3, 4, 5], max_tokens=6, temperature=0.9, top_p=0.9, seed=7)
+             .choices[0].token_ids for _ in range(2)]
+    assert draws[0] == draws[1]
+
+
+def test_triton_generate_and_generate_stream(served):
+    server, path, tokenizer = served("gpt2")
+    expected = alone(path, tokenizer.encode(PROMPT).ids, 6)
+    status, _, body = server.request("POST", "/v2/models/gpt2/generate",
+                                     json.dumps({"text_input": PROMPT, "parameters": {"max_tokens": 6}}).encode())
+    assert status == 200, body
+    answer = json.loads(body)
+    assert answer["model_name"] == "gpt2" and answer["output_ids"] == expected
+    assert answer["text_output"] == text_of(tokenizer, expected)
+    status, headers, body = server.request("POST", "/v2/models/gpt2/generate_stream",
+                                           json.dumps({"text_input": PROMPT, "max_tokens": 6}).encode())
+    assert status == 200 and headers["content-type"].startswith("text/event-stream")
+    events = [json.loads(line[6:]) for line in body.decode().split("\n\n") if line.startswith("data: ")]
+    assert [t for e in events for t in e["output_ids"]] == expected
+    assert "".join(e["text_output"] for e in events) == text_of(tokenizer, expected)
+    status, _, body = server.request("POST", "/v2/models/gpt2/infer", b"{}")
+    assert status == 400 and b"generate" in body
+    status, _, body = server.request("GET", "/v2/models/gpt2")
+    meta = json.loads(body)
+    assert meta["parameters"]["generator"] and "exact length" in meta["parameters"]["batching"]
+
+
+def test_32_concurrent_streams_each_equal_to_its_request_alone(served):
+    server, path, _ = served("tiny")
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(1, 50, rng.integers(1, 40)).tolist() for _ in range(32)]
+    lengths = rng.integers(1, 17, 32).tolist()
+    api = client(server).completions
+
+    def run(i):
+        stream = api.create(model="tiny", prompt=prompts[i], max_tokens=lengths[i], temperature=0, stream=True)
+        return [t for chunk in stream for t in chunk.choices[0].token_ids]
+
+    with ThreadPoolExecutor(32) as pool:
+        results = list(pool.map(run, range(32)))
+    for prompt, n, tokens in zip(prompts, lengths, results, strict=True):
+        assert tokens == alone(path, prompt, n)
+
+
+def metric(server: Server, name: str) -> float:
+    text = server.request("GET", "/metrics")[2].decode()
+    match = re.search(rf"^{name} (\S+)$", text, re.M)
+    return float(match.group(1))
+
+
+def test_cancelled_streams_free_their_cache_and_the_others_complete(served):
+    server, path, _ = served("tiny")
+    rng = np.random.default_rng(4)
+    prompts = [rng.integers(1, 50, rng.integers(2, 20)).tolist() for _ in range(16)]
+    api = client(server).completions
+    before = metric(server, "mha_generation_tokens_total")
+    two_read = threading.Barrier(9)
+
+    def cancelled(i):  # asks for 600 tokens, reads two, goes away
+        stream = api.create(model="tiny", prompt=prompts[i], max_tokens=600, temperature=0, stream=True)
+        chunks = iter(stream)
+        next(chunks), next(chunks)
+        two_read.wait(30)
+        stream.close()
+
+    def finished(i):
+        stream = api.create(model="tiny", prompt=prompts[i], max_tokens=12, temperature=0, stream=True)
+        return [t for chunk in stream for t in chunk.choices[0].token_ids]
+
+    with ThreadPoolExecutor(16) as pool:
+        gone = [pool.submit(cancelled, i) for i in range(8)]
+        two_read.wait(30)  # every cancelled stream is running (two tokens read) before the others start
+        kept = [pool.submit(finished, i) for i in range(8, 16)]
+        for future in gone:
+            future.result()
+        results = [future.result() for future in kept]
+    for i, tokens in zip(range(8, 16), results, strict=True):
+        assert tokens == alone(path, prompts[i], 12)
+    deadline = time.monotonic() + 10
+    while metric(server, "mha_generation_cache_tokens") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert metric(server, "mha_generation_cache_tokens") == 0
+    assert metric(server, "mha_generation_running_requests") == 0
+    generated = metric(server, "mha_generation_tokens_total") - before
+    assert generated < 8 * 12 + 8 * 300, f"{generated} tokens: the cancelled streams ran on"
+    text = server.request("GET", "/metrics")[2].decode()
+    assert "mha_generation_time_to_first_token_seconds_count" in text
+    assert "mha_generation_time_per_output_token_seconds_count" in text
+
+
+@pytest.mark.parametrize(("body", "status", "param"), [
+    ({"model": "nope", "prompt": [1]}, 404, "model"),
+    ({"model": "tiny", "prompt": [1], "max_tokens": 0}, 400, "max_tokens"),
+    ({"model": "tiny", "prompt": [1], "max_tokens": 601}, 400, None),
+    ({"model": "tiny", "prompt": [1] * 690, "max_tokens": 16}, 400, None),
+    ({"model": "tiny", "prompt": [1, 50], "max_tokens": 4}, 400, None),
+    ({"model": "tiny", "prompt": [1], "n": 5}, 400, "n"),
+    ({"model": "tiny", "prompt": [1], "temperature": -1}, 400, "temperature"),
+    ({"model": "tiny", "prompt": [1], "echo": True}, 400, "echo"),
+    ({"model": "tiny"}, 400, "prompt"),
+], ids=["unknown-model", "max-tokens-0", "max-tokens-past-limit", "past-max-length", "id-past-vocab", "n-too-large",
+        "bad-temperature", "echo", "no-prompt"])
+def test_bad_requests_get_openai_shaped_errors(served, body, status, param):
+    server, _, _ = served("tiny")
+    got, _, raw = server.request("POST", "/v1/completions", json.dumps(body).encode())
+    error = json.loads(raw)["error"]
+    assert got == status, error
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    if param is not None:
+        assert error["param"] == param
+    if "prompt" not in body:
+        return  # the official client refuses it before sending
+    # the official client raises the matching error with the server's message
+    failure = openai.NotFoundError if status == 404 else openai.BadRequestError
+    with pytest.raises(failure, match=re.escape(error["message"][:40])):
+        client(server).completions.create(**body)
+
+
+def test_malformed_json_and_a_chat_without_template(served, tmp_path):
+    server, path, _ = served("tiny")
+    status, _, raw = server.request("POST", "/v1/completions", b'{"model": "tiny", "prompt": [1,')
+    assert status == 400 and json.loads(raw)["error"]["code"] == "malformed_json"
+    bare = Server(path, tmp_path / "bare.log", "--threads", "1", "--name", "bare", "--max-batch", "1",
+                  "--max-queue", "1", "--mix-lengths").wait_ready()
+    try:
+        status, _, raw = bare.request("POST", "/v1/chat/completions", json.dumps(
+            {"model": "bare", "messages": [{"role": "user", "content": "hi"}]}).encode())
+        assert status == 404 and "--chat-template" in json.loads(raw)["error"]["message"]
+        status, _, raw = bare.request("POST", "/v1/completions", json.dumps({"model": "bare", "prompt": "hi"}).encode())
+        assert status == 400 and "--tokenizer" in json.loads(raw)["error"]["message"]
+        # one running, one waiting: a third gets 429 with Retry-After, never a hang
+        body = json.dumps({"model": "bare", "prompt": [1, 2], "max_tokens": 600, "temperature": 0}).encode()
+        with ThreadPoolExecutor(3) as pool:
+            answers = list(pool.map(lambda _: bare.request("POST", "/v1/completions", body), range(3)))
+        refused = [a for a in answers if a[0] == 429]
+        assert refused and refused[0][1]["retry-after"] == "1"
+        assert all(a[0] in (200, 429) for a in answers)
+    finally:
+        bare.stop()
