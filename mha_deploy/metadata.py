@@ -18,18 +18,19 @@ from mha_deploy.signature import ATTENTION_KINDS, MASK_MODES, MODEL_KINDS, Signa
 __all__ = [
     "ATTENTION_KINDS", "DTYPES", "DTYPE_CHOICES", "FUSE_CHOICES", "MASK_MODES", "MAX_OPSET", "METADATA_KEY",
     "MIN_OPSET", "MODEL_KINDS", "ON_ERROR_CHOICES", "PROVIDER_CHOICES", "QUANTIZE_CHOICES", "TRITON_KINDS",
-    "ModelMetadata", "ParityReport", "Signature",
+    "GenerationIds", "ModelMetadata", "ParityReport", "Signature",
 ]
 
 METADATA_KEY = "mha_deploy"
 # Bumped when the meaning of a recorded field changes: the newest format this version reads. Files are
 # written in the oldest format that holds them, 1, except a custom model's (declared tensors; 2), a model
-# with a max length (3) and a parity report whose atol is per row (4), which earlier mha-deploy cannot read:
-# it then says to upgrade.
-METADATA_FORMAT = 4
+# with a max length (3), a parity report whose atol is per row (4) and a generation section (5), which earlier
+# mha-deploy cannot read: it then says to upgrade.
+METADATA_FORMAT = 5
 _CUSTOM_FORMAT = 2
 _MAX_LENGTH_FORMAT = 3
 _ROW_ATOL_FORMAT = 4
+_GENERATION_FORMAT = 5
 
 # The choices the exporter, the runtime and serving accept, defined here (no torch, no
 # onnxruntime) so that the CLI lists them without importing either; the modules that
@@ -85,6 +86,51 @@ class ParityReport:
 
 
 @dataclass
+class GenerationIds:
+    """The token ids a generator needs and the file alone cannot say, recorded at export (``--eos-id``,
+    ``--pad-id``, ``--start-id``) so that generation needs none of them: ``eos_token_ids`` end a row (none: every
+    row runs to its token budget), ``pad_token_id`` fills prompts and finished rows (onnxruntime-genai finds a
+    prompt's padding by it), ``decoder_start_token_id`` is the first token an encoder-decoder's decoder reads."""
+
+    eos_token_ids: list[int] = field(default_factory=list)
+    pad_token_id: int | None = None
+    decoder_start_token_id: int | None = None
+
+    def __post_init__(self):
+        self.eos_token_ids = list(self.eos_token_ids)
+
+    @property
+    def ids(self) -> dict[str, int]:
+        """Every recorded id by what it is, e.g. {"eos id": 2, "pad id": 0} (eos ids numbered when several)."""
+        eos = self.eos_token_ids
+        named = {("eos id" if len(eos) == 1 else f"eos id #{i + 1}"): token for i, token in enumerate(eos)}
+        for name, token in (("pad id", self.pad_token_id), ("start id", self.decoder_start_token_id)):
+            if token is not None:
+                named[name] = token
+        return named
+
+    def check(self, vocab: int | None, source: str = "generation ids") -> None:
+        """Every id an integer in [0, vocab) (vocab None: not checked against a size); ``SignatureError`` naming
+        the first that is not."""
+        for name, token in self.ids.items():
+            if type(token) is not int or token < 0:
+                raise SignatureError(f"{source}: {name} is {token!r}, not a non-negative integer token id")
+            if vocab is not None and token >= vocab:
+                raise SignatureError(
+                    f"{source}: {name} is {token}, past the model's vocabulary of {vocab} ids (0 to {vocab - 1}): "
+                    "was it taken from another model's tokenizer?"
+                )
+
+    def describe(self) -> str:
+        parts = [f"eos {', '.join(map(str, self.eos_token_ids))}" if self.eos_token_ids else "no eos"]
+        if self.pad_token_id is not None:
+            parts.append(f"pad {self.pad_token_id}")
+        if self.decoder_start_token_id is not None:
+            parts.append(f"decoder start {self.decoder_start_token_id}")
+        return ", ".join(parts)
+
+
+@dataclass
 class ModelMetadata:
     """Everything a session needs to know about an exported model."""
 
@@ -107,6 +153,8 @@ class ModelMetadata:
     # The longest sequence the model takes on any length axis (a position table's size, --max-length); None:
     # no limit recorded. The validator refuses a longer one before ONNX Runtime indexes past the table.
     max_length: int | None = None
+    # A generator's token ids (eos, pad, decoder start) recorded at export; None: none recorded.
+    generation: GenerationIds | None = None
 
     @property
     def fixed_sizes(self) -> dict[str, int]:
@@ -129,6 +177,10 @@ class ModelMetadata:
             del raw["max_length"]
         else:
             raw["format"] = max(raw["format"], _MAX_LENGTH_FORMAT)
+        if self.generation is None:
+            del raw["generation"]
+        else:
+            raw["format"] = max(raw["format"], _GENERATION_FORMAT)
         if raw["parity"] is not None:
             if raw["parity"]["atol_per_row"]:
                 raw["format"] = max(raw["format"], _ROW_ATOL_FORMAT)
@@ -143,6 +195,8 @@ class ModelMetadata:
             raw["signature"] = Signature(**raw["signature"])
             if raw.get("parity") is not None:
                 raw["parity"] = ParityReport(**raw["parity"])
+            if raw.get("generation") is not None:
+                raw["generation"] = GenerationIds(**raw["generation"])
             metadata = cls(**raw)
         except (ValueError, TypeError, KeyError, SignatureError) as exc:
             raise ModelFileError(f"{source}: unreadable mha-deploy metadata ({exc})") from exc
@@ -155,6 +209,11 @@ class ModelMetadata:
             raise ModelFileError(
                 f"{source}: mha-deploy metadata max_length is {metadata.max_length!r}, not a positive integer"
             )
+        if metadata.generation is not None:
+            try:
+                metadata.generation.check(None, f"{source}: mha-deploy metadata generation")
+            except SignatureError as exc:
+                raise ModelFileError(str(exc)) from exc
         if metadata.signature.layers not in (1, metadata.layers):
             raise ModelFileError(
                 f"{source}: its metadata says {metadata.layers} layers, its cache layout {metadata.signature.layers}"

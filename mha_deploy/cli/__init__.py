@@ -7,7 +7,17 @@ a command's module registers it on ``main``.
 
 from __future__ import annotations
 
-from mha_deploy.cli import bench, export, generate, infer, inspect, optimize, serve, triton  # noqa: F401  (registers them)
+from mha_deploy.cli import (  # noqa: F401  (registers them)
+    bench,
+    export,
+    genai_config,
+    generate,
+    infer,
+    inspect,
+    optimize,
+    serve,
+    triton,
+)
 from mha_deploy.cli.group import main
 
 __all__ = ["main"]

@@ -18,6 +18,7 @@ from mha_deploy.metadata import (
     MIN_OPSET,
     MODEL_KINDS,
     QUANTIZE_CHOICES,
+    GenerationIds,
     Signature,
 )
 
@@ -82,13 +83,26 @@ from mha_deploy.metadata import (
               help="With --module, the longest sequence the module takes (default: read off its position "
                    "table, an nn.Embedding indexed by position, if any): parity checks no longer one, and it is "
                    "recorded in the file so that a longer sequence is refused.")
+@click.option("--eos-id", "eos_ids", type=click.IntRange(min=0), multiple=True,
+              help="With --kv-cache, a token id that ends generation (repeatable), recorded in the file: generate's "
+                   "default --eos-id, and onnxruntime-genai's eos_token_id with --genai.")
+@click.option("--pad-id", type=click.IntRange(min=0),
+              help="With --kv-cache, the id that pads prompts and finished rows, recorded in the file "
+                   "(onnxruntime-genai finds a prompt's padding by it: take one no prompt ends with).")
+@click.option("--start-id", type=click.IntRange(min=0),
+              help="With --kv-cache, an encoder-decoder's decoder start id, recorded in the file. A causal LM starts "
+                   "from its prompt: generate does not use it, and --genai writes it as bos_token_id.")
+@click.option("--genai", is_flag=True,
+              help="With --module ... --kv-cache, also write genai_config.json beside the file so that "
+                   "onnxruntime-genai generates from it unchanged (context_length from the max length; needs one "
+                   "recorded). The same as `mha-deploy genai-config` afterwards.")
 @pack_tokens_option
 @click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path), required=True,
               help="Where to write the .onnx file (written only if parity passes).")
 @click.pass_context
 def export(ctx, checkpoint, prefix, d_model, heads, model_kind, layers, d_ff, attention, mask, return_weights, kv_cache,
-           fuse, quantize, seed, opset, dtype, atol, rtol, module_spec, inputs, output_names, max_length, pack_tokens,
-           output):
+           fuse, quantize, seed, opset, dtype, atol, rtol, module_spec, inputs, output_names, max_length, eos_ids,
+           pad_id, start_id, genai, pack_tokens, output):
     """Export a reference MHA to ONNX with dynamic batch and sequence axes, checked against torch.
 
     \b
@@ -102,6 +116,8 @@ def export(ctx, checkpoint, prefix, d_model, heads, model_kind, layers, d_ff, at
       mha-deploy export --model decoder --layers 6 --mask padding -o decoder.onnx
       mha-deploy export --checkpoint attn.safetensors --heads 8 --mask padding-causal -o mha.onnx
       mha-deploy export --module model.py:build --input ids:tokens --input mask:padding-mask -o model.onnx
+      mha-deploy export --module gpt.py:build --input ids:tokens --input mask:padding-mask --kv-cache \
+          --eos-id 2 --pad-id 0 --genai -o lm/model.onnx
     """
     from mha_deploy.exporters import export_builtin, export_model, load_factory
 
@@ -109,7 +125,14 @@ def export(ctx, checkpoint, prefix, d_model, heads, model_kind, layers, d_ff, at
                "pack_tokens": pack_tokens}
     lone_block = ("prefix", "d_model", "heads", "model_kind", "layers", "d_ff", "attention", "mask",
                   "return_weights", "seed")
-    own_model = ("inputs", "output_names", "max_length")
+    own_model = ("inputs", "output_names", "max_length", "eos_ids", "pad_id", "start_id", "genai")
+    generation = None
+    if eos_ids or pad_id is not None or start_id is not None:
+        if not kv_cache:
+            raise click.UsageError("--eos-id, --pad-id and --start-id are recorded for generation: give --kv-cache")
+        generation = GenerationIds(list(eos_ids), pad_id, start_id)
+    if genai and not kv_cache:
+        raise click.UsageError("--genai writes onnxruntime-genai's config for a KV-cache decoder: give --kv-cache")
     if module_spec is not None:
         given = [name for name in lone_block if _given(ctx, name)]
         if given:
@@ -119,7 +142,7 @@ def export(ctx, checkpoint, prefix, d_model, heads, model_kind, layers, d_ff, at
         module = load_factory(module_spec)
         click.echo(f"exporting {type(module).__name__} from {module_spec}, inputs {', '.join(inputs)}", err=True)
         result = export_model(module, output, inputs, output_names=output_names or None, checkpoint=checkpoint,
-                              max_length=max_length, kv_cache=kv_cache, **options)
+                              max_length=max_length, kv_cache=kv_cache, generation=generation, **options)
     elif given := [name for name in own_model if _given(ctx, name)]:
         raise click.UsageError(f"{_flags(given)} describe your own model: give it with --module FILE.py:FACTORY")
     elif model_kind == "mha":
@@ -143,6 +166,24 @@ def export(ctx, checkpoint, prefix, d_model, heads, model_kind, layers, d_ff, at
                    err=True)
         result = export_builtin(stack, output, signature, **options)
     echo_export(result)
+    if genai:
+        write_genai_beside(result.path)
+
+
+def write_genai_beside(model: Path) -> None:
+    """``genai_config.json`` beside the model just written; the model is removed again when the config cannot be
+    written, so that a failed ``export --genai`` leaves nothing."""
+    from mha_deploy.runtime.genai_config import write_genai_config
+
+    try:
+        path, warnings = write_genai_config(model)
+    except BaseException:
+        model.unlink(missing_ok=True)
+        click.echo(f"removed {model}: --genai could not describe it to onnxruntime-genai", err=True)
+        raise
+    for warning in warnings:
+        click.echo(f"warning: {warning}", err=True)
+    click.echo(f"wrote {path} (onnxruntime-genai)")
 
 
 def echo_export(result) -> None:
@@ -163,5 +204,5 @@ def _given(ctx: click.Context, name: str) -> bool:
 
 
 def _flags(names: list[str]) -> str:
-    flags = {"model_kind": "--model", "inputs": "--input", "output_names": "--output-name"}
+    flags = {"model_kind": "--model", "inputs": "--input", "output_names": "--output-name", "eos_ids": "--eos-id"}
     return ", ".join(flags.get(name, "--" + name.replace("_", "-")) for name in names)

@@ -9,6 +9,7 @@ import click
 
 from mha_deploy.batching import RunnerOptions
 from mha_deploy.cli.group import main
+from mha_deploy.cli.options import session_options
 from mha_deploy.cli.progress import echo_run_notes, run_with_progress
 from mha_deploy.metadata import ON_ERROR_CHOICES
 
@@ -32,10 +33,11 @@ from mha_deploy.metadata import ON_ERROR_CHOICES
 @click.option("--min-new-tokens", type=click.IntRange(min=0), default=0, show_default=True,
               help="No end id before this many new tokens.")
 @click.option("--eos-id", "eos_ids", type=click.IntRange(min=0), multiple=True,
-              help="Token id that ends a prompt's output (kept in it); repeatable. None: every prompt runs to "
-                   "--max-new-tokens.")
+              help="Token id that ends a prompt's output (kept in it); repeatable. Default: the ids recorded at "
+                   "export (export --eos-id); none: every prompt runs to --max-new-tokens.")
 @click.option("--start-id", type=click.IntRange(min=0),
-              help="The decoder start id of an encoder-decoder (with --encoder).")
+              help="The decoder start id of an encoder-decoder (with --encoder); default: the one its decoder file "
+                   "recorded at export.")
 @click.option("--do-sample", is_flag=True, help="Sample (with --temperature, --top-k, --top-p); default greedy.")
 @click.option("--temperature", type=click.FloatRange(min=0, min_open=True), default=1.0, show_default=True)
 @click.option("--top-k", type=click.IntRange(min=1), help="Sample among the k likeliest tokens only.")
@@ -67,13 +69,13 @@ from mha_deploy.metadata import ON_ERROR_CHOICES
               help="At a bad prompt (ids past the vocabulary, empty, too long, unreadable): stop with an error, "
                    "or skip it and list it.")
 @click.option("--overwrite", is_flag=True, help="Redo every shard, even those a previous run finished.")
-@click.option("--threads", type=click.IntRange(min=1), show_default="one per core",
-              help="Intra-op threads of ONNX Runtime (CPU).")
+@session_options(provider="cpu")
 @click.option("--progress/--no-progress", default=True, show_default=True, help="Progress bar on stderr.")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON on stdout.")
 def generate(model, input_path, output_path, tokenizer, encoder, max_new_tokens, min_new_tokens, eos_ids, start_id,
              do_sample, temperature, top_k, top_p, repetition_penalty, num_beams, length_penalty, seed, max_length,
-             batch_size, max_batch_tokens, pad_prompts, bucket_window, on_error, overwrite, threads, progress, as_json):
+             batch_size, max_batch_tokens, pad_prompts, bucket_window, on_error, overwrite, provider, threads, progress,
+             as_json):
     """Generate new tokens for every prompt of a dataset with a KV-cache decoder (export --module ... --kv-cache,
     or any decoder in Optimum's cache naming), greedy unless told to sample or search beams.
 
@@ -86,6 +88,7 @@ def generate(model, input_path, output_path, tokenizer, encoder, max_new_tokens,
     Examples:
       mha-deploy generate lm.onnx --input prompts.jsonl --output out.jsonl --max-new-tokens 64 --eos-id 2
       mha-deploy generate lm.onnx --input prompts.jsonl --output out.jsonl --tokenizer tokenizer.json --do-sample
+      mha-deploy generate lm.onnx --input prompts.jsonl --output out.jsonl --provider cuda
       mha-deploy generate decoder.onnx --encoder encoder.onnx --start-id 0 --input src.jsonl --output out.jsonl
     """
     from mha_deploy.batch.generation import (
@@ -96,11 +99,14 @@ def generate(model, input_path, output_path, tokenizer, encoder, max_new_tokens,
         prompt_limits,
         run_generation,
     )
-    from mha_deploy.runtime.generation import GenerationConfig
+    from mha_deploy.runtime.generation import GenerationConfig, with_recorded_ids
     from mha_deploy.runtime.kv_stepper import KVCacheStepper
 
+    if encoder is not None and start_id is None:
+        start_id = _recorded_start_id(model)
     if (encoder is None) != (start_id is None):
-        raise click.UsageError("an encoder-decoder needs --encoder and --start-id; a decoder-only model neither")
+        raise click.UsageError("an encoder-decoder needs --encoder and --start-id (or a start id recorded in its "
+                               "decoder at export); a decoder-only model neither")
     if num_beams > 1 and do_sample:
         raise click.UsageError("--num-beams searches beams and samples nothing: give it or --do-sample, not both")
     config = GenerationConfig(
@@ -109,7 +115,14 @@ def generate(model, input_path, output_path, tokenizer, encoder, max_new_tokens,
         length_penalty=length_penalty, eos_token_id=list(eos_ids) or None, seed=seed,
     )
     options = RunnerOptions(batch_size, max_batch_tokens, bucket_window, on_error)
-    stepper = KVCacheStepper(model, encoder=encoder, decoder_start_token_id=start_id, threads=threads)
+    stepper = KVCacheStepper(model, encoder=encoder, decoder_start_token_id=start_id, threads=threads,
+                             provider=provider)
+    if stepper.graph.provider_note:
+        click.echo(stepper.graph.provider_note, err=True)
+    # Resolved here, not only inside the loop, so that the manifest records the ids the run used.
+    config = with_recorded_ids(config, stepper)
+    if config.eos_token_id is not None and not eos_ids:
+        click.echo(f"eos ids {', '.join(map(str, config.end_ids))} (recorded in {model.name})", err=True)
     generator = PromptGenerator(
         stepper, config, options, limits=prompt_limits(stepper, max_length),
         tokenizer=PromptTokenizer(tokenizer) if tokenizer is not None else None,
@@ -132,3 +145,15 @@ def generate(model, input_path, output_path, tokenizer, encoder, max_new_tokens,
         click.echo(f"wrote {output_path}")
     else:
         click.echo(f"nothing to do: {output_path} was already done by an earlier run (--overwrite redoes it)")
+
+
+def _recorded_start_id(model: Path) -> int | None:
+    """The decoder start id the decoder file recorded at export, if it is an mha-deploy file that records one."""
+    from mha_deploy.errors import ModelFileError
+    from mha_deploy.model_report import read_metadata
+
+    try:
+        recorded = read_metadata(model).generation
+    except ModelFileError:  # not an mha-deploy file: nothing recorded (a file that is no model fails later, named)
+        return None
+    return recorded.decoder_start_token_id if recorded is not None else None

@@ -66,6 +66,7 @@ from mha_deploy.metadata import (
     METADATA_KEY,
     MIN_OPSET,
     QUANTIZE_CHOICES,
+    GenerationIds,
     ModelMetadata,
     ParityReport,
     Signature,
@@ -418,6 +419,7 @@ def export_model(
     checkpoint: str | os.PathLike | None = None,
     max_length: int | None = None,
     kv_cache: bool = False,
+    generation: GenerationIds | None = None,
     **options,
 ) -> ExportResult:
     """Export a user's own ``module`` (built around the reference attention) whose forward takes ``inputs``.
@@ -440,18 +442,25 @@ def export_model(
 
     ``kv_cache``: a causal LM over token ids (one tokens input and its padding mask, logits out) exported with
     a cache per attention for generation (``own_kv_cache``): one file for the prompt and every later step,
-    checked call by call against one forward of the whole sequence.
+    checked call by call against one forward of the whole sequence. ``generation``: the ids a generator needs
+    (eos, pad, decoder start), recorded in the file's metadata for ``mha-deploy generate`` and onnxruntime-genai;
+    with ``kv_cache`` only, each refused unless below the vocabulary.
     """
     export_options = ExportOptions(**options)
     export_options.check()
     output = _check_output(output)
     if max_length is not None and max_length < 1:
         raise ExportError(f"max length must be at least 1, got {max_length}")
+    if generation is not None:
+        if not kv_cache:
+            raise ExportError("eos, pad and start ids are a generator's: they are recorded with a KV-cache export "
+                              "(--kv-cache), which is what generates")
+        generation.check(None)  # the types now; the vocabulary once the trace has made it plain
     if checkpoint is not None:
         load_checkpoint(module, checkpoint)
     kept = ModuleState(module, copy=True)
     try:
-        return _export_model(module, output, inputs, output_names, max_length, export_options, kv_cache)
+        return _export_model(module, output, inputs, output_names, max_length, export_options, kv_cache, generation)
     except SystemExit as exc:  # the module's own code: it must not end the caller's process with its status
         raise ExportError(f"{type(module).__name__} called sys.exit({exc.code!r}) (SystemExit) while it ran for the "
                           "export: a forward must return its outputs") from exc
@@ -459,7 +468,9 @@ def export_model(
         kept.restore(module)
 
 
-def _export_model(module, output, inputs, output_names, max_length, export_options, kv_cache) -> ExportResult:
+def _export_model(
+    module, output, inputs, output_names, max_length, export_options, kv_cache, generation=None
+) -> ExportResult:
     # The probes run the module as parity does: with torch's fast path off (reference_form.without_fast_path).
     with without_fast_path():
         declared = declare_model(module, inputs, output_names)
@@ -483,7 +494,7 @@ def _export_model(module, output, inputs, output_names, max_length, export_optio
     attention_ops = count_attentions(plain)
     if kv_cache:
         result = _export_own_cache(replace(declared, signature=signature), plain, attention_ops, output,
-                                   export_options, max_length)
+                                   export_options, max_length, generation)
         result.warnings[:0] = [*declared.warnings, *vocabulary_warnings]
         return result
     d_model, heads = widest_attention(plain, declared.d_model)
@@ -499,8 +510,10 @@ def _export_model(module, output, inputs, output_names, max_length, export_optio
 def _export_own_cache(
     declared: Declared, plain: onnx.ModelProto, attention_ops: int, output: Path, options: ExportOptions,
     max_length: int | None,
+    generation: GenerationIds | None = None,
 ) -> ExportResult:
     """``export_model`` with ``kv_cache``: ``plain`` rewired to take and return a cache per attention."""
+    notes = _check_generation_ids(generation, declared.signature)
     layers = find_attention_caches(plain, attention_ops)
     if len({(layer.heads, layer.head_dim) for layer in layers}) > 1:
         raise ExportError("--kv-cache: the attentions differ in heads or head size; one cache shape is supported")
@@ -508,11 +521,29 @@ def _export_own_cache(
     cached = attach_own_caches(plain, declared.signature, signature, layers)
     heads, head_dim = layers[0].heads, layers[0].head_dim
     metadata = ModelMetadata(d_model=heads * head_dim, num_heads=heads, signature=signature, layers=len(layers),
-                             max_length=max_length)
+                             max_length=max_length, generation=generation)
     cases = options.parity_cases or capped_cache_cases(OWN_CACHE_CASES, max_length)
     # Token packing gathers the real tokens of one call's mask; a cache's mask spans calls.
     options = replace(options, parity_cases=cases, pack_tokens=False)
-    return _finish(declared.wrapper, cached, metadata, output, options, attention_ops, declared=declared.signature)
+    result = _finish(declared.wrapper, cached, metadata, output, options, attention_ops, declared=declared.signature)
+    result.warnings.extend(notes)
+    return result
+
+
+def _check_generation_ids(generation: GenerationIds | None, signature: Signature) -> list[str]:
+    """Refuse recorded ids past the vocabulary (the smaller of the ids' embedding table and the logits' width,
+    where the graph states them), before the parity run; the warnings to print about the ones kept."""
+    if generation is None:
+        return []
+    tokens, _, logits = lm_tensors(signature)
+    width = logits.axes[-1] if isinstance(logits.axes[-1], int) else None
+    sizes = [size for size in (tokens.vocab, width) if size is not None]
+    generation.check(min(sizes, default=None))
+    if generation.decoder_start_token_id is not None:
+        # An encoder-decoder's KV-cache export is not built yet; a causal LM starts from its prompt.
+        return [f"decoder start id {generation.decoder_start_token_id} recorded, but this causal LM starts from its "
+                "prompt: generate does not use it (onnxruntime-genai's config gets it as bos_token_id)"]
+    return []
 
 
 def _max_length(given: int | None, tables) -> int | None:

@@ -66,13 +66,15 @@ class GenerationConfig:
 
     - ``max_new_tokens``: a row ends after this many tokens; ``min_new_tokens``: no end id before this many.
     - ``eos_token_id``: an id or ids that end a row (kept in its output); ``stop_token_ids``: more of them.
-      Without either, every row runs to ``max_new_tokens``.
+      None: the ids the stepper's file recorded at export (``export --eos-id``), if any; ``[]``: none. Without
+      any, every row runs to ``max_new_tokens``.
     - sampling: ``temperature``, ``top_k`` (None: off; transformers' generate uses 50 unless told), ``top_p``,
       ``seed`` (numpy's default generator; None: fresh entropy).
     - ``repetition_penalty``: every search; 1.0 is none.
     - beams: ``num_beams``, ``length_penalty`` (hypotheses scored sum of log-probs / length ** it),
       ``early_stopping`` (False, as transformers; True or "never").
-    - ``pad_token_id``: what ``GenerationOutput.padded`` fills with (default: the first end id, else 0).
+    - ``pad_token_id``: what ``GenerationOutput.padded`` fills with (default: the file's recorded pad id, else the
+      first end id, else 0).
     """
 
     max_new_tokens: int = 20
@@ -173,7 +175,7 @@ def generate(
     """Generate for every prompt: ``input_ids`` int [batch, seq] (with ``attention_mask`` [batch, seq], 1 = real,
     padding on either side; transformers' models expect it on the left) or a list of prompts of any lengths
     (padded on the left here). ``options`` override ``config``'s fields (``max_new_tokens=32, num_beams=4``)."""
-    config = _config(config, options)
+    config = _config(config, options, stepper)
     ids, mask = prompt_batch(input_ids, attention_mask)
     if config.num_beams > 1:
         return _beam_search(stepper, ids, mask, config)
@@ -193,7 +195,7 @@ def stream(
 ) -> Iterator[StepTokens]:
     """``generate``'s greedy or sampled tokens as they come: one ``StepTokens`` per step, for the prompts
     still running. Beam search cannot stream (a beam's past tokens may still change)."""
-    config = _config(config, options)
+    config = _config(config, options, stepper)
     if config.num_beams > 1:
         raise OptionError("beam search cannot stream: its best sequence is known only at the end; use generate")
     ids, mask = prompt_batch(input_ids, attention_mask)
@@ -241,12 +243,25 @@ def _ragged(input_ids) -> bool:
     return isinstance(input_ids, list | tuple)
 
 
-def _config(config: GenerationConfig | None, options: dict) -> GenerationConfig:
+def with_recorded_ids(config: GenerationConfig, stepper: TokenStepper) -> GenerationConfig:
+    """``config`` with the ids the stepper's file recorded at export (``stepper.generation_ids``, a
+    ``metadata.GenerationIds``) where it leaves them unset (None): what it gives always wins."""
+    recorded = getattr(stepper, "generation_ids", None)
+    if recorded is None:
+        return config
+    if config.eos_token_id is None and recorded.eos_token_ids:
+        config = replace(config, eos_token_id=list(recorded.eos_token_ids))
+    if config.pad_token_id is None and recorded.pad_token_id is not None:
+        config = replace(config, pad_token_id=recorded.pad_token_id)
+    return config
+
+
+def _config(config: GenerationConfig | None, options: dict, stepper: TokenStepper) -> GenerationConfig:
     config = config or GenerationConfig()
     unknown = set(options) - set(GenerationConfig.__dataclass_fields__)
     if unknown:
         raise OptionError(f"unknown generation options {sorted(unknown)}; GenerationConfig's fields are the options")
-    return replace(config, **options)
+    return with_recorded_ids(replace(config, **options), stepper)
 
 
 def _pad_id(config: GenerationConfig) -> int:

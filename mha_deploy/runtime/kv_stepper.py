@@ -66,13 +66,18 @@ class _Port:
 
 class _Graph:
     """A model to run, whatever holds it: an ``MHASession`` (inputs checked against its metadata), an ORT
-    ``InferenceSession``, or a file path (an mha-deploy file opens as an MHASession, any other on ORT's CPU)."""
+    ``InferenceSession``, or a file path (an mha-deploy file opens as an MHASession, any other as an ORT session,
+    both on ``provider``)."""
 
-    def __init__(self, model, threads: int | None):
+    def __init__(self, model, threads: int | None, provider: str = "cpu"):
         if isinstance(model, str | os.PathLike):
-            model = open_decoder(model, threads)
+            model = open_decoder(model, threads, provider)
         self.session = model
         self.source = getattr(model, "source", None) or "<onnxruntime session>"
+        metadata = getattr(model, "metadata", None)
+        # The ids an mha-deploy file recorded at export (metadata.GenerationIds), generate's defaults.
+        self.generation_ids = getattr(metadata, "generation", None)
+        self.provider_note = getattr(model, "provider_note", "")
         if isinstance(model, ort.InferenceSession):
             self._run = lambda feeds: dict(zip(self.outputs, model.run(list(self.outputs), feeds), strict=True))
             self.inputs, outputs = ({p.name: _Port(p.name, np.dtype(ORT_TYPES.get(p.type, np.float32)), tuple(p.shape))
@@ -97,8 +102,10 @@ class _Graph:
 
 
 def open_decoder(path, threads: int | None = None, provider: str = "cpu", session_config: dict | None = None):
-    """An mha-deploy file as an ``MHASession`` on ``provider`` (its metadata checked), any other ONNX file on ORT's
-    CPU provider. ``session_config``: ORT session config entries (the server turns thread spinning off)."""
+    """An mha-deploy file as an ``MHASession`` (its metadata checked), any other ONNX file as an ORT session; both on
+    ``provider`` (``providers.PROVIDER_CHOICES``; "cuda" fails loudly where CUDA cannot run, never falls back).
+    ``session_config``: ORT session config entries (the server turns thread spinning off)."""
+    from mha_deploy.runtime.providers import check_providers, plan_providers
     from mha_deploy.runtime.session import MHASession
 
     try:
@@ -107,13 +114,15 @@ def open_decoder(path, threads: int | None = None, provider: str = "cpu", sessio
         raise ModelFileError(f"{path}: not a readable ONNX file: {exc}") from exc
     if METADATA_KEY in props:
         return MHASession(path, provider=provider, threads=threads, session_config=session_config)
+    plan = plan_providers(provider)
     options = ort.SessionOptions()
     if threads is not None:
         options.intra_op_num_threads = threads
     for key, value in (session_config or {}).items():
         options.add_session_config_entry(key, value)
-    session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
-    session.source = str(path)
+    session = ort.InferenceSession(str(path), options, providers=plan.session_providers())
+    check_providers(plan, session)
+    session.source, session.provider_note = str(path), plan.note
     return session
 
 
@@ -135,7 +144,9 @@ class KVCacheStepper:
     >>> generate(stepper, [[5, 7, 9], [4]], max_new_tokens=32).tokens
 
     ``num_heads`` and ``head_dim`` are read from the cache inputs' shapes; give them when the file leaves
-    them symbolic. One stepper holds one batch's cache: use one per thread.
+    them symbolic. A path opens on ``provider`` (cpu, cuda or auto; the cache stays in numpy between calls).
+    ``generation_ids``: the eos/pad/start ids an mha-deploy file recorded at export (``generate``'s defaults), or
+    None. One stepper holds one batch's cache: use one per thread.
     """
 
     def __init__(
@@ -147,9 +158,11 @@ class KVCacheStepper:
         num_heads: int | None = None,
         head_dim: int | None = None,
         threads: int | None = None,
+        provider: str = "cpu",
     ):
-        self.graph = _Graph(model, threads)
-        self.encoder = _Graph(encoder, threads) if encoder is not None else None
+        self.graph = _Graph(model, threads, provider)
+        self.encoder = _Graph(encoder, threads, provider) if encoder is not None else None
+        self.generation_ids = self.graph.generation_ids
         if (encoder is None) != (decoder_start_token_id is None):
             raise OptionError(
                 "an encoder-decoder needs both encoder= and decoder_start_token_id=; a decoder-only model neither"
