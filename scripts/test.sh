@@ -9,5 +9,7 @@ scripts/setup.sh --no-next
 tritonclient.grpc, tritonclient.http, matplotlib, openvino"
 # kserve on its own: its protobuf messages clash with tritonclient's in one process (the tests run it apart).
 .venv/bin/python -c "import kserve"
+# onnxruntime-genai in its own environment (scripts/setup.sh): the tests that compare with it need it.
+.venv-genai/bin/python -c "import onnxruntime_genai"
 .venv/bin/ruff check mha_deploy tests benchmarks
 .venv/bin/python -m pytest -q "$@"

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from mha_deploy.errors import ModelFileError, SignatureError
-from mha_deploy.metadata import METADATA_FORMAT, ModelMetadata, ParityReport
+from mha_deploy.metadata import METADATA_FORMAT, GenerationIds, ModelMetadata, ParityReport
 from mha_deploy.signature import Signature, TensorSpec
 
 IDS = TensorSpec("src", "tokens", "int64", ("batch", "src_seq"), vocab=40)
@@ -49,6 +49,25 @@ def test_a_parity_report_keeps_whether_its_atol_is_per_row(per_row):
 def test_the_max_length_survives_the_files_metadata():
     metadata = ModelMetadata(32, 4, Signature.custom((IDS,), (POOLED,)), max_length=512)
     assert ModelMetadata.from_json(metadata.to_json()).max_length == 512
+
+
+def test_generation_ids_survive_the_files_metadata_in_format_5_and_a_file_without_them_stays_older():
+    ids = GenerationIds([2, 7], pad_token_id=0, decoder_start_token_id=1)
+    raw = ModelMetadata(32, 4, Signature.custom((IDS,), (POOLED,)), generation=ids).to_json()
+    assert '"format": 5' in raw
+    assert ModelMetadata.from_json(raw).generation == ids
+    plain = ModelMetadata(32, 4, Signature.custom((IDS,), (POOLED,))).to_json()
+    assert '"generation"' not in plain and '"format": 2' in plain  # readable by the mha-deploy before it
+    assert ModelMetadata.from_json(plain).generation is None
+
+
+@pytest.mark.parametrize("value", [{"eos_token_ids": ["2"]}, {"pad_token_id": -1}, {"pad_token_id": 1.5},
+                                   {"eos_token_ids": 2}, {"bos": 3}])
+def test_generation_ids_that_are_no_token_ids_are_refused_naming_the_file(value):
+    raw = json.loads(ModelMetadata(32, 4, Signature.custom((IDS,), (POOLED,)), generation=GenerationIds([2])).to_json())
+    raw["generation"] = value
+    with pytest.raises(ModelFileError, match=r"lm\.onnx"):
+        ModelMetadata.from_json(json.dumps(raw), "lm.onnx")
 
 
 @pytest.mark.parametrize("value", ["512", 0, -3, 1.5])
