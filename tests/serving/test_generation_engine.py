@@ -207,3 +207,53 @@ def test_the_budget_queues_what_does_not_fit_and_refuses_what_never_fits(tiny):
     finally:
         running.stop(10)
     assert all(r == results[0] for r in results)
+
+
+def test_a_model_with_its_own_positions_batches_only_aligned_rows_and_each_equals_alone(lm_cache):
+    """GPT-2's export counts positions over the cache width and takes no position_ids: holes would shift a row's
+    positions, so the engine keeps rows of one length together (and says so)."""
+    pytest.importorskip("transformers")
+    path = lm_cache("hf_gpt2")[0]
+    engine = GenerationEngine(KVCacheStepper(path), prefill_chunk=16)
+    assert not engine.mix_lengths and "exact length" in engine.batching
+    rng = np.random.default_rng(5)
+    given = [rng.integers(0, 96, n) for n in (4, 9, 4, 12, 9, 4, 30)]  # equal lengths share a cohort
+    engine.start()
+    try:
+        got = run_all(engine, [GenerationRequest(p, GenerationConfig(max_new_tokens=5 + i % 3))
+                               for i, p in enumerate(given)])
+    finally:
+        engine.stop(10)
+    for i, (prompt, tokens) in enumerate(zip(given, got, strict=True)):
+        assert tokens == alone(path, prompt.tolist(), max_new_tokens=5 + i % 3)
+
+
+def test_a_failing_model_call_fails_its_requests_and_the_engine_serves_the_next(tiny, monkeypatch):
+    stepper = KVCacheStepper(tiny)
+    engine = GenerationEngine(stepper, mix_lengths=True)
+    calls = {"n": 0}
+    run = stepper.graph.run
+
+    def flaky(feeds):
+        calls["n"] += 1
+        if calls["n"] == 2:  # the first decode step
+            raise RuntimeError("device lost")
+        return run(feeds)
+
+    monkeypatch.setattr(stepper.graph, "run", flaky)
+    events, finished = [], threading.Event()
+
+    def notify(event):
+        events.append(event)
+        if event.finish_reason:
+            finished.set()
+
+    engine.start()
+    try:
+        engine.submit(GenerationRequest(np.array([1, 2, 3]), GenerationConfig(max_new_tokens=4)), notify)
+        assert finished.wait(30)
+        assert events[-1].finish_reason == "error" and "device lost" in events[-1].error
+        assert run_all(engine, [GenerationRequest(np.array([1, 2, 3]), GenerationConfig(max_new_tokens=4))]) == [
+            alone(tiny, [1, 2, 3], max_new_tokens=4)]
+    finally:
+        engine.stop(10)

@@ -285,3 +285,23 @@ def test_malformed_json_and_a_chat_without_template(served, tmp_path):
         assert all(a[0] in (200, 429) for a in answers)
     finally:
         bare.stop()
+
+
+def test_api_keys_guard_the_generation_routes(lm_cache, tmp_path):
+    path = lm_cache("causal_lm")[0]
+    keys = tmp_path / "keys"
+    keys.write_text("a-generation-key-0123456789\n")
+    server = Server(path, tmp_path / "keyed.log", "--threads", "1", "--name", "keyed", "--mix-lengths",
+                    "--api-key-file", str(keys)).wait_ready()
+    try:
+        status, _, raw = server.request("POST", "/v1/completions", b'{"model": "keyed", "prompt": [1]}')
+        assert status == 401 and set(json.loads(raw)["error"]) == {"message", "type", "param", "code"}
+        with pytest.raises(openai.AuthenticationError):
+            client(server).models.list()
+        keyed = openai.OpenAI(base_url=f"http://{server.url}/v1", api_key="a-generation-key-0123456789",
+                              max_retries=0)
+        answer = keyed.completions.create(model="keyed", prompt=[1, 2], max_tokens=3, temperature=0)
+        assert answer.choices[0].token_ids == alone(path, [1, 2], 3)
+        assert server.request("GET", "/v2/models/keyed/generate")[0] == 401
+    finally:
+        server.stop()

@@ -42,6 +42,7 @@ from mha_deploy.serving.http.parsing import RequestError, load_json
 logger = logging.getLogger("mha_deploy.serve")
 MAX_LOGPROBS = 5
 MAX_STOP = 4
+MAX_STOP_IDS = 64  # an id costs one comparison per step: a bound, not OpenAI's (it takes strings only)
 UNSUPPORTED = {"echo": False, "suffix": None, "presence_penalty": 0, "frequency_penalty": 0, "logit_bias": None}
 ERROR_TYPES = {400: "invalid_request_error", 404: "invalid_request_error", 408: "invalid_request_error",
                413: "invalid_request_error", 401: "authentication_error", 429: "rate_limit_error",
@@ -105,15 +106,18 @@ def parse_sampling(
             max_tokens = _integer(body, name, None, 1)
     stop = body.get("stop")
     stops = [] if stop is None else [stop] if isinstance(stop, str | int) else stop
-    if not isinstance(stops, list) or len(stops) > MAX_STOP + 64:
-        raise _bad("stop", f"must be a string or a list of at most {MAX_STOP} strings (or token ids)")
+    if not isinstance(stops, list):
+        raise _bad("stop", f"must be a string or a list of at most {MAX_STOP} strings (or token ids), got {stop!r}")
     strings = tuple(s for s in stops if isinstance(s, str) and s)
     ids = [s for s in stops if isinstance(s, int) and not isinstance(s, bool)]
     if len(strings) + len(ids) != len([s for s in stops if s != ""]) or len(strings) > MAX_STOP:
         raise _bad("stop", f"must be a string or a list of at most {MAX_STOP} strings (or token ids), got {stop!r}")
+    if len(ids) > MAX_STOP_IDS:
+        raise _bad("stop", f"at most {MAX_STOP_IDS} token ids")
     extra = body.get("stop_token_ids") or []
-    if not isinstance(extra, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in extra):
-        raise _bad("stop_token_ids", "must be a list of token ids")
+    if not isinstance(extra, list) or len(extra) > MAX_STOP_IDS or not all(
+            isinstance(i, int) and not isinstance(i, bool) for i in extra):
+        raise _bad("stop_token_ids", f"must be a list of at most {MAX_STOP_IDS} token ids")
     stop_ids = tuple(ids + extra)
     vocab = service.engine.stepper.graph.vocab_size if service.engine is not None else None
     if any(i < 0 or (vocab is not None and i >= vocab) for i in stop_ids):
