@@ -82,7 +82,8 @@ DEFAULT_DRAIN_TIMEOUT_S = 30.0
               help="Generator: prompt tokens prefilled per decode step; longer prompts prefill in chunks while the "
                    "running requests keep stepping.")
 @click.option("--eos-id", "eos_ids", type=click.IntRange(min=0), multiple=True,
-              help="Generator: token id that ends every sequence (kept in its output); repeatable.")
+              help="Generator: token id that ends every sequence (kept in its output); repeatable. Default: the ids "
+                   "recorded at export (export --eos-id).")
 @click.option("--mix-lengths/--no-mix-lengths", default=None,
               help="Generator: let requests of different lengths share one cache (masked holes). Default: when the "
                    "file takes position_ids; otherwise a request shares steps only with rows of its exact length, so "

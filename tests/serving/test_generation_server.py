@@ -305,3 +305,26 @@ def test_api_keys_guard_the_generation_routes(lm_cache, tmp_path):
         assert server.request("GET", "/v2/models/keyed/generate")[0] == 401
     finally:
         server.stop()
+
+
+def test_eos_ids_recorded_at_export_end_completions(lm_cache, tmp_path):
+    from click.testing import CliRunner
+
+    from mha_deploy.cli import main
+    from tests.conftest import USER_MODELS, user_module
+
+    full = alone(lm_cache("causal_lm")[0], [3, 4, 5], 10)
+    eos = full[2]
+    path = tmp_path / "lm-eos.onnx"
+    inputs = [arg for spec in user_module("causal_lm").INPUTS for arg in ("--input", spec)]
+    result = CliRunner().invoke(main, ["export", "--module", f"{USER_MODELS / 'causal_lm'}.py:build", *inputs,
+                                       "--kv-cache", "--eos-id", str(eos), "-o", str(path)])
+    assert result.exit_code == 0, result.output
+    server = Server(path, tmp_path / "eos.log", "--threads", "1", "--name", "eos", "--mix-lengths").wait_ready()
+    try:
+        answer = client(server).completions.create(model="eos", prompt=[3, 4, 5], max_tokens=10, temperature=0)
+        assert answer.choices[0].token_ids == full[: full.index(eos) + 1]
+        assert answer.choices[0].finish_reason == "stop"
+        assert f"eos ids {eos}" in server.log()
+    finally:
+        server.stop()

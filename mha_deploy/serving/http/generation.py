@@ -86,6 +86,10 @@ class GenerationService:
                 self._on_load_error(exc)
             return
         self.engine = engine
+        recorded = engine.stepper.generation_ids
+        if not self.settings.eos_token_ids and recorded is not None and recorded.eos_token_ids:
+            # the ids recorded at export (export --eos-id), as mha-deploy generate defaults to them
+            self.settings = replace(self.settings, eos_token_ids=tuple(recorded.eos_token_ids))
         if self.settings.max_length is None:  # what the file records (export --max-length), if anything
             from mha_deploy.batch.generation import prompt_limits
 
@@ -95,8 +99,9 @@ class GenerationService:
         self.status = "ready"
         self.metrics.ready.set(1)
         self.metrics.kv_budget.set(engine.budget.max_kv_tokens)
-        logger.info("ready: generator %r, %s; KV budget %d positions, %d requests at once",
-                    self.model_name, engine.batching, engine.budget.max_kv_tokens, engine.max_running)
+        ends = ", ".join(map(str, self.settings.eos_token_ids)) or "none (each request runs to max_tokens or a stop)"
+        logger.info("ready: generator %r, %s; KV budget %d positions, %d requests at once; eos ids %s",
+                    self.model_name, engine.batching, engine.budget.max_kv_tokens, engine.max_running, ends)
 
     async def drain(self, timeout: float | None = None) -> None:
         if self.status == "ready":

@@ -106,6 +106,7 @@ def create_generation_app(
                 "vocab_size": engine.stepper.graph.vocab_size,
                 "max_length": service.settings.max_length,
                 "max_new_tokens": service.settings.max_new_tokens,
+                "eos_token_ids": list(service.settings.eos_token_ids),
                 "tokenizer": service.tokenizer is not None,
                 "chat_template": service.chat_template is not None,
             },

@@ -167,8 +167,6 @@ def _logprobs_block(choice: Choice, service: GenerationService, offset: int = 0)
 
 
 def openai_routes(service: GenerationService) -> list[Route]:
-    settings = service.settings
-
     async def models(request: Request) -> Response:
         return JSONResponse({"object": "list", "data": [
             {"id": service.model_name, "object": "model", "created": service.created, "owned_by": "mha-deploy"}]})
@@ -185,12 +183,13 @@ def openai_routes(service: GenerationService) -> list[Route]:
 
     def start(prompts: list[np.ndarray], body: dict, sampling: Sampling, stops, logprobs) -> list[Choice]:
         n = _integer(body, "n", 1, 1)
-        if n * len(prompts) > settings.max_choices:
+        if n * len(prompts) > service.settings.max_choices:
             raise _bad("n", f"{n} choices for {len(prompts)} prompts exceed this server's limit of "
-                       f"{settings.max_choices} sequences per request")
+                       f"{service.settings.max_choices} sequences per request")
         if body.get("best_of") not in (None, n):
             raise _bad("best_of", "is supported only equal to n", "unsupported_parameter")
         engine = service.require_ready()
+        settings = service.settings  # completed at load (recorded eos ids, the file's max_length)
         choices = []
         configs = [sampling.config(settings, j) for j in range(n)]
         try:
