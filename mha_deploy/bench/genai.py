@@ -39,16 +39,17 @@ class GenaiRun:
 
 
 def run_genai_greedy(model_dir: str | os.PathLike, prompts: list[list[int]], max_length: int, repeats: int = 1,
-                     timeout: float = 600) -> GenaiRun:
+                     warmup: bool = False, timeout: float = 1800) -> GenaiRun:
     """Greedy generation by onnxruntime-genai from ``model_dir`` (a model and its ``genai_config.json``) over
-    ``prompts`` (one width, right-padded with the config's pad id) up to ``max_length`` tokens per row."""
+    ``prompts`` (one width, right-padded with the config's pad id) up to ``max_length`` tokens per row, ``repeats``
+    timed runs (after an untimed short one with ``warmup``) in one fresh process."""
     python = genai_python()
     if python is None:
         raise MHADeployError("no onnxruntime-genai environment: run scripts/setup.sh (it makes .venv-genai)")
     with tempfile.TemporaryDirectory() as scratch:
         request = Path(scratch) / "request.json"
         request.write_text(json.dumps({"model_dir": str(model_dir), "prompts": prompts, "max_length": max_length,
-                                       "repeats": repeats}))
+                                       "repeats": repeats, "warmup": warmup}))
         done = subprocess.run([str(python), str(_SCRIPT), str(request)], capture_output=True, text=True,
                               timeout=timeout)
     if done.returncode != 0:

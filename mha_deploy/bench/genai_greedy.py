@@ -5,7 +5,8 @@ mha-deploy nor anything but onnxruntime-genai and numpy, inside ``main``.
     python genai_greedy.py REQUEST.json   ->   one JSON line on stdout
 
 REQUEST: ``{"model_dir", "prompts": [[ids]] (right-padded with the config's pad id, as onnxruntime-genai pads),
-"max_length": prompt width + new tokens, "repeats": how many timed runs}``. Reply: ``{"sequences": each row of
+"max_length": prompt width + new tokens, "repeats": how many timed runs, "warmup": one untimed run of two new
+tokens first}``. Reply: ``{"sequences": each row of
 the last run (prompt, padding and new tokens), "seconds": each run's wall time from the prompt to the last
 token, "peak_rss_mb": this process's peak resident memory}``.
 """
@@ -23,19 +24,24 @@ def main(request_path: str) -> None:
         request = json.load(file)
     model = og.Model(request["model_dir"])
     prompts = np.asarray(request["prompts"], np.int32)
+    if request.get("warmup"):
+        _greedy(og, model, prompts, prompts.shape[1] + 2)
     seconds, sequences = [], []
     for _ in range(request.get("repeats", 1)):
-        params = og.GeneratorParams(model)
-        params.set_search_options(max_length=request["max_length"], do_sample=False, batch_size=len(prompts))
         start = time.perf_counter()
-        generator = og.Generator(model, params)
-        generator.append_tokens(prompts)
-        while not generator.is_done():
-            generator.generate_next_token()
+        sequences = _greedy(og, model, prompts, request["max_length"])
         seconds.append(time.perf_counter() - start)
-        sequences = [[int(token) for token in generator.get_sequence(row)] for row in range(len(prompts))]
-        del generator
     print(json.dumps({"sequences": sequences, "seconds": seconds, "peak_rss_mb": _peak_rss_mb()}))
+
+
+def _greedy(og, model, prompts, max_length: int) -> list[list[int]]:
+    params = og.GeneratorParams(model)
+    params.set_search_options(max_length=max_length, do_sample=False, batch_size=len(prompts))
+    generator = og.Generator(model, params)
+    generator.append_tokens(prompts)
+    while not generator.is_done():
+        generator.generate_next_token()
+    return [[int(token) for token in generator.get_sequence(row)] for row in range(len(prompts))]
 
 
 def _peak_rss_mb() -> float:

@@ -14,7 +14,9 @@ from mha_deploy.cli.group import main
 @click.option("--max-length", type=click.IntRange(min=1),
               help="The longest sequence (prompt and new tokens) onnxruntime-genai may run: its context_length. "
                    "Default: the max length recorded at export.")
-def genai_config(model, max_length):
+@click.option("--threads", type=click.IntRange(min=1), show_default="one per core",
+              help="Intra-op threads of the ONNX Runtime session onnxruntime-genai creates.")
+def genai_config(model, max_length, threads):
     """Write genai_config.json beside MODEL (export --module ... --kv-cache) so that onnxruntime-genai generates
     from the file unchanged: its names, the recorded eos/pad/start ids, greedy search defaults.
 
@@ -27,7 +29,7 @@ def genai_config(model, max_length):
     """
     from mha_deploy.runtime.genai_config import write_genai_config
 
-    path, warnings = write_genai_config(model, max_length)
+    path, warnings = write_genai_config(model, max_length, threads)
     for warning in warnings:
         click.echo(f"warning: {warning}", err=True)
     click.echo(f"wrote {path} (onnxruntime-genai)")

@@ -32,10 +32,11 @@ _GENAI_INPUTS = ("input_ids", "attention_mask", "position_ids")
 
 
 def genai_config(metadata: ModelMetadata, filename: str, max_length: int | None = None,
-                 source: str = "model") -> dict:
+                 source: str = "model", threads: int | None = None) -> dict:
     """The config onnxruntime-genai reads for the decoder ``filename`` whose ``metadata`` is given; ``max_length``
-    (the longest sequence, prompt and new tokens) defaults to the recorded one. A ``ModelFileError`` saying
-    what is missing when the file is not a decoder-only KV-cache model in Optimum's names."""
+    (the longest sequence, prompt and new tokens) defaults to the recorded one; ``threads``: ONNX Runtime's
+    intra-op threads (None: its default, one per core). A ``ModelFileError`` saying what is missing when the file
+    is not a decoder-only KV-cache model in Optimum's names."""
     signature = metadata.signature
     inputs = {spec.name: spec for spec in signature.inputs}
     outputs = {spec.name: spec for spec in signature.outputs}
@@ -75,9 +76,12 @@ def genai_config(metadata: ModelMetadata, filename: str, max_length: int | None 
             model["pad_token_id"] = ids.pad_token_id
         if ids.decoder_start_token_id is not None:
             model["bos_token_id"] = ids.decoder_start_token_id
+    session_options = {"log_id": "mha-deploy", "provider_options": []}
+    if threads is not None:
+        session_options["intra_op_num_threads"] = threads
     model["decoder"] = {
         "filename": filename,
-        "session_options": {"log_id": "mha-deploy", "provider_options": []},
+        "session_options": session_options,
         "hidden_size": heads * head_dim,
         "head_size": head_dim,
         "num_attention_heads": heads,
@@ -97,14 +101,16 @@ def genai_config(metadata: ModelMetadata, filename: str, max_length: int | None 
     return {"model": model, "search": search}
 
 
-def write_genai_config(model_path: str | os.PathLike, max_length: int | None = None) -> tuple[Path, list[str]]:
+def write_genai_config(
+    model_path: str | os.PathLike, max_length: int | None = None, threads: int | None = None
+) -> tuple[Path, list[str]]:
     """Write ``genai_config.json`` beside the decoder at ``model_path`` (atomically: the old file or the whole new
     one, nothing when it fails); returns its path and warnings about what onnxruntime-genai will do with it."""
     model_path = Path(model_path)
     from mha_deploy.runtime.session import check_model_file  # the checks every session makes on load
 
     metadata = check_model_file(model_path)
-    config = genai_config(metadata, model_path.name, max_length, str(model_path))
+    config = genai_config(metadata, model_path.name, max_length, str(model_path), threads)
     warnings = []
     if "pad_token_id" not in config["model"]:
         warnings.append(
