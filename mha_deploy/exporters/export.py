@@ -33,6 +33,7 @@ from mha_deploy.exporters.own_kv_cache import (
     check_own_cache_parity,
     find_attention_caches,
     lm_tensors,
+    narrowed_own_caches,
 )
 from mha_deploy.exporters.own_model import (
     Declared,
@@ -518,7 +519,8 @@ def _export_own_cache(
     if len({(layer.heads, layer.head_dim) for layer in layers}) > 1:
         raise ExportError("--kv-cache: the attentions differ in heads or head size; one cache shape is supported")
     signature = cache_signature(declared.signature, layers)
-    cached = attach_own_caches(plain, declared.signature, signature, layers)
+    cached, refused = narrowed_own_caches(attach_own_caches(plain, declared.signature, signature, layers), signature,
+                                          max_length)
     heads, head_dim = layers[0].heads, layers[0].head_dim
     metadata = ModelMetadata(d_model=heads * head_dim, num_heads=heads, signature=signature, layers=len(layers),
                              max_length=max_length, generation=generation)
@@ -527,6 +529,8 @@ def _export_own_cache(
     options = replace(options, parity_cases=cases, pack_tokens=False)
     result = _finish(declared.wrapper, cached, metadata, output, options, attention_ops, declared=declared.signature)
     result.warnings.extend(notes)
+    if refused:
+        result.warnings.append(f"--kv-cache: each step runs the whole sequence's forward ({refused})")
     return result
 
 

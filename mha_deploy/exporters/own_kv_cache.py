@@ -232,6 +232,27 @@ def attach_own_caches(
     return _sorted(model)
 
 
+def narrowed_own_caches(
+    cached_model: onnx.ModelProto, cached: Signature, max_length: int | None
+) -> tuple[onnx.ModelProto, str | None]:
+    """``cached_model`` (``attach_own_caches``'s) with every row-wise op computing this call's positions only
+    (``narrowing``), and None; or ``cached_model`` as it is and the reason narrowing was refused (the op
+    that stopped it), for the export to warn with. ``max_length``: the longest sequence the module takes."""
+    from mha_deploy.exporters.narrowing import LengthNames, NarrowingRefused, narrow_to_new_positions
+
+    def feeds(batch: int, past: int, seq: int) -> dict[str, np.ndarray]:
+        caches = {name: np.zeros((batch, cached.tensors[name].axes[1], past, cached.tensors[name].axes[3]),
+                                 np.float32) for name in cached.cache_pairs}
+        return {INPUT_IDS: np.zeros((batch, seq), np.int64),
+                ATTENTION_MASK: np.ones((batch, past + seq), np.int64), **caches}
+
+    names = LengthNames(_PREFIX + "past_seq", _PREFIX + "end", INPUT_IDS, ATTENTION_MASK)
+    try:
+        return narrow_to_new_positions(cached_model, names, feeds, max_length), None
+    except NarrowingRefused as exc:
+        return cached_model, str(exc)
+
+
 def _int64_constant(name: str, value: int) -> onnx.NodeProto:
     return helper.make_node("Constant", [], [name], value=helper.make_tensor(name, TensorProto.INT64, [1], [value]))
 

@@ -41,7 +41,26 @@ def test_every_attention_is_fused_as_in_a_cache_free_export(lm_cache):
     path, output = lm_cache("causal_lm")
     ops = [node.op_type for node in all_nodes(onnx.load(str(path)).graph)]
     assert "Softmax" not in ops
-    assert "2 fused into com.microsoft.GroupQueryAttention" in output
+    # Queries of this call's tokens over keys of every call: the mask, cut to those rows, is the op's bias.
+    assert "2 fused into com.microsoft.MultiHeadAttention" in output
+    assert "each step runs the whole sequence" not in output
+
+
+def test_a_step_applies_weights_to_its_new_tokens_only(lm_cache):
+    """Every MatMul of the file, run on a 2-token step after 13 cached tokens, has rows for the 2 new tokens
+    and none for the 15 of the whole sequence (TinyLM's dims are 8, 32, 50 and 128)."""
+    path, _ = lm_cache("causal_lm")
+    model = onnx.load(str(path))
+    matmuls = [node.output[0] for node in model.graph.node if node.op_type in ("MatMul", "Gemm")]
+    assert matmuls
+    model.graph.output.extend(onnx.ValueInfoProto(name=name) for name in matmuls)
+    import onnxruntime as ort
+
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    past = {i.name: np.zeros((1, 4, 13, 8), np.float32) for i in session.get_inputs() if i.name.startswith("past")}
+    feeds = {"input_ids": np.array([[3, 4]]), "attention_mask": np.ones((1, 15), np.int64), **past}
+    shapes = dict(zip(matmuls, (a.shape for a in session.run(matmuls, feeds)), strict=True))
+    assert all(15 not in shape and 2 in shape for shape in shapes.values()), shapes
 
 
 def _decode(session, ids, mask, calls):
@@ -94,14 +113,46 @@ def test_export_records_per_step_parity(lm_cache):
     assert any("/left" in shape for shape in parity.shapes) and any("/right" in shape for shape in parity.shapes)
 
 
-@pytest.mark.parametrize("name", ["torch_decoder", "hf_gpt2"])
-def test_torch_and_hugging_face_decoders_get_a_cache(tmp_path, name):
-    pytest.importorskip("transformers")
+@pytest.mark.parametrize(("name", "factory"), [("torch_decoder", "build"), ("hf_gpt2", "build"),
+                                               ("hf_gpt2", "build_eager"), ("tutorial_gpt", "build")])
+def test_torch_hugging_face_and_tutorial_decoders_get_a_narrowed_fused_cache(tmp_path, name, factory):
+    """Learned positions by arange (tutorial, torch, GPT-2), GPT-2's flattened Conv1D rows, torch's nested
+    masked_fills: each step narrowed to its new tokens, every attention fused, parity per step."""
+    if name.startswith("hf_"):
+        pytest.importorskip("transformers")
     module = user_module(name)
-    result = export_model(module.build(), tmp_path / "lm.onnx", module.INPUTS, kv_cache=True)
+    result = export_model(getattr(module, factory)(), tmp_path / "lm.onnx", module.INPUTS, kv_cache=True)
     assert result.parity.passed
+    assert not result.warnings, result.warnings
     layers = 4 if name == "torch_decoder" else 2  # nn.TransformerDecoder: self- and cross-attention per layer
     assert MHASession(result.path, provider="cpu").signature.layers == layers
+    assert result.fusion.fused == layers and result.fusion.complete
+
+
+class FeatureCumsum(nn.Module):
+    """A causal attention, then a cumulative sum over the features (per position, but an op the narrowing
+    does not know): the cache still works, each step over the whole sequence."""
+
+    def __init__(self, vocab=20, d_model=16):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Embedding(vocab, d_model)
+        self.attn = nn.MultiheadAttention(d_model, 2, batch_first=True)
+        self.head = nn.Linear(d_model, vocab)
+
+    def forward(self, ids, mask):
+        x = self.embed(ids)
+        t = ids.size(1)
+        causal = torch.triu(torch.ones(t, t, dtype=torch.bool), 1)
+        y, _ = self.attn(x, x, x, attn_mask=causal, key_padding_mask=~mask, need_weights=False)
+        return self.head(torch.cumsum(y, dim=-1))
+
+
+def test_an_op_narrowing_cannot_prove_keeps_the_whole_sequence_and_says_which(tmp_path):
+    result = export_model(FeatureCumsum(), tmp_path / "lm.onnx", ["ids:tokens", "mask:padding-mask"], kv_cache=True,
+                          parity_cases=(CacheCase(2, 4, 1, 2, "left"),))
+    assert result.parity.passed
+    assert [w for w in result.warnings if "each step runs the whole sequence's forward (CumSum" in w], result.warnings
 
 
 class MeanCentred(nn.Module):

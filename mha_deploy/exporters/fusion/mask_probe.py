@@ -100,6 +100,8 @@ def _probe(bias: ir.Value, dims: tuple) -> ProbedBias:
     same_length = dims[1] == dims[2]
     runs = [_run(session, inputs, outputs, candidates, dims, size, seed) for seed, size in enumerate(PROBE_SIZES)]
     values = [[term.evaluate(run[1]) for term in terms] for run in runs]  # [probe][term]
+    if not all(_spans_lengths(value, run[2]) for probe, run in zip(values, runs, strict=True) for value in probe):
+        raise _NotReadable  # the feeds did not set its lengths consistently (a cache model's rows cut by past)
     kinds = [_term_kind([probe[i] for probe in values]) for i in range(len(terms))]
     for index, kind in enumerate(kinds):
         # Kept as the op's attention_bias, which broadcasts batch and heads but not q and kv.
@@ -123,7 +125,7 @@ def _probe(bias: ir.Value, dims: tuple) -> ProbedBias:
             for causal in (False, True) if same_length else (False,):
                 if candidate is None and not causal:
                     continue
-                if all(_matches(total, run[0], candidate, marks_real, causal) for total, run in
+                if all(_matches(total, run[0], candidate, marks_real, causal, run[2]) for total, run in
                        zip(mask_sums, runs, strict=True)):
                     return ProbedBias(fill, candidate, marks_real, causal, bias_terms)
     raise _NotReadable
@@ -295,6 +297,13 @@ def _run(session, inputs, outputs, candidates, dims, size, seed):
     return feeds, by_name, (q, kv)
 
 
+def _spans_lengths(value: np.ndarray, lengths: tuple[int, int]) -> bool:
+    """Whether a term spans the op's (q_len, kv_len) or broadcasts along them, and holds something."""
+    trailing = value.shape[-2:]
+    expected = lengths[2 - len(trailing):]
+    return value.size > 0 and all(dim in (1, length) for dim, length in zip(trailing, expected, strict=True))
+
+
 def _dim_key(dim) -> object:
     """An op's dim as the probe sizes are keyed: an int, or a symbolic dim's name."""
     return dim if isinstance(dim, int) or dim is None else dim.value
@@ -344,12 +353,18 @@ def _term_kind(values: list[np.ndarray]) -> str:
     raise _NotReadable
 
 
-def _matches(total: np.ndarray, feeds: dict, candidate: ir.Value | None, marks_real: bool, causal: bool) -> bool:
-    """Whether ``total`` masks exactly what the candidate does, on every row that has a visible key."""
+def _matches(
+    total: np.ndarray, feeds: dict, candidate: ir.Value | None, marks_real: bool, causal: bool, lengths: tuple
+) -> bool:
+    """Whether ``total`` masks exactly what the candidate does, on every row that has a visible key, and
+    spans the op's (q_len, kv_len) ``lengths`` (or broadcasts along them): a mask whose lengths the probe
+    feeds did not set consistently (a cache model's rows cut by the past length) says nothing."""
     if total.ndim > 4 or total.ndim < 2:
         return False
     total = total.reshape((1,) * (4 - total.ndim) + total.shape)
     q_len, kv_len = total.shape[-2], total.shape[-1]
+    if q_len not in (1, lengths[0]) or kv_len not in (1, lengths[1]) or total.size == 0:
+        return False
     blocked = np.zeros((1, 1, q_len, kv_len), bool)
     if candidate is not None:
         real = feeds[candidate.name] != 0
