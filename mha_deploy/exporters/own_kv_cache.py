@@ -12,9 +12,15 @@ for it. The per-token outputs are cut to the new positions. Parity per step (``c
 proves it for each export: a module with another cross-position op (a pooling, a norm over the sequence)
 fails there and is not written.
 
-What it costs: each call still runs the per-token layers and the attentions' queries over every position,
-so a step is as expensive as the full forward's; the file fixes the interface (Optimum's names, the
-attention mask over past + new tokens that onnxruntime-genai feeds) and its exactness, not yet the speed.
+What it costs: the rewiring alone would run every per-token layer and every attention's queries over all
+positions, a step as expensive as the full forward. ``narrowing`` then cuts each op to the new positions,
+back from those cuts to the sources (ids, mask, positions), so that a step applies the weights to its new
+tokens only and each attention reads the cache for its keys/values with this call's queries; what still
+spans the whole length is the cache itself and cheap sources (the mask, a causal ``tril`` sliced to the new
+rows). Measured on the tutorial GPT (d_model 512, 8 heads, 6 layers, 32k vocabulary), batch 1, 2 threads: one
+token after 1023 cached ones took 15.9 ms against 519 ms for recomputing the 1024 tokens through the same
+file (32x, a shared machine; ``benchmarks/kv_step.py``). A module with an op the narrowing cannot prove (it is named in the export's
+warning) keeps the whole-sequence graph, exact but a full forward per step.
 
     tokens    = Concat(zeros [batch, past_seq], input_ids)                 [batch, total_seq]
     mask      = Cast(attention_mask)                                         [batch, total_seq]
@@ -22,6 +28,9 @@ attention mask over past + new tokens that onnxruntime-genai feeds) and its exac
     present.i.key   = Concat(past_key_values.i.key,   K[:, :, past_seq:])    [batch, heads, total_seq, d_k]
     present.i.value = Concat(past_key_values.i.value, V[:, :, past_seq:])
     logits    = logits over every position [:, past_seq:]                    [batch, seq, vocab]
+
+and after ``narrowing``, the same per call with every row-wise op over ``seq`` rows: the ids are
+``input_ids``, the attentions' queries [batch, heads, seq, d_k], their mask rows [past_seq:].
 """
 
 from __future__ import annotations
