@@ -19,9 +19,9 @@ tokens only and each attention reads the cache for its keys/values with this cal
 spans the whole length is the cache itself and cheap sources (the mask, a causal ``tril`` sliced to the new
 rows). Measured on the tutorial GPT (d_model 512, 8 heads, 6 layers, 32k vocabulary), batch 1, 2 threads:
 one token after 1023 cached ones took 15.9 ms against 519 ms for recomputing the 1024 tokens through the
-same file (32x, a shared machine; ``benchmarks/kv_step.py``). A module with an op the narrowing cannot
-prove (it is named in the export's warning) keeps the whole-sequence graph, exact but a full forward per
-step.
+same file (32x, a shared machine; ``benchmarks/generation.py`` measures it). A module with an op the
+narrowing cannot prove (it is named in the export's warning) keeps the whole-sequence graph, exact but a
+full forward per step.
 
     tokens    = Concat(zeros [batch, past_seq], input_ids)                 [batch, total_seq]
     mask      = Cast(attention_mask)                                         [batch, total_seq]
