@@ -295,6 +295,7 @@ class GenerationEngine:
                 self._drop_cancelled()
                 self._admit()
                 while not self._prefilling and not self._cohorts:
+                    self._report()  # idle: what is left waiting (a cancelled waiting request is gone)
                     if self._stopping and not self._waiting:
                         return
                     self._lock.wait()
@@ -307,7 +308,10 @@ class GenerationEngine:
                 self._fail_all(f"the model failed: {exc}")
             self.turns += 1
             with self._lock:
-                self.observer.state(self._running_count(), len(self._waiting), self._cache_positions())
+                self._report()
+
+    def _report(self) -> None:
+        self.observer.state(self._running_count(), len(self._waiting), self._cache_positions())
 
     def _drop_cancelled(self) -> None:
         self._waiting = deque(s for s in self._waiting if not s.cancelled)
