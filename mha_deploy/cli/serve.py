@@ -90,11 +90,16 @@ DEFAULT_DRAIN_TIMEOUT_S = 30.0
                    "that its positions are as alone. --mix-lengths for a model without positions.")
 @click.option("--max-choices", type=click.IntRange(min=1), default=16, show_default=True,
               help="Generator: sequences (n x prompts) one request may ask for.")
+@click.option("--encoder", type=click.Path(dir_okay=False, path_type=Path),
+              help="Generator: an encoder-decoder's encoder file (MODEL is then its decoder); a prompt is its "
+                   "source.")
+@click.option("--start-id", type=click.IntRange(min=0),
+              help="Generator: the decoder start id of an encoder-decoder (default: the one recorded at export).")
 def serve(model, host, port, max_batch, max_wait_ms, max_batch_tokens, workers, provider, threads, max_body_mb,
           max_item_tokens, optimized_model, spin, log_level, access_log, drain_timeout, name, grpc_port, max_queue,
           api_key_file, ssl_certfile, ssl_keyfile, body_timeout, max_connections, keep_alive_timeout,
           header_timeout, max_idle_connections, tokenizer, chat_template, max_kv_tokens, max_new_tokens, max_length,
-          prefill_chunk, eos_ids, mix_lengths, max_choices):
+          prefill_chunk, eos_ids, mix_lengths, max_choices, encoder, start_id):
     """Serve a model over HTTP (and gRPC) with dynamic micro-batching (needs the 'serve' extra).
 
     The Open Inference Protocol (KServe v2, what Triton's and KServe's clients
@@ -141,6 +146,7 @@ def serve(model, host, port, max_batch, max_wait_ms, max_batch_tokens, workers, 
         generation=GenerationOptions(
             tokenizer=tokenizer, chat_template=chat_template, max_kv_tokens=max_kv_tokens,
             max_new_tokens=max_new_tokens, max_length=max_length, prefill_chunk=prefill_chunk,
-            eos_token_ids=tuple(eos_ids), mix_lengths=mix_lengths, max_choices=max_choices,
+            eos_token_ids=tuple(eos_ids), mix_lengths=mix_lengths, max_choices=max_choices, encoder=encoder,
+            start_id=start_id,
         ),
     ))

@@ -263,28 +263,57 @@ class KVCacheStepper:
         return twin
 
     def join(self, other: KVCacheStepper) -> None:
-        """Append ``other``'s rows after this stepper's (``other`` is left empty). The caches share one width: the
-        narrower side gets masked holes on the left, zero keys and values that no token attends to; positions come
-        from each row's count of real tokens (``position_ids``), so a file that takes them continues every row as
-        it would alone. A file with its own positions over the cache width does not (see ``pads_exactly``)."""
+        """Append ``other``'s rows (same graph) after this stepper's (``other`` is left empty).
+
+        The self-attention caches share one width: the narrower side gets masked holes on the left, zero keys and
+        values that no token attends to; positions come from each row's count of real tokens (``position_ids``), so
+        a file that takes them continues every row as it would alone. A file with its own positions over the cache
+        width does not (see ``pads_exactly``), and a file without ``attention_mask`` cannot mask holes at all: join
+        only rows of one width there. An encoder-decoder's sources (encoder states, cross-attention caches) are
+        padded on the right to the longest, masked by ``encoder_attention_mask``; a decoder without that input takes
+        only rows of one source length."""
         if other.graph is not self.graph:
             raise OptionError("join takes rows of a stepper forked from this one (same graph)")
-        if self.encoder is not None:
-            raise OptionError(
-                "joining an encoder-decoder's rows is not supported: their encoder states differ in length")
         if other.rows == 0:
             return
+        if self.rows == 0:
+            self.mask, self.past, self.encoder_feeds = other.mask, other.past, other.encoder_feeds
+            other._reset(0)
+            return
+        inputs = self.graph.inputs
         width = max(self.mask.shape[1], other.mask.shape[1])
+        if "attention_mask" not in inputs and self.mask.shape[1] != other.mask.shape[1]:
+            raise OptionError(f"{self.graph.source} takes no attention_mask: only rows of one length can join")
+        source = self.source_width, other.source_width
+        if source[0] != source[1] and "encoder_attention_mask" not in inputs:
+            raise OptionError(f"{self.graph.source} takes no encoder_attention_mask: only rows of one source length "
+                              "can join")
 
-        def left_padded(array: np.ndarray, axis: int) -> np.ndarray:
+        def padded(array: np.ndarray, axis: int, size: int, left: bool) -> np.ndarray:
             pad = [(0, 0)] * array.ndim
-            pad[axis] = (width - array.shape[axis], 0)
-            return np.pad(array, pad) if pad[axis][0] else array
+            pad[axis] = (size - array.shape[axis], 0) if left else (0, size - array.shape[axis])
+            return np.pad(array, pad) if any(pad[axis]) else array
 
-        self.mask = np.concatenate([left_padded(self.mask, 1), left_padded(other.mask, 1)])
+        self.mask = np.concatenate([padded(self.mask, 1, width, True), padded(other.mask, 1, width, True)])
+        longest = max(source)
         for name in self.past:
-            self.past[name] = np.concatenate([left_padded(self.past[name], 2), left_padded(other.past[name], 2)])
+            ours, theirs = self.past[name], other.past[name]
+            if name in self.self_caches:
+                self.past[name] = np.concatenate([padded(ours, 2, width, True), padded(theirs, 2, width, True)])
+            else:  # a cross-attention cache: [rows, heads, source, head_dim]
+                self.past[name] = np.concatenate([padded(ours, 2, longest, False), padded(theirs, 2, longest, False)])
+        for name in self.encoder_feeds:  # [rows, source(, d)]: zeros past a row's source, masked
+            self.encoder_feeds[name] = np.concatenate([padded(self.encoder_feeds[name], 1, longest, False),
+                                                       padded(other.encoder_feeds[name], 1, longest, False)])
         other._reset(0)
+
+    @property
+    def source_width(self) -> int:
+        """An encoder-decoder's source length as its rows hold it (0 for a decoder-only model)."""
+        states = self.encoder_feeds.get("encoder_hidden_states")
+        if states is not None:
+            return states.shape[1]
+        return next((self.past[name].shape[2] for name in self.cross_caches), 0)
 
     @property
     def cache_positions(self) -> int:

@@ -19,8 +19,10 @@ Each turn of the loop:
 (``mix_lengths``). A file whose own positions count over the cache's width (``export --module --kv-cache`` of a model
 with absolute positions, today) would shift a row's positions by its holes: there a row joins only a cohort of
 exactly its length (no holes ever), and cohorts of different lengths take one call each per turn; two cohorts that
-become aligned merge. ``batch.generation.pads_exactly`` decides, as it does for ``mha-deploy generate``; a model
-with no positions at all (TinyLM) may be told ``mix_lengths=True``. Within a cohort the decoder's arithmetic per row
+become aligned merge. ``joins_exactly`` decides; a model with no positions at all (TinyLM) may be told
+``mix_lengths=True``. An encoder-decoder is served the same way: its source is encoded whole at prefill, and rows
+of different source lengths share a cohort when the decoder takes ``encoder_attention_mask`` (shorter sources
+padded and masked), else only rows of one source length do. Within a cohort the decoder's arithmetic per row
 does not depend on the other rows except through masked holes, whose keys get probability 0 exactly; greedy tokens
 are held equal to the request alone in the tests.
 
@@ -87,6 +89,16 @@ class TokenEvent:
     logprob: float | None = None
     top_logprobs: dict[int, float] | None = None
     error: str | None = None
+
+
+def joins_exactly(stepper: KVCacheStepper) -> bool:
+    """Whether rows of any length can share the stepper's cache and still get the tokens they get alone: the file
+    masks holes (``attention_mask``; an encoder-decoder's shorter sources too, ``encoder_attention_mask``) and takes
+    ``position_ids``, which the stepper counts over each row's real tokens (a file's own positions over the cache
+    width would shift by the holes)."""
+    inputs = stepper.graph.inputs
+    masks = "attention_mask" in inputs and (stepper.encoder is None or "encoder_attention_mask" in inputs)
+    return masks and "position_ids" in inputs
 
 
 class GenerationObserver:
@@ -190,16 +202,22 @@ class GenerationEngine:
         mix_lengths: bool | None = None,
         observer: GenerationObserver | None = None,
     ):
-        if stepper.encoder is not None:
-            raise InputError("the engine serves decoder-only models: an encoder-decoder's rows cannot join one cache")
         for name, value in (("max_kv_tokens", max_kv_tokens), ("max_running", max_running),
                             ("max_waiting", max_waiting), ("prefill_chunk", prefill_chunk)):
             if not isinstance(value, int) or value < 1:
                 raise InputError(f"{name} must be a positive integer, got {value!r}")
-        from mha_deploy.batch.generation import pads_exactly
+        from mha_deploy.batch.generation import prompt_limits
 
         self.stepper = stepper
-        self.mix_lengths = pads_exactly(stepper) if mix_lengths is None else mix_lengths
+        # What a prompt may hold: ids below the (encoder's) vocabulary, and the length the file records.
+        self.limits = prompt_limits(stepper)
+        self.mix_lengths = joins_exactly(stepper) if mix_lengths is None else mix_lengths
+        inputs = stepper.graph.inputs
+        if self.mix_lengths and ("attention_mask" not in inputs or (
+                stepper.encoder is not None and "encoder_attention_mask" not in inputs)):
+            raise InputError(f"{stepper.graph.source} cannot mask the holes that mixing lengths leaves (it takes no "
+                             "attention_mask" + (" or encoder_attention_mask" if stepper.encoder is not None else "")
+                             + "): its requests can share steps only with rows of their own length")
         self.budget = KVBudget(max_kv_tokens, self.mix_lengths)
         self.max_running = max_running
         self.max_waiting = max_waiting
@@ -248,7 +266,7 @@ class GenerationEngine:
         prompt = np.asarray(request.prompt)
         if prompt.ndim != 1 or prompt.size == 0 or prompt.dtype.kind not in "iu" or prompt.min() < 0:
             raise InputError("a prompt is a non-empty list of non-negative token ids")
-        vocab = self.stepper.graph.vocab_size
+        vocab = self.limits.vocab
         if vocab is not None and prompt.max() >= vocab:
             raise InputError(f"token id {int(prompt.max())} is past the model's vocabulary ({vocab} ids, 0 to "
                              f"{vocab - 1})")
@@ -353,7 +371,9 @@ class GenerationEngine:
                 break
             prompt = sequence.request.prompt
             start = sequence.prefilled
-            ids = np.asarray(prompt[start : start + budget], np.int64)[None, :]
+            # An encoder reads its whole source in one call; a decoder's prompt may come in chunks.
+            chunk = len(prompt) if self.stepper.encoder is not None else budget
+            ids = np.asarray(prompt[start : start + chunk], np.int64)[None, :]
             stepper = sequence.stepper
             logits = stepper.prefill(ids, np.ones_like(ids)) if start == 0 else stepper.extend(ids)
             sequence.prefilled += ids.shape[1]
@@ -367,9 +387,15 @@ class GenerationEngine:
                 continue
             self._join(sequence)
 
+    def _alignment(self, stepper: KVCacheStepper) -> tuple[int, int]:
+        """What rows must share to step together unmixed: the cache width, and an encoder-decoder's source length
+        when its decoder cannot mask a shorter source (no encoder_attention_mask)."""
+        source = 0 if "encoder_attention_mask" in stepper.graph.inputs else stepper.source_width
+        return stepper.mask.shape[1], source
+
     def _join(self, sequence: _Sequence) -> None:
-        width = sequence.stepper.mask.shape[1]
-        target = next((c for c in self._cohorts if self.mix_lengths or c.width == width), None)
+        key = self._alignment(sequence.stepper)
+        target = next((c for c in self._cohorts if self.mix_lengths or self._alignment(c.stepper) == key), None)
         if target is None:
             target = _Cohort(self.stepper.fork(), [])
             self._cohorts.append(target)
@@ -379,9 +405,9 @@ class GenerationEngine:
 
     def _merge_aligned(self) -> None:
         """Cohorts of one width hold rows of one length each (no holes): one call can step them all."""
-        by_width: dict[int, _Cohort] = {}
+        by_key: dict[tuple[int, int], _Cohort] = {}
         for cohort in list(self._cohorts):
-            into = by_width.setdefault(cohort.width, cohort)
+            into = by_key.setdefault(self._alignment(cohort.stepper), cohort)
             if into is not cohort:
                 into.stepper.join(cohort.stepper)
                 into.sequences.extend(cohort.sequences)

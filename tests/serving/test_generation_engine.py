@@ -257,3 +257,25 @@ def test_a_failing_model_call_fails_its_requests_and_the_engine_serves_the_next(
             alone(tiny, [1, 2, 3], max_new_tokens=4)]
     finally:
         engine.stop(10)
+
+
+def test_an_encoder_decoder_joins_rows_of_other_sources_each_equal_to_alone(seq2seq):
+    decoder, encoder, start, vocab = seq2seq
+
+    def stepper():
+        return KVCacheStepper(decoder, encoder=encoder, decoder_start_token_id=start)
+
+    engine = GenerationEngine(stepper())
+    assert not engine.mix_lengths  # no attention_mask for the decoder's own holes: rows join when aligned
+    rng = np.random.default_rng(6)
+    given = [rng.integers(1, vocab, n) for n in (3, 9, 1, 6, 9)]  # sources of other lengths share a cohort (masked)
+    engine.start()
+    try:
+        got = run_all(engine, [GenerationRequest(p, GenerationConfig(max_new_tokens=4 + i % 3))
+                               for i, p in enumerate(given)])
+    finally:
+        engine.stop(10)
+    for i, (source, tokens) in enumerate(zip(given, got, strict=True)):
+        assert tokens == generate(stepper(), [source.tolist()], max_new_tokens=4 + i % 3).tokens[0].tolist()
+    with pytest.raises(Exception, match="vocabulary"):
+        GenerationEngine(stepper()).submit(GenerationRequest(np.array([vocab + 5]), GenerationConfig()), print)

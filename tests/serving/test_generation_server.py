@@ -328,3 +328,21 @@ def test_eos_ids_recorded_at_export_end_completions(lm_cache, tmp_path):
         assert f"eos ids {eos}" in server.log()
     finally:
         server.stop()
+
+
+def test_an_encoder_decoder_is_served_with_its_source_as_the_prompt(seq2seq, tmp_path):
+    decoder, encoder, start, vocab = seq2seq
+    server = Server(decoder, tmp_path / "seq2seq.log", "--threads", "1", "--name", "s2s", "--encoder", str(encoder),
+                    "--start-id", str(start)).wait_ready()
+    try:
+        sources = [[5, 6, 7, 8], [9, 3]]
+        answer = client(server).completions.create(model="s2s", prompt=sources, max_tokens=5, temperature=0)
+        stepper = KVCacheStepper(decoder, encoder=encoder, decoder_start_token_id=start)
+        for choice in answer.choices:
+            expected = generate(stepper, [sources[choice.index]], max_new_tokens=5).tokens[0].tolist()
+            assert choice.token_ids == expected
+        status, _, raw = server.request("POST", "/v1/completions",
+                                        json.dumps({"model": "s2s", "prompt": [vocab]}).encode())
+        assert status == 400 and "vocabulary" in json.loads(raw)["error"]["message"]
+    finally:
+        server.stop()

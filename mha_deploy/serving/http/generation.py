@@ -91,9 +91,7 @@ class GenerationService:
             # the ids recorded at export (export --eos-id), as mha-deploy generate defaults to them
             self.settings = replace(self.settings, eos_token_ids=tuple(recorded.eos_token_ids))
         if self.settings.max_length is None:  # what the file records (export --max-length), if anything
-            from mha_deploy.batch.generation import prompt_limits
-
-            self.settings = replace(self.settings, max_length=prompt_limits(engine.stepper).max_length)
+            self.settings = replace(self.settings, max_length=engine.limits.max_length)
         if self.status != "loading":
             return
         self.status = "ready"
@@ -155,13 +153,18 @@ class GenerationService:
         ids = np.asarray(ids, np.int64)
         if ids.size == 0:
             raise RequestError(400, "empty_prompt", f"{param}: the prompt is empty (no token)")
-        vocab = self.engine.stepper.graph.vocab_size if self.engine is not None else None
+        vocab = self.engine.limits.vocab if self.engine is not None else None
         if ids.min() < 0 or (vocab is not None and ids.max() >= vocab):
             raise RequestError(400, "bad_token_id",
-                               f"{param}: token ids must be in [0, {vocab}) for this model, got {int(ids.max())}"
+                               f"{param}: token ids must be in [0, {vocab}) (this model's vocabulary), got "
+                               f"{int(ids.max())}: was the prompt tokenized for another model?"
                                if vocab is not None else f"{param}: token ids must be non-negative")
         limit = self.settings.max_length
-        if limit is not None and ids.size + max_new_tokens > limit:
+        source = self.engine is not None and not self.engine.limits.with_new_tokens  # an encoder's source
+        if limit is not None and source and ids.size > limit:
+            raise RequestError(400, "context_length_exceeded",
+                               f"{param}: the source's {ids.size} tokens exceed this model's maximum length {limit}")
+        if limit is not None and not source and ids.size + max_new_tokens > limit:
             raise RequestError(400, "context_length_exceeded",
                                f"{param}: the prompt's {ids.size} tokens and max_tokens {max_new_tokens} exceed this "
                                f"model's maximum length {limit} (--max-length); shorten the prompt or lower max_tokens")

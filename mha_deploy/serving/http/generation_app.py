@@ -107,6 +107,7 @@ def create_generation_app(
                 "max_length": service.settings.max_length,
                 "max_new_tokens": service.settings.max_new_tokens,
                 "eos_token_ids": list(service.settings.eos_token_ids),
+                "encoder_decoder": engine.stepper.encoder is not None,
                 "tokenizer": service.tokenizer is not None,
                 "chat_template": service.chat_template is not None,
             },

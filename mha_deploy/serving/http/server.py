@@ -102,6 +102,10 @@ class GenerationOptions:
     mix_lengths: bool | None = None
     # Sequences (n x prompts) one request may ask for.
     max_choices: int = 16
+    # An encoder-decoder: the encoder's file (the served model is then its decoder) and the decoder's start id
+    # (None: the one the decoder file recorded at export).
+    encoder: str | os.PathLike | None = None
+    start_id: int | None = None
 
 
 class ServeError(MHADeployError):
@@ -231,10 +235,22 @@ def _generation_app(config: ServeConfig, api_keys, on_load_error):
         from mha_deploy.runtime.kv_stepper import KVCacheStepper, open_decoder
 
         # Idle ORT threads spin by default, burning the CPU the event loop needs between steps.
-        model = open_decoder(config.model, config.threads, provider=config.provider,
-                             session_config={"session.intra_op.allow_spinning": "1" if config.spin else "0"})
+        session_config = {"session.intra_op.allow_spinning": "1" if config.spin else "0"}
+        model = open_decoder(config.model, config.threads, provider=config.provider, session_config=session_config)
+        encoder = start_id = None
+        if options.encoder is not None:
+            encoder = open_decoder(options.encoder, config.threads, provider=config.provider,
+                                   session_config=session_config)
+            recorded = getattr(getattr(model, "metadata", None), "generation", None)
+            start_id = options.start_id if options.start_id is not None else getattr(
+                recorded, "decoder_start_token_id", None)
+            if start_id is None:
+                raise ServeError(f"{config.model} records no decoder start id: give --start-id with --encoder")
+        elif options.start_id is not None:
+            raise ServeError("--start-id is an encoder-decoder's: give --encoder too")
+        stepper = KVCacheStepper(model, encoder=encoder, decoder_start_token_id=start_id)
         return GenerationEngine(
-            KVCacheStepper(model), max_kv_tokens=options.max_kv_tokens, max_running=config.batching.max_batch,
+            stepper, max_kv_tokens=options.max_kv_tokens, max_running=config.batching.max_batch,
             max_waiting=config.batching.max_queue, prefill_chunk=options.prefill_chunk,
             mix_lengths=options.mix_lengths, observer=metrics,
         )
