@@ -24,13 +24,25 @@ __all__ = [
 METADATA_KEY = "mha_deploy"
 # Bumped when the meaning of a recorded field changes: the newest format this version reads. Files are
 # written in the oldest format that holds them, 1, except a custom model's (declared tensors; 2), a model
-# with a max length (3), a parity report whose atol is per row (4) and a generation section (5), which earlier
-# mha-deploy cannot read: it then says to upgrade.
-METADATA_FORMAT = 5
+# with a max length (3), a parity report whose atol is per row (4), a generation section (5) and how a KV-cache
+# model's positions work (6), which earlier mha-deploy cannot read: it then says to upgrade.
+METADATA_FORMAT = 6
 _CUSTOM_FORMAT = 2
 _MAX_LENGTH_FORMAT = 3
 _ROW_ATOL_FORMAT = 4
 _GENERATION_FORMAT = 5
+_POSITIONS_FORMAT = 6
+# How a KV-cache model over token ids numbers its tokens (ModelMetadata.positions): from its position_ids input
+# (each row its own), not at all (a row's logits do not depend on padding before it), or by column of the padded
+# batch (rows of different lengths do not get what they get alone).
+POSITIONS_INPUT, POSITIONS_NONE, POSITIONS_PADDED_WIDTH = "input", "none", "padded-width"
+POSITIONS_KINDS = (POSITIONS_INPUT, POSITIONS_NONE, POSITIONS_PADDED_WIDTH)
+POSITIONS_WORDS = {
+    POSITIONS_INPUT: "each row's from position_ids: prompts of any length share a batch exactly",
+    POSITIONS_NONE: "padding before a row does not change it: prompts of any length share a batch exactly",
+    POSITIONS_PADDED_WIDTH: "counted over the padded batch's columns: only prompts of one length share a batch "
+                            "exactly (export with --position-ids where the module's are an arange into a table)",
+}
 
 # The choices the exporter, the runtime and serving accept, defined here (no torch, no
 # onnxruntime) so that the CLI lists them without importing either; the modules that
@@ -155,6 +167,9 @@ class ModelMetadata:
     max_length: int | None = None
     # A generator's token ids (eos, pad, decoder start) recorded at export; None: none recorded.
     generation: GenerationIds | None = None
+    # A user's KV-cache LM: how its positions work (POSITIONS_KINDS), so that a scheduler knows whether rows of
+    # different lengths can share a batch exactly; None: not recorded (other models, earlier files).
+    positions: str | None = None
 
     @property
     def fixed_sizes(self) -> dict[str, int]:
@@ -181,6 +196,10 @@ class ModelMetadata:
             del raw["generation"]
         else:
             raw["format"] = max(raw["format"], _GENERATION_FORMAT)
+        if self.positions is None:
+            del raw["positions"]
+        else:
+            raw["format"] = max(raw["format"], _POSITIONS_FORMAT)
         if raw["parity"] is not None:
             if raw["parity"]["atol_per_row"]:
                 raw["format"] = max(raw["format"], _ROW_ATOL_FORMAT)
@@ -214,6 +233,9 @@ class ModelMetadata:
                 metadata.generation.check(None, f"{source}: mha-deploy metadata generation")
             except SignatureError as exc:
                 raise ModelFileError(str(exc)) from exc
+        if metadata.positions is not None and metadata.positions not in POSITIONS_KINDS:
+            raise ModelFileError(f"{source}: mha-deploy metadata positions is {metadata.positions!r}, not one of "
+                                 f"{', '.join(POSITIONS_KINDS)}")
         if metadata.signature.layers not in (1, metadata.layers):
             raise ModelFileError(
                 f"{source}: its metadata says {metadata.layers} layers, its cache layout {metadata.signature.layers}"

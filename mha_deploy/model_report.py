@@ -11,7 +11,7 @@ import onnx
 
 from mha_deploy.compare import tolerance_words
 from mha_deploy.errors import ModelFileError
-from mha_deploy.metadata import METADATA_KEY, GenerationIds, ModelMetadata
+from mha_deploy.metadata import METADATA_KEY, POSITIONS_WORDS, GenerationIds, ModelMetadata
 from mha_deploy.onnx_nodes import BIAS_PROP, LONG_KERNEL, POSITION_BIAS, all_nodes, kernel_tag, packing_tags
 from mha_deploy.signature import TOKENS, Signature
 from mha_deploy.token_tables import vocabulary
@@ -119,6 +119,8 @@ class ModelReport:
             lines.append(f"  max length {meta['max_length']}: a longer sequence is refused before ONNX Runtime")
         if sig.get("kv_cache"):
             lines += cache_layout(Signature(**sig))
+        if meta.get("positions") is not None:
+            lines.append(f"  positions {meta['positions']}: {POSITIONS_WORDS.get(meta['positions'], 'unknown')}")
         if meta.get("generation") is not None:
             ids = GenerationIds(**meta["generation"])
             lines.append(f"  generate {ids.describe()} (recorded at export: generate's defaults)")

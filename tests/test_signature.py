@@ -61,6 +61,22 @@ def test_generation_ids_survive_the_files_metadata_in_format_5_and_a_file_withou
     assert ModelMetadata.from_json(plain).generation is None
 
 
+@pytest.mark.parametrize("positions", ["input", "none", "padded-width"])
+def test_how_positions_work_survives_the_files_metadata_in_format_6(positions):
+    raw = ModelMetadata(32, 4, Signature.custom((IDS,), (POOLED,)), positions=positions).to_json()
+    assert '"format": 6' in raw
+    assert ModelMetadata.from_json(raw).positions == positions
+    plain = ModelMetadata(32, 4, Signature.custom((IDS,), (POOLED,))).to_json()
+    assert '"positions"' not in plain and ModelMetadata.from_json(plain).positions is None
+
+
+def test_positions_of_no_known_kind_are_refused_naming_the_file():
+    raw = json.loads(ModelMetadata(32, 4, Signature.custom((IDS,), (POOLED,)), positions="input").to_json())
+    raw["positions"] = "rotary"
+    with pytest.raises(ModelFileError, match=r"lm\.onnx: .*positions is 'rotary', not one of input, none"):
+        ModelMetadata.from_json(json.dumps(raw), "lm.onnx")
+
+
 @pytest.mark.parametrize("value", [{"eos_token_ids": ["2"]}, {"pad_token_id": -1}, {"pad_token_id": 1.5},
                                    {"eos_token_ids": 2}, {"bos": 3}])
 def test_generation_ids_that_are_no_token_ids_are_refused_naming_the_file(value):

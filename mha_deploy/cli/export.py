@@ -92,6 +92,10 @@ from mha_deploy.metadata import (
 @click.option("--start-id", type=click.IntRange(min=0),
               help="With --kv-cache, an encoder-decoder's decoder start id, recorded in the file. A causal LM starts "
                    "from its prompt: generate does not use it, and --genai writes it as bos_token_id.")
+@click.option("--position-ids", is_flag=True,
+              help="With --module ... --kv-cache: the file takes position_ids int64 [batch, seq] (each row's own "
+                   "positions, as onnxruntime-genai and generate feed them) where the module's positions are an "
+                   "arange indexing a table, so that rows of different lengths share a batch exactly.")
 @click.option("--genai", is_flag=True,
               help="With --module ... --kv-cache, also write genai_config.json beside the file so that "
                    "onnxruntime-genai generates from it unchanged (context_length from the max length; needs one "
@@ -102,7 +106,7 @@ from mha_deploy.metadata import (
 @click.pass_context
 def export(ctx, checkpoint, prefix, d_model, heads, model_kind, layers, d_ff, attention, mask, return_weights, kv_cache,
            fuse, quantize, seed, opset, dtype, atol, rtol, module_spec, inputs, output_names, max_length, eos_ids,
-           pad_id, start_id, genai, pack_tokens, output):
+           pad_id, start_id, position_ids, genai, pack_tokens, output):
     """Export a reference MHA to ONNX with dynamic batch and sequence axes, checked against torch.
 
     \b
@@ -125,12 +129,14 @@ def export(ctx, checkpoint, prefix, d_model, heads, model_kind, layers, d_ff, at
                "pack_tokens": pack_tokens}
     lone_block = ("prefix", "d_model", "heads", "model_kind", "layers", "d_ff", "attention", "mask",
                   "return_weights", "seed")
-    own_model = ("inputs", "output_names", "max_length", "eos_ids", "pad_id", "start_id", "genai")
+    own_model = ("inputs", "output_names", "max_length", "eos_ids", "pad_id", "start_id", "position_ids", "genai")
     generation = None
     if eos_ids or pad_id is not None or start_id is not None:
         if not kv_cache:
             raise click.UsageError("--eos-id, --pad-id and --start-id are recorded for generation: give --kv-cache")
         generation = GenerationIds(list(eos_ids), pad_id, start_id)
+    if position_ids and not kv_cache:
+        raise click.UsageError("--position-ids is an input of a KV-cache decoder: give --kv-cache")
     if genai and not kv_cache:
         raise click.UsageError("--genai writes onnxruntime-genai's config for a KV-cache decoder: give --kv-cache")
     if module_spec is not None:
@@ -142,7 +148,8 @@ def export(ctx, checkpoint, prefix, d_model, heads, model_kind, layers, d_ff, at
         module = load_factory(module_spec)
         click.echo(f"exporting {type(module).__name__} from {module_spec}, inputs {', '.join(inputs)}", err=True)
         result = export_model(module, output, inputs, output_names=output_names or None, checkpoint=checkpoint,
-                              max_length=max_length, kv_cache=kv_cache, generation=generation, **options)
+                              max_length=max_length, kv_cache=kv_cache, position_ids=position_ids,
+                              generation=generation, **options)
     elif given := [name for name in own_model if _given(ctx, name)]:
         raise click.UsageError(f"{_flags(given)} describe your own model: give it with --module FILE.py:FACTORY")
     elif model_kind == "mha":

@@ -34,6 +34,7 @@ from mha_deploy.exporters.own_kv_cache import (
     find_attention_caches,
     lm_tensors,
     narrowed_own_caches,
+    positions_kind,
 )
 from mha_deploy.exporters.own_model import (
     Declared,
@@ -66,6 +67,7 @@ from mha_deploy.metadata import (
     MAX_OPSET,
     METADATA_KEY,
     MIN_OPSET,
+    POSITIONS_INPUT,
     QUANTIZE_CHOICES,
     GenerationIds,
     ModelMetadata,
@@ -420,6 +422,7 @@ def export_model(
     checkpoint: str | os.PathLike | None = None,
     max_length: int | None = None,
     kv_cache: bool = False,
+    position_ids: bool = False,
     generation: GenerationIds | None = None,
     **options,
 ) -> ExportResult:
@@ -445,13 +448,19 @@ def export_model(
     a cache per attention for generation (``own_kv_cache``): one file for the prompt and every later step,
     checked call by call against one forward of the whole sequence. ``generation``: the ids a generator needs
     (eos, pad, decoder start), recorded in the file's metadata for ``mha-deploy generate`` and onnxruntime-genai;
-    with ``kv_cache`` only, each refused unless below the vocabulary.
+    with ``kv_cache`` only, each refused unless below the vocabulary. ``position_ids`` (with ``kv_cache``): the
+    file takes each row's positions as an input (``position_ids`` int64 [batch, seq]) where the module's are a
+    ``Range`` over the sequence indexing a table, so that rows of different lengths each get what they get alone;
+    a warning says so when the module's positions are not that. The metadata records how the file's positions
+    work either way (``ModelMetadata.positions``).
     """
     export_options = ExportOptions(**options)
     export_options.check()
     output = _check_output(output)
     if max_length is not None and max_length < 1:
         raise ExportError(f"max length must be at least 1, got {max_length}")
+    if position_ids and not kv_cache:
+        raise ExportError("position_ids are a KV-cache model's input: export with --kv-cache")
     if generation is not None:
         if not kv_cache:
             raise ExportError("eos, pad and start ids are a generator's: they are recorded with a KV-cache export "
@@ -461,7 +470,8 @@ def export_model(
         load_checkpoint(module, checkpoint)
     kept = ModuleState(module, copy=True)
     try:
-        return _export_model(module, output, inputs, output_names, max_length, export_options, kv_cache, generation)
+        return _export_model(module, output, inputs, output_names, max_length, export_options, kv_cache, generation,
+                             position_ids)
     except SystemExit as exc:  # the module's own code: it must not end the caller's process with its status
         raise ExportError(f"{type(module).__name__} called sys.exit({exc.code!r}) (SystemExit) while it ran for the "
                           "export: a forward must return its outputs") from exc
@@ -470,7 +480,7 @@ def export_model(
 
 
 def _export_model(
-    module, output, inputs, output_names, max_length, export_options, kv_cache, generation=None
+    module, output, inputs, output_names, max_length, export_options, kv_cache, generation=None, position_ids=False
 ) -> ExportResult:
     # The probes run the module as parity does: with torch's fast path off (reference_form.without_fast_path).
     with without_fast_path():
@@ -495,7 +505,7 @@ def _export_model(
     attention_ops = count_attentions(plain)
     if kv_cache:
         result = _export_own_cache(replace(declared, signature=signature), plain, attention_ops, output,
-                                   export_options, max_length, generation)
+                                   export_options, max_length, generation, position_ids)
         result.warnings[:0] = [*declared.warnings, *vocabulary_warnings]
         return result
     d_model, heads = widest_attention(plain, declared.d_model)
@@ -512,6 +522,7 @@ def _export_own_cache(
     declared: Declared, plain: onnx.ModelProto, attention_ops: int, output: Path, options: ExportOptions,
     max_length: int | None,
     generation: GenerationIds | None = None,
+    position_ids: bool = False,
 ) -> ExportResult:
     """``export_model`` with ``kv_cache``: ``plain`` rewired to take and return a cache per attention."""
     notes = _check_generation_ids(generation, declared.signature)
@@ -519,11 +530,14 @@ def _export_own_cache(
     if len({(layer.heads, layer.head_dim) for layer in layers}) > 1:
         raise ExportError("--kv-cache: the attentions differ in heads or head size; one cache shape is supported")
     signature = cache_signature(declared.signature, layers)
-    cached, refused = narrowed_own_caches(attach_own_caches(plain, declared.signature, signature, layers), signature,
-                                          max_length)
+    cached, signature, refused = narrowed_own_caches(
+        attach_own_caches(plain, declared.signature, signature, layers), signature, max_length, position_ids)
     heads, head_dim = layers[0].heads, layers[0].head_dim
     metadata = ModelMetadata(d_model=heads * head_dim, num_heads=heads, signature=signature, layers=len(layers),
-                             max_length=max_length, generation=generation)
+                             max_length=max_length, generation=generation, positions=positions_kind(cached, signature))
+    if position_ids and metadata.positions != POSITIONS_INPUT:
+        notes.append(f"--position-ids: not offered, the module's positions are not a Range over the sequence "
+                     f"indexing a table (positions: {metadata.positions})")
     cases = options.parity_cases or capped_cache_cases(OWN_CACHE_CASES, max_length)
     # Token packing gathers the real tokens of one call's mask; a cache's mask spans calls.
     options = replace(options, parity_cases=cases, pack_tokens=False)

@@ -96,11 +96,15 @@ class _Shapes(dict):
 
 def narrow_to_new_positions(
     model: onnx.ModelProto, names: LengthNames, feeds: Callable[[int, int, int], dict[str, np.ndarray]],
-    max_length: int | None = None,
-) -> onnx.ModelProto:
+    max_length: int | None = None, position_ids: str | None = None,
+) -> tuple[onnx.ModelProto, bool]:
     """``model`` (a rewired cache model, unfused) with every row-wise op computing the new positions only;
     ``NarrowingRefused`` naming the op where that cannot be proven. ``feeds(batch, past, seq)`` gives the
-    model's inputs for a call (to find which dims follow the total length), at most ``max_length`` long."""
+    model's inputs for a call (to find which dims follow the total length), at most ``max_length`` long.
+
+    ``position_ids``: the name of an int64 [batch, seq] input to take each row's positions from, where the
+    module's positions are a ``Range`` over the sequence indexing a table (``take_position_ids``); the flag
+    says whether the model now takes it."""
     shapes = _probe_shapes(model, feeds, max_length)
     graph = model.graph
     producers = {out: node for node in graph.node for out in node.output}
@@ -142,7 +146,9 @@ def narrow_to_new_positions(
                 if demand.inner != 1:
                     raise NarrowingRefused(f"graph input {name} is read merged with another axis")
                 sources.add(name)
-    return _rewrite(model, names, demands, plans, sources, roots, shapes, heavy)
+    narrowed = _rewrite(model, names, demands, plans, sources, roots, shapes, heavy)
+    taken = position_ids is not None and take_position_ids(narrowed, shapes, names.tokens, position_ids)
+    return narrowed, taken
 
 
 def _demand(demands: dict[str, Demand], name: str, demand: Demand, reader: onnx.NodeProto) -> None:
@@ -511,3 +517,68 @@ def _check_no_whole_length_weights(model: onnx.ModelProto, heavy: set[str], root
         reader = readers.get(node.output[0])
         via = f" (read whole by {reader.op_type} {reader.name})" if reader is not None else ""
         raise NarrowingRefused(f"{node.op_type} {node.name} still runs over every position{via}")
+
+
+def take_position_ids(model: onnx.ModelProto, shapes, tokens: str, name: str) -> bool:
+    """Rewire ``model`` (narrowed) so that every position table is indexed by a new input ``name`` (int64
+    [batch, seq], each row's own positions) instead of the new rows of a ``Range(0, total, 1)``; False (and
+    ``model`` untouched) unless every such lookup is one this can replace exactly.
+
+    What is replaced: ``Gather(table, r)`` or ``Gather(table, Unsqueeze(r, 0))`` where ``r`` is the Range's
+    new rows and the table a weight; the lookup ([seq, d] or [1, seq, d]) then becomes [batch, seq, d], which
+    each reader must broadcast against a [batch, ...] operand (the embedding sum). Other readers of the Range
+    (a causal mask's query positions) keep the padded column indices: the cache's columns are padded ones."""
+    graph = model.graph
+    producers = {out: node for node in graph.node for out in node.output}
+    readers: dict[str, list[onnx.NodeProto]] = {}
+    for node in graph.node:
+        for value in node.input:
+            readers.setdefault(value, []).append(node)
+    tables = {init.name for init in graph.initializer if len(init.dims) == 2}
+    lookups: list[tuple[onnx.NodeProto, int]] = []  # (Gather, rank of its indices)
+    for node in graph.node:
+        if node.op_type != "Slice" or not _is_position_range(graph, producers.get(node.input[0])):
+            continue
+        for reader in readers.get(node.output[0], []):
+            via = reader
+            if reader.op_type == "Unsqueeze" and _constant(graph, reader.input[1]) is not None and \
+                    list(_constant(graph, reader.input[1]).reshape(-1)) == [0]:
+                for gather in readers.get(reader.output[0], []):
+                    if _is_table_lookup(gather, reader.output[0], tables):
+                        lookups.append((gather, 2))
+                continue
+            if _is_table_lookup(via, node.output[0], tables):
+                lookups.append((via, 1))
+    if not lookups:
+        return False
+    for gather, _ in lookups:
+        for reader in readers.get(gather.output[0], []):
+            out = reader.output[0]
+            original = shapes.get(out[len(_PREFIX):] if out.startswith(_PREFIX) else out)
+            # [batch, seq, d] either way: the reader must already have been one
+            if reader.op_type not in _BROADCAST or original is None or len(original[0]) != 3 or \
+                    original[0][0] != _PROBE_BATCH:
+                return False
+    for gather, _ in lookups:
+        gather.input[1] = name
+    looked_up = {gather.output[0] for gather, _ in lookups}
+    infos = [info for info in graph.value_info if info.name not in looked_up]
+    graph.ClearField("value_info")
+    graph.value_info.extend(infos)
+    seq_dim = next(value.type.tensor_type.shape.dim[1] for value in graph.input if value.name == tokens)
+    graph.input.append(helper.make_tensor_value_info(name, TensorProto.INT64, ["batch", seq_dim.dim_param or None]))
+    _without_dead_nodes(model)
+    return True
+
+
+def _is_position_range(graph: onnx.GraphProto, node: onnx.NodeProto | None) -> bool:
+    if node is None or node.op_type != "Range":
+        return False
+    start, delta = _constant(graph, node.input[0]), _constant(graph, node.input[2])
+    return start is not None and delta is not None and start.size == 1 and delta.size == 1 and \
+        int(start.reshape(-1)[0]) == 0 and int(delta.reshape(-1)[0]) == 1
+
+
+def _is_table_lookup(node: onnx.NodeProto, indices: str, tables: set[str]) -> bool:
+    axis = next((helper.get_attribute_value(a) for a in node.attribute if a.name == "axis"), 0)
+    return node.op_type == "Gather" and node.input[1] == indices and node.input[0] in tables and axis == 0

@@ -49,7 +49,7 @@ from mha_deploy.compare import compare_arrays, compare_outputs
 from mha_deploy.errors import ExportError
 from mha_deploy.exporters.parity import CacheCase, parity_report, torch_reference
 from mha_deploy.inputs import padding_mask
-from mha_deploy.metadata import ParityReport
+from mha_deploy.metadata import POSITIONS_INPUT, POSITIONS_NONE, POSITIONS_PADDED_WIDTH, ParityReport
 from mha_deploy.runtime.session import MHASession
 from mha_deploy.signature import (
     BATCH_AXIS,
@@ -66,6 +66,7 @@ from mha_deploy.signature import (
 
 # Optimum's and onnxruntime-genai's names for a decoder's inputs and its per-token output.
 INPUT_IDS, ATTENTION_MASK, LOGITS = "input_ids", "attention_mask", "logits"
+POSITION_IDS = "position_ids"  # each row's own positions, [batch, seq], when the file takes them
 _PREFIX = "kv_cache."  # names of the values this pass adds (the user's own names stay free)
 _INT64_MAX = np.iinfo(np.int64).max
 
@@ -243,11 +244,13 @@ def attach_own_caches(
 
 
 def narrowed_own_caches(
-    cached_model: onnx.ModelProto, cached: Signature, max_length: int | None
-) -> tuple[onnx.ModelProto, str | None]:
+    cached_model: onnx.ModelProto, cached: Signature, max_length: int | None, position_ids: bool = False
+) -> tuple[onnx.ModelProto, Signature, str | None]:
     """``cached_model`` (``attach_own_caches``'s) with every row-wise op computing this call's positions only
-    (``narrowing``), and None; or ``cached_model`` as it is and the reason narrowing was refused (the op
-    that stopped it), for the export to warn with. ``max_length``: the longest sequence the module takes."""
+    (``narrowing``), its signature, and None; or ``cached_model`` as it is and the reason narrowing was refused
+    (the op that stopped it), for the export to warn with. ``max_length``: the longest sequence the module
+    takes. ``position_ids``: take each row's positions from a ``position_ids`` input where the module's are
+    a Range indexing a table (the signature then has it)."""
     from mha_deploy.exporters.narrowing import LengthNames, NarrowingRefused, narrow_to_new_positions
 
     def feeds(batch: int, past: int, seq: int) -> dict[str, np.ndarray]:
@@ -258,9 +261,47 @@ def narrowed_own_caches(
 
     names = LengthNames(_PREFIX + "past_seq", _PREFIX + "end", INPUT_IDS, ATTENTION_MASK)
     try:
-        return narrow_to_new_positions(cached_model, names, feeds, max_length), None
+        narrowed, taken = narrow_to_new_positions(cached_model, names, feeds, max_length,
+                                                  POSITION_IDS if position_ids else None)
     except NarrowingRefused as exc:
-        return cached_model, str(exc)
+        return cached_model, cached, str(exc)
+    return narrowed, with_position_ids(cached, max_length) if taken else cached, None
+
+
+def with_position_ids(cached: Signature, max_length: int | None) -> Signature:
+    """``cached`` taking ``position_ids`` int64 [batch, seq] after ``input_ids``: indices into the module's
+    position table (its rows bound them, as a vocabulary bounds token ids)."""
+    ids = cached.tensors[INPUT_IDS]
+    spec = replace(ids, name=POSITION_IDS, vocab=max_length)
+    inputs = list(cached.custom_inputs)
+    inputs.insert(inputs.index(ids) + 1, spec)
+    return replace(cached, custom_inputs=tuple(inputs))
+
+
+def positions_kind(model: onnx.ModelProto, cached: Signature) -> str:
+    """How ``model``'s positions work, for a scheduler deciding which rows may share a batch: "input" (it takes
+    ``position_ids``: any rows, each given its own), "none" (a row's logits do not move when padding is put
+    before it: no positions, or positions counted from the mask), "padded-width" (they do: positions are
+    column indices of the padded batch, so only rows of one length share a batch exactly). Measured by running
+    one prompt alone and behind two padded columns."""
+    if POSITION_IDS in cached.tensors:
+        return POSITIONS_INPUT
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    vocab = cached.tensors[INPUT_IDS].vocab or 2
+    ids = np.arange(1, 6) % vocab
+    logits = []
+    for pad in (0, 2):
+        feeds = {INPUT_IDS: np.concatenate([np.zeros(pad, np.int64), ids])[None],
+                 ATTENTION_MASK: (np.arange(pad + len(ids)) >= pad).astype(np.int64)[None]}
+        for name in cached.cache_pairs:
+            feeds[name] = np.zeros((1, cached.tensors[name].axes[1], 0, cached.tensors[name].axes[3]), np.float32)
+        logits.append(session.run([LOGITS], feeds)[0][0, pad:])
+    same = np.allclose(logits[0], logits[1], atol=1e-4, rtol=1e-4)
+    return POSITIONS_NONE if same else POSITIONS_PADDED_WIDTH
 
 
 def _int64_constant(name: str, value: int) -> onnx.NodeProto:
@@ -356,7 +397,8 @@ def check_own_cache_parity(
         start = 0
         for call, length in enumerate(case.calls, 1):
             end = start + length
-            result = session.run({INPUT_IDS: ids[:, start:end], ATTENTION_MASK: real[:, :end], **past})
+            positions = _column_positions(session, case.batch, start, end)
+            result = session.run({INPUT_IDS: ids[:, start:end], ATTENTION_MASK: real[:, :end], **positions, **past})
             for comparison in compare_outputs(
                 session.signature, {LOGITS: result[LOGITS]}, {LOGITS: expected[:, start:end]}, real[:, start:end],
                 atol, rtol, names=[LOGITS],
@@ -367,8 +409,9 @@ def check_own_cache_parity(
                                     f"{comparison.summary()}")
             past = {name: result[present] for name, present in session.signature.cache_pairs.items()}
             start = end
-        whole = session.run({INPUT_IDS: ids, ATTENTION_MASK: real, **{
-            name: np.zeros((case.batch, *_cache_dims(session, name, 0)), np.float32) for name in past}})
+        empty = {name: np.zeros((case.batch, *_cache_dims(session, name, 0)), np.float32) for name in past}
+        whole = session.run({INPUT_IDS: ids, ATTENTION_MASK: real, **_column_positions(session, case.batch, 0, total),
+                             **empty})
         for name, present in session.signature.cache_pairs.items():
             # [batch, heads, total, d_k] -> [batch, total, heads, d_k]: the real positions' rows
             got, want = (np.moveaxis(a, 2, 1)[real] for a in (past[name], whole[present]))
@@ -377,6 +420,14 @@ def check_own_cache_parity(
             if not comparison.passed:
                 failures.append(f"{label}: {present} after the calls is not one call's ({comparison.summary()})")
     return parity_report(comparisons, labels, failures, atol, rtol)
+
+
+def _column_positions(session: MHASession, batch: int, start: int, end: int) -> dict[str, np.ndarray]:
+    """``position_ids`` as the module computes them (the padded batch's column indices), where the file
+    takes them."""
+    if POSITION_IDS not in session.signature.tensors:
+        return {}
+    return {POSITION_IDS: np.broadcast_to(np.arange(start, end), (batch, end - start)).copy()}
 
 
 def _cache_dims(session: MHASession, name: str, length: int) -> tuple[int, int, int]:

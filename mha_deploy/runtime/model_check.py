@@ -340,7 +340,10 @@ def check_cache_behaviour(run: RunFn, metadata: ModelMetadata, source: str) -> N
             name: np.ones((1, total if marks == query else sequences[marks].shape[1]), signature.tensors[name].dtype)
             for name, marks in signature.padding_masks.items()
         }
-        return run({**sequences, query: tokens, **past, **masks})
+        # A file that takes each row's positions (exporters.own_kv_cache) continues them from the cache.
+        positions = {"position_ids": np.arange(total - tokens.shape[1], total)[None]} \
+            if "position_ids" in signature.tensors else {}
+        return run({**sequences, query: tokens, **past, **masks, **positions})
 
     whole = call(x, dict.fromkeys(signature.cache_pairs, empty))
     first = call(x[:, :3], dict.fromkeys(signature.cache_pairs, empty))

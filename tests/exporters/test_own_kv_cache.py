@@ -17,7 +17,7 @@ from mha_deploy.exporters import export_model
 from mha_deploy.exporters.parity import CacheCase
 from mha_deploy.onnx_nodes import all_nodes
 from mha_deploy.runtime import MHASession
-from tests.conftest import OWN_MODEL_ATOL, OWN_MODEL_RTOL, user_module
+from tests.conftest import OWN_MODEL_ATOL, OWN_MODEL_RTOL, USER_MODELS, user_module
 
 
 def test_the_file_takes_and_returns_a_cache_per_attention_in_optimums_names(lm_cache):
@@ -35,6 +35,8 @@ def test_the_file_takes_and_returns_a_cache_per_attention_in_optimums_names(lm_c
     assert signature.tensors["attention_mask"].dtype == "int64"
     graph_inputs = {i.name: i.type.tensor_type.elem_type for i in onnx.load(str(path)).graph.input}
     assert graph_inputs["attention_mask"] == onnx.TensorProto.INT64  # as onnxruntime-genai feeds it
+    # TinyLM has no positions: padding before a row does not move its logits, so any rows may share a batch.
+    assert session.metadata.positions == "none"
 
 
 def test_every_attention_is_fused_as_in_a_cache_free_export(lm_cache):
@@ -63,15 +65,17 @@ def test_a_step_applies_weights_to_its_new_tokens_only(lm_cache):
     assert all(15 not in shape and 2 in shape for shape in shapes.values()), shapes
 
 
-def _decode(session, ids, mask, calls):
-    """Logits of each call of ``calls`` tokens, fed the previous call's present outputs."""
+def _decode(session, ids, mask, calls, positions=None):
+    """Logits of each call of ``calls`` tokens, fed the previous call's present outputs (and ``positions``'
+    columns of the call as position_ids, when given)."""
     signature = session.signature
     past = {name: np.zeros((ids.shape[0], *signature.tensors[name].axes[1:2], 0,
                             signature.tensors[name].axes[3]), np.float32) for name in signature.cache_pairs}
     start, logits = 0, []
     for length in calls:
         end = start + length
-        result = session.run({"input_ids": ids[:, start:end], "attention_mask": mask[:, :end], **past})
+        given = {} if positions is None else {"position_ids": positions[:, start:end]}
+        result = session.run({"input_ids": ids[:, start:end], "attention_mask": mask[:, :end], **given, **past})
         logits.append((start, end, result["logits"]))
         past = {name: result[present] for name, present in signature.cache_pairs.items()}
         start = end
@@ -127,6 +131,38 @@ def test_torch_hugging_face_and_tutorial_decoders_get_a_narrowed_fused_cache(tmp
     layers = 4 if name == "torch_decoder" else 2  # nn.TransformerDecoder: self- and cross-attention per layer
     assert MHASession(result.path, provider="cpu").signature.layers == layers
     assert result.fusion.fused == layers and result.fusion.complete
+    # positions by arange over the padded batch's columns: a row's logits move with the padding before it
+    assert result.metadata.positions == "padded-width"
+
+
+def test_per_row_positions_give_each_left_padded_row_what_it_gets_alone(tmp_path):
+    """--position-ids: the tutorial GPT's learned positions come from the input, so with each row's count of real
+    tokens as its positions (what KVCacheStepper and onnxruntime-genai feed), every row of a left-padded batch
+    decodes, call by call, to the logits it gets alone."""
+    path = tmp_path / "lm.onnx"
+    inputs = [arg for spec in user_module("tutorial_gpt").INPUTS for arg in ("--input", spec)]
+    result = CliRunner().invoke(main, ["export", "--module", f"{USER_MODELS / 'tutorial_gpt'}.py:build", *inputs,
+                                       "--kv-cache", "--position-ids", "-o", str(path)])
+    assert result.exit_code == 0, result.output
+    session = MHASession(path, provider="cpu")
+    assert session.signature.input_names[:3] == ("input_ids", "position_ids", "attention_mask")
+    assert session.metadata.positions == "input"
+    rng = np.random.default_rng(5)
+    calls, lengths = (6, 1, 1, 3), (6, 3, 1)
+    ids = rng.integers(0, 60, (len(lengths), sum(calls)))
+    mask = np.ones(ids.shape, np.int64)
+    for row, length in enumerate(lengths):
+        mask[row, : calls[0] - length] = 0  # left padding
+    positions = np.maximum(np.cumsum(mask, axis=1) - 1, 0)
+    batched, _ = _decode(session, ids, mask, calls, positions)
+    for row, length in enumerate(lengths):
+        real = mask[row] == 1
+        alone_calls = (length, *calls[1:])
+        alone, _ = _decode(session, ids[row:row + 1, real], np.ones((1, real.sum()), np.int64), alone_calls,
+                           np.arange(real.sum())[None])
+        got = np.concatenate([logits[row][mask[row, start:end] == 1] for start, end, logits in batched])
+        want = np.concatenate([logits[0] for _, _, logits in alone])
+        np.testing.assert_allclose(got, want, atol=OWN_MODEL_ATOL, rtol=OWN_MODEL_RTOL, err_msg=f"row {row}")
 
 
 class FeatureCumsum(nn.Module):
