@@ -89,9 +89,11 @@ class LengthNames:
 
 
 class _Shapes(dict):
-    """name -> (shape in the first run, shape in the second); ``totals``: the two runs' total lengths."""
+    """name -> (shape in the first run, shape in the second); ``totals``: the two runs' total lengths;
+    ``constants``: the small constant values (initializers and Constant ops) by name."""
 
     totals: tuple[int, int]
+    constants: dict[str, np.ndarray]
 
 
 def narrow_to_new_positions(
@@ -107,6 +109,10 @@ def narrow_to_new_positions(
     says whether the model now takes it."""
     shapes = _probe_shapes(model, feeds, max_length)
     graph = model.graph
+    shapes.constants = {init.name: numpy_helper.to_array(init) for init in graph.initializer
+                        if math.prod(init.dims) <= 64}
+    shapes.constants.update({node.output[0]: value for node in graph.node if node.op_type == "Constant"
+                             and (value := _constant(graph, node.output[0])) is not None})
     producers = {out: node for node in graph.node for out in node.output}
     heavy = _heavy_values(graph)
     demands: dict[str, Demand] = {}
@@ -302,6 +308,14 @@ def _input_demands(node: onnx.NodeProto, wanted: list[tuple[int, Demand]], shape
             return {1: Demand(axis - gather_axis, demand.inner)}
         data_axis = axis if axis < gather_axis else axis - idx_rank + 1
         return {0: Demand(data_axis, demand.inner)}
+    if op == "Slice":
+        # a cut along other axes (x[..., :half]); one along the positions is not a row-wise op
+        starts = shapes.get(node.input[1])
+        axes = shapes.constants.get(node.input[3]) if len(node.input) > 3 and node.input[3] else None
+        if starts is None or (len(node.input) > 3 and node.input[3] and axes is None):
+            return None
+        axes = [int(a) % rank for a in (axes.reshape(-1) if axes is not None else range(starts[0][0]))]
+        return None if axis in axes else {0: demand}
     if op in _REDUCE:
         return _reduce(node, demand, rank, shapes, attrs)
     if op == "Reshape":

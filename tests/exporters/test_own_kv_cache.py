@@ -165,6 +165,34 @@ def test_per_row_positions_give_each_left_padded_row_what_it_gets_alone(tmp_path
         np.testing.assert_allclose(got, want, atol=OWN_MODEL_ATOL, rtol=OWN_MODEL_RTOL, err_msg=f"row {row}")
 
 
+class GatedLM(nn.Module):
+    """A causal attention, then a gated unit whose halves are cut along the features (``x[..., :d]``: Slice ops
+    on another axis than the positions): still a row per position, so a step stays narrowed."""
+
+    def __init__(self, vocab=20, d_model=16):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Embedding(vocab, d_model)
+        self.attn = nn.MultiheadAttention(d_model, 2, batch_first=True)
+        self.gate = nn.Linear(d_model, 2 * d_model)
+        self.head = nn.Linear(d_model, vocab)
+
+    def forward(self, ids, mask):
+        x = self.embed(ids)
+        t, d = ids.size(1), x.size(-1)
+        causal = torch.triu(torch.ones(t, t, dtype=torch.bool), 1)
+        y, _ = self.attn(x, x, x, attn_mask=causal, key_padding_mask=~mask, need_weights=False)
+        h = self.gate(y)
+        return self.head(h[..., :d] * torch.sigmoid(h[..., d:]))
+
+
+def test_cuts_along_the_features_keep_a_step_narrowed(tmp_path):
+    result = export_model(GatedLM(), tmp_path / "lm.onnx", ["ids:tokens", "mask:padding-mask"], kv_cache=True,
+                          parity_cases=(CacheCase(2, 4, 1, 2, "left"),))
+    assert result.parity.passed
+    assert not result.warnings, result.warnings
+
+
 class FeatureCumsum(nn.Module):
     """A causal attention, then a cumulative sum over the features (per position, but an op the narrowing
     does not know): the cache still works, each step over the whole sequence."""
