@@ -534,7 +534,8 @@ def _export_own_cache(
         attach_own_caches(plain, declared.signature, signature, layers), signature, max_length, position_ids)
     heads, head_dim = layers[0].heads, layers[0].head_dim
     metadata = ModelMetadata(d_model=heads * head_dim, num_heads=heads, signature=signature, layers=len(layers),
-                             max_length=max_length, generation=generation, positions=positions_kind(cached, signature))
+                             max_length=max_length, generation=generation,
+                             positions=positions_kind(cached, signature, max_length))
     if position_ids and metadata.positions != POSITIONS_INPUT:
         notes.append(f"--position-ids: not offered, the module's positions are not a Range over the sequence "
                      f"indexing a table (positions: {metadata.positions})")

@@ -31,7 +31,11 @@ full forward per step.
     logits    = logits over every position [:, past_seq:]                    [batch, seq, vocab]
 
 and after ``narrowing``, the same per call with every row-wise op over ``seq`` rows: the ids are
-``input_ids``, the attentions' queries [batch, heads, seq, d_k], their mask rows [past_seq:].
+``input_ids``, the attentions' queries [batch, heads, seq, d_k], their mask rows [past_seq:]. With
+``position_ids`` asked for, a position table indexed by the rows [past_seq:] of a ``Range`` over the whole
+length is indexed by ``position_ids`` [batch, seq] instead (each row's own positions); the metadata's
+``positions`` records which of "input", "none" or "padded-width" the file's positions are
+(``positions_kind``).
 """
 
 from __future__ import annotations
@@ -278,28 +282,32 @@ def with_position_ids(cached: Signature, max_length: int | None) -> Signature:
     return replace(cached, custom_inputs=tuple(inputs))
 
 
-def positions_kind(model: onnx.ModelProto, cached: Signature) -> str:
+def positions_kind(model: onnx.ModelProto, cached: Signature, max_length: int | None = None) -> str | None:
     """How ``model``'s positions work, for a scheduler deciding which rows may share a batch: "input" (it takes
     ``position_ids``: any rows, each given its own), "none" (a row's logits do not move when padding is put
     before it: no positions, or positions counted from the mask), "padded-width" (they do: positions are
     column indices of the padded batch, so only rows of one length share a batch exactly). Measured by running
-    one prompt alone and behind two padded columns."""
+    one prompt alone and behind two padded columns; None when a module taking at most ``max_length`` tokens
+    is too short to measure."""
     if POSITION_IDS in cached.tensors:
         return POSITIONS_INPUT
+    vocab, pad = cached.tensors[INPUT_IDS].vocab or 2, 2
+    length = 5 if max_length is None else min(5, max_length - pad)
+    if length < 1:
+        return None
     import onnxruntime as ort
 
     options = ort.SessionOptions()
     options.log_severity_level = 3
     session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
-    vocab = cached.tensors[INPUT_IDS].vocab or 2
-    ids = np.arange(1, 6) % vocab
+    ids = np.arange(1, length + 1) % vocab
     logits = []
-    for pad in (0, 2):
-        feeds = {INPUT_IDS: np.concatenate([np.zeros(pad, np.int64), ids])[None],
-                 ATTENTION_MASK: (np.arange(pad + len(ids)) >= pad).astype(np.int64)[None]}
+    for padding in (0, pad):
+        feeds = {INPUT_IDS: np.concatenate([np.zeros(padding, np.int64), ids])[None],
+                 ATTENTION_MASK: (np.arange(padding + len(ids)) >= padding).astype(np.int64)[None]}
         for name in cached.cache_pairs:
             feeds[name] = np.zeros((1, cached.tensors[name].axes[1], 0, cached.tensors[name].axes[3]), np.float32)
-        logits.append(session.run([LOGITS], feeds)[0][0, pad:])
+        logits.append(session.run([LOGITS], feeds)[0][0, padding:])
     same = np.allclose(logits[0], logits[1], atol=1e-4, rtol=1e-4)
     return POSITIONS_NONE if same else POSITIONS_PADDED_WIDTH
 
