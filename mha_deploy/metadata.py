@@ -16,9 +16,9 @@ from mha_deploy.errors import ModelFileError, SignatureError
 from mha_deploy.signature import ATTENTION_KINDS, MASK_MODES, MODEL_KINDS, Signature
 
 __all__ = [
-    "ATTENTION_KINDS", "DTYPES", "DTYPE_CHOICES", "FUSE_CHOICES", "MASK_MODES", "MAX_OPSET", "METADATA_KEY",
-    "MIN_OPSET", "MODEL_KINDS", "ON_ERROR_CHOICES", "PROVIDER_CHOICES", "QUANTIZE_CHOICES", "TRITON_KINDS",
-    "GenerationIds", "ModelMetadata", "ParityReport", "Signature",
+    "ATTENTION_KINDS", "DTYPES", "DTYPE_CHOICES", "ENCODER_DECODER_KEY", "FUSE_CHOICES", "MASK_MODES", "MAX_OPSET",
+    "METADATA_KEY", "MIN_OPSET", "MODEL_KINDS", "ON_ERROR_CHOICES", "PROVIDER_CHOICES", "QUANTIZE_CHOICES",
+    "TRITON_KINDS", "EncoderDecoderRecord", "GenerationIds", "ModelMetadata", "ParityReport", "Signature",
 ]
 
 METADATA_KEY = "mha_deploy"
@@ -140,6 +140,42 @@ class GenerationIds:
         if self.decoder_start_token_id is not None:
             parts.append(f"decoder start {self.decoder_start_token_id}")
         return ", ".join(parts)
+
+
+# An encoder-decoder exported with --kv-cache is two files (exporters.own_seq2seq_cache); each records under this
+# key which part it is, and the decoder the name of its encoder beside it. Kept apart from METADATA_KEY: the pair's
+# I/O is Optimum's encoder-decoder convention, which a custom Signature does not describe.
+ENCODER_DECODER_KEY = "mha_deploy.encoder_decoder"
+
+
+@dataclass
+class EncoderDecoderRecord:
+    """One file of an encoder-decoder pair: ``part`` "encoder" or "decoder"; ``companion`` the other file's name
+    (in the same folder); the ids generation needs; the attentions found, fused with ``fusion``; and the
+    per-step parity the export checked (a summary line)."""
+
+    part: str
+    companion: str
+    generation: GenerationIds | None = None
+    fusion: str = "none"
+    attentions: dict[str, int] = field(default_factory=dict)
+    parity: str = ""
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, text: str, source: str = "model") -> EncoderDecoderRecord:
+        try:
+            raw = json.loads(text)
+            if raw.get("generation") is not None:
+                raw["generation"] = GenerationIds(**raw["generation"])
+            record = cls(**raw)
+        except (ValueError, TypeError) as exc:
+            raise ModelFileError(f"{source}: unreadable {ENCODER_DECODER_KEY} metadata ({exc})") from exc
+        if record.part not in ("encoder", "decoder") or not record.companion:
+            raise ModelFileError(f"{source}: {ENCODER_DECODER_KEY} metadata names no part or companion")
+        return record
 
 
 @dataclass

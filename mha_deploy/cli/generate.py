@@ -100,8 +100,12 @@ def generate(model, input_path, output_path, tokenizer, encoder, max_new_tokens,
         run_generation,
     )
     from mha_deploy.runtime.generation import GenerationConfig, with_recorded_ids
-    from mha_deploy.runtime.kv_stepper import KVCacheStepper
+    from mha_deploy.runtime.kv_stepper import KVCacheStepper, encoder_companion
 
+    if encoder is None and (found := encoder_companion(model)) is not None:
+        # export --kv-cache of an encoder-decoder wrote its encoder beside it and named it, with its start id
+        encoder, start_id = Path(found[0]), start_id if start_id is not None else found[1]
+        click.echo(f"encoder {encoder} (named by {model.name})", err=True)
     if encoder is not None and start_id is None:
         start_id = _recorded_start_id(model)
     if (encoder is None) != (start_id is None):

@@ -47,6 +47,12 @@ from mha_deploy.exporters.own_model import (
     position_tables,
     trace_failure,
 )
+from mha_deploy.exporters.own_seq2seq_cache import (
+    Seq2SeqExportResult,
+    build_seq2seq_cache,
+    seq2seq_tensors,
+    write_seq2seq_pair,
+)
 from mha_deploy.exporters.parity import (
     DEFAULT_ATOL,
     DEFAULT_RTOL,
@@ -487,8 +493,10 @@ def _export_model(
         declared = declare_model(module, inputs, output_names)
         signature = declared.signature
         max_length = _max_length(max_length, position_tables(declared.wrapper, signature))
+    seq2seq = seq2seq_tensors(signature) if kv_cache else None
     if kv_cache:
-        lm_tensors(signature)
+        if seq2seq is None:
+            lm_tensors(signature)
         if export_options.quantize != "none" or export_options.dtype != "fp32":
             raise ExportError("--kv-cache exports a user's module in fp32 for now: drop --quantize and --dtype")
     try:
@@ -503,6 +511,11 @@ def _export_model(
     inputs, vocabulary_warnings = graph_vocabularies(signature.custom_inputs, plain)
     signature = replace(signature, custom_inputs=inputs)
     attention_ops = count_attentions(plain)
+    if seq2seq is not None:
+        result = _export_seq2seq_cache(replace(declared, signature=signature), plain, attention_ops, output,
+                                       export_options, max_length, generation)
+        result.warnings[:0] = [*declared.warnings, *vocabulary_warnings]
+        return result
     if kv_cache:
         result = _export_own_cache(replace(declared, signature=signature), plain, attention_ops, output,
                                    export_options, max_length, generation, position_ids)
@@ -547,6 +560,22 @@ def _export_own_cache(
     if refused:
         result.warnings.append(f"--kv-cache: each step runs the whole sequence's forward ({refused})")
     return result
+
+
+def _export_seq2seq_cache(
+    declared: Declared, plain: onnx.ModelProto, attention_ops: int, output: Path, options: ExportOptions,
+    max_length: int | None, generation: GenerationIds | None,
+) -> Seq2SeqExportResult:
+    """``export_model`` with ``kv_cache`` for an encoder-decoder: two files, the encoder beside ``output``."""
+    if generation is not None:
+        target = seq2seq_tensors(declared.signature).target
+        generation.check(target.vocab)
+    if options.fuse not in ("auto", "mha", "none"):
+        raise ExportError(f"--kv-cache for an encoder-decoder fuses for the mha target (or none), not {options.fuse}")
+    cases = options.parity_cases or None
+    built = build_seq2seq_cache(declared.wrapper, declared.signature, plain, attention_ops, max_length, cases,
+                                *options.tolerance, fuse=options.fuse)
+    return write_seq2seq_pair(built, output, generation, max_length)
 
 
 def _check_generation_ids(generation: GenerationIds | None, signature: Signature) -> list[str]:

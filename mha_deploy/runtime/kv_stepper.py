@@ -41,7 +41,7 @@ import onnx
 import onnxruntime as ort
 
 from mha_deploy.errors import InputError, ModelFileError, OptionError
-from mha_deploy.metadata import METADATA_KEY
+from mha_deploy.metadata import ENCODER_DECODER_KEY, METADATA_KEY, EncoderDecoderRecord
 
 SELF_CACHE = re.compile(r"^past_key_values\.(\d+)\.(?:decoder\.)?(key|value)$")
 CROSS_CACHE = re.compile(r"^past_key_values\.(\d+)\.encoder\.(key|value)$")
@@ -75,8 +75,10 @@ class _Graph:
         self.session = model
         self.source = getattr(model, "source", None) or "<onnxruntime session>"
         metadata = getattr(model, "metadata", None)
+        # One file of an encoder-decoder pair that mha-deploy exported (its part, its companion, its ids).
+        self.pair: EncoderDecoderRecord | None = getattr(model, "pair", None)
         # The ids an mha-deploy file recorded at export (metadata.GenerationIds), generate's defaults.
-        self.generation_ids = getattr(metadata, "generation", None)
+        self.generation_ids = getattr(metadata, "generation", None) or (self.pair.generation if self.pair else None)
         self.provider_note = getattr(model, "provider_note", "")
         if isinstance(model, ort.InferenceSession):
             self._run = lambda feeds: dict(zip(self.outputs, model.run(list(self.outputs), feeds), strict=True))
@@ -114,6 +116,8 @@ def open_decoder(path, threads: int | None = None, provider: str = "cpu", sessio
         raise ModelFileError(f"{path}: not a readable ONNX file: {exc}") from exc
     if METADATA_KEY in props:
         return MHASession(path, provider=provider, threads=threads, session_config=session_config)
+    pair = EncoderDecoderRecord.from_json(props[ENCODER_DECODER_KEY], str(path)) if ENCODER_DECODER_KEY in props \
+        else None
     plan = plan_providers(provider)
     options = ort.SessionOptions()
     if threads is not None:
@@ -122,8 +126,28 @@ def open_decoder(path, threads: int | None = None, provider: str = "cpu", sessio
         options.add_session_config_entry(key, value)
     session = ort.InferenceSession(str(path), options, providers=plan.session_providers())
     check_providers(plan, session)
-    session.source, session.provider_note = str(path), plan.note
+    session.source, session.provider_note, session.pair = str(path), plan.note, pair
     return session
+
+
+def encoder_companion(decoder) -> tuple[str, int | None] | None:
+    """(the encoder file, the recorded decoder start id) of a decoder that mha-deploy exported as one of an
+    encoder-decoder pair (``export --kv-cache``: ``mt.onnx`` and ``mt.encoder.onnx``); None for any other file.
+    ``ModelFileError`` when the file is the pair's encoder, or its encoder is missing."""
+    try:
+        props = {p.key: p.value for p in onnx.load(str(decoder), load_external_data=False).metadata_props}
+    except Exception:  # not readable here: whoever opens it says why
+        return None
+    if ENCODER_DECODER_KEY not in props:
+        return None
+    record = EncoderDecoderRecord.from_json(props[ENCODER_DECODER_KEY], str(decoder))
+    companion = os.path.join(os.path.dirname(os.fspath(decoder)), record.companion)
+    if record.part == "encoder":
+        raise ModelFileError(f"{decoder} is the encoder of an encoder-decoder: give its decoder, {companion}")
+    if not os.path.isfile(companion):
+        raise ModelFileError(f"{decoder}: its encoder {companion} (written beside it at export) is missing")
+    start = record.generation.decoder_start_token_id if record.generation is not None else None
+    return companion, start
 
 
 def _ports(values) -> dict[str, _Port]:
@@ -160,6 +184,12 @@ class KVCacheStepper:
         threads: int | None = None,
         provider: str = "cpu",
     ):
+        if encoder is None and isinstance(model, str | os.PathLike):
+            # A decoder exported with its encoder beside it (own_seq2seq_cache) names it, and its start id.
+            found = encoder_companion(model)
+            if found is not None:
+                encoder = found[0]
+                decoder_start_token_id = found[1] if decoder_start_token_id is None else decoder_start_token_id
         self.graph = _Graph(model, threads, provider)
         self.encoder = _Graph(encoder, threads, provider) if encoder is not None else None
         self.generation_ids = self.graph.generation_ids
@@ -177,8 +207,13 @@ class KVCacheStepper:
                 f"{source}: not a KV-cache decoder in Optimum's naming (inputs {sorted(inputs)}): it needs input_ids "
                 f"and past_key_values.{{i}}.key|value" + (f"; {unknown} are not inputs it knows" if unknown else "")
             )
-        missing = [p for p in [*self.self_caches.values(), *self.cross_caches.values(), "logits"]
-                   if p not in self.graph.outputs]
+        # An encoder may compute the cross-attention caches itself (present.{i}.encoder.*): the decoder then
+        # only reads them.
+        encoder_outputs = self.encoder.outputs if self.encoder is not None else ()
+        self._cross_from_encoder = bool(self.cross_caches) and all(
+            p in encoder_outputs for p in self.cross_caches.values())
+        crosses = [] if self._cross_from_encoder else list(self.cross_caches.values())
+        missing = [p for p in [*self.self_caches.values(), *crosses, "logits"] if p not in self.graph.outputs]
         if missing:
             raise ModelFileError(f"{source}: outputs {missing} are missing (each past_* input needs its present.*)")
         if self.cross_caches and self.encoder is None:
@@ -343,6 +378,9 @@ class KVCacheStepper:
         if "attention_mask" in ports:
             feeds["attention_mask"] = attention_mask.astype(ports["attention_mask"].dtype)
         outputs = self.encoder.run(feeds)
+        if self._cross_from_encoder:
+            for name, present in self.cross_caches.items():
+                self.past[name] = outputs[present]
         hidden = outputs.get("last_hidden_state", next(iter(outputs.values())))
         wanted = {"encoder_hidden_states": hidden, "encoder_attention_mask": attention_mask}
         return {name: value for name, value in wanted.items() if name in self.graph.inputs}
@@ -366,7 +404,7 @@ class KVCacheStepper:
         for name, present in self.self_caches.items():
             self.past[name] = outputs[present]
         if first:  # the encoder's keys and values: computed now, passed back unchanged after
-            for name, present in self.cross_caches.items():
+            for name, present in ({} if self._cross_from_encoder else self.cross_caches).items():
                 self.past[name] = outputs[present]
             self._zero_holes()
         # Each row's last real new token: a right-padded prompt's last column is padding.
