@@ -497,6 +497,9 @@ def _export_model(
     if kv_cache:
         if seq2seq is None:
             lm_tensors(signature)
+        elif position_ids:
+            raise ExportError("--position-ids: an encoder-decoder's positions stay the module's own (each target row "
+                              "counted from its first token); drop the flag")
         if export_options.quantize != "none" or export_options.dtype != "fp32":
             raise ExportError("--kv-cache exports a user's module in fp32 for now: drop --quantize and --dtype")
     try:

@@ -259,7 +259,7 @@ def decoder_model(
 
     names = LengthNames(CACHE_PREFIX + "past_seq", CACHE_PREFIX + "end", INPUT_IDS, ATTENTION_MASK)
     try:
-        return narrow_to_new_positions(attached, names, feeds, max_length), None
+        return narrow_to_new_positions(attached, names, feeds, max_length)[0], None
     except NarrowingRefused as exc:
         return attached, str(exc)
 
