@@ -11,7 +11,14 @@ import onnx
 
 from mha_deploy.compare import tolerance_words
 from mha_deploy.errors import ModelFileError
-from mha_deploy.metadata import METADATA_KEY, POSITIONS_WORDS, GenerationIds, ModelMetadata
+from mha_deploy.metadata import (
+    ENCODER_DECODER_KEY,
+    METADATA_KEY,
+    POSITIONS_WORDS,
+    EncoderDecoderRecord,
+    GenerationIds,
+    ModelMetadata,
+)
 from mha_deploy.onnx_nodes import BIAS_PROP, LONG_KERNEL, POSITION_BIAS, all_nodes, kernel_tag, packing_tags
 from mha_deploy.signature import TOKENS, Signature
 from mha_deploy.token_tables import vocabulary
@@ -73,6 +80,8 @@ class ModelReport:
     metadata: dict | None = None
     # Per tokens input: the rows of the table its ids index in the graph (token_tables), None when unknown
     token_tables: dict[str, int | None] = field(default_factory=dict)
+    # One file of an encoder-decoder pair exported with --kv-cache (own_seq2seq_cache): its part, its companion
+    encoder_decoder: dict | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -99,6 +108,17 @@ class ModelReport:
             lines += [f"  fused  {op.op}({inputs}) {attrs}", f"         kernel: {op.kernel}"]
         lines += [f"  packed {line}" for line in self.packing]
         meta = self.metadata
+        pair = self.encoder_decoder
+        if meta is None and pair is not None:
+            ids = GenerationIds(**pair["generation"]).describe() if pair.get("generation") else "no ids recorded"
+            attentions = ", ".join(f"{n} {kind}" for kind, n in pair["attentions"].items())
+            return "\n".join([
+                *lines,
+                f"  encoder-decoder: the {pair['part']} of a pair exported with --kv-cache; its "
+                f"{'encoder' if pair['part'] == 'decoder' else 'decoder'}: {pair['companion']} (beside it)",
+                f"  attentions: {attentions} (fusion {pair['fusion']}); generation: {ids}",
+                f"  {pair['parity']}",
+            ])
         if meta is None:
             return "\n".join([*lines, "  metadata: none (not exported by mha-deploy)"])
         sig = meta["signature"]
@@ -324,6 +344,8 @@ def describe_model(path: str | os.PathLike) -> ModelReport:
     metadata = None
     if METADATA_KEY in props:
         metadata = ModelMetadata.from_json(props[METADATA_KEY], str(path))
+    pair = EncoderDecoderRecord.from_json(props[ENCODER_DECODER_KEY], str(path)) if ENCODER_DECODER_KEY in props \
+        else None
     return ModelReport(
         path=str(path),
         size_bytes=path.stat().st_size,
@@ -337,4 +359,5 @@ def describe_model(path: str | os.PathLike) -> ModelReport:
         metadata=asdict(metadata) if metadata else None,
         token_tables={spec.name: vocabulary(model, spec.name) for spec in metadata.signature.custom_inputs
                       if spec.role == TOKENS} if metadata else {},
+        encoder_decoder=pair.to_dict() if pair is not None else None,
     )

@@ -90,8 +90,9 @@ from mha_deploy.metadata import (
               help="With --kv-cache, the id that pads prompts and finished rows, recorded in the file "
                    "(onnxruntime-genai finds a prompt's padding by it: take one no prompt ends with).")
 @click.option("--start-id", type=click.IntRange(min=0),
-              help="With --kv-cache, an encoder-decoder's decoder start id, recorded in the file. A causal LM starts "
-                   "from its prompt: generate does not use it, and --genai writes it as bos_token_id.")
+              help="With --kv-cache, an encoder-decoder's decoder start id, recorded in the file (generate starts "
+                   "every target from it). A causal LM starts from its prompt: generate does not use it, and "
+                   "--genai writes it as bos_token_id.")
 @click.option("--position-ids", is_flag=True,
               help="With --module ... --kv-cache: the file takes position_ids int64 [batch, seq] (each row's own "
                    "positions, as onnxruntime-genai and generate feed them) where the module's positions are an "
@@ -122,6 +123,8 @@ def export(ctx, checkpoint, prefix, d_model, heads, model_kind, layers, d_ff, at
       mha-deploy export --module model.py:build --input ids:tokens --input mask:padding-mask -o model.onnx
       mha-deploy export --module gpt.py:build --input ids:tokens --input mask:padding-mask --kv-cache \
           --eos-id 2 --pad-id 0 --genai -o lm/model.onnx
+      mha-deploy export --module mt.py:build --input src:tokens:src_seq --input src_mask:padding-mask:src_seq \
+          --input tgt:tokens:tgt_seq --input tgt_mask:padding-mask:tgt_seq --kv-cache --start-id 1 -o mt.onnx
     """
     from mha_deploy.exporters import export_builtin, export_model, load_factory
 
@@ -145,6 +148,9 @@ def export(ctx, checkpoint, prefix, d_model, heads, model_kind, layers, d_ff, at
             raise click.UsageError(f"--module exports your model as it is: {_flags(given)} describe the built-in ones")
         if not inputs:
             raise click.UsageError("--module needs its forward's inputs: --input NAME:ROLE for each")
+        if genai and sum(spec.split(":")[1:2] == ["tokens"] for spec in inputs) > 1:
+            raise click.UsageError("--genai describes a decoder-only model to onnxruntime-genai; an encoder-decoder "
+                                   "(two token inputs) is exported as an encoder and a decoder it does not run")
         module = load_factory(module_spec)
         click.echo(f"exporting {type(module).__name__} from {module_spec}, inputs {', '.join(inputs)}", err=True)
         result = export_model(module, output, inputs, output_names=output_names or None, checkpoint=checkpoint,
@@ -201,8 +207,13 @@ def echo_export(result) -> None:
     if result.packing is not None:
         click.echo(result.packing.describe())
     click.echo(result.parity.summary())
-    if result.metadata.max_length is not None:
-        click.echo(f"max length {result.metadata.max_length} recorded: longer sequences are refused")
+    max_length = result.metadata.max_length if hasattr(result, "metadata") else result.max_length
+    if max_length is not None:
+        click.echo(f"max length {max_length} recorded: longer sequences are refused")
+    if getattr(result, "encoder_path", None) is not None:  # an encoder-decoder's pair (own_seq2seq_cache)
+        click.echo(f"wrote {result.encoder_path} (the encoder, run once per request)")
+        click.echo(f"wrote {result.path} (the decoder with its cache; generate takes it and finds its encoder)")
+        return
     click.echo(f"wrote {result.path}")
 
 

@@ -31,6 +31,7 @@ written when it fails.
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -242,7 +243,15 @@ def decoder_model(
 
     lm = Signature.custom((tensors.target, tensors.target_mask), (tensors.logits,))
     cached = cache_signature(lm, cut.self_layers)
-    attached = attach_own_caches(_sorted_model(model), lm, cached, cut.self_layers)
+    # attach_own_caches sets the causal LM's interface and sorts before the inputs it does not know are declared
+    # again (just below): onnx_ir's warning about them, once per input, says nothing to a user.
+    serde_log = logging.getLogger("onnx_ir.serde")
+    level = serde_log.level
+    serde_log.setLevel(logging.ERROR)
+    try:
+        attached = attach_own_caches(_sorted_model(model), lm, cached, cut.self_layers)
+    finally:
+        serde_log.setLevel(level)
     attached.graph.input.extend(extra_inputs)
     attached = _without_dead_nodes(attached)
 

@@ -12,7 +12,7 @@ import pytest
 from click.testing import CliRunner
 
 from mha_deploy.cli import main
-from mha_deploy.errors import ParityError
+from mha_deploy.errors import ModelFileError, ParityError
 from mha_deploy.exporters import export_model
 from mha_deploy.metadata import ENCODER_DECODER_KEY, GenerationIds
 from mha_deploy.runtime.generation import generate
@@ -155,3 +155,27 @@ def test_hf_encoder_decoders_pass_per_step_parity(tmp_path, factory):
     encoder_self, decoder_self, cross = result.fusion.attentions
     assert encoder_self == decoder_self == cross == 2
     assert path.is_file() and result.encoder_path.is_file()
+
+
+def test_inspect_names_each_file_part_and_companion(tutorial_pair):
+    result, _ = tutorial_pair
+    for path, words in ((result.path, "the decoder of a pair exported with --kv-cache; its encoder: mt.encoder.onnx"),
+                        (result.encoder_path, "the encoder of a pair exported with --kv-cache; its decoder: mt.onnx")):
+        run = CliRunner().invoke(main, ["inspect", str(path)])
+        assert run.exit_code == 0, run.output
+        assert words in run.output and "2 encoder self, 2 decoder self, 2 cross (fusion mha)" in run.output
+
+
+def test_the_encoder_given_as_the_model_is_refused_naming_the_decoder(tutorial_pair):
+    result, _ = tutorial_pair
+    with pytest.raises(ModelFileError, match=r"give its decoder, .*mt\.onnx"):
+        KVCacheStepper(result.encoder_path)
+
+
+def test_genai_is_refused_for_an_encoder_decoder_before_exporting(tmp_path):
+    module = "tests/user_models/seq2seq.py:build"
+    args = ["export", "--module", module, *(arg for spec in user_module("seq2seq").INPUTS for arg in ("--input", spec)),
+            "--kv-cache", "--genai", "-o", str(tmp_path / "mt.onnx")]
+    run = CliRunner().invoke(main, args)
+    assert run.exit_code == 2 and "decoder-only" in run.output
+    assert list(tmp_path.iterdir()) == []
