@@ -80,6 +80,8 @@ class _Graph:
         # The ids an mha-deploy file recorded at export (metadata.GenerationIds), generate's defaults.
         self.generation_ids = getattr(metadata, "generation", None) or (self.pair.generation if self.pair else None)
         self.provider_note = getattr(model, "provider_note", "")
+        # How an mha-deploy KV-cache file numbers its tokens (metadata.POSITIONS_KINDS), None when it does not say.
+        self.positions: str | None = getattr(metadata, "positions", None)
         if isinstance(model, ort.InferenceSession):
             self._run = lambda feeds: dict(zip(self.outputs, model.run(list(self.outputs), feeds), strict=True))
             self.inputs, outputs = ({p.name: _Port(p.name, np.dtype(ORT_TYPES.get(p.type, np.float32)), tuple(p.shape))

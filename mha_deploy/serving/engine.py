@@ -17,14 +17,15 @@ Each turn of the loop:
 **Exactness.** A row must get the tokens it gets alone. Holes take no position when the file takes ``position_ids``
 (the stepper counts each row's real tokens), so then every row shares one cohort whatever its length
 (``mix_lengths``). A file whose own positions count over the cache's width (``export --module --kv-cache`` of a model
-with absolute positions, today) would shift a row's positions by its holes: there a row joins only a cohort of
-exactly its length (no holes ever), and cohorts of different lengths take one call each per turn; two cohorts that
-become aligned merge. ``joins_exactly`` decides; a model with no positions at all (TinyLM) may be told
-``mix_lengths=True``. An encoder-decoder is served the same way: its source is encoded whole at prefill, and rows
-of different source lengths share a cohort when the decoder takes ``encoder_attention_mask`` (shorter sources
-padded and masked), else only rows of one source length do. Within a cohort the decoder's arithmetic per row
-does not depend on the other rows except through masked holes, whose keys get probability 0 exactly; greedy tokens
-are held equal to the request alone in the tests.
+with absolute positions exported without ``--position-ids``) would shift a row's positions by its holes: there a row
+joins only a cohort of exactly its length (no holes ever), and cohorts of different lengths take one call each per
+turn; two cohorts that become aligned merge. ``joins_exactly`` decides: a file whose export measured that its
+positions do not matter (metadata positions "none", TinyLM) mixes lengths too; ``mix_lengths`` overrides it. An
+encoder-decoder is served the same way: its source is encoded whole at prefill, and rows of different source lengths
+share a cohort when the decoder takes ``encoder_attention_mask`` (shorter sources padded and masked), else only rows
+of one source length do. Within a cohort the decoder's arithmetic per row does not depend on the other rows except
+through masked holes, whose keys get probability 0 exactly; greedy tokens are held equal to the request alone in the
+tests.
 
 **Memory.** ``KVBudget`` bounds the cache positions the running requests can ever hold: in a mixed cohort every row
 is as wide as the widest (rows x the largest prompt + max_new_tokens), in aligned cohorts each row holds its own
@@ -46,6 +47,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from mha_deploy.errors import InputError, MHADeployError
+from mha_deploy.metadata import POSITIONS_NONE
 from mha_deploy.runtime.generation import GenerationConfig, draw_tokens
 from mha_deploy.runtime.kv_stepper import KVCacheStepper
 from mha_deploy.runtime.logits import TokenHistory, log_softmax
@@ -95,10 +97,11 @@ def joins_exactly(stepper: KVCacheStepper) -> bool:
     """Whether rows of any length can share the stepper's cache and still get the tokens they get alone: the file
     masks holes (``attention_mask``; an encoder-decoder's shorter sources too, ``encoder_attention_mask``) and takes
     ``position_ids``, which the stepper counts over each row's real tokens (a file's own positions over the cache
-    width would shift by the holes)."""
+    width would shift by the holes), or its export measured that padding before a row does not change the row
+    (metadata positions "none": a model without positions)."""
     inputs = stepper.graph.inputs
     masks = "attention_mask" in inputs and (stepper.encoder is None or "encoder_attention_mask" in inputs)
-    return masks and "position_ids" in inputs
+    return masks and ("position_ids" in inputs or stepper.graph.positions == POSITIONS_NONE)
 
 
 class GenerationObserver:
@@ -239,6 +242,9 @@ class GenerationEngine:
         """How rows share the cache, in words (the server's startup line and model description say it)."""
         if self.mix_lengths and "position_ids" in self.stepper.graph.inputs:
             return "continuous batching: requests of any length share one cache (positions from position_ids)"
+        if self.mix_lengths and self.stepper.graph.positions == POSITIONS_NONE:
+            return ("continuous batching: requests of any length share one cache (the export measured that padding "
+                    "before a row does not change it)")
         if self.mix_lengths:
             return ("continuous batching: requests of any length share one cache, as told (mix_lengths): the file "
                     "takes no position_ids, so this is exact only for a model whose tokens do not depend on positions")

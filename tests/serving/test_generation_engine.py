@@ -89,6 +89,13 @@ def test_extend_prefills_in_chunks_as_one_prefill_does(tiny):
         chunked.extend(np.array([[VOCAB]]))
 
 
+def test_a_model_whose_export_measured_no_positions_mixes_lengths_by_default(tiny):
+    """TinyLM has no positions: its export records positions "none", so rows of any length share one cohort."""
+    engine = GenerationEngine(KVCacheStepper(tiny))
+    assert engine.stepper.graph.positions == "none"
+    assert engine.mix_lengths and "does not change it" in engine.batching
+
+
 @pytest.mark.parametrize("mix", [True, False], ids=["mixed-lengths", "aligned-cohorts"])
 def test_greedy_requests_sharing_the_loop_equal_each_alone(tiny, mix):
     given = prompts(12, seed=0)
