@@ -86,8 +86,8 @@ DEFAULT_DRAIN_TIMEOUT_S = 30.0
                    "recorded at export (export --eos-id).")
 @click.option("--mix-lengths/--no-mix-lengths", default=None,
               help="Generator: let requests of different lengths share one cache (masked holes). Default: when the "
-                   "file takes position_ids; otherwise a request shares steps only with rows of its exact length, so "
-                   "that its positions are as alone. --mix-lengths for a model without positions.")
+                   "file takes position_ids or its export recorded positions 'none'; otherwise a request shares steps "
+                   "only with rows of its exact length, so that its positions are as alone.")
 @click.option("--max-choices", type=click.IntRange(min=1), default=16, show_default=True,
               help="Generator: sequences (n x prompts) one request may ask for.")
 @click.option("--encoder", type=click.Path(dir_okay=False, path_type=Path),
