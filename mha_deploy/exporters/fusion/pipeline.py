@@ -67,6 +67,7 @@ from onnxscript.rewriter.ort_fusions.sdpa_via_mha import replace_sdpa_by_mha
 
 from mha_deploy.errors import ExportError
 from mha_deploy.exporters.fusion.bias_axes import fuse_bias_axes
+from mha_deploy.exporters.fusion.cache_heads import fuse_cache_heads
 from mha_deploy.exporters.fusion.causal_gqa import fuse_causal_gqa
 from mha_deploy.exporters.fusion.finite_bias import fuse_finite_bias
 from mha_deploy.exporters.fusion.head_merge_view import fuse_head_merge_view
@@ -277,6 +278,7 @@ def _run_chain(model: ir.Model, target: str, packed_qkv: bool, short_sequences: 
         counts["causal_gqa"] = fuse_causal_gqa(model)
         counts["padding_flash"] = fuse_padding_flash(model)
         counts["output_bias"] = fuse_output_bias(model)
+        counts["cache_heads"] = fuse_cache_heads(model)
     else:
         counts["onnx_attention"] = fuse_onnx_attention(model)
     _omit_unused_present_outputs(model)
