@@ -20,10 +20,11 @@ request. Clients run on the same machine as the server and compete with it for t
     .venv/bin/python benchmarks/serve_generation.py --module tests/user_models/tutorial_gpt.py:build \\
         --requests 8 --prompt 4 32 --new 2 12                   # a quick check that it runs
 
-The GPT (tests/user_models/tutorial_gpt.py) counts positions over the cache width; while its KV-cache export takes
-no ``position_ids``, the engine batches only requests of one length together (exact, as alone; the startup line
-says so), and a static batch of mixed lengths shifts padded rows' positions (its cost is what is measured). A model
-without positions (tests/user_models/causal_lm.py) mixes lengths exactly: ``--mix-lengths``.
+The GPT (tests/user_models/tutorial_gpt.py) has learned positions: it is exported with ``--position-ids`` as a
+server of it would be, so that requests of any length share one cache and each still gets its tokens alone (the
+stepper numbers each row's real tokens). ``--no-position-ids`` exports it without (then the engine batches only
+requests of one length together, exact, as alone; the startup line says so). A model without positions
+(tests/user_models/causal_lm.py, ``--no-position-ids``) mixes lengths exactly: its export records so.
 """
 
 from __future__ import annotations
@@ -64,10 +65,11 @@ class Served:
         return sum(len(t) for t in self.tokens)
 
 
-def export(module: str, directory: Path) -> Path:
+def export(module: str, directory: Path, position_ids: bool) -> Path:
     path = directory / "lm.onnx"
     command = [sys.executable, "-m", "mha_deploy.cli", "export", "--module", module, "--input", "tokens:tokens",
-               "--input", "mask:padding-mask", "--kv-cache", "-o", str(path)]
+               "--input", "mask:padding-mask", "--kv-cache", *(["--position-ids"] if position_ids else []),
+               "-o", str(path)]
     done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT)
     if done.returncode:
         raise SystemExit(f"export failed:\n{done.stdout}{done.stderr}")
@@ -186,6 +188,8 @@ def main() -> None:
     parser.add_argument("--new", type=int, nargs=2, default=(8, 256), metavar=("MIN", "MAX"))
     parser.add_argument("--static-batch", type=int, default=16, help="requests per static batch")
     parser.add_argument("--threads", type=int, default=2, help="ORT intra-op threads (server and static)")
+    parser.add_argument("--position-ids", action=argparse.BooleanOptionalAction, default=True,
+                        help="export with each row's positions as an input (a model with learned positions)")
     parser.add_argument("--mix-lengths", action="store_true",
                         help="let the server mix lengths in one cache (a model without positions)")
     parser.add_argument("--prefill-chunk", type=int, default=512)
@@ -194,7 +198,7 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory() as tmp:
         directory = Path(tmp)
-        model = args.model or export(args.module, directory)
+        model = args.model or export(args.module, directory, args.position_ids)
         from mha_deploy.runtime.kv_stepper import KVCacheStepper
 
         vocab = KVCacheStepper(model).graph.vocab_size or 50
