@@ -27,7 +27,8 @@ from mha_deploy.metadata import ON_ERROR_CHOICES
 @click.option("--tokenizer", type=click.Path(dir_okay=False, path_type=Path),
               help="A Hugging Face tokenizers file (tokenizer.json): encodes text prompts, decodes the outputs.")
 @click.option("--encoder", type=click.Path(dir_okay=False, path_type=Path),
-              help="An encoder-decoder's encoder file (MODEL is then its decoder); needs --start-id.")
+              help="An encoder-decoder's encoder file (MODEL is then its decoder); needs --start-id. Default: the "
+                   "encoder a decoder exported with --kv-cache names (written beside it), with its recorded start id.")
 @click.option("--max-new-tokens", type=click.IntRange(min=1), default=20, show_default=True,
               help="A prompt ends after this many new tokens.")
 @click.option("--min-new-tokens", type=click.IntRange(min=0), default=0, show_default=True,
@@ -90,6 +91,7 @@ def generate(model, input_path, output_path, tokenizer, encoder, max_new_tokens,
       mha-deploy generate lm.onnx --input prompts.jsonl --output out.jsonl --tokenizer tokenizer.json --do-sample
       mha-deploy generate lm.onnx --input prompts.jsonl --output out.jsonl --provider cuda
       mha-deploy generate decoder.onnx --encoder encoder.onnx --start-id 0 --input src.jsonl --output out.jsonl
+      mha-deploy generate mt.onnx --input src.jsonl --output out.jsonl   # export --kv-cache's pair: mt.encoder.onnx
     """
     from mha_deploy.batch.generation import (
         PromptGenerator,

@@ -591,7 +591,7 @@ def _check_generation_ids(generation: GenerationIds | None, signature: Signature
     sizes = [size for size in (tokens.vocab, width) if size is not None]
     generation.check(min(sizes, default=None))
     if generation.decoder_start_token_id is not None:
-        # An encoder-decoder's KV-cache export is not built yet; a causal LM starts from its prompt.
+        # A causal LM starts from its prompt (an encoder-decoder's export records the id: _export_seq2seq_cache).
         return [f"decoder start id {generation.decoder_start_token_id} recorded, but this causal LM starts from its "
                 "prompt: generate does not use it (onnxruntime-genai's config gets it as bos_token_id)"]
     return []

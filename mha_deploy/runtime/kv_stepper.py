@@ -25,8 +25,13 @@ leave (``keep``), their cache rows go, and so do leading columns that no remaini
 An encoder-decoder (``encoder=``, ``decoder_start_token_id=``): ``prefill`` runs the encoder once on
 the prompts (its inputs ``input_ids``, ``attention_mask``; output ``last_hidden_state`` or its
 first), then the decoder from the start id with empty caches; the first call's encoder caches are
-fed back on every later call. Tested (tests/runtime/test_generation.py) on a hand-written GPT and
-a hand-written encoder-decoder (two files), each exported by torch with its cache in these names.
+fed back on every later call. An encoder whose outputs are the cross caches themselves
+(``present.{i}.encoder.key|value``, as ``export --kv-cache`` writes an encoder-decoder's pair) gives
+them at once, and the decoder only reads them. A decoder of such a pair names its encoder in its
+metadata (``metadata.ENCODER_DECODER_KEY``): given as a path alone, it opens with it and its recorded
+start id. Tested (tests/runtime/test_generation.py) on a hand-written GPT and a hand-written
+encoder-decoder (two files), each exported by torch with its cache in these names; the pair on
+tests/exporters/test_own_seq2seq_cache.py.
 """
 
 from __future__ import annotations

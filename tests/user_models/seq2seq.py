@@ -91,3 +91,9 @@ class Transformer(nn.Module):
 def build():
     torch.manual_seed(2)
     return Transformer()
+
+
+def build_bench():
+    """The step benchmark's model (benchmarks/seq2seq_step.py): d_model 512, 8 heads, 6 + 6 layers, 8k vocabularies."""
+    torch.manual_seed(3)
+    return Transformer(src_vocab=8000, tgt_vocab=8000, d_model=512, n_head=8, layers=6)
