@@ -1,4 +1,4 @@
-"""The one comparator: outputs against a reference, on real query rows. numpy only.
+"""The one comparator: outputs against a reference, on real rows. numpy only.
 
 Used by export-time parity, the bench (every row's error against torch), the
 fp16 and int8 budgets, and the tests. Per output it reports max and mean
@@ -30,7 +30,7 @@ _TINY = 1e-30
 
 @dataclass
 class Comparison:
-    """One output compared with its reference (float64 statistics over real query rows)."""
+    """One output compared with its reference (float64 statistics over its real rows)."""
 
     name: str
     atol: float
@@ -89,13 +89,16 @@ def row_scale(reference: np.ndarray) -> np.ndarray:
     return np.maximum(1.0, reference.max(axis=-1, keepdims=True))
 
 
-def _rows_first(signature: Signature, name: str, array: np.ndarray) -> np.ndarray | None:
-    """Move the output's query axis next to batch, so that [batch, q_len] rows index it; None for an output
-    without one (a custom model's per-item output: every row of it is real)."""
-    axes = signature.tensors[name].axes
-    if signature.query_axis not in axes:
-        return None
-    return np.moveaxis(np.asarray(array), axes.index(signature.query_axis), 1)
+def _row_axis(signature: Signature, name: str, rows: Mapping[str, np.ndarray]) -> str | None:
+    """The axis along which output ``name``'s rows are real or padding: its first length axis that ``rows``
+    covers (an attention's weights [batch, heads, q, kv]: q); None for an output without one (a custom model's
+    per-item output: every row of it is real)."""
+    return next((axis for axis in signature.tensors[name].axes[1:] if axis in rows), None)
+
+
+def _rows_first(signature: Signature, name: str, array: np.ndarray, axis: str) -> np.ndarray:
+    """Move the output's row ``axis`` next to batch, so that [batch, length] rows index it."""
+    return np.moveaxis(np.asarray(array), signature.tensors[name].axes.index(axis), 1)
 
 
 def compare_arrays(
@@ -152,28 +155,33 @@ def compare_outputs(
     signature: Signature,
     actual: Mapping[str, np.ndarray],
     expected: Mapping[str, np.ndarray],
-    rows: np.ndarray | None = None,
+    rows: Mapping[str, np.ndarray] | np.ndarray | None = None,
     atol: float = 1e-5,
     rtol: float = 1e-4,
     rel_budget: float | None = None,
     names: Iterable[str] | None = None,
     atol_per_row: bool = False,
 ) -> list[Comparison]:
-    """Compare each output (default: every output of ``signature``) on the real query ``rows`` [batch, q_len]
-    (``atol_per_row`` as for ``compare_arrays``: a row is an output's last axis).
+    """Compare each output (default: every output of ``signature``) on its real rows: ``rows`` maps each length
+    axis to its real positions, bool [batch, length] (``inputs.real_rows``), and an output is compared on the
+    real positions of its own length axis (an encoder-decoder's encoder states by the source's mask, its logits
+    by the target's); a bare array is the query axis's. ``atol_per_row`` as for ``compare_arrays`` (a row there
+    is an output's last axis).
 
-    Padded query rows are never returned to users, so only their finiteness is checked.
+    Padded rows are never returned to users (a runner cuts each item's outputs to its real lengths), so only
+    their finiteness is checked.
     """
+    if rows is not None and not isinstance(rows, Mapping):
+        rows = {signature.query_axis: rows}
     results = []
     for name in names or signature.output_names:
-        got, want = _rows_first(signature, name, actual[name]), _rows_first(signature, name, expected[name])
-        if got is None:
-            got, want = np.asarray(actual[name]), np.asarray(expected[name])
-            got_real, want_real = got, want
-        elif rows is not None:
-            got_real, want_real = got[rows], want[rows]
-        else:
-            got_real, want_real = got, want
+        got, want = np.asarray(actual[name]), np.asarray(expected[name])
+        got_real, want_real = got, want
+        axis = _row_axis(signature, name, rows) if rows is not None else None
+        if axis is not None:
+            real = rows[axis]
+            got_real = _rows_first(signature, name, got, axis)[real]
+            want_real = _rows_first(signature, name, want, axis)[real]
         comparison = compare_arrays(name, got_real, want_real, atol, rtol, rel_budget, atol_per_row)
         comparison.finite = bool(np.isfinite(got).all())
         results.append(comparison)

@@ -108,13 +108,25 @@ def cast_floats(feeds: dict[str, np.ndarray], dtype) -> dict[str, np.ndarray]:
     return {name: a.astype(dtype) if a.dtype.kind == "f" else a for name, a in feeds.items()}
 
 
+def real_rows(signature: Signature, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Each length axis of the sequence inputs -> bool [batch, length]: its positions that any mask of a
+    sequence on that axis calls real (a padded position is one every such mask calls padding; an axis no mask
+    marks is real throughout). The rows users read of an output along that axis (``split_outputs`` cuts each
+    item's outputs to its real lengths on every axis)."""
+    masks: dict[str, list[np.ndarray]] = {}
+    shapes: dict[str, tuple[int, int]] = {}
+    for name in signature.sequence_inputs:
+        axis = signature.axis_of(name)
+        shapes[axis] = feeds[name].shape[:2]
+        length = shapes[axis][1]
+        # A KV cache's mask covers the cached tokens first: the sequence is its last positions.
+        masks.setdefault(axis, []).extend(
+            feeds[mask][:, feeds[mask].shape[1] - length:]
+            for mask, marks in signature.padding_masks.items() if marks == name)
+    return {axis: np.logical_or.reduce(masks[axis]) if masks[axis] else np.ones(shape, dtype=bool)
+            for axis, shape in shapes.items()}
+
+
 def real_query_rows(signature: Signature, feeds: dict[str, np.ndarray]) -> np.ndarray:
-    """bool [batch, q_len]: the query positions whose outputs users read (per-token outputs' rows): those that
-    any mask of the query input calls real (a padded position is one every mask calls padding)."""
-    query = signature.query_input
-    rows = np.ones(feeds[query].shape[:2], dtype=bool)
-    masks = [feeds[name] for name, sequence_name in signature.padding_masks.items() if sequence_name == query]
-    if masks:
-        # A KV cache's mask covers the cached tokens first: the queries are its last q_len positions.
-        rows = np.logical_or.reduce([mask[:, mask.shape[1] - rows.shape[1]:] for mask in masks])
-    return rows
+    """bool [batch, q_len]: the query positions whose outputs users read (``real_rows`` of the query axis)."""
+    return real_rows(signature, feeds)[signature.query_axis]

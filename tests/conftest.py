@@ -259,11 +259,12 @@ def module_feeds(session, batch: int, lengths: dict[str, int], side: str, seed: 
 
 
 def assert_equals_module(session, module, feeds: dict, label: str) -> None:
-    """``session`` (a user's export) and ``module`` (torch) agree on ``feeds``: real rows of per-token outputs,
-    per-item outputs whole, within OWN_MODEL_ATOL/RTOL."""
+    """``session`` (a user's export) and ``module`` (torch) agree on ``feeds``: real rows of per-token outputs
+    (each along its own axis), per-item outputs whole, within OWN_MODEL_ATOL/RTOL."""
     import torch
 
     from mha_deploy.exporters.reference_form import without_fast_path
+    from mha_deploy.inputs import real_rows
 
     signature = session.signature
     # As parity runs it: torch's fast path gives NaN on a query row with no visible key (reference_form).
@@ -271,11 +272,11 @@ def assert_equals_module(session, module, feeds: dict, label: str) -> None:
         expected = module.eval()(*(torch.from_numpy(feeds[n]) for n in signature.input_names))
     expected = expected if isinstance(expected, tuple) else (expected,)
     got = session.run(feeds)
-    rows_mask = signature.mask_of(signature.query_input)
+    rows = real_rows(signature, feeds)  # each length axis's real positions
     for spec, want in zip(signature.outputs, expected, strict=True):
         want, have = want.numpy(), got[spec.name]
-        if spec.name in signature.per_token_outputs and rows_mask is not None:
-            real = feeds[rows_mask]
+        if spec.name in signature.per_token_outputs:
+            real = rows[spec.axes[1]]
             want, have = want[real], have[real]
         np.testing.assert_allclose(have, want, atol=OWN_MODEL_ATOL, rtol=OWN_MODEL_RTOL,
                                    err_msg=f"{label}: {spec.name}")

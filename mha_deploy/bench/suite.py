@@ -38,7 +38,7 @@ from mha_deploy.exporters.export import INT8_REL_ERR_BUDGET, auto_fusion_target
 from mha_deploy.exporters.graphs import attention_graph
 from mha_deploy.exporters.parity import DEFAULT_ATOL, DEFAULT_RTOL, torch_reference
 from mha_deploy.exporters.precision import FP16_ATOL, FP16_RTOL
-from mha_deploy.inputs import real_query_rows
+from mha_deploy.inputs import real_rows
 from mha_deploy.model_report import read_metadata
 from mha_deploy.models import MultiHeadAttention
 from mha_deploy.signature import Signature
@@ -153,11 +153,11 @@ def bench_case(
     outputs on ``feeds``; None: no reference, no error), then every backend timed together. ``flops``: the
     work of one call (None when not known: no GFLOP/s, no efficiency)."""
     first = signature.output_names[0]
-    real_rows = real_query_rows(signature, feeds)
+    real = real_rows(signature, feeds)
     runs = {backend.name: backend.prepare(feeds) for backend in backends}
     comparisons = {
         backend.name: compare_outputs(
-            signature, {first: runs[backend.name]()}, expected, real_rows, names=(first,),
+            signature, {first: runs[backend.name]()}, expected, real, names=(first,),
             **_tolerance(backend.precision),
         )[0]
         for backend in backends

@@ -66,7 +66,7 @@ from mha_deploy.exporters.precision import DTYPES, FP16_ATOL, FP16_RTOL, to_floa
 from mha_deploy.exporters.quantize import quantize_int8
 from mha_deploy.exporters.reference_form import reference_attention, without_fast_path
 from mha_deploy.exporters.stack_graphs import decoder_cache_graphs, export_stack_onnx, stack_graph
-from mha_deploy.exporters.token_packing import PackingReport, pack_model, packing_masks, row_outputs
+from mha_deploy.exporters.token_packing import PackingReport, pack_model, packing_masks
 from mha_deploy.exporters.torch_export import DEFAULT_OPSET, export_onnx
 from mha_deploy.metadata import (
     FUSE_CHOICES,
@@ -670,7 +670,7 @@ def _finish(
         else:
             model, fusion, packing = _optimised(
                 plain, fuse_target, options.quantize, metadata.dtype, attention_ops, pack,
-                row_outputs(metadata.signature))
+                metadata.signature.per_token_outputs)
         return model, fusion, packing, _checked(module, model, atol, rtol, options.parity_cases, options.quantize,
                                                 declared)
 

@@ -1,8 +1,11 @@
 """torch reference vs ONNX Runtime on shapes the export never saw.
 
-Parity is judged on real query positions only: a padded query row of the
-reference is padding, never returned to users, and fused kernels may legally
-compute something else there. Every position, padded or not, must be finite.
+Parity is judged on real positions only, each output along its own length
+axis by that axis's padding masks (an encoder-decoder's logits by the target's
+mask, its encoder states by the source's): a padded row of the reference is
+padding, never returned to users, and fused kernels or token packing may
+legally compute something else there. Every position, padded or not, must be
+finite.
 """
 
 from __future__ import annotations
@@ -16,7 +19,15 @@ import torch
 from mha_deploy.compare import Comparison, compare_outputs
 from mha_deploy.errors import ExportError, MHADeployError, ParityError, first_line
 from mha_deploy.exporters.reference_form import without_fast_path
-from mha_deploy.inputs import PADDING_SIDES, InputCase, cast_floats, make_inputs, padding_mask, real_query_rows
+from mha_deploy.inputs import (
+    PADDING_SIDES,
+    InputCase,
+    cast_floats,
+    make_inputs,
+    padding_mask,
+    real_query_rows,
+    real_rows,
+)
 from mha_deploy.metadata import ParityReport, Signature
 from mha_deploy.runtime.session import MHASession
 from mha_deploy.runtime.validation import inert_padding
@@ -43,6 +54,7 @@ __all__ = [
     "make_inputs",
     "padding_mask",
     "real_query_rows",
+    "real_rows",
     "torch_reference",
 ]
 
@@ -167,8 +179,8 @@ def _judge(
     rel_budget: float | None,
 ) -> ParityReport:
     """Each run (label, fp32 feeds, ORT's outputs) against ``reference`` (a torch module run eagerly in fp32, or
-    a ``Reference`` function) on the same feeds, on real query rows; one report over every output and run: the
-    worst error of each kind."""
+    a ``Reference`` function) on the same feeds, each output on the real rows of its own length axis; one report
+    over every output and run: the worst error of each kind."""
     comparisons: list[Comparison] = []
     failures: list[str] = []
     labels: list[str] = []
@@ -184,8 +196,8 @@ def _judge(
                 f"({type(exc).__name__}: {first_line(exc)}); if it "
                 "takes at most N tokens (a position table), give --max-length N"
             ) from exc
-        rows = real_query_rows(signature, feeds)
-        compared = compare_outputs(signature, actual, expected, rows, atol, rtol, rel_budget, atol_per_row=True)
+        compared = compare_outputs(signature, actual, expected, real_rows(signature, feeds), atol, rtol, rel_budget,
+                                   atol_per_row=True)
         if module and not all(c.finite and c.reference_finite for c in compared):
             _refuse_nan_attention(reference, signature, feeds, label)
         for comparison in compared:
@@ -287,7 +299,7 @@ def check_parity(
 ) -> ParityReport:
     """Run ``module`` (torch, eager; or a ``Reference`` function) and ``session`` (ORT) on each case and compare.
 
-    Each real query position must satisfy ``|actual - ref| <= atol * s + rtol * |ref|``, ``s`` the largest
+    Each real position (``real_rows``) must satisfy ``|actual - ref| <= atol * s + rtol * |ref|``, ``s`` the largest
     ``|ref|`` of its output row, at least 1 (``compare.row_scale``);
     with ``rel_budget`` (quantized models) the test is instead
     ``||actual - ref|| / ||ref|| <= rel_budget`` per output and shape.

@@ -10,16 +10,18 @@ model output. Real rows are the same numbers (a per-token op does not see the
 other rows). The one row after the real tokens is a spare: position 0's token,
 carried through like the others, so that putting rows back for an attention is
 one Gather, the padded positions taking the spare row (an attention's mask
-ignores padded keys, and its padded queries are dropped when packed again). Put
-back for anything else, padded positions are zeros, the padding's value of a
-masked product (pooling's ``x * mask``). Only axes the export measured paddable
+ignores padded keys, and its padded queries are dropped when packed again); so
+is a model output put back (its padded rows are not compared or returned; an
+output whose padded rows someone reads is not packed). Put back for anything
+else, padded positions are zeros, the padding's value of a masked product
+(pooling's ``x * mask``). Only axes the export measured paddable
 are packed (the model's outputs do not depend on what the padding holds), and
 parity against the model checks every packed export.
 
 An op is per-token when row (b, s) of its output depends only on row (b, s) of
 its [batch, seq, ...] inputs: elementwise ops, MatMul by a 2-D weight,
-LayerNormalization, Softmax and reductions over trailing axes, Gather of an
-embedding table by token ids, Unsqueeze/Squeeze of trailing axes. Its other inputs must not span
+LayerNormalization, Softmax, Split and reductions over trailing axes, Gather of
+an embedding table by token ids, Unsqueeze/Squeeze of trailing axes. Its other inputs must not span
 the batch or seq axes (weights, biases, scalars), or span only seq with batch 1
 (a position table [1, seq, ...], gathered by each token's position). Ops on the
 masks alone stay as they are.
@@ -39,7 +41,7 @@ attentions inside it; a lone projection between two attentions is not.
 
     rows      = Concat(NonZero(Reshape(mask, [-1])), [0])    int64 [tokens + 1]
     pack(x)   = Gather(Reshape(x, [-1, ...]), rows)
-    back(y)   = Reshape(Gather(y, where each position's row is, else the spare row), [batch, seq, ...])
+    back(y)   = Gather(y, [batch, seq]: where each position's row is, else the spare row)
     zeroed(y) = the same over Pad(y, one zero row), padded positions taking the zero row
 """
 
@@ -71,8 +73,9 @@ _ELEMENTWISE = {
 # Reductions: per-token over trailing axes (a norm written out: x.mean(-1, keepdim=True), x.std(-1)).
 _REDUCE_OPS = {"ReduceL1", "ReduceL2", "ReduceLogSumExp", "ReduceMax", "ReduceMean", "ReduceMin", "ReduceProd",
                "ReduceSum", "ReduceSumSquare"}
-# Ops over trailing axes, with the axis attribute and its default.
-_AXIS_OPS = {"LayerNormalization": -1, "RMSNormalization": -1, "Softmax": -1, "LogSoftmax": -1}
+# Ops over trailing axes, with the axis attribute and its default (a Split along the features: GPT-2's fused
+# q, k, v projection split in three).
+_AXIS_OPS = {"LayerNormalization": -1, "RMSNormalization": -1, "Softmax": -1, "LogSoftmax": -1, "Split": 0}
 # A run of packed ops is kept when its MatMul multiply-adds per token are at least this many times the
 # elements per token it gathers in and puts back (a pre-norm block: 12 d^2 against 4 d). Packed over unpacked,
 # the classifier of tests/user_models at 2 layers, 2 threads, fp32, ORT CPU, one run of
@@ -152,18 +155,12 @@ def packing_masks(signature: Signature) -> list[str]:
             and sum(other.axes[1] == spec.axes[1] for other in masks) == 1]
 
 
-def row_outputs(signature: Signature) -> list[str]:
-    """The outputs whose padded rows nobody reads: rows along the query axis (parity compares real query rows
-    only, and the runners return those). Any other output (an encoder-decoder's encoder states) is compared
-    and returned whole, padded rows included."""
-    return [spec.name for spec in signature.outputs if len(spec.axes) > 1 and spec.axes[1] == signature.query_axis]
-
-
 def pack_model(model: onnx.ModelProto, masks: list[str], rows_only: list[str] | None = None,
                ) -> tuple[onnx.ModelProto, PackingReport]:
     """``model`` with its per-token ops run on the real tokens of ``masks`` (bool [batch, seq] graph inputs,
     True = real token) only, and the report of what was packed; ``model`` itself is left as it was.
-    ``rows_only``: the outputs whose padded rows nobody reads (``row_outputs``; None: every output with a
+    ``rows_only``: the outputs whose padded rows nobody reads (``Signature.per_token_outputs``: parity compares
+    an output's real rows along its own length axis only, and runners return those; None: every output with a
     mask's [batch, seq] axes first)."""
     rewritten = ir.from_proto(model)
     report = _pack_tokens(rewritten, masks, _inferred_types(model), rows_only)
@@ -204,7 +201,7 @@ def _pack_tokens(model: ir.Model, masks: list[str], types: dict, rows_only: list
             f"multiply-adds per element it copies in and out, below {MIN_WORK_PER_COPIED_ELEMENT} "
             "(about d_model 256)")
     if kept:
-        _rewrite(graph, kept, report, positions)
+        _rewrite(graph, kept, report, positions, mask_specs)
         if read_padded:
             report.unpacked = f"{len(read_padded)} per-token op(s) left unpacked: {why}"
     return report
@@ -719,7 +716,7 @@ class _Index:
             return self._cache[what]
         # what this one is made from first, so that its nodes go in ahead of this one's
         made_from = {"flat": ["rows"], "real": ["flat"], "position": ["real"], "row": ["flat"],
-                     "zero_row": ["flat", "row"]}.get(what, [])
+                     "zero_row": ["flat", "row"], "row_grid": ["row"], "zero_row_grid": ["zero_row"]}.get(what, [])
         sources = [self.get(name) for name in made_from]
         tape = ir.tape.Tape()
         prefix = f"{self.mask.name}_packing"
@@ -747,8 +744,8 @@ class _Index:
         elif what == "zero_row":  # the same, padding one row further on: a zero row added after the spare one
             value = tape.op("Add", [sources[1], tape.op("Cast", [tape.op("Not", [sources[0]])],
                                                              attributes={"to": ir.DataType.INT64})])
-        elif what == "shape":
-            value = tape.op("Shape", [self.value], name=f"{prefix}_shape")
+        elif what in ("row_grid", "zero_row_grid"):  # the same as [batch, seq]: Gather by it gives [batch, seq, ...]
+            value = tape.op("Reshape", [sources[0], tape.op("Shape", [self.value])], name=f"{prefix}_{what}")
         else:
             raise ValueError(what)
         _insert(self.graph, tape, before=self.anchor)
@@ -788,7 +785,7 @@ def _int64(tape, value) -> ir.Value:
 
 
 def _rewrite(graph: ir.Graph, kept: dict[ir.Node, _Plan], report: PackingReport,
-             positions: dict[_Mask, dict[int, list[str]]]) -> None:
+             positions: dict[_Mask, dict[int, list[str]]], masks: list[_Mask]) -> None:
     indexes: dict[_Mask, _Index] = {}
     anchor = next(iter(graph))
     entries: dict[tuple[ir.Value, str], ir.Value] = {}
@@ -817,7 +814,7 @@ def _rewrite(graph: ir.Graph, kept: dict[ir.Node, _Plan], report: PackingReport,
         report.ops += 1
         report.matmuls += node.op_type in ("MatMul", "Gemm")
         for output in node.outputs:
-            _leave(graph, output, plan, index(plan.mask), members, attention_nodes, report)
+            _leave(graph, output, plan, index(plan.mask), members, attention_nodes, masks, report)
     report.masks = sorted({plan.mask.name for plan in kept.values()})
     report.positions = [
         f"position {position} of {mask.name}'s rows ({', '.join(readers)} read{'s' if len(readers) == 1 else ''} it)"
@@ -875,9 +872,23 @@ def _attention_nodes(graph: ir.Graph) -> set[ir.Node]:
     return found
 
 
+def _reaches_attentions_only(node: ir.Node, attention_nodes: set, masks: list[_Mask]) -> bool:
+    """``node`` is an attention, or moves elements with their tokens (a head split, its transpose) into what
+    reaches attentions only: padded rows it reads land on padded rows of an attention's input."""
+    if node in attention_nodes:
+        return True
+    return _keeps_tokens(node, masks) and not any(output.is_graph_output() for output in node.outputs) and all(
+        _reaches_attentions_only(use.node, attention_nodes, masks) for output in node.outputs
+        for use in output.uses())
+
+
 def _leave(graph: ir.Graph, value: ir.Value, plan: _Plan, index: _Index, members: set,
-           attention_nodes: set, report: PackingReport) -> None:
-    """Scatter ``value`` back to [batch, seq, ...] for its readers outside the run."""
+           attention_nodes: set, masks: list[_Mask], report: PackingReport) -> None:
+    """Scatter ``value`` back to [batch, seq, ...] for its readers outside the run, in one Gather by a
+    [batch, seq] index (no Reshape after it: ORT copies a Reshape that is a model output, a whole logits
+    tensor). Padded positions take the spare row where only attentions (which mask them) and the model's
+    outputs (whose padded rows nobody reads: ``_padding_readers`` keeps any other output unpacked) read the
+    value; zeros, one Pad away, where anything else may."""
     exits = _exits(value, members)
     is_output = value.is_graph_output()
     dims, unpacked_shape = _dims(value), value.shape
@@ -887,21 +898,18 @@ def _leave(graph: ir.Graph, value: ir.Value, plan: _Plan, index: _Index, members
         return
     tape = ir.tape.Tape()
     original = value.name
-    if (all(use.node in attention_nodes for use in exits) and not is_output and plan.packed_rank >= 2
-            and not plan.flat and value.dtype is not None and value.dtype.is_floating_point()):
-        rows = tape.op("Gather", [value, index.get("row")], attributes={"axis": 0})
+    # flattened rows ([batch * seq, ...]) are gathered by the flat index
+    grid = "" if plan.flat else "_grid"
+    if all(_reaches_attentions_only(use.node, attention_nodes, masks) for use in exits) and (not exits or (
+            plan.packed_rank >= 2 and not plan.flat and value.dtype is not None
+            and value.dtype.is_floating_point())):
+        back = tape.op("Gather", [value, index.get(f"row{grid}")], attributes={"axis": 0},
+                       name=f"{original}_unpacked")
     else:
         rank = plan.packed_rank
         padded = tape.op("Pad", [value, _int64(tape, [0] * rank + [1] + [0] * (rank - 1))])
-        # flattened rows are [batch * seq, ...] once gathered
-        rows = tape.op("Gather", [padded, index.get("zero_row")], attributes={"axis": 0},
-                       name=f"{original}_unpacked" if plan.flat else None)
-    if plan.flat:
-        back = rows
-    else:
-        shape = tape.op("Concat", [index.get("shape"), tape.op("Shape", [value], attributes={"start": 1})],
-                        attributes={"axis": 0})
-        back = tape.op("Reshape", [rows, shape], name=f"{original}_unpacked")
+        back = tape.op("Gather", [padded, index.get(f"zero_row{grid}")], attributes={"axis": 0},
+                       name=f"{original}_unpacked")
     back.shape, back.dtype = unpacked_shape, value.dtype
     _insert(graph, tape, after=value.producer())
     report.copies += 1

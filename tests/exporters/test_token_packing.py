@@ -21,7 +21,7 @@ from click.testing import CliRunner  # noqa: E402
 from mha_deploy.cli import main  # noqa: E402
 from mha_deploy.errors import ParityError  # noqa: E402
 from mha_deploy.exporters import export, export_model, token_packing  # noqa: E402
-from mha_deploy.inputs import InputCase, make_inputs  # noqa: E402
+from mha_deploy.inputs import InputCase, make_inputs, real_rows  # noqa: E402
 from mha_deploy.model_report import describe_model  # noqa: E402
 from mha_deploy.runtime import MHASession  # noqa: E402
 from tests.conftest import USER_MODELS, assert_equals_module, module_feeds, user_module  # noqa: E402
@@ -56,7 +56,6 @@ def test_packed_models_equal_the_module_and_their_unpacked_export(tmp_path, pack
     assert "token packing" not in unpacked_output
     packed, unpacked = MHASession(path, provider="cpu"), MHASession(unpacked_path, provider="cpu")
     module = user_module(name).build()
-    rows_mask = packed.signature.mask_of(packed.signature.query_input)
     for side in ("right", "left", "mixed"):
         lengths = {axis: 29 + 7 * i for i, axis in enumerate(packed.signature.sequence_axes)}
         feeds = module_feeds(packed, 4, lengths, side, seed=3)
@@ -67,7 +66,7 @@ def test_packed_models_equal_the_module_and_their_unpacked_export(tmp_path, pack
             assert have.shape == expected.shape
             if output_name in packed.signature.per_token_outputs:
                 assert np.isfinite(have).all(), f"{name} {output_name}: padded rows not finite"
-                real = feeds[rows_mask]
+                real = real_rows(packed.signature, feeds)[packed.signature.tensors[output_name].axes[1]]
                 have, expected = have[real], expected[real]
             np.testing.assert_allclose(have, expected, atol=1e-5, rtol=1e-4, err_msg=f"{name} {side}")
 
@@ -233,8 +232,6 @@ def test_the_pass_names_nothing_as_the_model_already_does(tmp_path, pack_any_siz
 # Models as people write them, packed and equal to the module (parity at export, both padding sides), and how
 # many of their MatMuls (and Gemms) cannot run on real tokens only. A pack that parity drops is a defect of the
 # analysis, never an outcome; a model it refuses says why (test_what_reads_padded_rows_stops_packing...).
-ENCODER_MATMULS = 2 * 6  # q, k, v, output and two feed-forward projections per layer, 2 layers
-ENCODER_STATES = "output encoder_last_hidden_state is returned with its padded rows"
 # (file, factory, MatMuls not on tokens or left unpacked, why ops were left unpacked)
 PEOPLES_MODELS = [
     ("hf_encoder", "build_distilbert", 0, None),
@@ -248,13 +245,14 @@ PEOPLES_MODELS = [
     ("hf_encoder", "build_roberta_eager", 1, "CumSum node_cumsum reads padded rows"),
     ("hf_gpt2", "build", 0, None),
     ("hf_gpt2", "build_eager", 0, None),
-    # The encoder's states are an output, compared and returned padded rows included: the encoder stays unpacked.
-    ("hf_seq2seq", "build_bart", ENCODER_MATMULS, ENCODER_STATES),
-    ("hf_seq2seq", "build_bart_eager", ENCODER_MATMULS, ENCODER_STATES),
-    ("hf_seq2seq", "build_marian", ENCODER_MATMULS, ENCODER_STATES),
-    ("hf_seq2seq", "build_marian_eager", ENCODER_MATMULS, ENCODER_STATES),
-    ("hf_seq2seq", "build_t5", ENCODER_MATMULS, ENCODER_STATES),
-    ("hf_seq2seq", "build_t5_eager", ENCODER_MATMULS, ENCODER_STATES),
+    # The encoder's states are an output along the source axis, compared on the source's real rows (as the
+    # runners return them): encoder and decoder are packed, each by its own mask.
+    ("hf_seq2seq", "build_bart", 0, None),
+    ("hf_seq2seq", "build_bart_eager", 0, None),
+    ("hf_seq2seq", "build_marian", 0, None),
+    ("hf_seq2seq", "build_marian_eager", 0, None),
+    ("hf_seq2seq", "build_t5", 0, None),
+    ("hf_seq2seq", "build_t5_eager", 0, None),
     ("torch_transformer", "build", 0, None),
     ("torch_decoder", "build", 0, None),
 ]
@@ -302,6 +300,8 @@ def test_peoples_models_are_packed_and_equal_to_the_module(peoples_export, name,
         return
     assert (why_unpacked is None) == (not result.packing.unpacked), result.packing.describe()
     assert why_unpacked is None or why_unpacked in result.packing.unpacked, result.packing.describe()
+    if name == "hf_seq2seq":  # the encoder by the source's mask, the decoder by the target's
+        assert result.packing.masks == ["attention_mask", "decoder_attention_mask"], result.packing.describe()
     if name == "hf_encoder" and "distilbert" not in factory:
         assert "position 0 of attention_mask's rows (Gather node_select reads it)" in result.packing.describe()
     # every dense layer on tokens runs packed: each MatMul and Gemm of the graph (the attentions' own are in
@@ -309,6 +309,23 @@ def test_peoples_models_are_packed_and_equal_to_the_module(peoples_export, name,
     graph = onnx.load(str(result.path)).graph
     assert result.packing.runs and result.packing.matmuls == sum(
         node.op_type in ("MatMul", "Gemm") for node in graph.node) - unpacked_matmuls, result.packing.describe()
+
+
+@pytest.mark.slow
+def test_gpt2s_rows_go_back_in_one_gather_each(peoples_export):
+    """GPT-2's fused q, k, v projection is split packed; its head views reach attentions only and its logits
+    are an output, so each is put back by one Gather of [batch, seq] rows (the spare row at padded positions):
+    no zero row padded on, no Reshape after it (ORT copies a Reshape that is a model output: a whole logits
+    tensor)."""
+    result = peoples_export("hf_gpt2", "build")
+    graph = onnx.load(str(result.path)).graph
+    producers = {output: node for node in graph.node for output in node.output}
+    assert producers["logits"].op_type == "Gather", producers["logits"]
+    assert not [node.name for node in graph.node if node.op_type == "Pad"]
+    first_dims = {info.name: info.type.tensor_type.shape.dim[0].dim_param for info in graph.value_info
+                  if info.type.tensor_type.shape.dim}
+    splits = [node for node in graph.node if node.op_type == "Split"]
+    assert splits and all(first_dims.get(node.input[0]) == "attention_mask_packed" for node in splits)
 
 
 class _RunningSum(torch.nn.Module):
