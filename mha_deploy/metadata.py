@@ -151,8 +151,8 @@ ENCODER_DECODER_KEY = "mha_deploy.encoder_decoder"
 @dataclass
 class EncoderDecoderRecord:
     """One file of an encoder-decoder pair: ``part`` "encoder" or "decoder"; ``companion`` the other file's name
-    (in the same folder); the ids generation needs; the attentions found, fused with ``fusion``; and the
-    per-step parity the export checked (a summary line)."""
+    (in the same folder); the ids generation needs; the attentions found, fused with ``fusion``; the per-step
+    parity the export checked (a summary line); and the longest sequence the module takes."""
 
     part: str
     companion: str
@@ -160,6 +160,8 @@ class EncoderDecoderRecord:
     fusion: str = "none"
     attentions: dict[str, int] = field(default_factory=dict)
     parity: str = ""
+    # The longest source or target the module takes (a position table's size, --max-length); None: no limit.
+    max_length: int | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -117,6 +117,8 @@ class ModelReport:
                 f"  encoder-decoder: the {pair['part']} of a pair exported with --kv-cache; its "
                 f"{'encoder' if pair['part'] == 'decoder' else 'decoder'}: {pair['companion']} (beside it)",
                 f"  attentions: {attentions} (fusion {pair['fusion']}); generation: {ids}",
+                *([f"  max length {pair['max_length']}: generate refuses a longer source"]
+                  if pair.get("max_length") is not None else []),
                 f"  {pair['parity']}",
             ])
         if meta is None:

@@ -261,6 +261,8 @@ def prompt_limits(stepper, max_length: int | None = None) -> PromptLimits:
     encoder = getattr(stepper, "encoder", None)
     graph = stepper.graph if encoder is None else encoder
     recorded = getattr(getattr(graph.session, "metadata", None), "max_length", None)
+    if recorded is None and getattr(graph, "pair", None) is not None:  # export --kv-cache's encoder-decoder pair
+        recorded = graph.pair.max_length
     length = {"max_length": max_length, "length_from": "--max-length"} if max_length is not None else (
         {"max_length": recorded, "length_from": "the file's max_length"})
     if encoder is None:

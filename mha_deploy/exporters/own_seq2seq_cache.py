@@ -515,8 +515,9 @@ def write_seq2seq_pair(built: Seq2SeqExport, output: Path, generation: Generatio
     attentions = dict(zip(("encoder self", "decoder self", "cross"), built.attentions, strict=True))
     parity = built.parity.summary()
     record(built.decoder, EncoderDecoderRecord("decoder", encoder_file.name, generation, built.fusion, attentions,
-                                               parity))
-    record(built.encoder, EncoderDecoderRecord("encoder", output.name, generation, built.fusion, attentions, parity))
+                                               parity, max_length))
+    record(built.encoder, EncoderDecoderRecord("encoder", output.name, generation, built.fusion, attentions, parity,
+                                               max_length))
     encoder_in_place = False
     try:
         with atomic_path(output) as decoder_tmp:

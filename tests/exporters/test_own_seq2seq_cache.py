@@ -179,3 +179,13 @@ def test_genai_is_refused_for_an_encoder_decoder_before_exporting(tmp_path):
     run = CliRunner().invoke(main, args)
     assert run.exit_code == 2 and "decoder-only" in run.output
     assert list(tmp_path.iterdir()) == []
+
+
+def test_the_position_table_bounds_the_source_generate_takes(bart_pair):
+    from mha_deploy.batch.generation import prompt_limits
+
+    result, model = bart_pair
+    assert result.max_length == model.config.max_position_embeddings
+    limits = prompt_limits(KVCacheStepper(result.path))
+    assert limits.max_length == model.config.max_position_embeddings and not limits.with_new_tokens
+    assert limits.vocab == model.config.vocab_size
