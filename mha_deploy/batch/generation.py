@@ -219,6 +219,9 @@ class PromptLimits:
     max_length: int | None = None
     with_new_tokens: bool = True
     length_from: str = "--max-length"
+    # An encoder-decoder's decoder: the longest target it takes (the start token and every new token but the last
+    # are fed to it); None: not known.
+    target_max_length: int | None = None
 
     def problem(self, prompt: Prompt, max_new_tokens: int) -> str | None:
         if prompt.problem is not None:
@@ -231,6 +234,9 @@ class PromptLimits:
             allowed = f"0 to {self.vocab - 1}" if self.vocab is not None else "non-negative"
             return (f"{prompt.label}: token id {int(bad[0])} is past the model's vocabulary ({allowed}); was it "
                     "tokenized for another model?")
+        if self.target_max_length is not None and max_new_tokens > self.target_max_length:
+            return (f"{prompt.label}: the decoder takes at most {self.target_max_length} target tokens (its recorded "
+                    f"max length), fewer than --max-new-tokens {max_new_tokens} needs; lower it")
         if self.max_length is None:
             return None
         if self.with_new_tokens and ids.size + max_new_tokens > self.max_length:
@@ -274,7 +280,9 @@ def prompt_limits(stepper, max_length: int | None = None) -> PromptLimits:
     # An encoder given as a session (not a file) leaves the vocabulary unknown: ORT then names the bad id itself.
     path = Path(encoder.source)
     source = vocabulary(onnx.load(str(path), load_external_data=False), "input_ids") if path.is_file() else None
-    return PromptLimits(source, with_new_tokens=False, **length)
+    pair = getattr(stepper.graph, "pair", None)  # export --kv-cache's decoder records the module's max length
+    target = pair.max_length if pair is not None else None
+    return PromptLimits(source, with_new_tokens=False, target_max_length=target, **length)
 
 
 class PromptGenerator:

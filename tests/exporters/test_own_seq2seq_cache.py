@@ -182,10 +182,15 @@ def test_genai_is_refused_for_an_encoder_decoder_before_exporting(tmp_path):
 
 
 def test_the_position_table_bounds_the_source_generate_takes(bart_pair):
-    from mha_deploy.batch.generation import prompt_limits
+    from mha_deploy.batch.generation import Prompt, prompt_limits
 
     result, model = bart_pair
     assert result.max_length == model.config.max_position_embeddings
     limits = prompt_limits(KVCacheStepper(result.path))
     assert limits.max_length == model.config.max_position_embeddings and not limits.with_new_tokens
     assert limits.vocab == model.config.vocab_size
+    too_long = Prompt(0, np.ones(limits.max_length + 1, np.int64))
+    assert "exceed" in limits.problem(too_long, max_new_tokens=4)
+    short = Prompt(1, np.ones(3, np.int64))
+    assert limits.problem(short, max_new_tokens=limits.max_length) is None
+    assert "decoder takes at most 512 target tokens" in limits.problem(short, max_new_tokens=limits.max_length + 1)
