@@ -92,7 +92,7 @@ DEFAULT_DRAIN_TIMEOUT_S = 30.0
               help="Generator: sequences (n x prompts) one request may ask for.")
 @click.option("--encoder", type=click.Path(dir_okay=False, path_type=Path),
               help="Generator: an encoder-decoder's encoder file (MODEL is then its decoder); a prompt is its "
-                   "source.")
+                   "source. Default: the encoder a decoder exported with --kv-cache names (written beside it).")
 @click.option("--start-id", type=click.IntRange(min=0),
               help="Generator: the decoder start id of an encoder-decoder (default: the one recorded at export).")
 def serve(model, host, port, max_batch, max_wait_ms, max_batch_tokens, workers, provider, threads, max_body_mb,
@@ -116,7 +116,9 @@ def serve(model, host, port, max_batch, max_wait_ms, max_batch_tokens, workers, 
     /v1/chat/completions (with --chat-template) and GET /v1/models, streaming as
     server-sent events; Triton's POST /v2/models/NAME/generate and /generate_stream.
     --max-batch is then the most requests decoding at once, --max-queue the most
-    waiting for the KV budget (beyond: 429 with Retry-After).
+    waiting for the KV budget (beyond: 429 with Retry-After). An encoder-decoder that
+    export --kv-cache wrote (mt.onnx and mt.encoder.onnx) is served from its decoder:
+    the encoder it names is found, a prompt is the source.
 
     \b
     Examples:

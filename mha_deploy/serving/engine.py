@@ -248,6 +248,11 @@ class GenerationEngine:
         if self.mix_lengths:
             return ("continuous batching: requests of any length share one cache, as told (mix_lengths): the file "
                     "takes no position_ids, so this is exact only for a model whose tokens do not depend on positions")
+        if self.stepper.encoder is not None and "encoder_attention_mask" in self.stepper.graph.inputs:
+            return ("continuous batching by target length: sources of any length share a cohort (the decoder masks "
+                    "shorter ones, encoder_attention_mask); the decoder counts target positions over the cache width "
+                    "and takes no position_ids, so a request joins only rows that have as many target tokens "
+                    "(those that started with it)")
         return ("continuous batching by length: the file counts positions over the cache width and takes no "
                 "position_ids, so a request shares a cohort only with rows of its exact length (as if alone); "
                 "cohorts of other lengths step in their own calls")

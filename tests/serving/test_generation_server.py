@@ -346,3 +346,68 @@ def test_an_encoder_decoder_is_served_with_its_source_as_the_prompt(seq2seq, tmp
         assert status == 400 and "vocabulary" in json.loads(raw)["error"]["message"]
     finally:
         server.stop()
+
+
+@pytest.fixture(scope="module")
+def tutorial_pair(tmp_path_factory):
+    """The tutorial encoder-decoder (tests/user_models/seq2seq.py) as ``export --kv-cache`` writes it: ``mt.onnx``
+    (the decoder) naming ``mt.encoder.onnx`` beside it, with a start id, an eos id and a max length recorded."""
+    from click.testing import CliRunner
+
+    from mha_deploy.cli import main
+    from tests.conftest import USER_MODELS, user_module
+
+    path = tmp_path_factory.mktemp("served-pair") / "mt.onnx"
+    inputs = [arg for spec in user_module("seq2seq").INPUTS for arg in ("--input", spec)]
+    result = CliRunner().invoke(main, ["export", "--module", f"{USER_MODELS / 'seq2seq'}.py:build", *inputs,
+                                       "--kv-cache", "--start-id", "1", "--eos-id", "6", "--max-length", "24",
+                                       "-o", str(path)])
+    assert result.exit_code == 0, result.output
+    return path
+
+
+def test_an_exported_pair_is_served_from_its_decoder_alone(tutorial_pair, tmp_path):
+    server = Server(tutorial_pair, tmp_path / "pair.log", "--threads", "1", "--name", "mt").wait_ready()
+    try:
+        assert f"encoder {tutorial_pair.with_name('mt.encoder.onnx')} (named by mt.onnx)" in server.log()
+        status, _, raw = server.request("GET", "/v2/models/mt")
+        described = json.loads(raw)["parameters"]
+        assert status == 200 and described["encoder_decoder"] is True
+        assert described["encoder"] == str(tutorial_pair.with_name("mt.encoder.onnx"))
+        assert described["decoder_start_token_id"] == 1 and described["eos_token_ids"] == [6]
+        assert described["max_length"] == 24 and described["max_target_tokens"] == 24
+        assert "sources of any length share a cohort" in described["batching"]
+        # Four sources of different lengths at once: the decoder masks shorter sources (encoder_attention_mask),
+        # so they may share steps; each completion must still be what the library loop gives that source alone.
+        sources = [[5, 6, 7], [4, 5, 6, 7, 8, 9], [9], [11, 12, 13, 14, 15, 16, 17, 18, 19, 20]]
+        openai_client = client(server)
+
+        def complete(source):
+            return openai_client.completions.create(model="mt", prompt=source, max_tokens=10, temperature=0)
+
+        with ThreadPoolExecutor(len(sources)) as pool:
+            answers = list(pool.map(complete, sources))
+        for source, answer in zip(sources, answers, strict=True):
+            stepper = KVCacheStepper(tutorial_pair)  # finds its encoder and start id, as the server does
+            expected = generate(stepper, [source], max_new_tokens=10, eos_token_id=[6]).tokens[0].tolist()
+            choice = answer.choices[0]
+            assert choice.token_ids == expected, source
+            assert choice.finish_reason == ("stop" if expected[-1] == 6 else "length")
+            assert answer.usage.prompt_tokens == len(source)
+        # the decoder's position table holds 24 target tokens: more is refused, naming why
+        status, _, raw = server.request("POST", "/v1/completions",
+                                        json.dumps({"model": "mt", "prompt": [5], "max_tokens": 25}).encode())
+        assert status == 400 and "recorded max length" in json.loads(raw)["error"]["message"]
+    finally:
+        server.stop()
+
+
+def test_serving_a_pairs_encoder_names_its_decoder(tutorial_pair):
+    from click.testing import CliRunner
+
+    from mha_deploy.cli import main
+
+    encoder = tutorial_pair.with_name("mt.encoder.onnx")
+    result = CliRunner().invoke(main, ["serve", str(encoder), "--port", "0"])
+    assert result.exit_code == 1
+    assert f"{encoder} is the encoder of an encoder-decoder: give its decoder, {tutorial_pair}" in result.output

@@ -159,6 +159,11 @@ class GenerationService:
                                f"{param}: token ids must be in [0, {vocab}) (this model's vocabulary), got "
                                f"{int(ids.max())}: was the prompt tokenized for another model?"
                                if vocab is not None else f"{param}: token ids must be non-negative")
+        target = self.engine.limits.target_max_length if self.engine is not None else None
+        if target is not None and max_new_tokens > target:  # export --kv-cache's decoder: its position table
+            raise RequestError(400, "context_length_exceeded",
+                               f"{param}: max_tokens {max_new_tokens} is more target tokens than this "
+                               f"encoder-decoder's decoder takes ({target}, its recorded max length); lower max_tokens")
         limit = self.settings.max_length
         source = self.engine is not None and not self.engine.limits.with_new_tokens  # an encoder's source
         if limit is not None and source and ids.size > limit:

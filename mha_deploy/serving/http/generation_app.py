@@ -108,6 +108,10 @@ def create_generation_app(
                 "max_new_tokens": service.settings.max_new_tokens,
                 "eos_token_ids": list(service.settings.eos_token_ids),
                 "encoder_decoder": engine.stepper.encoder is not None,
+                # an encoder-decoder: a prompt (input_ids, text_input) is its source, which this file encodes
+                "encoder": engine.stepper.encoder.source if engine.stepper.encoder is not None else None,
+                "decoder_start_token_id": engine.stepper.decoder_start_token_id,
+                "max_target_tokens": engine.limits.target_max_length,
                 "tokenizer": service.tokenizer is not None,
                 "chat_template": service.chat_template is not None,
             },

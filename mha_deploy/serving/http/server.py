@@ -23,7 +23,7 @@ import logging
 import os
 import re
 import ssl
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from mha_deploy.batching import BatchingConfig
@@ -128,12 +128,13 @@ def serve(config: ServeConfig) -> None:
         raise ServeError(f"model name {config.model_name!r}: use letters, digits, '_', '.' and '-' only")
     _check_tls(config)
     api_keys = ApiKeys.from_file(config.api_key_file) if config.api_key_file is not None else None
+    _configure_logging(config.log_level)
+    config = _with_companion_encoder(config)
     generator = is_generator(config.model)
     if generator and config.grpc_port is not None:
         raise ServeError("a generator (KV-cache decoder) is served over REST only (OpenAI's routes and Triton's "
                          "generate extension): drop --grpc-port")
     grpc_config = _grpc_config(config)
-    _configure_logging(config.log_level)
     failures: list[BaseException] = []
     server: uvicorn.Server | None = None
 
@@ -210,6 +211,24 @@ def is_generator(model: str | os.PathLike) -> bool:
     return "input_ids" in names and any(name.startswith("past_key_values.") for name in names)
 
 
+def _with_companion_encoder(config: ServeConfig) -> ServeConfig:
+    """A decoder that ``export --kv-cache`` wrote as one of an encoder-decoder pair names its encoder (beside it)
+    and start id: served with them, as ``generate`` takes them (``encoder_companion``, one place for both). The
+    pair's encoder given instead is refused here, naming its decoder, before any port is bound."""
+    from mha_deploy.runtime.kv_stepper import encoder_companion
+
+    options = config.generation
+    if options.encoder is not None:
+        return config
+    found = encoder_companion(config.model)
+    if found is None:
+        return config
+    encoder, start_id = found
+    logging.getLogger("mha_deploy.serve").info("encoder %s (named by %s)", encoder, Path(config.model).name)
+    return replace(config, generation=replace(
+        options, encoder=encoder, start_id=options.start_id if options.start_id is not None else start_id))
+
+
 def _generation_app(config: ServeConfig, api_keys, on_load_error):
     """The generator's app: tokenizer and chat template read now (a bad file stops the start with one line), the
     model loaded by the app's lifespan."""
@@ -241,7 +260,9 @@ def _generation_app(config: ServeConfig, api_keys, on_load_error):
         if options.encoder is not None:
             encoder = open_decoder(options.encoder, config.threads, provider=config.provider,
                                    session_config=session_config)
-            recorded = getattr(getattr(model, "metadata", None), "generation", None)
+            # mha-deploy metadata, or the record of export --kv-cache's pair
+            recorded = getattr(getattr(model, "metadata", None), "generation", None) or getattr(
+                getattr(model, "pair", None), "generation", None)
             start_id = options.start_id if options.start_id is not None else getattr(
                 recorded, "decoder_start_token_id", None)
             if start_id is None:
