@@ -14,10 +14,9 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -27,6 +26,7 @@ from mha_deploy.runtime.generation import GenerationConfig
 from mha_deploy.serving.engine import EngineBusy, GenerationEngine, GenerationRequest, RequestTooLarge, TokenEvent
 from mha_deploy.serving.http.metrics import GenerationMetrics
 from mha_deploy.serving.http.parsing import RequestError, RequestLimits
+from mha_deploy.serving.http.service import TrackedService
 
 logger = logging.getLogger("mha_deploy.serve")
 REPLACEMENT = "\ufffd"  # what a tokenizer decodes half a multi-byte character to
@@ -48,7 +48,7 @@ class GenerationSettings:
     default_max_tokens: int = 16
 
 
-class GenerationService:
+class GenerationService(TrackedService):
     """The engine of one served generator, its readiness and its counters (shared by every generation route)."""
 
     def __init__(
@@ -108,27 +108,10 @@ class GenerationService:
         if self.engine is not None:
             await asyncio.to_thread(self.engine.stop, timeout)
 
-    @property
-    def ready(self) -> bool:
-        return self.status == "ready"
-
     def require_ready(self) -> GenerationEngine:
         if self.status != "ready":
             raise RequestError(503, "not_ready", f"the server is {self.status}")
         return self.engine  # type: ignore[return-value]
-
-    @contextlib.contextmanager
-    def track(self, protocol: str) -> Iterator[None]:
-        start = time.perf_counter()
-        self.accepted += 1
-        self.metrics.in_flight.inc()
-        self.metrics.requests.labels(protocol).inc()
-        try:
-            yield
-        finally:
-            self.metrics.in_flight.dec()
-            self.answered += 1
-            self.metrics.latency.observe(time.perf_counter() - start)
 
     # --- prompts -----------------------------------------------------------------------------------
 

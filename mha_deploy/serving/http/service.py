@@ -28,7 +28,34 @@ logger = logging.getLogger("mha_deploy.serve")
 THREAD_THRESHOLD_BYTES = 256 * 1024
 
 
-class InferenceService:
+class TrackedService:
+    """What every served model counts, whatever it serves: requests accepted and answered (the SIGTERM log line
+    reports them), in flight and their latency (its ``metrics``' gauges), and whether it is ready."""
+
+    status: str
+    accepted: int
+    answered: int
+
+    @property
+    def ready(self) -> bool:
+        return self.status == "ready"
+
+    @contextlib.contextmanager
+    def track(self, protocol: str) -> Iterator[None]:
+        """Count one request from arrival to response."""
+        start = time.perf_counter()
+        self.accepted += 1
+        self.metrics.in_flight.inc()
+        self.metrics.requests.labels(protocol).inc()
+        try:
+            yield
+        finally:
+            self.metrics.in_flight.dec()
+            self.answered += 1
+            self.metrics.latency.observe(time.perf_counter() - start)
+
+
+class InferenceService(TrackedService):
     """The loaded model and its batcher, with a status: loading -> ready -> draining (or failed)."""
 
     def __init__(
@@ -80,10 +107,6 @@ class InferenceService:
         if self.batcher is not None:
             await self.batcher.stop()
 
-    @property
-    def ready(self) -> bool:
-        return self.status == "ready"
-
     def require_ready(self) -> tuple[MHASession, MicroBatcher]:
         if self.status != "ready":
             raise RequestError(503, "not_ready", f"the server is {self.status}")
@@ -97,20 +120,6 @@ class InferenceService:
             raise RequestError(404, "unknown_model", f"unknown model {name!r}{served}")
         if version not in ("", v2.MODEL_VERSION):
             raise RequestError(404, "unknown_version", f"model {name!r} has version {v2.MODEL_VERSION} only")
-
-    @contextlib.contextmanager
-    def track(self, protocol: str) -> Iterator[None]:
-        """Count one inference request from arrival to response (what the SIGTERM log line reports)."""
-        start = time.perf_counter()
-        self.accepted += 1
-        self.metrics.in_flight.inc()
-        self.metrics.requests.labels(protocol).inc()
-        try:
-            yield
-        finally:
-            self.metrics.in_flight.dec()
-            self.answered += 1
-            self.metrics.latency.observe(time.perf_counter() - start)
 
     async def infer_v2(
         self, inputs: Mapping[str, np.ndarray], in_thread: bool = False
