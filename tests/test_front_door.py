@@ -37,15 +37,21 @@ def test_setup_says_what_it_installed_and_what_to_run_next(tmp_path):
     shim.write_text(f'#!/bin/sh\nif [ "$1" = -m ] && [ "$2" = pip ]; then echo "$@" >> "{tmp_path}/pip.log"; '
                     f'exit 0; fi\nexec "{sys.executable}" "$@"\n')
     shim.chmod(0o755)
+    # .venv-genai as setup.sh left it for this run of the tests (onnxruntime-genai already there: nothing installed)
+    genai = repo / ".venv-genai" / "bin" / "python"
+    genai.parent.mkdir(parents=True)
+    genai.write_text(f'#!/bin/sh\nexec "{ROOT / ".venv-genai" / "bin" / "python"}" "$@"\n')
+    genai.chmod(0o755)
 
     run = subprocess.run(["bash", str(repo / "scripts" / "setup.sh")], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr
     assert "torch==2.13.0" in (tmp_path / "pip.log").read_text()
-    summary, *rest = run.stdout.strip().splitlines()
+    summary, genai_summary, *rest = run.stdout.strip().splitlines()
     assert summary.startswith("set up .venv: Python ") and ", torch " in summary and "onnxruntime" in summary
+    assert genai_summary.startswith("set up .venv-genai: onnxruntime-genai ")
     assert rest[0] == "next:" and [line.split()[0] for line in rest[1:]] == [
         "scripts/demo.sh", "scripts/test.sh", "source"]
 
     quiet = subprocess.run(["bash", str(repo / "scripts" / "setup.sh"), "--no-next"], capture_output=True,
                            text=True, timeout=120)
-    assert quiet.returncode == 0 and quiet.stdout.strip().splitlines() == [summary]
+    assert quiet.returncode == 0 and quiet.stdout.strip().splitlines() == [summary, genai_summary]
