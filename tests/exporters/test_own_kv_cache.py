@@ -193,9 +193,8 @@ def test_cuts_along_the_features_keep_a_step_narrowed(tmp_path):
     assert not result.warnings, result.warnings
 
 
-class FeatureCumsum(nn.Module):
-    """A causal attention, then a cumulative sum over the features (per position, but an op the narrowing
-    does not know): the cache still works, each step over the whole sequence."""
+class CausalThen(nn.Module):
+    """A causal attention over embedded ids, then ``after`` on its output, then a head over the vocabulary."""
 
     def __init__(self, vocab=20, d_model=16):
         super().__init__()
@@ -204,12 +203,23 @@ class FeatureCumsum(nn.Module):
         self.attn = nn.MultiheadAttention(d_model, 2, batch_first=True)
         self.head = nn.Linear(d_model, vocab)
 
+    def after(self, y):
+        raise NotImplementedError
+
     def forward(self, ids, mask):
         x = self.embed(ids)
         t = ids.size(1)
         causal = torch.triu(torch.ones(t, t, dtype=torch.bool), 1)
         y, _ = self.attn(x, x, x, attn_mask=causal, key_padding_mask=~mask, need_weights=False)
-        return self.head(torch.cumsum(y, dim=-1))
+        return self.head(self.after(y))
+
+
+class FeatureCumsum(CausalThen):
+    """A cumulative sum over the features after the attention (per position, but an op the narrowing does not
+    know): the cache still works, each step over the whole sequence."""
+
+    def after(self, y):
+        return torch.cumsum(y, dim=-1)
 
 
 def test_an_op_narrowing_cannot_prove_keeps_the_whole_sequence_and_says_which(tmp_path):
@@ -219,23 +229,12 @@ def test_an_op_narrowing_cannot_prove_keeps_the_whole_sequence_and_says_which(tm
     assert [w for w in result.warnings if "each step runs the whole sequence's forward (CumSum" in w], result.warnings
 
 
-class MeanCentred(nn.Module):
-    """Causal attention, then each position minus the sequence's mean: one position reads every other one
-    outside the attention, so no KV cache can reproduce it."""
+class MeanCentred(CausalThen):
+    """Each position minus the sequence's mean after the attention: one position reads every other one outside
+    the attention, so no KV cache can reproduce it."""
 
-    def __init__(self, vocab=20, d_model=16):
-        super().__init__()
-        torch.manual_seed(0)
-        self.embed = nn.Embedding(vocab, d_model)
-        self.attn = nn.MultiheadAttention(d_model, 2, batch_first=True)
-        self.head = nn.Linear(d_model, vocab)
-
-    def forward(self, ids, mask):
-        x = self.embed(ids)
-        t = ids.size(1)
-        causal = torch.triu(torch.ones(t, t, dtype=torch.bool), 1)
-        y, _ = self.attn(x, x, x, attn_mask=causal, key_padding_mask=~mask, need_weights=False)
-        return self.head(y - y.mean(dim=1, keepdim=True))
+    def after(self, y):
+        return y - y.mean(dim=1, keepdim=True)
 
 
 def test_a_module_no_cache_can_reproduce_is_refused_naming_the_call(tmp_path):
