@@ -43,6 +43,18 @@ def all_nodes(graph: onnx.GraphProto) -> Iterator[onnx.NodeProto]:
                 yield from all_nodes(subgraph)
 
 
+def producers_and_readers(
+    graph: onnx.GraphProto,
+) -> tuple[dict[str, onnx.NodeProto], dict[str, list[onnx.NodeProto]]]:
+    """Of ``graph``'s top level: the node that produces each value, and the nodes that read each value."""
+    producers = {name: node for node in graph.node for name in node.output}
+    readers: dict[str, list[onnx.NodeProto]] = {}
+    for node in graph.node:
+        for name in node.input:
+            readers.setdefault(name, []).append(node)
+    return producers, readers
+
+
 def kernel_tag(node: onnx.NodeProto) -> str | None:
     """The kernel description a fusion rule wrote on ``node``, if any."""
     return next((p.value for p in node.metadata_props if p.key == KERNEL_PROP), None)

@@ -18,6 +18,8 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
+from mha_deploy.onnx_nodes import producers_and_readers
+
 __all__ = ["EmbeddingTable", "indexed_tables", "non_finite_rows", "vocabulary"]
 
 # Ops whose output holds only values of their first input (reshaped, converted, selected or repeated): ids
@@ -45,11 +47,7 @@ def indexed_tables(model: onnx.ModelProto, token_input: str) -> tuple[list[Embed
     cannot be read off the graph (then the vocabulary is unknown, whatever the tables found say)."""
     graph = model.graph
     stored = _stored_shapes(graph)
-    producers = {name: node for node in graph.node for name in node.output}
-    consumers: dict[str, list[onnx.NodeProto]] = {}
-    for node in graph.node:
-        for name in node.input:
-            consumers.setdefault(name, []).append(node)
+    producers, consumers = producers_and_readers(graph)
     tables: dict[str, EmbeddingTable] = {}
     unreadable = False
     inferred: dict[str, tuple[int, ...]] | None = None

@@ -37,6 +37,7 @@ import onnx
 from onnx import helper, numpy_helper
 
 from mha_deploy.errors import ExportError
+from mha_deploy.onnx_nodes import producers_and_readers
 
 
 @dataclass(frozen=True)
@@ -174,11 +175,7 @@ def decode_on_mha(
     model = onnx.ModelProto()
     model.CopyFrom(decode)
     graph = model.graph
-    producer = {name: node for node in graph.node for name in node.output}
-    consumers: dict[str, list[onnx.NodeProto]] = {}
-    for node in graph.node:
-        for name in node.input:
-            consumers.setdefault(name, []).append(node)
+    producer, consumers = producers_and_readers(graph)
     graph_inputs = {value.name for value in graph.input}
     outputs = [value.name for value in graph.output]
 

@@ -46,6 +46,8 @@ import onnx
 import onnx_ir as ir
 from onnx import TensorProto, helper, numpy_helper
 
+from mha_deploy.onnx_nodes import producers_and_readers
+
 _PREFIX = "kv_cache.narrow."
 # Ops whose presence upstream means a value holds model activations (not ids, masks or positions).
 _HEAVY = {"MatMul", "Gemm", "Conv", "Softmax", "LayerNormalization", "Einsum", "MatMulInteger",
@@ -543,11 +545,7 @@ def take_position_ids(model: onnx.ModelProto, shapes, tokens: str, name: str) ->
     each reader must broadcast against a [batch, ...] operand (the embedding sum). Other readers of the Range
     (a causal mask's query positions) keep the padded column indices: the cache's columns are padded ones."""
     graph = model.graph
-    producers = {out: node for node in graph.node for out in node.output}
-    readers: dict[str, list[onnx.NodeProto]] = {}
-    for node in graph.node:
-        for value in node.input:
-            readers.setdefault(value, []).append(node)
+    producers, readers = producers_and_readers(graph)
     tables = {init.name for init in graph.initializer if len(init.dims) == 2}
     lookups: list[tuple[onnx.NodeProto, int]] = []  # (Gather, rank of its indices)
     for node in graph.node:
