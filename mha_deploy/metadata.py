@@ -16,7 +16,8 @@ from mha_deploy.errors import ModelFileError, SignatureError
 from mha_deploy.signature import ATTENTION_KINDS, MASK_MODES, MODEL_KINDS, Signature
 
 __all__ = [
-    "ATTENTION_KINDS", "DTYPES", "DTYPE_CHOICES", "ENCODER_DECODER_KEY", "FUSE_CHOICES", "MASK_MODES", "MAX_OPSET",
+    "ATTENTION_KINDS", "CACHE_HOLES", "CACHE_LAYOUTS", "CACHE_LAYOUT_AUTO", "CACHE_LAYOUT_CHOICES", "CACHE_RAGGED",
+    "DTYPES", "DTYPE_CHOICES", "ENCODER_DECODER_KEY", "FUSE_CHOICES", "MASK_MODES", "MAX_OPSET",
     "METADATA_KEY", "MIN_OPSET", "MODEL_KINDS", "ON_ERROR_CHOICES", "PROVIDER_CHOICES", "QUANTIZE_CHOICES",
     "TRITON_KINDS", "EncoderDecoderRecord", "GenerationIds", "ModelMetadata", "ParityReport", "Signature",
 ]
@@ -24,14 +25,16 @@ __all__ = [
 METADATA_KEY = "mha_deploy"
 # Bumped when the meaning of a recorded field changes: the newest format this version reads. Files are
 # written in the oldest format that holds them, 1, except a custom model's (declared tensors; 2), a model
-# with a max length (3), a parity report whose atol is per row (4), a generation section (5) and how a KV-cache
-# model's positions work (6), which earlier mha-deploy cannot read: it then says to upgrade.
-METADATA_FORMAT = 6
+# with a max length (3), a parity report whose atol is per row (4), a generation section (5), how a KV-cache
+# model's positions work (6) and a KV-cache model's cache layout (7), which earlier mha-deploy cannot read: it then
+# says to upgrade.
+METADATA_FORMAT = 7
 _CUSTOM_FORMAT = 2
 _MAX_LENGTH_FORMAT = 3
 _ROW_ATOL_FORMAT = 4
 _GENERATION_FORMAT = 5
 _POSITIONS_FORMAT = 6
+_CACHE_LAYOUT_FORMAT = 7
 # How a KV-cache model over token ids numbers its tokens (ModelMetadata.positions): from its position_ids input
 # (each row its own), not at all (a row's logits do not depend on padding before it), or by column of the padded
 # batch (rows of different lengths do not get what they get alone).
@@ -42,6 +45,23 @@ POSITIONS_WORDS = {
     POSITIONS_NONE: "padding before a row does not change it: prompts of any length share a batch exactly",
     POSITIONS_PADDED_WIDTH: "counted over the padded batch's columns: only prompts of one length share a batch "
                             "exactly (export with --position-ids where the module's are an arange into a table)",
+}
+# How a user's KV-cache LM keeps its cache (ModelMetadata.cache_layout). "ragged": each attention is contrib
+# GroupQueryAttention reading and writing the cache in place; rows are right-padded, row r's first n_r mask entries
+# are 1 and its cache is contiguous from position 0 (exporters.fusion.ragged_cache has the file contract). "holes":
+# each attention's present is past ++ this call's keys/values (a copy of the cache per step), rows may be padded on
+# either side and padded positions stay in the cache as holes the mask hides. None (earlier files): holes.
+CACHE_RAGGED, CACHE_HOLES = "ragged", "holes"
+CACHE_LAYOUTS = (CACHE_RAGGED, CACHE_HOLES)
+# What an export of a user's causal LM with --kv-cache asks for: ragged where the file allows it (else holes, with
+# the reason in its warnings), or one of the two (ragged refused with the reason when it cannot be).
+CACHE_LAYOUT_AUTO = "auto"
+CACHE_LAYOUT_CHOICES = (CACHE_LAYOUT_AUTO, CACHE_RAGGED, CACHE_HOLES)
+CACHE_LAYOUT_WORDS = {
+    CACHE_RAGGED: "GroupQueryAttention updates the cache in place; prompts right-padded, each row's cache "
+                  "contiguous from position 0",
+    CACHE_HOLES: "each step returns past ++ new keys/values (a copy); padding on either side stays in the cache "
+                 "as masked holes",
 }
 
 # The choices the exporter, the runtime and serving accept, defined here (no torch, no
@@ -208,6 +228,9 @@ class ModelMetadata:
     # A user's KV-cache LM: how its positions work (POSITIONS_KINDS), so that a scheduler knows whether rows of
     # different lengths can share a batch exactly; None: not recorded (other models, earlier files).
     positions: str | None = None
+    # A user's KV-cache LM: how its cache is laid out and updated (CACHE_LAYOUTS); None: holes (other models,
+    # earlier files).
+    cache_layout: str | None = None
 
     @property
     def fixed_sizes(self) -> dict[str, int]:
@@ -238,6 +261,10 @@ class ModelMetadata:
             del raw["positions"]
         else:
             raw["format"] = max(raw["format"], _POSITIONS_FORMAT)
+        if self.cache_layout is None:
+            del raw["cache_layout"]
+        else:
+            raw["format"] = max(raw["format"], _CACHE_LAYOUT_FORMAT)
         if raw["parity"] is not None:
             if raw["parity"]["atol_per_row"]:
                 raw["format"] = max(raw["format"], _ROW_ATOL_FORMAT)
@@ -274,6 +301,9 @@ class ModelMetadata:
         if metadata.positions is not None and metadata.positions not in POSITIONS_KINDS:
             raise ModelFileError(f"{source}: mha-deploy metadata positions is {metadata.positions!r}, not one of "
                                  f"{', '.join(POSITIONS_KINDS)}")
+        if metadata.cache_layout is not None and metadata.cache_layout not in CACHE_LAYOUTS:
+            raise ModelFileError(f"{source}: mha-deploy metadata cache_layout is {metadata.cache_layout!r}, not one of "
+                                 f"{', '.join(CACHE_LAYOUTS)}")
         if metadata.signature.layers not in (1, metadata.layers):
             raise ModelFileError(
                 f"{source}: its metadata says {metadata.layers} layers, its cache layout {metadata.signature.layers}"

@@ -12,6 +12,8 @@ import onnx
 from mha_deploy.compare import tolerance_words
 from mha_deploy.errors import ModelFileError
 from mha_deploy.metadata import (
+    CACHE_HOLES,
+    CACHE_LAYOUT_WORDS,
     ENCODER_DECODER_KEY,
     METADATA_KEY,
     POSITIONS_WORDS,
@@ -141,6 +143,9 @@ class ModelReport:
             lines.append(f"  max length {meta['max_length']}: a longer sequence is refused before ONNX Runtime")
         if sig.get("kv_cache"):
             lines += cache_layout(Signature(**sig))
+        if sig.get("kv_cache") and sig.get("model") == "custom":
+            layout = meta.get("cache_layout") or CACHE_HOLES
+            lines.append(f"  cache layout {layout}: {CACHE_LAYOUT_WORDS.get(layout, 'unknown')}")
         if meta.get("positions") is not None:
             lines.append(f"  positions {meta['positions']}: {POSITIONS_WORDS.get(meta['positions'], 'unknown')}")
         if meta.get("generation") is not None:

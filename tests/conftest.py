@@ -284,23 +284,25 @@ def assert_equals_module(session, module, feeds: dict, label: str) -> None:
 
 @pytest.fixture(scope="session")
 def lm_cache(tmp_path_factory):
-    """``lm_cache(name) -> (path, CLI output)``: tests/user_models/<name>.py exported once per session with
-    ``mha-deploy export --module ... --kv-cache`` (the KV-cache tests and the generation server's share them)."""
+    """``lm_cache(name, *flags) -> (path, CLI output)``: tests/user_models/<name>.py exported once per session with
+    ``mha-deploy export --module ... --kv-cache`` and ``flags`` (e.g. ``--cache-layout holes``; the KV-cache tests
+    and the generation server's share them)."""
     from click.testing import CliRunner
 
     from mha_deploy.cli import main
 
     cache = {}
 
-    def export(name: str):
-        if name not in cache:
+    def export(name: str, *flags: str):
+        if (name, flags) not in cache:
             path = tmp_path_factory.mktemp("own-kv") / f"{name}.onnx"
             inputs = [arg for spec in user_module(name).INPUTS for arg in ("--input", spec)]
             result = CliRunner().invoke(
-                main, ["export", "--module", f"{USER_MODELS / name}.py:build", *inputs, "--kv-cache", "-o", str(path)]
+                main, ["export", "--module", f"{USER_MODELS / name}.py:build", *inputs, "--kv-cache", *flags,
+                       "-o", str(path)]
             )
             assert result.exit_code == 0, result.output
-            cache[name] = path, result.output
-        return cache[name]
+            cache[name, flags] = path, result.output
+        return cache[name, flags]
 
     return export

@@ -7,7 +7,14 @@ import json
 import pytest
 
 from mha_deploy.errors import ModelFileError, SignatureError
-from mha_deploy.metadata import METADATA_FORMAT, GenerationIds, ModelMetadata, ParityReport
+from mha_deploy.metadata import (
+    CACHE_HOLES,
+    CACHE_RAGGED,
+    METADATA_FORMAT,
+    GenerationIds,
+    ModelMetadata,
+    ParityReport,
+)
 from mha_deploy.signature import Signature, TensorSpec
 
 IDS = TensorSpec("src", "tokens", "int64", ("batch", "src_seq"), vocab=40)
@@ -68,6 +75,24 @@ def test_how_positions_work_survives_the_files_metadata_in_format_6(positions):
     assert ModelMetadata.from_json(raw).positions == positions
     plain = ModelMetadata(32, 4, Signature.custom((IDS,), (POOLED,))).to_json()
     assert '"positions"' not in plain and ModelMetadata.from_json(plain).positions is None
+
+
+@pytest.mark.parametrize("layout", [CACHE_RAGGED, CACHE_HOLES])
+def test_a_cache_layout_survives_the_files_metadata_in_format_7(layout):
+    raw = ModelMetadata(32, 4, Signature.custom((IDS,), (POOLED,)), positions="input", cache_layout=layout).to_json()
+    assert '"format": 7' in raw
+    assert ModelMetadata.from_json(raw).cache_layout == layout
+    # none recorded (earlier files, and holes files written for the mha-deploy before it): holes
+    plain = ModelMetadata(32, 4, Signature.custom((IDS,), (POOLED,)), positions="input").to_json()
+    assert '"cache_layout"' not in plain and '"format": 6' in plain
+    assert ModelMetadata.from_json(plain).cache_layout is None
+
+
+def test_a_cache_layout_of_no_known_kind_is_refused_naming_the_file():
+    raw = json.loads(ModelMetadata(32, 4, Signature.custom((IDS,), (POOLED,)), cache_layout=CACHE_RAGGED).to_json())
+    raw["cache_layout"] = "paged"
+    with pytest.raises(ModelFileError, match=r"lm\.onnx: .*cache_layout is 'paged', not one of ragged, holes"):
+        ModelMetadata.from_json(json.dumps(raw), "lm.onnx")
 
 
 def test_positions_of_no_known_kind_are_refused_naming_the_file():

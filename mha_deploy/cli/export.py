@@ -11,6 +11,7 @@ from mha_deploy.cli.group import main
 from mha_deploy.cli.options import model_options, pack_tokens_option
 from mha_deploy.metadata import (
     ATTENTION_KINDS,
+    CACHE_LAYOUT_CHOICES,
     DTYPE_CHOICES,
     FUSE_CHOICES,
     MASK_MODES,
@@ -93,10 +94,16 @@ from mha_deploy.metadata import (
               help="With --kv-cache, an encoder-decoder's decoder start id, recorded in the file (generate starts "
                    "every target from it). A causal LM starts from its prompt: generate does not use it, and "
                    "--genai writes it as bos_token_id.")
-@click.option("--position-ids", is_flag=True,
-              help="With --module ... --kv-cache: the file takes position_ids int64 [batch, seq] (each row's own "
-                   "positions, as onnxruntime-genai and generate feed them) where the module's positions are an "
-                   "arange indexing a table, so that rows of different lengths share a batch exactly.")
+@click.option("--position-ids/--no-position-ids", default=None,
+              help="With --module ... --kv-cache (a causal LM: on unless --no-position-ids): the file takes "
+                   "position_ids int64 [batch, seq] (each row's own positions, as onnxruntime-genai and generate "
+                   "feed them) where the module's positions are an arange indexing a table, so that rows of "
+                   "different lengths share a batch exactly (and the cache can be ragged).")
+@click.option("--cache-layout", type=click.Choice(CACHE_LAYOUT_CHOICES), default="auto", show_default=True,
+              help="With --module ... --kv-cache (a causal LM): ragged = each attention is GroupQueryAttention "
+                   "updating the cache in place (prompts right-padded, each row's cache from position 0); holes = "
+                   "each step returns past ++ new (padding on either side); auto = ragged where the module's "
+                   "positions and mask allow it (checked call by call), else holes with a warning saying why.")
 @click.option("--genai", is_flag=True,
               help="With --module ... --kv-cache, also write genai_config.json beside the file so that "
                    "onnxruntime-genai generates from it unchanged (context_length from the max length; needs one "
@@ -107,7 +114,7 @@ from mha_deploy.metadata import (
 @click.pass_context
 def export(ctx, checkpoint, prefix, d_model, heads, model_kind, layers, d_ff, attention, mask, return_weights, kv_cache,
            fuse, quantize, seed, opset, dtype, atol, rtol, module_spec, inputs, output_names, max_length, eos_ids,
-           pad_id, start_id, position_ids, genai, pack_tokens, output):
+           pad_id, start_id, position_ids, cache_layout, genai, pack_tokens, output):
     """Export a reference MHA to ONNX with dynamic batch and sequence axes, checked against torch.
 
     \b
@@ -132,7 +139,8 @@ def export(ctx, checkpoint, prefix, d_model, heads, model_kind, layers, d_ff, at
                "pack_tokens": pack_tokens}
     lone_block = ("prefix", "d_model", "heads", "model_kind", "layers", "d_ff", "attention", "mask",
                   "return_weights", "seed")
-    own_model = ("inputs", "output_names", "max_length", "eos_ids", "pad_id", "start_id", "position_ids", "genai")
+    own_model = ("inputs", "output_names", "max_length", "eos_ids", "pad_id", "start_id", "position_ids",
+                 "cache_layout", "genai")
     generation = None
     if eos_ids or pad_id is not None or start_id is not None:
         if not kv_cache:
@@ -140,6 +148,8 @@ def export(ctx, checkpoint, prefix, d_model, heads, model_kind, layers, d_ff, at
         generation = GenerationIds(list(eos_ids), pad_id, start_id)
     if position_ids and not kv_cache:
         raise click.UsageError("--position-ids is an input of a KV-cache decoder: give --kv-cache")
+    if _given(ctx, "cache_layout") and not kv_cache:
+        raise click.UsageError("--cache-layout is how a KV-cache decoder keeps its cache: give --kv-cache")
     if genai and not kv_cache:
         raise click.UsageError("--genai writes onnxruntime-genai's config for a KV-cache decoder: give --kv-cache")
     if module_spec is not None:
@@ -155,7 +165,7 @@ def export(ctx, checkpoint, prefix, d_model, heads, model_kind, layers, d_ff, at
         click.echo(f"exporting {type(module).__name__} from {module_spec}, inputs {', '.join(inputs)}", err=True)
         result = export_model(module, output, inputs, output_names=output_names or None, checkpoint=checkpoint,
                               max_length=max_length, kv_cache=kv_cache, position_ids=position_ids,
-                              generation=generation, **options)
+                              generation=generation, cache_layout=cache_layout, **options)
     elif given := [name for name in own_model if _given(ctx, name)]:
         raise click.UsageError(f"{_flags(given)} describe your own model: give it with --module FILE.py:FACTORY")
     elif model_kind == "mha":
@@ -210,6 +220,9 @@ def echo_export(result) -> None:
     max_length = result.metadata.max_length if hasattr(result, "metadata") else result.max_length
     if max_length is not None:
         click.echo(f"max length {max_length} recorded: longer sequences are refused")
+    layout = getattr(getattr(result, "metadata", None), "cache_layout", None)
+    if layout is not None:
+        click.echo(f"cache layout {layout}")
     if getattr(result, "encoder_path", None) is not None:  # an encoder-decoder's pair (own_seq2seq_cache)
         click.echo(f"wrote {result.encoder_path} (the encoder, run once per request)")
         click.echo(f"wrote {result.path} (the decoder with its cache; generate takes it and finds its encoder)")

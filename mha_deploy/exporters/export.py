@@ -23,10 +23,13 @@ from mha_deploy.errors import (
     raises_export_errors,
 )
 from mha_deploy.exporters.fusion import FusionReport, fuse_attention
+from mha_deploy.exporters.fusion.ragged_cache import RaggedRefused, to_ragged_cache
 from mha_deploy.exporters.graphs import attention_graph
 from mha_deploy.exporters.kv_cache import CacheProjection, attach_caches, decode_on_mha, prefill_or_decode
 from mha_deploy.exporters.own_kv_cache import (
     OWN_CACHE_CASES,
+    RAGGED_CACHE_CASES,
+    PlainRuns,
     attach_own_caches,
     cache_signature,
     capped_cache_cases,
@@ -69,11 +72,16 @@ from mha_deploy.exporters.stack_graphs import decoder_cache_graphs, export_stack
 from mha_deploy.exporters.token_packing import PackingReport, pack_model, packing_masks
 from mha_deploy.exporters.torch_export import DEFAULT_OPSET, export_onnx
 from mha_deploy.metadata import (
+    CACHE_HOLES,
+    CACHE_LAYOUT_AUTO,
+    CACHE_LAYOUT_CHOICES,
+    CACHE_RAGGED,
     FUSE_CHOICES,
     MAX_OPSET,
     METADATA_KEY,
     MIN_OPSET,
     POSITIONS_INPUT,
+    POSITIONS_NONE,
     QUANTIZE_CHOICES,
     GenerationIds,
     ModelMetadata,
@@ -243,15 +251,19 @@ def _optimised_kv_cache(
 
 
 def _checked(module, model: onnx.ModelProto, atol, rtol, parity_cases, quantize,
-             declared: Signature | None = None) -> ParityReport:
+             declared: Signature | None = None, layout: str = CACHE_HOLES) -> ParityReport:
     # Parity runs on the in-memory model on the CPU provider, which every
     # machine has, so that a failed check never leaves a file behind. ORT's own
     # graph optimisations stay off so that they cannot mask a bad fusion.
+    if layout == CACHE_RAGGED:
+        # A ragged file's calls break the validator's holes convention (own_kv_cache.PlainRuns).
+        session = PlainRuns(model, ModelMetadata.from_props({p.key: p.value for p in model.metadata_props}).signature)
+        return check_own_cache_parity(module, declared, session, parity_cases, atol, rtol, layout=layout)
     session = MHASession(model.SerializeToString(), provider="cpu", optimization="disabled")
     budget = INT8_REL_ERR_BUDGET if quantize == "int8" else None
     if declared is not None:
         # A user's causal LM with a cache: ``module`` as declared (``declared``, without the cache) is the reference.
-        return check_own_cache_parity(module, declared, session, parity_cases, atol, rtol)
+        return check_own_cache_parity(module, declared, session, parity_cases, atol, rtol, layout=layout)
     if session.signature.kv_cache:
         # ``module`` is then the cache-free reference: one causal forward of the whole sequence.
         return check_cache_parity(module, session, parity_cases, atol=atol, rtol=rtol, rel_budget=budget)
@@ -428,8 +440,9 @@ def export_model(
     checkpoint: str | os.PathLike | None = None,
     max_length: int | None = None,
     kv_cache: bool = False,
-    position_ids: bool = False,
+    position_ids: bool | None = None,
     generation: GenerationIds | None = None,
+    cache_layout: str = CACHE_LAYOUT_AUTO,
     **options,
 ) -> ExportResult:
     """Export a user's own ``module`` (built around the reference attention) whose forward takes ``inputs``.
@@ -454,11 +467,18 @@ def export_model(
     a cache per attention for generation (``own_kv_cache``): one file for the prompt and every later step,
     checked call by call against one forward of the whole sequence. ``generation``: the ids a generator needs
     (eos, pad, decoder start), recorded in the file's metadata for ``mha-deploy generate`` and onnxruntime-genai;
-    with ``kv_cache`` only, each refused unless below the vocabulary. ``position_ids`` (with ``kv_cache``): the
-    file takes each row's positions as an input (``position_ids`` int64 [batch, seq]) where the module's are a
-    ``Range`` over the sequence indexing a table, so that rows of different lengths each get what they get alone;
-    a warning says so when the module's positions are not that. The metadata records how the file's positions
-    work either way (``ModelMetadata.positions``).
+    with ``kv_cache`` only, each refused unless below the vocabulary. ``position_ids`` (with ``kv_cache``; None, the
+    default: asked for on a causal LM, not on an encoder-decoder): the file takes each row's positions as an input
+    (``position_ids`` int64 [batch, seq]) where the module's are a ``Range`` over the sequence indexing a table, so
+    that rows of different lengths each get what they get alone; when asked for explicitly (True), a warning says
+    so when the module's positions are not that. The metadata records how the file's positions work either way
+    (``ModelMetadata.positions``).
+
+    ``cache_layout`` (a causal LM with ``kv_cache``): "auto" (the default) writes the ragged layout
+    (``fusion.ragged_cache``: GroupQueryAttention updating the cache in place, right padding, parity checked call by
+    call under that convention) where the file allows it, and otherwise the holes layout with a warning saying why;
+    "ragged" refuses (writing nothing) where it cannot; "holes" keeps ``past ++ new`` for any padding. Recorded as
+    ``ModelMetadata.cache_layout`` (None for holes, which earlier mha-deploy reads).
     """
     export_options = ExportOptions(**options)
     export_options.check()
@@ -467,6 +487,10 @@ def export_model(
         raise ExportError(f"max length must be at least 1, got {max_length}")
     if position_ids and not kv_cache:
         raise ExportError("position_ids are a KV-cache model's input: export with --kv-cache")
+    if cache_layout not in CACHE_LAYOUT_CHOICES:
+        raise ExportError(f"cache layout must be one of {', '.join(CACHE_LAYOUT_CHOICES)}, got {cache_layout!r}")
+    if cache_layout != CACHE_LAYOUT_AUTO and not kv_cache:
+        raise ExportError(f"--cache-layout {cache_layout} is a KV-cache model's: export with --kv-cache")
     if generation is not None:
         if not kv_cache:
             raise ExportError("eos, pad and start ids are a generator's: they are recorded with a KV-cache export "
@@ -477,7 +501,7 @@ def export_model(
     kept = ModuleState(module, copy=True)
     try:
         return _export_model(module, output, inputs, output_names, max_length, export_options, kv_cache, generation,
-                             position_ids)
+                             position_ids, cache_layout)
     except SystemExit as exc:  # the module's own code: it must not end the caller's process with its status
         raise ExportError(f"{type(module).__name__} called sys.exit({exc.code!r}) (SystemExit) while it ran for the "
                           "export: a forward must return its outputs") from exc
@@ -486,7 +510,8 @@ def export_model(
 
 
 def _export_model(
-    module, output, inputs, output_names, max_length, export_options, kv_cache, generation=None, position_ids=False
+    module, output, inputs, output_names, max_length, export_options, kv_cache, generation=None, position_ids=None,
+    cache_layout=CACHE_LAYOUT_AUTO,
 ) -> ExportResult:
     # The probes run the module as parity does: with torch's fast path off (reference_form.without_fast_path).
     with without_fast_path():
@@ -500,6 +525,9 @@ def _export_model(
         elif position_ids:
             raise ExportError("--position-ids: an encoder-decoder's positions stay the module's own (each target row "
                               "counted from its first token); drop the flag")
+        elif cache_layout == CACHE_RAGGED:
+            raise ExportError("--cache-layout ragged: an encoder-decoder's decoder keeps the holes layout (its "
+                              "self-attention caches grow by past ++ new); drop the option")
         if export_options.quantize != "none" or export_options.dtype != "fp32":
             raise ExportError("--kv-cache exports a user's module in fp32 for now: drop --quantize and --dtype")
     try:
@@ -521,7 +549,7 @@ def _export_model(
         return result
     if kv_cache:
         result = _export_own_cache(replace(declared, signature=signature), plain, attention_ops, output,
-                                   export_options, max_length, generation, position_ids)
+                                   export_options, max_length, generation, position_ids, cache_layout)
         result.warnings[:0] = [*declared.warnings, *vocabulary_warnings]
         return result
     d_model, heads = widest_attention(plain, declared.d_model)
@@ -538,16 +566,19 @@ def _export_own_cache(
     declared: Declared, plain: onnx.ModelProto, attention_ops: int, output: Path, options: ExportOptions,
     max_length: int | None,
     generation: GenerationIds | None = None,
-    position_ids: bool = False,
+    position_ids: bool | None = None,
+    cache_layout: str = CACHE_LAYOUT_AUTO,
 ) -> ExportResult:
-    """``export_model`` with ``kv_cache``: ``plain`` rewired to take and return a cache per attention."""
+    """``export_model`` with ``kv_cache``: ``plain`` rewired to take and return a cache per attention, in the
+    ragged layout where ``cache_layout`` and the file allow it."""
     notes = _check_generation_ids(generation, declared.signature)
     layers = find_attention_caches(plain, attention_ops)
     if len({(layer.heads, layer.head_dim) for layer in layers}) > 1:
         raise ExportError("--kv-cache: the attentions differ in heads or head size; one cache shape is supported")
     signature = cache_signature(declared.signature, layers)
     cached, signature, refused = narrowed_own_caches(
-        attach_own_caches(plain, declared.signature, signature, layers), signature, max_length, position_ids)
+        attach_own_caches(plain, declared.signature, signature, layers), signature, max_length,
+        position_ids is not False)
     heads, head_dim = layers[0].heads, layers[0].head_dim
     metadata = ModelMetadata(d_model=heads * head_dim, num_heads=heads, signature=signature, layers=len(layers),
                              max_length=max_length, generation=generation,
@@ -555,14 +586,48 @@ def _export_own_cache(
     if position_ids and metadata.positions != POSITIONS_INPUT:
         notes.append(f"--position-ids: not offered, the module's positions are not a Range over the sequence "
                      f"indexing a table (positions: {metadata.positions})")
+    ragged = None
+    if cache_layout != CACHE_HOLES:
+        why_not = _why_not_ragged(metadata.positions, refused)
+        if why_not is None:
+            ragged = RaggedRequest(options.parity_cases or capped_cache_cases(RAGGED_CACHE_CASES, max_length),
+                                   required=cache_layout == CACHE_RAGGED)
+        elif cache_layout == CACHE_RAGGED:
+            raise ExportError(f"--cache-layout ragged: {why_not}; export with --cache-layout holes (or auto)")
+        else:
+            notes.append(f"--kv-cache: holes cache layout, not ragged ({why_not})")
     cases = options.parity_cases or capped_cache_cases(OWN_CACHE_CASES, max_length)
     # Token packing gathers the real tokens of one call's mask; a cache's mask spans calls.
     options = replace(options, parity_cases=cases, pack_tokens=False)
-    result = _finish(declared.wrapper, cached, metadata, output, options, attention_ops, declared=declared.signature)
+    result = _finish(declared.wrapper, cached, metadata, output, options, attention_ops, declared=declared.signature,
+                     ragged=ragged)
     result.warnings.extend(notes)
     if refused:
         result.warnings.append(f"--kv-cache: each step runs the whole sequence's forward ({refused})")
     return result
+
+
+class RaggedLayoutError(ExportError):
+    """``--cache-layout ragged`` asked for and not possible: nothing is written."""
+
+
+@dataclass(frozen=True)
+class RaggedRequest:
+    """A causal LM's cache to try in the ragged layout: its parity ``cases`` under that convention, and whether
+    a refusal stops the export (``--cache-layout ragged``) or keeps the holes layout with a warning."""
+
+    cases: tuple[CacheCase, ...]
+    required: bool = False
+
+
+def _why_not_ragged(positions: str | None, narrowing_refused: str | None) -> str | None:
+    """Why a causal LM's cache file cannot take the ragged layout, before any graph is tried; None if it may."""
+    if narrowing_refused:
+        return f"each step runs the whole sequence's forward: {narrowing_refused}"
+    if positions not in (POSITIONS_INPUT, POSITIONS_NONE):
+        return (f"positions {positions}: the module counts them over the padded batch's columns, which right "
+                "padding shifts; only a module whose positions are an arange into a table takes position_ids")
+    return None
 
 
 def _export_seq2seq_cache(
@@ -646,12 +711,14 @@ def _finish(
     attention_ops: int,
     first_call: FirstCall | None = None,
     declared: Signature | None = None,
+    ragged: RaggedRequest | None = None,
 ) -> ExportResult:
     """Fuse, quantize or cast, check parity against ``module``, record metadata, and write ``output``.
 
     ``first_call`` (KV-cache models): the graph of the first call (``plain`` is then the later calls'), the
     two joined by ``_optimised_kv_cache``. ``declared``: a user's causal LM with a cache (``own_kv_cache``),
-    ``module`` its cache-free forward taking ``declared``'s inputs.
+    ``module`` its cache-free forward taking ``declared``'s inputs; ``ragged``: its fused graph tried in the
+    ragged layout first (``fusion.ragged_cache``), checked under that layout's convention.
     """
     metadata.dtype = DTYPES[options.dtype]
     metadata.opset = options.opset
@@ -663,7 +730,15 @@ def _finish(
     # fp16 is the CUDA deployment, whose graphs keep static shapes for CUDA graph capture (no NonZero).
     pack_by = packing_masks(metadata.signature) if options.pack_tokens and metadata.dtype != "float16" else []
 
+    ragged_notes: list[str] = []  # the last build's: why it kept the holes layout
+
     def build(fuse_target: str, pack: Sequence[str]):
+        ragged_notes.clear()
+        metadata.cache_layout = None
+        if ragged is not None:
+            tried = build_ragged(fuse_target)
+            if tried is not None:
+                return tried
         if first_call is not None:
             model, fusion = _optimised_kv_cache(plain, first_call, fuse_target, metadata, attention_ops)
             packing = None
@@ -673,6 +748,26 @@ def _finish(
                 metadata.signature.per_token_outputs)
         return model, fusion, packing, _checked(module, model, atol, rtol, options.parity_cases, options.quantize,
                                                 declared)
+
+    def build_ragged(fuse_target: str):
+        """The ragged file, its parity checked; None (the reason noted) where it cannot be."""
+        model, fusion, _ = _optimised(plain, fuse_target, options.quantize, metadata.dtype, attention_ops)
+        try:
+            if fuse_target != "mha":
+                raise RaggedRefused(f"--fuse {fuse_target}: GroupQueryAttention is a contrib op of the mha target")
+            model = to_ragged_cache(model)
+        except RaggedRefused as exc:
+            why = str(exc)
+        else:
+            report = _checked(module, model, atol, rtol, ragged.cases, options.quantize, declared, CACHE_RAGGED)
+            if report.passed:
+                metadata.cache_layout = CACHE_RAGGED
+                return model, fusion, None, report
+            why = f"its parity failed: {'; '.join(report.failures[:2]) or report.summary()}"
+        if ragged.required:
+            raise RaggedLayoutError(f"--cache-layout ragged: {why}; nothing written")
+        ragged_notes.append(f"--kv-cache: holes cache layout, not ragged ({why})")
+        return None
 
     def build_packed(fuse_target: str):
         # Packing is exact on every real row; a model that reads its padded rows where no mask zeroes them
@@ -696,12 +791,13 @@ def _finish(
         if not report.passed and options.fuse == "auto" and target != "none":
             raise ParityError(report.summary())
     except (ExportError, ParityError) as exc:
-        if options.fuse != "auto":
+        if options.fuse != "auto" or isinstance(exc, RaggedLayoutError):  # unfused, there is no ragged layout
             raise
         warnings.append(f"--fuse auto: {target} fusion not used ({exc}); exported the unfused graph")
         model, fusion, packing, report = build("none", [])
     if not report.passed:
         raise ParityError(f"{report.summary()}; failures: {'; '.join(report.failures[:5])}; nothing written")
+    warnings.extend(ragged_notes)
     metadata.fusion = fusion.target
     metadata.quantization = options.quantize
     metadata.parity = report

@@ -53,7 +53,14 @@ from mha_deploy.compare import compare_arrays, compare_outputs
 from mha_deploy.errors import ExportError
 from mha_deploy.exporters.parity import CacheCase, parity_report, torch_reference
 from mha_deploy.inputs import padding_mask
-from mha_deploy.metadata import POSITIONS_INPUT, POSITIONS_NONE, POSITIONS_PADDED_WIDTH, ParityReport
+from mha_deploy.metadata import (
+    CACHE_HOLES,
+    CACHE_RAGGED,
+    POSITIONS_INPUT,
+    POSITIONS_NONE,
+    POSITIONS_PADDED_WIDTH,
+    ParityReport,
+)
 from mha_deploy.runtime.session import MHASession
 from mha_deploy.signature import (
     BATCH_AXIS,
@@ -375,59 +382,142 @@ def capped_cache_cases(cases: Sequence[CacheCase], max_length: int | None) -> tu
     return tuple(replace(c, prefill=max(1, min(c.prefill, max_length - c.steps - c.chunk))) for c in cases)
 
 
+# The ragged layout's calls (exporters.fusion.ragged_cache): a several-token step only at batch 1 (chunk is
+# ignored on more rows), prompts right-padded with rows of different lengths, a prompt past 256 keys.
+RAGGED_CACHE_CASES = (
+    CacheCase(1, 1, 2, 3, "none"),
+    CacheCase(3, 7, 3, 0, "right"),
+    CacheCase(2, 260, 2, 0, "right"),
+)
+
+
 def check_own_cache_parity(
     reference: torch.nn.Module,
     declared: Signature,
-    session: MHASession,
+    session: MHASession | PlainRuns,
     cases: Sequence[CacheCase],
     atol: float,
     rtol: float,
     seed: int = 0,
+    layout: str = CACHE_HOLES,
 ) -> ParityReport:
     """A causal LM's cache ``session`` decoding each case call by call (a prompt, then steps) against
     ``reference``, the module's one forward over the whole sequence (its ``declared`` cache-free inputs): each
     call's logits on every real row, named by the call where they differ; and the cache after the last call
-    against the cache one call over the whole sequence returns, on real positions."""
+    against the cache one call over the whole sequence returns, on real positions.
+
+    ``layout`` CACHE_HOLES: every row's calls take the same columns (a prompt padded on the case's side, then
+    the steps); CACHE_RAGGED (``fusion.ragged_cache``'s contract): prompts right-padded, each row's steps at its
+    own length, positions each row's own, the several-token call only at batch 1; ``session`` then a
+    ``PlainRuns``."""
     tokens, mask, output = lm_tensors(declared)
     comparisons, failures, labels = [], [], []
     for index, case in enumerate(cases):
         rng = np.random.default_rng(seed + index)
-        total = sum(case.calls)
-        ids = rng.integers(0, tokens.vocab or 2, (case.batch, total))
-        real = np.ones((case.batch, total), bool)
-        real[:, : case.prefill] = padding_mask(case.batch, case.prefill, case.padding, rng)
+        calls = _ragged_calls(case, rng) if layout == CACHE_RAGGED else _column_calls(case, rng)
+        real = np.zeros((case.batch, calls.width), bool)
+        for row, length in enumerate(calls.lengths):
+            real[row, :length] = True
+        if layout != CACHE_RAGGED:  # a ragged row's later tokens follow its prompt within the prompt's width
+            real[:, : case.prefill] = calls.prompt
+        ids = rng.integers(0, tokens.vocab or 2, real.shape)
         ids[~real] = 0  # what the validator hands ONNX Runtime
         label = case.label(declared)
         labels.append(label)
         expected = torch_reference(reference, declared, {tokens.name: ids, mask.name: real})[output.name]
         past = {name: np.zeros((case.batch, *_cache_dims(session, name, 0)), np.float32)
                 for name in session.signature.cache_pairs}
-        start = 0
-        for call, length in enumerate(case.calls, 1):
-            end = start + length
-            positions = _column_positions(session, case.batch, start, end)
-            result = session.run({INPUT_IDS: ids[:, start:end], ATTENTION_MASK: real[:, :end], **positions, **past})
+        for call, (columns, done) in enumerate(calls.calls, 1):
+            # columns [batch, seq]: each row's positions this call; done [batch]: its tokens so far after it
+            rows = np.arange(case.batch)[:, None]
+            given = columns < done[:, None]
+            ragged_mask = np.arange(done.max())[None] < done[:, None]
+            feeds = {INPUT_IDS: np.where(given, ids[rows, np.minimum(columns, calls.width - 1)], 0),
+                     ATTENTION_MASK: ragged_mask if layout == CACHE_RAGGED else real[:, : done.max()], **past}
+            if POSITION_IDS in session.signature.tensors:
+                feeds[POSITION_IDS] = columns
+            result = session.run(feeds)
+            want = expected[rows, np.minimum(columns, calls.width - 1)]
             for comparison in compare_outputs(
-                session.signature, {LOGITS: result[LOGITS]}, {LOGITS: expected[:, start:end]}, real[:, start:end],
+                session.signature, {LOGITS: result[LOGITS]}, {LOGITS: want}, real[rows, columns] & given,
                 atol, rtol, names=[LOGITS],
             ):
                 comparisons.append(comparison)
                 if not comparison.passed:
-                    failures.append(f"{label} call {call} of {len(case.calls)} ({length} token(s) after {start}): "
+                    failures.append(f"{label} call {call} of {len(calls.calls)} ({columns.shape[1]} token(s) "
+                                    f"after {columns[0, 0]}{'' if case.batch == 1 else ' in row 0'}): "
                                     f"{comparison.summary()}")
             past = {name: result[present] for name, present in session.signature.cache_pairs.items()}
-            start = end
         empty = {name: np.zeros((case.batch, *_cache_dims(session, name, 0)), np.float32) for name in past}
-        whole = session.run({INPUT_IDS: ids, ATTENTION_MASK: real, **_column_positions(session, case.batch, 0, total),
-                             **empty})
+        whole = session.run({INPUT_IDS: ids, ATTENTION_MASK: real, **_column_positions(session, case.batch, 0,
+                                                                                       calls.width), **empty})
         for name, present in session.signature.cache_pairs.items():
             # [batch, heads, total, d_k] -> [batch, total, heads, d_k]: the real positions' rows
-            got, want = (np.moveaxis(a, 2, 1)[real] for a in (past[name], whole[present]))
+            got, want = (np.moveaxis(a[:, :, : calls.width], 2, 1)[real] for a in (past[name], whole[present]))
             comparison = compare_arrays(present, got, want, atol, rtol)
             comparisons.append(comparison)
             if not comparison.passed:
                 failures.append(f"{label}: {present} after the calls is not one call's ({comparison.summary()})")
     return parity_report(comparisons, labels, failures, atol, rtol)
+
+
+class PlainRuns:
+    """A ragged-layout file run on the CPU provider with plain numpy feeds, ORT's graph optimisations off (so that
+    they cannot mask a bad rewrite): the validator of ``MHASession`` reads a mask by the holes convention (its last
+    ``seq`` columns are this call's tokens) and would zero a shorter row's new token."""
+
+    def __init__(self, model: onnx.ModelProto, signature: Signature):
+        import onnxruntime as ort
+
+        options = ort.SessionOptions()
+        options.log_severity_level = 3
+        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+        self.signature = signature
+        self._session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+
+    def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        feeds = {name: np.asarray(array, np.int64 if name in (INPUT_IDS, ATTENTION_MASK, POSITION_IDS) else None)
+                 for name, array in feeds.items()}
+        names = list(self.signature.output_names)
+        return dict(zip(names, self._session.run(names, feeds), strict=True))
+
+
+@dataclass(frozen=True)
+class _Calls:
+    """A case's calls: ``calls`` (each row's positions [batch, seq], each row's tokens after it [batch]),
+    ``prompt`` the first call's real tokens [batch, prefill], ``lengths`` each row's whole length, ``width``
+    the longest."""
+
+    calls: list[tuple[np.ndarray, np.ndarray]]
+    prompt: np.ndarray
+    lengths: np.ndarray
+    width: int
+
+
+def _column_calls(case: CacheCase, rng: np.random.Generator) -> _Calls:
+    """Every row's calls over the same columns: the prompt padded on the case's side, then the steps."""
+    prompt = padding_mask(case.batch, case.prefill, case.padding, rng)
+    calls, start = [], 0
+    for length in case.calls:
+        columns = np.broadcast_to(np.arange(start, start + length), (case.batch, length)).copy()
+        calls.append((columns, np.full(case.batch, start + length)))
+        start += length
+    return _Calls(calls, prompt, np.full(case.batch, start), start)
+
+
+def _ragged_calls(case: CacheCase, rng: np.random.Generator) -> _Calls:
+    """Each row's calls from its own length: the prompt right-padded (rows of different lengths), one-token
+    steps at each row's next position, then the several-token call at batch 1 only."""
+    padding = "none" if case.padding == "none" else "right"
+    prompt = padding_mask(case.batch, case.prefill, padding, rng)
+    done = prompt.sum(axis=1)
+    calls = [(np.broadcast_to(np.arange(case.prefill), (case.batch, case.prefill)).copy(), done)]
+    steps = [1] * case.steps + ([case.chunk] if case.batch == 1 and case.chunk else [])
+    for length in steps:
+        columns = done[:, None] + np.arange(length)[None]
+        done = done + length
+        calls.append((columns, done))
+    return _Calls(calls, prompt, done, int(done.max()))
 
 
 def _column_positions(session: MHASession, batch: int, start: int, end: int) -> dict[str, np.ndarray]:

@@ -18,6 +18,11 @@ from mha_deploy.exporters.parity import CacheCase
 from mha_deploy.onnx_nodes import all_nodes
 from mha_deploy.runtime import MHASession
 from tests.conftest import OWN_MODEL_ATOL, OWN_MODEL_RTOL, USER_MODELS, user_module
+from tests.exporters.test_ragged_cache import assert_ragged_file
+
+# The layout these tests drive call by call with padding on either side (the default is ragged where the file
+# allows it: tests/exporters/test_ragged_cache.py).
+HOLES = ("--cache-layout", "holes")
 
 
 def test_the_file_takes_and_returns_a_cache_per_attention_in_optimums_names(lm_cache):
@@ -86,7 +91,7 @@ def _decode(session, ids, mask, calls, positions=None):
 def test_each_step_equals_the_modules_full_forward(lm_cache, padding):
     """A padded prompt, one-token steps, then several tokens at once: every call's logits on real rows equal
     the module's one forward over the whole sequence (right padding leaves holes the steps grow past)."""
-    path, _ = lm_cache("causal_lm")
+    path, _ = lm_cache("causal_lm", *HOLES)
     session = MHASession(path, provider="cpu")
     module = user_module("causal_lm").build().eval()
     rng = np.random.default_rng(3)
@@ -110,18 +115,26 @@ def test_each_step_equals_the_modules_full_forward(lm_cache, padding):
                                    atol=OWN_MODEL_ATOL, rtol=OWN_MODEL_RTOL, err_msg=name)
 
 
-def test_export_records_per_step_parity(lm_cache):
-    path, _ = lm_cache("causal_lm")
-    parity = MHASession(path, provider="cpu").metadata.parity
-    assert parity.passed
-    assert any("/left" in shape for shape in parity.shapes) and any("/right" in shape for shape in parity.shapes)
+@pytest.mark.parametrize(("flags", "sides"), [(HOLES, ("/left", "/right")), ((), ("/right",))])
+def test_export_records_per_step_parity(lm_cache, flags, sides):
+    """Holes: prompts padded on each side; ragged: right-padded prompts, and several tokens after a past at batch 1
+    (the only batch ONNX Runtime's GroupQueryAttention takes them at)."""
+    path, _ = lm_cache("causal_lm", *flags)
+    metadata = MHASession(path, provider="cpu").metadata
+    assert metadata.parity.passed
+    assert all(any(side in shape for shape in metadata.parity.shapes) for side in sides), metadata.parity.shapes
+    if not flags:
+        assert metadata.cache_layout == "ragged"
+        assert not any("/left" in shape for shape in metadata.parity.shapes)
+        assert any(shape.startswith("1x(") and not shape.endswith("+0)") for shape in metadata.parity.shapes)
 
 
 @pytest.mark.parametrize(("name", "factory"), [("torch_decoder", "build"), ("hf_gpt2", "build"),
                                                ("hf_gpt2", "build_eager"), ("tutorial_gpt", "build")])
 def test_torch_hugging_face_and_tutorial_decoders_get_a_narrowed_fused_cache(tmp_path, name, factory):
     """Learned positions by arange (tutorial, torch, GPT-2), GPT-2's flattened Conv1D rows, torch's nested
-    masked_fills: each step narrowed to its new tokens, every attention fused, parity per step."""
+    masked_fills: each step narrowed to its new tokens, every attention fused, parity per step; by default the
+    file takes position_ids and its cache is ragged."""
     if name.startswith("hf_"):
         pytest.importorskip("transformers")
     module = user_module(name)
@@ -131,8 +144,10 @@ def test_torch_hugging_face_and_tutorial_decoders_get_a_narrowed_fused_cache(tmp
     layers = 4 if name == "torch_decoder" else 2  # nn.TransformerDecoder: self- and cross-attention per layer
     assert MHASession(result.path, provider="cpu").signature.layers == layers
     assert result.fusion.fused == layers and result.fusion.complete
-    # positions by arange over the padded batch's columns: a row's logits move with the padding before it
-    assert result.metadata.positions == "padded-width"
+    # positions by arange into a table: taken from position_ids (each row its own), which the ragged layout needs
+    assert result.metadata.positions == "input"
+    assert result.metadata.cache_layout == "ragged"
+    assert_ragged_file(result.path, layers)
 
 
 def test_per_row_positions_give_each_left_padded_row_what_it_gets_alone(tmp_path):
@@ -142,7 +157,7 @@ def test_per_row_positions_give_each_left_padded_row_what_it_gets_alone(tmp_path
     path = tmp_path / "lm.onnx"
     inputs = [arg for spec in user_module("tutorial_gpt").INPUTS for arg in ("--input", spec)]
     result = CliRunner().invoke(main, ["export", "--module", f"{USER_MODELS / 'tutorial_gpt'}.py:build", *inputs,
-                                       "--kv-cache", "--position-ids", "-o", str(path)])
+                                       "--kv-cache", "--position-ids", *HOLES, "-o", str(path)])
     assert result.exit_code == 0, result.output
     session = MHASession(path, provider="cpu")
     assert session.signature.input_names[:3] == ("input_ids", "position_ids", "attention_mask")
@@ -295,6 +310,7 @@ def test_inspect_describes_the_cache_per_attention(lm_cache):
     assert result.exit_code == 0, result.output
     assert "past_key_values.{i}.key/.value -> present.{i}.key/.value (i < 2, one per attention)" in result.output
     assert "encoder_key" not in result.output
+    assert "cache layout ragged: GroupQueryAttention updates the cache in place" in result.output
 
 
 def test_the_float_sequence_decoder_refuses_a_token_lm(lm_cache):
@@ -309,7 +325,7 @@ def test_the_generation_loop_drives_the_file_to_the_modules_greedy_tokens(lm_cac
     from mha_deploy.runtime.generation import generate
     from mha_deploy.runtime.kv_stepper import KVCacheStepper
 
-    path, _ = lm_cache("causal_lm")
+    path, _ = lm_cache("causal_lm", *HOLES)
     module = user_module("causal_lm").build().eval()
     rng = np.random.default_rng(4)
     prompts = [rng.integers(0, 50, length).tolist() for length in (5, 2, 9)]

@@ -1,0 +1,185 @@
+"""The ragged KV-cache layout of a user's causal LM (exporters.fusion.ragged_cache): what the default --kv-cache
+export writes, its greedy tokens driven by plain numpy calls under the layout's contract, and where the export
+keeps the holes layout instead, saying why."""
+
+import pytest
+
+pytest.importorskip("torch")
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import torch
+from click.testing import CliRunner
+
+from mha_deploy.cli import main
+from mha_deploy.errors import ExportError
+from mha_deploy.exporters import export_model
+from mha_deploy.exporters.fusion.ragged_cache import RaggedRefused, to_ragged_cache
+from mha_deploy.metadata import CACHE_RAGGED, POSITIONS_INPUT, POSITIONS_NONE, POSITIONS_PADDED_WIDTH
+from mha_deploy.runtime import MHASession
+from tests.conftest import USER_MODELS, user_module
+
+HOLES = ("--cache-layout", "holes")
+
+
+def assert_ragged_file(path, layers: int) -> None:
+    """Every attention of the file at ``path`` GroupQueryAttention writing its present outputs, no
+    MultiHeadAttention, and no Concat growing a cache input (the copy per step the layout removes)."""
+    graph = onnx.load(str(path)).graph
+    ops = [node.op_type for node in graph.node]
+    assert ops.count("GroupQueryAttention") == layers and "MultiHeadAttention" not in ops
+    past = {value.name for value in graph.input if value.name.startswith("past_key_values.")}
+    assert len(past) == 2 * layers
+    assert not [node.name for node in graph.node if node.op_type == "Concat" and past & set(node.input)]
+    written = {name for node in graph.node if node.op_type == "GroupQueryAttention" for name in node.output[1:]}
+    assert written == {value.name for value in graph.output if value.name.startswith("present.")}
+
+
+@pytest.mark.parametrize(("name", "positions"), [("causal_lm", POSITIONS_NONE), ("tutorial_gpt", POSITIONS_INPUT)])
+def test_the_default_cache_export_is_ragged(lm_cache, name, positions):
+    """No positions (TinyLM) or positions by arange into a table (the tutorial GPT, given position_ids by default):
+    GroupQueryAttention over the cache in place, recorded, said. torch's and GPT-2's decoders:
+    test_own_kv_cache.test_torch_hugging_face_and_tutorial_decoders_get_a_narrowed_fused_cache."""
+    path, output = lm_cache(name)
+    metadata = MHASession(path, provider="cpu").metadata
+    assert metadata.cache_layout == CACHE_RAGGED and metadata.positions == positions
+    assert_ragged_file(path, metadata.layers)
+    assert "cache layout ragged" in output and "warning" not in output
+
+
+def ragged_greedy(path, prompts: list[list[int]], new_tokens: int) -> np.ndarray:
+    """Greedy tokens [batch, new_tokens] of the ragged file at ``path``, driven by plain ONNX Runtime calls as the
+    layout's contract says: the prompts right-padded in one first call, then one token per row at its own
+    position, each call's present fed back as the next call's past."""
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    inputs = {value.name: value for value in session.get_inputs()}
+    outputs = [value.name for value in session.get_outputs()]
+    batch, lengths = len(prompts), np.array([len(prompt) for prompt in prompts])
+    ids = np.zeros((batch, lengths.max()), np.int64)
+    for row, prompt in enumerate(prompts):
+        ids[row, : len(prompt)] = prompt
+    positions = np.broadcast_to(np.arange(lengths.max()), ids.shape)
+    past = {name: np.zeros((batch, value.shape[1], 0, value.shape[3]), np.float32)
+            for name, value in inputs.items() if name.startswith("past_key_values.")}
+    last, tokens = lengths - 1, []
+    for _ in range(new_tokens):
+        feeds = {"input_ids": ids, "attention_mask": (np.arange(lengths.max()) < lengths[:, None]).astype(np.int64),
+                 **past}
+        if "position_ids" in inputs:
+            feeds["position_ids"] = np.ascontiguousarray(positions, np.int64)
+        result = dict(zip(outputs, session.run(outputs, feeds), strict=True))
+        token = result["logits"][np.arange(batch), last].argmax(-1)
+        tokens.append(token)
+        past = {name: result[name.replace("past_key_values", "present")] for name in past}
+        ids, positions, last = token[:, None].astype(np.int64), lengths[:, None], np.zeros(batch, np.int64)
+        lengths = lengths + 1
+    return np.stack(tokens, axis=1)
+
+
+@pytest.mark.parametrize("name", ["causal_lm", "tutorial_gpt"])
+def test_ragged_greedy_tokens_equal_the_modules_greedy_loop(lm_cache, name):
+    """Prompts of different lengths in one batch: each row's tokens are those of the module's whole forward run
+    on that prompt alone for every new token."""
+    path, _ = lm_cache(name)
+    module = user_module(name).build().eval()
+    vocab = module.tok.num_embeddings
+    rng = np.random.default_rng(8)
+    prompts = [rng.integers(0, vocab, length).tolist() for length in (5, 2, 9, 1)]
+    generated = ragged_greedy(path, prompts, 12)
+    for row, prompt in enumerate(prompts):
+        ids = list(prompt)
+        with torch.no_grad():
+            for _ in range(12):
+                tokens = torch.tensor([ids])
+                ids.append(int(module(tokens, torch.ones_like(tokens, dtype=torch.bool))[0, -1].argmax()))
+        assert generated[row].tolist() == ids[len(prompt):], f"row {row}"
+
+
+class SlidingWindowLM(torch.nn.Module):
+    """TinyLM whose attentions see only the last ``window`` positions: its mask is built from the padding mask
+    and shapes alone, as a causal one is, but GroupQueryAttention (as written) attends over a row's whole past."""
+
+    def __init__(self, window: int = 3):
+        super().__init__()
+        self.lm, self.window = user_module("causal_lm").build(), window
+
+    def forward(self, tokens, mask):
+        t = tokens.size(1)
+        ones = torch.ones(t, t, dtype=torch.bool, device=tokens.device)
+        band = torch.tril(ones) & torch.triu(ones, diagonal=1 - self.window)
+        x = self.lm.tok(tokens)
+        for layer in self.lm.layers:
+            x = layer(x, mask.unsqueeze(1).unsqueeze(2) & band)
+        return self.lm.lm_head(x)
+
+
+def test_a_sliding_window_keeps_the_holes_layout_saying_which_call_differed(tmp_path):
+    result = export_model(SlidingWindowLM(), tmp_path / "lm.onnx", ["tokens:tokens", "mask:padding-mask"],
+                          kv_cache=True)
+    assert result.metadata.cache_layout is None and result.parity.passed
+    assert [w for w in result.warnings if w.startswith("--kv-cache: holes cache layout, not ragged (its parity "
+                                                       "failed: ") and " call " in w], result.warnings
+    assert "MultiHeadAttention" in {node.op_type for node in onnx.load(str(result.path)).graph.node}
+    with pytest.raises(ExportError, match=r"--cache-layout ragged: its parity failed: .* call \d"):
+        export_model(SlidingWindowLM(), tmp_path / "forced.onnx", ["tokens:tokens", "mask:padding-mask"],
+                     kv_cache=True, cache_layout="ragged")
+    assert not (tmp_path / "forced.onnx").exists()
+
+
+def test_a_mask_that_reads_the_tokens_is_refused_by_the_rewrite(lm_cache):
+    """The structural half of the proof: a bias computed from anything but the attention mask and shapes (here the
+    token ids, as a mask hiding some token would be) is not a key-padding mask the row lengths can replace."""
+    path, _ = lm_cache("causal_lm", *HOLES)
+    model = onnx.load(str(path))
+    attention = next(node for node in model.graph.node if node.op_type == "MultiHeadAttention")
+    model.graph.node.extend([
+        onnx.helper.make_node("Cast", ["input_ids"], ["ids_as_float"], to=onnx.TensorProto.FLOAT),
+        onnx.helper.make_node("Add", [attention.input[5], "ids_as_float"], ["bias_with_ids"]),
+    ])
+    attention.input[5] = "bias_with_ids"
+    with pytest.raises(RaggedRefused, match="its mask reads input_ids, not only the attention mask and shapes"):
+        to_ragged_cache(model)
+    assert "GroupQueryAttention" not in {node.op_type for node in model.graph.node}  # left as it was
+
+
+def _export(name: str, path, *flags: str):
+    inputs = [arg for spec in user_module(name).INPUTS for arg in ("--input", spec)]
+    return CliRunner().invoke(main, ["export", "--module", f"{USER_MODELS / name}.py:build", *inputs, "--kv-cache",
+                                     *flags, "-o", str(path)])
+
+
+def test_without_position_ids_a_padded_width_model_keeps_holes_and_says_why(lm_cache, tmp_path):
+    path, output = lm_cache("tutorial_gpt", "--no-position-ids")
+    metadata = MHASession(path, provider="cpu").metadata
+    assert metadata.positions == POSITIONS_PADDED_WIDTH and metadata.cache_layout is None
+    assert "warning: --kv-cache: holes cache layout, not ragged (positions padded-width" in output
+    assert "position_ids" not in {value.name for value in onnx.load(str(path)).graph.input}
+    refused = _export("tutorial_gpt", tmp_path / "lm.onnx", "--no-position-ids", "--cache-layout", "ragged")
+    assert refused.exit_code != 0 and "--cache-layout ragged: positions padded-width" in refused.output
+    assert not (tmp_path / "lm.onnx").exists()
+
+
+def test_cache_layout_holes_keeps_past_plus_new(lm_cache):
+    path, output = lm_cache("causal_lm", *HOLES)
+    graph = onnx.load(str(path)).graph
+    ops = [node.op_type for node in graph.node]
+    assert "GroupQueryAttention" not in ops and ops.count("MultiHeadAttention") == 2
+    assert MHASession(path, provider="cpu").metadata.cache_layout is None and "warning" not in output
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (("--cache-layout", "ragged"), "--cache-layout is how a KV-cache decoder keeps its cache: give --kv-cache"),
+    (("--cache-layout", "paged"), "'paged' is not one of 'auto', 'ragged', 'holes'"),
+])
+def test_cache_layout_flag_errors(tmp_path, flags, message):
+    inputs = [arg for spec in user_module("causal_lm").INPUTS for arg in ("--input", spec)]
+    result = CliRunner().invoke(main, ["export", "--module", f"{USER_MODELS / 'causal_lm'}.py:build", *inputs, *flags,
+                                       "-o", str(tmp_path / "lm.onnx")])
+    assert result.exit_code == 2 and message in result.output, result.output
+
+
+def test_an_encoder_decoder_refuses_a_ragged_cache_before_tracing(tmp_path):
+    module = user_module("seq2seq")
+    with pytest.raises(ExportError, match="--cache-layout ragged: an encoder-decoder's decoder keeps the holes"):
+        export_model(module.build(), tmp_path / "mt.onnx", module.INPUTS, kv_cache=True, cache_layout="ragged")
