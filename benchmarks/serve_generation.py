@@ -68,7 +68,7 @@ class Served:
 def export(module: str, directory: Path, position_ids: bool) -> Path:
     path = directory / "lm.onnx"
     command = [sys.executable, "-m", "mha_deploy.cli", "export", "--module", module, "--input", "tokens:tokens",
-               "--input", "mask:padding-mask", "--kv-cache", *(["--position-ids"] if position_ids else []),
+               "--input", "mask:padding-mask", "--kv-cache", "--position-ids" if position_ids else "--no-position-ids",
                "-o", str(path)]
     done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT)
     if done.returncode:

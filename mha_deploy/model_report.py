@@ -14,6 +14,7 @@ from mha_deploy.errors import ModelFileError
 from mha_deploy.metadata import (
     CACHE_HOLES,
     CACHE_LAYOUT_WORDS,
+    CACHE_RAGGED,
     ENCODER_DECODER_KEY,
     METADATA_KEY,
     POSITIONS_WORDS,
@@ -142,7 +143,7 @@ class ModelReport:
         if meta.get("max_length") is not None:
             lines.append(f"  max length {meta['max_length']}: a longer sequence is refused before ONNX Runtime")
         if sig.get("kv_cache"):
-            lines += cache_layout(Signature(**sig))
+            lines += cache_layout(Signature(**sig), meta.get("cache_layout"))
         if sig.get("kv_cache") and sig.get("model") == "custom":
             layout = meta.get("cache_layout") or CACHE_HOLES
             lines.append(f"  cache layout {layout}: {CACHE_LAYOUT_WORDS.get(layout, 'unknown')}")
@@ -182,9 +183,18 @@ def _readable(value: object) -> object:
     return value.decode(errors="replace") if isinstance(value, bytes) else value
 
 
-def cache_layout(signature: Signature) -> list[str]:
-    """How a KV-cache model's past and present tensors pair up, for ``inspect``."""
+def cache_layout(signature: Signature, layout: str | None = None) -> list[str]:
+    """How a KV-cache model's past and present tensors pair up, for ``inspect`` (``layout``: a user's causal LM's
+    ``ModelMetadata.cache_layout``)."""
     query = signature.query_axis
+    if signature.model == "custom" and layout == CACHE_RAGGED:
+        mask = signature.mask_of(signature.query_input)
+        return [
+            f"  cache  past_key_values.{{i}}.key/.value -> present.{{i}}.key/.value (i < {signature.layers}, one per "
+            "attention): [batch, heads, W, head_dim] in (W >= each row's past), [batch, heads, max(total, W), "
+            "head_dim] out (this call's written at each row's positions; in place when bound to past's buffer)",
+            f"         {mask} [batch, total]: row r's first n_r entries 1 (its tokens so far), the rest 0",
+        ]
     if signature.model == "custom":
         # A user's causal LM (exporters.own_kv_cache): one graph for every call, a cache per attention.
         mask = signature.mask_of(signature.query_input)

@@ -282,6 +282,12 @@ def assert_equals_module(session, module, feeds: dict, label: str) -> None:
                                    err_msg=f"{label}: {spec.name}")
 
 
+# The KV-cache export the generation runtime and server tests drive: the holes layout, positions the module's own
+# (what KVCacheStepper, generate and serve drove before the ragged layout became --kv-cache's default; they are
+# moved to the default once the runtime drives ragged files).
+HOLES_LM = ("--no-position-ids", "--cache-layout", "holes")
+
+
 @pytest.fixture(scope="session")
 def lm_cache(tmp_path_factory):
     """``lm_cache(name, *flags) -> (path, CLI output)``: tests/user_models/<name>.py exported once per session with

@@ -127,20 +127,41 @@ def test_a_sliding_window_keeps_the_holes_layout_saying_which_call_differed(tmp_
     assert not (tmp_path / "forced.onnx").exists()
 
 
-def test_a_mask_that_reads_the_tokens_is_refused_by_the_rewrite(lm_cache):
-    """The structural half of the proof: a bias computed from anything but the attention mask and shapes (here the
-    token ids, as a mask hiding some token would be) is not a key-padding mask the row lengths can replace."""
-    path, _ = lm_cache("causal_lm", *HOLES)
-    model = onnx.load(str(path))
-    attention = next(node for node in model.graph.node if node.op_type == "MultiHeadAttention")
-    model.graph.node.extend([
+def _bias_reads_the_ids(graph, attention):
+    graph.node.extend([
         onnx.helper.make_node("Cast", ["input_ids"], ["ids_as_float"], to=onnx.TensorProto.FLOAT),
         onnx.helper.make_node("Add", [attention.input[5], "ids_as_float"], ["bias_with_ids"]),
     ])
     attention.input[5] = "bias_with_ids"
-    with pytest.raises(RaggedRefused, match="its mask reads input_ids, not only the attention mask and shapes"):
+
+
+def _grown_cache_read_elsewhere(graph, attention):
+    graph.node.append(onnx.helper.make_node("ReduceSum", [attention.input[1]], ["cache_sum"]))
+    graph.output.append(onnx.ValueInfoProto(name="cache_sum"))
+
+
+def _keys_not_from_a_cache(graph, attention):
+    attention.input[1] = attention.input[2]  # the values' Concat read twice: no longer one present per Concat
+
+
+@pytest.mark.parametrize(("change", "reason"), [
+    # a mask hiding some token, say: not a key-padding mask the row lengths can replace
+    (_bias_reads_the_ids, "its mask reads input_ids, not only the attention mask and shapes"),
+    # another reader would see the cache GroupQueryAttention no longer builds
+    (_grown_cache_read_elsewhere, "its grown cache is read by more than the op and one present output"),
+    (_keys_not_from_a_cache, "its grown cache is read by more than the op and one present output"),
+])
+def test_the_rewrite_refuses_what_it_cannot_prove(lm_cache, change, reason):
+    """The structural half of the proof, on the holes file with one thing changed: the rewrite refuses, saying
+    why, and leaves the model as it was; unchanged, the same file is rewritten."""
+    path, _ = lm_cache("causal_lm", *HOLES)
+    model = onnx.load(str(path))
+    assert "GroupQueryAttention" in {node.op_type for node in to_ragged_cache(model).graph.node}
+    attention = next(node for node in model.graph.node if node.op_type == "MultiHeadAttention")
+    change(model.graph, attention)
+    with pytest.raises(RaggedRefused, match=reason):
         to_ragged_cache(model)
-    assert "GroupQueryAttention" not in {node.op_type for node in model.graph.node}  # left as it was
+    assert "GroupQueryAttention" not in {node.op_type for node in model.graph.node}
 
 
 def _export(name: str, path, *flags: str):

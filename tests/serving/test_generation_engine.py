@@ -18,6 +18,7 @@ from mha_deploy.serving.engine import (
     KVBudget,
     RequestTooLarge,
 )
+from tests.conftest import HOLES_LM
 
 pytest.importorskip("torch")
 
@@ -26,7 +27,7 @@ VOCAB = 50  # TinyLM's
 
 @pytest.fixture(scope="module")
 def tiny(lm_cache):
-    return lm_cache("causal_lm")[0]
+    return lm_cache("causal_lm", *HOLES_LM)[0]
 
 
 def alone(path, prompt, **options) -> list[int]:
@@ -220,7 +221,7 @@ def test_a_model_with_its_own_positions_batches_only_aligned_rows_and_each_equal
     """GPT-2's export counts positions over the cache width and takes no position_ids: holes would shift a row's
     positions, so the engine keeps rows of one length together (and says so)."""
     pytest.importorskip("transformers")
-    path = lm_cache("hf_gpt2")[0]
+    path = lm_cache("hf_gpt2", *HOLES_LM)[0]
     engine = GenerationEngine(KVCacheStepper(path), prefill_chunk=16)
     assert not engine.mix_lengths and "exact length" in engine.batching
     rng = np.random.default_rng(5)
