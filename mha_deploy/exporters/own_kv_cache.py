@@ -36,6 +36,12 @@ and after ``narrowing``, the same per call with every row-wise op over ``seq`` r
 length is indexed by ``position_ids`` [batch, seq] instead (each row's own positions); the metadata's
 ``positions`` records which of "input", "none" or "padded-width" the file's positions are
 (``positions_kind``).
+
+That is the "holes" layout: present = past ++ new, a copy of the cache per step, padding on either side kept as
+holes the mask hides. Where the positions are "input" or "none", the export then rewrites the fused graph into the
+"ragged" layout (``fusion.ragged_cache``, whose docstring is that file contract): each attention is
+GroupQueryAttention reading and writing the cache in place, rows right-padded, and ``check_own_cache_parity``
+decodes it under that contract (``layout=CACHE_RAGGED``) before it is written.
 """
 
 from __future__ import annotations
