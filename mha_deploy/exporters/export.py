@@ -735,10 +735,6 @@ def _finish(
     def build(fuse_target: str, pack: Sequence[str]):
         ragged_notes.clear()
         metadata.cache_layout = None
-        if ragged is not None:
-            tried = build_ragged(fuse_target)
-            if tried is not None:
-                return tried
         if first_call is not None:
             model, fusion = _optimised_kv_cache(plain, first_call, fuse_target, metadata, attention_ops)
             packing = None
@@ -746,16 +742,20 @@ def _finish(
             model, fusion, packing = _optimised(
                 plain, fuse_target, options.quantize, metadata.dtype, attention_ops, pack,
                 metadata.signature.per_token_outputs)
+        if ragged is not None:
+            tried = build_ragged(model, fusion, fuse_target)
+            if tried is not None:
+                return tried
         return model, fusion, packing, _checked(module, model, atol, rtol, options.parity_cases, options.quantize,
                                                 declared)
 
-    def build_ragged(fuse_target: str):
-        """The ragged file, its parity checked; None (the reason noted) where it cannot be."""
-        model, fusion, _ = _optimised(plain, fuse_target, options.quantize, metadata.dtype, attention_ops)
+    def build_ragged(fused: onnx.ModelProto, fusion: FusionReport, fuse_target: str):
+        """``fused`` (the holes file) rewritten into the ragged layout, its parity checked; None (the reason noted)
+        where it cannot be."""
         try:
             if fuse_target != "mha":
                 raise RaggedRefused(f"--fuse {fuse_target}: GroupQueryAttention is a contrib op of the mha target")
-            model = to_ragged_cache(model)
+            model = to_ragged_cache(fused)
         except RaggedRefused as exc:
             why = str(exc)
         else:
