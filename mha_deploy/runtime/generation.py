@@ -285,6 +285,7 @@ def _sample(stepper: TokenStepper, ids: np.ndarray, mask: np.ndarray, config: Ge
     rng = np.random.default_rng(config.seed)
     history = _prompt_history(stepper, ids, mask)
     prompts = np.arange(len(ids))  # the prompt each current row generates for
+    _reserve(stepper, ids, config, len(ids))
     logits = stepper.prefill(ids, mask)
     generated = 0
     while True:
@@ -301,6 +302,14 @@ def _sample(stepper: TokenStepper, ids: np.ndarray, mask: np.ndarray, config: Ge
             stepper.keep(staying)  # the finished rows' caches are freed here
             prompts, history, next_ids = prompts[staying], history[staying], next_ids[staying]
         logits = stepper.step(next_ids)
+
+
+def _reserve(stepper: TokenStepper, ids: np.ndarray, config: GenerationConfig, rows: int) -> None:
+    """Tell a stepper that can size its cache once (``KVCacheStepper.reserve``) how far the rows can reach: the
+    longest prompt and every new token, for ``rows`` rows (beams included)."""
+    reserve = getattr(stepper, "reserve", None)
+    if reserve is not None:
+        reserve(ids.shape[1] + config.max_new_tokens, rows)
 
 
 def draw_tokens(scores: np.ndarray, rng: np.random.Generator) -> np.ndarray:
@@ -325,6 +334,7 @@ def _beam_search(
         config.length_penalty,
         config.early_stopping,
     )
+    _reserve(stepper, ids, config, len(ids) * config.num_beams)
     logits = stepper.prefill(ids, mask)
     stepper.keep(scorer.rows)  # each prompt's row repeated once per beam
     logits = logits[scorer.rows]

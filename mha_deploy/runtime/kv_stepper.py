@@ -48,6 +48,8 @@ import onnxruntime as ort
 from mha_deploy.errors import InputError, ModelFileError, OptionError
 from mha_deploy.metadata import ENCODER_DECODER_KEY, METADATA_KEY, EncoderDecoderRecord
 
+# The cache layouts (the same words as mha_deploy.metadata's CACHE_RAGGED / CACHE_HOLES, which older files lack).
+CACHE_RAGGED, CACHE_HOLES = "ragged", "holes"
 SELF_CACHE = re.compile(r"^past_key_values\.(\d+)\.(?:decoder\.)?(key|value)$")
 CROSS_CACHE = re.compile(r"^past_key_values\.(\d+)\.encoder\.(key|value)$")
 DECODER_INPUTS = frozenset(
@@ -87,6 +89,7 @@ class _Graph:
         self.provider_note = getattr(model, "provider_note", "")
         # How an mha-deploy KV-cache file numbers its tokens (metadata.POSITIONS_KINDS), None when it does not say.
         self.positions: str | None = getattr(metadata, "positions", None)
+        graph = None
         if isinstance(model, ort.InferenceSession):
             self._run = lambda feeds: dict(zip(self.outputs, model.run(list(self.outputs), feeds), strict=True))
             self.inputs, outputs = ({p.name: _Port(p.name, np.dtype(ORT_TYPES.get(p.type, np.float32)), tuple(p.shape))
@@ -102,12 +105,21 @@ class _Graph:
             )
 
         self.outputs = tuple(outputs)
+        self.cache_layout = _cache_layout(self.source, metadata, graph)
         logits = outputs.get("logits")
         vocab = logits.shape[-1] if logits is not None and logits.shape else None
         self.vocab_size = vocab if isinstance(vocab, int) and vocab > 0 else None  # None: the file leaves it open
 
     def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         return self._run(feeds)
+
+    def run_in_place(self, feeds: dict[str, np.ndarray], in_place: dict[str, str]) -> np.ndarray:
+        """The logits of one call whose outputs in ``in_place`` (present -> past) are written into the past arrays."""
+        from mha_deploy.runtime.session import run_in_place
+
+        if isinstance(self.session, ort.InferenceSession):
+            return run_in_place(self.session, feeds, in_place, ("logits",))["logits"]
+        return self.session.run_in_place(feeds, in_place, ("logits",))["logits"]
 
 
 def open_decoder(path, threads: int | None = None, provider: str = "cpu", session_config: dict | None = None):
@@ -190,6 +202,7 @@ class KVCacheStepper:
         head_dim: int | None = None,
         threads: int | None = None,
         provider: str = "cpu",
+        cache_layout: str | None = None,
     ):
         if encoder is None and isinstance(model, str | os.PathLike):
             # A decoder exported with its encoder beside it (own_seq2seq_cache) names it, and its start id.
@@ -227,12 +240,49 @@ class KVCacheStepper:
             raise OptionError(f"{source} has cross-attention caches: give encoder= and decoder_start_token_id=")
         self._cache_shape = _head_shape(inputs, [*self.self_caches, *self.cross_caches], num_heads, head_dim, source)
         self._cache_dtype = inputs[next(iter(self.self_caches))].dtype
+        layout = cache_layout or self.graph.cache_layout
+        if layout not in (CACHE_RAGGED, CACHE_HOLES):
+            raise OptionError(f"cache_layout must be {CACHE_RAGGED!r} or {CACHE_HOLES!r}, got {layout!r}")
+        if layout == CACHE_RAGGED and (self.encoder is not None or "attention_mask" not in inputs):
+            raise ModelFileError(f"{source}: a ragged cache needs a decoder-only file that takes attention_mask (each "
+                                 "row's length)")
+        self.cache_layout = layout
+        # Positions and rows the next allocation holds at least (``reserve``).
+        self._reserved = (0, 0)
         self._reset(0)
 
     def _reset(self, rows: int) -> None:
-        self.mask = np.zeros((rows, 0), np.int64)  # [rows, width]: 1 = real token in the cache
+        self._mask = np.zeros((rows, 0), np.int64)  # [rows, width]: 1 = real token in the cache
         self.past = {name: self._empty(rows) for name in (*self.self_caches, *self.cross_caches)}
         self.encoder_feeds: dict[str, np.ndarray] = {}
+        # The ragged layout: each row's tokens so far, and per cache input one buffer [row capacity, heads,
+        # capacity, head_dim] that is both the past ORT reads and the present it writes (rows first: the running
+        # rows are the contiguous view buffer[:rows]).
+        self.lengths = np.zeros(rows, np.int64)
+        self.buffers: dict[str, np.ndarray] = {}
+
+    @property
+    def ragged(self) -> bool:
+        return self.cache_layout == CACHE_RAGGED
+
+    @property
+    def mask(self) -> np.ndarray:
+        """[rows, width] int64, 1 = a real token in the cache. Ragged: each row's tokens first, width the longest."""
+        if self.ragged:
+            return (np.arange(int(self.lengths.max(initial=0)))[None, :] < self.lengths[:, None]).astype(np.int64)
+        return self._mask
+
+    @property
+    def capacity(self) -> int:
+        """Ragged: the positions each row's buffer holds (0 before the first call); holes: the cache width."""
+        if self.ragged:
+            return next(iter(self.buffers.values())).shape[2] if self.buffers else 0
+        return self._mask.shape[1]
+
+    @property
+    def row_capacity(self) -> int:
+        """Ragged: the rows the buffers hold, running or spare (a join fills spare rows without moving the others)."""
+        return next(iter(self.buffers.values())).shape[0] if self.buffers else 0
 
     def _empty(self, rows: int) -> np.ndarray:
         heads, head_dim = self._cache_shape
@@ -240,7 +290,19 @@ class KVCacheStepper:
 
     @property
     def rows(self) -> int:
-        return self.mask.shape[0]
+        return len(self.lengths) if self.ragged else self._mask.shape[0]
+
+    def reserve(self, positions: int, rows: int | None = None) -> None:
+        """Size the ragged cache for ``positions`` tokens per row (a caller that knows prompt + max_new_tokens) and
+        ``rows`` rows: the buffers are allocated once at that size, or grown now (one copy of what is in use)
+        instead of doubling later. Nothing for the holes layout, whose cache is the last call's present."""
+        if not isinstance(positions, int | np.integer) or positions < 1:
+            raise OptionError(f"reserve takes a positive number of positions, got {positions!r}")
+        if not self.ragged:
+            return
+        self._reserved = (int(positions), int(rows or 0))
+        if self.buffers:
+            self._ensure(max(self.rows, self._reserved[1]), int(positions), grow=False)
 
     # --- the TokenStepper protocol -------------------------------------------------------------
 
@@ -259,6 +321,8 @@ class KVCacheStepper:
                     f"{self.graph.source} takes no attention_mask, so it cannot tell padding from tokens: give "
                     "prompts of one length (or one prompt per call)"
                 )
+        if self.ragged:
+            return self._prefill_ragged(input_ids, attention_mask)
         self._reset(len(input_ids))
         if self.encoder is not None:
             self.encoder_feeds = self._encode(input_ids, attention_mask)
@@ -283,6 +347,8 @@ class KVCacheStepper:
         next_ids = np.asarray(next_ids, np.int64).reshape(-1, 1)
         if len(next_ids) != self.rows or self.rows == 0:
             raise InputError(f"step takes one token per running row ({self.rows}), got {len(next_ids)}")
+        if self.ragged:
+            return self._ragged_call(slice(0, self.rows), next_ids, self.lengths + 1, first=False)
         return self._call(next_ids, np.ones_like(next_ids), first=False)
 
     # --- beyond the protocol: what a server's continuous batching needs ----------------------------
@@ -295,12 +361,22 @@ class KVCacheStepper:
             raise InputError(f"extend takes [rows={self.rows}, seq >= 1] token ids, got shape {input_ids.shape}")
         if self.encoder is None:
             self._check_vocabulary(input_ids, np.ones_like(input_ids))
+        if self.ragged:
+            # ORT's GroupQueryAttention takes several tokens after a past for one row at a time: each row in its
+            # own call, on its own rows of the buffers (a view, nothing copied).
+            seq = input_ids.shape[1]
+            if seq == 1 or self.rows == 1:
+                return self._ragged_call(slice(0, self.rows), input_ids, self.lengths + seq, first=False)
+            return np.concatenate([
+                self._ragged_call(slice(r, r + 1), input_ids[r : r + 1], self.lengths[r : r + 1] + seq, first=False)
+                for r in range(self.rows)])
         return self._call(input_ids, np.ones_like(input_ids), first=False)
 
     def fork(self) -> KVCacheStepper:
         """An empty stepper over the same files and sessions (nothing loaded twice): a server prefills a new
         request in one, then ``join``s it to the running rows."""
         twin = copy.copy(self)
+        twin._reserved = (0, 0)
         twin._reset(0)
         return twin
 
@@ -318,13 +394,16 @@ class KVCacheStepper:
             raise OptionError("join takes rows of a stepper forked from this one (same graph)")
         if other.rows == 0:
             return
+        if self.ragged:
+            self._join_ragged(other)
+            return
         if self.rows == 0:
-            self.mask, self.past, self.encoder_feeds = other.mask, other.past, other.encoder_feeds
+            self._mask, self.past, self.encoder_feeds = other._mask, other.past, other.encoder_feeds
             other._reset(0)
             return
         inputs = self.graph.inputs
-        width = max(self.mask.shape[1], other.mask.shape[1])
-        if "attention_mask" not in inputs and self.mask.shape[1] != other.mask.shape[1]:
+        width = max(self._mask.shape[1], other._mask.shape[1])
+        if "attention_mask" not in inputs and self._mask.shape[1] != other._mask.shape[1]:
             raise OptionError(f"{self.graph.source} takes no attention_mask: only rows of one length can join")
         source = self.source_width, other.source_width
         if source[0] != source[1] and "encoder_attention_mask" not in inputs:
@@ -336,7 +415,7 @@ class KVCacheStepper:
             pad[axis] = (size - array.shape[axis], 0) if left else (0, size - array.shape[axis])
             return np.pad(array, pad) if any(pad[axis]) else array
 
-        self.mask = np.concatenate([padded(self.mask, 1, width, True), padded(other.mask, 1, width, True)])
+        self._mask = np.concatenate([padded(self._mask, 1, width, True), padded(other._mask, 1, width, True)])
         longest = max(source)
         for name in self.past:
             ours, theirs = self.past[name], other.past[name]
@@ -359,8 +438,11 @@ class KVCacheStepper:
 
     @property
     def cache_positions(self) -> int:
-        """Positions the self-attention cache holds now, holes included: rows x width (what its memory scales with)."""
-        return int(self.mask.size)
+        """Positions the self-attention cache holds now: holes, rows x width, holes included; ragged, the buffers'
+        row capacity x capacity (spare rows and the positions not yet written included: what its memory is)."""
+        if self.ragged:
+            return self.row_capacity * self.capacity
+        return int(self._mask.size)
 
     def keep(self, rows: np.ndarray) -> None:
         rows = np.asarray(rows, np.int64).ravel()
@@ -368,14 +450,107 @@ class KVCacheStepper:
             raise InputError(f"rows {rows.tolist()} out of range for {self.rows} running rows")
         if rows.size == self.rows and np.array_equal(rows, np.arange(self.rows)):
             return
-        mask = self.mask[rows]
+        if self.ragged:
+            self._keep_ragged(rows)
+            return
+        mask = self._mask[rows]
         # Columns before every remaining row's first real token hold nothing any row reads: drop them too.
         start = int(np.argmax(mask.any(axis=0))) if mask.size else 0
-        self.mask = np.ascontiguousarray(mask[:, start:])
+        self._mask = np.ascontiguousarray(mask[:, start:])
         for name, cache in self.past.items():
             kept = cache[rows]  # a copy: the rows left out are freed with the old array
             self.past[name] = np.ascontiguousarray(kept[:, :, start:]) if name in self.self_caches and start else kept
         self.encoder_feeds = {name: value[rows] for name, value in self.encoder_feeds.items()}
+
+    # --- the ragged layout -----------------------------------------------------------------------
+
+    def _prefill_ragged(self, input_ids: np.ndarray, attention_mask: np.ndarray) -> np.ndarray:
+        """Each row's real tokens (wherever its padding was) moved to the front, padded on the right."""
+        real = attention_mask != 0
+        lengths = real.sum(axis=1).astype(np.int64)
+        if (lengths == 0).any():
+            raise InputError(f"prompts {np.flatnonzero(lengths == 0).tolist()} have no real token")
+        width = int(lengths.max())
+        ids = np.zeros((len(input_ids), width), np.int64)
+        ids[np.arange(width)[None, :] < lengths[:, None]] = input_ids[real]  # row-major: each row's in order
+        positions, rows = self._reserved
+        if not self.buffers or self.row_capacity < max(len(ids), rows) or self.capacity < max(width, positions):
+            self.buffers = {}  # a fresh cache: nothing of the last one is kept
+        self.lengths = np.zeros(len(ids), np.int64)
+        self._ensure(len(ids), width, grow=False)
+        return self._ragged_call(slice(0, len(ids)), ids, lengths, first=True)
+
+    def _ensure(self, rows: int, positions: int, grow: bool = True) -> None:
+        """Buffers of at least ``rows`` rows and ``positions`` positions. Growing copies the running rows' positions
+        in use into the new buffers, the only copy of the cache there is; ``grow`` doubles what is short, so that
+        a cache that grows token by token is copied a logarithmic number of times."""
+        reserved_positions, reserved_rows = self._reserved
+        have_rows, have_positions = self.row_capacity, self.capacity
+        if self.buffers and have_rows >= rows and have_positions >= positions:
+            return
+        new_rows = max(rows, reserved_rows, 2 * have_rows if grow and have_rows < rows else have_rows)
+        new_positions = max(positions, reserved_positions,
+                            2 * have_positions if grow and have_positions < positions else have_positions)
+        heads, head_dim = self._cache_shape
+        used, width = self.rows, int(self.lengths.max(initial=0))
+        for name in self.self_caches:
+            buffer = np.empty((new_rows, heads, new_positions, head_dim), self._cache_dtype)
+            buffer.fill(0)  # pages written now (a cache costs its memory up front) and no stale NaN
+            if name in self.buffers and used and width:
+                buffer[:used, :, :width] = self.buffers[name][:used, :, :width]
+            self.buffers[name] = buffer
+
+    def _ragged_call(self, rows: slice, input_ids: np.ndarray, lengths: np.ndarray, first: bool) -> np.ndarray:
+        """One call on ``rows`` of the buffers: ``input_ids`` [n, seq] are each row's next tokens (a first call's
+        rows right-padded), ``lengths`` [n] each row's tokens after it. Present is written into past's buffer."""
+        inputs = self.graph.inputs
+        seq = input_ids.shape[1]
+        self._ensure(max(self.rows, rows.stop), int(lengths.max()))
+        total = int(lengths.max())
+        feeds = {
+            "input_ids": np.ascontiguousarray(input_ids, inputs["input_ids"].dtype),
+            "attention_mask": (np.arange(total)[None, :] < lengths[:, None]).astype(inputs["attention_mask"].dtype),
+        }
+        if "position_ids" in inputs:
+            # A first call numbers every column from 0 (a row's padding after its tokens is never read); later
+            # calls continue each row from its own length.
+            start = np.zeros_like(lengths) if first else lengths - seq
+            feeds["position_ids"] = (start[:, None] + np.arange(seq)[None, :]).astype(inputs["position_ids"].dtype)
+        for name in self.self_caches:
+            feeds[name] = self.buffers[name][rows]  # [n, heads, capacity, head_dim], a contiguous view
+        logits = self.graph.run_in_place(feeds, {present: name for name, present in self.self_caches.items()})
+        self.lengths[rows] = lengths
+        # Each row's last real token: a first call's row ends at its length, a later call's at its last column.
+        last = lengths - 1 if first else np.full(len(lengths), seq - 1)
+        return np.asarray(logits[np.arange(len(last)), last, :], np.float32)
+
+    def _keep_ragged(self, rows: np.ndarray) -> None:
+        """Rows ``rows`` of the buffers, in that order, written in place: only the rows that change place are copied
+        (one row for a swap-remove), and only the positions their tokens use."""
+        lengths = self.lengths[rows]
+        if len(rows) > self.row_capacity:
+            self._ensure(len(rows), self.capacity)
+        moved = np.flatnonzero(rows != np.arange(len(rows)))
+        if moved.size:
+            width = int(self.lengths[rows[moved]].max())
+            for buffer in self.buffers.values():
+                # The sources first (a copy of the moved rows only): a destination may be another's source.
+                buffer[moved, :, :width] = buffer[rows[moved], :, :width]
+        self.lengths = lengths
+
+    def _join_ragged(self, other: KVCacheStepper) -> None:
+        """``other``'s rows into this one's spare rows: the running rows stay where they are."""
+        if not self.buffers and not any(self._reserved):
+            self.lengths, self.buffers = other.lengths, other.buffers  # nothing here yet: take its buffers whole
+            other._reset(0)
+            return
+        start, count = self.rows, other.rows
+        width = int(other.lengths.max())
+        self._ensure(start + count, max(width, int(self.lengths.max(initial=0))))
+        for name, buffer in self.buffers.items():
+            buffer[start : start + count, :, :width] = other.buffers[name][:count, :, :width]
+        self.lengths = np.concatenate([self.lengths, other.lengths])
+        other._reset(0)
 
     # --- calls ---------------------------------------------------------------------------------
 
@@ -394,7 +569,7 @@ class KVCacheStepper:
 
     def _call(self, input_ids: np.ndarray, new_mask: np.ndarray, first: bool) -> np.ndarray:
         inputs = self.graph.inputs
-        mask = np.concatenate([self.mask, new_mask], axis=1)
+        mask = np.concatenate([self._mask, new_mask], axis=1)
         feeds = {"input_ids": input_ids.astype(inputs["input_ids"].dtype, copy=False), **self.past}
         if "attention_mask" in inputs:
             feeds["attention_mask"] = mask.astype(inputs["attention_mask"].dtype, copy=False)
@@ -407,7 +582,7 @@ class KVCacheStepper:
         for name, value in self.encoder_feeds.items():
             feeds[name] = value.astype(inputs[name].dtype, copy=False)
         outputs = self.graph.run(feeds)
-        self.mask = mask
+        self._mask = mask
         for name, present in self.self_caches.items():
             self.past[name] = outputs[present]
         if first:  # the encoder's keys and values: computed now, passed back unchanged after
@@ -422,10 +597,29 @@ class KVCacheStepper:
         """Zeros where the prompt was padding, in every self-attention cache. A padded position's keys and values
         are masked for every real token, but a graph may compute NaN there (a query row with no key to attend
         to), and a masked NaN value still poisons the weighted sum (0 * NaN). Holes appear in the prompt only."""
-        rows, columns = np.nonzero(self.mask == 0)
+        rows, columns = np.nonzero(self._mask == 0)
         if rows.size:
             for name in self.self_caches:
                 self.past[name][rows, :, columns, :] = 0
+
+
+def _cache_layout(source: str, metadata, graph: onnx.GraphProto | None) -> str:
+    """How the file keeps its cache: what its metadata records (``metadata.cache_layout``), else read off the graph:
+    ragged when a contrib GroupQueryAttention reads its past straight from a ``past_key_values.*`` input (it then
+    writes present at each row's own length, in the past's buffer when bound to it), holes otherwise."""
+    recorded = getattr(metadata, "cache_layout", None)
+    if recorded is not None:
+        return recorded
+    if graph is None:
+        if not os.path.isfile(source):
+            return CACHE_HOLES  # an InferenceSession that does not say where it came from: give cache_layout=
+        graph = onnx.load(source, load_external_data=False).graph
+    inputs = {value.name for value in graph.input}
+    for node in graph.node:
+        if node.op_type == "GroupQueryAttention" and node.domain == "com.microsoft" and len(node.input) > 3 \
+                and node.input[3] in inputs and SELF_CACHE.match(node.input[3]):
+            return CACHE_RAGGED
+    return CACHE_HOLES
 
 
 def _present(past_name: str) -> str:

@@ -274,6 +274,19 @@ class MHASession:
             for name, value in zip(self.output_names, values, strict=True)
         }
 
+    def run_in_place(
+        self, inputs: Mapping[str, np.ndarray], in_place: Mapping[str, str], wanted: tuple[str, ...]
+    ) -> dict[str, np.ndarray]:
+        """Run with every output in ``in_place`` (output name -> input name) written by ORT into the very array that
+        input reads (a KV cache updated in place, ``run_in_place``); returns the ``wanted`` outputs, allocated by
+        ORT. The inputs are bound as given, not validated on the signature: the caller checks them (a ragged cache
+        is wider than the tokens it holds, which ``validate_inputs`` would refuse). CPU provider only."""
+        if self.provider != "cpu" or self._graph is not None:
+            raise OptionError(f"run_in_place writes host arrays: it needs the CPU provider (this session: "
+                              f"{self.provider})")
+        with flushing_denormals(self.flush_denormals):
+            return run_in_place(self._session, inputs, in_place, wanted)
+
     def decoder(self, capacity: int | None = None) -> IncrementalDecoder:
         """Incremental decoding over this KV-cache model: ``prefill`` then ``step`` (see ``IncrementalDecoder``)."""
         return IncrementalDecoder(self, capacity)
@@ -310,6 +323,28 @@ class MHASession:
                 f"{self.source}: graph inputs {actual_in} / outputs {actual_out} do not match its metadata "
                 f"({self.input_names} / {self.output_names}); was the file edited after export?"
             )
+
+
+def run_in_place(
+    session: ort.InferenceSession, inputs: Mapping[str, np.ndarray], in_place: Mapping[str, str],
+    wanted: tuple[str, ...],
+) -> dict[str, np.ndarray]:
+    """One call through an IOBinding: each output named in ``in_place`` is bound to the memory of the input it names
+    (same pointer, same shape), so ORT writes it there and nothing is allocated or copied for it; the ``wanted``
+    outputs are allocated by ORT and returned by name. The arrays must be C-contiguous host arrays."""
+    binding = session.io_binding()
+    for name, array in inputs.items():
+        if not array.flags.c_contiguous:
+            raise InputError(f"{name}: run_in_place binds memory as it is and needs a C-contiguous array")
+        binding.bind_input(name, "cpu", 0, array.dtype.type, list(array.shape), array.ctypes.data)
+    for output, source in in_place.items():
+        array = inputs[source]
+        binding.bind_output(output, "cpu", 0, array.dtype.type, list(array.shape), array.ctypes.data)
+    for name in wanted:
+        binding.bind_output(name, "cpu")
+    session.run_with_iobinding(binding)
+    values = binding.get_outputs()[len(in_place):]
+    return {name: value.numpy() for name, value in zip(wanted, values, strict=True)}
 
 
 def check_model_file(path: str | os.PathLike) -> ModelMetadata:
