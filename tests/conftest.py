@@ -312,3 +312,22 @@ def lm_cache(tmp_path_factory):
         return cache[name, flags]
 
     return export
+
+
+@pytest.fixture(scope="session")
+def ragged_lm(tmp_path_factory):
+    """``ragged_lm(name) -> path``: tests/user_models/<name>.py's ``build()`` exported once per session with a KV
+    cache and position_ids, the export whose attentions keep a ragged cache (metadata cache_layout "ragged")."""
+    from mha_deploy.exporters import export_model
+
+    cache = {}
+
+    def export(name: str):
+        if name not in cache:
+            module = user_module(name)
+            path = tmp_path_factory.mktemp("ragged") / f"{name}.onnx"
+            export_model(module.build(), path, module.INPUTS, kv_cache=True, position_ids=True)
+            cache[name] = path
+        return cache[name]
+
+    return export

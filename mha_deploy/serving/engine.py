@@ -27,11 +27,17 @@ of one source length do. Within a cohort the decoder's arithmetic per row does n
 through masked holes, whose keys get probability 0 exactly; greedy tokens are held equal to the request alone in the
 tests.
 
+**Ragged files.** A file whose attentions keep a ragged cache (``KVCacheStepper.ragged``: GroupQueryAttention writes
+each row's keys and values at its own length, in place) mixes lengths exactly and has no holes: one cohort whose
+buffers are sized from the admitted requests' prompt + max_new_tokens (rows doubling within ``max_running`` and the
+budget), a joining row copied into a spare row, a leaving row's place taken by the last row (one row moved).
+
 **Memory.** ``KVBudget`` bounds the cache positions the running requests can ever hold: in a mixed cohort every row
-is as wide as the widest (rows x the largest prompt + max_new_tokens), in aligned cohorts each row holds its own
-length. A request that fits waits in the queue (at most ``max_waiting``), one that never fits is refused at once, and
-a full queue refuses with ``EngineBusy``: nothing waits forever, nothing allocates past the budget (joining and
-leaving copy the cohort's cache once, briefly holding both).
+is as wide as the widest (rows x the largest prompt + max_new_tokens; a ragged cohort's buffers are that wide too),
+in aligned cohorts each row holds its own length. A request that fits waits in the queue (at most ``max_waiting``),
+one that never fits is refused at once, and a full queue refuses with ``EngineBusy``: nothing waits forever, nothing
+allocates past the budget (with holes, joining and leaving copy the cohort's cache once, briefly holding both; a
+ragged cohort copies the joining row, and all rows only when its buffers grow).
 """
 
 from __future__ import annotations
@@ -99,6 +105,8 @@ def joins_exactly(stepper: KVCacheStepper) -> bool:
     ``position_ids``, which the stepper counts over each row's real tokens (a file's own positions over the cache
     width would shift by the holes), or its export measured that padding before a row does not change the row
     (metadata positions "none": a model without positions)."""
+    if stepper.ragged:
+        return True  # each row at its own length, its own positions: no hole anywhere
     inputs = stepper.graph.inputs
     masks = "attention_mask" in inputs and (stepper.encoder is None or "encoder_attention_mask" in inputs)
     return masks and ("position_ids" in inputs or stepper.graph.positions == POSITIONS_NONE)
@@ -240,6 +248,10 @@ class GenerationEngine:
     @property
     def batching(self) -> str:
         """How rows share the cache, in words (the server's startup line and model description say it)."""
+        if self.stepper.ragged:
+            return ("continuous batching over a ragged cache: requests of any length share one cache, each row at its "
+                    "own length with no holes (the file writes each row's keys and values in place); a row joins "
+                    "into spare rows and a leaving row is replaced by the last, so the running rows are not copied")
         if self.mix_lengths and "position_ids" in self.stepper.graph.inputs:
             return "continuous batching: requests of any length share one cache (positions from position_ids)"
         if self.mix_lengths and self.stepper.graph.positions == POSITIONS_NONE:
@@ -296,7 +308,8 @@ class GenerationEngine:
         return Ticket(self, sequence)
 
     def snapshot(self) -> dict[str, int]:
-        """Running and waiting requests, and cache positions held (holes included)."""
+        """Running and waiting requests, and cache positions held (holes, or a ragged cache's spare rows and
+        positions, included)."""
         with self._lock:
             return {"running": self._running_count(), "waiting": len(self._waiting),
                     "cache_positions": self._cache_positions()}
@@ -410,9 +423,24 @@ class GenerationEngine:
         if target is None:
             target = _Cohort(self.stepper.fork(), [])
             self._cohorts.append(target)
+        if target.stepper.ragged:
+            self._plan_rows(target, sequence)
         target.stepper.join(sequence.stepper)
         target.sequences.append(sequence)
         sequence.stepper = None
+
+    def _plan_rows(self, cohort: _Cohort, sequence: _Sequence) -> None:
+        """Size a ragged cohort's buffers before ``sequence`` joins: positions for the longest need among its rows
+        (prompt + max_new_tokens), rows doubling (so that joins mostly fill spare rows and move nothing) but never
+        past ``max_running`` or what ``max_kv_tokens`` holds at that width; the budget already admitted the rows,
+        so rows x positions stays within it."""
+        stepper = cohort.stepper
+        rows = len(cohort.sequences) + 1
+        positions = max(s.request.kv_need for s in [*cohort.sequences, sequence])
+        if stepper.row_capacity >= rows and stepper.capacity >= positions:
+            return
+        room = max(rows, self.budget.max_kv_tokens // positions)
+        stepper.reserve(positions, min(max(rows, 2 * stepper.row_capacity), self.max_running, room))
 
     def _merge_aligned(self) -> None:
         """Cohorts of one width hold rows of one length each (no holes): one call can step them all."""
@@ -431,6 +459,13 @@ class GenerationEngine:
         if not staying:
             self._cohorts.remove(cohort)
             return
+        if cohort.stepper.ragged:
+            # Swap-remove: each leaving row's place goes to the last row, so a departure moves one row, not all.
+            order = list(range(len(cohort.sequences)))
+            for i in sorted((i for i, s in enumerate(cohort.sequences) if s in leaving), reverse=True):
+                order[i] = order[-1]
+                order.pop()
+            staying = order
         cohort.stepper.keep(np.array(staying, np.int64))
         cohort.sequences = [cohort.sequences[i] for i in staying]
 

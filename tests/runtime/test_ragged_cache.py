@@ -1,0 +1,171 @@
+"""KVCacheStepper over a ragged KV-cache file (GroupQueryAttention, each row at its own length, one buffer per cache
+input read as past and written as present): the searches equal a torch loop over the module, the cache is sized once
+and never copied step to step, and rows leave, repeat and join without moving the running ones."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from mha_deploy.errors import InputError
+from mha_deploy.runtime.generation import generate
+from mha_deploy.runtime.kv_stepper import CACHE_RAGGED, KVCacheStepper
+from tests.conftest import user_module
+from tests.runtime.test_generation import ORT_SEARCHES, RecomputeStepper
+
+torch = pytest.importorskip("torch")
+
+MAX_NEW = 10
+LENGTHS = [5, 2, 9, 3]  # mixed: the shorter rows are padded in the prompt batch
+
+
+def torch_logits(name: str):
+    model = user_module(name).build().eval()
+    return lambda ids, mask, positions: model(ids, mask.bool() if name == "causal_lm" else mask)
+
+
+def mixed_prompts(vocab: int, seed: int = 3) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(1, vocab, n).tolist() for n in LENGTHS]
+
+
+@pytest.fixture(scope="module")
+def tiny(ragged_lm):
+    """TinyLM (no positions): a left-padded batch through the torch module is exact, so whole batches compare."""
+    return ragged_lm("causal_lm")
+
+
+@pytest.fixture(scope="module")
+def gpt(ragged_lm):
+    """The tutorial GPT (learned absolute positions): a row's positions must be its own, whatever the batch."""
+    return ragged_lm("tutorial_gpt")
+
+
+def test_the_export_is_ragged_and_the_stepper_reads_it(tiny):
+    stepper = KVCacheStepper(tiny)
+    assert stepper.cache_layout == CACHE_RAGGED and stepper.ragged
+
+
+@pytest.mark.parametrize("search", ORT_SEARCHES)
+def test_a_mixed_batch_equals_the_torch_loop(tiny, search):
+    """TinyLM through the torch module, a left-padded batch recomputed each step, against the ragged file."""
+    prompts = mixed_prompts(50)
+    options = {"max_new_tokens": MAX_NEW, "eos_token_id": [], **ORT_SEARCHES[search]}
+    expected = generate(RecomputeStepper(torch_logits("causal_lm")), prompts, **options)
+    got = generate(KVCacheStepper(tiny), prompts, **options)
+    assert [t.tolist() for t in got.tokens] == [t.tolist() for t in expected.tokens]
+
+
+@pytest.mark.parametrize("search", ["greedy", "beams"])
+def test_each_row_keeps_its_own_positions(gpt, search):
+    """The tutorial GPT's positions count from each row's first token: every prompt of a mixed batch gets the tokens
+    the torch module gives it alone (no padding there)."""
+    prompts = mixed_prompts(60)
+    options = {"max_new_tokens": MAX_NEW, "eos_token_id": [], **ORT_SEARCHES[search]}
+    got = generate(KVCacheStepper(gpt), prompts, **options)
+    for prompt, tokens in zip(prompts, got.tokens, strict=True):
+        alone = generate(RecomputeStepper(torch_logits("tutorial_gpt")), [prompt], **options)
+        assert tokens.tolist() == alone.tokens[0].tolist()
+
+
+def test_sampling_with_a_seed_is_reproducible(gpt):
+    prompts = mixed_prompts(60)
+    options = {"max_new_tokens": MAX_NEW, **ORT_SEARCHES["sampled"]}
+    stepper = KVCacheStepper(gpt)
+    first = generate(stepper, prompts, **options)
+    again = generate(stepper, prompts, **options)  # the same stepper: its reused buffers change nothing
+    assert [t.tolist() for t in first.tokens] == [t.tolist() for t in again.tokens]
+
+
+def start(path, prompts: list[list[int]], reserve: tuple[int, int] | None = None) -> tuple[KVCacheStepper, np.ndarray]:
+    stepper = KVCacheStepper(path)
+    if reserve is not None:
+        stepper.reserve(*reserve)
+    width = max(len(p) for p in prompts)
+    ids = np.zeros((len(prompts), width), np.int64)
+    mask = np.zeros_like(ids)
+    for row, prompt in enumerate(prompts):
+        ids[row, : len(prompt)], mask[row, : len(prompt)] = prompt, 1  # right-padded: the stepper's own layout
+    return stepper, stepper.prefill(ids, mask)
+
+
+def alone_logits(path, prompt: list[int], steps: list[int]) -> np.ndarray:
+    stepper, logits = start(path, [prompt])
+    for token in steps:
+        logits = stepper.step(np.array([token]))
+    return logits[0]
+
+
+def test_reserve_sizes_the_cache_once_and_steps_write_into_it(gpt):
+    prompts = mixed_prompts(60)
+    stepper, _ = start(gpt, prompts, reserve=(9 + 6, 4))
+    assert (stepper.capacity, stepper.row_capacity) == (15, 4)
+    buffers = {name: (buffer, buffer.ctypes.data) for name, buffer in stepper.buffers.items()}
+    for _ in range(6):
+        stepper.step(np.ones(4, np.int64))
+    assert stepper.lengths.tolist() == [n + 6 for n in LENGTHS]
+    for name, (buffer, address) in buffers.items():
+        assert stepper.buffers[name] is buffer and buffer.ctypes.data == address  # written in place, never moved
+    assert stepper.cache_positions == 4 * 15
+
+
+def test_without_reserve_the_cache_doubles_and_continues_exactly(gpt):
+    prompt = mixed_prompts(60)[2]
+    stepper, _ = start(gpt, [prompt])
+    assert stepper.capacity == len(prompt)
+    capacities = []
+    for _ in range(len(prompt) + 1):
+        logits = stepper.step(np.array([7]))
+        capacities.append(stepper.capacity)
+    assert sorted(set(capacities)) == [2 * len(prompt), 4 * len(prompt)]  # grown twice: copied twice in all
+    np.testing.assert_allclose(logits[0], alone_logits(gpt, prompt + [7] * len(prompt), [7]), atol=1e-5, rtol=1e-5)
+
+
+def test_keep_moves_only_the_rows_that_change_place(gpt):
+    """A swap-remove (row 1 leaves, the last takes its place) writes one row; the others stay where they are."""
+    prompts = mixed_prompts(60)
+    stepper, _ = start(gpt, prompts, reserve=(16, 4))
+    stepper.step(np.array([4, 5, 6, 7]))
+    name = next(iter(stepper.buffers))
+    buffer = stepper.buffers[name]
+    before = buffer.copy()
+    stepper.keep(np.array([0, 3, 2]))
+    assert stepper.buffers[name] is buffer and stepper.lengths.tolist() == [6, 4, 10]
+    np.testing.assert_array_equal(buffer[[0, 2]], before[[0, 2]])  # untouched
+    np.testing.assert_array_equal(buffer[1, :, :4], before[3, :, :4])  # the moved row, its positions in use
+    logits = stepper.step(np.array([1, 2, 3]))
+    for row, (prompt, token) in enumerate([(0, 4), (3, 7), (2, 6)]):
+        expected = alone_logits(gpt, prompts[prompt], [token, [1, 2, 3][row]])
+        np.testing.assert_allclose(logits[row], expected, atol=1e-5, rtol=1e-5)
+
+
+def test_join_fills_spare_rows_without_moving_the_running_ones(gpt):
+    prompts = mixed_prompts(60)
+    running, _ = start(gpt, prompts[:2], reserve=(16, 4))
+    running.step(np.array([4, 5]))
+    buffers = {name: (buffer, buffer[:2].copy()) for name, buffer in running.buffers.items()}
+    joining = running.fork()
+    assert joining.rows == 0 and not joining.buffers  # its own cache, nothing shared
+    joining.prefill(np.array([prompts[2]]), np.ones((1, len(prompts[2])), np.int64))
+    running.join(joining)
+    assert joining.rows == 0 and running.lengths.tolist() == [6, 3, 9]
+    for name, (buffer, rows) in buffers.items():
+        assert running.buffers[name] is buffer  # within its row capacity: no reallocation
+        np.testing.assert_array_equal(buffer[:2], rows)  # the running rows not written
+    logits = running.step(np.array([1, 2, 3]))
+    for row, steps in enumerate([[4, 1], [5, 2], [3]]):
+        np.testing.assert_allclose(logits[row], alone_logits(gpt, prompts[row], steps), atol=1e-5, rtol=1e-5)
+
+
+def test_extend_runs_each_row_on_its_own_rows_of_the_cache(gpt):
+    """ORT's GroupQueryAttention takes several tokens after a past for one row per call: extend of several rows
+    runs them one by one, on views of the buffers, and equals each row's prefill of the whole."""
+    prompts = mixed_prompts(60)[:2]
+    stepper, _ = start(gpt, prompts, reserve=(16, 2))
+    more = np.array([[3, 4, 5], [6, 7, 8]])
+    logits = stepper.extend(more)
+    for row, prompt in enumerate(prompts):
+        _, expected = start(gpt, [prompt + more[row].tolist()])
+        np.testing.assert_allclose(logits[row], expected[0], atol=1e-5, rtol=1e-5)
+    with pytest.raises(InputError, match="past the vocabulary"):
+        stepper.extend(np.array([[60], [1]]))
