@@ -159,7 +159,9 @@ def test_logprobs_are_the_models_raw_distribution(tiny):
     assert list(first.top_logprobs) == np.argsort(-expected)[:3].tolist()
 
 
-def test_cancelled_requests_free_their_rows_and_the_others_finish(tiny):
+@pytest.mark.parametrize("model", ["tiny", "ragged"])
+def test_cancelled_requests_free_their_rows_and_the_others_finish(model, request):
+    tiny = request.getfixturevalue(model)  # TinyLM with holes, or the tutorial GPT's ragged cache
     engine = GenerationEngine(KVCacheStepper(tiny), mix_lengths=True)
     given = prompts(6, seed=2)
     seen = [[] for _ in given]
@@ -287,3 +289,60 @@ def test_an_encoder_decoder_joins_rows_of_other_sources_each_equal_to_alone(seq2
         assert tokens == generate(stepper(), [source.tolist()], max_new_tokens=4 + i % 3).tokens[0].tolist()
     with pytest.raises(Exception, match="vocabulary"):
         GenerationEngine(stepper()).submit(GenerationRequest(np.array([vocab + 5]), GenerationConfig()), print)
+
+
+# --- a ragged file (export with position_ids): one cohort, rows at their own lengths, joins into spare rows ---
+
+
+@pytest.fixture(scope="module")
+def ragged(ragged_lm):
+    return ragged_lm("tutorial_gpt")  # learned positions: a row's must be its own
+
+
+def test_ragged_requests_of_mixed_lengths_each_equal_alone_and_free_their_cache(ragged):
+    stepper = KVCacheStepper(ragged)
+    engine = GenerationEngine(stepper, max_kv_tokens=4096, max_running=8, prefill_chunk=7)
+    assert stepper.ragged and engine.mix_lengths and "ragged cache" in engine.batching
+    rng = np.random.default_rng(4)
+    given = [rng.integers(0, 60, n) for n in (3, 11, 1, 7, 15, 4)]
+    configs = [GenerationConfig(max_new_tokens=4 + 3 * (i % 3), eos_token_id=[]) for i in range(len(given))]
+    engine.start()
+    try:
+        got = run_all(engine, [GenerationRequest(p, c) for p, c in zip(given, configs, strict=True)])
+    finally:
+        engine.stop(10)
+    for prompt, config, tokens in zip(given, configs, got, strict=True):
+        assert tokens == alone(ragged, prompt.tolist(), config=config)
+    assert engine.snapshot() == {"running": 0, "waiting": 0, "cache_positions": 0}
+
+
+def test_a_ragged_cohort_joins_and_leaves_without_moving_its_running_rows(ragged):
+    """Driven turn by turn (no thread): the cohort's buffers are planned from the requests' needs, a join fills a
+    spare row and a departure moves only the last row into the leaving row's place."""
+    engine = GenerationEngine(KVCacheStepper(ragged), max_kv_tokens=4096, max_running=4)
+    rng = np.random.default_rng(6)
+    requests = [GenerationRequest(rng.integers(0, 60, n), GenerationConfig(max_new_tokens=m, eos_token_id=[]))
+                for n, m in ((5, 12), (9, 3), (2, 12))]
+    seen = [[] for _ in requests]
+    for i, request in enumerate(requests):
+        engine.submit(request, lambda event, i=i: seen[i].append(event.token))
+    engine._admit()
+    engine._turn()  # prefills all three (within prefill_chunk) and joins them into one cohort
+    (cohort,) = engine._cohorts
+    stepper = cohort.stepper
+    assert stepper.capacity == max(r.kv_need for r in requests) and stepper.row_capacity >= 3
+    assert stepper.cache_positions == stepper.row_capacity * stepper.capacity
+    buffers = {name: buffer for name, buffer in stepper.buffers.items()}
+    first = next(iter(buffers))
+    while len(cohort.sequences) == 3:
+        before = buffers[first].copy()
+        engine._turn()
+    # request 1 (the shortest run) left from the middle: the last row took its place, row 0 was not moved
+    assert [s.id for s in cohort.sequences] == [0, 2]
+    assert all(stepper.buffers[name] is buffer for name, buffer in buffers.items())
+    width = int(stepper.lengths[0]) - 1
+    np.testing.assert_array_equal(buffers[first][0, :, :width], before[0, :, :width])
+    while engine._cohorts:
+        engine._turn()
+    for request, tokens in zip(requests, seen, strict=True):
+        assert tokens == alone(ragged, request.prompt.tolist(), config=request.config)
