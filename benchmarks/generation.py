@@ -127,8 +127,9 @@ def run(sizes: Sizes, workdir: Path) -> None:
         same = sum(row == mine for row, mine in zip(theirs, results["ours"]["tokens"], strict=True))
         print(f"  onnxruntime-genai's greedy tokens equal ours in {same} of {sizes.batch} rows")
     cache_mb, held = results["ours"]["cache_mb"], results["ours"]["cache_positions"]
-    print(f"memory: our cache at the end holds {held} positions per row ({sizes.prompt} + {sizes.new} - 1: the last "
-          f"token is never fed), {cache_mb:.1f} MB; sized to the model's {sizes.positions} positions it would hold "
+    # A holes cache ends at prompt + new - 1 (the last token is never fed); a ragged one was sized prompt + new.
+    print(f"memory: our cache at the end holds {held} positions per row (prompt {sizes.prompt}, {sizes.new} new "
+          f"tokens), {cache_mb:.1f} MB; sized to the model's {sizes.positions} positions it would hold "
           f"{cache_mb * sizes.positions / held:.1f} MB")
 
     print("targets (this run's own figures):")
@@ -215,9 +216,10 @@ def _ours(request: dict) -> dict:
         out = generate(stepper, prompts, max_new_tokens=request["new"], eos_token_id=[])
         seconds.append(time.perf_counter() - started)
     # The cache as the last step left it (every row ran to the end, so none was freed).
-    cache_bytes = sum(array.nbytes for array in stepper.past.values())
+    # A ragged file's cache is its buffers (sized once from prompt + new tokens), a holes file's the last present.
+    cache_bytes = sum(array.nbytes for array in (stepper.buffers if stepper.ragged else stepper.past).values())
     return {"seconds": seconds, "peak_rss_mb": _peak_rss_mb(), "tokens": [t.tolist() for t in out.tokens],
-            "cache_mb": cache_bytes / 2**20, "cache_positions": int(stepper.mask.shape[1])}
+            "cache_mb": cache_bytes / 2**20, "cache_positions": stepper.capacity}
 
 
 def _transformers(request: dict) -> dict:
