@@ -17,6 +17,16 @@ Outputs: ``logits`` [batch, seq, vocab] and ``present.{i}.key|value`` = past ++ 
 and values (``present.{i}.encoder.key|value``: the encoder's keys and values, read from the first
 call and passed back unchanged after it).
 
+Two cache layouts (``cache_layout``, from the file's metadata or read off its graph, or given):
+
+- "ragged": the attentions are ORT's contrib GroupQueryAttention reading ``past_key_values.*``: each row's cache
+  is its first n positions, ``attention_mask`` is 1 on a row's first n tokens (no holes), and present is past with
+  the new keys and values written at each row's length. The stepper keeps one buffer per cache input [row
+  capacity, heads, capacity, head_dim], bound as past and present of every call (written in place: no copy per
+  step), prompts right-padded; ``reserve`` sizes it once, else it doubles; ``keep`` moves only the rows that change
+  place, ``join`` fills spare rows. Decoder-only files.
+- "holes" (every other file), below.
+
 Every row shares one cache width; a row padded in the prompt (either side) keeps its padding as masked
 holes, zeroed once after the prompt, so positions come from the mask (each row's count of real tokens),
 not from the width. When rows
@@ -246,6 +256,9 @@ class KVCacheStepper:
         if layout == CACHE_RAGGED and (self.encoder is not None or "attention_mask" not in inputs):
             raise ModelFileError(f"{source}: a ragged cache needs a decoder-only file that takes attention_mask (each "
                                  "row's length)")
+        if layout == CACHE_RAGGED and _provider(self.graph.session) != "cpu":
+            raise OptionError(f"{source}: a ragged cache lives in host buffers that ORT writes in place; run it on "
+                              f"the CPU provider (this session: {_provider(self.graph.session)})")
         self.cache_layout = layout
         # Positions and rows the next allocation holds at least (``reserve``).
         self._reserved = (0, 0)
@@ -601,6 +614,13 @@ class KVCacheStepper:
         if rows.size:
             for name in self.self_caches:
                 self.past[name][rows, :, columns, :] = 0
+
+
+def _provider(session) -> str:
+    """"cpu" or another provider: an MHASession says which, an ORT session lists its providers (first preferred)."""
+    if isinstance(session, ort.InferenceSession):
+        return "cpu" if session.get_providers()[0] == "CPUExecutionProvider" else session.get_providers()[0]
+    return getattr(session, "provider", "cpu")
 
 
 def _cache_layout(source: str, metadata, graph: onnx.GraphProto | None) -> str:
