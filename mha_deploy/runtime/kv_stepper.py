@@ -315,7 +315,9 @@ class KVCacheStepper:
             return
         self._reserved = (int(positions), int(rows or 0))
         if self.buffers:
-            self._ensure(max(self.rows, self._reserved[1]), int(positions), grow=False)
+            # Reallocated (when short) at exactly what is asked, which may be fewer positions than held now.
+            self._ensure(max(self.rows, self._reserved[1]), max(int(positions), int(self.lengths.max(initial=0))),
+                         grow=False)
 
     # --- the TokenStepper protocol -------------------------------------------------------------
 
@@ -496,14 +498,15 @@ class KVCacheStepper:
     def _ensure(self, rows: int, positions: int, grow: bool = True) -> None:
         """Buffers of at least ``rows`` rows and ``positions`` positions. Growing copies the running rows' positions
         in use into the new buffers, the only copy of the cache there is; ``grow`` doubles what is short, so that
-        a cache that grows token by token is copied a logarithmic number of times."""
+        a cache that grows token by token is copied a logarithmic number of times (without ``grow``, the new buffers
+        are exactly as large as asked and reserved)."""
         reserved_positions, reserved_rows = self._reserved
         have_rows, have_positions = self.row_capacity, self.capacity
         if self.buffers and have_rows >= rows and have_positions >= positions:
             return
-        new_rows = max(rows, reserved_rows, 2 * have_rows if grow and have_rows < rows else have_rows)
+        new_rows = max(rows, reserved_rows, (2 * have_rows if have_rows < rows else have_rows) if grow else 0)
         new_positions = max(positions, reserved_positions,
-                            2 * have_positions if grow and have_positions < positions else have_positions)
+                            (2 * have_positions if have_positions < positions else have_positions) if grow else 0)
         heads, head_dim = self._cache_shape
         used, width = self.rows, int(self.lengths.max(initial=0))
         for name in self.self_caches:

@@ -371,6 +371,8 @@ class GenerationEngine:
                 break
             self._waiting.popleft()
             head.stepper = self.stepper.fork()
+            if head.stepper.ragged:
+                head.stepper.reserve(len(head.request.prompt), 1)  # its prompt, in chunks or not: no regrowth
             self._prefilling.append(head)
             needs.append(head.request.kv_need)
 
@@ -433,7 +435,8 @@ class GenerationEngine:
         """Size a ragged cohort's buffers before ``sequence`` joins: positions for the longest need among its rows
         (prompt + max_new_tokens), rows doubling (so that joins mostly fill spare rows and move nothing) but never
         past ``max_running`` or what ``max_kv_tokens`` holds at that width; the budget already admitted the rows,
-        so rows x positions stays within it."""
+        so rows x positions stays within it. Buffers that fit are kept (no copy); new ones are as wide as the rows
+        now need, narrower than before when the longest request has left."""
         stepper = cohort.stepper
         rows = len(cohort.sequences) + 1
         positions = max(s.request.kv_need for s in [*cohort.sequences, sequence])
