@@ -6,8 +6,11 @@ feeds ``input_ids``, ``attention_mask`` int64 over the cached and new tokens (1 
 the file takes them, and ``past_key_values.{i}.key|value`` [batch, heads, past, head_dim] (past 0 on the prompt),
 and reads ``logits`` and ``present.{i}.key|value`` = past ++ new: the interface ``own_kv_cache`` exports. What
 the config must hold besides the names (onnxruntime-genai 0.18, tried): ``context_length`` (> 0; the search's
-``max_length`` at most it), ``vocab_size`` (the logits' width), ``past_present_share_buffer`` false (the file
-grows its cache by a Concat; a shared buffer is a CUDA-only, in-place layout). It pads a batch's prompts on the
+``max_length`` at most it), ``vocab_size`` (the logits' width), and ``past_present_share_buffer``: true for a
+file in the ragged layout (metadata ``cache_layout``; its GroupQueryAttention writes each step's keys and values
+into the buffer it reads, which onnxruntime-genai 0.18 then allocates once at ``max_length`` on the CPU too: its
+greedy tokens equal ours, tests/runtime/test_genai.py), false for the holes layout (the file grows its cache by a
+Concat, present is a new tensor each call). It pads a batch's prompts on the
 right with ``pad_token_id`` and finds each prompt's end by it, so a prompt whose last real token equals the pad
 id loses it: record a pad id no prompt ends with.
 """
@@ -20,7 +23,7 @@ from pathlib import Path
 
 from mha_deploy.atomic import atomic_path
 from mha_deploy.errors import ModelFileError
-from mha_deploy.metadata import ModelMetadata
+from mha_deploy.metadata import CACHE_RAGGED, ModelMetadata
 from mha_deploy.runtime.kv_stepper import CROSS_CACHE, DECODER_INPUTS, SELF_CACHE
 
 GENAI_CONFIG = "genai_config.json"
@@ -96,7 +99,7 @@ def genai_config(metadata: ModelMetadata, filename: str, max_length: int | None 
         "do_sample": False, "num_beams": 1, "num_return_sequences": 1, "max_length": context, "min_length": 0,
         "temperature": 1.0, "top_k": 50, "top_p": 1.0, "repetition_penalty": 1.0, "length_penalty": 1.0,
         "early_stopping": True, "no_repeat_ngram_size": 0, "diversity_penalty": 0.0,
-        "past_present_share_buffer": False,
+        "past_present_share_buffer": metadata.cache_layout == CACHE_RAGGED,
     }
     return {"model": model, "search": search}
 

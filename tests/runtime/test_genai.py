@@ -1,8 +1,8 @@
 """onnxruntime-genai, an oracle written elsewhere, generating from our KV-cache export as it is (``export
 --kv-cache --genai``): its greedy tokens equal the torch-free loop's (``runtime.generation.generate``) on the same
-file, for one prompt and for a batch of two prompts of different lengths (right-padded with the recorded pad id,
-as onnxruntime-genai pads), rows ending at the recorded eos id at different steps. onnxruntime-genai runs in
-``.venv-genai`` (scripts/setup.sh), in a subprocess: it brings its own onnxruntime."""
+file, in either cache layout, for one prompt and for a batch of two prompts of different lengths (right-padded
+with the recorded pad id, as onnxruntime-genai pads), rows ending at the recorded eos id at different steps.
+onnxruntime-genai runs in ``.venv-genai`` (scripts/setup.sh), in a subprocess: it brings its own onnxruntime."""
 
 from __future__ import annotations
 
@@ -30,6 +30,10 @@ MAX_LENGTH, PAD, NEW_TOKENS = 64, 0, 20
 # eos ids that each model's greedy tokens for the batch below reach at different steps in the two rows (asserted
 # in the test, so that a change of weights that makes them never fire fails instead of testing less).
 EOS = {"causal_lm": 43, "hf_gpt2": 83}
+# The files onnxruntime-genai runs: each model's default export (the ragged layout, a shared past/present buffer in
+# the config), and the tutorial LM's holes layout (a Concat per step, no shared buffer).
+FILES = {"causal_lm": ("causal_lm", ()), "causal_lm-holes": ("causal_lm", ("--cache-layout", "holes")),
+         "hf_gpt2": ("hf_gpt2", ())}
 PROMPTS = {"one": [[5, 7, 9]], "two-lengths": [[5, 7, 9, 11, 3, 8], [4, 2]]}
 
 
@@ -44,30 +48,32 @@ def genai_model(tmp_path_factory):
 
     made = {}
 
-    def export(name: str):
-        if name not in made:
-            path = tmp_path_factory.mktemp(f"genai-{name}") / "model.onnx"
+    def export(file: str):
+        name, flags = FILES[file]
+        if file not in made:
+            path = tmp_path_factory.mktemp(f"genai-{file}") / "model.onnx"
             module = user_module(name)
             if name == "causal_lm":
                 inputs = [arg for spec in module.INPUTS for arg in ("--input", spec)]
                 result = CliRunner().invoke(main, [
                     "export", "--module", f"{USER_MODELS / name}.py:build", *inputs, "--kv-cache",
                     "--eos-id", str(EOS[name]), "--pad-id", str(PAD), "--max-length", str(MAX_LENGTH), "--genai",
-                    "-o", str(path)])
+                    *flags, "-o", str(path)])
                 assert result.exit_code == 0, result.output
                 assert f"wrote {path.parent / 'genai_config.json'}" in result.output
             else:
                 export_model(randomise_parameters(module.build(), 3), path, module.INPUTS, kv_cache=True,
                              max_length=MAX_LENGTH, generation=GenerationIds([EOS[name]], PAD))
                 write_genai_config(path)
-            made[name] = path
-        return made[name]
+            made[file] = path
+        return made[file]
 
     return export
 
 
-def test_the_config_names_the_files_interface_and_its_recorded_ids(genai_model):
-    path = genai_model("causal_lm")
+@pytest.mark.parametrize("file, shared", [("causal_lm", True), ("causal_lm-holes", False)])
+def test_the_config_names_the_files_interface_and_its_recorded_ids(genai_model, file, shared):
+    path = genai_model(file)
     config = json.loads((path.parent / "genai_config.json").read_text())
     model, decoder = config["model"], config["model"]["decoder"]
     assert (model["type"], model["context_length"], model["vocab_size"]) == ("decoder", MAX_LENGTH, 50)
@@ -79,14 +85,14 @@ def test_the_config_names_the_files_interface_and_its_recorded_ids(genai_model):
         "past_key_names": "past_key_values.%d.key", "past_value_names": "past_key_values.%d.value",
     }
     assert decoder["outputs"]["present_key_names"] == "present.%d.key"
-    assert config["search"]["past_present_share_buffer"] is False
+    assert config["search"]["past_present_share_buffer"] is shared  # ragged: GroupQueryAttention writes in place
     assert config["search"]["max_length"] == MAX_LENGTH and config["search"]["do_sample"] is False
 
 
 @pytest.mark.parametrize("prompts", PROMPTS.values(), ids=PROMPTS.keys())
-@pytest.mark.parametrize("name", EOS)
-def test_onnxruntime_genai_generates_our_greedy_tokens_from_the_file_unchanged(genai_model, name, prompts):
-    path = genai_model(name)
+@pytest.mark.parametrize("file", FILES)
+def test_onnxruntime_genai_generates_our_greedy_tokens_from_the_file_unchanged(genai_model, file, prompts):
+    path, name = genai_model(file), FILES[file][0]
     width = max(map(len, prompts))
     ids = np.array([prompt + [PAD] * (width - len(prompt)) for prompt in prompts], np.int64)
     mask = (np.arange(width) < np.array([[len(p)] for p in prompts])).astype(np.int64)
