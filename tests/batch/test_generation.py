@@ -19,7 +19,7 @@ from click.testing import CliRunner
 from mha_deploy.cli import main
 from mha_deploy.runtime.generation import generate
 from mha_deploy.runtime.kv_stepper import KVCacheStepper
-from tests.conftest import HOLES_LM, USER_MODELS, user_module
+from tests.conftest import USER_MODELS, user_module
 
 pytest.importorskip("torch")
 
@@ -32,7 +32,7 @@ def lm(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("gen") / "lm.onnx"
     inputs = [arg for spec in user_module("causal_lm").INPUTS for arg in ("--input", spec)]
     result = CliRunner().invoke(
-        main, ["export", "--module", f"{USER_MODELS / 'causal_lm'}.py:build", *inputs, "--kv-cache", *HOLES_LM,
+        main, ["export", "--module", f"{USER_MODELS / 'causal_lm'}.py:build", *inputs, "--kv-cache",
                "-o", str(path)]
     )
     assert result.exit_code == 0, result.output
@@ -185,7 +185,7 @@ def test_the_files_max_length_bounds_prompts_and_new_tokens(tmp_path):
     path = tmp_path / "lm16.onnx"
     inputs = [arg for spec in user_module("causal_lm").INPUTS for arg in ("--input", spec)]
     result = CliRunner().invoke(main, ["export", "--module", f"{USER_MODELS / 'causal_lm'}.py:build", *inputs,
-                                       "--kv-cache", *HOLES_LM, "--max-length", "16", "-o", str(path)])
+                                       "--kv-cache", "--max-length", "16", "-o", str(path)])
     assert result.exit_code == 0, result.output
     source = write_jsonl(tmp_path / "in.jsonl",
                          [{"id": "fits", "input_ids": [1] * 8}, {"id": "no", "input_ids": [1] * 9}])

@@ -27,7 +27,12 @@ VOCAB = 50  # TinyLM's
 
 @pytest.fixture(scope="module")
 def tiny(lm_cache):
-    return lm_cache("causal_lm", *HOLES_LM)[0]
+    return lm_cache("causal_lm")[0]  # what users get: the ragged layout
+
+
+@pytest.fixture(scope="module")
+def tiny_holes(lm_cache):
+    return lm_cache("causal_lm", *HOLES_LM)[0]  # `export --cache-layout holes`
 
 
 def alone(path, prompt, **options) -> list[int]:
@@ -59,7 +64,8 @@ def prompts(count, seed, longest=20):
     return [rng.integers(0, VOCAB, rng.integers(1, longest + 1)).astype(np.int64) for _ in range(count)]
 
 
-def test_join_pads_the_narrower_cache_with_holes_and_each_row_continues_as_alone(tiny):
+def test_join_pads_the_narrower_cache_with_holes_and_each_row_continues_as_alone(tiny_holes):
+    tiny = tiny_holes
     stepper = KVCacheStepper(tiny)
     short, long = np.array([[3, 4]]), np.array([[5, 6, 7, 8, 9]])
     stepper.prefill(short, np.ones_like(short))
@@ -90,9 +96,10 @@ def test_extend_prefills_in_chunks_as_one_prefill_does(tiny):
         chunked.extend(np.array([[VOCAB]]))
 
 
-def test_a_model_whose_export_measured_no_positions_mixes_lengths_by_default(tiny):
-    """TinyLM has no positions: its export records positions "none", so rows of any length share one cohort."""
-    engine = GenerationEngine(KVCacheStepper(tiny))
+def test_a_model_whose_export_measured_no_positions_mixes_lengths_by_default(tiny_holes):
+    """TinyLM has no positions: its holes export records positions "none", so rows of any length share one cohort
+    (holes do not shift them)."""
+    engine = GenerationEngine(KVCacheStepper(tiny_holes))
     assert engine.stepper.graph.positions == "none"
     assert engine.mix_lengths and "does not change it" in engine.batching
 
@@ -159,9 +166,9 @@ def test_logprobs_are_the_models_raw_distribution(tiny):
     assert list(first.top_logprobs) == np.argsort(-expected)[:3].tolist()
 
 
-@pytest.mark.parametrize("model", ["tiny", "ragged"])
+@pytest.mark.parametrize("model", ["tiny", "tiny_holes", "ragged"])
 def test_cancelled_requests_free_their_rows_and_the_others_finish(model, request):
-    tiny = request.getfixturevalue(model)  # TinyLM with holes, or the tutorial GPT's ragged cache
+    tiny = request.getfixturevalue(model)  # TinyLM in either layout, or the tutorial GPT's ragged cache
     engine = GenerationEngine(KVCacheStepper(tiny), mix_lengths=True)
     given = prompts(6, seed=2)
     seen = [[] for _ in given]
@@ -242,15 +249,18 @@ def test_a_failing_model_call_fails_its_requests_and_the_engine_serves_the_next(
     stepper = KVCacheStepper(tiny)
     engine = GenerationEngine(stepper, mix_lengths=True)
     calls = {"n": 0}
-    run = stepper.graph.run
 
-    def flaky(feeds):
-        calls["n"] += 1
-        if calls["n"] == 2:  # the first decode step
-            raise RuntimeError("device lost")
-        return run(feeds)
+    def flaky(call):
+        def run(*args):
+            calls["n"] += 1
+            if calls["n"] == 2:  # the first decode step
+                raise RuntimeError("device lost")
+            return call(*args)
+        return run
 
-    monkeypatch.setattr(stepper.graph, "run", flaky)
+    # a holes file's calls go through run, a ragged file's through run_in_place
+    monkeypatch.setattr(stepper.graph, "run", flaky(stepper.graph.run))
+    monkeypatch.setattr(stepper.graph, "run_in_place", flaky(stepper.graph.run_in_place))
     events, finished = [], threading.Event()
 
     def notify(event):

@@ -16,7 +16,6 @@ import pytest
 
 from mha_deploy.runtime.generation import generate
 from mha_deploy.runtime.kv_stepper import KVCacheStepper
-from tests.conftest import HOLES_LM
 from tests.serving.helpers import Server
 
 pytest.importorskip("torch")
@@ -51,7 +50,7 @@ def served(lm_cache, tmp_path_factory):
     def start(key: str):
         if key not in cache:
             name, vocab = MODELS[key]
-            path = lm_cache(name, *HOLES_LM)[0]
+            path = lm_cache(name)[0]
             directory = tmp_path_factory.mktemp(f"gen-{key}")
             tokenizer = train_tokenizer(directory / "tokenizer.json", vocab)
             (directory / "chat.jinja").write_text(TEMPLATE)
@@ -289,7 +288,7 @@ def test_malformed_json_and_a_chat_without_template(served, tmp_path):
 
 
 def test_api_keys_guard_the_generation_routes(lm_cache, tmp_path):
-    path = lm_cache("causal_lm", *HOLES_LM)[0]
+    path = lm_cache("causal_lm")[0]
     keys = tmp_path / "keys"
     keys.write_text("a-generation-key-0123456789\n")
     server = Server(path, tmp_path / "keyed.log", "--threads", "1", "--name", "keyed", "--mix-lengths",
@@ -314,7 +313,7 @@ def test_eos_ids_recorded_at_export_end_completions(lm_cache, tmp_path):
     from mha_deploy.cli import main
     from tests.conftest import USER_MODELS, user_module
 
-    full = alone(lm_cache("causal_lm", *HOLES_LM)[0], [3, 4, 5], 10)
+    full = alone(lm_cache("causal_lm")[0], [3, 4, 5], 10)
     eos = full[2]
     path = tmp_path / "lm-eos.onnx"
     inputs = [arg for spec in user_module("causal_lm").INPUTS for arg in ("--input", spec)]
