@@ -36,6 +36,7 @@ def lm(tmp_path_factory) -> Path:
                "-o", str(path)]
     )
     assert result.exit_code == 0, result.output
+    assert KVCacheStepper(path).ragged  # what --kv-cache writes by default
     return path
 
 
