@@ -54,11 +54,10 @@ def served(lm_cache, tmp_path_factory):
             directory = tmp_path_factory.mktemp(f"gen-{key}")
             tokenizer = train_tokenizer(directory / "tokenizer.json", vocab)
             (directory / "chat.jinja").write_text(TEMPLATE)
-            extra = ["--mix-lengths"] if key == "tiny" else []  # TinyLM has no positions; GPT-2 keeps its own
             server = Server(path, directory / "server.log", "--tokenizer", str(directory / "tokenizer.json"),
                             "--chat-template", str(directory / "chat.jinja"), "--threads", "2", "--name", key,
                             "--max-new-tokens", "600", "--max-length", "700", "--max-choices", "4",
-                            "--max-batch", "64", *extra)
+                            "--max-batch", "64")  # ragged files (the default): any lengths share one cache
             servers.append(server)
             cache[key] = server.wait_ready(), path, tokenizer
         return cache[key]
@@ -170,7 +169,7 @@ def test_triton_generate_and_generate_stream(served):
     assert status == 400 and b"generate" in body
     status, _, body = server.request("GET", "/v2/models/gpt2")
     meta = json.loads(body)
-    assert meta["parameters"]["generator"] and "exact length" in meta["parameters"]["batching"]
+    assert meta["parameters"]["generator"] and "ragged cache" in meta["parameters"]["batching"]
 
 
 def test_32_concurrent_streams_each_equal_to_its_request_alone(served):
