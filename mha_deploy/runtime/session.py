@@ -15,7 +15,7 @@ import onnxruntime as ort
 from mha_deploy.atomic import atomic_path, same_file
 from mha_deploy.errors import InputError, ModelFileError, OptionError, OutputError, ProviderUnavailableError
 from mha_deploy.inputs import placeholder_inputs
-from mha_deploy.metadata import ModelMetadata
+from mha_deploy.metadata import CACHE_RAGGED, ModelMetadata
 from mha_deploy.runtime.cuda_support import cuda_graph_unsupported, cuda_unsupported
 from mha_deploy.runtime.decoding import IncrementalDecoder
 from mha_deploy.runtime.denormals import ORT_CONFIG_ENTRY, flushing_denormals
@@ -236,7 +236,8 @@ class MHASession:
                 outputs = self._run_with_binding(feeds)
             else:
                 outputs = dict(zip(self.output_names, self._session.run(list(self.output_names), feeds), strict=True))
-        problem = output_shape_problem(self.signature, feeds, outputs, self.metadata.fixed_sizes)
+        problem = output_shape_problem(self.signature, feeds, outputs, self.metadata.fixed_sizes,
+                                       ragged=self.metadata.cache_layout == CACHE_RAGGED)
         if problem:
             raise ModelFileError(f"{self.source}: {problem}")
         return outputs

@@ -16,7 +16,10 @@ Two entry points share the rules:
 
 Padding is made inert on the way in: ``validate_inputs`` returns zeros at every
 position a padding mask marks as padding, in sequence inputs and KV caches alike
-(``zero_padding``). The mask keeps real rows from attending there, but a NaN or
+(``zero_padding``). A ragged KV-cache file (metadata cache_layout "ragged", the contract in
+``exporters.fusion.ragged_cache``) has its own rules: the mask is 1 on each row's first n tokens (right padding
+only), only a first call's rows may be padded, and a cache is read up to each row's past length, so only the
+padded new tokens are zeroed. The mask keeps real rows from attending there, but a NaN or
 Inf at a padded position would still reach them through the kernel's
 arithmetic (NaN times a zero weight is NaN), and from a cache every later step.
 
@@ -35,7 +38,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from mha_deploy.errors import InputError
-from mha_deploy.metadata import ModelMetadata
+from mha_deploy.metadata import CACHE_RAGGED, ModelMetadata
 from mha_deploy.signature import (
     BATCH_AXIS,
     ENCODER_PAST_AXIS,
@@ -244,16 +247,20 @@ def output_problem(outputs: Mapping[str, np.ndarray]) -> Problem | None:
 
 def output_shape_problem(
     signature: Signature, feeds: Mapping[str, np.ndarray], outputs: Mapping[str, np.ndarray],
-    fixed: Mapping[str, int] | None = None,
+    fixed: Mapping[str, int] | None = None, ragged: bool = False,
 ) -> str | None:
     """An output whose shape is not what ``signature`` says for ``feeds`` (rank, or the size of an axis the
     feeds or ``fixed`` set), or None. A graph whose output rank follows its inputs' values (an If whose
-    branches differ) would otherwise be cut per item at the wrong axes."""
+    branches differ) would otherwise be cut per item at the wrong axes. ``ragged``: a ragged KV-cache file's
+    outputs, whose present is max(total, past) wide."""
     sizes = dict(fixed or {})
     for spec in signature.inputs:
         if spec.name in feeds:
             sizes.update({axis: size for axis, size in zip(spec.axes, np.shape(feeds[spec.name]), strict=False)
                           if isinstance(axis, str)})
+    if ragged and TOTAL_AXIS in sizes:
+        # A ragged file's present is its past with this call's keys written in: as wide as the mask or the past.
+        sizes[TOTAL_AXIS] = max(sizes[TOTAL_AXIS], sizes.get(PAST_AXIS, 0))
     for spec in signature.outputs:
         shape = tuple(np.shape(outputs[spec.name]))
         expected = tuple(axis if isinstance(axis, int) else sizes.get(axis) for axis in spec.axes)
@@ -291,15 +298,20 @@ def validate_inputs(metadata: ModelMetadata, inputs: Mapping[str, object]) -> di
     if problem:
         raise InputError(problem.message)
     past = _cache_arrays(metadata, inputs, arrays) if signature.kv_cache else {}
+    ragged = bool(past) and metadata.cache_layout == CACHE_RAGGED
     for mask_name, sequence_name in signature.padding_masks.items():
         shape = arrays[sequence_name].shape[:2]
+        if ragged and sequence_name == signature.query_input:
+            arrays[mask_name] = _ragged_mask(mask_name, inputs[mask_name], shape,
+                                             past[signature.growing_caches[0]].shape[2])
+            continue
         if past and sequence_name == signature.query_input:
             # The queries' mask covers the cached tokens, then the new ones: [batch, past_seq + seq].
             shape = (shape[0], past[signature.growing_caches[0]].shape[2] + shape[1])
             sequence_name = f"past_seq + {sequence_name}'s length"
         arrays[mask_name] = _padding_mask(mask_name, inputs[mask_name], shape, sequence_name)
     _check_real_tokens(signature, arrays)
-    feeds = inert_padding(signature, {**arrays, **past})
+    feeds = ragged_padding(signature, arrays) | past if ragged else inert_padding(signature, {**arrays, **past})
     for name in signature.sequence_inputs:
         # Ids are checked once padding is inert: whatever sat at a padded position is 0 now.
         problem = _id_problem(specs[name], feeds[name]) if specs[name].role == TOKENS else None
@@ -320,6 +332,20 @@ def inert_padding(signature: Signature, feeds: Mapping[str, np.ndarray]) -> dict
         name: zero_padding(array, signature.tensors[name], masks) if name in zeroed else array
         for name, array in feeds.items()
     }
+
+
+def ragged_padding(signature: Signature, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """A ragged KV-cache file's ``feeds`` (caches aside) with its padded new tokens zeroed: a first call's columns
+    at or after each row's length. The caches are left as given: the file reads a row's cache only up to its past
+    length (n - seq), so nothing after it reaches a real token."""
+    mask = next(feeds[name] for name, marks in signature.padding_masks.items() if marks == signature.query_input)
+    seq = feeds[signature.query_input].shape[1]
+    lengths = mask.sum(axis=1)
+    # Column j of this call is row r's token past_r + j, real while it is below n_r.
+    past = np.maximum(lengths - seq, 0)
+    real = {signature.query_axis: past[:, None] + np.arange(seq)[None, :] < lengths[:, None]}
+    return {name: zero_padding(array, signature.tensors[name], real) if name in signature.sequence_inputs else array
+            for name, array in feeds.items()}
 
 
 def padding_by_axis(signature: Signature, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -484,15 +510,52 @@ def _beyond_int64(ids: np.ndarray) -> int | None:
     return high if high > np.iinfo(np.int64).max else None
 
 
-def _padding_mask(name: str, value: object, kv_shape: tuple[int, int], kv_name: str) -> np.ndarray:
+def _mask_values(name: str, value: object) -> np.ndarray:
     mask = np.asarray(value)
     if mask.dtype.kind in "iu":
         # Tokenizers hand out int 0/1 attention masks; the meaning is the same.
         if not np.isin(mask, (0, 1)).all():
             raise InputError(f"{name} of integer type must hold only 0 and 1")
-        mask = mask.astype(bool)
-    elif mask.dtype != np.bool_:
+        return mask.astype(bool)
+    if mask.dtype != np.bool_:
         raise InputError(f"{name} must be bool (True = real token), got {mask.dtype}")
+    return mask
+
+
+def _ragged_mask(name: str, value: object, ids_shape: tuple[int, int], width: int) -> np.ndarray:
+    """A ragged KV-cache file's mask [batch, total]: row r's first n_r entries real, the rest padding (right
+    padding only); a first call's rows (n_r <= seq: no past) may be padded, a later call's hold seq new tokens
+    after a past of n_r - seq <= ``width`` (the past's positions); more than one new token after a past only
+    for batch 1 (ORT's GroupQueryAttention refuses it on several rows)."""
+    mask = _mask_values(name, value)
+    batch, seq = ids_shape
+    if mask.ndim != 2 or mask.shape[0] != batch or mask.shape[1] < seq:
+        raise InputError(f"{name} must have shape [batch, total] with total >= seq (each row's tokens so far, "
+                         f"this call's included) = [{batch}, >= {seq}], got {mask.shape}")
+    lengths = mask.sum(axis=1)
+    holes = np.flatnonzero((mask != (np.arange(mask.shape[1])[None, :] < lengths[:, None])).any(axis=1))
+    if holes.size:
+        raise InputError(f"{name} rows {holes.tolist()[:10]} have padding before a real token: a ragged cache file "
+                         "takes right padding only (row r's first n_r entries 1, the rest 0)")
+    padded = np.flatnonzero((lengths > 0) & (lengths < seq))
+    continuing = np.flatnonzero(lengths > seq)
+    if padded.size and continuing.size:
+        raise InputError(f"{name} rows {padded.tolist()[:10]} hold fewer tokens than this call's {seq} while rows "
+                         f"{continuing.tolist()[:10]} have a past: only a first call (no row has a past) may be "
+                         "right-padded; later calls give every row seq new tokens")
+    if continuing.size and seq > 1 and batch > 1:
+        raise InputError(f"{seq} new tokens per row after a past need batch 1 in a ragged cache file (ONNX Runtime's "
+                         f"GroupQueryAttention refuses several rows): give rows {continuing.tolist()[:10]} one call "
+                         "each, or one token per call")
+    beyond = np.flatnonzero(lengths - seq > width)
+    if beyond.size:
+        raise InputError(f"{name} rows {beyond.tolist()[:10]} have a past of {int(lengths[beyond[0]] - seq)} tokens "
+                         f"(n - seq), more than the {width} positions the past_key_values inputs hold")
+    return np.ascontiguousarray(mask)
+
+
+def _padding_mask(name: str, value: object, kv_shape: tuple[int, int], kv_name: str) -> np.ndarray:
+    mask = _mask_values(name, value)
     if mask.shape != tuple(kv_shape):
         raise InputError(
             f"{name} must have shape [batch, kv_len] = {tuple(kv_shape)} to match {kv_name}, got {mask.shape}"

@@ -169,3 +169,62 @@ def test_extend_runs_each_row_on_its_own_rows_of_the_cache(gpt):
         np.testing.assert_allclose(logits[row], expected[0], atol=1e-5, rtol=1e-5)
     with pytest.raises(InputError, match="past the vocabulary"):
         stepper.extend(np.array([[60], [1]]))
+
+
+# --- MHASession.run on a ragged file: the contract of exporters.fusion.ragged_cache, validated by its own rules ---
+
+
+def module_alone(name: str, sequence: list[int]) -> np.ndarray:
+    """The torch module's logits for ``sequence``'s last token, the row alone."""
+    model = user_module(name).build().eval()
+    with torch.no_grad():
+        return model(torch.tensor([sequence]), torch.ones(1, len(sequence), dtype=torch.long))[0, -1].numpy()
+
+
+def test_mha_session_runs_the_ragged_contract_and_equals_the_module(gpt):
+    """A right-padded first call, then one token per row over a past wider than any row (W 6): each row's logits
+    are the module's on that row alone, and present is max(total, W) wide."""
+    from mha_deploy.runtime.session import MHASession
+
+    session = MHASession(gpt, provider="cpu")
+    assert session.metadata.cache_layout == CACHE_RAGGED
+    caches = [n for n in session.input_names if n.startswith("past_key_values.")]
+    heads, head_dim = session.signature.tensors[caches[0]].axes[1], session.signature.tensors[caches[0]].axes[3]
+    prompts, nexts = [[7, 3, 9], [4]], [12, 30]
+    first = session.run({
+        "input_ids": np.array([[7, 3, 9], [4, 0, 0]]), "attention_mask": np.array([[1, 1, 1], [1, 0, 0]]),
+        "position_ids": np.array([[0, 1, 2], [0, 1, 2]]),
+        **{name: np.zeros((2, heads, 0, head_dim), np.float32) for name in caches}})
+    for row, prompt in enumerate(prompts):
+        np.testing.assert_allclose(first["logits"][row, len(prompt) - 1], module_alone("tutorial_gpt", prompt),
+                                   atol=1e-4, rtol=1e-4, err_msg=f"first call, row {row}")
+    # Each row's cache is its first n positions; a past wider than every row (W 6) is what a runtime's buffer is.
+    past = {name: np.pad(first[name.replace("past_key_values", "present")], ((0, 0), (0, 0), (0, 3), (0, 0)))
+            for name in caches}
+    second = session.run({"input_ids": np.array([[nexts[0]], [nexts[1]]]),
+                          "attention_mask": np.array([[1, 1, 1, 1], [1, 1, 0, 0]]),
+                          "position_ids": np.array([[3], [1]]), **past})
+    for row, (prompt, token) in enumerate(zip(prompts, nexts, strict=True)):
+        np.testing.assert_allclose(second["logits"][row, 0], module_alone("tutorial_gpt", [*prompt, token]),
+                                   atol=1e-4, rtol=1e-4, err_msg=f"second call, row {row}")
+    assert all(second[name.replace("past_key_values", "present")].shape[2] == 6 for name in caches)
+
+
+@pytest.mark.parametrize(("mask", "ids", "width", "message"), [
+    ([[0, 1, 1], [1, 0, 0]], [[1, 2, 3], [4, 0, 0]], 0, "right padding only"),
+    ([[1, 1, 1, 1], [1, 0, 0, 0]], [[1, 2], [3, 4]], 2, "only a first call"),
+    ([[1, 1, 1, 1], [1, 1, 1, 1]], [[1, 2], [3, 4]], 2, "need batch 1"),
+    ([[1, 1, 1, 1], [1, 1, 0, 0]], [[1], [2]], 2, r"past of 3 tokens .* more than the 2 positions"),
+    ([[1, 1], [1, 1]], [[1, 2, 3], [4, 5, 6]], 0, "total >= seq"),
+])
+def test_mha_session_refuses_what_the_ragged_contract_does_not_allow(gpt, mask, ids, width, message):
+    from mha_deploy.runtime.session import MHASession
+
+    session = MHASession(gpt, provider="cpu")
+    caches = [n for n in session.input_names if n.startswith("past_key_values.")]
+    _, heads, _, head_dim = session.signature.tensors[caches[0]].axes
+    ids = np.array(ids)
+    feeds = {"input_ids": ids, "attention_mask": np.array(mask), "position_ids": np.zeros_like(ids),
+             **{name: np.zeros((2, heads, width, head_dim), np.float32) for name in caches}}
+    with pytest.raises(InputError, match=message):
+        session.run(feeds)
