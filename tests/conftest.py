@@ -282,9 +282,9 @@ def assert_equals_module(session, module, feeds: dict, label: str) -> None:
                                    err_msg=f"{label}: {spec.name}")
 
 
-# The KV-cache export the generation runtime and server tests drive: the holes layout, positions the module's own
-# (what KVCacheStepper, generate and serve drove before the ragged layout became --kv-cache's default; they are
-# moved to the default once the runtime drives ragged files).
+# The holes layout with the module's own positions, for the tests about holes themselves (masked holes on a join,
+# by-length cohorts for a file that counts positions over the cache width); every other generation test runs the
+# default --kv-cache export, the ragged layout users get.
 HOLES_LM = ("--no-position-ids", "--cache-layout", "holes")
 
 

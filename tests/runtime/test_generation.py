@@ -570,17 +570,19 @@ def test_beam_search_cannot_stream():
 
 # --- an mha-deploy KV-cache export of a user's causal LM (export --module --kv-cache), opened as an MHASession:
 # greedy is held to the module in tests/exporters/test_own_kv_cache.py; here beams and sampling, rows ending at
-# different steps (their cache rows and unused columns dropped while MHASession validates every call) ---
+# different steps (ragged: rows swap-removed from buffers ORT writes in place; holes: their cache rows and unused
+# columns dropped while MHASession validates every call) ---
 
 
-@pytest.fixture(scope="module")
-def own_lm(tmp_path_factory):
+@pytest.fixture(scope="module", params=["ragged", "holes"])
+def own_lm(tmp_path_factory, request):
+    """Both layouts ``export --kv-cache`` writes: ragged (its default) and ``--cache-layout holes``."""
     from mha_deploy.exporters import export_model
 
     module = user_module("causal_lm")
-    path = tmp_path_factory.mktemp("generation-own") / "lm.onnx"
-    # the holes layout KVCacheStepper drives today (the ragged default awaits its ragged driver)
-    export_model(module.build(), path, module.INPUTS, kv_cache=True, cache_layout="holes")
+    path = tmp_path_factory.mktemp("generation-own") / f"lm-{request.param}.onnx"
+    export_model(module.build(), path, module.INPUTS, kv_cache=True, cache_layout=request.param)
+    assert KVCacheStepper(path).cache_layout == request.param
     model = module.build().eval()
 
     def logits_of(ids, mask, positions):
