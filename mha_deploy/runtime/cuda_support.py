@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import onnx
 
+from mha_deploy.errors import MHADeployError
+from mha_deploy.metadata import CACHE_RAGGED, ModelMetadata
 from mha_deploy.onnx_nodes import all_nodes
 
 # ONNX Attention's qk_matmul_output_mode values other than 0 (the raw scores):
@@ -41,6 +43,8 @@ def cuda_unsupported(proto: onnx.ModelProto) -> str | None:
     # (onnxruntime/contrib_ops/cuda/bert/group_query_attention.cc): an fp32 causal
     # model fused to it would run its attention on the CPU, with copies around it.
     if "GroupQueryAttention" in ops and _float_type(proto) == onnx.TensorProto.FLOAT:
+        if _ragged_cache(proto):
+            return RAGGED_OFF_CPU
         return (
             "the model is fp32 with GroupQueryAttention (causal --fuse mha/auto), which ORT's CUDA provider "
             "runs in fp16/bf16 only: it would run attention on the CPU. Export --dtype fp16 for CUDA, or "
@@ -73,6 +77,25 @@ def cuda_graph_unsupported(proto: onnx.ModelProto) -> str | None:
         return ("the model packs its tokens (NonZero: shapes that depend on the padding), which a CUDA graph cannot "
                 "replay; export it with --no-pack-tokens or --fuse onnx for cuda_graph")
     return None
+
+
+# What a ragged KV-cache file (exporters.fusion.ragged_cache) says off the CPU provider: fp32 GroupQueryAttention has
+# no CUDA kernel, and KVCacheStepper keeps the cache in host buffers that ORT writes in place. The holes layout's
+# attention is contrib MultiHeadAttention, which CUDA runs in fp32.
+RAGGED_OFF_CPU = (
+    "the file keeps a ragged KV cache (GroupQueryAttention updating it in place, export --kv-cache's default), "
+    "which runs on the CPU provider only: use --provider cpu, or export it again with --kv-cache --cache-layout "
+    "holes for CUDA"
+)
+
+
+def _ragged_cache(proto: onnx.ModelProto) -> bool:
+    """Whether ``proto``'s mha-deploy metadata records the ragged KV-cache layout."""
+    try:
+        metadata = ModelMetadata.from_props({p.key: p.value for p in proto.metadata_props})
+    except MHADeployError:  # no (readable) mha-deploy metadata: not an mha-deploy KV-cache export
+        return False
+    return metadata.cache_layout == CACHE_RAGGED
 
 
 def _float_type(proto: onnx.ModelProto) -> int | None:

@@ -257,8 +257,10 @@ class KVCacheStepper:
             raise ModelFileError(f"{source}: a ragged cache needs a decoder-only file that takes attention_mask (each "
                                  "row's length)")
         if layout == CACHE_RAGGED and _provider(self.graph.session) != "cpu":
-            raise OptionError(f"{source}: a ragged cache lives in host buffers that ORT writes in place; run it on "
-                              f"the CPU provider (this session: {_provider(self.graph.session)})")
+            from mha_deploy.runtime.cuda_support import RAGGED_OFF_CPU
+
+            # The cache lives in host buffers that ORT writes in place (run_in_place binds host memory).
+            raise OptionError(f"{source}: provider {_provider(self.graph.session)!r}: {RAGGED_OFF_CPU}")
         self.cache_layout = layout
         # Positions and rows the next allocation holds at least (``reserve``).
         self._reserved = (0, 0)

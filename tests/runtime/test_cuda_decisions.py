@@ -211,3 +211,45 @@ def test_cuda_graphs_refuse_token_packing():
     )
     reason = cuda_graph_unsupported(onnx.helper.make_model(graph))
     assert "packs its tokens" in reason and "--no-pack-tokens" in reason
+
+
+# --- a ragged KV-cache file (export --kv-cache's default) off the CPU: refused with what to do instead ---
+
+
+def test_cuda_unsupported_names_a_ragged_cache_and_the_holes_export(lm_cache):
+    """fp32 GroupQueryAttention has no CUDA kernel: a ragged file is told to export --cache-layout holes, whose
+    contrib MultiHeadAttention CUDA runs."""
+    ragged, holes = lm_cache("causal_lm")[0], lm_cache("causal_lm", "--cache-layout", "holes")[0]
+    assert "--cache-layout holes" in cuda_unsupported(onnx.load(ragged))
+    assert cuda_unsupported(onnx.load(holes)) is None
+
+
+@pytest.mark.parametrize("command", ["generate", "serve"])
+def test_generate_and_serve_on_cuda_refuse_a_ragged_file_in_one_line(lm_cache, cuda_looks_usable, tmp_path, command):
+    from click.testing import CliRunner
+
+    from mha_deploy.cli import main
+    from tests.serving.helpers import free_port
+
+    path = lm_cache("causal_lm")[0]
+    prompts = tmp_path / "in.jsonl"
+    prompts.write_text('{"id": "a", "input_ids": [1, 2]}\n')
+    args = (["generate", str(path), "--input", str(prompts), "--output", str(tmp_path / "out.jsonl")]
+            if command == "generate" else ["serve", str(path), "--port", str(free_port())])
+    result = CliRunner().invoke(main, [*args, "--provider", "cuda"])
+    assert result.exit_code == 1, result.output
+    lines = result.stderr.strip().splitlines()
+    assert lines[-1].startswith("error: provider 'cuda' requested but ") and "ragged KV cache" in lines[-1], lines
+    assert "--provider cpu" in lines[-1] and "--cache-layout holes" in lines[-1]
+    assert "Traceback" not in result.output
+
+
+def test_the_stepper_refuses_a_ragged_file_on_another_provider(lm_cache, monkeypatch):
+    """What an fp16 ragged file on CUDA meets (its session would open): the stepper's cache is host memory ORT
+    writes in place."""
+    from mha_deploy.errors import OptionError
+    from mha_deploy.runtime import kv_stepper
+
+    monkeypatch.setattr(kv_stepper, "_provider", lambda session: "cuda")
+    with pytest.raises(OptionError, match=r"provider 'cuda': .*CPU provider only.*--cache-layout holes for CUDA"):
+        kv_stepper.KVCacheStepper(lm_cache("causal_lm")[0])
