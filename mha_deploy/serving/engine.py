@@ -248,6 +248,9 @@ class GenerationEngine:
     @property
     def batching(self) -> str:
         """How rows share the cache, in words (the server's startup line and model description say it)."""
+        if self.stepper.ragged and not self.mix_lengths:
+            return ("continuous batching by length over a ragged cache, as told (mix_lengths off): a request shares a "
+                    "cohort only with rows of its exact length, although the file would mix lengths exactly")
         if self.stepper.ragged:
             return ("continuous batching over a ragged cache: requests of any length share one cache, each row at its "
                     "own length with no holes (the file writes each row's keys and values in place); a row joins "

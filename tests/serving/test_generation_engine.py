@@ -110,6 +110,7 @@ def test_greedy_requests_sharing_the_loop_equal_each_alone(tiny, mix):
     lengths = [3 + i % 6 for i in range(len(given))]
     # a small prefill chunk: long prompts prefill over several turns while others step
     engine = GenerationEngine(KVCacheStepper(tiny), max_kv_tokens=4096, prefill_chunk=7, mix_lengths=mix)
+    assert ("by length" in engine.batching) != mix and "ragged cache" in engine.batching  # says which it does
     engine.start()
     try:
         got = run_all(engine, [GenerationRequest(p, GenerationConfig(max_new_tokens=n))
