@@ -177,7 +177,10 @@ def per_token_latency(path: Path, sizes: Sizes, gate) -> tuple[float, float]:
     def feeds(new: int) -> dict[str, np.ndarray]:
         past = sizes.context - new
         cache = {name: rng.standard_normal((1, heads, past, head_dim)).astype(np.float32) for name in caches}
-        return {"input_ids": rng.integers(1, sizes.vocab, (1, new)), "attention_mask": mask, **cache}
+        ids = {"input_ids": rng.integers(1, sizes.vocab, (1, new)), "attention_mask": mask, **cache}
+        if "position_ids" in session.signature.tensors:  # the default export takes them (its ragged layout)
+            ids["position_ids"] = np.arange(past, sizes.context)[None, :]
+        return ids
 
     step, whole = feeds(1), feeds(sizes.context)
     timings = time_blocks({"cached": lambda: session.run(step), "recompute": lambda: session.run(whole)},
