@@ -157,7 +157,8 @@ def export(sizes: Sizes, workdir: Path) -> Path:
     result = export_model(getattr(tutorial_gpt, sizes.factory)(), path, tutorial_gpt.INPUTS, kv_cache=True,
                           generation=GenerationIds([], PAD))
     write_genai_config(path, threads=THREADS)
-    print(f"exported in {time.perf_counter() - started:.0f} s: {result.fusion.summary()}; {result.parity.summary()}",
+    print(f"exported in {time.perf_counter() - started:.0f} s: {result.fusion.summary()}; cache layout "
+          f"{result.metadata.cache_layout or 'holes'}; {result.parity.summary()}",
           flush=True)
     return path
 

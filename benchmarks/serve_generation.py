@@ -20,11 +20,12 @@ request. Clients run on the same machine as the server and compete with it for t
     .venv/bin/python benchmarks/serve_generation.py --module tests/user_models/tutorial_gpt.py:build \\
         --requests 8 --prompt 4 32 --new 2 12                   # a quick check that it runs
 
-The GPT (tests/user_models/tutorial_gpt.py) has learned positions: it is exported with ``--position-ids`` as a
-server of it would be, so that requests of any length share one cache and each still gets its tokens alone (the
-stepper numbers each row's real tokens). ``--no-position-ids`` exports it without (then the engine batches only
-requests of one length together, exact, as alone; the startup line says so). A model without positions
-(tests/user_models/causal_lm.py, ``--no-position-ids``) mixes lengths exactly: its export records so.
+The GPT (tests/user_models/tutorial_gpt.py) has learned positions: ``export --kv-cache`` gives it a
+``position_ids`` input by default and writes the ragged cache layout (each row's keys and values written in place at
+its own length), so that requests of any length share one cache and each still gets its tokens alone.
+``--no-position-ids`` exports it without (the holes layout: the engine then batches only requests of one length
+together, exact, as alone; the startup line says so). A model without positions (tests/user_models/causal_lm.py)
+is ragged either way: its export records so.
 """
 
 from __future__ import annotations
