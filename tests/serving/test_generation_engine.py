@@ -39,6 +39,15 @@ def alone(path, prompt, **options) -> list[int]:
     return generate(KVCacheStepper(path), [prompt], **options).tokens[0].tolist()
 
 
+def served(engine: GenerationEngine, requests: list[GenerationRequest]) -> list[list[int]]:
+    """``run_all`` on the engine's own decode thread, started for it and stopped after."""
+    engine.start()
+    try:
+        return run_all(engine, requests)
+    finally:
+        engine.stop(10)
+
+
 def run_all(engine: GenerationEngine, requests: list[GenerationRequest], timeout: float = 60) -> list[list[int]]:
     """Every request submitted at once; their tokens, each request's in order."""
     results = [[] for _ in requests]
@@ -111,12 +120,8 @@ def test_greedy_requests_sharing_the_loop_equal_each_alone(tiny, mix):
     # a small prefill chunk: long prompts prefill over several turns while others step
     engine = GenerationEngine(KVCacheStepper(tiny), max_kv_tokens=4096, prefill_chunk=7, mix_lengths=mix)
     assert ("by length" in engine.batching) != mix and "ragged cache" in engine.batching  # says which it does
-    engine.start()
-    try:
-        got = run_all(engine, [GenerationRequest(p, GenerationConfig(max_new_tokens=n))
-                               for p, n in zip(given, lengths, strict=True)])
-    finally:
-        engine.stop(10)
+    got = served(engine, [GenerationRequest(p, GenerationConfig(max_new_tokens=n))
+                           for p, n in zip(given, lengths, strict=True)])
     for prompt, n, tokens in zip(given, lengths, got, strict=True):
         assert tokens == alone(tiny, prompt.tolist(), max_new_tokens=n)
     assert engine.snapshot() == {"running": 0, "waiting": 0, "cache_positions": 0}
@@ -132,11 +137,7 @@ def test_per_request_settings_in_one_batch(tiny):
     stop = full[2]
     configs[0] = GenerationConfig(max_new_tokens=6, eos_token_id=stop)
     engine = GenerationEngine(KVCacheStepper(tiny), mix_lengths=True)
-    engine.start()
-    try:
-        got = run_all(engine, [GenerationRequest(p, c) for p, c in zip(given, configs, strict=True)])
-    finally:
-        engine.stop(10)
+    got = served(engine, [GenerationRequest(p, c) for p, c in zip(given, configs, strict=True)])
     assert got[0] == full[: full.index(stop) + 1]
     for prompt, config, tokens in zip(given[1:], configs[1:], got[1:], strict=True):
         assert tokens == generate(KVCacheStepper(tiny), [prompt.tolist()], config=config).tokens[0].tolist()
@@ -236,12 +237,8 @@ def test_a_model_with_its_own_positions_batches_only_aligned_rows_and_each_equal
     assert not engine.mix_lengths and "exact length" in engine.batching
     rng = np.random.default_rng(5)
     given = [rng.integers(0, 96, n) for n in (4, 9, 4, 12, 9, 4, 30)]  # equal lengths share a cohort
-    engine.start()
-    try:
-        got = run_all(engine, [GenerationRequest(p, GenerationConfig(max_new_tokens=5 + i % 3))
-                               for i, p in enumerate(given)])
-    finally:
-        engine.stop(10)
+    got = served(engine, [GenerationRequest(p, GenerationConfig(max_new_tokens=5 + i % 3))
+                           for i, p in enumerate(given)])
     for i, (prompt, tokens) in enumerate(zip(given, got, strict=True)):
         assert tokens == alone(path, prompt.tolist(), max_new_tokens=5 + i % 3)
 
@@ -290,12 +287,8 @@ def test_an_encoder_decoder_joins_rows_of_other_sources_each_equal_to_alone(seq2
     assert not engine.mix_lengths  # no attention_mask for the decoder's own holes: rows join when aligned
     rng = np.random.default_rng(6)
     given = [rng.integers(1, vocab, n) for n in (3, 9, 1, 6, 9)]  # sources of other lengths share a cohort (masked)
-    engine.start()
-    try:
-        got = run_all(engine, [GenerationRequest(p, GenerationConfig(max_new_tokens=4 + i % 3))
-                               for i, p in enumerate(given)])
-    finally:
-        engine.stop(10)
+    got = served(engine, [GenerationRequest(p, GenerationConfig(max_new_tokens=4 + i % 3))
+                           for i, p in enumerate(given)])
     for i, (source, tokens) in enumerate(zip(given, got, strict=True)):
         assert tokens == generate(stepper(), [source.tolist()], max_new_tokens=4 + i % 3).tokens[0].tolist()
     with pytest.raises(Exception, match="vocabulary"):
@@ -317,11 +310,7 @@ def test_ragged_requests_of_mixed_lengths_each_equal_alone_and_free_their_cache(
     rng = np.random.default_rng(4)
     given = [rng.integers(0, 60, n) for n in (3, 11, 1, 7, 15, 4)]
     configs = [GenerationConfig(max_new_tokens=4 + 3 * (i % 3), eos_token_id=[]) for i in range(len(given))]
-    engine.start()
-    try:
-        got = run_all(engine, [GenerationRequest(p, c) for p, c in zip(given, configs, strict=True)])
-    finally:
-        engine.stop(10)
+    got = served(engine, [GenerationRequest(p, c) for p, c in zip(given, configs, strict=True)])
     for prompt, config, tokens in zip(given, configs, got, strict=True):
         assert tokens == alone(ragged, prompt.tolist(), config=config)
     assert engine.snapshot() == {"running": 0, "waiting": 0, "cache_positions": 0}
