@@ -755,7 +755,7 @@ def _finish(
         try:
             if fuse_target != "mha":
                 raise RaggedRefused(f"--fuse {fuse_target}: GroupQueryAttention is a contrib op of the mha target")
-            model = to_ragged_cache(fused)
+            model = to_ragged_cache(fused, max_length=metadata.max_length)
         except RaggedRefused as exc:
             why = str(exc)
         else:

@@ -2,6 +2,8 @@
 export writes, its greedy tokens driven by plain numpy calls under the layout's contract, and where the export
 keeps the holes layout instead, saying why."""
 
+import re
+
 import pytest
 
 pytest.importorskip("torch")
@@ -15,6 +17,7 @@ from click.testing import CliRunner
 from mha_deploy.cli import main
 from mha_deploy.errors import ExportError
 from mha_deploy.exporters import export_model
+from mha_deploy.exporters.fusion import ragged_cache
 from mha_deploy.exporters.fusion.ragged_cache import RaggedRefused, to_ragged_cache
 from mha_deploy.metadata import CACHE_RAGGED, POSITIONS_INPUT, POSITIONS_NONE, POSITIONS_PADDED_WIDTH
 from mha_deploy.runtime import MHASession
@@ -114,17 +117,24 @@ class SlidingWindowLM(torch.nn.Module):
         return self.lm.lm_head(x)
 
 
-def test_a_sliding_window_keeps_the_holes_layout_saying_which_call_differed(tmp_path):
-    result = export_model(SlidingWindowLM(), tmp_path / "lm.onnx", ["tokens:tokens", "mask:padding-mask"],
-                          kv_cache=True)
+@pytest.mark.parametrize(("window", "max_length"), [(3, None), (300, 512)])
+def test_a_sliding_window_keeps_the_holes_layout_saying_where_its_mask_differs(tmp_path, monkeypatch, window,
+                                                                                max_length):
+    """A window of 3 and one of 300 (wider than every call per-step parity decodes, 262 tokens): the mask probe,
+    run up to the max length (4096 when none is known), finds the key the window hides from a later query."""
+    export = {"inputs": ["tokens:tokens", "mask:padding-mask"], "kv_cache": True, "max_length": max_length}
+    result = export_model(SlidingWindowLM(window), tmp_path / "lm.onnx", **export)
     assert result.metadata.cache_layout is None and result.parity.passed
-    assert [w for w in result.warnings if w.startswith("--kv-cache: holes cache layout, not ragged (its parity "
-                                                       "failed: ") and " call " in w], result.warnings
+    probed = r"--kv-cache: holes cache layout, not ragged \(the mask of attention 0 hides key \d+ from query \d+"
+    assert [w for w in result.warnings if re.match(probed, w) and "the mask probe)" in w], result.warnings
     assert "MultiHeadAttention" in {node.op_type for node in onnx.load(str(result.path)).graph.node}
-    with pytest.raises(ExportError, match=r"--cache-layout ragged: its parity failed: .* call \d"):
-        export_model(SlidingWindowLM(), tmp_path / "forced.onnx", ["tokens:tokens", "mask:padding-mask"],
-                     kv_cache=True, cache_layout="ragged")
+    with pytest.raises(ExportError, match=r"--cache-layout ragged: the mask of attention 0 hides key \d+ from query"):
+        export_model(SlidingWindowLM(window), tmp_path / "forced.onnx", cache_layout="ragged", **export)
     assert not (tmp_path / "forced.onnx").exists()
+    if window > 262:  # what the probe is for: per-step parity alone would have written a wrong ragged file
+        monkeypatch.setattr(ragged_cache, "check_masks_are_causal", lambda *args: None)
+        unprobed = export_model(SlidingWindowLM(window), tmp_path / "unprobed.onnx", cache_layout="ragged", **export)
+        assert unprobed.metadata.cache_layout == CACHE_RAGGED and unprobed.parity.passed
 
 
 def _bias_reads_the_ids(graph, attention):

@@ -85,6 +85,17 @@ def probe_bias(bias: ir.Value, dims: tuple) -> ProbedBias | None:
         return None
 
 
+def cut_out(outputs: list[ir.Value]):
+    """(an ONNX Runtime session computing ``outputs`` from the graph inputs they read, those inputs): the
+    subgraph producing them cut out of their graph, as ``probe_bias`` runs it; None when it cannot be (an
+    activation or a control-flow op on the way, an untyped value, a graph ORT cannot run alone)."""
+    try:
+        nodes, inputs = _subgraph(outputs)
+        return _session(_model(nodes, inputs, outputs)), inputs
+    except _NotReadable:
+        return None
+
+
 def _probe(bias: ir.Value, dims: tuple) -> ProbedBias:
     terms = _terms(bias)
     if not terms or len(terms) > MAX_TERMS:

@@ -35,24 +35,32 @@ why it refuses, and the export keeps the holes layout.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import onnx
 import onnx_ir as ir
 from onnx_ir.passes.common import RemoveUnusedNodesPass
 
 from mha_deploy.exporters.fusion.contrib_mha import ATTENTION_BIAS, BIAS, KEY_PADDING_MASK, PAST_KEY, optional_input
+from mha_deploy.exporters.fusion.mask_probe import MIN_FILL_MAGNITUDE, cut_out
 
 _PREFIX = "ragged."
 _DOMAIN = "com.microsoft"
+# The longest sequence whose masks are probed where the file records no max length: past the lengths per-step
+# parity decodes (260 tokens), where a sliding window or a chunked mask departs from a causal one.
+PROBE_LENGTH = 4096
 
 
 class RaggedRefused(Exception):
     """Why a graph cannot take the ragged layout (one line, for the export's warning)."""
 
 
-def to_ragged_cache(model: onnx.ModelProto, mask: str = "attention_mask") -> onnx.ModelProto:
+def to_ragged_cache(model: onnx.ModelProto, mask: str = "attention_mask", max_length: int | None = None
+                    ) -> onnx.ModelProto:
     """``model`` with every cached attention on ``GroupQueryAttention`` in the ragged layout (the module
-    docstring); ``RaggedRefused`` saying why when any one cannot be (``model`` is left as it was)."""
+    docstring); ``RaggedRefused`` saying why when any one cannot be (``model`` is left as it was).
+    ``max_length``: the longest sequence the file takes (the masks are probed up to it; None: ``PROBE_LENGTH``)."""
     ir_model = ir.serde.deserialize_model(model)
     graph = ir_model.graph
     inputs = {value.name: value for value in graph.inputs}
@@ -65,6 +73,7 @@ def to_ragged_cache(model: onnx.ModelProto, mask: str = "attention_mask") -> onn
     plans = [_plan(node, inputs[mask]) for node in attentions]
     if 2 * len(plans) != len(caches):
         raise RaggedRefused(f"{len(plans)} attention(s) read a cache, the file takes {len(caches)} cache inputs")
+    check_masks_are_causal(graph, attentions, inputs[mask], max_length or PROBE_LENGTH)
     lengths, total = _row_lengths(graph, inputs[mask])
     for plan in plans:
         plan.apply(graph, lengths, total)
@@ -195,6 +204,129 @@ def _check_bias_sources(bias: ir.Value, mask: ir.Value, name: str) -> None:
         if any(attr.type == ir.AttributeType.GRAPH for attr in producer.attributes.values()):
             raise RaggedRefused(f"{name}: its mask is computed inside a {producer.op_type} subgraph")
         stack.extend(v for v in producer.inputs if v is not None)
+
+
+@dataclass(frozen=True)
+class _Probe:
+    """One call of the ragged contract: the cache's width ``past``, ``seq`` tokens, each row's tokens ``lengths``
+    after it (its mask's ones, right-aligned padding after them)."""
+
+    what: str
+    past: int
+    seq: int
+    lengths: tuple[int, ...]
+
+
+def probe_calls(length: int) -> tuple[_Probe, ...]:
+    """The calls whose masks are compared at ``length``, the longest sequence: a first call of ``length`` tokens
+    (one row whole, one right-padded), a several-token chunk from mid-way (batch 1, as the contract allows it) and
+    a one-token step at the end (one row a third shorter)."""
+    middle = length // 2
+    chunk = max(1, min(16, length - middle))
+    return (
+        _Probe(f"a first call of {length} tokens", 0, length, (length, max(1, middle))),
+        _Probe(f"{chunk} tokens after {middle}", middle, chunk, (middle + chunk,)),
+        _Probe(f"a step after {length - 1} tokens", length - 1, 1, (length, max(1, length - length // 3))),
+    )
+
+
+def check_masks_are_causal(graph: ir.Graph, attentions: list[ir.Node], mask: ir.Value, length: int) -> None:
+    """``RaggedRefused`` unless each attention's mask, its bias as the graph computes it from ``mask`` and
+    shapes (cut out and run, ``mask_probe.cut_out``), shows a query exactly the keys ``GroupQueryAttention``
+    does on every probe call up to ``length`` tokens (``probe_calls``): row r's query at position p sees key j
+    iff j < n_r (key padding) and j <= p (causal). A bias holding anything but 0 and a masking fill (a learned
+    or ALiBi position bias) is refused too: the op would drop it."""
+    biases = [optional_input(node, ATTENTION_BIAS) for node in attentions]
+    unique = list({id(bias): bias for bias in biases if bias is not None}.values())
+    runner = cut_out(unique) if unique else None
+    if unique and runner is None:
+        raise RaggedRefused("the attentions' mask cannot be cut out of the graph and run, to check it is causal")
+    sizes = _symbolic_sizes(graph, mask)
+    for call in probe_calls(length):
+        values = _run_biases(runner, sizes, mask, call) if runner is not None else {}
+        for index, (node, bias) in enumerate(zip(attentions, biases, strict=True)):
+            reason = _visibility_differs(values.get(bias.name) if bias is not None else None,
+                                         node.attributes.get_int("unidirectional", 0), call)
+            if reason:
+                raise RaggedRefused(f"the mask of attention {index} {reason} ({call.what}, the mask probe)")
+
+
+def _symbolic_sizes(graph: ir.Graph, mask: ir.Value) -> dict[str, str]:
+    """Each symbolic dim of the contract's inputs named by what it measures: "batch", "total", "past", "seq"."""
+    named = {}
+    for value in graph.inputs:
+        if value.shape is None:
+            continue
+        roles = {mask.name: ("batch", "total"), "input_ids": ("batch", "seq"), "position_ids": ("batch", "seq")}
+        role = roles.get(value.name, ("batch", None, "past", None) if value.name.startswith("past_key_values.")
+                         else ())
+        for dim, what in zip(value.shape, role, strict=False):
+            if what is not None and not isinstance(dim, int) and dim.value is not None:
+                named[dim.value] = what
+    return named
+
+
+def _run_biases(runner, sizes: dict[str, str], mask: ir.Value, call: _Probe) -> dict[str, np.ndarray]:
+    """The biases' values on ``call``'s feeds: the contract's mask, zeros for what only a Shape reads."""
+    session, inputs = runner
+    measures = {"batch": len(call.lengths), "total": call.past + call.seq, "past": call.past, "seq": call.seq}
+    feeds = {}
+    for value in inputs:
+        shape = []
+        for dim in value.shape:
+            if isinstance(dim, int):
+                shape.append(dim)
+            elif dim.value in sizes:
+                shape.append(measures[sizes[dim.value]])
+            else:
+                raise RaggedRefused(f"the attentions' mask reads {value.name}, whose dim {dim} the probe cannot size")
+        if value is mask:
+            real = np.arange(shape[1])[None] < np.array(call.lengths)[:, None]
+            feeds[value.name] = real.astype(value.dtype.numpy())
+        else:
+            feeds[value.name] = np.zeros(shape, value.dtype.numpy())
+    try:
+        outputs = session.run(None, feeds)
+    except Exception as error:  # ORT's errors have no common type
+        raise RaggedRefused(f"the attentions' mask does not run on the probe ({call.what}): "
+                            f"{str(error).splitlines()[0]}") from error
+    return {output.name: value for output, value in zip(session.get_outputs(), outputs, strict=True)}
+
+
+def _visibility_differs(bias: np.ndarray | None, unidirectional: int, call: _Probe) -> str | None:
+    """How the keys ``bias`` (with the op's own causal flag) shows each real query differ from what
+    GroupQueryAttention shows on ``call``; None when they do not."""
+    batch, total = len(call.lengths), call.past + call.seq
+    if bias is None:
+        bias = np.zeros((1, 1, call.seq, total), np.float32)
+    try:
+        bias = bias.reshape((1,) * (4 - bias.ndim) + bias.shape)
+        bias = np.broadcast_to(bias, (batch, bias.shape[1], call.seq, total))  # [batch, heads, seq, total]
+    except ValueError:
+        return f"is {list(bias.shape)}, not [batch, heads, {call.seq}, {total}]"
+    keys = np.arange(total)
+    for row, length in enumerate(call.lengths):
+        past = max(length - call.seq, 0)
+        queries = np.arange(length - past)  # the row's real queries (a first call's padding after them)
+        values = bias[row, :, : len(queries)]  # [heads, real queries, total]
+        masked, shown = (values <= -MIN_FILL_MAGNITUDE) | np.isneginf(values), values == 0
+        if not (masked | shown).all():
+            odd = values[~(masked | shown)][0]
+            return (f"adds {odd:g} to a score, neither 0 nor a masking fill (a position bias?), which "
+                    "GroupQueryAttention would drop")
+        if unidirectional:  # the op's own flag: causal by column, the queries the last of the keys
+            shown = shown & (keys[None, None] <= call.past + queries[None, :, None])
+        wanted = (keys[None, :] < length) & (keys[None, :] <= past + queries[:, None])
+        differs = np.argwhere(shown != wanted[None])
+        if len(differs):
+            _, query, key = differs[0]
+            position = past + query
+            where = "" if batch == 1 else f" in row {row}"
+            if wanted[query, key]:
+                return (f"hides key {key} from query {position}{where}{' (a window?)' if key < position else ''} "
+                        "where a causal mask shows it")
+            return f"shows key {key} to query {position}{where} where a causal mask with key padding hides it"
+    return None
 
 
 def _row_lengths(graph: ir.Graph, mask: ir.Value) -> tuple[ir.Value, ir.Value]:
