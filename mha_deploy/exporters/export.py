@@ -475,8 +475,9 @@ def export_model(
     (``ModelMetadata.positions``).
 
     ``cache_layout`` (a causal LM with ``kv_cache``): "auto" (the default) writes the ragged layout
-    (``fusion.ragged_cache``: GroupQueryAttention updating the cache in place, right padding, parity checked call by
-    call under that convention) where the file allows it, and otherwise the holes layout with a warning saying why;
+    (``fusion.ragged_cache``: GroupQueryAttention updating the cache in place, right padding, each mask probed up to
+    the max length, parity checked call by call under that convention) where the file allows it, and otherwise
+    the holes layout with a warning saying why;
     "ragged" refuses (writing nothing) where it cannot; "holes" keeps ``past ++ new`` for any padding. Recorded as
     ``ModelMetadata.cache_layout`` (None for holes, which earlier mha-deploy reads).
     """

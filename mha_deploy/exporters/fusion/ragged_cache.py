@@ -27,8 +27,14 @@ What is rewritten, found structurally: each ``com.microsoft.MultiHeadAttention``
 one Identity to a present output; the new keys/values traced back through Transposes and one Reshape to the
 [batch, seq, heads * head_dim] projection GroupQueryAttention takes. The op's additive bias must come only from
 ``attention_mask`` and from shapes (a Shape of any input, constants): what the module's mask ops can then
-express is key padding and a pattern over positions; that the pattern is causal (not, say, a sliding window) is
-what the export's per-step parity under this layout proves (``own_kv_cache.check_ragged_cache_parity``). The
+express is key padding and a pattern over positions. That the pattern is exactly GroupQueryAttention's (key j
+visible to row r's query at position p iff j < n_r and j <= p; not, say, a sliding window, nor a position bias
+the op would drop) is read from what the bias computes (``check_masks_are_causal``): its subgraph is cut out
+(``mask_probe.cut_out``) and run on calls of the contract reaching the longest sequence the file takes (its max
+length, else ``PROBE_LENGTH``): a first call of that many tokens with a right-padded row, a chunk mid-way, a
+one-token step at the end; every bias value must be 0 or a masking fill, and the keys shown must match key by key.
+Per-step parity under this layout (``own_kv_cache.check_own_cache_parity``) then checks the numbers at the
+lengths it decodes (up to 262 tokens), which alone would miss a pattern that departs from causal only later. The
 bias's subgraph, the Concats and the Identities are then dead and removed. ``to_ragged_cache`` says in one line
 why it refuses, and the export keeps the holes layout.
 """
