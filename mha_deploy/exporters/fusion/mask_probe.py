@@ -85,12 +85,14 @@ def probe_bias(bias: ir.Value, dims: tuple) -> ProbedBias | None:
         return None
 
 
-def cut_out(outputs: list[ir.Value]):
+def cut_out(outputs: list[ir.Value], shapes_as_inputs: bool = False):
     """(an ONNX Runtime session computing ``outputs`` from the graph inputs they read, those inputs): the
     subgraph producing them cut out of their graph, as ``probe_bias`` runs it; None when it cannot be (an
-    activation or a control-flow op on the way, an untyped value, a graph ORT cannot run alone)."""
+    activation or a control-flow op on the way, an untyped value, a graph ORT cannot run alone).
+    ``shapes_as_inputs``: each Shape's output is an input of the cut instead (whatever the Shape reads, an
+    activation included, stays out), for a caller that knows the shapes to feed."""
     try:
-        nodes, inputs = _subgraph(outputs)
+        nodes, inputs = _subgraph(outputs, shapes_as_inputs)
         return _session(_model(nodes, inputs, outputs)), inputs
     except _NotReadable:
         return None
@@ -191,8 +193,9 @@ def _scalar(value: ir.Value) -> float | None:
     return float(array.reshape(-1)[0]) if array.size == 1 else None
 
 
-def _subgraph(outputs: list[ir.Value]) -> tuple[list[ir.Node], list[ir.Value]]:
-    """The nodes computing ``outputs`` from the graph's inputs and constants, in graph order; the inputs read."""
+def _subgraph(outputs: list[ir.Value], shapes_as_inputs: bool = False) -> tuple[list[ir.Node], list[ir.Value]]:
+    """The nodes computing ``outputs`` from the graph's inputs and constants (and Shapes' outputs, with
+    ``shapes_as_inputs``), in graph order; the inputs read."""
     producer = next((value.producer() for value in outputs if value.producer() is not None), None)
     if producer is None or producer.graph is None:
         raise _NotReadable
@@ -207,7 +210,8 @@ def _subgraph(outputs: list[ir.Value]) -> tuple[list[ir.Node], list[ir.Value]]:
         seen.add(id(value))
         if not value.name:
             raise _NotReadable
-        if value.is_graph_input():
+        if value.is_graph_input() or (shapes_as_inputs and value.producer() is not None
+                                      and value.producer().op_type == "Shape"):
             inputs[value.name] = value
             continue
         if value.const_value is not None and value.producer() is None:

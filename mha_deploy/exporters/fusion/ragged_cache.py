@@ -27,13 +27,14 @@ What is rewritten, found structurally: each ``com.microsoft.MultiHeadAttention``
 one Identity to a present output; the new keys/values traced back through Transposes and one Reshape to the
 [batch, seq, heads * head_dim] projection GroupQueryAttention takes. The op's additive bias must come only from
 ``attention_mask`` and from shapes (a Shape of any input, constants): what the module's mask ops can then
-express is key padding and a pattern over positions. That the pattern is exactly GroupQueryAttention's (key j
-visible to row r's query at position p iff j < n_r and j <= p; not, say, a sliding window, nor a position bias
-the op would drop) is read from what the bias computes (``check_masks_are_causal``): its subgraph is cut out
-(``mask_probe.cut_out``) and run on calls of the contract reaching the longest sequence the file takes (its max
-length, else ``PROBE_LENGTH``): a first call of that many tokens with a right-padded row, a chunk mid-way, a
-one-token step at the end; every bias value must be 0 or a masking fill, and the keys shown must match key by key.
-Per-step parity under this layout (``own_kv_cache.check_own_cache_parity``) then checks the numbers at the
+express is key padding and a pattern over positions.
+That the pattern is exactly GroupQueryAttention's (key j visible to row r's query at position p iff j < n_r and
+j <= p; not, say, a sliding window, nor a position bias the op would drop) is read from what the bias computes
+(``check_masks_are_causal``): its subgraph is cut out (``mask_probe.cut_out``, each Shape it reads fed as the
+graph's shapes give it on the call) and run on calls of the contract reaching the longest sequence the file takes
+(its max length, else ``PROBE_LENGTH``): a first call of that many tokens with a right-padded row, a chunk mid-way,
+a one-token step at the end; every bias value must be 0 or a masking fill, and the keys shown must match key by
+key. Per-step parity under this layout (``own_kv_cache.check_own_cache_parity``) then checks the numbers at the
 lengths it decodes (up to 262 tokens), which alone would miss a pattern that departs from causal only later. The
 bias's subgraph, the Concats and the Identities are then dead and removed. ``to_ragged_cache`` says in one line
 why it refuses, and the export keeps the holes layout.
@@ -244,7 +245,7 @@ def check_masks_are_causal(graph: ir.Graph, attentions: list[ir.Node], mask: ir.
     or ALiBi position bias) is refused too: the op would drop it."""
     biases = [optional_input(node, ATTENTION_BIAS) for node in attentions]
     unique = list({id(bias): bias for bias in biases if bias is not None}.values())
-    runner = cut_out(unique) if unique else None
+    runner = cut_out(unique, shapes_as_inputs=True) if unique else None
     if unique and runner is None:
         raise RaggedRefused("the attentions' mask cannot be cut out of the graph and run, to check it is causal")
     sizes = _symbolic_sizes(graph, mask)
@@ -273,24 +274,32 @@ def _symbolic_sizes(graph: ir.Graph, mask: ir.Value) -> dict[str, str]:
 
 
 def _run_biases(runner, sizes: dict[str, str], mask: ir.Value, call: _Probe) -> dict[str, np.ndarray]:
-    """The biases' values on ``call``'s feeds: the contract's mask, zeros for what only a Shape reads."""
+    """The biases' values on ``call``'s feeds: the contract's mask, and each Shape the bias reads as the graph's
+    shapes say it is on that call (what it reads, an activation say, is not run)."""
     session, inputs = runner
     measures = {"batch": len(call.lengths), "total": call.past + call.seq, "past": call.past, "seq": call.seq}
+
+    def size(value: ir.Value, dim) -> int:
+        if isinstance(dim, int):
+            return dim
+        if dim.value in sizes:
+            return measures[sizes[dim.value]]
+        raise RaggedRefused(f"the attentions' mask reads the shape of {value.name}, whose dim {dim} the mask "
+                            "probe cannot size")
+
     feeds = {}
     for value in inputs:
-        shape = []
-        for dim in value.shape:
-            if isinstance(dim, int):
-                shape.append(dim)
-            elif dim.value in sizes:
-                shape.append(measures[sizes[dim.value]])
-            else:
-                raise RaggedRefused(f"the attentions' mask reads {value.name}, whose dim {dim} the probe cannot size")
         if value is mask:
-            real = np.arange(shape[1])[None] < np.array(call.lengths)[:, None]
+            real = np.arange(call.past + call.seq)[None] < np.array(call.lengths)[:, None]
             feeds[value.name] = real.astype(value.dtype.numpy())
-        else:
-            feeds[value.name] = np.zeros(shape, value.dtype.numpy())
+            continue
+        shape_of = value.producer()  # every other input of the cut is a Shape's output
+        source = shape_of.inputs[0]
+        if source.shape is None:
+            raise RaggedRefused(f"the attentions' mask reads the shape of {source.name}, which the graph does not "
+                                "record")
+        start, end = shape_of.attributes.get_int("start", 0), shape_of.attributes.get_int("end", source.shape.rank())
+        feeds[value.name] = np.array([size(source, dim) for dim in list(source.shape)[start:end]], np.int64)
     try:
         outputs = session.run(None, feeds)
     except Exception as error:  # ORT's errors have no common type
