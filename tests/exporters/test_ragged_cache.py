@@ -145,6 +145,13 @@ def _bias_reads_the_ids(graph, attention):
     attention.input[5] = "bias_with_ids"
 
 
+def _bias_plus_a_position_bias(graph, attention):
+    graph.initializer.append(onnx.numpy_helper.from_array(np.array(0.5, np.float32), "half"))
+    graph.node.append(onnx.helper.make_node("Add", [attention.input[5], "half"], ["bias_plus_half"]))
+    graph.value_info.append(onnx.helper.make_tensor_value_info("bias_plus_half", onnx.TensorProto.FLOAT, None))
+    attention.input[5] = "bias_plus_half"
+
+
 def _grown_cache_read_elsewhere(graph, attention):
     graph.node.append(onnx.helper.make_node("ReduceSum", [attention.input[1]], ["cache_sum"]))
     graph.output.append(onnx.ValueInfoProto(name="cache_sum"))
@@ -157,13 +164,15 @@ def _keys_not_from_a_cache(graph, attention):
 @pytest.mark.parametrize(("change", "reason"), [
     # a mask hiding some token, say: not a key-padding mask the row lengths can replace
     (_bias_reads_the_ids, "its mask reads input_ids, not only the attention mask and shapes"),
+    # built from constants, so structurally a mask; the probe reads a value GroupQueryAttention would drop
+    (_bias_plus_a_position_bias, r"the mask of attention 0 adds 0.5 to a score, neither 0 nor a masking fill"),
     # another reader would see the cache GroupQueryAttention no longer builds
     (_grown_cache_read_elsewhere, "its grown cache is read by more than the op and one present output"),
     (_keys_not_from_a_cache, "its grown cache is read by more than the op and one present output"),
 ])
 def test_the_rewrite_refuses_what_it_cannot_prove(lm_cache, change, reason):
-    """The structural half of the proof, on the holes file with one thing changed: the rewrite refuses, saying
-    why, and leaves the model as it was; unchanged, the same file is rewritten."""
+    """The structural half of the proof and the mask probe, on the holes file with one thing changed: the rewrite
+    refuses, saying why, and leaves the model as it was; unchanged, the same file is rewritten."""
     path, _ = lm_cache("causal_lm", *HOLES)
     model = onnx.load(str(path))
     assert "GroupQueryAttention" in {node.op_type for node in to_ragged_cache(model).graph.node}
