@@ -56,10 +56,8 @@ import onnx
 import onnxruntime as ort
 
 from mha_deploy.errors import InputError, ModelFileError, OptionError
-from mha_deploy.metadata import ENCODER_DECODER_KEY, METADATA_KEY, EncoderDecoderRecord
+from mha_deploy.metadata import CACHE_HOLES, CACHE_RAGGED, ENCODER_DECODER_KEY, METADATA_KEY, EncoderDecoderRecord
 
-# The cache layouts (the same words as mha_deploy.metadata's CACHE_RAGGED / CACHE_HOLES, which older files lack).
-CACHE_RAGGED, CACHE_HOLES = "ragged", "holes"
 SELF_CACHE = re.compile(r"^past_key_values\.(\d+)\.(?:decoder\.)?(key|value)$")
 CROSS_CACHE = re.compile(r"^past_key_values\.(\d+)\.encoder\.(key|value)$")
 DECODER_INPUTS = frozenset(

@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 
 from mha_deploy.errors import InputError
+from mha_deploy.metadata import CACHE_RAGGED
 from mha_deploy.runtime.generation import generate
-from mha_deploy.runtime.kv_stepper import CACHE_RAGGED, KVCacheStepper
+from mha_deploy.runtime.kv_stepper import KVCacheStepper
 from tests.conftest import user_module
 from tests.runtime.test_generation import ORT_SEARCHES, RecomputeStepper
 

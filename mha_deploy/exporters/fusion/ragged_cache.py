@@ -261,10 +261,10 @@ def check_masks_are_causal(graph: ir.Graph, attentions: list[ir.Node], mask: ir.
 def _symbolic_sizes(graph: ir.Graph, mask: ir.Value) -> dict[str, str]:
     """Each symbolic dim of the contract's inputs named by what it measures: "batch", "total", "past", "seq"."""
     named = {}
+    roles = {mask.name: ("batch", "total"), "input_ids": ("batch", "seq"), "position_ids": ("batch", "seq")}
     for value in graph.inputs:
         if value.shape is None:
             continue
-        roles = {mask.name: ("batch", "total"), "input_ids": ("batch", "seq"), "position_ids": ("batch", "seq")}
         role = roles.get(value.name, ("batch", None, "past", None) if value.name.startswith("past_key_values.")
                          else ())
         for dim, what in zip(value.shape, role, strict=False):
