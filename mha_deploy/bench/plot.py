@@ -8,6 +8,7 @@ which puts shapes of different sizes on one scale. Lower is faster.
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 from mha_deploy.atomic import atomic_path
@@ -22,6 +23,25 @@ def plot_latency(report: BenchReport, path: str | Path) -> None:
     with atomic_path(path) as tmp:
         fig.savefig(tmp, format="png", dpi=110)
     plt.close(fig)
+
+
+def _labelled_log_limits(values) -> tuple[float, float]:
+    """The 1-2-5 steps just outside the data, at least one step apart.
+
+    Autoscaled limits follow the timings, and bars that all fall between two steps (say 5.5 to 9.5 µs)
+    leave a panel with one labelled tick or none; limits on the steps always show two.
+    """
+    positive = [value for value in values if value > 0]
+    if not positive:
+        return 1.0, 10.0
+    steps = [mantissa * 10.0**exponent
+             for exponent in range(math.floor(math.log10(min(positive))) - 1, math.ceil(math.log10(max(positive))) + 2)
+             for mantissa in (1.0, 2.0, 5.0)]
+    low = max(step for step in steps if step <= min(positive))
+    high = min(step for step in steps if step >= max(positive))
+    if high <= low:
+        high = min(step for step in steps if step > low)
+    return low, high
 
 
 def _pyplot():
@@ -67,6 +87,7 @@ def latency_figure(report: BenchReport):
         ax.yaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
         ax.yaxis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:g}"))
         ax.yaxis.set_minor_formatter(NullFormatter())
+        ax.set_ylim(*_labelled_log_limits(us_per_token.values()))
         ax.set_xticks(range(len(shapes)), [f"{batch}x{seq}" for batch, seq in shapes])
         title = f"mask {mode}" + (f"; hatched: {default}, the default export (--fuse auto)" if default else "")
         ax.set_title(title, fontsize=10, loc="left")
