@@ -13,6 +13,7 @@ import onnx
 from mha_deploy.errors import MHADeployError
 from mha_deploy.metadata import CACHE_RAGGED, ModelMetadata
 from mha_deploy.onnx_nodes import all_nodes
+from mha_deploy.runtime.cache_layout import read_cache_layout
 
 # ONNX Attention's qk_matmul_output_mode values other than 0 (the raw scores):
 # ORT's CUDA Attention kernel returns NOT_IMPLEMENTED for modes 1-3 (onnxruntime
@@ -90,12 +91,13 @@ RAGGED_OFF_CPU = (
 
 
 def _ragged_cache(proto: onnx.ModelProto) -> bool:
-    """Whether ``proto``'s mha-deploy metadata records the ragged KV-cache layout."""
+    """Whether ``proto`` keeps the ragged KV-cache layout: as its mha-deploy metadata records, else as its graph
+    reads (a file whose metadata is missing or unreadable)."""
     try:
         metadata = ModelMetadata.from_props({p.key: p.value for p in proto.metadata_props})
-    except MHADeployError:  # no (readable) mha-deploy metadata: not an mha-deploy KV-cache export
-        return False
-    return metadata.cache_layout == CACHE_RAGGED
+    except MHADeployError:
+        metadata = None
+    return read_cache_layout(metadata, proto.graph) == CACHE_RAGGED
 
 
 def _float_type(proto: onnx.ModelProto) -> int | None:

@@ -57,8 +57,8 @@ import onnxruntime as ort
 
 from mha_deploy.errors import InputError, ModelFileError, OptionError
 from mha_deploy.metadata import CACHE_HOLES, CACHE_RAGGED, ENCODER_DECODER_KEY, METADATA_KEY, EncoderDecoderRecord
+from mha_deploy.runtime.cache_layout import SELF_CACHE, read_cache_layout
 
-SELF_CACHE = re.compile(r"^past_key_values\.(\d+)\.(?:decoder\.)?(key|value)$")
 CROSS_CACHE = re.compile(r"^past_key_values\.(\d+)\.encoder\.(key|value)$")
 DECODER_INPUTS = frozenset(
     {"input_ids", "attention_mask", "position_ids", "encoder_hidden_states", "encoder_attention_mask",
@@ -113,7 +113,8 @@ class _Graph:
             )
 
         self.outputs = tuple(outputs)
-        self.cache_layout = _cache_layout(self.source, metadata, graph)
+        # An InferenceSession that does not say where it came from has no graph to read: holes (give cache_layout=).
+        self.cache_layout = read_cache_layout(metadata, self.source if graph is None else graph)
         logits = outputs.get("logits")
         vocab = logits.shape[-1] if logits is not None and logits.shape else None
         self.vocab_size = vocab if isinstance(vocab, int) and vocab > 0 else None  # None: the file leaves it open
@@ -624,25 +625,6 @@ def _provider(session) -> str:
     if isinstance(session, ort.InferenceSession):
         return "cpu" if session.get_providers()[0] == "CPUExecutionProvider" else session.get_providers()[0]
     return getattr(session, "provider", "cpu")
-
-
-def _cache_layout(source: str, metadata, graph: onnx.GraphProto | None) -> str:
-    """How the file keeps its cache: what its metadata records (``metadata.cache_layout``), else read off the graph:
-    ragged when a contrib GroupQueryAttention reads its past straight from a ``past_key_values.*`` input (it then
-    writes present at each row's own length, in the past's buffer when bound to it), holes otherwise."""
-    recorded = getattr(metadata, "cache_layout", None)
-    if recorded is not None:
-        return recorded
-    if graph is None:
-        if not os.path.isfile(source):
-            return CACHE_HOLES  # an InferenceSession that does not say where it came from: give cache_layout=
-        graph = onnx.load(source, load_external_data=False).graph
-    inputs = {value.name for value in graph.input}
-    for node in graph.node:
-        if node.op_type == "GroupQueryAttention" and node.domain == "com.microsoft" and len(node.input) > 3 \
-                and node.input[3] in inputs and SELF_CACHE.match(node.input[3]):
-            return CACHE_RAGGED
-    return CACHE_HOLES
 
 
 def _present(past_name: str) -> str:

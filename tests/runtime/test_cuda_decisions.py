@@ -19,7 +19,7 @@ import pytest
 from mha_deploy.errors import ProviderUnavailableError
 from mha_deploy.metadata import Signature
 from mha_deploy.runtime import MHASession, providers
-from mha_deploy.runtime.cuda_support import cuda_graph_unsupported, cuda_unsupported
+from mha_deploy.runtime.cuda_support import RAGGED_OFF_CPU, cuda_graph_unsupported, cuda_unsupported
 from mha_deploy.runtime.providers import CPU_EP, CUDA_EP, ProviderPlan
 from mha_deploy.serving.triton import TritonConfig, TritonExportError, write_triton_model
 from tests.conftest import TEST_D_MODEL, TEST_HEADS
@@ -222,6 +222,16 @@ def test_cuda_unsupported_names_a_ragged_cache_and_the_holes_export(lm_cache):
     ragged, holes = lm_cache("causal_lm")[0], lm_cache("causal_lm", "--cache-layout", "holes")[0]
     assert "--cache-layout holes" in cuda_unsupported(onnx.load(ragged))
     assert cuda_unsupported(onnx.load(holes)) is None
+
+
+def test_a_ragged_file_without_its_metadata_is_read_off_its_graph(lm_cache):
+    """Metadata stripped (a copy another tool rewrote): the GroupQueryAttention reading past_key_values still says
+    ragged, as it does to the stepper; the holes file's attention (contrib MultiHeadAttention) still runs on CUDA."""
+    ragged, holes = (onnx.load(lm_cache("causal_lm", *flags)[0]) for flags in ((), ("--cache-layout", "holes")))
+    for proto in (ragged, holes):
+        del proto.metadata_props[:]
+    assert cuda_unsupported(ragged) == RAGGED_OFF_CPU
+    assert cuda_unsupported(holes) is None
 
 
 @pytest.mark.parametrize("command", ["generate", "serve"])
