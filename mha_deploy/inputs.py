@@ -32,15 +32,20 @@ class InputCase:
         return f"{shape}/{self.padding}" if signature.has_padding_mask and self.padding != "none" else shape
 
 
+def right_padding_mask(lengths, width: int) -> np.ndarray:
+    """bool [rows, width], True = real token: row r's first ``lengths[r]`` positions, the mask of a right-padded
+    batch (``lengths`` [rows], each <= width to fill no more than the row)."""
+    return np.arange(width)[None, :] < np.asarray(lengths)[:, None]
+
+
 def padding_mask(batch: int, length: int, padding: str, rng: np.random.Generator) -> np.ndarray:
     """bool [batch, length], True = real token, random lengths >= 1; row 0 is always full length."""
     if padding not in PADDING_SIDES:
         raise OptionError(f"padding must be one of {', '.join(PADDING_SIDES)}, got {padding!r}")
     lengths = rng.integers(1, length + 1, size=batch)
     lengths[0] = length
-    positions = np.arange(length)[None, :]
-    right = positions < lengths[:, None]
-    left = positions >= (length - lengths)[:, None]
+    right = right_padding_mask(lengths, length)
+    left = np.arange(length)[None, :] >= (length - lengths)[:, None]
     if padding == "none":
         return np.ones((batch, length), dtype=bool)
     if padding == "right":

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from mha_deploy.batch.base import Item, Result
+from mha_deploy.inputs import right_padding_mask
 from mha_deploy.metadata import ModelMetadata
 from mha_deploy.signature import Signature
 
@@ -182,8 +183,7 @@ def collate(items: Sequence[Item], signature: Signature) -> Batch:
     }
     for mask_name in signature.padding_masks:
         axis = signature.axis_of(mask_name)
-        real = np.array([item[axis] for item in lengths])
-        feeds[mask_name] = np.arange(longest[axis])[None, :] < real[:, None]
+        feeds[mask_name] = right_padding_mask([item[axis] for item in lengths], longest[axis])
     return Batch(feeds, lengths, signature.query_axis)
 
 

@@ -58,7 +58,7 @@ from onnx import TensorProto, helper
 from mha_deploy.compare import compare_arrays, compare_outputs
 from mha_deploy.errors import ExportError
 from mha_deploy.exporters.parity import CacheCase, parity_report, torch_reference
-from mha_deploy.inputs import padding_mask
+from mha_deploy.inputs import padding_mask, right_padding_mask
 from mha_deploy.metadata import (
     CACHE_HOLES,
     CACHE_RAGGED,
@@ -421,9 +421,7 @@ def check_own_cache_parity(
     for index, case in enumerate(cases):
         rng = np.random.default_rng(seed + index)
         calls = _ragged_calls(case, rng) if layout == CACHE_RAGGED else _column_calls(case, rng)
-        real = np.zeros((case.batch, calls.width), bool)
-        for row, length in enumerate(calls.lengths):
-            real[row, :length] = True
+        real = right_padding_mask(calls.lengths, calls.width)
         if layout != CACHE_RAGGED:  # a ragged row's later tokens follow its prompt within the prompt's width
             real[:, : case.prefill] = calls.prompt
         ids = rng.integers(0, tokens.vocab or 2, real.shape)
@@ -437,7 +435,7 @@ def check_own_cache_parity(
             # columns [batch, seq]: each row's positions this call; done [batch]: its tokens so far after it
             rows = np.arange(case.batch)[:, None]
             given = columns < done[:, None]
-            ragged_mask = np.arange(done.max())[None] < done[:, None]
+            ragged_mask = right_padding_mask(done, done.max())
             feeds = {INPUT_IDS: np.where(given, ids[rows, np.minimum(columns, calls.width - 1)], 0),
                      ATTENTION_MASK: ragged_mask if layout == CACHE_RAGGED else real[:, : done.max()], **past}
             if POSITION_IDS in session.signature.tensors:

@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from mha_deploy.errors import InputError, OptionError
+from mha_deploy.inputs import right_padding_mask
 from mha_deploy.runtime.validation import zero_padding
 from mha_deploy.signature import MEMORY_AXIS, TOTAL_AXIS
 
@@ -304,7 +305,7 @@ def _prefill_mask(shape: tuple[int, int], key_padding_mask, lengths) -> np.ndarr
         lengths = np.asarray(lengths, dtype=int).ravel()
         if lengths.shape != (batch,) or lengths.min() < 1 or lengths.max() > seq:
             raise InputError(f"lengths must be {batch} values in [1, {seq}], got {lengths.tolist()}")
-        return np.arange(seq)[None, :] < lengths[:, None]
+        return right_padding_mask(lengths, seq)
     if key_padding_mask is None:
         return np.ones(shape, bool)
     mask = np.asarray(key_padding_mask)

@@ -56,6 +56,7 @@ import onnx
 import onnxruntime as ort
 
 from mha_deploy.errors import InputError, ModelFileError, OptionError
+from mha_deploy.inputs import right_padding_mask
 from mha_deploy.metadata import CACHE_HOLES, CACHE_RAGGED, ENCODER_DECODER_KEY, METADATA_KEY, EncoderDecoderRecord
 from mha_deploy.runtime.cache_layout import SELF_CACHE, read_cache_layout
 
@@ -283,7 +284,7 @@ class KVCacheStepper:
     def mask(self) -> np.ndarray:
         """[rows, width] int64, 1 = a real token in the cache. Ragged: each row's tokens first, width the longest."""
         if self.ragged:
-            return (np.arange(int(self.lengths.max(initial=0)))[None, :] < self.lengths[:, None]).astype(np.int64)
+            return right_padding_mask(self.lengths, int(self.lengths.max(initial=0))).astype(np.int64)
         return self._mask
 
     @property
@@ -488,7 +489,7 @@ class KVCacheStepper:
             raise InputError(f"prompts {np.flatnonzero(lengths == 0).tolist()} have no real token")
         width = int(lengths.max())
         ids = np.zeros((len(input_ids), width), np.int64)
-        ids[np.arange(width)[None, :] < lengths[:, None]] = input_ids[real]  # row-major: each row's in order
+        ids[right_padding_mask(lengths, width)] = input_ids[real]  # row-major: each row's in order
         positions, rows = self._reserved
         if not self.buffers or self.row_capacity < max(len(ids), rows) or self.capacity < max(width, positions):
             self.buffers = {}  # a fresh cache: nothing of the last one is kept
@@ -526,7 +527,7 @@ class KVCacheStepper:
         total = int(lengths.max())
         feeds = {
             "input_ids": np.ascontiguousarray(input_ids, inputs["input_ids"].dtype),
-            "attention_mask": (np.arange(total)[None, :] < lengths[:, None]).astype(inputs["attention_mask"].dtype),
+            "attention_mask": right_padding_mask(lengths, total).astype(inputs["attention_mask"].dtype),
         }
         if "position_ids" in inputs:
             # A first call numbers every column from 0 (a row's padding after its tokens is never read); later

@@ -37,7 +37,7 @@ import onnx
 from onnx import numpy_helper
 
 from mha_deploy.errors import ModelFileError
-from mha_deploy.inputs import random_item
+from mha_deploy.inputs import random_item, right_padding_mask
 from mha_deploy.metadata import ModelMetadata
 from mha_deploy.onnx_nodes import all_nodes
 from mha_deploy.signature import FIXED_AXES, PADDING_MASK, SEQUENCE, TOKENS, Signature, TensorSpec
@@ -379,8 +379,7 @@ def _padded_batch(items: list[dict[str, np.ndarray]], signature: Signature) -> d
             lengths[spec.name] = [len(a) for a in arrays]
     for spec in signature.inputs:
         if spec.role == PADDING_MASK:
-            real = np.array(lengths[spec.marks])
-            feeds[spec.name] = np.arange(feeds[spec.marks].shape[1])[None, :] < real[:, None]
+            feeds[spec.name] = right_padding_mask(lengths[spec.marks], feeds[spec.marks].shape[1])
     return feeds
 
 

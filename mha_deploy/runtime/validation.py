@@ -38,6 +38,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from mha_deploy.errors import InputError
+from mha_deploy.inputs import right_padding_mask
 from mha_deploy.metadata import CACHE_RAGGED, ModelMetadata
 from mha_deploy.signature import (
     BATCH_AXIS,
@@ -533,7 +534,7 @@ def _ragged_mask(name: str, value: object, ids_shape: tuple[int, int], width: in
         raise InputError(f"{name} must have shape [batch, total] with total >= seq (each row's tokens so far, "
                          f"this call's included) = [{batch}, >= {seq}], got {mask.shape}")
     lengths = mask.sum(axis=1)
-    holes = np.flatnonzero((mask != (np.arange(mask.shape[1])[None, :] < lengths[:, None])).any(axis=1))
+    holes = np.flatnonzero((mask != right_padding_mask(lengths, mask.shape[1])).any(axis=1))
     if holes.size:
         raise InputError(f"{name} rows {holes.tolist()[:10]} have padding before a real token: a ragged cache file "
                          "takes right padding only (row r's first n_r entries 1, the rest 0)")

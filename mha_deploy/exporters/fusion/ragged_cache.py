@@ -51,6 +51,7 @@ from onnx_ir.passes.common import RemoveUnusedNodesPass
 
 from mha_deploy.exporters.fusion.contrib_mha import ATTENTION_BIAS, BIAS, KEY_PADDING_MASK, PAST_KEY, optional_input
 from mha_deploy.exporters.fusion.mask_probe import MIN_FILL_MAGNITUDE, cut_out
+from mha_deploy.inputs import right_padding_mask
 
 _PREFIX = "ragged."
 _DOMAIN = "com.microsoft"
@@ -290,8 +291,7 @@ def _run_biases(runner, sizes: dict[str, str], mask: ir.Value, call: _Probe) -> 
     feeds = {}
     for value in inputs:
         if value is mask:
-            real = np.arange(call.past + call.seq)[None] < np.array(call.lengths)[:, None]
-            feeds[value.name] = real.astype(value.dtype.numpy())
+            feeds[value.name] = right_padding_mask(call.lengths, call.past + call.seq).astype(value.dtype.numpy())
             continue
         shape_of = value.producer()  # every other input of the cut is a Shape's output
         source = shape_of.inputs[0]

@@ -32,6 +32,7 @@ import numpy as np
 from mha_deploy import __version__
 from mha_deploy.batch.base import Item, Result
 from mha_deploy.errors import InputError
+from mha_deploy.inputs import right_padding_mask
 from mha_deploy.metadata import ModelMetadata
 from mha_deploy.runtime.validation import (
     item_problem,
@@ -187,7 +188,7 @@ def plan_request(metadata: ModelMetadata, inputs: Mapping[str, np.ndarray], max_
     lengths = {axis: mask.sum(axis=1) for axis, mask in masks.items()}
     # Items get one mask per axis when batched: masks of one axis that differ keep the request's own batch.
     right_padded = all(
-        np.array_equal(mask, np.arange(mask.shape[1])[None, :] < lengths[axis][:, None]) for axis, mask in masks.items()
+        np.array_equal(mask, right_padding_mask(lengths[axis], mask.shape[1])) for axis, mask in masks.items()
     ) and all(np.array_equal(feeds[name], masks[signature.axis_of(name)]) for name in signature.padding_masks)
     items = []
     for row in range(feeds[signature.query_input].shape[0]):
