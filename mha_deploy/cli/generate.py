@@ -45,6 +45,12 @@ from mha_deploy.metadata import ON_ERROR_CHOICES
 @click.option("--top-p", type=click.FloatRange(0, 1, min_open=True), default=1.0, show_default=True,
               help="Sample among the likeliest tokens whose probabilities add up to p.")
 @click.option("--repetition-penalty", type=click.FloatRange(min=0, min_open=True), default=1.0, show_default=True)
+@click.option("--presence-penalty", type=click.FloatRange(-2, 2), default=0.0, show_default=True,
+              help="OpenAI's: a token's logit loses this once the prompt's output holds it (the prompt does not "
+                   "count); greedy and sampling, not --num-beams.")
+@click.option("--frequency-penalty", type=click.FloatRange(-2, 2), default=0.0, show_default=True,
+              help="OpenAI's: a token's logit loses this per time the prompt's output holds it; greedy and "
+                   "sampling, not --num-beams.")
 @click.option("--num-beams", type=click.IntRange(min=1), default=1, show_default=True,
               help="Beam search with this many beams (not with --do-sample).")
 @click.option("--length-penalty", type=float, default=1.0, show_default=True,
@@ -74,7 +80,7 @@ from mha_deploy.metadata import ON_ERROR_CHOICES
 @click.option("--progress/--no-progress", default=True, show_default=True, help="Progress bar on stderr.")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON on stdout.")
 def generate(model, input_path, output_path, tokenizer, encoder, max_new_tokens, min_new_tokens, eos_ids, start_id,
-             do_sample, temperature, top_k, top_p, repetition_penalty, num_beams, length_penalty, seed, max_length,
+             do_sample, temperature, top_k, top_p, repetition_penalty, presence_penalty, frequency_penalty, num_beams, length_penalty, seed, max_length,
              batch_size, max_batch_tokens, pad_prompts, bucket_window, on_error, overwrite, provider, threads, progress,
              as_json):
     """Generate new tokens for every prompt of a dataset with a KV-cache decoder (export --module ... --kv-cache,
@@ -115,9 +121,13 @@ def generate(model, input_path, output_path, tokenizer, encoder, max_new_tokens,
                                "decoder at export); a decoder-only model neither")
     if num_beams > 1 and do_sample:
         raise click.UsageError("--num-beams searches beams and samples nothing: give it or --do-sample, not both")
+    if num_beams > 1 and (presence_penalty or frequency_penalty):
+        raise click.UsageError("--presence-penalty and --frequency-penalty apply to greedy and sampled generation, "
+                               "not to beam search (--num-beams)")
     config = GenerationConfig(
         max_new_tokens=max_new_tokens, min_new_tokens=min_new_tokens, do_sample=do_sample, temperature=temperature,
-        top_k=top_k, top_p=top_p, repetition_penalty=repetition_penalty, num_beams=num_beams,
+        top_k=top_k, top_p=top_p, repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
+        frequency_penalty=frequency_penalty, num_beams=num_beams,
         length_penalty=length_penalty, eos_token_id=list(eos_ids) or None, seed=seed,
     )
     options = RunnerOptions(batch_size, max_batch_tokens, bucket_window, on_error)

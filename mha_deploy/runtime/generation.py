@@ -11,12 +11,15 @@ criteria (``mha_deploy.runtime.stopping``), and tells the stepper which cache ro
 Semantics follow transformers' ``generate`` so that its users find what they expect and the tests
 can hold the loop to it: greedy unless told to sample, the end id kept in the output, the rules
 applied in transformers' order (repetition penalty, minimum new tokens, then temperature, top-k,
-top-p when sampling), and beam search scored and stopped as there (see ``beam_search``).
+top-p when sampling), and beam search scored and stopped as there (see ``beam_search``). OpenAI's
+``logit_bias`` comes before the repetition penalty and its ``presence_penalty`` and
+``frequency_penalty`` after it, as vLLM applies them; greedy and sampling take them, beam search
+refuses them (see ``GenerationConfig``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Protocol, runtime_checkable
 
@@ -25,8 +28,10 @@ import numpy as np
 from mha_deploy.errors import InputError, OptionError
 from mha_deploy.runtime.beam_search import BeamSearchScorer
 from mha_deploy.runtime.logits import (
+    LogitBiasLogitsProcessor,
     LogitsProcessorList,
     MinNewTokensLengthLogitsProcessor,
+    PresenceFrequencyPenaltyLogitsProcessor,
     RepetitionPenaltyLogitsProcessor,
     TokenHistory,
     log_softmax,
@@ -71,6 +76,12 @@ class GenerationConfig:
     - sampling: ``temperature``, ``top_k`` (None: off; transformers' generate uses 50 unless told), ``top_p``,
       ``seed`` (numpy's default generator; None: fresh entropy).
     - ``repetition_penalty``: every search; 1.0 is none.
+    - OpenAI's ``presence_penalty`` and ``frequency_penalty`` (each in [-2, 2], 0 is none: a token's score loses
+      ``frequency_penalty`` per time the row generated it and ``presence_penalty`` once it has, the prompt not
+      counted) and ``logit_bias`` ({token id: bias in [-100, 100]} added to the scores): greedy and sampling only.
+      Beam search refuses them: it ranks hypotheses by summed log-probabilities, and a bias or penalty there would
+      be added to log-probabilities already normalised, changing the hypotheses' scores rather than the
+      distribution of their next token as OpenAI defines it.
     - beams: ``num_beams``, ``length_penalty`` (hypotheses scored sum of log-probs / length ** it),
       ``early_stopping`` (False, as transformers; True or "never").
     - ``pad_token_id``: what ``GenerationOutput.padded`` fills with (default: the file's recorded pad id, else the
@@ -84,6 +95,9 @@ class GenerationConfig:
     top_k: int | None = None
     top_p: float = 1.0
     repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: Mapping[int, float] | None = None
     num_beams: int = 1
     length_penalty: float = 1.0
     early_stopping: bool | str = False
@@ -104,6 +118,10 @@ class GenerationConfig:
             raise OptionError(f"num_beams must be a positive integer, got {self.num_beams!r}")
         if self.num_beams > 1 and self.do_sample:
             raise OptionError("beam search samples nothing here: give num_beams > 1 or do_sample, not both")
+        if self.num_beams > 1 and (self.presence_penalty or self.frequency_penalty or self.logit_bias):
+            raise OptionError("presence_penalty, frequency_penalty and logit_bias apply to greedy and sampled "
+                              "generation only, not to beam search (num_beams > 1): beam search ranks summed "
+                              "log-probabilities, where they would not mean what OpenAI defines")
         if self.early_stopping not in (True, False, "never"):
             raise OptionError(f"early_stopping must be True, False or 'never', got {self.early_stopping!r}")
         if self.pad_token_id is not None and (not isinstance(self.pad_token_id, int) or self.pad_token_id < 0):
@@ -119,10 +137,14 @@ class GenerationConfig:
         return token_ids([*token_ids(self.eos_token_id), *token_ids(self.stop_token_ids)])
 
     def logits_processors(self) -> LogitsProcessorList:
-        """The rules this config applies, in transformers' order."""
+        """The rules this config applies, in transformers' order (OpenAI's as vLLM orders them, see the module)."""
         processors = LogitsProcessorList()
+        if self.logit_bias:
+            processors.append(LogitBiasLogitsProcessor(self.logit_bias))
         if self.repetition_penalty != 1.0:
             processors.append(RepetitionPenaltyLogitsProcessor(self.repetition_penalty))
+        if self.presence_penalty or self.frequency_penalty:
+            processors.append(PresenceFrequencyPenaltyLogitsProcessor(self.presence_penalty, self.frequency_penalty))
         if self.min_new_tokens > 0 and self.end_ids:
             processors.append(MinNewTokensLengthLogitsProcessor(self.min_new_tokens, self.end_ids))
         if self.do_sample:

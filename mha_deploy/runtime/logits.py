@@ -3,18 +3,21 @@
 The classes keep the names and the semantics of transformers' processors of the same name
 (``transformers.generation.logits_process``), on numpy arrays: a user who moves from
 ``generate`` finds the same knobs doing the same thing, and each class is tested against its
-namesake. A processor takes the rows' token histories and the scores ``[rows, vocab]`` and
-returns new scores; it never changes its input in place (the loop may still need it).
+namesake. Two rules that transformers lacks follow OpenAI's API instead, as vLLM serves it
+(``PresenceFrequencyPenaltyLogitsProcessor``, ``LogitBiasLogitsProcessor``). A processor takes
+the rows' token histories and the scores ``[rows, vocab]`` and returns new scores; it never
+changes its input in place (the loop may still need it).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import math
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
-from mha_deploy.errors import OptionError
+from mha_deploy.errors import InputError, OptionError
 
 # What a filtered token's score becomes: it can never be chosen, greedy or sampled.
 FILTERED = -np.inf
@@ -131,6 +134,69 @@ class RepetitionPenaltyLogitsProcessor(LogitsProcessor):
         seen[rows[inside], tokens[inside]] = True
         penalised = np.where(scores < 0, scores * np.float32(self.penalty), scores / np.float32(self.penalty))
         return np.where(seen, penalised, scores).astype(scores.dtype, copy=False)
+
+
+# OpenAI's ranges: penalties in [-2, 2], a token's bias in [-100, 100] (enough to ban or force it).
+MAX_PENALTY = 2.0
+MAX_LOGIT_BIAS = 100.0
+
+
+class PresenceFrequencyPenaltyLogitsProcessor(LogitsProcessor):
+    """OpenAI's presence and frequency penalties: ``score[t] -= frequency_penalty * count_t + presence_penalty *
+    (count_t > 0)``, where ``count_t`` is how often the row has *generated* ``t`` (its prompt does not count: OpenAI's
+    and vLLM's docs define both over the text generated so far). Positive values make repeats less likely, negative
+    ones more; each in [-2, 2]."""
+
+    def __init__(self, presence_penalty: float = 0.0, frequency_penalty: float = 0.0):
+        for name, value in (("presence_penalty", presence_penalty), ("frequency_penalty", frequency_penalty)):
+            if (isinstance(value, bool) or not isinstance(value, int | float | np.floating)
+                    or not -MAX_PENALTY <= value <= MAX_PENALTY):
+                raise OptionError(f"{name} must be a number in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}] (0 is none), "
+                                  f"got {value!r}")
+        self.presence_penalty = float(presence_penalty)
+        self.frequency_penalty = float(frequency_penalty)
+
+    def __call__(self, history: TokenHistory, scores: np.ndarray) -> np.ndarray:
+        if history.generated == 0:
+            return scores
+        generated = history.tokens[:, -history.generated :]  # [rows, generated]: the completion so far
+        counts = np.zeros(scores.shape, np.float32)
+        rows = np.broadcast_to(np.arange(len(generated))[:, None], generated.shape)
+        inside = (generated >= 0) & (generated < scores.shape[-1])
+        np.add.at(counts, (rows[inside], generated[inside]), 1.0)
+        penalty = np.float32(self.frequency_penalty) * counts + np.float32(self.presence_penalty) * (counts > 0)
+        return (scores - penalty).astype(scores.dtype, copy=False)
+
+
+class LogitBiasLogitsProcessor(LogitsProcessor):
+    """OpenAI's ``logit_bias``: ``{token id: bias}`` added to every row's scores, each bias in [-100, 100] (-100 bans
+    a token in practice, +100 forces it). An id past the vocabulary is refused, naming it."""
+
+    def __init__(self, logit_bias: Mapping[int, float]):
+        if not isinstance(logit_bias, Mapping):
+            raise OptionError(f"logit_bias must map token ids to biases, got {type(logit_bias).__name__}")
+        for token, bias in logit_bias.items():
+            if isinstance(token, bool) or not isinstance(token, int | np.integer) or token < 0:
+                raise OptionError(f"logit_bias keys must be non-negative token ids, got {token!r}")
+            if (isinstance(bias, bool) or not isinstance(bias, int | float | np.floating) or not math.isfinite(bias)
+                    or not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS):
+                raise OptionError(f"logit_bias of token {token} must be a number in [-{MAX_LOGIT_BIAS:g}, "
+                                  f"{MAX_LOGIT_BIAS:g}], got {bias!r}")
+        self.ids = np.array(list(logit_bias), np.int64)
+        self.biases = np.array(list(logit_bias.values()), np.float32)
+
+    def check_vocabulary(self, vocab: int) -> None:
+        """Raise ``InputError`` naming the first id that a head of ``vocab`` scores cannot produce."""
+        past = self.ids[self.ids >= vocab]
+        if past.size:
+            raise InputError(f"logit_bias names token id {int(past[0])}, past the model's vocabulary ({vocab} ids, "
+                             f"0 to {vocab - 1})")
+
+    def __call__(self, history: TokenHistory, scores: np.ndarray) -> np.ndarray:
+        self.check_vocabulary(scores.shape[-1])
+        biased = scores.copy()
+        biased[:, self.ids] += self.biases
+        return biased
 
 
 class MinNewTokensLengthLogitsProcessor(LogitsProcessor):

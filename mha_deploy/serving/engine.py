@@ -11,8 +11,9 @@ Each turn of the loop:
    keep stepping between its chunks. Its first token is chosen from the prefill's logits, and its cache rows join a
    running cohort (``KVCacheStepper.join``: the narrower cache gets masked holes on the left).
 3. One decode step per cohort: every running row's last token in, one logits row out; each row chooses its next
-   token with its own settings (its own ``GenerationConfig``'s logits processors and stopping criteria, its own
-   seeded generator), and finished rows leave at once.
+   token with its own settings (its own ``GenerationConfig``'s logits processors -- temperature, top-k/top-p,
+   repetition, presence and frequency penalties, logit bias -- and stopping criteria, its own seeded generator), and
+   finished rows leave at once.
 
 **Exactness.** A row must get the tokens it gets alone. Holes take no position when the file takes ``position_ids``
 (the stepper counts each row's real tokens), so then every row shares one cohort whatever its length
@@ -56,7 +57,7 @@ from mha_deploy.errors import InputError, MHADeployError
 from mha_deploy.metadata import POSITIONS_NONE
 from mha_deploy.runtime.generation import GenerationConfig, draw_tokens
 from mha_deploy.runtime.kv_stepper import KVCacheStepper
-from mha_deploy.runtime.logits import TokenHistory, log_softmax
+from mha_deploy.runtime.logits import LogitBiasLogitsProcessor, TokenHistory, log_softmax
 
 logger = logging.getLogger("mha_deploy.serve")
 
@@ -296,6 +297,10 @@ class GenerationEngine:
         if vocab is not None and prompt.max() >= vocab:
             raise InputError(f"token id {int(prompt.max())} is past the model's vocabulary ({vocab} ids, 0 to "
                              f"{vocab - 1})")
+        bias = request.config.logit_bias
+        if bias and self.stepper.graph.vocab_size is not None:
+            # Checked here, not at the row's first step: a failure inside the loop would fail every running row.
+            LogitBiasLogitsProcessor(bias).check_vocabulary(self.stepper.graph.vocab_size)
         if not self.budget.fits([], request.kv_need):
             raise RequestTooLarge(
                 f"the prompt's {len(prompt)} tokens and max_tokens {request.config.max_new_tokens} need "
@@ -480,7 +485,11 @@ class GenerationEngine:
         config = sequence.request.config
         logits = np.asarray(logits, np.float32)[None, :]
         history = np.asarray(sequence.history, np.int64)[None, :]
-        scores = sequence.processors(TokenHistory(history, sequence.generated), logits)
+        try:
+            scores = sequence.processors(TokenHistory(history, sequence.generated), logits)
+        except InputError as exc:  # this row's settings do not fit the model (a logit_bias id past an open vocabulary)
+            self._notify(sequence, TokenEvent(None, "error", error=str(exc)))
+            return True
         token = int(draw_tokens(scores, sequence.rng)[0] if config.do_sample else np.argmax(scores[0]))
         sequence.history.append(token)
         sequence.generated += 1

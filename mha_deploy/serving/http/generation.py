@@ -21,7 +21,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from mha_deploy.errors import InputError
+from mha_deploy.errors import InputError, OptionError
 from mha_deploy.runtime.generation import GenerationConfig
 from mha_deploy.serving.engine import EngineBusy, GenerationEngine, GenerationRequest, RequestTooLarge, TokenEvent
 from mha_deploy.serving.http.metrics import GenerationMetrics
@@ -170,6 +170,9 @@ class Sampling:
     seed: int | None = None
     stop_ids: tuple[int, ...] = ()
     repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) pairs: OpenAI's object, hashable
 
     def config(self, settings: GenerationSettings, choice: int = 0) -> GenerationConfig:
         """The engine's config; choice ``i`` of a request with a seed samples with ``seed + i`` (each choice its own
@@ -182,10 +185,12 @@ class Sampling:
                 max_new_tokens=self.max_tokens, do_sample=self.temperature > 0,
                 temperature=self.temperature if self.temperature > 0 else 1.0, top_p=self.top_p,
                 top_k=self.top_k if self.temperature > 0 else None, repetition_penalty=self.repetition_penalty,
+                presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+                logit_bias=dict(self.logit_bias) or None,
                 eos_token_id=list(settings.eos_token_ids) or None, stop_token_ids=self.stop_ids,
                 seed=None if self.seed is None else self.seed + choice,
             )
-        except InputError as exc:
+        except (InputError, OptionError) as exc:
             raise RequestError(400, "bad_sampling", str(exc)) from None
 
 

@@ -6,10 +6,12 @@ token ids, or a list of such lists), ``max_tokens`` (completions default 16; cha
 are taken in it too, and in ``stop_token_ids``), ``stream`` (server-sent events ending ``data: [DONE]``;
 ``stream_options.include_usage`` adds a last chunk with the usage), ``logprobs`` (completions: the chosen token's and
 the ``logprobs`` likeliest tokens' log probabilities under the model's raw distribution, at most 5), ``usage``.
-Beyond OpenAI: ``top_k`` and ``repetition_penalty`` (as vLLM takes them), and ``token_ids`` in each choice (the
-generated ids; a server without a tokenizer returns no text, only them). Refused with a 400 naming the field:
-``echo``, ``suffix``, ``best_of`` other than ``n``, non-zero ``presence_penalty`` / ``frequency_penalty``,
-``logit_bias`` (not implemented here).
+``presence_penalty`` and ``frequency_penalty`` (in [-2, 2]: a token's logit loses ``frequency_penalty`` per time
+this choice generated it and ``presence_penalty`` once it has; the prompt does not count), ``logit_bias`` (an object
+of token-id strings to biases in [-100, 100], added to the logits; ids checked against the vocabulary), all per
+request, also when requests share the batch. Beyond OpenAI: ``top_k`` and ``repetition_penalty`` (as vLLM takes
+them), and ``token_ids`` in each choice (the generated ids; a server without a tokenizer returns no text, only them).
+Refused with a 400 naming the field: ``echo``, ``suffix``, ``best_of`` other than ``n``.
 
 Errors have OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``: 400 ``invalid_request_error`` for a
 bad request, 404 for an unknown model or a chat without a template, 429 with ``Retry-After`` when the queue is full,
@@ -43,7 +45,8 @@ logger = logging.getLogger("mha_deploy.serve")
 MAX_LOGPROBS = 5
 MAX_STOP = 4
 MAX_STOP_IDS = 64  # an id costs one comparison per step: a bound, not OpenAI's (it takes strings only)
-UNSUPPORTED = {"echo": False, "suffix": None, "presence_penalty": 0, "frequency_penalty": 0, "logit_bias": None}
+MAX_LOGIT_BIAS_IDS = 300  # each id costs a scatter per step: a bound on what one request may bias
+UNSUPPORTED = {"echo": False, "suffix": None}
 ERROR_TYPES = {400: "invalid_request_error", 404: "invalid_request_error", 408: "invalid_request_error",
                413: "invalid_request_error", 401: "authentication_error", 429: "rate_limit_error",
                503: "server_unavailable", 500: "server_error"}
@@ -133,8 +136,35 @@ def parse_sampling(
         seed=_integer(body, "seed", None, 0),
         stop_ids=stop_ids,
         repetition_penalty=_number(body, "repetition_penalty", 1.0, 0.01, 100.0),
+        presence_penalty=_number(body, "presence_penalty", 0.0, -2.0, 2.0),
+        frequency_penalty=_number(body, "frequency_penalty", 0.0, -2.0, 2.0),
+        logit_bias=_logit_bias(body.get("logit_bias"), vocab),
     )
     return sampling, strings
+
+
+def _logit_bias(value, vocab: int | None) -> tuple[tuple[int, float], ...]:
+    """OpenAI's ``logit_bias``: a JSON object whose keys are token ids (as strings, JSON's only keys) and whose values
+    are biases in [-100, 100]; as (id, bias) pairs."""
+    if value is None:
+        return ()
+    if not isinstance(value, dict):
+        raise _bad("logit_bias", f"must be an object mapping token ids (strings) to biases in [-100, 100], got {value!r}")
+    if len(value) > MAX_LOGIT_BIAS_IDS:
+        raise _bad("logit_bias", f"at most {MAX_LOGIT_BIAS_IDS} token ids, got {len(value)}")
+    pairs = []
+    for key, bias in value.items():
+        if not (isinstance(key, str) and key.isascii() and key.isdigit()):
+            raise _bad("logit_bias", f"keys must be token ids written in decimal digits, got {key!r}")
+        token = int(key)
+        if any(token == seen for seen, _ in pairs):
+            raise _bad("logit_bias", f"token id {token} is given twice ({key!r})")
+        if vocab is not None and token >= vocab:
+            raise _bad("logit_bias", f"token id {token} is past the model's vocabulary ({vocab} ids, 0 to {vocab - 1})")
+        if isinstance(bias, bool) or not isinstance(bias, int | float) or not -100 <= bias <= 100:
+            raise _bad("logit_bias", f"the bias of token {token} must be a number in [-100, 100], got {bias!r}")
+        pairs.append((token, float(bias)))
+    return tuple(pairs)
 
 
 def _prompts(value, service: GenerationService) -> list[np.ndarray]:

@@ -7,7 +7,8 @@ object per server-sent event, each with the text since the last). Here the input
 ``--tokenizer``) or ``input_ids`` (token ids), and the settings are taken from ``parameters`` or the top level, in the
 names Triton's LLM backends use: ``max_tokens``, ``temperature`` (0 or absent: greedy, as those backends default),
 ``top_p``, ``top_k``, ``seed`` (or ``random_seed``), ``stop`` / ``stop_words`` (strings), ``end_id`` /
-``stop_token_ids``, ``repetition_penalty``. Each response also carries ``output_ids`` and, at the end,
+``stop_token_ids``, ``repetition_penalty``, and OpenAI's ``presence_penalty``, ``frequency_penalty`` and ``logit_bias``
+(checked as the OpenAI routes check them: the same parser). Each response also carries ``output_ids`` and, at the end,
 ``finish_reason``. Errors are the v2 protocol's ``{"error": "..."}`` (the stream's: an ``error`` event).
 """
 
