@@ -46,10 +46,10 @@ from mha_deploy.metadata import ON_ERROR_CHOICES
               help="Sample among the likeliest tokens whose probabilities add up to p.")
 @click.option("--repetition-penalty", type=click.FloatRange(min=0, min_open=True), default=1.0, show_default=True)
 @click.option("--presence-penalty", type=click.FloatRange(-2, 2), default=0.0, show_default=True,
-              help="OpenAI's: a token's logit loses this once the prompt's output holds it (the prompt does not "
-                   "count); greedy and sampling, not --num-beams.")
+              help="OpenAI's: a token's logit loses this once the prompt's new tokens hold it (the prompt itself "
+                   "does not count); greedy and sampling, not --num-beams.")
 @click.option("--frequency-penalty", type=click.FloatRange(-2, 2), default=0.0, show_default=True,
-              help="OpenAI's: a token's logit loses this per time the prompt's output holds it; greedy and "
+              help="OpenAI's: a token's logit loses this per time the prompt's new tokens hold it; greedy and "
                    "sampling, not --num-beams.")
 @click.option("--num-beams", type=click.IntRange(min=1), default=1, show_default=True,
               help="Beam search with this many beams (not with --do-sample).")
@@ -80,9 +80,9 @@ from mha_deploy.metadata import ON_ERROR_CHOICES
 @click.option("--progress/--no-progress", default=True, show_default=True, help="Progress bar on stderr.")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON on stdout.")
 def generate(model, input_path, output_path, tokenizer, encoder, max_new_tokens, min_new_tokens, eos_ids, start_id,
-             do_sample, temperature, top_k, top_p, repetition_penalty, presence_penalty, frequency_penalty, num_beams, length_penalty, seed, max_length,
-             batch_size, max_batch_tokens, pad_prompts, bucket_window, on_error, overwrite, provider, threads, progress,
-             as_json):
+             do_sample, temperature, top_k, top_p, repetition_penalty, presence_penalty, frequency_penalty, num_beams,
+             length_penalty, seed, max_length, batch_size, max_batch_tokens, pad_prompts, bucket_window, on_error,
+             overwrite, provider, threads, progress, as_json):
     """Generate new tokens for every prompt of a dataset with a KV-cache decoder (export --module ... --kv-cache,
     or any decoder in Optimum's cache naming), greedy unless told to sample or search beams.
 

@@ -84,6 +84,20 @@ def test_greedy_equals_the_library_loop_prompt_by_prompt(lm, tmp_path):
     assert (tmp_path / "equal.jsonl").read_bytes() == (tmp_path / "out.jsonl").read_bytes()
 
 
+def test_presence_and_frequency_penalties_batched_equal_the_library_loop(lm, tmp_path):
+    given = prompts(5, seed=2)
+    source = write_jsonl(tmp_path / "in.jsonl", [{"id": k, "input_ids": v} for k, v in given.items()])
+    result = run(lm, "--input", source, "--output", tmp_path / "out.jsonl", "--max-new-tokens", MAX_NEW,
+                 "--batch-size", 3, "--pad-prompts", "--presence-penalty", "0.5", "--frequency-penalty", "1.5")
+    assert result.exit_code == 0, result.output
+    for record in read_jsonl(tmp_path / "out.jsonl"):
+        assert record["output_ids"] == library_tokens(lm, given[record["id"]], presence_penalty=0.5,
+                                                      frequency_penalty=1.5), record["id"]
+    for bad in (["--frequency-penalty", "2.5"], ["--presence-penalty", "1", "--num-beams", "2"]):
+        result = run(lm, "--input", source, "--output", tmp_path / "bad.jsonl", *bad)
+        assert result.exit_code == 2 and ("penalty" in result.output), result.output
+
+
 def test_an_end_id_ends_each_prompt_where_it_first_comes(lm, tmp_path):
     given = prompts(6, seed=1)
     source = write_jsonl(tmp_path / "in.jsonl", [{"id": k, "input_ids": v} for k, v in given.items()])

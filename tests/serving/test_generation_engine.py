@@ -9,6 +9,7 @@ import threading
 import numpy as np
 import pytest
 
+from mha_deploy.errors import InputError
 from mha_deploy.runtime.generation import GenerationConfig, generate
 from mha_deploy.runtime.kv_stepper import KVCacheStepper
 from mha_deploy.serving.engine import (
@@ -141,6 +142,55 @@ def test_per_request_settings_in_one_batch(tiny):
     assert got[0] == full[: full.index(stop) + 1]
     for prompt, config, tokens in zip(given[1:], configs[1:], got[1:], strict=True):
         assert tokens == generate(KVCacheStepper(tiny), [prompt.tolist()], config=config).tokens[0].tolist()
+
+
+def test_per_request_penalties_and_logit_bias_in_one_batch(tiny):
+    """Rows sharing a step each apply their own presence / frequency penalties and logit_bias, counted over their own
+    completions: each equals its request alone."""
+    given = prompts(5, seed=3)
+    configs = [GenerationConfig(max_new_tokens=10),
+               GenerationConfig(max_new_tokens=10, frequency_penalty=2.0),
+               GenerationConfig(max_new_tokens=10, presence_penalty=-1.5, frequency_penalty=0.5),
+               GenerationConfig(max_new_tokens=10, logit_bias={7: 100}),
+               GenerationConfig(max_new_tokens=10, do_sample=True, seed=2, presence_penalty=1.0,
+                                logit_bias={3: -100, 9: 4.5})]
+    engine = GenerationEngine(KVCacheStepper(tiny), mix_lengths=True)
+    got = served(engine, [GenerationRequest(p, c) for p, c in zip(given, configs, strict=True)])
+    assert got[3] == [7] * 10
+    for prompt, config, tokens in zip(given, configs, got, strict=True):
+        assert tokens == generate(KVCacheStepper(tiny), [prompt.tolist()], config=config).tokens[0].tolist()
+    assert len({tuple(t) for t in got}) == len(got)  # the settings did differ per row
+
+
+def test_a_logit_bias_past_the_vocabulary_is_refused_at_submit(tiny):
+    engine = GenerationEngine(KVCacheStepper(tiny))
+    request = GenerationRequest(np.array([1, 2]), GenerationConfig(max_new_tokens=2, logit_bias={VOCAB: 1.0}))
+    with pytest.raises(InputError, match=f"logit_bias names token id {VOCAB}, past the model's vocabulary"):
+        engine.submit(request, lambda event: None)
+
+
+def test_a_bias_the_open_vocabulary_cannot_take_fails_its_row_only(tiny, monkeypatch):
+    """A file that leaves its vocabulary open cannot check logit_bias at submit: the row fails at its first token,
+    saying why, and the rows beside it run on."""
+    stepper = KVCacheStepper(tiny)
+    monkeypatch.setattr(stepper.graph, "vocab_size", None)
+    engine = GenerationEngine(stepper, mix_lengths=True)
+    events, done = [], threading.Event()
+
+    def notify(event):
+        events.append(event)
+        done.set()
+
+    good = GenerationRequest(np.array([4, 5, 6]), GenerationConfig(max_new_tokens=8))
+    engine.start()
+    try:
+        engine.submit(GenerationRequest(np.array([1, 2]), GenerationConfig(max_new_tokens=8, logit_bias={VOCAB: 1})),
+                      notify)
+        assert run_all(engine, [good]) == [alone(tiny, [4, 5, 6], max_new_tokens=8)]
+        assert done.wait(10)
+    finally:
+        engine.stop(10)
+    assert len(events) == 1 and events[0].finish_reason == "error" and "past the model's vocabulary" in events[0].error
 
 
 def test_logprobs_are_the_models_raw_distribution(tiny):

@@ -172,6 +172,47 @@ def test_triton_generate_and_generate_stream(served):
     assert meta["parameters"]["generator"] and "ragged cache" in meta["parameters"]["batching"]
 
 
+PENALISED = [  # (request settings, the same as GenerationConfig fields)
+    ({"frequency_penalty": 2.0}, {"frequency_penalty": 2.0}),
+    ({"presence_penalty": -1.5, "frequency_penalty": 0.5, "logit_bias": {"9": -100, "21": 3.5}},
+     {"presence_penalty": -1.5, "frequency_penalty": 0.5, "logit_bias": {9: -100, 21: 3.5}}),
+    ({}, {}),
+]
+
+
+def test_requests_with_different_penalties_share_the_batch_each_equal_to_its_request_alone(served):
+    server, path, _ = served("tiny")
+    prompt, steps = [11, 3, 3, 8, 1, 40, 7], 40  # long enough that the three overlap in the running batch
+    expected = [generate(KVCacheStepper(path), [prompt], max_new_tokens=steps, **config).tokens[0].tolist()
+                for _, config in PENALISED]
+    assert len({tuple(e) for e in expected}) == len(expected)  # the settings change the output
+    start = threading.Barrier(len(PENALISED))
+
+    def ask(settings):
+        start.wait()
+        return client(server).completions.create(model="tiny", prompt=prompt, max_tokens=steps, temperature=0,
+                                                  **settings).choices[0].token_ids
+
+    with ThreadPoolExecutor(len(PENALISED)) as pool:
+        got = list(pool.map(ask, [settings for settings, _ in PENALISED]))
+    assert got == expected
+
+
+def test_logit_bias_on_chat_and_triton_generate(served):
+    server, _, _ = served("tiny")
+    answer = client(server).chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "the dog ran"}], max_tokens=5, temperature=0,
+        logit_bias={"12": 100})
+    assert answer.choices[0].token_ids == [12] * 5
+    body = {"input_ids": [3, 4, 5], "parameters": {"max_tokens": 4, "logit_bias": {"30": 100},
+                                                     "frequency_penalty": 1.0}}
+    status, _, raw = server.request("POST", "/v2/models/tiny/generate", json.dumps(body).encode())
+    assert status == 200 and json.loads(raw)["output_ids"] == [30] * 4
+    body["parameters"]["presence_penalty"] = 3
+    status, _, raw = server.request("POST", "/v2/models/tiny/generate", json.dumps(body).encode())
+    assert status == 400 and "presence_penalty" in json.loads(raw)["error"]
+
+
 def test_32_concurrent_streams_each_equal_to_its_request_alone(served):
     server, path, _ = served("tiny")
     rng = np.random.default_rng(3)
@@ -245,8 +286,16 @@ def test_cancelled_streams_free_their_cache_and_the_others_complete(served):
     ({"model": "tiny", "prompt": [1], "temperature": -1}, 400, "temperature"),
     ({"model": "tiny", "prompt": [1], "echo": True}, 400, "echo"),
     ({"model": "tiny"}, 400, "prompt"),
+    ({"model": "tiny", "prompt": [1], "presence_penalty": 2.5}, 400, "presence_penalty"),
+    ({"model": "tiny", "prompt": [1], "frequency_penalty": -3}, 400, "frequency_penalty"),
+    ({"model": "tiny", "prompt": [1], "frequency_penalty": "1"}, 400, "frequency_penalty"),
+    ({"model": "tiny", "prompt": [1], "logit_bias": {"3": 150}}, 400, "logit_bias"),
+    ({"model": "tiny", "prompt": [1], "logit_bias": {"x3": 1}}, 400, "logit_bias"),
+    ({"model": "tiny", "prompt": [1], "logit_bias": {"50": 1}}, 400, "logit_bias"),
+    ({"model": "tiny", "prompt": [1], "logit_bias": [3]}, 400, "logit_bias"),
 ], ids=["unknown-model", "max-tokens-0", "max-tokens-past-limit", "past-max-length", "id-past-vocab", "n-too-large",
-        "bad-temperature", "echo", "no-prompt"])
+        "bad-temperature", "echo", "no-prompt", "presence-too-high", "frequency-too-low", "frequency-a-string",
+        "bias-too-high", "bias-key-not-an-id", "bias-id-past-vocab", "bias-not-an-object"])
 def test_bad_requests_get_openai_shaped_errors(served, body, status, param):
     server, _, _ = served("tiny")
     got, _, raw = server.request("POST", "/v1/completions", json.dumps(body).encode())

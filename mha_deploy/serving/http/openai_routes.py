@@ -149,7 +149,8 @@ def _logit_bias(value, vocab: int | None) -> tuple[tuple[int, float], ...]:
     if value is None:
         return ()
     if not isinstance(value, dict):
-        raise _bad("logit_bias", f"must be an object mapping token ids (strings) to biases in [-100, 100], got {value!r}")
+        raise _bad("logit_bias", f"must be an object mapping token ids (strings) to biases in [-100, 100], "
+                                 f"got {value!r}")
     if len(value) > MAX_LOGIT_BIAS_IDS:
         raise _bad("logit_bias", f"at most {MAX_LOGIT_BIAS_IDS} token ids, got {len(value)}")
     pairs = []
