@@ -160,12 +160,16 @@ class PresenceFrequencyPenaltyLogitsProcessor(LogitsProcessor):
         if history.generated == 0:
             return scores
         generated = history.tokens[:, -history.generated :]  # [rows, generated]: the completion so far
-        counts = np.zeros(scores.shape, np.float32)
+        vocab = scores.shape[-1]
         rows = np.broadcast_to(np.arange(len(generated))[:, None], generated.shape)
-        inside = (generated >= 0) & (generated < scores.shape[-1])
-        np.add.at(counts, (rows[inside], generated[inside]), 1.0)
-        penalty = np.float32(self.frequency_penalty) * counts + np.float32(self.presence_penalty) * (counts > 0)
-        return (scores - penalty).astype(scores.dtype, copy=False)
+        inside = (generated >= 0) & (generated < vocab)
+        # Only the tokens generated change: count them (row * vocab + id, sorted) instead of a dense [rows, vocab]
+        # count, which cost more than the rest of a step on a 32k vocabulary.
+        flat, counts = np.unique(rows[inside] * vocab + generated[inside], return_counts=True)
+        penalty = np.float32(self.frequency_penalty) * counts.astype(np.float32) + np.float32(self.presence_penalty)
+        penalised = scores.copy()
+        penalised.reshape(-1)[flat] -= penalty.astype(scores.dtype, copy=False)
+        return penalised
 
 
 class LogitBiasLogitsProcessor(LogitsProcessor):
