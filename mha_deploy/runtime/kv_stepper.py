@@ -323,7 +323,11 @@ class KVCacheStepper:
 
     # --- the TokenStepper protocol -------------------------------------------------------------
 
-    def prefill(self, input_ids: np.ndarray, attention_mask: np.ndarray) -> np.ndarray:
+    def prefill(self, input_ids: np.ndarray, attention_mask: np.ndarray, every_position: bool = False) -> np.ndarray:
+        """The prompts' cache; returns each row's last real token's logits [rows, vocab], or with ``every_position``
+        the logits at every column the call fed [rows, seq, vocab] (what a prompt's own log probabilities need; the
+        file computes them anyway): a padded prompt's padding columns hold no meaning (a ragged prefill moves each
+        row's tokens to the front first), and an encoder-decoder's one column is its start token's."""
         input_ids = np.asarray(input_ids, np.int64)
         attention_mask = np.asarray(attention_mask, np.int64)
         if input_ids.ndim != 2 or attention_mask.shape != input_ids.shape:
@@ -339,13 +343,13 @@ class KVCacheStepper:
                     "prompts of one length (or one prompt per call)"
                 )
         if self.ragged:
-            return self._prefill_ragged(input_ids, attention_mask)
+            return self._prefill_ragged(input_ids, attention_mask, every_position)
         self._reset(len(input_ids))
         if self.encoder is not None:
             self.encoder_feeds = self._encode(input_ids, attention_mask)
             input_ids = np.full((len(input_ids), 1), self.decoder_start_token_id, np.int64)
             attention_mask = np.ones_like(input_ids)
-        return self._call(input_ids, attention_mask, first=True)
+        return self._call(input_ids, attention_mask, first=True, every_position=every_position)
 
     def _check_vocabulary(self, input_ids: np.ndarray, attention_mask: np.ndarray) -> None:
         """Refuse prompts with ids the embedding has no row for (ORT would fail in a Gather, naming no prompt).
@@ -370,9 +374,10 @@ class KVCacheStepper:
 
     # --- beyond the protocol: what a server's continuous batching needs ----------------------------
 
-    def extend(self, input_ids: np.ndarray) -> np.ndarray:
+    def extend(self, input_ids: np.ndarray, every_position: bool = False) -> np.ndarray:
         """Append several real tokens to every row (int64 [rows, seq]), as a long prompt prefilled in chunks does
-        after ``prefill`` of its first chunk; returns the logits of each row's last token [rows, vocab]."""
+        after ``prefill`` of its first chunk; returns the logits of each row's last token [rows, vocab], or with
+        ``every_position`` of each token [rows, seq, vocab]."""
         input_ids = np.asarray(input_ids, np.int64)
         if input_ids.ndim != 2 or input_ids.shape[0] != self.rows or self.rows == 0 or input_ids.shape[1] == 0:
             raise InputError(f"extend takes [rows={self.rows}, seq >= 1] token ids, got shape {input_ids.shape}")
@@ -383,11 +388,12 @@ class KVCacheStepper:
             # own call, on its own rows of the buffers (a view, nothing copied).
             seq = input_ids.shape[1]
             if seq == 1 or self.rows == 1:
-                return self._ragged_call(slice(0, self.rows), input_ids, self.lengths + seq, first=False)
+                return self._ragged_call(slice(0, self.rows), input_ids, self.lengths + seq, False, every_position)
             return np.concatenate([
-                self._ragged_call(slice(r, r + 1), input_ids[r : r + 1], self.lengths[r : r + 1] + seq, first=False)
+                self._ragged_call(slice(r, r + 1), input_ids[r : r + 1], self.lengths[r : r + 1] + seq, False,
+                                  every_position)
                 for r in range(self.rows)])
-        return self._call(input_ids, np.ones_like(input_ids), first=False)
+        return self._call(input_ids, np.ones_like(input_ids), first=False, every_position=every_position)
 
     def fork(self) -> KVCacheStepper:
         """An empty stepper over the same files and sessions (nothing loaded twice): a server prefills a new
@@ -481,7 +487,7 @@ class KVCacheStepper:
 
     # --- the ragged layout -----------------------------------------------------------------------
 
-    def _prefill_ragged(self, input_ids: np.ndarray, attention_mask: np.ndarray) -> np.ndarray:
+    def _prefill_ragged(self, input_ids: np.ndarray, attention_mask: np.ndarray, every_position: bool) -> np.ndarray:
         """Each row's real tokens (wherever its padding was) moved to the front, padded on the right."""
         real = attention_mask != 0
         lengths = real.sum(axis=1).astype(np.int64)
@@ -495,7 +501,7 @@ class KVCacheStepper:
             self.buffers = {}  # a fresh cache: nothing of the last one is kept
         self.lengths = np.zeros(len(ids), np.int64)
         self._ensure(len(ids), width, grow=False)
-        return self._ragged_call(slice(0, len(ids)), ids, lengths, first=True)
+        return self._ragged_call(slice(0, len(ids)), ids, lengths, True, every_position)
 
     def _ensure(self, rows: int, positions: int, grow: bool = True) -> None:
         """Buffers of at least ``rows`` rows and ``positions`` positions. Growing copies the running rows' positions
@@ -518,7 +524,9 @@ class KVCacheStepper:
                 buffer[:used, :, :width] = self.buffers[name][:used, :, :width]
             self.buffers[name] = buffer
 
-    def _ragged_call(self, rows: slice, input_ids: np.ndarray, lengths: np.ndarray, first: bool) -> np.ndarray:
+    def _ragged_call(
+        self, rows: slice, input_ids: np.ndarray, lengths: np.ndarray, first: bool, every_position: bool = False
+    ) -> np.ndarray:
         """One call on ``rows`` of the buffers: ``input_ids`` [n, seq] are each row's next tokens (a first call's
         rows right-padded), ``lengths`` [n] each row's tokens after it. Present is written into past's buffer."""
         inputs = self.graph.inputs
@@ -538,6 +546,8 @@ class KVCacheStepper:
             feeds[name] = self.buffers[name][rows]  # [n, heads, capacity, head_dim], a contiguous view
         logits = self.graph.run_in_place(feeds, {present: name for name, present in self.self_caches.items()})
         self.lengths[rows] = lengths
+        if every_position:
+            return np.asarray(logits, np.float32)
         # Each row's last real token: a first call's row ends at its length, a later call's at its last column.
         last = lengths - 1 if first else np.full(len(lengths), seq - 1)
         return np.asarray(logits[np.arange(len(last)), last, :], np.float32)
@@ -585,7 +595,9 @@ class KVCacheStepper:
         wanted = {"encoder_hidden_states": hidden, "encoder_attention_mask": attention_mask}
         return {name: value for name, value in wanted.items() if name in self.graph.inputs}
 
-    def _call(self, input_ids: np.ndarray, new_mask: np.ndarray, first: bool) -> np.ndarray:
+    def _call(
+        self, input_ids: np.ndarray, new_mask: np.ndarray, first: bool, every_position: bool = False
+    ) -> np.ndarray:
         inputs = self.graph.inputs
         mask = np.concatenate([self._mask, new_mask], axis=1)
         feeds = {"input_ids": input_ids.astype(inputs["input_ids"].dtype, copy=False), **self.past}
@@ -607,6 +619,8 @@ class KVCacheStepper:
             for name, present in ({} if self._cross_from_encoder else self.cross_caches).items():
                 self.past[name] = outputs[present]
             self._zero_holes()
+        if every_position:
+            return np.asarray(outputs["logits"], np.float32)
         # Each row's last real new token: a right-padded prompt's last column is padding.
         last = new_mask.shape[1] - 1 - np.argmax(new_mask[:, ::-1] != 0, axis=1)
         return np.asarray(outputs["logits"][np.arange(len(last)), last, :], np.float32)

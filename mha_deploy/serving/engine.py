@@ -8,8 +8,10 @@ Each turn of the loop:
    ``max_new_tokens``, never from what it happens to use).
 2. Prefill, within ``prefill_chunk`` prompt tokens per turn: an admitted prompt runs alone in a stepper forked from the
    model's (``KVCacheStepper.fork``), a long one in chunks over several turns (``extend``), so that the running rows
-   keep stepping between its chunks. Its first token is chosen from the prefill's logits, and its cache rows join a
-   running cohort (``KVCacheStepper.join``: the narrower cache gets masked holes on the left).
+   keep stepping between its chunks. Its first token is chosen from the prefill's logits (a request that asks for its
+   prompt's log probabilities gets the logits of every prompt position, which the file computes anyway, and each
+   chunk's are scored as they come), and its cache rows join a running cohort (``KVCacheStepper.join``: the narrower
+   cache gets masked holes on the left).
 3. One decode step per cohort: every running row's last token in, one logits row out; each row chooses its next
    token with its own settings (its own ``GenerationConfig``'s logits processors -- temperature, top-k/top-p,
    repetition, presence and frequency penalties, logit bias -- and stopping criteria, its own seeded generator), and
@@ -74,11 +76,14 @@ class RequestTooLarge(InputError):
 class GenerationRequest:
     """One sequence to generate: ``prompt`` int64 [seq] (at least one token), ``config`` its settings (greedy or
     sampled, ``max_new_tokens``, end ids, seed; ``num_beams`` must be 1), ``logprobs`` how many alternatives' log
-    probabilities to report per token (None: none; 0: the chosen token's only)."""
+    probabilities to report per token (None: none; 0: the chosen token's only). ``prompt_logprobs``: score the
+    prompt's own tokens too, each under the logits of the position before it (OpenAI's ``echo`` with ``logprobs``;
+    needs ``logprobs``, and a decoder-only model: an encoder-decoder's prompt is a source that no logits score)."""
 
     prompt: np.ndarray
     config: GenerationConfig
     logprobs: int | None = None
+    prompt_logprobs: bool = False
 
     @property
     def kv_need(self) -> int:
@@ -87,17 +92,46 @@ class GenerationRequest:
 
 
 @dataclass(frozen=True)
+class TokenLogprob:
+    """A token's log probability under the model's raw distribution (None for a prompt's first token: nothing
+    scores it), and the ``top_logprobs`` likeliest ids {id: logprob}, likeliest first, when asked."""
+
+    token: int
+    logprob: float | None
+    top_logprobs: dict[int, float] | None = None
+
+
+def token_logprobs(raw: np.ndarray, tokens: np.ndarray, top: int) -> list[TokenLogprob]:
+    """What every route reports, from one place: ``raw`` [n, vocab] log-softmaxed logits, ``tokens`` [n] the ids
+    they score, ``top`` how many likeliest alternatives per row (0: none). Ties among the likeliest go to the lower
+    id, as a stable sort of the whole vocabulary would give."""
+    chosen = raw[np.arange(len(tokens)), tokens]
+    if top <= 0:
+        return [TokenLogprob(int(t), float(lp)) for t, lp in zip(tokens, chosen, strict=True)]
+    top = min(top, raw.shape[1])
+    entries = []
+    for row, token, logprob in zip(raw, tokens, chosen, strict=True):
+        floor = np.partition(row, -top)[-top]  # the top-th largest: no sort of the whole vocabulary
+        ids = np.flatnonzero(row >= floor)  # ties at the floor included, then cut after ordering
+        ids = ids[np.lexsort((ids, -row[ids]))][:top]
+        entries.append(TokenLogprob(int(token), float(logprob), {int(i): float(row[i]) for i in ids}))
+    return entries
+
+
+@dataclass(frozen=True)
 class TokenEvent:
     """What a request hears: a new ``token`` (with its log probability under the model's raw distribution, and
     ``top_logprobs`` {id: logprob} when asked), or ``token`` None with ``error`` when the engine failed it.
     ``finish_reason`` is set on the last event: "stop" (an end id, kept as the token), "length" (max_new_tokens),
-    "error"."""
+    "error". The first token's event carries ``prompt_logprobs`` when the request asked (one per prompt token,
+    the first unscored)."""
 
     token: int | None
     finish_reason: str | None = None
     logprob: float | None = None
     top_logprobs: dict[int, float] | None = None
     error: str | None = None
+    prompt_logprobs: tuple[TokenLogprob, ...] | None = None
 
 
 def joins_exactly(stepper: KVCacheStepper) -> bool:
@@ -162,6 +196,7 @@ class _Sequence:
     stepper: KVCacheStepper | None = None  # its own while prefilling; None once joined to a cohort
     first_token_at: float | None = None
     cancelled: bool = False
+    prompt_scores: list[TokenLogprob] | None = None  # the prompt's tokens scored so far (prompt_logprobs)
 
     def __post_init__(self):
         config = self.request.config
@@ -170,6 +205,8 @@ class _Sequence:
         self.criteria = config.stopping_criteria()
         self.end_ids = set(config.end_ids)
         self.rng = np.random.default_rng(config.seed)
+        if self.request.prompt_logprobs:
+            self.prompt_scores = [TokenLogprob(int(self.request.prompt[0]), None)]
 
 
 @dataclass(eq=False)
@@ -297,6 +334,9 @@ class GenerationEngine:
         if vocab is not None and prompt.max() >= vocab:
             raise InputError(f"token id {int(prompt.max())} is past the model's vocabulary ({vocab} ids, 0 to "
                              f"{vocab - 1})")
+        if request.prompt_logprobs and (request.logprobs is None or self.stepper.encoder is not None):
+            raise InputError("prompt_logprobs needs logprobs set, and a decoder-only model (an encoder-decoder's "
+                             "prompt is its source, which no logits score)")
         bias = request.config.logit_bias
         if bias and self.stepper.graph.vocab_size is not None:
             # Checked here, not at the row's first step: a failure inside the loop would fail every running row.
@@ -409,7 +449,11 @@ class GenerationEngine:
             chunk = len(prompt) if self.stepper.encoder is not None else budget
             ids = np.asarray(prompt[start : start + chunk], np.int64)[None, :]
             stepper = sequence.stepper
-            logits = stepper.prefill(ids, np.ones_like(ids)) if start == 0 else stepper.extend(ids)
+            scored = sequence.prompt_scores is not None
+            logits = stepper.prefill(ids, np.ones_like(ids), scored) if start == 0 else stepper.extend(ids, scored)
+            if scored:  # [1, chunk, vocab]: column j scores prompt token start + j + 1, the last one the next token
+                self._score_prompt(sequence, start, logits[0])
+                logits = logits[:, -1]
             sequence.prefilled += ids.shape[1]
             budget -= ids.shape[1]
             if sequence.prefilled < len(prompt):
@@ -420,6 +464,13 @@ class GenerationEngine:
                 sequence.stepper = None
                 continue
             self._join(sequence)
+
+    def _score_prompt(self, sequence: _Sequence, start: int, logits: np.ndarray) -> None:
+        prompt = sequence.request.prompt
+        following = np.asarray(prompt[start + 1 : start + 1 + len(logits)], np.int64)
+        if following.size:
+            raw = log_softmax(logits[: following.size])
+            sequence.prompt_scores.extend(token_logprobs(raw, following, sequence.request.logprobs))
 
     def _alignment(self, stepper: KVCacheStepper) -> tuple[int, int]:
         """What rows must share to step together unmixed: the cache width, and an encoder-decoder's source length
@@ -501,16 +552,16 @@ class GenerationEngine:
         logprob = top = None
         wanted = sequence.request.logprobs
         if wanted is not None:
-            raw = log_softmax(logits)[0]
-            logprob = float(raw[token])
-            if wanted > 0:
-                best = np.argsort(-raw, kind="stable")[:wanted]
-                top = {int(i): float(raw[i]) for i in best}
+            scored = token_logprobs(log_softmax(logits), np.array([token]), wanted)[0]
+            logprob, top = scored.logprob, scored.top_logprobs
         reason = None
         if finished:
             reason = "stop" if token in sequence.end_ids else "length"
             self.observer.finished(sequence.generated, now - sequence.first_token_at)
-        self._notify(sequence, TokenEvent(token, reason, logprob, top))
+        prompt_scores = None
+        if sequence.prompt_scores is not None and sequence.generated == 1:
+            prompt_scores, sequence.prompt_scores = tuple(sequence.prompt_scores), None
+        self._notify(sequence, TokenEvent(token, reason, logprob, top, prompt_logprobs=prompt_scores))
         return finished
 
     def _notify(self, sequence: _Sequence, event: TokenEvent) -> None:

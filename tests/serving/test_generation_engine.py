@@ -218,6 +218,55 @@ def test_logprobs_are_the_models_raw_distribution(tiny):
     assert list(first.top_logprobs) == np.argsort(-expected)[:3].tolist()
 
 
+
+def torch_log_probs(prompt: list[int]) -> np.ndarray:
+    """log-softmax of TinyLM's own logits at every position of ``prompt`` [seq, vocab]: the torch module the file
+    was exported from (``build`` is seeded), run whole, no cache."""
+    import torch
+
+    from tests.conftest import user_module
+
+    module = user_module("causal_lm").build().eval()
+    with torch.no_grad():
+        logits = module(torch.tensor([prompt]), torch.ones(1, len(prompt), dtype=torch.bool))[0].double().numpy()
+    return logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True)) - logits.max(
+        -1, keepdims=True)
+
+
+@pytest.mark.parametrize("model", ["tiny", "tiny_holes"])
+def test_prompt_logprobs_score_every_prompt_token_across_prefill_chunks(model, request):
+    path = request.getfixturevalue(model)  # both cache layouts: the ragged and the holes stepper's calls
+    prompt = [4, 9, 2, 33, 17, 8, 41, 5]
+    engine = GenerationEngine(KVCacheStepper(path), prefill_chunk=3)  # chunks of 3, 3, 2: scores cross them
+    events, finished = [], threading.Event()
+
+    def notify(event):
+        events.append(event)
+        if event.finish_reason:
+            finished.set()
+
+    engine.start()
+    try:
+        engine.submit(GenerationRequest(np.array(prompt), GenerationConfig(max_new_tokens=2), logprobs=4,
+                                        prompt_logprobs=True), notify)
+        assert finished.wait(30)
+        with pytest.raises(InputError, match="prompt_logprobs needs logprobs"):
+            engine.submit(GenerationRequest(np.array(prompt), GenerationConfig(max_new_tokens=2),
+                                            prompt_logprobs=True), notify)
+    finally:
+        engine.stop(10)
+    expected = torch_log_probs(prompt)
+    scored = events[0].prompt_logprobs
+    assert events[1].prompt_logprobs is None  # told once, with the first token
+    assert [s.token for s in scored] == prompt
+    assert scored[0].logprob is None and scored[0].top_logprobs is None
+    for i in range(1, len(prompt)):  # position i - 1's distribution scores token i; float32 ORT vs torch
+        assert scored[i].logprob == pytest.approx(expected[i - 1, prompt[i]], abs=1e-4)
+        assert list(scored[i].top_logprobs) == np.argsort(-expected[i - 1], kind="stable")[:4].tolist()
+        assert list(scored[i].top_logprobs.values()) == pytest.approx(np.sort(expected[i - 1])[::-1][:4], abs=1e-4)
+    assert events[0].logprob == pytest.approx(expected[-1, events[0].token], abs=1e-4)
+
+
 @pytest.mark.parametrize("model", ["tiny", "tiny_holes", "ragged"])
 def test_cancelled_requests_free_their_rows_and_the_others_finish(model, request):
     tiny = request.getfixturevalue(model)  # TinyLM in either layout, or the tutorial GPT's ragged cache
