@@ -150,6 +150,104 @@ def test_token_id_prompts_several_choices_stop_strings_and_logprobs(served):
     assert draws[0] == draws[1]
 
 
+MESSAGES = [{"role": "user", "content": "the dog ran"}]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
+def test_chat_logprobs_parse_into_the_clients_types_and_equal_the_completions_logprobs(served, stream):
+    from jinja2 import Template
+    from openai.types.chat import ChatCompletion, ChatCompletionChunk, ChatCompletionTokenLogprob
+
+    server, _, tokenizer = served("tiny")
+    prompt = Template(TEMPLATE).render(messages=MESSAGES, add_generation_prompt=True)
+    api = client(server)
+    plain = api.completions.create(model="tiny", prompt=prompt, max_tokens=6, temperature=0, logprobs=0)
+    settings = {"model": "tiny", "messages": MESSAGES, "max_tokens": 6, "temperature": 0, "logprobs": True,
+                "top_logprobs": 20}
+    if stream:
+        chunks = list(api.chat.completions.create(**settings, stream=True))
+        for chunk in chunks:  # strictly, as OpenAI's types declare them (the client itself does not validate)
+            ChatCompletionChunk.model_validate(chunk.model_dump())
+        entries = [e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+        tokens = [t for c in chunks[1:] for t in c.choices[0].token_ids]  # after the role's chunk
+    else:
+        answer = api.chat.completions.create(**settings)
+        ChatCompletion.model_validate(answer.model_dump())
+        entries, tokens = answer.choices[0].logprobs.content, answer.choices[0].token_ids
+    assert tokens == plain.choices[0].token_ids and len(entries) == 6
+    for entry, token, logprob in zip(entries, tokens, plain.choices[0].logprobs.token_logprobs, strict=True):
+        assert isinstance(entry, ChatCompletionTokenLogprob)
+        # the text it decodes to alone; an id the tokenizer lacks (TinyLM's vocabulary is larger) is its digits
+        assert entry.token == (text_of(tokenizer, [token]) or str(token))
+        assert entry.bytes == list(entry.token.encode())
+        assert entry.logprob == pytest.approx(logprob, abs=1e-6)  # one computation, two shapes
+        top = [t.logprob for t in entry.top_logprobs]
+        assert len(top) == 20 and top == sorted(top, reverse=True)
+        assert entry.top_logprobs[0].token == entry.token and top[0] == entry.logprob  # greedy: the likeliest
+    answer = api.chat.completions.create(**{**settings, "top_logprobs": 0})
+    assert [e.top_logprobs for e in answer.choices[0].logprobs.content] == [[]] * 6
+    assert api.chat.completions.create(**{**settings, "logprobs": False, "top_logprobs": None}).choices[0].logprobs \
+        is None
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
+def test_echo_starts_each_choice_with_its_prompt(served, stream):
+    server, _, tokenizer = served("tiny")
+    api = client(server).completions
+    prompts = [PROMPT, [7, 8, 9]]  # text as given; ids as their text
+    plain = api.create(model="tiny", prompt=prompts, max_tokens=5, temperature=0)
+    echoes = [PROMPT, text_of(tokenizer, [7, 8, 9])]
+    expected = [echo + choice.text for echo, choice in zip(echoes, plain.choices, strict=True)]
+    if stream:
+        chunks = list(api.create(model="tiny", prompt=prompts, max_tokens=5, temperature=0, echo=True, stream=True))
+        for index in range(2):
+            texts = [c.choices[0].text for c in chunks if c.choices and c.choices[0].index == index]
+            assert texts[0] == echoes[index]  # the prompt first, as OpenAI streams it
+            assert "".join(texts) == expected[index]
+    else:
+        answer = api.create(model="tiny", prompt=prompts, max_tokens=5, temperature=0, echo=True)
+        assert [c.text for c in answer.choices] == expected
+        assert [c.token_ids for c in answer.choices] == [c.token_ids for c in plain.choices]  # generated ids only
+        assert answer.usage == plain.usage
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
+def test_echo_with_logprobs_scores_the_prompt_with_the_models_own_logits(served, stream):
+    from tests.serving.test_generation_engine import torch_log_probs
+
+    server, _, tokenizer = served("tiny")
+    api = client(server).completions
+    prompt = [3, 4, 5, 9, 12]
+    plain = api.create(model="tiny", prompt=prompt, max_tokens=4, temperature=0, logprobs=3)
+    settings = {"model": "tiny", "prompt": prompt, "max_tokens": 4, "temperature": 0, "logprobs": 3, "echo": True}
+    if stream:
+        chunks = [c.choices[0] for c in api.create(**settings, stream=True) if c.choices]
+        fields = ("tokens", "token_logprobs", "top_logprobs", "text_offset")
+        logprobs = {f: [v for c in chunks if c.logprobs for v in getattr(c.logprobs, f)] for f in fields}
+        text = "".join(c.text for c in chunks)
+    else:
+        choice = api.create(**settings).choices[0]
+        logprobs, text = choice.logprobs.model_dump(), choice.text
+    echo = text_of(tokenizer, prompt)
+    assert text == echo + plain.choices[0].text
+    expected = torch_log_probs(prompt)  # TinyLM's own logits in torch, log-softmaxed in numpy
+    def piece(token) -> str:  # completions name a token by its piece, an id the tokenizer lacks by its digits
+        return tokenizer.id_to_token(int(token)) or str(token)
+
+    assert logprobs["tokens"][:5] == [piece(t) for t in prompt]
+    assert logprobs["token_logprobs"][0] is None and logprobs["top_logprobs"][0] is None
+    for i in range(1, 5):  # float32 ORT against torch
+        assert logprobs["token_logprobs"][i] == pytest.approx(expected[i - 1, prompt[i]], abs=1e-4)
+        top = logprobs["top_logprobs"][i]
+        assert list(top) == [piece(t) for t in np.argsort(-expected[i - 1], kind="stable")[:3]]
+        assert list(top.values()) == pytest.approx(np.sort(expected[i - 1])[::-1][:3], abs=1e-4)
+    generated = plain.choices[0].logprobs
+    assert logprobs["tokens"][5:] == generated.tokens and logprobs["top_logprobs"][5:] == generated.top_logprobs
+    assert logprobs["token_logprobs"][5:] == pytest.approx(generated.token_logprobs, abs=1e-6)
+    offsets = np.cumsum([0] + [len(t) for t in logprobs["tokens"][:5]]).tolist()
+    assert logprobs["text_offset"][:5] == offsets[:5]
+    assert logprobs["text_offset"][5] == len(echo)  # the generated text starts after the prompt's
+
 def test_triton_generate_and_generate_stream(served):
     server, path, tokenizer = served("gpt2")
     expected = alone(path, tokenizer.encode(PROMPT).ids, 6)
@@ -284,7 +382,9 @@ def test_cancelled_streams_free_their_cache_and_the_others_complete(served):
     ({"model": "tiny", "prompt": [1, 50], "max_tokens": 4}, 400, None),
     ({"model": "tiny", "prompt": [1], "n": 5}, 400, "n"),
     ({"model": "tiny", "prompt": [1], "temperature": -1}, 400, "temperature"),
-    ({"model": "tiny", "prompt": [1], "echo": True}, 400, "echo"),
+    ({"model": "tiny", "prompt": [1], "echo": 1}, 400, "echo"),
+    ({"model": "tiny", "prompt": [1], "suffix": "the end"}, 400, "suffix"),
+    ({"model": "tiny", "prompt": [1], "logprobs": 6}, 400, "logprobs"),
     ({"model": "tiny"}, 400, "prompt"),
     ({"model": "tiny", "prompt": [1], "presence_penalty": 2.5}, 400, "presence_penalty"),
     ({"model": "tiny", "prompt": [1], "frequency_penalty": -3}, 400, "frequency_penalty"),
@@ -294,7 +394,8 @@ def test_cancelled_streams_free_their_cache_and_the_others_complete(served):
     ({"model": "tiny", "prompt": [1], "logit_bias": {"50": 1}}, 400, "logit_bias"),
     ({"model": "tiny", "prompt": [1], "logit_bias": [3]}, 400, "logit_bias"),
 ], ids=["unknown-model", "max-tokens-0", "max-tokens-past-limit", "past-max-length", "id-past-vocab", "n-too-large",
-        "bad-temperature", "echo", "no-prompt", "presence-too-high", "frequency-too-low", "frequency-a-string",
+        "bad-temperature", "echo-not-a-boolean", "suffix", "logprobs-past-5",
+        "no-prompt", "presence-too-high", "frequency-too-low", "frequency-a-string",
         "bias-too-high", "bias-key-not-an-id", "bias-id-past-vocab", "bias-not-an-object"])
 def test_bad_requests_get_openai_shaped_errors(served, body, status, param):
     server, _, _ = served("tiny")
@@ -311,6 +412,23 @@ def test_bad_requests_get_openai_shaped_errors(served, body, status, param):
     with pytest.raises(failure, match=re.escape(error["message"][:40])):
         client(server).completions.create(**body)
 
+
+
+@pytest.mark.parametrize(("fields", "param"), [
+    ({"top_logprobs": 2}, "top_logprobs"),
+    ({"logprobs": False, "top_logprobs": 2}, "top_logprobs"),
+    ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ({"logprobs": True, "top_logprobs": -1}, "top_logprobs"),
+    ({"logprobs": 3}, "logprobs"),
+], ids=["top-without-logprobs", "top-with-logprobs-false", "top-past-20", "top-negative", "logprobs-a-count"])
+def test_bad_chat_logprobs_get_openai_shaped_errors(served, fields, param):
+    server, _, _ = served("tiny")
+    body = {"model": "tiny", "messages": MESSAGES, **fields}
+    got, _, raw = server.request("POST", "/v1/chat/completions", json.dumps(body).encode())
+    error = json.loads(raw)["error"]
+    assert got == 400 and error["param"] == param and error["type"] == "invalid_request_error", error
+    with pytest.raises(openai.BadRequestError, match=re.escape(error["message"][:40])):
+        client(server).chat.completions.create(**body)
 
 def test_malformed_json_and_a_chat_without_template(served, tmp_path):
     server, path, _ = served("tiny")
@@ -392,6 +510,14 @@ def test_an_encoder_decoder_is_served_with_its_source_as_the_prompt(seq2seq, tmp
         status, _, raw = server.request("POST", "/v1/completions",
                                         json.dumps({"model": "s2s", "prompt": [vocab]}).encode())
         assert status == 400 and "vocabulary" in json.loads(raw)["error"]["message"]
+        # its prompt is the encoder's source: echo is taken, but no logits score the source
+        status, _, raw = server.request("POST", "/v1/completions", json.dumps(
+            {"model": "s2s", "prompt": [5, 6], "max_tokens": 2, "echo": True, "logprobs": 1}).encode())
+        error = json.loads(raw)["error"]
+        assert status == 400 and error["param"] == "echo" and "logprobs" in error["message"]
+        echoed = client(server).completions.create(model="s2s", prompt=[5, 6], max_tokens=2, temperature=0,
+                                                    echo=True)
+        assert echoed.choices[0].token_ids == generate(stepper, [[5, 6]], max_new_tokens=2).tokens[0].tolist()
     finally:
         server.stop()
 

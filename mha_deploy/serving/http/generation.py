@@ -23,7 +23,14 @@ import numpy as np
 
 from mha_deploy.errors import InputError, OptionError
 from mha_deploy.runtime.generation import GenerationConfig
-from mha_deploy.serving.engine import EngineBusy, GenerationEngine, GenerationRequest, RequestTooLarge, TokenEvent
+from mha_deploy.serving.engine import (
+    EngineBusy,
+    GenerationEngine,
+    GenerationRequest,
+    RequestTooLarge,
+    TokenEvent,
+    TokenLogprob,
+)
 from mha_deploy.serving.http.metrics import GenerationMetrics
 from mha_deploy.serving.http.parsing import RequestError, RequestLimits
 from mha_deploy.serving.http.service import TrackedService
@@ -125,6 +132,12 @@ class GenerationService(TrackedService):
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(np.asarray(ids, np.int64)) if self.tokenizer is not None else ""
 
+    def token_string(self, token: int) -> str:
+        """One token as the text it decodes to alone (chat's logprobs, whose ``bytes`` are this text's UTF-8; a
+        token holding part of a character decodes to U+FFFD; a special token, skipped when decoding, is its piece),
+        else the id."""
+        return (self.decode([token]) if self.tokenizer is not None else "") or self.token_text(token)
+
     def token_text(self, token: int) -> str:
         """One token as text, for logprobs: the tokenizer's piece, else the id."""
         if self.tokenizer is None:
@@ -203,7 +216,9 @@ class Choice:
         self.service = service
         self.stop = stop
         self.tokens: list[int] = []
+        self.echo = ""  # what the answer's text starts with: the prompt, when a completion asks for echo
         self.logprobs: list[TokenEvent] = []
+        self.prompt_logprobs: list[TokenLogprob] | None = None  # the prompt's tokens scored (echo with logprobs)
         self.text = ""  # the text so far, up to a stop string when one came
         self.sent = 0  # characters of text already streamed
         self.finish_reason: str | None = None
@@ -211,14 +226,16 @@ class Choice:
         self.ticket = None
         self.queue: asyncio.Queue[TokenEvent] = asyncio.Queue()
 
-    def submit(self, engine: GenerationEngine, config: GenerationConfig, logprobs: int | None) -> None:
+    def submit(
+        self, engine: GenerationEngine, config: GenerationConfig, logprobs: int | None, prompt_logprobs: bool = False
+    ) -> None:
         loop = asyncio.get_running_loop()
 
         def notify(event: TokenEvent) -> None:  # the engine's thread
             loop.call_soon_threadsafe(self.queue.put_nowait, event)
 
         try:
-            self.ticket = engine.submit(GenerationRequest(self.prompt, config, logprobs), notify)
+            self.ticket = engine.submit(GenerationRequest(self.prompt, config, logprobs, prompt_logprobs), notify)
         except RequestTooLarge as exc:
             raise RequestError(400, "context_length_exceeded", str(exc)) from None
         except EngineBusy as exc:
@@ -238,6 +255,8 @@ class Choice:
             self.error, self.finish_reason = event.error, "error"
             return ""
         self.tokens.append(event.token)
+        if event.prompt_logprobs is not None:
+            self.prompt_logprobs = list(event.prompt_logprobs)
         if event.logprob is not None:
             self.logprobs.append(event)
         self.finish_reason = event.finish_reason

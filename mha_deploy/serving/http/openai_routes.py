@@ -4,14 +4,20 @@ What OpenAI's API reference names, as its clients send them: ``model``, ``prompt
 token ids, or a list of such lists), ``max_tokens`` (completions default 16; chat: ``max_completion_tokens`` too),
 ``temperature`` (default 1: sampling; 0 is greedy), ``top_p``, ``seed``, ``n``, ``stop`` (up to 4 strings; token ids
 are taken in it too, and in ``stop_token_ids``), ``stream`` (server-sent events ending ``data: [DONE]``;
-``stream_options.include_usage`` adds a last chunk with the usage), ``logprobs`` (completions: the chosen token's and
-the ``logprobs`` likeliest tokens' log probabilities under the model's raw distribution, at most 5), ``usage``.
+``stream_options.include_usage`` adds a last chunk with the usage), ``usage``. Log probabilities, under the model's
+raw distribution (before temperature, penalties or bias), of the chosen token and the likeliest alternatives, from
+one place in the engine in two shapes: completions' ``logprobs`` (0 to 5 alternatives, OpenAI's limit there:
+``tokens``, ``token_logprobs``, ``top_logprobs``, ``text_offset``) and chat's ``logprobs: true`` with
+``top_logprobs`` (0 to 20, OpenAI's limit there: ``choices[i].logprobs.content``, one ``{token, logprob, bytes,
+top_logprobs}`` per token), streamed too. ``echo`` (completions): each choice's text starts with its prompt (sent
+first when streamed); with ``logprobs``, the prompt's tokens are scored too (from the prefill's logits at every
+position; the first token has none), not on an encoder-decoder, whose prompt is a source no logits score.
 ``presence_penalty`` and ``frequency_penalty`` (in [-2, 2]: a token's logit loses ``frequency_penalty`` per time
 this choice generated it and ``presence_penalty`` once it has; the prompt does not count), ``logit_bias`` (an object
 of token-id strings to biases in [-100, 100], added to the logits; ids checked against the vocabulary), all per
 request, also when requests share the batch. Beyond OpenAI: ``top_k`` and ``repetition_penalty`` (as vLLM takes
 them), and ``token_ids`` in each choice (the generated ids; a server without a tokenizer returns no text, only them).
-Refused with a 400 naming the field: ``echo``, ``suffix``, ``best_of`` other than ``n``.
+Refused with a 400 naming the field: ``suffix``, ``best_of`` other than ``n``.
 
 Errors have OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``: 400 ``invalid_request_error`` for a
 bad request, 404 for an unknown model or a chat without a template, 429 with ``Retry-After`` when the queue is full,
@@ -42,11 +48,13 @@ from mha_deploy.serving.http.generation import (
 from mha_deploy.serving.http.parsing import RequestError, load_json
 
 logger = logging.getLogger("mha_deploy.serve")
-MAX_LOGPROBS = 5
+MAX_LOGPROBS = 5  # completions: OpenAI's own limit for the legacy route (the engine's cost does not grow with it)
+MAX_TOP_LOGPROBS = 20  # chat: OpenAI's limit
+LOWEST_LOGPROB = -9999.0  # OpenAI's stand-in for a token too unlikely to score (and JSON has no -Infinity)
 MAX_STOP = 4
 MAX_STOP_IDS = 64  # an id costs one comparison per step: a bound, not OpenAI's (it takes strings only)
 MAX_LOGIT_BIAS_IDS = 300  # each id costs a scatter per step: a bound on what one request may bias
-UNSUPPORTED = {"echo": False, "suffix": None}
+UNSUPPORTED = {"suffix": None}
 ERROR_TYPES = {400: "invalid_request_error", 404: "invalid_request_error", 408: "invalid_request_error",
                413: "invalid_request_error", 401: "authentication_error", 429: "rate_limit_error",
                503: "server_unavailable", 500: "server_error"}
@@ -168,13 +176,14 @@ def _logit_bias(value, vocab: int | None) -> tuple[tuple[int, float], ...]:
     return tuple(pairs)
 
 
-def _prompts(value, service: GenerationService) -> list[np.ndarray]:
-    """``prompt`` as OpenAI takes it: a string, a list of strings, a list of ids, or a list of lists of ids."""
-    def ids(item, where: str) -> np.ndarray:
+def _prompts(value, service: GenerationService) -> list[tuple[np.ndarray, str | None]]:
+    """``prompt`` as OpenAI takes it: a string, a list of strings, a list of ids, or a list of lists of ids; each as
+    (ids, its text as given, None for ids)."""
+    def ids(item, where: str) -> tuple[np.ndarray, str | None]:
         if isinstance(item, str):
-            return service.encode(item, where)
+            return service.encode(item, where), item
         if isinstance(item, list) and all(isinstance(i, int) and not isinstance(i, bool) for i in item):
-            return np.asarray(item, np.int64)
+            return np.asarray(item, np.int64), None
         raise _bad("prompt", "must be a string, a list of strings, a list of token ids or a list of such lists")
 
     if isinstance(value, str) or (isinstance(value, list) and value and all(
@@ -185,16 +194,46 @@ def _prompts(value, service: GenerationService) -> list[np.ndarray]:
     raise _bad("prompt", "is required: a string, a list of strings, a list of token ids or a list of such lists")
 
 
-def _logprobs_block(choice: Choice, service: GenerationService, offset: int = 0) -> dict:
-    tokens = [service.token_text(e.token) for e in choice.logprobs]
-    top = [None if e.top_logprobs is None else {service.token_text(t): lp for t, lp in e.top_logprobs.items()}
-           for e in choice.logprobs]
+def _finite(logprob: float | None) -> float | None:
+    return None if logprob is None else max(logprob, LOWEST_LOGPROB)
+
+
+def _completion_logprobs(entries, service: GenerationService, offset: int = 0) -> dict:
+    """Completions' shape of scored tokens (the engine's ``TokenLogprob`` or ``TokenEvent``): ``text_offset`` counts
+    from ``offset``, where the first token's text starts in the choice's text."""
+    tokens = [service.token_text(e.token) for e in entries]
+    top = [None if e.top_logprobs is None else {service.token_text(t): _finite(lp) for t, lp in e.top_logprobs.items()}
+           for e in entries]
     offsets, position = [], offset
     for text in tokens:
         offsets.append(position)
         position += len(text)
-    return {"tokens": tokens, "token_logprobs": [e.logprob for e in choice.logprobs],
+    return {"tokens": tokens, "token_logprobs": [_finite(e.logprob) for e in entries],
             "top_logprobs": top if any(t is not None for t in top) else None, "text_offset": offsets}
+
+
+def _chat_logprobs(entries, service: GenerationService) -> dict:
+    """Chat's shape of the same: ``{"content": [{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}]}``,
+    each token as the text it decodes to, ``bytes`` that text's UTF-8."""
+    def token(token_id: int, logprob: float) -> dict:
+        text = service.token_string(token_id)
+        return {"token": text, "logprob": _finite(logprob), "bytes": list(text.encode())}
+
+    return {"content": [{**token(e.token, e.logprob), "top_logprobs": [
+        token(t, lp) for t, lp in (e.top_logprobs or {}).items()]} for e in entries], "refusal": None}
+
+
+def _chat_logprob_settings(body: dict) -> int | None:
+    """Chat's ``logprobs`` (a boolean) and ``top_logprobs`` (0 to 20, only with ``logprobs``) as the engine's count
+    of alternatives (None: no log probabilities)."""
+    wanted = body.get("logprobs")
+    if wanted is not None and not isinstance(wanted, bool):
+        raise _bad("logprobs", f"must be true or false on chat completions (top_logprobs says how many alternatives), "
+                               f"got {wanted!r}")
+    top = _integer(body, "top_logprobs", None, 0, MAX_TOP_LOGPROBS)
+    if top is not None and not wanted:
+        raise _bad("top_logprobs", "needs logprobs set to true")
+    return (top or 0) if wanted else None
 
 
 def openai_routes(service: GenerationService) -> list[Route]:
@@ -212,7 +251,7 @@ def openai_routes(service: GenerationService) -> list[Route]:
             raise OpenAIError(404, "model_not_found",
                               f"the model {name!r} does not exist: this server serves {service.model_name!r}", "model")
 
-    def start(prompts: list[np.ndarray], body: dict, sampling: Sampling, stops, logprobs) -> list[Choice]:
+    def start(prompts, body: dict, sampling: Sampling, stops, logprobs, echo: bool = False) -> list[Choice]:
         n = _integer(body, "n", 1, 1)
         if n * len(prompts) > service.settings.max_choices:
             raise _bad("n", f"{n} choices for {len(prompts)} prompts exceed this server's limit of "
@@ -220,16 +259,23 @@ def openai_routes(service: GenerationService) -> list[Route]:
         if body.get("best_of") not in (None, n):
             raise _bad("best_of", "is supported only equal to n", "unsupported_parameter")
         engine = service.require_ready()
+        scored = echo and logprobs is not None
+        if scored and engine.stepper.encoder is not None:
+            raise _bad("echo", "echo with logprobs scores the prompt's tokens, which an encoder-decoder cannot: its "
+                               "prompt is the encoder's source, scored by no logits; drop logprobs or echo",
+                       "unsupported_parameter")
         settings = service.settings  # completed at load (recorded eos ids, the file's max_length)
         choices = []
         configs = [sampling.config(settings, j) for j in range(n)]
         try:
-            for p, prompt in enumerate(prompts):
+            for p, (prompt, text) in enumerate(prompts):
                 prompt = service.check_prompt(prompt, sampling.max_tokens, "prompt" if len(prompts) == 1
                                               else f"prompt[{p}]")
                 for j in range(n):
                     choice = Choice(p * n + j, prompt, service, stops)
-                    choice.submit(engine, configs[j], logprobs)
+                    if echo:
+                        choice.echo = text if text is not None else service.decode(prompt.tolist())
+                    choice.submit(engine, configs[j], logprobs, scored)
                     choices.append(choice)
                     service.metrics.prompt_tokens.inc(len(prompt))
         except BaseException:
@@ -254,21 +300,24 @@ def openai_routes(service: GenerationService) -> list[Route]:
             try:
                 body = load_json(await read_body(request, service.limits))
                 check_model(body)
+                echo = False
                 if chat:
-                    prompts, logprobs = [_chat_prompt(body, service)], None
-                    if body.get("logprobs") not in (None, False):
-                        raise _bad("logprobs", "are served on /v1/completions only", "unsupported_parameter")
+                    prompts = [(_chat_prompt(body, service), None)]
+                    logprobs = _chat_logprob_settings(body)
                     sampling, stops = parse_sampling(body, service, ("max_tokens", "max_completion_tokens"))
                 else:
                     sampling, stops = parse_sampling(body, service)
                     logprobs = _integer(body, "logprobs", None, 0, MAX_LOGPROBS)
+                    echo = body.get("echo", False)
+                    if echo is not None and not isinstance(echo, bool):
+                        raise _bad("echo", f"must be true or false, got {echo!r}")
                     prompts = _prompts(body.get("prompt"), service)
                 stream = body.get("stream", False)
                 if not isinstance(stream, bool):
                     raise _bad("stream", "must be true or false")
                 options = body.get("stream_options") or {}
                 include_usage = isinstance(options, dict) and options.get("include_usage") is True
-                choices = start(prompts, body, sampling, stops, logprobs)
+                choices = start(prompts, body, sampling, stops, logprobs, bool(echo))
             except RequestError as exc:
                 service.metrics.errors.labels(exc.kind).inc()
                 service.metrics.responses.labels(str(exc.status)).inc()
@@ -296,10 +345,17 @@ def openai_routes(service: GenerationService) -> list[Route]:
 
     def _final_choice(choice: Choice, chat: bool) -> dict:
         if chat:
+            logprobs = _chat_logprobs(choice.logprobs, service) if choice.logprobs else None
             return {"index": choice.index, "message": {"role": "assistant", "content": choice.text},
-                    "finish_reason": choice.finish_reason, "logprobs": None, "token_ids": choice.tokens}
-        logprobs = _logprobs_block(choice, service) if choice.logprobs else None
-        return {"index": choice.index, "text": choice.text, "logprobs": logprobs,
+                    "finish_reason": choice.finish_reason, "logprobs": logprobs, "token_ids": choice.tokens}
+        logprobs = None
+        if choice.logprobs:
+            logprobs = _completion_logprobs(choice.logprobs, service, len(choice.echo))
+            if choice.prompt_logprobs is not None:
+                prompt = _completion_logprobs(choice.prompt_logprobs, service)
+                logprobs = {key: _joined(prompt[key], logprobs[key], len(choice.prompt_logprobs))
+                            for key in logprobs}
+        return {"index": choice.index, "text": choice.echo + choice.text, "logprobs": logprobs,
                 "finish_reason": choice.finish_reason, "token_ids": choice.tokens}
 
     async def _stream(choices, chat, ident, created, include_usage, usage):
@@ -313,6 +369,9 @@ def openai_routes(service: GenerationService) -> list[Route]:
         if chat:
             yield chunk([{"index": c.index, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
                          for c in choices])
+        reported = {c.index: 0 for c in choices}  # log probabilities already sent, per choice
+        offsets = {c.index: len(c.echo) for c in choices}  # completions' text_offset of the next token
+        echoed = {c.index: not c.echo for c in choices}
         pending = {asyncio.ensure_future(c.next_delta()): c for c in choices}
         try:
             while pending:
@@ -324,15 +383,23 @@ def openai_routes(service: GenerationService) -> list[Route]:
                         yield b"data: " + json.dumps(error_body(500, "engine_error", choice.error)).encode() + b"\n\n"
                         continue
                     new_tokens = choice.tokens[-1:]
+                    new_logprobs = choice.logprobs[reported[choice.index]:]
+                    reported[choice.index] = len(choice.logprobs)
+                    if not echoed[choice.index]:  # the prompt first, as OpenAI streams an echo
+                        echoed[choice.index] = True
+                        scored = choice.prompt_logprobs
+                        yield chunk([{"index": choice.index, "text": choice.echo, "finish_reason": None,
+                                      "logprobs": None if scored is None else _completion_logprobs(scored, service),
+                                      "token_ids": []}])
                     if chat:
                         body = {"index": choice.index, "delta": {"content": delta} if delta or not choice.done else {},
+                                "logprobs": _chat_logprobs(new_logprobs, service) if new_logprobs else None,
                                 "finish_reason": choice.finish_reason, "token_ids": new_tokens}
                     else:
                         logprobs = None
-                        if choice.logprobs and choice.logprobs[-1].token == choice.tokens[-1]:
-                            last = Choice(choice.index, choice.prompt, service)
-                            last.logprobs = choice.logprobs[-1:]
-                            logprobs = _logprobs_block(last, service)
+                        if new_logprobs:
+                            logprobs = _completion_logprobs(new_logprobs, service, offsets[choice.index])
+                            offsets[choice.index] += sum(len(t) for t in logprobs["tokens"])
                         body = {"index": choice.index, "text": delta, "logprobs": logprobs,
                                 "finish_reason": choice.finish_reason, "token_ids": new_tokens}
                     yield chunk([body])
@@ -350,6 +417,15 @@ def openai_routes(service: GenerationService) -> list[Route]:
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
     ]
+
+
+def _joined(prompt: list | None, generated: list | None, prompt_tokens: int) -> list | None:
+    """One completions logprobs field over the prompt's tokens then the generated ones. Both sides ask the same
+    number of alternatives, so ``top_logprobs`` is None on the generated side only when none were asked; the prompt's
+    is None also when its one token is unscored."""
+    if generated is None:
+        return None
+    return (prompt if prompt is not None else [None] * prompt_tokens) + generated
 
 
 def _chat_prompt(body: dict, service: GenerationService) -> np.ndarray:
