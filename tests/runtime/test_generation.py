@@ -17,6 +17,7 @@ from mha_deploy.runtime.kv_stepper import KVCacheStepper
 from mha_deploy.runtime.logits import TokenHistory
 from mha_deploy.runtime.stopping import EosTokenCriteria, MaxNewTokensCriteria, StoppingCriteriaList
 from tests.conftest import user_module
+from tests.runtime.fixed_logits import FixedLogits
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -410,22 +411,6 @@ def test_sampling_with_a_seed_is_reproducible(cached_gpt):
     assert sample(3) != sample(4)
 
 
-class FixedLogits:
-    """A stepper whose every row's next-token logits are ``logits``."""
-
-    decoder_start_token_id = None
-
-    def __init__(self, logits):
-        self.logits = np.asarray(logits, np.float32)
-
-    def prefill(self, input_ids, attention_mask):
-        return np.tile(self.logits, (len(input_ids), 1))
-
-    def step(self, next_ids):
-        return np.tile(self.logits, (len(next_ids), 1))
-
-    def keep(self, rows):
-        pass
 
 
 # Chi-square critical values at p = 0.001 by degrees of freedom: a correct sampler fails one in a thousand seeds,

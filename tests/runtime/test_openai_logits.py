@@ -17,31 +17,13 @@ from mha_deploy.runtime.logits import (
     PresenceFrequencyPenaltyLogitsProcessor,
     TokenHistory,
 )
+from tests.runtime.fixed_logits import FixedLogits
 
 VOCAB = 50  # TinyLM's (tests/user_models/causal_lm.py)
 # Two rows: a left-padded prompt (-1), then 5 generated tokens each; the prompt holds tokens the completion repeats
 # (3, 7), which must not count.
 HISTORY = TokenHistory(np.array([[-1, 3, 7, 3, 3, 9, 7, 3],
                                  [7, 7, 7, 1, 2, 1, 1, 4]]), generated=5)
-
-
-class FixedLogits:
-    """A stepper whose every row's next-token logits are ``logits``: what greedy chooses is then the processors'
-    doing alone."""
-
-    decoder_start_token_id = None
-
-    def __init__(self, logits):
-        self.logits = np.asarray(logits, np.float32)
-
-    def prefill(self, input_ids, attention_mask):
-        return np.tile(self.logits, (len(input_ids), 1))
-
-    def step(self, next_ids):
-        return np.tile(self.logits, (len(next_ids), 1))
-
-    def keep(self, rows):
-        pass
 
 
 @pytest.mark.parametrize(("presence", "frequency"), [(0.5, 0.0), (0.0, 0.7), (1.5, -0.4), (-2.0, 2.0)])

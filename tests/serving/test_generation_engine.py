@@ -69,6 +69,20 @@ def run_all(engine: GenerationEngine, requests: list[GenerationRequest], timeout
     return results
 
 
+def events_of(engine: GenerationEngine, request: GenerationRequest, timeout: float = 30) -> list:
+    """``request`` submitted to a started ``engine``: every event it got, the last one with its finish reason."""
+    events, finished = [], threading.Event()
+
+    def notify(event):
+        events.append(event)
+        if event.finish_reason:
+            finished.set()
+
+    engine.submit(request, notify)
+    assert finished.wait(timeout)
+    return events
+
+
 def prompts(count, seed, longest=20):
     rng = np.random.default_rng(seed)
     return [rng.integers(0, VOCAB, rng.integers(1, longest + 1)).astype(np.int64) for _ in range(count)]
@@ -196,17 +210,9 @@ def test_a_bias_the_open_vocabulary_cannot_take_fails_its_row_only(tiny, monkeyp
 def test_logprobs_are_the_models_raw_distribution(tiny):
     engine = GenerationEngine(KVCacheStepper(tiny))
     engine.start()
-    events = []
-    finished = threading.Event()
-
-    def notify(event):
-        events.append(event)
-        if event.finish_reason:
-            finished.set()
-
     try:
-        engine.submit(GenerationRequest(np.array([4, 5, 6]), GenerationConfig(max_new_tokens=2), logprobs=3), notify)
-        assert finished.wait(30)
+        events = events_of(engine, GenerationRequest(np.array([4, 5, 6]), GenerationConfig(max_new_tokens=2),
+                                                     logprobs=3))
     finally:
         engine.stop(10)
     stepper = KVCacheStepper(tiny)
@@ -238,21 +244,13 @@ def test_prompt_logprobs_score_every_prompt_token_across_prefill_chunks(model, r
     path = request.getfixturevalue(model)  # both cache layouts: the ragged and the holes stepper's calls
     prompt = [4, 9, 2, 33, 17, 8, 41, 5]
     engine = GenerationEngine(KVCacheStepper(path), prefill_chunk=3)  # chunks of 3, 3, 2: scores cross them
-    events, finished = [], threading.Event()
-
-    def notify(event):
-        events.append(event)
-        if event.finish_reason:
-            finished.set()
-
     engine.start()
     try:
-        engine.submit(GenerationRequest(np.array(prompt), GenerationConfig(max_new_tokens=2), logprobs=4,
-                                        prompt_logprobs=True), notify)
-        assert finished.wait(30)
+        events = events_of(engine, GenerationRequest(np.array(prompt), GenerationConfig(max_new_tokens=2),
+                                                     logprobs=4, prompt_logprobs=True))
         with pytest.raises(InputError, match="prompt_logprobs needs logprobs"):
             engine.submit(GenerationRequest(np.array(prompt), GenerationConfig(max_new_tokens=2),
-                                            prompt_logprobs=True), notify)
+                                            prompt_logprobs=True), lambda event: None)
     finally:
         engine.stop(10)
     expected = torch_log_probs(prompt)
@@ -358,17 +356,9 @@ def test_a_failing_model_call_fails_its_requests_and_the_engine_serves_the_next(
     # a holes file's calls go through run, a ragged file's through run_in_place
     monkeypatch.setattr(stepper.graph, "run", flaky(stepper.graph.run))
     monkeypatch.setattr(stepper.graph, "run_in_place", flaky(stepper.graph.run_in_place))
-    events, finished = [], threading.Event()
-
-    def notify(event):
-        events.append(event)
-        if event.finish_reason:
-            finished.set()
-
     engine.start()
     try:
-        engine.submit(GenerationRequest(np.array([1, 2, 3]), GenerationConfig(max_new_tokens=4)), notify)
-        assert finished.wait(30)
+        events = events_of(engine, GenerationRequest(np.array([1, 2, 3]), GenerationConfig(max_new_tokens=4)))
         assert events[-1].finish_reason == "error" and "device lost" in events[-1].error
         assert run_all(engine, [GenerationRequest(np.array([1, 2, 3]), GenerationConfig(max_new_tokens=4))]) == [
             alone(tiny, [1, 2, 3], max_new_tokens=4)]
