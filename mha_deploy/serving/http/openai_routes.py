@@ -37,6 +37,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from mha_deploy.runtime.logits import MAX_LOGIT_BIAS, MAX_PENALTY
 from mha_deploy.serving.http.body import read_body
 from mha_deploy.serving.http.generation import (
     Choice,
@@ -144,8 +145,8 @@ def parse_sampling(
         seed=_integer(body, "seed", None, 0),
         stop_ids=stop_ids,
         repetition_penalty=_number(body, "repetition_penalty", 1.0, 0.01, 100.0),
-        presence_penalty=_number(body, "presence_penalty", 0.0, -2.0, 2.0),
-        frequency_penalty=_number(body, "frequency_penalty", 0.0, -2.0, 2.0),
+        presence_penalty=_number(body, "presence_penalty", 0.0, -MAX_PENALTY, MAX_PENALTY),
+        frequency_penalty=_number(body, "frequency_penalty", 0.0, -MAX_PENALTY, MAX_PENALTY),
         logit_bias=_logit_bias(body.get("logit_bias"), vocab),
     )
     return sampling, strings
@@ -157,8 +158,8 @@ def _logit_bias(value, vocab: int | None) -> tuple[tuple[int, float], ...]:
     if value is None:
         return ()
     if not isinstance(value, dict):
-        raise _bad("logit_bias", f"must be an object mapping token ids (strings) to biases in [-100, 100], "
-                                 f"got {value!r}")
+        raise _bad("logit_bias", f"must be an object mapping token ids (strings) to biases in "
+                                 f"[-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], got {value!r}")
     if len(value) > MAX_LOGIT_BIAS_IDS:
         raise _bad("logit_bias", f"at most {MAX_LOGIT_BIAS_IDS} token ids, got {len(value)}")
     pairs = []
@@ -170,8 +171,9 @@ def _logit_bias(value, vocab: int | None) -> tuple[tuple[int, float], ...]:
             raise _bad("logit_bias", f"token id {token} is given twice ({key!r})")
         if vocab is not None and token >= vocab:
             raise _bad("logit_bias", f"token id {token} is past the model's vocabulary ({vocab} ids, 0 to {vocab - 1})")
-        if isinstance(bias, bool) or not isinstance(bias, int | float) or not -100 <= bias <= 100:
-            raise _bad("logit_bias", f"the bias of token {token} must be a number in [-100, 100], got {bias!r}")
+        if isinstance(bias, bool) or not isinstance(bias, int | float) or not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+            raise _bad("logit_bias", f"the bias of token {token} must be a number in "
+                                     f"[-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], got {bias!r}")
         pairs.append((token, float(bias)))
     return tuple(pairs)
 
