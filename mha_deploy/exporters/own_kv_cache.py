@@ -444,7 +444,7 @@ def check_own_cache_parity(
             want = expected[rows, np.minimum(columns, calls.width - 1)]
             for comparison in compare_outputs(
                 session.signature, {LOGITS: result[LOGITS]}, {LOGITS: want}, real[rows, columns] & given,
-                atol, rtol, names=[LOGITS],
+                atol, rtol, names=[LOGITS], atol_per_row=True,
             ):
                 comparisons.append(comparison)
                 if not comparison.passed:
@@ -458,7 +458,7 @@ def check_own_cache_parity(
         for name, present in session.signature.cache_pairs.items():
             # [batch, heads, total, d_k] -> [batch, total, heads, d_k]: the real positions' rows
             got, want = (np.moveaxis(a[:, :, : calls.width], 2, 1)[real] for a in (past[name], whole[present]))
-            comparison = compare_arrays(present, got, want, atol, rtol)
+            comparison = compare_arrays(present, got, want, atol, rtol, atol_per_row=True)
             comparisons.append(comparison)
             if not comparison.passed:
                 failures.append(f"{label}: {present} after the calls is not one call's ({comparison.summary()})")

@@ -385,14 +385,15 @@ def check_seq2seq_cache_parity(
                 INPUT_IDS: target[:, start:end], ATTENTION_MASK: target_real[:, :end].astype(np.int64),
                 ENCODER_MASK: source_real.astype(source_mask_type), **past, **cross}), strict=True))
             comparison = compare_arrays(LOGITS, result[LOGITS][target_real[:, start:end]],
-                                        expected[:, start:end][target_real[:, start:end]], atol, rtol)
+                                        expected[:, start:end][target_real[:, start:end]], atol, rtol,
+                                        atol_per_row=True)
             comparisons.append(comparison)
             if not comparison.passed:
                 failures.append(f"{case.label}: call {call} of {len(case.calls)} ({length} token(s) after {start}): "
                                 f"{comparison.summary()}")
             past = {name: result[name.replace("past_key_values.", "present.", 1)] for name in past}
             start = end
-    return parity_report(comparisons, labels, failures, atol, rtol, atol_per_row=True)
+    return parity_report(comparisons, labels, failures, atol, rtol)
 
 
 def _input_type(session: ort.InferenceSession, name: str):

@@ -204,13 +204,15 @@ def _judge(
             comparisons.append(comparison)
             if not comparison.passed:
                 failures.append(f"{label}: {comparison.summary()}")
-    return parity_report(comparisons, labels, failures, atol, rtol, rel_budget=rel_budget, atol_per_row=True)
+    return parity_report(comparisons, labels, failures, atol, rtol, rel_budget=rel_budget)
 
 
 def parity_report(comparisons: list, labels: list[str], failures: list[str], atol: float, rtol: float,
                   **settings) -> ParityReport:
-    """The report of a parity run: the worst of its comparisons, the shapes it ran, what failed."""
+    """The report of a parity run: the worst of its comparisons, the shapes it ran, what failed. Whether atol
+    counted in row scales is read off the comparisons, so the report cannot claim a tolerance they did not apply."""
     return ParityReport(
+        atol_per_row=all(c.atol_per_row for c in comparisons),
         passed=not failures,
         atol=atol,
         rtol=rtol,
