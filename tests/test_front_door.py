@@ -26,6 +26,16 @@ def test_the_readmes_first_block_sets_up_and_runs_the_demo_and_the_tests():
     assert "exec scripts/test.sh" in ci, "CI runs exactly the README's test command"
 
 
+def test_the_readme_fits_a_first_read():
+    """What it is, the set-up, five minutes with your own model, generation and the commands; detail lives in
+    docs/ (the README had grown to 389 lines)."""
+    lines = README.read_text().splitlines()
+    assert len(lines) < 300, f"README.md has {len(lines)} lines: move detail into docs/"
+    headings = [line for line in lines if line.startswith("## ")]
+    assert headings[:3] == ["## Install", "## Five minutes with your own model", "## What fusion buys on your own model"]
+    assert {"## Generate text", "## Commands"} <= set(headings)
+
+
 def test_setup_says_what_it_installed_and_what_to_run_next(tmp_path):
     """setup.sh against a .venv whose pip is a stand-in (the install itself is pip's), its summary read from the
     environment these tests run in."""
