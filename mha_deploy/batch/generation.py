@@ -10,7 +10,8 @@ lines ``{"id": ..., "output_ids": [...], "text": ...}`` (the new tokens only; ``
 input order, one output file per input shard (``<stem>.jsonl``). Shards are run, locked, recorded and
 resumed by ``batch.job`` (``DatasetJob``, ``run_shards``): a killed run's rerun skips the finished shards and
 redoes the others from their start, so its outputs are byte for byte those of an uninterrupted run (sampling
-included: batch ``b`` of a shard samples with ``seed + b``, and the plan depends only on the prompts and options).
+included: batch ``b`` of a shard samples with ``seed + b`` (modulo 2**64), and the plan depends only on the
+prompts and options).
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from mha_deploy.batch.runner import BatchCallback, ItemError, RunStats
 from mha_deploy.batching import RunnerOptions
 from mha_deploy.errors import InputError, MHADeployError
 from mha_deploy.runtime.digest import sha256_digest
-from mha_deploy.runtime.generation import GenerationConfig, TokenStepper, generate, prompt_batch
+from mha_deploy.runtime.generation import GenerationConfig, TokenStepper, generate, offset_seed, prompt_batch
 from mha_deploy.signature import PADDING_MASK, TOKENS, Signature, TensorSpec
 
 PROMPT_SUFFIXES = (".jsonl", ".npz", ".parquet")
@@ -356,7 +357,7 @@ class PromptGenerator:
         for number, indices in enumerate(self._plan(window), first_batch):
             config = self.config
             if config.seed is not None:
-                config = replace(config, seed=config.seed + number)
+                config = replace(config, seed=offset_seed(config.seed, number))
             t0 = time.perf_counter()
             output = generate(self.stepper, *self._prompt_batch([window[i].input_ids for i in indices]),
                               config=config)

@@ -12,6 +12,7 @@ from mha_deploy.cli.group import main
 from mha_deploy.cli.options import session_options
 from mha_deploy.cli.progress import echo_run_notes, run_with_progress
 from mha_deploy.metadata import ON_ERROR_CHOICES
+from mha_deploy.runtime.generation import SEED_LIMIT
 
 
 @main.command()
@@ -55,8 +56,9 @@ from mha_deploy.metadata import ON_ERROR_CHOICES
               help="Beam search with this many beams (not with --do-sample).")
 @click.option("--length-penalty", type=float, default=1.0, show_default=True,
               help="Beam search: hypotheses scored by their log-probability / length ** this.")
-@click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True,
-              help="Seed of the sampling (batch b of a shard samples with seed + b, so a rerun draws the same).")
+@click.option("--seed", type=click.IntRange(0, SEED_LIMIT - 1), default=0, show_default=True,
+              help="Seed of the sampling, an unsigned 64-bit integer (batch b of a shard samples with seed + b, "
+                   "so a rerun draws the same).")
 @click.option("--max-length", type=click.IntRange(min=1),
               help="The longest sequence the model takes (e.g. its position table): a prompt whose tokens and "
                    "--max-new-tokens exceed it is a bad prompt (an encoder-decoder's source: its tokens alone). "

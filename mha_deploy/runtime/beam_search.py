@@ -15,10 +15,19 @@ its default settings run it, so that the same scores give the same tokens:
   running beam's length as it is now (``early_stopping=False``, transformers' default), or with the
   length limit (``"never"``, with a positive length penalty), or as soon as it has ``num_beams``
   hypotheses (``True``);
-- scores are float32 and an impossible one is -1e9, as there, so that ties fall alike.
+- running scores are float32 sums and a beam that cannot run is -1e9, as there, so that ties fall alike.
+
+Where it departs from transformers, on purpose: transformers also marks a hypothesis slot that holds
+nothing yet with -1e9, so a hypothesis scored below -1e9 (``length_penalty`` -20 makes 5 tokens'
+-2.0 about -2e14) loses to the empty slot and the prompt comes back with no tokens. Here a slot is
+held or empty by a flag, never by its score, and hypothesis scores are float64 with the penalty
+bounded (``check_length_penalty``) so that ``new_tokens ** length_penalty`` and the score stay finite:
+every prompt ends with a hypothesis, whatever finite penalty it was given.
 """
 
 from __future__ import annotations
+
+import math
 
 import numpy as np
 
@@ -27,6 +36,30 @@ from mha_deploy.runtime.logits import TokenHistory
 from mha_deploy.runtime.stopping import StoppingCriteriaList
 
 IMPOSSIBLE = np.float32(-1.0e9)
+# The most ``new_tokens ** |length_penalty|`` may reach: a sum of float32 log-probabilities (at most 3.4e38 in
+# size) divided or multiplied by it stays within float64 (1.8e308).
+MAX_LENGTH_FACTOR_LOG = 250 * math.log(10)
+
+
+def length_penalty_bound(max_new_tokens: int) -> float:
+    """The largest ``|length_penalty|`` for which every hypothesis score up to ``max_new_tokens`` tokens is finite
+    (infinite when every hypothesis has one token: 1 ** anything is 1)."""
+    return math.inf if max_new_tokens <= 1 else MAX_LENGTH_FACTOR_LOG / math.log(max_new_tokens)
+
+
+def check_length_penalty(length_penalty: float, max_new_tokens: int) -> None:
+    """``OptionError`` unless ``length_penalty`` is a finite number within ``length_penalty_bound``."""
+    bound = length_penalty_bound(max_new_tokens)
+    if (isinstance(length_penalty, bool) or not isinstance(length_penalty, int | float | np.floating)
+            or not math.isfinite(length_penalty)):
+        raise OptionError(f"length_penalty must be a finite number (1.0 scores by the mean log-probability, 0 by "
+                          f"the sum), got {length_penalty!r}")
+    if abs(length_penalty) > bound:
+        raise OptionError(
+            f"length_penalty must be within [-{bound:.4g}, {bound:.4g}] with max_new_tokens={max_new_tokens}, got "
+            f"{length_penalty!r}: hypotheses are scored by their log-probability / new_tokens ** length_penalty, "
+            "which must stay a finite number up to max_new_tokens tokens"
+        )
 
 
 class BeamSearchScorer:
@@ -52,6 +85,7 @@ class BeamSearchScorer:
             raise OptionError(f"beam search needs num_beams >= 2, got {num_beams}")
         if early_stopping not in (True, False, "never"):
             raise OptionError(f"early_stopping must be True, False or 'never', got {early_stopping!r}")
+        check_length_penalty(length_penalty, max_new_tokens)
         self.num_beams = num_beams
         self.criteria = criteria
         self.max_new_tokens = max_new_tokens
@@ -66,7 +100,9 @@ class BeamSearchScorer:
         # Only the first beam is live at the start: the others would repeat its continuations.
         self.running_scores = np.zeros((items, num_beams), np.float32)
         self.running_scores[:, 1:] = IMPOSSIBLE
-        self.kept_scores = np.full((items, num_beams), IMPOSSIBLE, np.float32)
+        # The kept hypotheses, best first: a slot holds one where ``kept_finished`` says so (its score then
+        # whatever the penalty makes it), and is empty (-inf) otherwise.
+        self.kept_scores = np.full((items, num_beams), -np.inf, np.float64)
         self.kept_tokens = [[np.zeros(0, np.int64)] * num_beams for _ in range(items)]
         self.kept_finished = np.zeros((items, num_beams), bool)
         self.improvable = np.ones(items, bool)
@@ -127,32 +163,38 @@ class BeamSearchScorer:
     def _keep_hypotheses(self, tokens: np.ndarray, scores: np.ndarray, ends: np.ndarray) -> None:
         """Merge the continuations that end among the best ``num_beams`` into the kept hypotheses."""
         beams = self.num_beams
-        ended = ends & (np.arange(ends.shape[1]) < beams)[None, :]
-        # Casting to float32 the way torch does: a float32 tensor divided by a Python float stays float32.
-        final = scores / np.float32((self.generated + 1) ** self.length_penalty)
         full = self.kept_finished.all(axis=1, keepdims=True) & (self.early_stopping is True)
-        final = final + full * IMPOSSIBLE + (~self.improvable[:, None]) * IMPOSSIBLE + (~ended) * IMPOSSIBLE
-        merged = np.concatenate([self.kept_scores, final.astype(np.float32)], axis=1)
-        best = np.argsort(-merged, axis=1, kind="stable")[:, :beams]
-        finished = np.concatenate([self.kept_finished, ended], axis=1)
+        admitted = ends & (np.arange(ends.shape[1]) < beams)[None, :] & ~full & self.improvable[:, None]
+        final = np.where(admitted, self._normalised(scores, self.generated + 1), -np.inf)
+        merged = np.concatenate([self.kept_scores, final], axis=1)
+        held = np.concatenate([self.kept_finished, admitted], axis=1)
+        # Held hypotheses before empty slots whatever their scores, then the best first; equal ones in order.
+        best = np.lexsort((-merged, ~held), axis=1)[:, :beams]
         for i, picks in enumerate(best):
             pool = self.kept_tokens[i] + list(tokens[i])
             self.kept_tokens[i] = [pool[p] for p in picks]
         self.kept_scores = np.take_along_axis(merged, best, axis=1)
-        self.kept_finished = np.take_along_axis(finished, best, axis=1)
+        self.kept_finished = np.take_along_axis(held, best, axis=1)
+
+    def _normalised(self, scores: np.ndarray, length: int) -> np.ndarray:
+        """Summed log-probabilities (float32) as a hypothesis of ``length`` new tokens scores: float64, where the
+        bounded penalty keeps ``length ** length_penalty`` and the quotient finite."""
+        return scores.astype(np.float64) / float(length) ** self.length_penalty
 
     def _check_improvable(self) -> None:
         """Whether a running beam may still beat the worst kept hypothesis (see the module's docstring)."""
         # With a length penalty that favours length, "never" assumes a beam may yet run to the limit.
         longest = self.early_stopping == "never" and self.length_penalty > 0.0
         length = self.max_new_tokens if longest else self.generated
-        best_running = self.running_scores[:, :1] / np.float32(length**self.length_penalty)
-        worst_kept = np.where(self.kept_finished, self.kept_scores.min(axis=1, keepdims=True), IMPOSSIBLE)
-        self.improvable &= np.any(best_running > worst_kept, axis=1)
+        best_running = self._normalised(self.running_scores[:, 0], length)
+        # Held hypotheses are first: the last slot is the worst one, or empty (then any running beam may fill it).
+        room = ~self.kept_finished[:, -1]
+        self.improvable &= room | (best_running > self.kept_scores[:, -1])
 
     def _finish(self, index: int) -> None:
-        best = int(np.argmax(self.kept_scores[index]))
-        self.results[int(self.items[index])] = (self.kept_tokens[index][best], float(self.kept_scores[index, best]))
+        # The kept hypotheses are sorted, held ones first; a prompt always finishes holding one (the last step's
+        # best continuations all end, and are admitted unless the slots are already held).
+        self.results[int(self.items[index])] = (self.kept_tokens[index][0], float(self.kept_scores[index, 0]))
 
     def _select(self, keep: np.ndarray) -> None:
         self.items = self.items[keep]

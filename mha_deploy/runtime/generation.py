@@ -19,6 +19,7 @@ refuses them (see ``GenerationConfig``).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Protocol, runtime_checkable
@@ -26,7 +27,7 @@ from typing import Protocol, runtime_checkable
 import numpy as np
 
 from mha_deploy.errors import InputError, OptionError
-from mha_deploy.runtime.beam_search import BeamSearchScorer
+from mha_deploy.runtime.beam_search import BeamSearchScorer, check_length_penalty
 from mha_deploy.runtime.logits import (
     LogitBiasLogitsProcessor,
     LogitsProcessorList,
@@ -39,6 +40,17 @@ from mha_deploy.runtime.logits import (
     token_ids,
 )
 from mha_deploy.runtime.stopping import EosTokenCriteria, MaxNewTokensCriteria, StoppingCriteriaList
+
+# Seeds are unsigned 64-bit integers, the range torch.manual_seed takes, so that a seed means the same elsewhere.
+SEED_LIMIT = 2**64
+# The options given as real numbers: each must be finite, whether or not the search uses it.
+FLOAT_OPTIONS = ("temperature", "top_p", "repetition_penalty", "presence_penalty", "frequency_penalty",
+                 "length_penalty")
+
+
+def offset_seed(seed: int, offset: int) -> int:
+    """The seed of batch (or choice) ``offset`` of a run seeded ``seed``: their sum, wrapped into the seed range."""
+    return (seed + offset) % SEED_LIMIT
 
 
 @runtime_checkable
@@ -74,7 +86,7 @@ class GenerationConfig:
       None: the ids the stepper's file recorded at export (``export --eos-id``), if any; ``[]``: none. Without
       any, every row runs to ``max_new_tokens``.
     - sampling: ``temperature``, ``top_k`` (None: off; transformers' generate uses 50 unless told), ``top_p``,
-      ``seed`` (numpy's default generator; None: fresh entropy).
+      ``seed`` (numpy's default generator, an integer in [0, 2**64); None: fresh entropy).
     - ``repetition_penalty``: every search; 1.0 is none.
     - OpenAI's ``presence_penalty`` and ``frequency_penalty`` (each in [-2, 2], 0 is none: a token's score loses
       ``frequency_penalty`` per time the row generated it and ``presence_penalty`` once it has, the prompt not
@@ -82,8 +94,11 @@ class GenerationConfig:
       Beam search refuses them: it ranks hypotheses by summed log-probabilities, and a bias or penalty there would
       be added to log-probabilities already normalised, changing the hypotheses' scores rather than the
       distribution of their next token as OpenAI defines it.
-    - beams: ``num_beams``, ``length_penalty`` (hypotheses scored sum of log-probs / length ** it),
+    - beams: ``num_beams``, ``length_penalty`` (hypotheses scored sum of log-probs / length ** it; finite, and
+      bounded so that length ** it stays finite up to ``max_new_tokens``: ``beam_search.length_penalty_bound``),
       ``early_stopping`` (False, as transformers; True or "never").
+    - every real-valued option must be finite (an infinite temperature or penalty would turn scores into NaN or
+      filter every token), even one the search does not use.
     - ``pad_token_id``: what ``GenerationOutput.padded`` fills with (default: the file's recorded pad id, else the
       first end id, else 0).
     """
@@ -126,8 +141,17 @@ class GenerationConfig:
             raise OptionError(f"early_stopping must be True, False or 'never', got {self.early_stopping!r}")
         if self.pad_token_id is not None and (not isinstance(self.pad_token_id, int) or self.pad_token_id < 0):
             raise OptionError(f"pad_token_id must be a non-negative integer, got {self.pad_token_id!r}")
+        for name in FLOAT_OPTIONS:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float | np.floating) or not math.isfinite(value):
+                raise OptionError(f"{name} must be a finite number, got {value!r}")
         if not 0.0 <= self.top_p <= 1.0:
             raise OptionError(f"top_p must be in [0, 1] (1.0 is off), got {self.top_p}")
+        check_length_penalty(self.length_penalty, self.max_new_tokens)
+        if self.seed is not None and (not isinstance(self.seed, int | np.integer) or isinstance(self.seed, bool)
+                                      or not 0 <= self.seed < SEED_LIMIT):
+            raise OptionError(f"seed must be an integer in [0, 2**64 - 1] (an unsigned 64-bit integer), "
+                              f"got {self.seed!r}")
         # Built once here so that a bad temperature, top_k, top_p or penalty is refused before any model call.
         self.logits_processors()
 

@@ -55,8 +55,9 @@ class TemperatureLogitsWarper(LogitsProcessor):
     """Scores divided by ``temperature``: below 1 sharpens the distribution, above 1 flattens it."""
 
     def __init__(self, temperature: float):
-        if not temperature > 0:
-            raise OptionError(f"temperature must be > 0, got {temperature}; for greedy decoding, do not sample")
+        if not 0 < temperature < math.inf:
+            raise OptionError(f"temperature must be a finite number > 0, got {temperature}; for greedy decoding, do "
+                              "not sample")
         self.temperature = float(temperature)
 
     def __call__(self, history: TokenHistory, scores: np.ndarray) -> np.ndarray:
@@ -122,8 +123,8 @@ class RepetitionPenaltyLogitsProcessor(LogitsProcessor):
     score divided by ``penalty``, a negative one multiplied by it, once per token however often it came."""
 
     def __init__(self, penalty: float):
-        if not penalty > 0:
-            raise OptionError(f"repetition_penalty must be > 0 (1.0 is none), got {penalty}")
+        if not 0 < penalty < math.inf:
+            raise OptionError(f"repetition_penalty must be a finite number > 0 (1.0 is none), got {penalty}")
         self.penalty = float(penalty)
 
     def __call__(self, history: TokenHistory, scores: np.ndarray) -> np.ndarray:

@@ -1,0 +1,115 @@
+"""Attacks on ``mha-deploy generate`` and the generation loop: options at the edges of their types (NaN, inf, a
+length penalty whose power overflows, a seed past 64 bits, an end id past the vocabulary) and prompt files that
+say more than ids (a padding mask, ids that are not ids), and a manifest left behind by deleted outputs."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+from click.testing import CliRunner, Result
+
+from mha_deploy.cli import main
+from mha_deploy.errors import OptionError
+from mha_deploy.runtime.generation import FLOAT_OPTIONS, GenerationConfig, generate
+from tests.adversarial.conftest import assert_loud
+from tests.runtime.fixed_logits import FixedLogits
+
+pytest.importorskip("torch")
+
+VOCAB = 50  # tests/user_models/causal_lm.py's
+# Every step's distribution: token 0 at 0.5, 1 at 0.3, 2 (the end id below) at 0.2.
+HALF_THIRD_FIFTH = np.log([0.5, 0.3, 0.2])
+
+
+@pytest.fixture
+def lm(lm_cache) -> Path:
+    return lm_cache("causal_lm")[0]  # export --module --kv-cache, shared with the other generation tests
+
+
+def generate_cli(model: Path, source: Path, output: Path, *options: object) -> Result:
+    args = ["generate", model, "--input", source, "--output", output, "--no-progress", *options]
+    return CliRunner().invoke(main, [str(a) for a in args])
+
+
+def write_jsonl(path: Path, records: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+# --- beam search's length penalty ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("length_penalty", [-50.0, -30.0, -20.0, -1.0, 0.0, 1.0, 50.0])
+def test_beam_search_returns_the_best_hypothesis_for_any_finite_length_penalty(length_penalty):
+    """The end id never ranks among the best two continuations, so the hypotheses are the beams the length limit
+    ends: six tokens of 0, log-probability 6 log 0.5. With -20 that scores -4e15, below the -1e9 that marks an
+    empty slot in transformers' scorer, and the prompt used to come back with no token at all."""
+    out = generate(FixedLogits(HALF_THIRD_FIFTH), [[1], [2, 0]], num_beams=2, max_new_tokens=6, eos_token_id=2,
+                   length_penalty=length_penalty)
+    assert [t.tolist() for t in out.tokens] == [[0] * 6, [0] * 6]
+    expected = 6 * math.log(0.5) / 6**length_penalty
+    np.testing.assert_allclose(out.scores, [expected, expected], rtol=1e-6)
+
+
+@pytest.mark.parametrize("length_penalty", [math.nan, math.inf, -math.inf, 1e308, -1e308])
+def test_a_length_penalty_that_cannot_score_is_refused(length_penalty):
+    with pytest.raises(OptionError, match="length_penalty must be"):
+        GenerationConfig(num_beams=2, length_penalty=length_penalty)
+
+
+def test_generate_beams_with_a_negative_length_penalty_and_refuses_one_that_cannot_score(lm, tmp_path):
+    source = write_jsonl(tmp_path / "in.jsonl", [{"id": "a", "input_ids": [1, 2, 3]}, {"id": "b", "input_ids": [4]}])
+    result = generate_cli(lm, source, tmp_path / "out.jsonl", "--num-beams", 3, "--max-new-tokens", 5,
+                          "--length-penalty", -20)
+    assert result.exit_code == 0, result.output
+    assert "2 prompts, 10 new tokens" in result.stdout
+    assert [len(r["output_ids"]) for r in read_jsonl(tmp_path / "out.jsonl")] == [5, 5]
+    for bad, message in (("nan", "length_penalty must be a finite number, got nan"),
+                         ("-inf", "length_penalty must be a finite number, got -inf"),
+                         ("1e308", "length_penalty must be within [-357.7, 357.7] with max_new_tokens=5"),
+                         ("-1e308", "length_penalty must be within [-357.7, 357.7] with max_new_tokens=5")):
+        output = tmp_path / f"bad{bad}.jsonl"
+        assert_loud(generate_cli(lm, source, output, "--num-beams", 3, "--max-new-tokens", 5,
+                                 f"--length-penalty={bad}"), message)
+        assert not output.exists()
+
+
+# --- other real-valued options and the seed -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf])
+@pytest.mark.parametrize("name", FLOAT_OPTIONS)
+def test_every_real_valued_option_must_be_finite_even_unused(name, value):
+    with pytest.raises(OptionError, match=f"{name} must be a finite number, got {value!r}"):
+        GenerationConfig(**{name: value})
+    with pytest.raises(OptionError, match=f"{name} must be a finite number"):
+        GenerationConfig(do_sample=True, **{name: value})
+
+
+@pytest.mark.parametrize(("option", "value"), [("--temperature", "inf"), ("--repetition-penalty", "inf"),
+                                               ("--top-p", "nan"), ("--presence-penalty", "nan")])
+def test_generate_refuses_a_non_finite_option_in_one_line(lm, tmp_path, option, value):
+    source = write_jsonl(tmp_path / "in.jsonl", [{"id": "a", "input_ids": [1, 2, 3]}])
+    name = option.removeprefix("--").replace("-", "_")
+    assert_loud(generate_cli(lm, source, tmp_path / "out.jsonl", "--do-sample", option, value),
+                f"{name} must be a finite number, got {value}")
+    assert not (tmp_path / "out.jsonl").exists()
+
+
+def test_a_seed_past_64_bits_is_refused_and_the_last_one_wraps_per_batch(lm, tmp_path):
+    with pytest.raises(OptionError, match=r"seed must be an integer in \[0, 2\*\*64 - 1\]"):
+        GenerationConfig(seed=2**64)
+    source = write_jsonl(tmp_path / "in.jsonl", [{"id": "a", "input_ids": [1, 2, 3]}, {"id": "b", "input_ids": [4]}])
+    result = generate_cli(lm, source, tmp_path / "out.jsonl", "--do-sample", "--seed", 2**64)
+    assert result.exit_code == 2 and "0<=x<=18446744073709551615" in result.output, result.output
+    # Batch b samples with seed + b: from the last seed, batch 1 wraps to seed 0 instead of being refused.
+    result = generate_cli(lm, source, tmp_path / "out.jsonl", "--do-sample", "--seed", 2**64 - 1, "--batch-size", 1)
+    assert result.exit_code == 0, result.output
