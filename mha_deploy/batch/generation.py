@@ -36,7 +36,14 @@ from mha_deploy.batch.runner import BatchCallback, ItemError, RunStats
 from mha_deploy.batching import RunnerOptions
 from mha_deploy.errors import InputError, MHADeployError
 from mha_deploy.runtime.digest import sha256_digest
-from mha_deploy.runtime.generation import GenerationConfig, TokenStepper, generate, offset_seed, prompt_batch
+from mha_deploy.runtime.generation import (
+    GenerationConfig,
+    TokenStepper,
+    generate,
+    offset_seed,
+    prompt_batch,
+    vocab_size,
+)
 from mha_deploy.signature import PADDING_MASK, TOKENS, Signature, TensorSpec
 
 PROMPT_SUFFIXES = (".jsonl", ".npz", ".parquet")
@@ -305,6 +312,9 @@ class PromptGenerator:
         provider: str = "cpu",
         pad_prompts: bool = True,
     ):
+        # Here rather than at the first batch, so that an end id the model cannot produce stops the run before any
+        # output is begun.
+        config.check_vocabulary(vocab_size(stepper))
         self.stepper, self.config = stepper, config
         self.pad_prompts = pad_prompts  # prompts of different lengths share batches (see ``pads_exactly``)
         self.options = options or RunnerOptions()

@@ -155,6 +155,17 @@ class GenerationConfig:
         # Built once here so that a bad temperature, top_k, top_p or penalty is refused before any model call.
         self.logits_processors()
 
+    def check_vocabulary(self, vocab: int | None) -> None:
+        """``OptionError`` naming the first end id past a vocabulary of ``vocab`` ids (None: not known, nothing to
+        check): the model can never produce it, so it would end no row, silently."""
+        if vocab is None:
+            return
+        for name, ids in (("eos_token_id", self.eos_token_id), ("stop_token_ids", self.stop_token_ids)):
+            past = [token for token in token_ids(ids) if token >= vocab]
+            if past:
+                raise OptionError(f"{name} {past[0]} is past the model's vocabulary of {vocab} ids (0 to {vocab - 1}), "
+                                  "so it could never end a row: was it taken from another model's tokenizer?")
+
     @property
     def end_ids(self) -> tuple[int, ...]:
         """Every id that ends a row: ``eos_token_id`` then ``stop_token_ids``."""
@@ -302,12 +313,20 @@ def with_recorded_ids(config: GenerationConfig, stepper: TokenStepper) -> Genera
     return config
 
 
+def vocab_size(stepper: TokenStepper) -> int | None:
+    """How many ids the stepper's model scores, where it says (``KVCacheStepper``: its logits' last axis); None
+    when it does not (a stepper of another kind, or a file that leaves the axis open)."""
+    return getattr(getattr(stepper, "graph", None), "vocab_size", None)
+
+
 def _config(config: GenerationConfig | None, options: dict, stepper: TokenStepper) -> GenerationConfig:
     config = config or GenerationConfig()
     unknown = set(options) - set(GenerationConfig.__dataclass_fields__)
     if unknown:
         raise OptionError(f"unknown generation options {sorted(unknown)}; GenerationConfig's fields are the options")
-    return with_recorded_ids(replace(config, **options), stepper)
+    config = with_recorded_ids(replace(config, **options), stepper)
+    config.check_vocabulary(vocab_size(stepper))
+    return config
 
 
 def _pad_id(config: GenerationConfig) -> int:

@@ -113,3 +113,21 @@ def test_a_seed_past_64_bits_is_refused_and_the_last_one_wraps_per_batch(lm, tmp
     # Batch b samples with seed + b: from the last seed, batch 1 wraps to seed 0 instead of being refused.
     result = generate_cli(lm, source, tmp_path / "out.jsonl", "--do-sample", "--seed", 2**64 - 1, "--batch-size", 1)
     assert result.exit_code == 0, result.output
+
+
+# --- end ids -------------------------------------------------------------------------------------------------------
+
+
+def test_an_end_id_past_the_vocabulary_is_refused_naming_it(lm, tmp_path):
+    """The model never produces id 50 of a 50-id vocabulary: such an end id would end no row, without a word."""
+    from mha_deploy.runtime.kv_stepper import KVCacheStepper
+
+    with pytest.raises(OptionError, match=f"eos_token_id {VOCAB} is past the model's vocabulary of {VOCAB} ids"):
+        generate(KVCacheStepper(lm), [[1, 2, 3]], eos_token_id=[3, VOCAB])
+    with pytest.raises(OptionError, match=f"stop_token_ids {VOCAB + 7} is past the model's vocabulary"):
+        generate(KVCacheStepper(lm), [[1, 2, 3]], stop_token_ids=[VOCAB + 7])
+    source = write_jsonl(tmp_path / "in.jsonl", [{"id": "a", "input_ids": [1, 2, 3]}])
+    assert_loud(generate_cli(lm, source, tmp_path / "out.jsonl", "--eos-id", VOCAB),
+                f"eos_token_id {VOCAB} is past the model's vocabulary of {VOCAB} ids (0 to {VOCAB - 1})")
+    assert not (tmp_path / "out.jsonl").exists()
+    assert generate_cli(lm, source, tmp_path / "out.jsonl", "--eos-id", VOCAB - 1).exit_code == 0
