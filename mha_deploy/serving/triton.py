@@ -1,7 +1,8 @@
 """A Triton Inference Server model repository entry for an exported model (onnxruntime backend).
 
 Writes ``REPO/NAME/config.pbtxt`` and ``REPO/NAME/<version>/model.onnx``
-(version 1 unless told). The whole ``NAME/`` directory is built beside its
+(version 1 unless told; its graph with the validator's bounds on ids and lengths written in,
+``serving.triton_guards``). The whole ``NAME/`` directory is built beside its
 destination and renamed into place, so the repository never holds a
 half-written model (Triton may be polling it). Replacing an existing entry
 (``overwrite``) replaces the config and the version written, nothing else: the
@@ -42,6 +43,7 @@ from mha_deploy.batch.lock import OutputLock, lock_path
 from mha_deploy.errors import MHADeployError, ModelFileError
 from mha_deploy.metadata import TRITON_KINDS as KINDS  # re-exported: defined without onnx for the CLI
 from mha_deploy.metadata import ModelMetadata
+from mha_deploy.serving.triton_guards import bound_inputs
 
 # ONNX element types -> Triton data types, for the types this project's models use.
 TRITON_DTYPES = {
@@ -98,15 +100,19 @@ def write_triton_model(
     if config.kind == "gpu":
         _check_runs_on_cuda(proto, model)
     text = config_pbtxt(proto, metadata, config, name)
+    # Triton runs the file without the validator: the copy it gets checks ids and lengths itself.
+    bounded = bound_inputs(proto, metadata)
 
     target = repo / name
     # One writer per entry: two `--overwrite` runs would swap the directory out from under each other.
     with OutputLock(lock_path(target, output_is_directory=False), target):
-        _write_entry(model, target, text, str(config.version), overwrite)
+        _write_entry(model, proto if bounded else None, target, text, str(config.version), overwrite)
     return target
 
 
-def _write_entry(model: Path, target: Path, text: str, version: str, overwrite: bool) -> None:
+def _write_entry(model: Path, bounded: onnx.ModelProto | None, target: Path, text: str, version: str,
+                 overwrite: bool) -> None:
+    """The entry for ``model``, or for ``bounded`` (the model with its inputs' bounds checked) when given."""
     repo = target.parent
     if target.exists() and not overwrite:
         raise TritonExportError(f"{target} already exists; pass --overwrite to replace it")
@@ -119,7 +125,10 @@ def _write_entry(model: Path, target: Path, text: str, version: str, overwrite: 
             if target.exists():
                 _link_tree(target, staging, skip={version, CONFIG_NAME})
             (staging / version).mkdir(parents=True)
-            shutil.copyfile(model, staging / version / "model.onnx")
+            if bounded is None:
+                shutil.copyfile(model, staging / version / "model.onnx")
+            else:
+                (staging / version / "model.onnx").write_bytes(bounded.SerializeToString())
             (staging / CONFIG_NAME).write_text(text)
             _replace_dir(staging, target)
         finally:
