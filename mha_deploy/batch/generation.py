@@ -139,6 +139,9 @@ def _jsonl_prompts(path: Path, tokenizer: PromptTokenizer | None) -> Iterator[Pr
                 if not isinstance(record, dict) or "id" not in record:
                     yield Prompt(f"line {number}", None, f"line {number} is not an object with an \"id\"")
                     continue
+                if (problem := _id_problem(record["id"])) is not None:
+                    yield Prompt(f"line {number}", None, f"line {number}: {problem}")
+                    continue
                 yield _record_prompt(record, tokenizer)
     except UnicodeDecodeError as exc:
         raise InputError(f"{path}: not UTF-8 text ({exc})") from exc
@@ -156,6 +159,7 @@ def _parquet_prompts(path: Path, tokenizer: PromptTokenizer | None) -> Iterator[
         raise InputError(f"{path}: needs columns id and input_ids (list of int) or prompt (string), has {names}")
     columns = ["id", *(name for name in ("input_ids", "prompt") if name in names)]
     batches = file.iter_batches(batch_size=1024, columns=columns)
+    row = 0
     while True:
         try:
             batch = next(batches, None)
@@ -164,7 +168,20 @@ def _parquet_prompts(path: Path, tokenizer: PromptTokenizer | None) -> Iterator[
         if batch is None:
             return
         for record in batch.to_pylist():
+            row += 1
+            if (problem := _id_problem(record["id"])) is not None:
+                yield Prompt(f"row {row}", None, f"row {row}: {problem}")
+                continue
             yield _record_prompt({k: v for k, v in record.items() if v is not None}, tokenizer)
+
+
+def _id_problem(item_id: object) -> str | None:
+    """Why a JSON line's or Parquet row's id cannot be a prompt's id, or None. An id is a string or an integer:
+    the output line carries it back as given, so null, a float, a list or an object would leave outputs that no
+    id names (every null alike) or that compare unlike their input's (1.0 written as 1.0, read back as 1)."""
+    if isinstance(item_id, str) or (isinstance(item_id, int) and not isinstance(item_id, bool)):
+        return None
+    return f"\"id\" must be a string or an integer, got {json.dumps(item_id, default=repr)}"
 
 
 def _record_prompt(record: dict, tokenizer: PromptTokenizer | None) -> Prompt:

@@ -131,3 +131,35 @@ def test_an_end_id_past_the_vocabulary_is_refused_naming_it(lm, tmp_path):
                 f"eos_token_id {VOCAB} is past the model's vocabulary of {VOCAB} ids (0 to {VOCAB - 1})")
     assert not (tmp_path / "out.jsonl").exists()
     assert generate_cli(lm, source, tmp_path / "out.jsonl", "--eos-id", VOCAB - 1).exit_code == 0
+
+
+# --- prompt ids ----------------------------------------------------------------------------------------------------
+
+
+def test_an_id_that_is_no_string_or_integer_is_a_bad_prompt_naming_its_line(lm, tmp_path):
+    """The output line carries the id back as given: every null would read alike, an object names nothing."""
+    bad = [None, {"a": 1}, True, 1.5, [1]]
+    source = write_jsonl(tmp_path / "in.jsonl", [{"id": "ok", "input_ids": [1, 2]}, {"id": 7, "input_ids": [3]},
+                                                 *({"id": i, "input_ids": [4]} for i in bad)])
+    assert_loud(generate_cli(lm, source, tmp_path / "out.jsonl", "--max-new-tokens", 2),
+                'in.jsonl: line 3: "id" must be a string or an integer, got null')
+    assert not (tmp_path / "out.jsonl").exists()
+    result = generate_cli(lm, source, tmp_path / "out.jsonl", "--max-new-tokens", 2, "--on-error", "skip")
+    assert result.exit_code == 0, result.output
+    assert [r["id"] for r in read_jsonl(tmp_path / "out.jsonl")] == ["ok", 7]
+    for line, given in enumerate(bad, 3):
+        assert f'skipped in.jsonl: line {line}: "id" must be a string or an integer, got {json.dumps(given)}' in (
+            result.stderr), result.stderr
+
+
+def test_a_null_parquet_id_is_a_bad_prompt_naming_its_row(lm, tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    source = tmp_path / "in.parquet"
+    pq.write_table(pa.table({"id": ["a", None, "c"], "input_ids": [[1, 2], [3], [4]]}), source)
+    assert_loud(generate_cli(lm, source, tmp_path / "out.jsonl", "--max-new-tokens", 2),
+                'in.parquet: row 2: "id" must be a string or an integer, got null')
+    result = generate_cli(lm, source, tmp_path / "out.jsonl", "--max-new-tokens", 2, "--on-error", "skip")
+    assert result.exit_code == 0, result.output
+    assert [r["id"] for r in read_jsonl(tmp_path / "out.jsonl")] == ["a", "c"]
