@@ -6,7 +6,7 @@ runner import it and not each other.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Collection, Iterable, Iterator
 from typing import NamedTuple, Protocol
 
 import numpy as np
@@ -40,10 +40,20 @@ class ItemWriter(Protocol):
 
 
 def mask_in_dataset(source: object, where: str, mask: str) -> InputError:
-    """The refusal of a dataset that holds the model's padding mask ``mask`` (``where``: the column, or the
-    file's keys): items are unpadded, and the runner builds every batch's masks from their lengths, so a mask
-    given per item would be ignored (the server's /v1 and npz bodies refuse it the same way)."""
+    """The refusal of a dataset that holds the model's padding mask ``mask`` (``where``: the column, key or
+    field): items are unpadded, and ``infer`` and ``generate`` build every batch's masks from their lengths, so a
+    mask given per item would be ignored (the server's /v1 and npz bodies refuse it the same way)."""
     return InputError(
-        f"{source}: {where}: {mask} is this model's padding mask, which infer builds from each item's length; "
-        "remove it and keep only each item's real tokens"
+        f"{source}: {where}: {mask} is this model's padding mask, which is built for each batch from its items' "
+        "lengths; remove it and keep only each item's real tokens"
     )
+
+
+def refuse_padding_masks(source: object, names: Iterable[str], masks: Collection[str], kind: str) -> None:
+    """``mask_in_dataset`` for the first of ``names`` that is one of the padding ``masks``. ``kind`` says what the
+    names are: "key" (npz and safetensors keys: ``<id>.<mask>``, or a whole batch's ``<mask>``), or "column" or
+    "field" (a Parquet column, a JSON line's field: the mask's own name)."""
+    for name in names:
+        mask = name.rpartition(".")[2] if kind == "key" else name
+        if mask in masks:
+            raise mask_in_dataset(source, f"key {name!r}" if kind == "key" else f"{kind} {name}", mask)

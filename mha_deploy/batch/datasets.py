@@ -32,7 +32,7 @@ from pathlib import Path
 import numpy as np
 
 from mha_deploy.atomic import atomic_path
-from mha_deploy.batch.base import ItemReader, ItemWriter, RawItem, mask_in_dataset
+from mha_deploy.batch.base import ItemReader, ItemWriter, RawItem, refuse_padding_masks
 from mha_deploy.batch.items import ITEM_SUFFIXES
 from mha_deploy.errors import InputError
 from mha_deploy.metadata import Signature
@@ -123,10 +123,7 @@ def _read_error(path: Path, exc: Exception) -> InputError:
 
 def _group_names(names: list[str], signature: Signature, source: Path) -> dict[str, dict[str, str]]:
     """File keys -> item id -> {input name: file key}, in order of first appearance."""
-    for name in names:
-        mask = name.rpartition(".")[2]
-        if mask in signature.padding_masks:  # <id>.<mask>, or a whole batch's mask saved as <mask>
-            raise mask_in_dataset(source, f"key {name!r}", mask)
+    refuse_padding_masks(source, names, signature.padding_masks, "key")
     parts = signature.sequence_inputs
     if len(parts) == 1:  # one sequence per item: the key is the id
         return {name: {parts[0]: name} for name in names}

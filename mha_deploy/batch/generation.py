@@ -27,6 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from mha_deploy.atomic import atomic_path, stale_temporaries
+from mha_deploy.batch.base import refuse_padding_masks
 from mha_deploy.batch.datasets import Shard
 from mha_deploy.batch.items import read_arrays
 from mha_deploy.batch.job import DatasetJob, run_shards
@@ -63,6 +64,10 @@ def _prompt_signature(paddable: bool) -> Signature:
 
 
 PADDED_PROMPTS, EQUAL_PROMPTS = _prompt_signature(True), _prompt_signature(False)
+# A prompt file naming one of these (a tokenizer's attention_mask kept beside the ids) is refused, as infer refuses
+# it: prompts are unpadded and each batch's mask is built from their lengths, so the padding it marks would be
+# read as real tokens.
+PROMPT_MASKS = tuple(PADDED_PROMPTS.padding_masks)
 
 
 @dataclass(frozen=True)
@@ -101,31 +106,44 @@ class PromptTokenizer:
 
 
 def read_prompts(path: Path, tokenizer: PromptTokenizer | None = None) -> Iterator[Prompt]:
-    """The prompts of one shard, in file order; an unusable one comes with its problem, not as an exception."""
+    """The prompts of one shard, in file order; an unusable one comes with its problem, not as an exception. A
+    file holding a padding mask (``PROMPT_MASKS``) is refused whole: an ``InputError`` naming the key, column or
+    line."""
     if path.suffix == ".jsonl":
         return _jsonl_prompts(path, tokenizer)
     if path.suffix == ".npz":
-        return (_array_prompt(key, ids) for key, ids in read_arrays(path).items())
+        arrays = read_arrays(path)
+        refuse_padding_masks(path, arrays, PROMPT_MASKS, "key")
+        return (_array_prompt(key, ids) for key, ids in arrays.items())
     return _parquet_prompts(path, tokenizer)
 
 
 def count_prompts(path: Path) -> int:
-    """Prompts in one shard, without tokenizing them."""
+    """Prompts in one shard, without tokenizing them. The run counts every shard before it writes anything, so a
+    shard holding a padding mask is refused here, as ``read_prompts`` refuses it."""
     if path.suffix == ".jsonl":
-        with path.open("rb") as lines:
-            return sum(1 for line in lines if line.strip())
+        return sum(1 for _ in _jsonl_records(path))
     try:
         if path.suffix == ".npz":
             with zipfile.ZipFile(path) as archive:
-                return len(archive.namelist())
-        import pyarrow.parquet as pq
+                names = [name.removesuffix(".npy") for name in archive.namelist()]  # np.load's keys
+        else:
+            import pyarrow.parquet as pq
 
-        return pq.ParquetFile(path).metadata.num_rows
+            file = pq.ParquetFile(path)
+            names, rows = file.schema_arrow.names, file.metadata.num_rows
     except Exception as exc:  # zipfile's or pyarrow's refusal of a damaged file
         raise InputError(f"{path}: cannot read it ({type(exc).__name__}: {exc})") from exc
+    if path.suffix == ".npz":
+        refuse_padding_masks(path, names, PROMPT_MASKS, "key")
+        return len(names)
+    refuse_padding_masks(path, names, PROMPT_MASKS, "column")
+    return rows
 
 
-def _jsonl_prompts(path: Path, tokenizer: PromptTokenizer | None) -> Iterator[Prompt]:
+def _jsonl_records(path: Path) -> Iterator[tuple[int, object]]:
+    """(line number, its JSON value, or the ``ValueError`` that says why it is none) per line that is not blank.
+    An object with a padding mask field is refused here, so that counting the prompts refuses it too."""
     try:
         with path.open(encoding="utf-8") as lines:
             for number, line in enumerate(lines, 1):
@@ -134,17 +152,25 @@ def _jsonl_prompts(path: Path, tokenizer: PromptTokenizer | None) -> Iterator[Pr
                 try:
                     record = json.loads(line)
                 except ValueError as exc:
-                    yield Prompt(f"line {number}", None, f"line {number} is not JSON ({exc})")
+                    yield number, exc
                     continue
-                if not isinstance(record, dict) or "id" not in record:
-                    yield Prompt(f"line {number}", None, f"line {number} is not an object with an \"id\"")
-                    continue
-                if (problem := _id_problem(record["id"])) is not None:
-                    yield Prompt(f"line {number}", None, f"line {number}: {problem}")
-                    continue
-                yield _record_prompt(record, tokenizer)
+                if isinstance(record, dict):
+                    refuse_padding_masks(f"{path}: line {number}", record, PROMPT_MASKS, "field")
+                yield number, record
     except UnicodeDecodeError as exc:
         raise InputError(f"{path}: not UTF-8 text ({exc})") from exc
+
+
+def _jsonl_prompts(path: Path, tokenizer: PromptTokenizer | None) -> Iterator[Prompt]:
+    for number, record in _jsonl_records(path):
+        if isinstance(record, ValueError):
+            yield Prompt(f"line {number}", None, f"line {number} is not JSON ({record})")
+        elif not isinstance(record, dict) or "id" not in record:
+            yield Prompt(f"line {number}", None, f"line {number} is not an object with an \"id\"")
+        elif (problem := _id_problem(record["id"])) is not None:
+            yield Prompt(f"line {number}", None, f"line {number}: {problem}")
+        else:
+            yield _record_prompt(record, tokenizer)
 
 
 def _parquet_prompts(path: Path, tokenizer: PromptTokenizer | None) -> Iterator[Prompt]:
@@ -155,6 +181,7 @@ def _parquet_prompts(path: Path, tokenizer: PromptTokenizer | None) -> Iterator[
     except Exception as exc:
         raise InputError(f"{path}: cannot read it as Parquet ({exc})") from exc
     names = file.schema_arrow.names
+    refuse_padding_masks(path, names, PROMPT_MASKS, "column")
     if "id" not in names or not {"input_ids", "prompt"} & set(names):
         raise InputError(f"{path}: needs columns id and input_ids (list of int) or prompt (string), has {names}")
     columns = ["id", *(name for name in ("input_ids", "prompt") if name in names)]

@@ -7,7 +7,7 @@ Layout, one row per item:
   what Spark's ``array<array<float>>`` and Ray's nested lists read as)
 - cross-attention: ``query``, ``key``, ``value``, each like ``x``
 - other columns are ignored, except the model's padding masks, which are refused: items are unpadded and
-  the runner builds each batch's masks (``base.mask_in_dataset``).
+  the runner builds each batch's masks (``base.refuse_padding_masks``).
 
 Outputs: ``id`` and ``output`` (the same nested type as the input's tensor column),
 plus ``attn_weights`` list<list<list<float32>>> [heads][q_seq][kv_seq] when the model returns weights.
@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from mha_deploy.batch.base import RawItem, mask_in_dataset
+from mha_deploy.batch.base import RawItem, refuse_padding_masks
 from mha_deploy.errors import InputError
 from mha_deploy.metadata import Signature
 from mha_deploy.signature import TOKENS
@@ -157,8 +157,7 @@ class ParquetItemReader:
         except Exception as exc:  # ArrowInvalid, OSError
             raise InputError(f"{self.path}: cannot read Parquet ({exc})") from exc
         names = self._file.schema_arrow.names
-        if mask := next((name for name in self.signature.padding_masks if name in names), None):
-            raise mask_in_dataset(self.path, f"column {mask}", mask)
+        refuse_padding_masks(self.path, names, self.signature.padding_masks, "column")
         self.columns = [ID_COLUMN, *self.signature.sequence_inputs]
         missing = [c for c in self.columns if c not in names]
         if missing:

@@ -115,6 +115,49 @@ def test_a_seed_past_64_bits_is_refused_and_the_last_one_wraps_per_batch(lm, tmp
     assert result.exit_code == 0, result.output
 
 
+# --- a padding mask in the prompts --------------------------------------------------------------------------------
+
+
+def _write_prompts_with_a_mask(path: Path) -> None:
+    """Prompt "a" as a tokenizer pads it, its attention_mask kept beside the ids: read as they are, its two zeros
+    would be taken for real tokens."""
+    ids = {"b": [7, 3], "a": [5, 9, 2, 0, 0]}
+    mask = [1, 1, 1, 0, 0]
+    if path.suffix == ".jsonl":
+        write_jsonl(path, [{"id": "b", "input_ids": ids["b"]},
+                           {"id": "a", "input_ids": ids["a"], "attention_mask": mask}])
+    elif path.suffix == ".npz":
+        np.savez(path, b=np.array(ids["b"]), a=np.array(ids["a"]), **{"a.attention_mask": np.array(mask)})
+    else:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        pq.write_table(pa.table({"id": ["b", "a"], "input_ids": [ids["b"], ids["a"]],
+                                 "attention_mask": [[1, 1], mask]}), path)
+
+
+@pytest.mark.parametrize(("suffix", "where"), [(".jsonl", "line 2: field attention_mask"),
+                                               (".npz", "key 'a.attention_mask'"),
+                                               (".parquet", "column attention_mask")])
+def test_a_padding_mask_in_a_prompt_file_is_refused_in_one_line_naming_it(lm, tmp_path, suffix, where):
+    """As infer refuses it (tests/adversarial/test_masks.py), through the same check, before anything is written:
+    the clean shard a.jsonl comes first and leaves no output either."""
+    from mha_deploy.batch.generation import read_prompts
+    from mha_deploy.errors import InputError
+
+    folder = tmp_path / "in"
+    folder.mkdir()
+    write_jsonl(folder / "a.jsonl", [{"id": "clean", "input_ids": [1, 2]}])
+    source = folder / f"b{suffix}"
+    _write_prompts_with_a_mask(source)
+    assert_loud(generate_cli(lm, folder, tmp_path / "out", "--max-new-tokens", 2),
+                f"{source}: {where}: attention_mask is this model's padding mask",
+                "remove it and keep only each item's real tokens")
+    assert not (tmp_path / "out").exists()
+    with pytest.raises(InputError, match=f"{where}: attention_mask is this model's padding mask"):
+        list(read_prompts(source))
+
+
 # --- end ids -------------------------------------------------------------------------------------------------------
 
 
@@ -163,3 +206,4 @@ def test_a_null_parquet_id_is_a_bad_prompt_naming_its_row(lm, tmp_path):
     result = generate_cli(lm, source, tmp_path / "out.jsonl", "--max-new-tokens", 2, "--on-error", "skip")
     assert result.exit_code == 0, result.output
     assert [r["id"] for r in read_jsonl(tmp_path / "out.jsonl")] == ["a", "c"]
+
