@@ -121,7 +121,10 @@ class DatasetJob:
             if not self.overwrite:
                 self._refuse_foreign_outputs()
         else:
-            self._refuse_another_job(previous)
+            if self._outputs_exist(previous):
+                # Outputs made another way would be mixed with this run's, or taken for them: refused. A manifest
+                # whose outputs are all gone protects nothing; its shards are redone below, each with the reason.
+                self._refuse_another_job(previous)
             # Format 1 recorded no digests: what it lists cannot be verified, so it is redone.
             records = previous["shards"] if previous["format"] == MANIFEST_FORMAT else {}
         self._records = dict(records)
@@ -184,6 +187,12 @@ class DatasetJob:
         if sha256_digest(shard.path) != record["input"]["sha256"]:
             return "its input changed"
         return None
+
+    def _outputs_exist(self, previous: dict) -> bool:
+        """Whether any output ``previous`` (a manifest) records, or any this job writes, exists."""
+        recorded = [self.manifest_path.parent / record["output"]["name"] for record in previous["shards"].values()
+                    if previous["format"] == MANIFEST_FORMAT]
+        return any(path.exists() for path in (*recorded, *(shard.output for shard in self.shards)))
 
     def _refuse_another_job(self, previous: dict) -> None:
         where = self.manifest_path.parent if self.input_path.is_dir() else self.output_path
@@ -253,6 +262,8 @@ def _check_record(name: str, record: dict) -> None:
     digests = (record["input"]["sha256"], record["output"]["sha256"])
     if not all(isinstance(n, int) for n in sizes) or not all(isinstance(d, str) for d in digests):
         raise ValueError(f"shard {name!r}: sizes or digests of the wrong type")
+    if not isinstance(record["output"]["name"], str):
+        raise ValueError(f"shard {name!r}: output name of the wrong type")
     if not isinstance(record["skipped_items"], list):
         raise ValueError(f"shard {name!r}: skipped_items is not a list")
 

@@ -207,3 +207,22 @@ def test_a_null_parquet_id_is_a_bad_prompt_naming_its_row(lm, tmp_path):
     assert result.exit_code == 0, result.output
     assert [r["id"] for r in read_jsonl(tmp_path / "out.jsonl")] == ["a", "c"]
 
+
+# --- a manifest left behind --------------------------------------------------------------------------------------
+
+
+def test_a_manifest_whose_output_was_deleted_is_redone_not_refused(lm, tmp_path):
+    """The manifest guards outputs made another way from being mixed with this run's; with its output deleted it
+    guards nothing, so a run with other settings redoes the shard, saying why, as a run with the same ones does."""
+    source = write_jsonl(tmp_path / "in.jsonl", [{"id": "a", "input_ids": [1, 2, 3]}])
+    output = tmp_path / "out.jsonl"
+    assert generate_cli(lm, source, output, "--max-new-tokens", 2).exit_code == 0
+    output.unlink()
+    result = generate_cli(lm, source, output, "--max-new-tokens", 3)
+    assert result.exit_code == 0, result.output
+    assert f"redid in.jsonl: its output {output} is missing" in result.stderr
+    assert [len(r["output_ids"]) for r in read_jsonl(output)] == [3]
+    # While an output it records exists, other settings are refused as before.
+    assert_loud(generate_cli(lm, source, output, "--max-new-tokens", 4),
+                f"{output}: existing outputs were made with other settings (generation differ)")
+    assert [len(r["output_ids"]) for r in read_jsonl(output)] == [3]
