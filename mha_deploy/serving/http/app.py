@@ -205,7 +205,8 @@ class RequireApiKey:
         header = next((value for name, value in scope["headers"] if name == b"authorization"), None)
         authorized = self.keys.allows(header.decode("latin-1") if header is not None else None)
         if authorized or is_health_path(scope["path"]):
-            # Health checks answer anyone, but name the served model only to those with a key.
+            # Health checks answer anyone, but name the served model only to those with a key
+            # (TrackedService.model_ready).
             scope.setdefault("state", {})[AUTHORIZED] = authorized
             return await self.app(scope, receive, send)
         message = "missing or wrong API key: send 'Authorization: Bearer <key>'"

@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+import re
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -46,6 +47,7 @@ from mha_deploy.runtime.session import MHASession
 from mha_deploy.runtime.validation import output_problem
 from mha_deploy.serving.http.metrics import ServerMetrics
 from mha_deploy.serving.http.parsing import RequestError
+from mha_deploy.signature import TOKENS, Signature
 
 logger = logging.getLogger("mha_deploy.serve")
 
@@ -173,8 +175,10 @@ class MicroBatcher:
             results = await loop.run_in_executor(self._executor, self._run_waiting, batch)
         except Exception as exc:
             if len(batch) == 1:
-                logger.error("inference failed: %s: %s", type(exc).__name__, exc)
-                _settle(batch[0].future, error=exc)
+                refused = table_index_error(exc, batch[0].item, self.session.signature)
+                if refused is None:
+                    logger.error("inference failed: %s: %s", type(exc).__name__, exc)
+                _settle(batch[0].future, error=refused or exc)
                 return
             # Something in the batch broke the run: retry alone so that only the culprit fails.
             for waiting in batch:
@@ -224,6 +228,27 @@ class MicroBatcher:
             self.metrics.padding.labels("padding").inc(batch.padded_tokens - batch.real_tokens)
         self.metrics.batch_run.observe(time.perf_counter() - start)
         return results  # type: ignore[return-value]
+
+
+# ONNX Runtime's refusal of an index past the table a Gather (or GatherND) reads: ids the validator could not check
+# because the file records no vocabulary and the graph's table is computed, not stored.
+_INDEX_PAST_TABLE = re.compile(r"indices element out of data bounds, idx=(-?\d+)(?: must be within the inclusive "
+                               r"range \[-?\d+,(-?\d+)\])?|invalid indice found, indice = (-?\d+)")
+
+
+def table_index_error(exc: Exception, feeds: dict[str, np.ndarray], signature: Signature) -> RequestError | None:
+    """A 400 naming the token input that holds the id ONNX Runtime found past a table, or None when ``exc`` is not
+    that error or no token input holds the id."""
+    found = _INDEX_PAST_TABLE.search(str(exc))
+    if found is None:
+        return None
+    index = int(found.group(1) or found.group(3))
+    for spec in signature.custom_inputs:
+        if spec.role == TOKENS and spec.name in feeds and (np.asarray(feeds[spec.name]) == index).any():
+            table = f": the model's table holds ids 0 to {found.group(2)}" if found.group(2) is not None else ""
+            return RequestError(400, "id_out_of_range", f"{spec.name} holds id {index}, past the table its ids index "
+                                                        f"in this model{table} (the file records no vocabulary)")
+    return None
 
 
 def _settle(future: asyncio.Future, result: Result | None = None, error: Exception | None = None) -> None:

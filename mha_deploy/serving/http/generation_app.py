@@ -28,6 +28,8 @@ from mha_deploy.serving.http.auth import ApiKeys
 from mha_deploy.serving.http.connections import RequestSlots
 from mha_deploy.serving.http.generation import GenerationService
 from mha_deploy.serving.http.openai_routes import error_body, openai_routes
+from mha_deploy.serving.http.parsing import RequestError
+from mha_deploy.serving.http.rest_v2 import model_ready_response
 from mha_deploy.serving.http.triton_generate import triton_generate_routes
 
 logger = logging.getLogger("mha_deploy.serve")
@@ -70,16 +72,15 @@ def create_generation_app(
         return JSONResponse(meta)
 
     def known(request: Request) -> Response | None:
-        name, version = request.path_params["name"], request.path_params.get("version", "")
-        if name != service.model_name:
-            return JSONResponse({"error": f"unknown model {name!r}: this server serves {service.model_name!r}"}, 404)
-        if version not in ("", v2.MODEL_VERSION):
-            return JSONResponse({"error": f"model {name!r} has version {v2.MODEL_VERSION} only"}, 404)
+        """A 404 unless the path names the served model (routes only callers with a key reach)."""
+        try:
+            service.check_model(request.path_params["name"], request.path_params.get("version", ""))
+        except RequestError as exc:
+            return JSONResponse({"error": exc.message}, exc.status)
         return None
 
     async def model_ready(request: Request) -> Response:
-        return known(request) or JSONResponse({"name": service.model_name, "ready": service.ready},
-                                              status_code=200 if service.ready else 503)
+        return model_ready_response(service, request)
 
     async def model_metadata(request: Request) -> Response:
         refused = known(request)

@@ -66,7 +66,7 @@ STATUS_CODES = {
 TYPED_CONTENTS = {"FP32": "fp32_contents", "BOOL": "bool_contents", "INT64": "int64_contents"}
 _VARINT_CONTENTS = {"int64_contents"}
 # Whether the call being handled presented a valid API key (always, without keys): health calls answer
-# anyone, but name the served model only to those who did.
+# anyone, but name the served model only to those who did (``TrackedService.model_ready``).
 _AUTHORIZED: contextvars.ContextVar[bool] = contextvars.ContextVar("authorized", default=True)
 # The size of the call's request message as it arrived (ByteSize would walk a large message on the event loop).
 _MESSAGE_BYTES: contextvars.ContextVar[int] = contextvars.ContextVar("message_bytes", default=0)
@@ -116,8 +116,8 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
 
     async def ModelReady(self, request, context):
         async def answer():
-            self.service.check_model(request.name, request.version, reveal=_AUTHORIZED.get())
-            return pb.ModelReadyResponse(ready=self.service.ready)
+            return pb.ModelReadyResponse(ready=self.service.model_ready(request.name, request.version,
+                                                                        _AUTHORIZED.get()))
 
         return await self._answer(context, answer, slot=False)
 

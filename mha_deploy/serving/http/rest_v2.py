@@ -34,10 +34,10 @@ from starlette.routing import Route
 
 from mha_deploy.metadata import ModelMetadata
 from mha_deploy.serving.http import v2
-from mha_deploy.serving.http.auth import AUTHORIZED
+from mha_deploy.serving.http.auth import is_authorized
 from mha_deploy.serving.http.body import read_body
 from mha_deploy.serving.http.parsing import RequestError, is_decimal, load_json
-from mha_deploy.serving.http.service import THREAD_THRESHOLD_BYTES, InferenceService
+from mha_deploy.serving.http.service import THREAD_THRESHOLD_BYTES, InferenceService, TrackedService
 
 try:  # ~15x faster than tolist() + json.dumps for arrays of floats (part of the 'serve' extra)
     import orjson
@@ -71,12 +71,7 @@ def v2_routes(service: InferenceService) -> list[Route]:
         return JSONResponse(v2.server_metadata())
 
     async def model_ready(request: Request) -> Response:
-        try:
-            _check_model(request)
-        except RequestError as exc:
-            return error_response(exc)
-        body = {"name": service.model_name, "ready": service.ready}
-        return JSONResponse(body, status_code=200 if service.ready else 503)
+        return model_ready_response(service, request)
 
     async def model_metadata(request: Request) -> Response:
         try:
@@ -120,9 +115,7 @@ def v2_routes(service: InferenceService) -> list[Route]:
         return Response(content, media_type=BINARY, headers={"Inference-Header-Content-Length": str(json_length)})
 
     def _check_model(request: Request) -> None:
-        params = request.path_params
-        reveal = request.scope.get("state", {}).get(AUTHORIZED, True)
-        service.check_model(params["name"], params.get("version", ""), reveal=reveal)
+        service.check_model(request.path_params["name"], request.path_params.get("version", ""))
 
     routes = [
         Route("/v2/health/live", live, methods=["GET"]),
@@ -136,6 +129,19 @@ def v2_routes(service: InferenceService) -> list[Route]:
             Route(f"{prefix}/infer", infer, methods=["POST"]),
         ]
     return routes
+
+
+def model_ready_response(service: TrackedService, request: Request) -> Response:
+    """``GET /v2/models/{name}[/versions/{version}]/ready`` of any server here (a health check: see
+    ``TrackedService.model_ready``); the body names the model only to a caller with a key."""
+    params = request.path_params
+    authorized = is_authorized(request.scope)
+    try:
+        ready = service.model_ready(params["name"], params.get("version", ""), authorized)
+    except RequestError as exc:
+        return error_response(exc)
+    body = {"name": service.model_name, "ready": ready} if authorized else {"ready": ready}
+    return JSONResponse(body, status_code=200 if ready else 503)
 
 
 # --- request and response bodies (no starlette below) -------------------------------------------

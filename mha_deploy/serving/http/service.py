@@ -35,10 +35,28 @@ class TrackedService:
     status: str
     accepted: int
     answered: int
+    model_name: str
 
     @property
     def ready(self) -> bool:
         return self.status == "ready"
+
+    def check_model(self, name: str, version: str = "") -> None:
+        """404 unless ``name`` (and ``version``, when given) is the model this server serves; the message names the
+        served model (only callers with a key get here: see ``model_ready``)."""
+        if name != self.model_name:
+            raise RequestError(404, "unknown_model", f"unknown model {name!r}: this server serves {self.model_name!r}")
+        if version not in ("", v2.MODEL_VERSION):
+            raise RequestError(404, "unknown_version", f"model {name!r} has version {v2.MODEL_VERSION} only")
+
+    def model_ready(self, name: str, version: str, authorized: bool) -> bool:
+        """A health check of model ``name``: whether it can take requests. Health checks answer callers without a
+        key too, but only one with a key learns which model is served (a 404 naming it, for another name): one
+        without gets the server's readiness whatever name it asks, so that no answer tells the served name from a
+        guess."""
+        if authorized:
+            self.check_model(name, version)
+        return self.ready
 
     @contextlib.contextmanager
     def track(self, protocol: str) -> Iterator[None]:
@@ -111,15 +129,6 @@ class InferenceService(TrackedService):
         if self.status != "ready":
             raise RequestError(503, "not_ready", f"the server is {self.status}")
         return self.session, self.batcher  # type: ignore[return-value]
-
-    def check_model(self, name: str, version: str = "", reveal: bool = True) -> None:
-        """404 unless ``name`` (and ``version``, when given) is the model this server serves; the message names
-        the served model only when ``reveal`` (health checks answer callers without a key too)."""
-        if name != self.model_name:
-            served = f": this server serves {self.model_name!r}" if reveal else ""
-            raise RequestError(404, "unknown_model", f"unknown model {name!r}{served}")
-        if version not in ("", v2.MODEL_VERSION):
-            raise RequestError(404, "unknown_version", f"model {name!r} has version {v2.MODEL_VERSION} only")
 
     async def infer_v2(
         self, inputs: Mapping[str, np.ndarray], in_thread: bool = False
