@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import asyncio
 
-from mha_deploy.serving.http.parsing import RequestError, RequestLimits, is_decimal
+from mha_deploy.serving.http.parsing import RequestError, RequestLimits, is_decimal, load_json
+from mha_deploy.serving.http.service import THREAD_THRESHOLD_BYTES
 
 _timeout = getattr(asyncio, "timeout", None)  # Python >= 3.11
 
@@ -34,6 +35,14 @@ async def read_body(request, limits: RequestLimits) -> bytes:
         raise RequestError(
             408, "body_timeout", f"the request body did not arrive within {limits.body_timeout_s:g} s"
         ) from None
+
+
+async def read_json(request, limits: RequestLimits) -> object:
+    """The body of a Starlette ``request`` parsed as JSON (in a thread when large), or a ``RequestError``."""
+    body = await read_body(request, limits)
+    if len(body) > THREAD_THRESHOLD_BYTES:
+        return await asyncio.to_thread(load_json, body)
+    return load_json(body)
 
 
 async def _read(request, max_bytes: int) -> bytes:

@@ -34,8 +34,14 @@ from mha_deploy.serving.engine import (
 from mha_deploy.serving.http.metrics import GenerationMetrics
 from mha_deploy.serving.http.parsing import RequestError, RequestLimits
 from mha_deploy.serving.http.service import TrackedService
+from mha_deploy.serving.http.text_bound import chars_per_token
+from mha_deploy.serving.http.token_texts import TokenTexts
 
 logger = logging.getLogger("mha_deploy.serve")
+# Prompts up to this long are tokenized or converted on the event loop (well under a millisecond); longer ones in a
+# thread, so that one large prompt cannot hold every other request and health check.
+INLINE_TEXT_CHARS = 16_384
+INLINE_IDS = 16_384
 REPLACEMENT = "\ufffd"  # what a tokenizer decodes half a multi-byte character to
 
 
@@ -75,6 +81,9 @@ class GenerationService(TrackedService):
         self._on_load_error = on_load_error
         self.tokenizer = tokenizer
         self.chat_template = chat_template
+        # Read once: the most characters one token stands for (None: no bound), and how tokens show in logprobs.
+        self.chars_per_token = chars_per_token(tokenizer.tokenizer) if tokenizer is not None else None
+        self.token_texts = TokenTexts(tokenizer.tokenizer if tokenizer is not None else None)
         self.metrics = GenerationMetrics()
         self.status = "loading"
         self.engine: GenerationEngine | None = None
@@ -122,39 +131,82 @@ class GenerationService(TrackedService):
 
     # --- prompts -----------------------------------------------------------------------------------
 
-    def encode(self, text: str, param: str) -> np.ndarray:
+    @property
+    def longest_prompt(self) -> int | None:
+        """The most tokens a prompt can hold: the model's maximum length, else what the KV budget holds."""
+        if self.settings.max_length is not None:
+            return self.settings.max_length
+        return self.engine.budget.max_kv_tokens if self.engine is not None else None
+
+    async def encode(self, text: str, param: str) -> np.ndarray:
+        """A text prompt's token ids. A text too long to fit is refused by its length, before it is tokenized;
+        a long one is tokenized in a thread, so that the event loop keeps answering meanwhile."""
         if self.tokenizer is None:
             raise RequestError(400, "no_tokenizer",
                                f"{param}: text needs a tokenizer (start the server with --tokenizer tokenizer.json); "
                                "or send token ids")
+        longest = self.longest_prompt
+        if longest is not None and self.chars_per_token is not None and len(text) > longest * self.chars_per_token:
+            raise RequestError(400, "context_length_exceeded",
+                               f"{param}: the text's {len(text)} characters are more tokens than this model's maximum "
+                               f"length of {longest} (a token of this tokenizer stands for at most "
+                               f"{self.chars_per_token} characters); shorten the prompt")
+        if len(text) <= INLINE_TEXT_CHARS:
+            return self._tokenize(text, param)
+        return await asyncio.to_thread(self._tokenize, text, param)
+
+    def _tokenize(self, text: str, param: str) -> np.ndarray:
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as exc:  # JSON's "\ud800" escape: half a UTF-16 pair, no character
+            raise RequestError(400, "bad_text",
+                               f"{param}: holds a lone surrogate {text[exc.start]!r} at character {exc.start}, "
+                               "which is not text (a \\uD800-\\uDFFF escape must be half of a pair)") from None
         return self.tokenizer.encode(text)
+
+    async def ids(self, items: object, param: str) -> np.ndarray:
+        """A prompt given as token ids (a JSON list of integers), as int64; a list longer than any prompt can be is
+        refused before it is converted, and a long one is converted in a thread."""
+        if not isinstance(items, list):
+            raise RequestError(400, "bad_prompt", f"{param}: must be a list of token ids")
+        longest = self.longest_prompt
+        if longest is not None and len(items) > longest:
+            raise RequestError(400, "context_length_exceeded",
+                               f"{param}: the prompt's {len(items)} tokens exceed this model's maximum length "
+                               f"{longest}; shorten the prompt")
+        if len(items) <= INLINE_IDS:
+            return self._id_array(items, param)
+        return await asyncio.to_thread(self._id_array, items, param)
+
+    def _id_array(self, items: list, param: str) -> np.ndarray:
+        if not all(type(i) is int for i in items):  # bool is an int subclass: true is no token id
+            raise RequestError(400, "bad_prompt", f"{param}: must be a list of token ids (integers)")
+        try:
+            return np.asarray(items, np.int64)
+        except OverflowError:  # an id past int64, which no vocabulary reaches
+            huge = next(i for i in items if not -(2**63) <= i < 2**63)
+            raise self._bad_id(huge, param) from None
+
+    def _bad_id(self, token: int, param: str) -> RequestError:
+        vocab = self.engine.limits.vocab if self.engine is not None else None
+        if vocab is None:
+            return RequestError(400, "bad_token_id", f"{param}: token ids must be non-negative integers below "
+                                                     f"2^63, got {token}")
+        return RequestError(400, "bad_token_id", f"{param}: token ids must be in [0, {vocab}) (this model's "
+                                                 f"vocabulary), got {token}: was the prompt tokenized for another "
+                                                 "model?")
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(np.asarray(ids, np.int64)) if self.tokenizer is not None else ""
-
-    def token_string(self, token: int) -> str:
-        """One token as the text it decodes to alone (chat's logprobs, whose ``bytes`` are this text's UTF-8; a
-        token holding part of a character decodes to U+FFFD; a special token, skipped when decoding, is its piece),
-        else the id."""
-        return (self.decode([token]) if self.tokenizer is not None else "") or self.token_text(token)
-
-    def token_text(self, token: int) -> str:
-        """One token as text, for logprobs: the tokenizer's piece, else the id."""
-        if self.tokenizer is None:
-            return str(token)
-        piece = self.tokenizer.tokenizer.id_to_token(int(token))
-        return piece if piece is not None else str(token)
 
     def check_prompt(self, ids: np.ndarray, max_new_tokens: int, param: str) -> np.ndarray:
         ids = np.asarray(ids, np.int64)
         if ids.size == 0:
             raise RequestError(400, "empty_prompt", f"{param}: the prompt is empty (no token)")
         vocab = self.engine.limits.vocab if self.engine is not None else None
-        if ids.min() < 0 or (vocab is not None and ids.max() >= vocab):
-            raise RequestError(400, "bad_token_id",
-                               f"{param}: token ids must be in [0, {vocab}) (this model's vocabulary), got "
-                               f"{int(ids.max())}: was the prompt tokenized for another model?"
-                               if vocab is not None else f"{param}: token ids must be non-negative")
+        outside = (ids < 0) | (ids >= vocab) if vocab is not None else ids < 0
+        if outside.any():
+            raise self._bad_id(int(ids[outside.argmax()]), param)
         target = self.engine.limits.target_max_length if self.engine is not None else None
         if target is not None and max_new_tokens > target:  # export --kv-cache's decoder: its position table
             raise RequestError(400, "context_length_exceeded",

@@ -2,12 +2,13 @@
 
 What OpenAI's API reference names, as its clients send them: ``model``, ``prompt`` (text, a list of texts, a list of
 token ids, or a list of such lists), ``max_tokens`` (completions default 16; chat: ``max_completion_tokens`` too),
-``temperature`` (default 1: sampling; 0 is greedy), ``top_p``, ``seed``, ``n``, ``stop`` (up to 4 strings; token ids
-are taken in it too, and in ``stop_token_ids``), ``stream`` (server-sent events ending ``data: [DONE]``;
-``stream_options.include_usage`` adds a last chunk with the usage), ``usage``. Log probabilities, under the model's
-raw distribution (before temperature, penalties or bias), of the chosen token and the likeliest alternatives, from
-one place in the engine in two shapes: completions' ``logprobs`` (0 to 5 alternatives, OpenAI's limit there:
-``tokens``, ``token_logprobs``, ``top_logprobs``, ``text_offset``) and chat's ``logprobs: true`` with
+``temperature`` (default 1: sampling; 0 is greedy), ``top_p`` (in (0, 1]: 0 would keep no token), ``seed`` (64
+bits), ``n``, ``stop`` (up to 4 strings; token ids are taken in it too, and in ``stop_token_ids``), ``stream``
+(server-sent events ending ``data: [DONE]``; ``stream_options.include_usage`` adds a last chunk with the usage),
+``usage``. Log probabilities, under the model's raw distribution (before temperature, penalties or bias), of the
+chosen token and the likeliest alternatives, from one place in the engine in two shapes, each token as OpenAI shows
+it (``token_texts``): completions' ``logprobs`` (0 to 5 alternatives, OpenAI's limit there: ``tokens``,
+``token_logprobs``, ``top_logprobs``, ``text_offset``) and chat's ``logprobs: true`` with
 ``top_logprobs`` (0 to 20, OpenAI's limit there: ``choices[i].logprobs.content``, one ``{token, logprob, bytes,
 top_logprobs}`` per token), streamed too. ``echo`` (completions): each choice's text starts with its prompt (sent
 first when streamed); with ``logprobs``, the prompt's tokens are scored too (from the prefill's logits at every
@@ -38,7 +39,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from mha_deploy.runtime.logits import MAX_LOGIT_BIAS, MAX_PENALTY
-from mha_deploy.serving.http.body import read_body
+from mha_deploy.serving.http.body import read_json
 from mha_deploy.serving.http.generation import (
     Choice,
     EventStream,
@@ -46,7 +47,8 @@ from mha_deploy.serving.http.generation import (
     Sampling,
     until_done_or_gone,
 )
-from mha_deploy.serving.http.parsing import RequestError, load_json
+from mha_deploy.serving.http.parsing import RequestError
+from mha_deploy.serving.http.token_texts import TextCursor
 
 logger = logging.getLogger("mha_deploy.serve")
 MAX_LOGPROBS = 5  # completions: OpenAI's own limit for the legacy route (the engine's cost does not grow with it)
@@ -55,6 +57,7 @@ LOWEST_LOGPROB = -9999.0  # OpenAI's stand-in for a token too unlikely to score 
 MAX_STOP = 4
 MAX_STOP_IDS = 64  # an id costs one comparison per step: a bound, not OpenAI's (it takes strings only)
 MAX_LOGIT_BIAS_IDS = 300  # each id costs a scatter per step: a bound on what one request may bias
+MAX_SEED = 2**64 - 1  # a 64-bit seed, as Triton's LLM backends take it (numpy's generator would take any)
 UNSUPPORTED = {"suffix": None}
 ERROR_TYPES = {400: "invalid_request_error", 404: "invalid_request_error", 408: "invalid_request_error",
                413: "invalid_request_error", 401: "authentication_error", 429: "rate_limit_error",
@@ -86,12 +89,14 @@ def _bad(param: str, message: str, code: str = "invalid_value") -> OpenAIError:
     return OpenAIError(400, code, f"{param}: {message}", param)
 
 
-def _number(body: dict, name: str, default, low: float, high: float):
+def _number(body: dict, name: str, default, low: float, high: float, low_open: bool = False, hint: str = ""):
+    """A number in [low, high] (``low_open``: (low, high]); ``hint`` follows the refusal."""
     value = body.get(name, default)
     if value is None:
         return default
-    if isinstance(value, bool) or not isinstance(value, int | float) or not low <= value <= high:
-        raise _bad(name, f"must be a number in [{low:g}, {high:g}], got {value!r}")
+    if isinstance(value, bool) or not isinstance(value, int | float) or not low <= value <= high or (
+            low_open and value == low):
+        raise _bad(name, f"must be a number in {'(' if low_open else '['}{low:g}, {high:g}], got {value!r}{hint}")
     return value
 
 
@@ -140,9 +145,11 @@ def parse_sampling(
     sampling = Sampling(
         max_tokens=max_tokens,
         temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
-        top_p=_number(body, "top_p", 1.0, 0.0, 1.0) or 1.0,
+        # 0 would keep no token: refused, as generate --top-p refuses it (greedy decoding is temperature 0)
+        top_p=_number(body, "top_p", 1.0, 0.0, 1.0, low_open=True,
+                      hint=" (no token has 0 of the probability mass; for greedy decoding send temperature 0)"),
         top_k=None if top_k in (None, -1, 0) else top_k,
-        seed=_integer(body, "seed", None, 0),
+        seed=_integer(body, "seed", None, 0, MAX_SEED),
         stop_ids=stop_ids,
         repetition_penalty=_number(body, "repetition_penalty", 1.0, 0.01, 100.0),
         presence_penalty=_number(body, "presence_penalty", 0.0, -MAX_PENALTY, MAX_PENALTY),
@@ -178,21 +185,23 @@ def _logit_bias(value, vocab: int | None) -> tuple[tuple[int, float], ...]:
     return tuple(pairs)
 
 
-def _prompts(value, service: GenerationService) -> list[tuple[np.ndarray, str | None]]:
+async def _prompts(value, service: GenerationService) -> list[tuple[np.ndarray, str | None]]:
     """``prompt`` as OpenAI takes it: a string, a list of strings, a list of ids, or a list of lists of ids; each as
     (ids, its text as given, None for ids)."""
-    def ids(item, where: str) -> tuple[np.ndarray, str | None]:
-        if isinstance(item, str):
-            return service.encode(item, where), item
-        if isinstance(item, list) and all(isinstance(i, int) and not isinstance(i, bool) for i in item):
-            return np.asarray(item, np.int64), None
+    async def ids(item, where: str) -> tuple[np.ndarray, str | None]:
+        try:
+            if isinstance(item, str):
+                return await service.encode(item, where), item
+            if isinstance(item, list) and not (item and isinstance(item[0], str | list)):
+                return await service.ids(item, where), None
+        except RequestError as exc:
+            raise OpenAIError(exc.status, exc.kind, exc.message, "prompt") from None
         raise _bad("prompt", "must be a string, a list of strings, a list of token ids or a list of such lists")
 
-    if isinstance(value, str) or (isinstance(value, list) and value and all(
-            isinstance(i, int) and not isinstance(i, bool) for i in value)):
-        return [ids(value, "prompt")]
+    if isinstance(value, str) or (isinstance(value, list) and value and type(value[0]) is int):
+        return [await ids(value, "prompt")]
     if isinstance(value, list) and value:
-        return [ids(item, f"prompt[{i}]") for i, item in enumerate(value)]
+        return [await ids(item, f"prompt[{i}]") for i, item in enumerate(value)]
     raise _bad("prompt", "is required: a string, a list of strings, a list of token ids or a list of such lists")
 
 
@@ -200,26 +209,26 @@ def _finite(logprob: float | None) -> float | None:
     return None if logprob is None else max(logprob, LOWEST_LOGPROB)
 
 
-def _completion_logprobs(entries, service: GenerationService, offset: int = 0) -> dict:
-    """Completions' shape of scored tokens (the engine's ``TokenLogprob`` or ``TokenEvent``): ``text_offset`` counts
-    from ``offset``, where the first token's text starts in the choice's text."""
-    tokens = [service.token_text(e.token) for e in entries]
-    top = [None if e.top_logprobs is None else {service.token_text(t): _finite(lp) for t, lp in e.top_logprobs.items()}
+def _completion_logprobs(entries, service: GenerationService, cursor: TextCursor) -> dict:
+    """Completions' shape of scored tokens (the engine's ``TokenLogprob`` or ``TokenEvent``), each token as the text
+    it decodes to (``token_texts``); ``cursor`` walks the sequence the entries continue, for ``text_offset``."""
+    show = service.token_texts.show
+    tokens = [show(e.token) for e in entries]
+    top = [None if e.top_logprobs is None else {show(t): _finite(lp) for t, lp in e.top_logprobs.items()}
            for e in entries]
-    offsets, position = [], offset
-    for text in tokens:
-        offsets.append(position)
-        position += len(text)
     return {"tokens": tokens, "token_logprobs": [_finite(e.logprob) for e in entries],
-            "top_logprobs": top if any(t is not None for t in top) else None, "text_offset": offsets}
+            "top_logprobs": top if any(t is not None for t in top) else None,
+            "text_offset": [cursor.offset(e.token) for e in entries]}
 
 
 def _chat_logprobs(entries, service: GenerationService) -> dict:
     """Chat's shape of the same: ``{"content": [{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}]}``,
-    each token as the text it decodes to, ``bytes`` that text's UTF-8."""
+    each token as completions show it, ``bytes`` the UTF-8 bytes it adds to the text (part of a character's, for a
+    token that holds part of one)."""
+    texts = service.token_texts
+
     def token(token_id: int, logprob: float) -> dict:
-        text = service.token_string(token_id)
-        return {"token": text, "logprob": _finite(logprob), "bytes": list(text.encode())}
+        return {"token": texts.show(token_id), "logprob": _finite(logprob), "bytes": list(texts.token_bytes(token_id))}
 
     return {"content": [{**token(e.token, e.logprob), "top_logprobs": [
         token(t, lp) for t, lp in (e.top_logprobs or {}).items()]} for e in entries], "refusal": None}
@@ -300,11 +309,11 @@ def openai_routes(service: GenerationService) -> list[Route]:
     async def _handle(request: Request, chat: bool) -> Response:
         with service.track("openai_chat" if chat else "openai_completions"):
             try:
-                body = load_json(await read_body(request, service.limits))
+                body = await read_json(request, service.limits)
                 check_model(body)
                 echo = False
                 if chat:
-                    prompts = [(_chat_prompt(body, service), None)]
+                    prompts = [(await _chat_prompt(body, service), None)]
                     logprobs = _chat_logprob_settings(body)
                     sampling, stops = parse_sampling(body, service, ("max_tokens", "max_completion_tokens"))
                 else:
@@ -313,7 +322,7 @@ def openai_routes(service: GenerationService) -> list[Route]:
                     echo = body.get("echo", False)
                     if echo is not None and not isinstance(echo, bool):
                         raise _bad("echo", f"must be true or false, got {echo!r}")
-                    prompts = _prompts(body.get("prompt"), service)
+                    prompts = await _prompts(body.get("prompt"), service)
                 stream = body.get("stream", False)
                 if not isinstance(stream, bool):
                     raise _bad("stream", "must be true or false")
@@ -352,9 +361,10 @@ def openai_routes(service: GenerationService) -> list[Route]:
                     "finish_reason": choice.finish_reason, "logprobs": logprobs, "token_ids": choice.tokens}
         logprobs = None
         if choice.logprobs:
-            logprobs = _completion_logprobs(choice.logprobs, service, len(choice.echo))
+            texts = service.token_texts
+            logprobs = _completion_logprobs(choice.logprobs, service, texts.cursor(len(choice.echo)))
             if choice.prompt_logprobs is not None:
-                prompt = _completion_logprobs(choice.prompt_logprobs, service)
+                prompt = _completion_logprobs(choice.prompt_logprobs, service, texts.cursor())
                 logprobs = {key: _joined(prompt[key], logprobs[key], len(choice.prompt_logprobs))
                             for key in logprobs}
         return {"index": choice.index, "text": choice.echo + choice.text, "logprobs": logprobs,
@@ -372,7 +382,7 @@ def openai_routes(service: GenerationService) -> list[Route]:
             yield chunk([{"index": c.index, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
                          for c in choices])
         reported = {c.index: 0 for c in choices}  # log probabilities already sent, per choice
-        offsets = {c.index: len(c.echo) for c in choices}  # completions' text_offset of the next token
+        cursors = {c.index: service.token_texts.cursor(len(c.echo)) for c in choices}  # completions' text_offset
         echoed = {c.index: not c.echo for c in choices}
         pending = {asyncio.ensure_future(c.next_delta()): c for c in choices}
         try:
@@ -391,7 +401,8 @@ def openai_routes(service: GenerationService) -> list[Route]:
                         echoed[choice.index] = True
                         scored = choice.prompt_logprobs
                         yield chunk([{"index": choice.index, "text": choice.echo, "finish_reason": None,
-                                      "logprobs": None if scored is None else _completion_logprobs(scored, service),
+                                      "logprobs": None if scored is None else _completion_logprobs(
+                                          scored, service, service.token_texts.cursor()),
                                       "token_ids": []}])
                     if chat:
                         body = {"index": choice.index, "delta": {"content": delta} if delta or not choice.done else {},
@@ -400,8 +411,7 @@ def openai_routes(service: GenerationService) -> list[Route]:
                     else:
                         logprobs = None
                         if new_logprobs:
-                            logprobs = _completion_logprobs(new_logprobs, service, offsets[choice.index])
-                            offsets[choice.index] += sum(len(t) for t in logprobs["tokens"])
+                            logprobs = _completion_logprobs(new_logprobs, service, cursors[choice.index])
                         body = {"index": choice.index, "text": delta, "logprobs": logprobs,
                                 "finish_reason": choice.finish_reason, "token_ids": new_tokens}
                     yield chunk([body])
@@ -430,7 +440,7 @@ def _joined(prompt: list | None, generated: list | None, prompt_tokens: int) -> 
     return (prompt if prompt is not None else [None] * prompt_tokens) + generated
 
 
-def _chat_prompt(body: dict, service: GenerationService) -> np.ndarray:
+async def _chat_prompt(body: dict, service: GenerationService) -> np.ndarray:
     """The messages rendered by the server's chat template, then tokenized."""
     if service.chat_template is None:
         raise OpenAIError(404, "chat_template_missing",
@@ -448,4 +458,7 @@ def _chat_prompt(body: dict, service: GenerationService) -> np.ndarray:
         text = service.chat_template.render(messages=messages, add_generation_prompt=True)
     except TemplateError as exc:
         raise _bad("messages", f"the chat template refused them: {exc}") from None
-    return service.encode(text, "messages")
+    try:
+        return await service.encode(text, "messages")
+    except RequestError as exc:
+        raise OpenAIError(exc.status, exc.kind, exc.message, "messages") from None

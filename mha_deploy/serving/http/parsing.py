@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import io
 import json
+import re
 import zipfile
 import zlib
 from collections import Counter
@@ -129,12 +130,19 @@ def _check_names(names: set[str], metadata: ModelMetadata, kind: str) -> None:
         raise RequestError(422, problem.kind, f"{kind} {problem.message}{hint}")
 
 
+# An integer literal of 20 digits or more: orjson reads one past 64 bits as a float (2**64 + 1 ->
+# 1.8446744073709552e+19), which would then be refused or used as a number it is not; the stdlib keeps it exact.
+_LONG_DIGITS = re.compile(rb"[0-9]{20}")
+
+
 def load_json(body: bytes | memoryview, what: str = "body") -> object:
-    """Parsed JSON, or a 400 (also for nesting too deep to parse, which must not become a 500)."""
-    try:
-        return _fast_json_loads(body)
-    except ValueError:
-        pass
+    """Parsed JSON, integers as exact as sent, or a 400 (also for nesting too deep to parse, which must not become a
+    500)."""
+    if _fast_json_loads is not json.loads and _LONG_DIGITS.search(body) is None:
+        try:
+            return _fast_json_loads(body)
+        except ValueError:
+            pass
     # The stdlib parser takes NaN and Infinity (refused later with a clear message) and words errors well.
     try:
         return json.loads(bytes(body))

@@ -17,16 +17,15 @@ from __future__ import annotations
 import json
 import logging
 
-import numpy as np
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from mha_deploy.serving.http import v2
-from mha_deploy.serving.http.body import read_body
+from mha_deploy.serving.http.body import read_json
 from mha_deploy.serving.http.generation import Choice, EventStream, GenerationService, until_done_or_gone
 from mha_deploy.serving.http.openai_routes import parse_sampling
-from mha_deploy.serving.http.parsing import RequestError, load_json
+from mha_deploy.serving.http.parsing import RequestError
 
 logger = logging.getLogger("mha_deploy.serve")
 # Triton's LLM backends' names for OpenAI's, read from the top level or from parameters.
@@ -44,15 +43,20 @@ def triton_generate_routes(service: GenerationService) -> list[Route]:
         with service.track("triton_generate_stream" if stream else "triton_generate"):
             try:
                 _check_model(request)
-                body = load_json(await read_body(request, service.limits))
+                body = await read_json(request, service.limits)
                 if not isinstance(body, dict):
                     raise RequestError(400, "bad_request", "the body must be a JSON object")
-                choice = _start(body)
+                choice = await _start(body)
             except RequestError as exc:
                 service.metrics.errors.labels(exc.kind).inc()
                 service.metrics.responses.labels(str(exc.status)).inc()
                 return JSONResponse({"error": exc.message}, status_code=exc.status,
                                     headers={**exc.headers, **({"Retry-After": "1"} if exc.status == 429 else {})})
+            except Exception:  # the v2 protocol's shape, not starlette's plain-text 500; the log has the rest
+                logger.exception("generate request failed")
+                service.metrics.errors.labels("internal").inc()
+                service.metrics.responses.labels("500").inc()
+                return JSONResponse({"error": "internal error (the server log has it)"}, status_code=500)
             service.metrics.responses.labels("200").inc()
             if stream:
                 return EventStream(_events(choice), [choice], lambda: None)
@@ -63,20 +67,15 @@ def triton_generate_routes(service: GenerationService) -> list[Route]:
             return JSONResponse(_response(choice, choice.text, choice.tokens, final=True))
 
     def _check_model(request: Request) -> None:
-        name = request.path_params["name"]
-        version = request.path_params.get("version", "")
-        if name != service.model_name:
-            raise RequestError(404, "unknown_model", f"unknown model {name!r}: this server serves "
-                                                     f"{service.model_name!r}")
-        if version not in ("", v2.MODEL_VERSION):
-            raise RequestError(404, "unknown_version", f"model {name!r} has version {v2.MODEL_VERSION} only")
+        service.check_model(request.path_params["name"], request.path_params.get("version", ""))
 
-    def _start(body: dict) -> Choice:
+    async def _start(body: dict) -> Choice:
         parameters = body.get("parameters") or {}
         if not isinstance(parameters, dict):
             raise RequestError(400, "bad_request", "parameters must be a JSON object")
         merged = {ALIASES.get(k, k): v for k, v in {**body, **parameters}.items()}
-        merged.setdefault("temperature", 0.0)
+        if merged.get("temperature") is None:  # absent or null: this route's default, greedy
+            merged["temperature"] = 0.0
         if "stop_token_ids" in merged and isinstance(merged["stop_token_ids"], int):
             merged["stop_token_ids"] = [merged["stop_token_ids"]]
         if merged.get("stream") not in (None, False, True):
@@ -90,11 +89,9 @@ def triton_generate_routes(service: GenerationService) -> list[Route]:
                 text = text[0]
             if not isinstance(text, str):
                 raise RequestError(400, "bad_request", "text_input must be a string")
-            prompt = service.encode(text, "text_input")
+            prompt = await service.encode(text, "text_input")
         else:
-            if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
-                raise RequestError(400, "bad_request", "input_ids must be a list of token ids")
-            prompt = np.asarray(ids, np.int64)
+            prompt = await service.ids(ids, "input_ids")
         engine = service.require_ready()
         prompt = service.check_prompt(prompt, sampling.max_tokens, "text_input" if text is not None else "input_ids")
         choice = Choice(0, prompt, service, stops)
