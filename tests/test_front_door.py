@@ -32,7 +32,8 @@ def test_the_readme_fits_a_first_read():
     lines = README.read_text().splitlines()
     assert len(lines) < 300, f"README.md has {len(lines)} lines: move detail into docs/"
     headings = [line for line in lines if line.startswith("## ")]
-    assert headings[:3] == ["## Install", "## Five minutes with your own model", "## What fusion buys on your own model"]
+    first_read = ["## Install", "## Five minutes with your own model", "## What fusion buys on your own model"]
+    assert headings[:3] == first_read
     assert {"## Generate text", "## Commands"} <= set(headings)
 
 
