@@ -22,7 +22,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from mha_deploy.errors import InputError, OptionError
-from mha_deploy.runtime.generation import GenerationConfig
+from mha_deploy.runtime.generation import GenerationConfig, offset_seed
 from mha_deploy.serving.engine import (
     EngineBusy,
     GenerationEngine,
@@ -240,8 +240,8 @@ class Sampling:
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) pairs: OpenAI's object, hashable
 
     def config(self, settings: GenerationSettings, choice: int = 0) -> GenerationConfig:
-        """The engine's config; choice ``i`` of a request with a seed samples with ``seed + i`` (each choice its own
-        draw, the request reproducible)."""
+        """The engine's config; choice ``i`` of a request with a seed samples with ``seed + i`` mod 2**64 (each choice
+        its own draw, the request reproducible)."""
         if self.max_tokens > settings.max_new_tokens:
             raise RequestError(400, "max_tokens_too_large",
                                f"max_tokens {self.max_tokens} is past this server's limit of {settings.max_new_tokens}")
@@ -253,7 +253,7 @@ class Sampling:
                 presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
                 logit_bias=dict(self.logit_bias) or None,
                 eos_token_id=list(settings.eos_token_ids) or None, stop_token_ids=self.stop_ids,
-                seed=None if self.seed is None else self.seed + choice,
+                seed=None if self.seed is None else offset_seed(self.seed, choice),
             )
         except (InputError, OptionError) as exc:
             raise RequestError(400, "bad_sampling", str(exc)) from None
