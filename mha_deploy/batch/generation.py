@@ -16,6 +16,7 @@ prompts and options).
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import time
@@ -33,6 +34,7 @@ from mha_deploy.batch.items import read_arrays
 from mha_deploy.batch.job import DatasetJob, run_shards
 from mha_deploy.batch.lock import OutputError
 from mha_deploy.batch.planner import BatchLimits, plan_batches
+from mha_deploy.batch.ray_engine import RayOptions, run_shards_on_ray
 from mha_deploy.batch.runner import BatchCallback, ItemError, RunStats
 from mha_deploy.batching import RunnerOptions
 from mha_deploy.errors import InputError, MHADeployError
@@ -498,3 +500,67 @@ def run_generation(
         job, generator.options, generator.provider, lambda todo: sum(count_prompts(s.path) for s in todo),
         lambda shard: run_prompt_shard(generator, shard, on_batch), on_start,
     )
+
+
+@dataclass(frozen=True)
+class GenerationShards:
+    """``generate``'s task for Ray actors (``batch.ray_engine.ShardTask``): the driver's ``PromptGenerator`` as files
+    and settings, with what the driver resolved (end ids recorded in the file, limits, padding, the encoder found
+    beside its decoder), so that each actor rebuilds that generator once and runs a shard as the local engine does
+    (``run_prompt_shard``). Batch ``b`` of a shard then samples with ``offset_seed(seed, b)`` whichever actor runs
+    it, counted from the shard's start as locally: outputs are the local engine's, byte for byte."""
+
+    model: str
+    config: GenerationConfig
+    options: RunnerOptions
+    limits: PromptLimits
+    pad_prompts: bool
+    encoder: str | None = None
+    start_id: int | None = None
+    tokenizer: str | None = None
+    provider: str = "cpu"
+
+    @classmethod
+    def of(cls, generator: PromptGenerator, provider: str = "cpu") -> GenerationShards:
+        """The task of ``generator``, whose stepper is a ``KVCacheStepper`` opened from files (an actor opens them
+        again at the same paths: they must be on every node)."""
+        stepper = generator.stepper
+        decoder, encoder = getattr(stepper, "graph", None), getattr(stepper, "encoder", None)
+        sources = [getattr(graph, "source", None) for graph in (decoder, encoder) if graph is not None]
+        paths = [Path(source) for source in sources if source is not None and Path(source).is_file()]
+        if decoder is None or len(paths) < len(sources):
+            raise InputError("--engine ray opens the model in each actor from its files, and this generator's model "
+                             "is not read from a file; give a KVCacheStepper opened from the model's path")
+        return cls(
+            str(paths[0].resolve()), generator.config, generator.options, generator.limits, generator.pad_prompts,
+            encoder=str(paths[1].resolve()) if len(paths) > 1 else None,
+            start_id=getattr(stepper, "decoder_start_token_id", None),
+            tokenizer=str(generator.tokenizer.path.resolve()) if generator.tokenizer is not None else None,
+            provider=provider,
+        )
+
+    def load(self, threads: int) -> Callable[[Shard], RunStats]:
+        from mha_deploy.runtime.kv_stepper import KVCacheStepper
+
+        stepper = KVCacheStepper(self.model, encoder=self.encoder, decoder_start_token_id=self.start_id,
+                                 threads=threads, provider=self.provider)
+        generator = PromptGenerator(
+            stepper, self.config, self.options, limits=self.limits, pad_prompts=self.pad_prompts,
+            tokenizer=PromptTokenizer(self.tokenizer) if self.tokenizer is not None else None,
+        )
+        return functools.partial(run_prompt_shard, generator)
+
+
+def run_generation_on_ray(
+    job: DatasetJob,
+    task: GenerationShards,
+    threads: int | None = None,
+    ray: RayOptions | None = None,
+    on_start: Callable[[int], None] | None = None,
+    on_batch: BatchCallback | None = None,
+) -> RunStats:
+    """``run_generation`` with the shards spread over Ray actors, each running ``task`` (``ray_engine``); the
+    driver counts the prompts, keeps the manifest and records each shard an actor reports done."""
+    job.options = task.options
+    return run_shards_on_ray(job, task, lambda todo: sum(count_prompts(s.path) for s in todo), threads, ray,
+                             on_start, on_batch)

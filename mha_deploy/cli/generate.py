@@ -78,13 +78,22 @@ from mha_deploy.runtime.generation import SEED_LIMIT
               help="At a bad prompt (ids past the vocabulary, empty, too long, unreadable): stop with an error, "
                    "or skip it and list it.")
 @click.option("--overwrite", is_flag=True, help="Redo every shard, even those a previous run finished.")
+@click.option("--engine", type=click.Choice(["local", "ray"]), default="local", show_default=True,
+              help="ray: shards spread over Ray Data actors, the same outputs as local (needs mha-deploy[ray], the "
+                   "input, output and model files on a filesystem every node sees).")
+@click.option("--ray-address", help="Ray cluster to join (default: start a local one).")
+@click.option("--concurrency", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Ray actors, each holding one KV-cache stepper (--threads each; default: the cluster's CPUs "
+                   "shared among them).")
+@click.option("--num-gpus", type=click.FloatRange(min=0), default=0, show_default=True,
+              help="GPUs per Ray actor (use with --provider cuda).")
 @session_options(provider="cpu")
 @click.option("--progress/--no-progress", default=True, show_default=True, help="Progress bar on stderr.")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON on stdout.")
 def generate(model, input_path, output_path, tokenizer, encoder, max_new_tokens, min_new_tokens, eos_ids, start_id,
              do_sample, temperature, top_k, top_p, repetition_penalty, presence_penalty, frequency_penalty, num_beams,
              length_penalty, seed, max_length, batch_size, max_batch_tokens, pad_prompts, bucket_window, on_error,
-             overwrite, provider, threads, progress, as_json):
+             overwrite, engine, ray_address, concurrency, num_gpus, provider, threads, progress, as_json):
     """Generate new tokens for every prompt of a dataset with a KV-cache decoder (export --module ... --kv-cache,
     or any decoder in Optimum's cache naming), greedy unless told to sample or search beams.
 
@@ -100,6 +109,7 @@ def generate(model, input_path, output_path, tokenizer, encoder, max_new_tokens,
       mha-deploy generate lm.onnx --input prompts.jsonl --output out.jsonl --provider cuda
       mha-deploy generate decoder.onnx --encoder encoder.onnx --start-id 0 --input src.jsonl --output out.jsonl
       mha-deploy generate mt.onnx --input src.jsonl --output out.jsonl   # export --kv-cache's pair: mt.encoder.onnx
+      mha-deploy generate lm.onnx --input prompts/ --output out/ --engine ray --concurrency 4
     """
     from mha_deploy.batch.generation import (
         PromptGenerator,
@@ -133,8 +143,9 @@ def generate(model, input_path, output_path, tokenizer, encoder, max_new_tokens,
         length_penalty=length_penalty, eos_token_id=list(eos_ids) or None, seed=seed,
     )
     options = RunnerOptions(batch_size, max_batch_tokens, bucket_window, on_error)
-    stepper = KVCacheStepper(model, encoder=encoder, decoder_start_token_id=start_id, threads=threads,
-                             provider=provider)
+    # On Ray the driver's stepper only checks the files and resolves the settings; the actors generate, on --provider.
+    stepper = KVCacheStepper(model, encoder=encoder, decoder_start_token_id=start_id,
+                             threads=1 if engine == "ray" else threads, provider="cpu" if engine == "ray" else provider)
     if stepper.graph.provider_note:
         click.echo(stepper.graph.provider_note, err=True)
     # Resolved here, not only inside the loop, so that the manifest records the ids the run used.
@@ -147,9 +158,16 @@ def generate(model, input_path, output_path, tokenizer, encoder, max_new_tokens,
         pad_prompts=pads_exactly(stepper) if pad_prompts is None else pad_prompts,
     )
     job = generation_job(input_path, output_path, model, generator, encoder=encoder, overwrite=overwrite)
+    if engine == "ray":
+        from mha_deploy.batch.generation import GenerationShards, run_generation_on_ray
+        from mha_deploy.batch.ray_engine import RayOptions
+
+        task, ray = GenerationShards.of(generator, provider), RayOptions(ray_address, concurrency, num_gpus)
+        run = lambda on_start, on_batch: run_generation_on_ray(job, task, threads, ray, on_start, on_batch)  # noqa: E731
+    else:
+        run = lambda on_start, on_batch: run_generation(job, generator, on_start, on_batch)  # noqa: E731
     with job:  # the output is locked from here to the end: a second run on it fails at once, naming this pid
-        stats = run_with_progress(
-            lambda on_start, on_batch: run_generation(job, generator, on_start, on_batch), progress, "generate")
+        stats = run_with_progress(run, progress, "generate")
     echo_run_notes(job, stats.errors, "bad prompts")
     if as_json:
         click.echo(json.dumps({**stats.to_dict(), "output": str(output_path), "manifest": str(job.manifest_path)}))

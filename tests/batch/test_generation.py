@@ -275,34 +275,23 @@ def test_sigkill_then_rerun_equals_an_uninterrupted_run(lm, tmp_path):
     assert not [p.name for p in out.iterdir() if ".tmp" in p.name], "no temporary file left"
 
 
-@pytest.fixture(scope="module")
-def seq2seq(tmp_path_factory):
-    """A hand-written cache-aware encoder-decoder exported by torch as two files (tests/runtime/cached_seq2seq.py)."""
-    from tests.runtime import cached_seq2seq
-
-    encoder, decoder = cached_seq2seq.build(seed=1)
-    folder = tmp_path_factory.mktemp("gen-seq2seq")
-    cached_seq2seq.export(encoder, decoder, folder / "encoder.onnx", folder / "decoder.onnx")
-    return folder, cached_seq2seq.START_ID, cached_seq2seq.VOCAB
-
-
 @pytest.mark.parametrize("search", [[], ["--num-beams", "3"]], ids=["greedy", "beams"])
 def test_an_encoder_decoder_from_its_start_id_equals_the_library_loop(seq2seq, tmp_path, search):
-    folder, start, vocab = seq2seq
+    decoder, encoder, start, vocab = seq2seq  # tests/conftest.py's, shared with the serving and Ray tests
     rng = np.random.default_rng(4)
     given = {f"s{i}": rng.integers(1, vocab, n).tolist() for i, n in enumerate([3, 9, 1, 6])}
     source = write_jsonl(tmp_path / "src.jsonl", [{"id": k, "input_ids": v} for k, v in given.items()])
-    result = run(folder / "decoder.onnx", "--encoder", folder / "encoder.onnx", "--start-id", start, "--input", source,
+    result = run(decoder, "--encoder", encoder, "--start-id", start, "--input", source,
                  "--output", tmp_path / "out.jsonl", "--max-new-tokens", MAX_NEW, *search)
     assert result.exit_code == 0, result.output
-    stepper = KVCacheStepper(folder / "decoder.onnx", encoder=folder / "encoder.onnx", decoder_start_token_id=start)
+    stepper = KVCacheStepper(decoder, encoder=encoder, decoder_start_token_id=start)
     options = {"num_beams": int(search[1])} if search else {}
     for record in read_jsonl(tmp_path / "out.jsonl"):
         alone = generate(stepper, [given[record["id"]]], max_new_tokens=MAX_NEW, **options).tokens[0].tolist()
         assert record["output_ids"] == alone, record["id"]
     bad = write_jsonl(tmp_path / "bad.jsonl", [{"id": "x", "input_ids": [vocab]}])
-    result = run(folder / "decoder.onnx", "--encoder", folder / "encoder.onnx", "--start-id", start, "--input", bad,
+    result = run(decoder, "--encoder", encoder, "--start-id", start, "--input", bad,
                  "--output", tmp_path / "bad-out.jsonl")
     assert result.exit_code == 1 and "prompt 'x': token id" in result.stderr and "vocabulary" in result.stderr
-    assert run(folder / "decoder.onnx", "--encoder", folder / "encoder.onnx", "--input", source,
+    assert run(decoder, "--encoder", encoder, "--input", source,
                "--output", tmp_path / "o.jsonl").exit_code == 2, "an encoder without a start id is a usage error"

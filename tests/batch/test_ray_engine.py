@@ -71,3 +71,108 @@ def test_ray_engine_stops_at_a_bad_item(tmp_path, export_model, ray_cluster):
     with pytest.raises(InputError, match=r"a\.npz: item 'bad': x is empty"):
         run_dataset_on_ray(job, model, provider="cpu", threads=1)
     assert not list((tmp_path / "out").glob("*.npz")), "no output shard"
+
+
+# --- generate --engine ray ------------------------------------------------------------------------------------
+
+LM_VOCAB = 50  # tests/user_models/causal_lm.py's
+GENERATE = ["--max-new-tokens", "8", "--batch-size", "3", "--on-error", "skip", "--no-progress"]
+
+
+def write_prompt_shards(root, shards: int = 3, prompts: int = 8, vocab: int = LM_VOCAB, bad: dict | None = None):
+    """``shards`` JSONL files of prompts of 1 to 12 tokens; ``bad`` (a prompt the run must skip) ends the second."""
+    root.mkdir()
+    rng = np.random.default_rng(11)
+    for shard in range(shards):
+        records = [{"id": f"s{shard}-{i}", "input_ids": rng.integers(1, vocab, rng.integers(1, 13)).tolist()}
+                   for i in range(prompts)]
+        if bad is not None and shard == 1:
+            records.append(bad)
+        (root / f"shard-{shard}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    return root
+
+
+def generate_cli(*args):
+    return CliRunner().invoke(main, ["generate", *map(str, args)])
+
+
+def jsonl_files(root):
+    return {p.name: p.read_bytes() for p in sorted(root.glob("*.jsonl"))}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("search", [[], ["--do-sample", "--seed", "7", "--top-k", "20"]], ids=["greedy", "seeded"])
+def test_generate_on_ray_equals_the_local_engine(tmp_path, lm_cache, ray_cluster, search):
+    """2 actors over 3 shards give the local engine's bytes (a seeded run's batch b samples with seed + b in both),
+    and skip the bad prompt as it does, listed in the summary and the manifest."""
+    lm = lm_cache("causal_lm")[0]
+    source = write_prompt_shards(tmp_path / "in", bad={"id": "bad", "input_ids": [LM_VOCAB]})
+    local = generate_cli(lm, "--input", source, "--output", tmp_path / "local", "--threads", 1, *GENERATE, *search,
+                         "--json")
+    assert local.exit_code == 0, local.output
+    result = generate_cli(lm, "--input", source, "--output", tmp_path / "ray", "--engine", "ray", "--concurrency", 2,
+                          *GENERATE, *search, "--json")
+    assert result.exit_code == 0, result.output
+    assert jsonl_files(tmp_path / "ray") == jsonl_files(tmp_path / "local"), "same shards, same bytes"
+    summary, expected = json.loads(result.stdout), json.loads(local.stdout)
+    assert (summary["items"], summary["tokens"], summary["shards_written"]) == (24, 24 * 8, 3)
+    assert summary["errors"] == expected["errors"] and "'bad': token id 50 is past" in str(summary["errors"])
+    manifest = json.loads((tmp_path / "ray" / "_mha_deploy_manifest.json").read_text())
+    assert [e["id"] for e in manifest["shards"]["shard-1.jsonl"]["skipped_items"]] == ["bad"]
+
+
+@pytest.mark.slow
+def test_generate_on_ray_interrupted_after_a_shard_resumes_to_the_same_bytes(tmp_path, lm_cache, ray_cluster):
+    """The driver stopped (as by Ctrl-C) once the first shard was recorded, while the other actor was mid-shard;
+    the rerun skips the recorded shard and redoes the others, to an uninterrupted run's bytes (seeded sampling)."""
+    from mha_deploy.batch.generation import (
+        GenerationShards,
+        PromptGenerator,
+        generation_job,
+        run_generation,
+        run_generation_on_ray,
+    )
+    from mha_deploy.runtime.generation import GenerationConfig
+    from mha_deploy.runtime.kv_stepper import KVCacheStepper
+
+    lm = lm_cache("causal_lm")[0]
+    source = write_prompt_shards(tmp_path / "in", prompts=12)
+    generator = PromptGenerator(KVCacheStepper(lm, threads=1),
+                                GenerationConfig(max_new_tokens=8, do_sample=True, seed=3), pad_prompts=True)
+    task = GenerationShards.of(generator)
+    run_generation(generation_job(source, tmp_path / "local", lm, generator), generator)
+
+    def stop(items, tokens):
+        raise KeyboardInterrupt
+
+    out = tmp_path / "ray"
+    with pytest.raises(KeyboardInterrupt):
+        run_generation_on_ray(generation_job(source, out, lm, generator), task, ray=RayOptions(concurrency=2),
+                              on_batch=stop)
+    recorded = json.loads((out / "_mha_deploy_manifest.json").read_text())["shards"]
+    assert len(recorded) == 1, recorded
+
+    stats = run_generation_on_ray(generation_job(source, out, lm, generator), task, ray=RayOptions(concurrency=2))
+    assert (stats.shards_skipped, stats.shards_written) == (1, 2)
+    assert jsonl_files(out) == jsonl_files(tmp_path / "local"), "same shards, same bytes"
+    assert not [p.name for p in out.iterdir() if ".tmp" in p.name], "no temporary file left"
+
+
+@pytest.mark.slow
+def test_generate_on_ray_runs_an_encoder_decoder_and_stops_at_a_bad_source(tmp_path, seq2seq, ray_cluster):
+    decoder, encoder, start, vocab = seq2seq
+    pair = ["--encoder", encoder, "--start-id", start, "--max-new-tokens", 8, "--no-progress"]
+    source = write_prompt_shards(tmp_path / "in", shards=2, prompts=5, vocab=vocab)
+    local = generate_cli(decoder, "--input", source, "--output", tmp_path / "local", "--threads", 1, *pair)
+    assert local.exit_code == 0, local.output
+    result = generate_cli(decoder, "--input", source, "--output", tmp_path / "ray", "--engine", "ray",
+                          "--concurrency", 2, *pair)
+    assert result.exit_code == 0, result.output
+    assert jsonl_files(tmp_path / "ray") == jsonl_files(tmp_path / "local"), "same shards, same bytes"
+
+    bad = write_prompt_shards(tmp_path / "bad", shards=1, prompts=2, vocab=vocab, bad=None)
+    with (bad / "shard-0.jsonl").open("a") as lines:
+        lines.write(json.dumps({"id": "x", "input_ids": [vocab]}) + "\n")
+    result = generate_cli(decoder, "--input", bad, "--output", tmp_path / "bad-out", "--engine", "ray", *pair)
+    assert result.exit_code == 1 and "shard-0.jsonl: prompt 'x': token id" in result.stderr, result.output
+    assert not list((tmp_path / "bad-out").glob("*.jsonl")), "no output shard"
