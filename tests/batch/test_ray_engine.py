@@ -176,3 +176,18 @@ def test_generate_on_ray_runs_an_encoder_decoder_and_stops_at_a_bad_source(tmp_p
     result = generate_cli(decoder, "--input", bad, "--output", tmp_path / "bad-out", "--engine", "ray", *pair)
     assert result.exit_code == 1 and "shard-0.jsonl: prompt 'x': token id" in result.stderr, result.output
     assert not list((tmp_path / "bad-out").glob("*.jsonl")), "no output shard"
+
+
+def test_a_refused_rerun_on_ray_keeps_the_earlier_runs_manifest(tmp_path, lm_cache):
+    """Refused at its plan (other settings), before any actor: the finished shards stay recorded, so the right
+    rerun still skips them."""
+    lm = lm_cache("causal_lm")[0]
+    source = write_prompt_shards(tmp_path / "in", shards=2, prompts=2)
+    args = [lm, "--input", source, "--output", tmp_path / "out", "--no-progress"]
+    assert generate_cli(*args, "--max-new-tokens", 4).exit_code == 0
+    refused = generate_cli(*args, "--max-new-tokens", 5, "--engine", "ray")
+    assert refused.exit_code == 1 and "made with other settings (generation differ)" in refused.stderr, refused.output
+    manifest = json.loads((tmp_path / "out" / "_mha_deploy_manifest.json").read_text())
+    assert sorted(manifest["shards"]) == ["shard-0.jsonl", "shard-1.jsonl"]
+    again = generate_cli(*args, "--max-new-tokens", 4, "--engine", "ray")
+    assert again.exit_code == 0 and "nothing to do" in again.stdout, again.output
