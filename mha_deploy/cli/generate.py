@@ -81,7 +81,8 @@ from mha_deploy.runtime.generation import SEED_LIMIT
 @click.option("--engine", type=click.Choice(["local", "ray"]), default="local", show_default=True,
               help="ray: shards spread over Ray Data actors, the same outputs as local (needs mha-deploy[ray], the "
                    "input, output and model files on a filesystem every node sees).")
-@click.option("--ray-address", help="Ray cluster to join (default: start a local one).")
+@click.option("--ray-address", help="Ray cluster to join (default: $RAY_ADDRESS or the one last "
+                                         "started on this machine, else a local one for this run).")
 @click.option("--concurrency", type=click.IntRange(min=1), default=1, show_default=True,
               help="Ray actors, each holding one KV-cache stepper (--threads each; default: the cluster's CPUs "
                    "shared among them).")

@@ -35,7 +35,8 @@ from mha_deploy.metadata import ON_ERROR_CHOICES
 @click.option("--overwrite", is_flag=True, help="Redo every shard, even those a previous run finished.")
 @click.option("--engine", type=click.Choice(["local", "ray"]), default="local", show_default=True,
               help="ray: shards spread over Ray Data actors (needs mha-deploy[ray] and a filesystem all nodes see).")
-@click.option("--ray-address", help="Ray cluster to join (default: start a local one).")
+@click.option("--ray-address", help="Ray cluster to join (default: $RAY_ADDRESS or the one last "
+                                         "started on this machine, else a local one for this run).")
 @click.option("--concurrency", type=click.IntRange(min=1), default=1, show_default=True,
               help="Ray actors, each holding one session.")
 @click.option("--num-gpus", type=click.FloatRange(min=0), default=0, show_default=True,
