@@ -202,8 +202,10 @@ def _run_on_actors(ray_module, todo: list[Shard], task: ShardTask, threads: int 
         fn_constructor_kwargs={"task": task, "threads": actor_threads},
         batch_size=1,
         batch_format="numpy",
-        # map_batches(concurrency=) is deprecated in Ray 2.60; a fixed-size actor pool says the same.
-        compute=ray_module.data.ActorPoolStrategy(size=ray.concurrency),
+        # map_batches(concurrency=) is deprecated in Ray 2.60; a fixed-size actor pool says the same. A shard is a
+        # long task: one at a time per actor (Ray Data queues 2 by default), so that an actor that started first
+        # does not hold a queued shard that another, idle by then, could run.
+        compute=ray_module.data.ActorPoolStrategy(size=ray.concurrency, max_tasks_in_flight_per_actor=1),
         num_cpus=actor_threads,
         num_gpus=ray.num_gpus or None,
     )
