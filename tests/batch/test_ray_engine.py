@@ -100,22 +100,38 @@ def jsonl_files(root):
     return {p.name: p.read_bytes() for p in sorted(root.glob("*.jsonl"))}
 
 
+def word_tokenizer(path):
+    """A tokenizers file whose word ``w<i>`` is id i, for text prompts and outputs."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import Whitespace
+
+    tokenizer = Tokenizer(WordLevel({f"w{i}": i for i in range(LM_VOCAB)}, unk_token="w0"))
+    tokenizer.pre_tokenizer = Whitespace()
+    tokenizer.save(str(path))
+    return path
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("search", [[], ["--do-sample", "--seed", "7", "--top-k", "20"]], ids=["greedy", "seeded"])
 def test_generate_on_ray_equals_the_local_engine(tmp_path, lm_cache, ray_cluster, search):
-    """2 actors over 3 shards give the local engine's bytes (a seeded run's batch b samples with seed + b in both),
-    and skip the bad prompt as it does, listed in the summary and the manifest."""
+    """2 actors over 3 shards give the local engine's bytes (a seeded run's batch b samples with seed + b in both;
+    a text prompt through the tokenizer each actor loads), and skip the bad prompt as it does, listed in the
+    summary and the manifest."""
     lm = lm_cache("causal_lm")[0]
     source = write_prompt_shards(tmp_path / "in", bad={"id": "bad", "input_ids": [LM_VOCAB]})
-    local = generate_cli(lm, "--input", source, "--output", tmp_path / "local", "--threads", 1, *GENERATE, *search,
-                         "--json")
+    with (source / "shard-0.jsonl").open("a") as lines:
+        lines.write(json.dumps({"id": "text", "prompt": "w3 w7 w11"}) + "\n")
+    common = [*GENERATE, *search, "--tokenizer", word_tokenizer(tmp_path / "tokenizer.json"), "--json"]
+    local = generate_cli(lm, "--input", source, "--output", tmp_path / "local", "--threads", 1, *common)
     assert local.exit_code == 0, local.output
     result = generate_cli(lm, "--input", source, "--output", tmp_path / "ray", "--engine", "ray", "--concurrency", 2,
-                          *GENERATE, *search, "--json")
+                          *common)
     assert result.exit_code == 0, result.output
     assert jsonl_files(tmp_path / "ray") == jsonl_files(tmp_path / "local"), "same shards, same bytes"
+    assert b'"id": "text", "output_ids"' in jsonl_files(tmp_path / "ray")["shard-0.jsonl"]
     summary, expected = json.loads(result.stdout), json.loads(local.stdout)
-    assert (summary["items"], summary["tokens"], summary["shards_written"]) == (24, 24 * 8, 3)
+    assert (summary["items"], summary["tokens"], summary["shards_written"]) == (25, 25 * 8, 3)
     assert summary["errors"] == expected["errors"] and "'bad': token id 50 is past" in str(summary["errors"])
     manifest = json.loads((tmp_path / "ray" / "_mha_deploy_manifest.json").read_text())
     assert [e["id"] for e in manifest["shards"]["shard-1.jsonl"]["skipped_items"]] == ["bad"]
