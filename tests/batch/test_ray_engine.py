@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import time
 
 import numpy as np
 import pytest
@@ -138,38 +142,36 @@ def test_generate_on_ray_equals_the_local_engine(tmp_path, lm_cache, ray_cluster
 
 
 @pytest.mark.slow
-def test_generate_on_ray_interrupted_after_a_shard_resumes_to_the_same_bytes(tmp_path, lm_cache, ray_cluster):
-    """The driver stopped (as by Ctrl-C) once the first shard was recorded, while the other actor was mid-shard;
-    the rerun skips the recorded shard and redoes the others, to an uninterrupted run's bytes (seeded sampling)."""
-    from mha_deploy.batch.generation import (
-        GenerationShards,
-        PromptGenerator,
-        generation_job,
-        run_generation,
-        run_generation_on_ray,
-    )
-    from mha_deploy.runtime.generation import GenerationConfig
-    from mha_deploy.runtime.kv_stepper import KVCacheStepper
+def test_generate_on_ray_killed_after_a_shard_resumes_to_the_same_bytes(tmp_path, lm_cache, ray_cluster):
+    """A real driver process on this cluster, killed with SIGKILL once its manifest records a shard: its lock goes
+    with it and Ray ends its actors, so the rerun gets the CPUs, skips the recorded shards and redoes the others
+    to the local engine's bytes (seeded sampling), leaving no temporary file."""
+    from tests.batch.test_generation import _cli
 
     lm = lm_cache("causal_lm")[0]
-    source = write_prompt_shards(tmp_path / "in", prompts=12)
-    generator = PromptGenerator(KVCacheStepper(lm, threads=1),
-                                GenerationConfig(max_new_tokens=8, do_sample=True, seed=3), pad_prompts=True)
-    task = GenerationShards.of(generator)
-    run_generation(generation_job(source, tmp_path / "local", lm, generator), generator)
+    source = write_prompt_shards(tmp_path / "in", shards=5, prompts=24)
+    args = [lm, "--input", source, "--max-new-tokens", 24, "--batch-size", 2, "--do-sample", "--seed", 5,
+            "--no-progress"]
+    local = generate_cli(*args, "--output", tmp_path / "local", "--threads", 1)
+    assert local.exit_code == 0, local.output
 
-    def stop(items, tokens):
-        raise KeyboardInterrupt
+    out, manifest = tmp_path / "ray", tmp_path / "ray" / "_mha_deploy_manifest.json"
+    address = ray_cluster.get_runtime_context().gcs_address
+    process = subprocess.Popen([*_cli(), "generate", *map(str, args), "--output", str(out), "--engine", "ray",
+                                "--ray-address", address, "--concurrency", "2"],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    while not (manifest.exists() and json.loads(manifest.read_text() or "{}").get("shards")):
+        assert process.poll() is None and time.monotonic() < deadline, "no shard recorded before the process ended"
+        time.sleep(0.005)
+    os.kill(process.pid, signal.SIGKILL)
+    process.wait()
+    recorded = json.loads(manifest.read_text())["shards"]
+    assert 1 <= len(recorded) < 5, f"the kill came after every shard was done: {sorted(recorded)}"
 
-    out = tmp_path / "ray"
-    with pytest.raises(KeyboardInterrupt):
-        run_generation_on_ray(generation_job(source, out, lm, generator), task, ray=RayOptions(concurrency=2),
-                              on_batch=stop)
-    recorded = json.loads((out / "_mha_deploy_manifest.json").read_text())["shards"]
-    assert len(recorded) == 1, recorded
-
-    stats = run_generation_on_ray(generation_job(source, out, lm, generator), task, ray=RayOptions(concurrency=2))
-    assert (stats.shards_skipped, stats.shards_written) == (1, 2)
+    rerun = generate_cli(*args, "--output", out, "--engine", "ray", "--concurrency", 2, "--json")
+    assert rerun.exit_code == 0, rerun.output
+    assert json.loads(rerun.stdout)["shards_skipped"] >= len(recorded)
     assert jsonl_files(out) == jsonl_files(tmp_path / "local"), "same shards, same bytes"
     assert not [p.name for p in out.iterdir() if ".tmp" in p.name], "no temporary file left"
 
