@@ -97,7 +97,8 @@ from mha_deploy.metadata import (
 @click.option("--position-ids/--no-position-ids", default=None,
               help="With --module ... --kv-cache (a causal LM: on unless --no-position-ids): the file takes "
                    "position_ids int64 [batch, seq] (each row's own positions, as onnxruntime-genai and generate "
-                   "feed them) where the module's positions are an arange indexing a table, so that rows of "
+                   "feed them) where the module's positions are an arange indexing a table or computed from it "
+                   "(rotary cos/sin), so that rows of "
                    "different lengths share a batch exactly (and the cache can be ragged).")
 @click.option("--cache-layout", type=click.Choice(CACHE_LAYOUT_CHOICES), default="auto", show_default=True,
               help="With --module ... --kv-cache (a causal LM): ragged = each attention is GroupQueryAttention "

@@ -28,6 +28,7 @@ from mha_deploy.exporters.graphs import attention_graph
 from mha_deploy.exporters.kv_cache import CacheProjection, attach_caches, decode_on_mha, prefill_or_decode
 from mha_deploy.exporters.own_kv_cache import (
     OWN_CACHE_CASES,
+    POSITION_IDS,
     RAGGED_CACHE_CASES,
     PlainRuns,
     attach_own_caches,
@@ -90,6 +91,7 @@ from mha_deploy.metadata import (
 )
 from mha_deploy.models.attention import MASK_FILL_VALUE, MultiHeadAttention
 from mha_deploy.models.transformer import Decoder, Encoder
+from mha_deploy.onnx_nodes import all_nodes
 from mha_deploy.runtime.model_check import graph_heads, head_splits
 from mha_deploy.runtime.session import MHASession, check_model_before_writing
 
@@ -469,10 +471,10 @@ def export_model(
     (eos, pad, decoder start), recorded in the file's metadata for ``mha-deploy generate`` and onnxruntime-genai;
     with ``kv_cache`` only, each refused unless below the vocabulary. ``position_ids`` (with ``kv_cache``; None, the
     default: asked for on a causal LM, not on an encoder-decoder): the file takes each row's positions as an input
-    (``position_ids`` int64 [batch, seq]) where the module's are a ``Range`` over the sequence indexing a table, so
-    that rows of different lengths each get what they get alone; when asked for explicitly (True), a warning says
-    so when the module's positions are not that. The metadata records how the file's positions work either way
-    (``ModelMetadata.positions``).
+    (``position_ids`` int64 [batch, seq]) where the module's are a ``Range`` over the sequence indexing a table or
+    computed from it (rotary cos/sin), so that rows of different lengths each get what they get alone; when asked
+    for explicitly (True), a warning says so when the module's positions are not that. The metadata records how the
+    file's positions work either way (``ModelMetadata.positions``).
 
     ``cache_layout`` (a causal LM with ``kv_cache``): "auto" (the default) writes the ragged layout
     (``fusion.ragged_cache``: GroupQueryAttention updating the cache in place, right padding, each mask probed up to
@@ -534,6 +536,13 @@ def _export_model(
     try:
         with reference_attention():
             plain = export_onnx(declared.traced, signature, declared.d_model, export_options.opset)
+            if export_options.opset > ROTARY_OPSET and writes_onnx_rotary(plain):
+                plain = export_onnx(declared.traced, signature, declared.d_model, ROTARY_OPSET)
+                declared.warnings.append(
+                    f"opset {ROTARY_OPSET}, not {export_options.opset}: at opset {export_options.opset} torch writes "
+                    "the rotary as ONNX RotaryEmbedding, which ONNX Runtime rejects at batch > 1; at "
+                    f"{ROTARY_OPSET} it writes plain ops")
+                export_options = replace(export_options, opset=ROTARY_OPSET)
     except ExportError as exc:
         if exc.__cause__ is None:  # already says what was wrong
             raise
@@ -563,6 +572,18 @@ def _export_model(
     return result
 
 
+# The newest opset at which torch writes a rotary embedding as plain ops (Sin, Cos, Mul, Concat): from opset 23 it
+# writes ONNX RotaryEmbedding with cos/sin of one row, [1, seq, d/2], which ONNX Runtime 1.31's kernel rejects for an
+# input of more rows ("Inputs 'cos_cache' and 'sin_cache' are expected to have the same shape as input 'x'").
+ROTARY_OPSET = 22
+
+
+def writes_onnx_rotary(model: onnx.ModelProto) -> bool:
+    """Whether ``model`` holds the standard RotaryEmbedding op (in its graph or its local functions)."""
+    nodes = [*all_nodes(model.graph), *(node for function in model.functions for node in function.node)]
+    return any(node.op_type == "RotaryEmbedding" and node.domain in ("", "ai.onnx") for node in nodes)
+
+
 def _export_own_cache(
     declared: Declared, plain: onnx.ModelProto, attention_ops: int, output: Path, options: ExportOptions,
     max_length: int | None,
@@ -584,9 +605,12 @@ def _export_own_cache(
     metadata = ModelMetadata(d_model=heads * head_dim, num_heads=heads, signature=signature, layers=len(layers),
                              max_length=max_length, generation=generation,
                              positions=positions_kind(cached, signature, max_length))
-    if position_ids and metadata.positions != POSITIONS_INPUT:
+    if POSITION_IDS in signature.tensors and metadata.positions != POSITIONS_INPUT:
+        notes.append(f"--kv-cache: the file takes position_ids, yet a row's logits move with its padding given its own "
+                     f"(positions: {metadata.positions}): rows share a batch only with rows of their length")
+    elif position_ids and metadata.positions != POSITIONS_INPUT:
         notes.append(f"--position-ids: not offered, the module's positions are not a Range over the sequence "
-                     f"indexing a table (positions: {metadata.positions})")
+                     f"indexing a table or computed from it (positions: {metadata.positions})")
     ragged = None
     if cache_layout != CACHE_HOLES:
         why_not = _why_not_ragged(metadata.positions, refused)
@@ -627,7 +651,8 @@ def _why_not_ragged(positions: str | None, narrowing_refused: str | None) -> str
         return f"each step runs the whole sequence's forward: {narrowing_refused}"
     if positions not in (POSITIONS_INPUT, POSITIONS_NONE):
         return (f"positions {positions}: the module counts them over the padded batch's columns, which right "
-                "padding shifts; only a module whose positions are an arange into a table takes position_ids")
+                "padding shifts; only a module whose positions are an arange into a table, or rotary, takes "
+                "position_ids")
     return None
 
 

@@ -107,8 +107,8 @@ def narrow_to_new_positions(
     model's inputs for a call (to find which dims follow the total length), at most ``max_length`` long.
 
     ``position_ids``: the name of an int64 [batch, seq] input to take each row's positions from, where the
-    module's positions are a ``Range`` over the sequence indexing a table (``take_position_ids``); the flag
-    says whether the model now takes it."""
+    module's positions are a ``Range`` over the sequence indexing or computing a table (``take_position_ids``); the
+    flag says whether the model now takes it."""
     shapes = _probe_shapes(model, feeds, max_length)
     graph = model.graph
     shapes.constants = {init.name: numpy_helper.to_array(init) for init in graph.initializer
@@ -536,18 +536,21 @@ def _check_no_whole_length_weights(model: onnx.ModelProto, heavy: set[str], root
 
 
 def take_position_ids(model: onnx.ModelProto, shapes, tokens: str, name: str) -> bool:
-    """Rewire ``model`` (narrowed) so that every position table is indexed by a new input ``name`` (int64
-    [batch, seq], each row's own positions) instead of the new rows of a ``Range(0, total, 1)``; False (and
-    ``model`` untouched) unless every such lookup is one this can replace exactly.
+    """Rewire ``model`` (narrowed) so that the module's positions come from a new input ``name`` (int64 [batch, seq],
+    each row's own positions) instead of the new rows of a ``Range(0, total, 1)``; False (and ``model`` untouched)
+    unless every use of the positions it rewires is one it can replace exactly.
 
-    What is replaced: ``Gather(table, r)`` or ``Gather(table, Unsqueeze(r, 0))`` where ``r`` is the Range's
-    new rows and the table a weight; the lookup ([seq, d] or [1, seq, d]) then becomes [batch, seq, d], which
-    each reader must broadcast against a [batch, ...] operand (the embedding sum). Other readers of the Range
-    (a causal mask's query positions) keep the padded column indices: the cache's columns are padded ones."""
+    Two uses are replaced. A table lookup: ``Gather(table, r)`` or ``Gather(table, Unsqueeze(r, 0))`` where ``r``
+    is the Range's new rows and the table a weight; the lookup ([seq, d] or [1, seq, d]) then becomes
+    [batch, seq, d], which each reader must broadcast against a [batch, ...] operand (the embedding sum). A
+    computed table (``_take_computed_positions``): rotary cos/sin of the positions times inverse frequencies.
+    Other readers of the Range (a causal mask's query positions, compared with the keys') keep the padded column
+    indices: the cache's columns are padded ones."""
     graph = model.graph
     producers, readers = producers_and_readers(graph)
     tables = {init.name for init in graph.initializer if len(init.dims) == 2}
     lookups: list[tuple[onnx.NodeProto, int]] = []  # (Gather, rank of its indices)
+    computed: list[tuple[str, onnx.NodeProto]] = []  # (the Range's new rows, a reader whose chain computes on them)
     for node in graph.node:
         if node.op_type != "Slice" or not _is_position_range(graph, producers.get(node.input[0])):
             continue
@@ -555,14 +558,15 @@ def take_position_ids(model: onnx.ModelProto, shapes, tokens: str, name: str) ->
             via = reader
             if reader.op_type == "Unsqueeze" and _constant(graph, reader.input[1]) is not None and \
                     list(_constant(graph, reader.input[1]).reshape(-1)) == [0]:
-                for gather in readers.get(reader.output[0], []):
-                    if _is_table_lookup(gather, reader.output[0], tables):
-                        lookups.append((gather, 2))
-                continue
+                gathers = [gather for gather in readers.get(reader.output[0], [])
+                           if _is_table_lookup(gather, reader.output[0], tables)]
+                lookups += [(gather, 2) for gather in gathers]
+                if gathers:
+                    continue
             if _is_table_lookup(via, node.output[0], tables):
                 lookups.append((via, 1))
-    if not lookups:
-        return False
+            else:
+                computed.append((node.output[0], reader))
     for gather, _ in lookups:
         for reader in readers.get(gather.output[0], []):
             out = reader.output[0]
@@ -571,16 +575,140 @@ def take_position_ids(model: onnx.ModelProto, shapes, tokens: str, name: str) ->
             if reader.op_type not in _BROADCAST or original is None or len(original[0]) != 3 or \
                     original[0][0] != _PROBE_BATCH:
                 return False
+    rotary = _computed_position_chains(graph, computed, readers, shapes)
+    if rotary is None or not (lookups or rotary):
+        return False
     for gather, _ in lookups:
         gather.input[1] = name
     looked_up = {gather.output[0] for gather, _ in lookups}
+    looked_up.update(value for chain in rotary for value in chain.values)
     infos = [info for info in graph.value_info if info.name not in looked_up]
     graph.ClearField("value_info")
     graph.value_info.extend(infos)
+    if rotary:
+        _take_computed_positions(graph, rotary, name, shapes)
     seq_dim = next(value.type.tensor_type.shape.dim[1] for value in graph.input if value.name == tokens)
     graph.input.append(helper.make_tensor_value_info(name, TensorProto.INT64, ["batch", seq_dim.dim_param or None]))
     _without_dead_nodes(model)
     return True
+
+
+# Ops that compare positions (a causal mask's query positions against the keys'): a chain holding one keeps the
+# padded column indices, which the cache's columns are.
+_COMPARISONS = {"Equal", "Less", "Greater", "LessOrEqual", "GreaterOrEqual"}
+# Ops a chain of computed positions may hold: each output row a function of the same row (narrowing proved that for
+# each op along the sequence axis), with no shape read off the sequence, so that the chain computes the same rows
+# when batch x seq positions are laid along the axis where seq was.
+_POSITIONWISE = _UNARY | _BROADCAST | {"Unsqueeze", "Squeeze", "Concat", "Transpose", "MatMul"}
+
+
+@dataclass(frozen=True)
+class _PositionChain:
+    """The ops computing a table from the positions' rows ``source`` ([seq]), first read by ``first``:
+    ``values`` their outputs, ``boundaries`` (reader, input index) where the table meets activations."""
+
+    source: str
+    first: onnx.NodeProto
+    values: frozenset[str]
+    boundaries: tuple[tuple[onnx.NodeProto, int], ...]
+
+
+def _computed_position_chains(graph, computed, readers, shapes) -> list[_PositionChain] | None:
+    """The chains among ``computed`` (positions' rows, first reader) that compute a rotary table (a Sin or Cos of
+    the positions, nothing compared), to be fed each row's own positions; None when one computes on the positions
+    in a way that cannot be (it also reads another sequence-long value, reads a shape, or is a graph output)."""
+    heavy = _heavy_values(graph)
+    constants = {init.name for init in graph.initializer}
+    constants.update(node.output[0] for node in graph.node if node.op_type == "Constant")
+    outputs = {output.name for output in graph.output}
+    chains = []
+    for source, first in computed:
+        nodes, values, boundaries, pending = [], set(), [], [first]
+        while pending:
+            node = pending.pop()
+            if node.output[0] in values:
+                continue
+            nodes.append(node)
+            values.update(node.output)
+            for out in node.output:
+                for reader in readers.get(out, []):
+                    if any(o in heavy for o in reader.output):
+                        boundaries.append((reader, list(reader.input).index(out)))
+                    else:
+                        pending.append(reader)
+        ops = {node.op_type for node in nodes}
+        if ops & _COMPARISONS or not ops & {"Sin", "Cos"}:
+            continue  # a mask's positions, or no table computed: left on the columns
+        inside = values | constants | {source}
+        if not ops <= _POSITIONWISE or values & outputs or any(
+                name and name not in inside for node in nodes for name in node.input):
+            return None
+        for reader, index in boundaries:
+            if _boundary_shape(shapes, reader.input[index], reader.output[0]) is None:
+                return None
+        chains.append(_PositionChain(source, first, frozenset(values), tuple(boundaries)))
+    return chains
+
+
+def _original(shapes, name: str):
+    return shapes.get(name[len(_PREFIX):] if name.startswith(_PREFIX) and name not in shapes else name)
+
+
+def _boundary_shape(shapes, table: str, reader_output: str) -> tuple[int, tuple[int, ...]] | None:
+    """How a computed table meets the activations: (the reader's output rank, the table's dims after its sequence
+    axis), when the table is [1, ..., seq, d...] (only ones before the sequence) and the reader's output is
+    [batch, ..., seq, ...] with the table's sequence axis past the batch's; else None."""
+    table_shape, out_shape = _original(shapes, table), _original(shapes, reader_output)
+    if table_shape is None or out_shape is None:
+        return None
+    axes = [axis for axis in range(len(table_shape[0]))
+            if (table_shape[0][axis], table_shape[1][axis]) == shapes.totals]
+    if len(axes) != 1 or any(table_shape[run][:axes[0]] != (1,) * axes[0] for run in (0, 1)):
+        return None
+    axis, rank, out_rank = axes[0], len(table_shape[0]), len(out_shape[0])
+    after = tuple(table_shape[0][axis + 1:])
+    if after != tuple(table_shape[1][axis + 1:]) or out_rank - rank + axis < 1 or \
+            (out_shape[0][0], out_shape[1][0]) != (_PROBE_BATCH, _PROBE_BATCH):
+        return None
+    return out_rank, after
+
+
+def _take_computed_positions(graph: onnx.GraphProto, chains: list[_PositionChain], name: str, shapes) -> None:
+    """Feed each chain ``name`` [batch, seq] flattened to [batch * seq] where it read the positions' rows [seq]: its
+    ops compute row by row, so the table comes out with batch x seq rows where it had seq; at each boundary it is
+    reshaped to [batch, 1, ..., seq, d...], which broadcasts against the activations' [batch, ..., seq, ...]."""
+    flat, shape = _PREFIX + name + ".flat", _PREFIX + name + ".shape"
+    first = [
+        helper.make_node("Constant", [], [flat + ".dims"], value=helper.make_tensor(flat + ".dims", TensorProto.INT64,
+                                                                                   [1], [-1])),
+        helper.make_node("Reshape", [name, flat + ".dims"], [flat]),
+        helper.make_node("Shape", [name], [shape + ".batch"], start=0, end=1),
+        helper.make_node("Shape", [name], [shape + ".seq"], start=1, end=2),
+    ]
+    before: dict[str, list[onnx.NodeProto]] = {}  # the reshapes a boundary reader reads, by its first output
+    for chain in chains:
+        chain.first.input[:] = [flat if value == chain.source else value for value in chain.first.input]
+        for reader, index in chain.boundaries:
+            table = reader.input[index]
+            out_rank, after = _boundary_shape(shapes, table, reader.output[0])
+            ones = out_rank - len(after) - 2  # between the batch and the sequence
+            target, rows = f"{table}.rows_shape{out_rank}", f"{table}.rows{out_rank}"
+            middle = f"{target}.ones", f"{target}.after"
+            before.setdefault(reader.output[0], []).extend([
+                helper.make_node("Constant", [], [middle[0]],
+                                 value=helper.make_tensor(middle[0], TensorProto.INT64, [ones], [1] * ones)),
+                helper.make_node("Constant", [], [middle[1]],
+                                 value=helper.make_tensor(middle[1], TensorProto.INT64, [len(after)], list(after))),
+                helper.make_node("Concat", [shape + ".batch", middle[0], shape + ".seq", middle[1]], [target], axis=0),
+                helper.make_node("Reshape", [table, target], [rows]),
+            ])
+            reader.input[index] = rows
+    # In topological order: the positions first, each reshape just before the reader it feeds.
+    ordered = list(first)
+    for node in graph.node:
+        ordered += [*before.get(node.output[0], []), node]
+    graph.ClearField("node")
+    graph.node.extend(_dedupe(ordered))
 
 
 def _is_position_range(graph: onnx.GraphProto, node: onnx.NodeProto | None) -> bool:

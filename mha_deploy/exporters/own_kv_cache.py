@@ -33,7 +33,8 @@ full forward per step.
 and after ``narrowing``, the same per call with every row-wise op over ``seq`` rows: the ids are
 ``input_ids``, the attentions' queries [batch, heads, seq, d_k], their mask rows [past_seq:]. With
 ``position_ids`` asked for, a position table indexed by the rows [past_seq:] of a ``Range`` over the whole
-length is indexed by ``position_ids`` [batch, seq] instead (each row's own positions); the metadata's
+length is indexed by ``position_ids`` [batch, seq] instead (each row's own positions), and a table computed from
+those rows (rotary cos/sin) is computed from ``position_ids``; the metadata's
 ``positions`` records which of "input", "none" or "padded-width" the file's positions are
 (``positions_kind``).
 
@@ -267,7 +268,7 @@ def narrowed_own_caches(
     (``narrowing``), its signature, and None; or ``cached_model`` as it is and the reason narrowing was refused
     (the op that stopped it), for the export to warn with. ``max_length``: the longest sequence the module
     takes. ``position_ids``: take each row's positions from a ``position_ids`` input where the module's are
-    a Range indexing a table (the signature then has it)."""
+    a Range indexing a table or computing one (rotary cos/sin; the signature then has it)."""
     from mha_deploy.exporters.narrowing import LengthNames, NarrowingRefused, narrow_to_new_positions
 
     def feeds(batch: int, past: int, seq: int) -> dict[str, np.ndarray]:
@@ -297,32 +298,43 @@ def with_position_ids(cached: Signature, max_length: int | None) -> Signature:
 
 def positions_kind(model: onnx.ModelProto, cached: Signature, max_length: int | None = None) -> str | None:
     """How ``model``'s positions work, for a scheduler deciding which rows may share a batch: "input" (it takes
-    ``position_ids``: any rows, each given its own), "none" (a row's logits do not move when padding is put
-    before it: no positions, or positions counted from the mask), "padded-width" (they do: positions are
-    column indices of the padded batch, so only rows of one length share a batch exactly). Measured by running
-    one prompt alone and behind two padded columns; None when a module taking at most ``max_length`` tokens
-    is too short to measure."""
-    if POSITION_IDS in cached.tensors:
-        return POSITIONS_INPUT
+    ``position_ids``, and given each row's own, a row's logits do not move with its padding: any rows share a batch),
+    "none" (it takes none, and a row's logits do not move with its padding: no positions, or positions counted from
+    the mask), "padded-width" (they move: positions are column indices of the padded batch, so only rows of one
+    length share a batch exactly). None when a module taking at most ``max_length`` tokens is too short to measure.
+
+    Measured on one prompt laid out three ways in one batch: packed at the front (right-padded), behind padded
+    columns (left-padded), and split by padded columns (a hole, as a right-padded prompt leaves before the tokens
+    generated after it). Padding before a row alone cannot tell: a rotary model's scores depend only on how far
+    apart two tokens are, which a uniform shift keeps; a hole changes it."""
     vocab, pad = cached.tensors[INPUT_IDS].vocab or 2, 2
     length = 5 if max_length is None else min(5, max_length - pad)
-    if length < 1:
+    if length < 2:  # a hole needs a token on either side
         return None
     import onnxruntime as ort
 
     options = ort.SessionOptions()
     options.log_severity_level = 3
     session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
-    ids = np.arange(1, length + 1) % vocab
-    logits = []
-    for padding in (0, pad):
-        feeds = {INPUT_IDS: np.concatenate([np.zeros(padding, np.int64), ids])[None],
-                 ATTENTION_MASK: (np.arange(padding + len(ids)) >= padding).astype(np.int64)[None]}
-        for name in cached.cache_pairs:
-            feeds[name] = np.zeros((1, cached.tensors[name].axes[1], 0, cached.tensors[name].axes[3]), np.float32)
-        logits.append(session.run([LOGITS], feeds)[0][0, padding:])
-    same = np.allclose(logits[0], logits[1], atol=1e-4, rtol=1e-4)
-    return POSITIONS_NONE if same else POSITIONS_PADDED_WIDTH
+    width, split = length + pad, length // 2
+    columns = np.arange(width)
+    real = np.stack([columns < length,  # packed
+                     columns >= pad,  # behind padding
+                     (columns < split) | (columns >= split + pad)])  # a hole after the first tokens
+    ids = np.zeros(real.shape, np.int64)
+    ids[real] = np.tile(np.arange(1, length + 1) % vocab, len(real))
+    feeds = {INPUT_IDS: ids, ATTENTION_MASK: real.astype(np.int64)}
+    for name in cached.cache_pairs:
+        feeds[name] = np.zeros((len(real), cached.tensors[name].axes[1], 0, cached.tensors[name].axes[3]), np.float32)
+    takes_positions = POSITION_IDS in cached.tensors
+    if takes_positions:  # each token's count of real tokens before it, as a generator gives them
+        feeds[POSITION_IDS] = np.maximum(np.cumsum(real, axis=1) - 1, 0)
+    logits = session.run([LOGITS], feeds)[0]
+    rows = [logits[row][real[row]] for row in range(len(real))]
+    same = all(np.allclose(rows[0], row, atol=1e-4, rtol=1e-4) for row in rows[1:])
+    if not same:
+        return POSITIONS_PADDED_WIDTH
+    return POSITIONS_INPUT if takes_positions else POSITIONS_NONE
 
 
 def _int64_constant(name: str, value: int) -> onnx.NodeProto:

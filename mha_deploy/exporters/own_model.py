@@ -181,6 +181,8 @@ class Binding:
 
     positional: tuple[int, ...]
     keywords: tuple[tuple[str, int], ...]
+    # Parameters the export sets itself (name, value): ``use_cache=False`` (``_no_cache_object``)
+    fixed: tuple[tuple[str, object], ...] = ()
 
     @classmethod
     def in_order(cls, count: int) -> Binding:
@@ -188,7 +190,8 @@ class Binding:
         return cls(tuple(range(count)), ())
 
     def call(self, module: nn.Module, inputs: Sequence[torch.Tensor]):
-        return module(*(inputs[i] for i in self.positional), **{name: inputs[i] for name, i in self.keywords})
+        return module(*(inputs[i] for i in self.positional), **{name: inputs[i] for name, i in self.keywords},
+                      **dict(self.fixed))
 
 
 def check_forward(module: nn.Module, decls: Sequence[InputDecl]) -> Binding:
@@ -233,6 +236,22 @@ def check_forward(module: nn.Module, decls: Sequence[InputDecl]) -> Binding:
         positional.append(index[parameter.name])
     keywords = tuple((p.name, index[p.name]) for p in named if p.name in index and p.kind != p.POSITIONAL_ONLY)
     return Binding(tuple(positional), keywords)
+
+
+def without_cache_object(module: nn.Module, binding: Binding) -> Binding | None:
+    """``binding`` calling the forward with ``use_cache=False``, for a forward that returned a cache object (a Hugging
+    Face decoder's ``DynamicCache``, which is not a tensor: its ``use_cache`` on by default or by its config, as
+    ``from_pretrained`` leaves it); None when the forward has no ``use_cache`` parameter left to set."""
+    try:
+        parameters = inspect.signature(module.forward).parameters
+    except (TypeError, ValueError):
+        return None
+    parameter = parameters.get("use_cache")
+    taken = {name for name, _ in binding.keywords}
+    if parameter is None or parameter.kind not in (parameter.POSITIONAL_OR_KEYWORD, parameter.KEYWORD_ONLY) or \
+            "use_cache" in taken or binding.fixed:
+        return None
+    return replace(binding, fixed=(("use_cache", False),))
 
 
 def _spelled(parameter: inspect.Parameter) -> str:
@@ -397,6 +416,10 @@ def not_a_function_of_inputs(module: nn.Module, before: ModuleState, first, agai
                        f"{max(differ):.3g}): {why}; an exported graph computes a fixed function of its inputs")
 
 
+class NotATensorOutput(ExportError):
+    """The forward returned something other than tensors (and tuples, lists, dicts of them, or None)."""
+
+
 class DeclaredModule(nn.Module):
     """The user's module as the graph runs it: bool padding masks in, converted to the dtype its forward
     takes (bool, or 0/1 integers or floats for code written around tokenizers' masks), and a flat tuple of
@@ -437,7 +460,7 @@ def named_outputs(result) -> list[tuple[str, torch.Tensor]]:
             for index, item in enumerate(value):
                 walk(item, f"output_{index}" if name is None else f"{name}.{index}")
         else:
-            raise ExportError(
+            raise NotATensorOutput(
                 f"the forward returns a {type(value).__name__}{f' as {name}' if name else ''}: outputs must be "
                 "tensors (or tuples, lists or dicts of them)"
             )
@@ -593,7 +616,17 @@ def declare_model(
     gen = torch.Generator().manual_seed(0)
     runs = [first.tensors(decls, vocab, widths, gen), second.tensors(decls, vocab, widths, gen)]
     before = ModuleState(module)
-    wrapper = DeclaredModule(module, _mask_dtypes(module, decls, runs[0], binding), binding)
+    notes = []
+    try:
+        mask_dtypes = _mask_dtypes(module, decls, runs[0], binding)
+    except NotATensorOutput:
+        binding = without_cache_object(module, binding)
+        if binding is None:
+            raise
+        mask_dtypes = _mask_dtypes(module, decls, runs[0], binding)
+        notes.append(f"{type(module).__name__}.forward called with use_cache=False: the cache object it returns "
+                     "otherwise is not a tensor (with --kv-cache the file keeps its own cache)")
+    wrapper = DeclaredModule(module, mask_dtypes, binding)
     with torch.no_grad():
         result = binding.call(module, wrapper.module_args(runs[0]))
     at_first = flatten_outputs(result)
@@ -618,7 +651,7 @@ def declare_model(
     )
     draft = Signature.custom(specs, outputs)
     signature = Signature.custom(specs, outputs, _paddable_axes(wrapper, draft))
-    warnings = unpadded_mask_warnings(signature)
+    warnings = [*notes, *unpadded_mask_warnings(signature)]
     d_model = next(iter(widths.values()), 0) or _embedding_width(module)
     traced, _ = in_reference_form(module)
     return Declared(wrapper, DeclaredModule(traced, wrapper.mask_dtypes, binding), signature, d_model, warnings)

@@ -56,7 +56,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from mha_deploy.errors import InputError, MHADeployError
-from mha_deploy.metadata import POSITIONS_NONE
+from mha_deploy.metadata import POSITIONS_NONE, POSITIONS_PADDED_WIDTH
 from mha_deploy.runtime.generation import GenerationConfig, draw_tokens
 from mha_deploy.runtime.kv_stepper import KVCacheStepper
 from mha_deploy.runtime.logits import LogitBiasLogitsProcessor, TokenHistory, log_softmax
@@ -138,13 +138,15 @@ def joins_exactly(stepper: KVCacheStepper) -> bool:
     """Whether rows of any length can share the stepper's cache and still get the tokens they get alone: the file
     masks holes (``attention_mask``; an encoder-decoder's shorter sources too, ``encoder_attention_mask``) and takes
     ``position_ids``, which the stepper counts over each row's real tokens (a file's own positions over the cache
-    width would shift by the holes), or its export measured that padding before a row does not change the row
-    (metadata positions "none": a model without positions)."""
+    width would shift by the holes), or its export measured that padding does not change a row (metadata positions
+    "none": a model without positions). A file whose export measured that its rows move with their padding even given
+    their own positions (metadata positions "padded-width") joins only rows of one length."""
     if stepper.ragged:
         return True  # each row at its own length, its own positions: no hole anywhere
     inputs = stepper.graph.inputs
     masks = "attention_mask" in inputs and (stepper.encoder is None or "encoder_attention_mask" in inputs)
-    return masks and ("position_ids" in inputs or stepper.graph.positions == POSITIONS_NONE)
+    positions = stepper.graph.positions
+    return masks and (("position_ids" in inputs and positions != POSITIONS_PADDED_WIDTH) or positions == POSITIONS_NONE)
 
 
 class GenerationObserver:

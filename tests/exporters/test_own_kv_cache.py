@@ -5,6 +5,8 @@ import pytest
 
 pytest.importorskip("torch")
 
+from dataclasses import replace
+
 import numpy as np
 import onnx
 import torch
@@ -338,3 +340,76 @@ def test_the_generation_loop_drives_the_file_to_the_modules_greedy_tokens(lm_cac
                 ids.append(int(module(row, torch.ones_like(row, dtype=torch.bool))[0, -1].argmax()))
         assert tokens.tolist() == ids[len(prompt):]
 
+
+# --- A rotary decoder as from_pretrained gives it (tests/user_models/hf_llama.py) ------------------------------
+
+
+@pytest.fixture(scope="module")
+def llama(lm_cache):
+    """The tiny Llama exported with `export --module hf_llama.py:build --kv-cache` and nothing else."""
+    pytest.importorskip("transformers")
+    return lm_cache("hf_llama")
+
+
+def test_a_rotary_decoder_exports_with_the_defaults_and_takes_each_rows_positions(llama):
+    """use_cache on (its forward returns a DynamicCache) and the default opset (at which torch writes an ONNX
+    RotaryEmbedding ONNX Runtime rejects at batch > 1): the export turns the one off and picks opset 22, a line
+    each; the rotary's positions come from position_ids, and per-step parity ran rows of 3 different lengths."""
+    path, output = llama
+    assert "LlamaForCausalLM.forward called with use_cache=False" in output
+    assert "opset 22, not 23" in output
+    model = onnx.load(str(path))
+    assert {o.domain: o.version for o in model.opset_import}[""] == 22
+    assert "RotaryEmbedding" not in {node.op_type for node in all_nodes(model.graph)}
+    session = MHASession(path, provider="cpu")
+    assert session.signature.input_names[:2] == ("input_ids", "position_ids")
+    assert session.metadata.positions == "input" and session.metadata.opset == 22
+    assert session.metadata.parity.passed and any(shape.startswith("3x") for shape in session.metadata.parity.shapes)
+
+
+def _positions_from_columns(model: onnx.ModelProto) -> onnx.ModelProto:
+    """``model`` with its position_ids input replaced by what the module counts without one: the padded batch's
+    column indices of this call's tokens (Range(past, total), one row for every row)."""
+    from onnx import helper
+
+    columns = onnx.ModelProto()
+    columns.CopyFrom(model)
+    graph = columns.graph
+    kept = [value for value in graph.input if value.name != "position_ids"]
+    graph.ClearField("input")
+    graph.input.extend(kept)
+    zero = helper.make_tensor("axis0", onnx.TensorProto.INT64, [1], [0])
+    nodes = [
+        helper.make_node("Shape", ["input_ids"], ["columns.ids_shape"]),
+        helper.make_node("Shape", ["input_ids"], ["columns.seq"], start=1, end=2),
+        helper.make_node("Shape", ["attention_mask"], ["columns.total"], start=1, end=2),
+        helper.make_node("Sub", ["columns.total", "columns.seq"], ["columns.past"]),
+        helper.make_node("Constant", [], ["columns.axis0"], value=zero),
+        helper.make_node("Squeeze", ["columns.past", "columns.axis0"], ["columns.start"]),
+        helper.make_node("Squeeze", ["columns.total", "columns.axis0"], ["columns.end"]),
+        helper.make_node("Constant", [], ["columns.one"], value=helper.make_tensor("one", onnx.TensorProto.INT64,
+                                                                                      [], [1])),
+        helper.make_node("Range", ["columns.start", "columns.end", "columns.one"], ["columns.range"]),
+        helper.make_node("Unsqueeze", ["columns.range", "columns.axis0"], ["columns.row"]),
+        helper.make_node("Expand", ["columns.row", "columns.ids_shape"], ["position_ids"]),
+    ]
+    existing = list(graph.node)
+    graph.ClearField("node")
+    graph.node.extend(nodes + existing)
+    return columns
+
+
+def test_the_positions_probe_sees_a_rotary_models_holes(llama):
+    """The file given each row's own positions is padding-proof ("input"). Counting them over the padded batch's
+    columns instead, as the module does without position_ids, a right-padded prompt's next token sits past a hole:
+    rotary sees the farther distance, so the probe must record "padded-width". (Padding before a row alone shifts
+    every position by the same amount, which rotary cannot see: the probe of earlier versions recorded "none".)"""
+    from mha_deploy.exporters.own_kv_cache import positions_kind
+
+    path, _ = llama
+    model = onnx.load(str(path))
+    signature = MHASession(path, provider="cpu").signature
+    assert positions_kind(model, signature) == "input"
+    own_positions = replace(signature, custom_inputs=tuple(spec for spec in signature.custom_inputs
+                                                           if spec.name != "position_ids"))
+    assert positions_kind(_positions_from_columns(model), own_positions) == "padded-width"

@@ -289,6 +289,31 @@ def test_position_tables_are_read_off_the_module(name, factory):
     assert min((table.max_length for table in tables), default=None) == POSITION_TABLES[name, factory], tables
 
 
+class CacheObjectLM(torch.nn.Module):
+    """A forward with Hugging Face's ``use_cache`` convention: on (by its config, as ``from_pretrained`` leaves it),
+    it returns a cache object beside the logits; off, ``None`` in its place."""
+
+    def __init__(self, use_cache):
+        super().__init__()
+        self.config = type("Config", (), {"use_cache": use_cache})()
+        self.embed, self.head = torch.nn.Embedding(10, 8), torch.nn.Linear(8, 10)
+
+    def forward(self, input_ids, use_cache=None):
+        cache = object() if (self.config.use_cache if use_cache is None else use_cache) else None
+        return {"logits": self.head(self.embed(input_ids)), "past_key_values": cache}
+
+
+@pytest.mark.parametrize("use_cache", [True, False])
+def test_a_forward_returning_a_cache_object_is_called_with_use_cache_off(use_cache):
+    from mha_deploy.exporters.own_model import declare_model
+
+    declared = declare_model(CacheObjectLM(use_cache), ["input_ids:tokens"])
+    assert declared.signature.output_names == ("logits",)
+    noted = [w for w in declared.warnings if "use_cache=False" in w]
+    assert noted == (["CacheObjectLM.forward called with use_cache=False: the cache object it returns otherwise is "
+                      "not a tensor (with --kv-cache the file keeps its own cache)"] if use_cache else [])
+
+
 # The kernel each user model's attentions end on (op -> count): padding masks as the op's own key_padding_mask
 # (flash when nothing is padded), causal ones (tril, pad & tril) on GroupQueryAttention; none through a float
 # attention_bias, which would materialise [batch, heads, q, kv].

@@ -120,15 +120,23 @@ class SlidingWindowLM(torch.nn.Module):
 @pytest.mark.parametrize(("window", "max_length"), [(3, None), (300, 512)])
 def test_a_sliding_window_keeps_the_holes_layout_saying_where_its_mask_differs(tmp_path, monkeypatch, window,
                                                                                 max_length):
-    """A window of 3 and one of 300 (wider than every call per-step parity decodes, 262 tokens): the mask probe,
-    run up to the max length (4096 when none is known), finds the key the window hides from a later query."""
+    """A window of 3 and one of 300 (wider than every call per-step parity decodes, 262 tokens). The window of 3
+    counts over the padded batch's columns, so the positions probe sees a hole change which keys a row's window holds
+    (positions "padded-width"); the one of 300 is wider than that probe, and the mask probe, run up to the max length
+    (4096 when none is known), finds the key the window hides from a later query."""
     export = {"inputs": ["tokens:tokens", "mask:padding-mask"], "kv_cache": True, "max_length": max_length}
     result = export_model(SlidingWindowLM(window), tmp_path / "lm.onnx", **export)
     assert result.metadata.cache_layout is None and result.parity.passed
-    probed = r"--kv-cache: holes cache layout, not ragged \(the mask of attention 0 hides key \d+ from query \d+"
-    assert [w for w in result.warnings if re.match(probed, w) and "the mask probe)" in w], result.warnings
+    if window < 5:
+        why = "positions padded-width: the module counts them over the padded batch's columns"
+        assert result.metadata.positions == POSITIONS_PADDED_WIDTH
+        assert f"--kv-cache: holes cache layout, not ragged ({why}" in " ".join(result.warnings), result.warnings
+    else:
+        why = r"the mask of attention 0 hides key \d+ from query"
+        probed = rf"--kv-cache: holes cache layout, not ragged \({why} \d+"
+        assert [w for w in result.warnings if re.match(probed, w) and "the mask probe)" in w], result.warnings
     assert "MultiHeadAttention" in {node.op_type for node in onnx.load(str(result.path)).graph.node}
-    with pytest.raises(ExportError, match=r"--cache-layout ragged: the mask of attention 0 hides key \d+ from query"):
+    with pytest.raises(ExportError, match=rf"--cache-layout ragged: {why}"):
         export_model(SlidingWindowLM(window), tmp_path / "forced.onnx", cache_layout="ragged", **export)
     assert not (tmp_path / "forced.onnx").exists()
     if window > 262:  # what the probe is for: per-step parity alone would have written a wrong ragged file

@@ -590,3 +590,24 @@ def test_generate_over_an_own_model_kv_cache_export(own_lm, search):
     out = generate(counting, ids, mask, **options)
     assert [t.tolist() for t in out.tokens] == [t.tolist() for t in expected.tokens]
     assert counting.rows_per_call == torch_stepper.rows_per_call
+
+
+# --- A rotary decoder (Hugging Face Llama, as from_pretrained gives it): transformers' generate is the oracle ----
+
+
+@pytest.mark.parametrize("padding", ["left", "right"])
+def test_a_rotary_decoders_mixed_length_batch_gives_each_prompt_its_greedy_tokens_alone(lm_cache, padding):
+    """The tiny Llama's `--kv-cache` export with the defaults, prompts of four lengths in one batch: a right-padded
+    prompt's next tokens sit past a hole, which rotary would see as distance if positions counted the padded
+    columns; each row's tokens equal transformers' greedy generate on that prompt alone."""
+    llama = user_module("hf_llama")
+    path, _ = lm_cache("hf_llama")
+    model = llama.build()
+    ids, mask = prompts([3, 9, 1, 6], model.config.vocab_size, seed=37)
+    if padding == "right":
+        ids, mask = right_padded(ids, mask)
+    out = generate(KVCacheStepper(path), ids, mask, max_new_tokens=MAX_NEW, eos_token_id=llama.EOS_ID)
+    for row, tokens in enumerate(out.tokens):
+        prompt = ids[row][mask[row] == 1][None]
+        alone = transformers_generate(model, prompt, np.ones_like(prompt), eos_token_id=llama.EOS_ID)[0]
+        assert tokens.tolist() == alone.tolist(), f"row {row}"

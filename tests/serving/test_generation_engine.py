@@ -340,6 +340,30 @@ def test_a_model_with_its_own_positions_batches_only_aligned_rows_and_each_equal
         assert tokens == alone(path, prompt.tolist(), max_new_tokens=5 + i % 3)
 
 
+def test_a_rotary_decoders_requests_of_any_length_share_the_loop_each_equal_to_transformers_alone(lm_cache):
+    """The tiny Llama's `--kv-cache` export with the defaults takes position_ids: requests of different lengths share
+    one cohort (a shorter row joins with holes, a long prompt prefills in chunks while others step), and each gets
+    transformers' greedy generate on its prompt alone."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from tests.conftest import user_module
+
+    llama = user_module("hf_llama")
+    path = lm_cache("hf_llama")[0]
+    engine = GenerationEngine(KVCacheStepper(path), prefill_chunk=7)
+    assert engine.mix_lengths and "positions from position_ids" in engine.batching
+    rng = np.random.default_rng(37)
+    given = [rng.integers(3, llama.VOCAB, n) for n in (4, 9, 2, 12, 6, 1)]
+    config = GenerationConfig(max_new_tokens=10, eos_token_id=llama.EOS_ID)
+    got = served(engine, [GenerationRequest(p, config) for p in given])
+    model = llama.build()
+    for prompt, tokens in zip(given, got, strict=True):
+        with torch.no_grad():
+            alone = model.generate(input_ids=torch.from_numpy(prompt)[None], do_sample=False, max_new_tokens=10,
+                                   eos_token_id=llama.EOS_ID, pad_token_id=llama.EOS_ID)[0, len(prompt):]
+        assert tokens == alone.tolist(), f"prompt of {len(prompt)}"
+
+
 def test_a_failing_model_call_fails_its_requests_and_the_engine_serves_the_next(tiny, monkeypatch):
     stepper = KVCacheStepper(tiny)
     engine = GenerationEngine(stepper, mix_lengths=True)
