@@ -43,10 +43,10 @@ from mha_deploy.runtime.generation import (
     GenerationConfig,
     TokenStepper,
     generate,
-    offset_seed,
     prompt_batch,
     vocab_size,
 )
+from mha_deploy.seeds import offset_seed
 from mha_deploy.signature import PADDING_MASK, TOKENS, Signature, TensorSpec
 
 PROMPT_SUFFIXES = (".jsonl", ".npz", ".parquet")

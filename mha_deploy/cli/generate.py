@@ -12,7 +12,7 @@ from mha_deploy.cli.group import main
 from mha_deploy.cli.options import session_options
 from mha_deploy.cli.progress import echo_run_notes, run_with_progress
 from mha_deploy.metadata import ON_ERROR_CHOICES
-from mha_deploy.runtime.generation import SEED_LIMIT
+from mha_deploy.seeds import SEED_LIMIT
 
 
 @main.command()

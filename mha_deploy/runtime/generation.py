@@ -40,17 +40,11 @@ from mha_deploy.runtime.logits import (
     token_ids,
 )
 from mha_deploy.runtime.stopping import EosTokenCriteria, MaxNewTokensCriteria, StoppingCriteriaList
+from mha_deploy.seeds import SEED_LIMIT
 
-# Seeds are unsigned 64-bit integers, the range torch.manual_seed takes, so that a seed means the same elsewhere.
-SEED_LIMIT = 2**64
 # The options given as real numbers: each must be finite, whether or not the search uses it.
 FLOAT_OPTIONS = ("temperature", "top_p", "repetition_penalty", "presence_penalty", "frequency_penalty",
                  "length_penalty")
-
-
-def offset_seed(seed: int, offset: int) -> int:
-    """The seed of batch (or choice) ``offset`` of a run seeded ``seed``: their sum, wrapped into the seed range."""
-    return (seed + offset) % SEED_LIMIT
 
 
 @runtime_checkable

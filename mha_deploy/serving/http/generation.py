@@ -22,7 +22,8 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from mha_deploy.errors import InputError, OptionError
-from mha_deploy.runtime.generation import GenerationConfig, offset_seed
+from mha_deploy.runtime.generation import GenerationConfig
+from mha_deploy.seeds import offset_seed
 from mha_deploy.serving.engine import (
     EngineBusy,
     GenerationEngine,
