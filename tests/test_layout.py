@@ -35,6 +35,9 @@ FORBIDDEN = {
     ),
     # The CLI reads the batching defaults from it: no onnxruntime.
     "mha_deploy.batching": (*TORCH_SIDE, "onnxruntime", "mha_deploy.runtime", "mha_deploy.batch", "mha_deploy.serving"),
+    # The CLI reads the seed range from it: no onnxruntime.
+    "mha_deploy.seeds": (*TORCH_SIDE, "onnx", "onnxruntime", "mha_deploy.runtime", "mha_deploy.batch",
+                         "mha_deploy.serving"),
 }
 
 
