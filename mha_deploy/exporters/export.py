@@ -525,6 +525,7 @@ def _export_model(
     if kv_cache:
         if seq2seq is None:
             lm_tensors(signature)
+            max_length, generation = _from_module_config(module, max_length, generation, declared.warnings)
         elif position_ids:
             raise ExportError("--position-ids: an encoder-decoder's positions stay the module's own (each target row "
                               "counted from its first token); drop the flag")
@@ -686,6 +687,35 @@ def _check_generation_ids(generation: GenerationIds | None, signature: Signature
         return [f"decoder start id {generation.decoder_start_token_id} recorded, but this causal LM starts from its "
                 "prompt: generate does not use it (onnxruntime-genai's config gets it as bos_token_id)"]
     return []
+
+
+def _from_module_config(module, max_length: int | None, generation: GenerationIds | None,
+                        notes: list[str]) -> tuple[int | None, GenerationIds | None]:
+    """A causal LM's max length and generation ids where neither the caller nor a position table gave them, from its
+    Hugging Face config: ``max_position_embeddings`` (a rotary model's context, which no table states), and the eos
+    and pad ids of its generation config, else of its config (onnxruntime-genai stops at the pad id when no eos is
+    recorded); a line in ``notes`` for each taken."""
+    config = getattr(module, "config", None)
+    context = getattr(config, "max_position_embeddings", None)
+    if max_length is None and type(context) is int and context > 0:
+        max_length = context
+        notes.append(f"max length {context} recorded from the module's config (max_position_embeddings; --max-length "
+                     "to record another)")
+    if generation is None:
+        sources = [getattr(module, "generation_config", None), config]
+        eos = next((ids for source in sources if (ids := _token_ids(getattr(source, "eos_token_id", None)))), [])
+        pad = next((ids[0] for source in sources if (ids := _token_ids(getattr(source, "pad_token_id", None)))), None)
+        if eos or pad is not None:
+            generation = GenerationIds(eos, pad)
+            notes.append(f"{generation.describe()} recorded from the module's config (--eos-id, --pad-id to record "
+                         "others)")
+    return max_length, generation
+
+
+def _token_ids(value) -> list[int]:
+    """A config's token id or ids as a list, without None or anything else that is not a token id."""
+    values = value if isinstance(value, list | tuple) else [value]
+    return [v for v in values if type(v) is int and v >= 0]
 
 
 def _max_length(given: int | None, tables) -> int | None:

@@ -17,6 +17,7 @@ from mha_deploy.cli import main
 from mha_deploy.errors import ExportError, OptionError, ParityError
 from mha_deploy.exporters import export_model
 from mha_deploy.exporters.parity import CacheCase
+from mha_deploy.metadata import GenerationIds
 from mha_deploy.onnx_nodes import all_nodes
 from mha_deploy.runtime import MHASession
 from tests.conftest import OWN_MODEL_ATOL, OWN_MODEL_RTOL, USER_MODELS, user_module
@@ -142,7 +143,10 @@ def test_torch_hugging_face_and_tutorial_decoders_get_a_narrowed_fused_cache(tmp
     module = user_module(name)
     result = export_model(getattr(module, factory)(), tmp_path / "lm.onnx", module.INPUTS, kv_cache=True)
     assert result.parity.passed
-    assert not result.warnings, result.warnings
+    # GPT-2's config names its eos (0 in this small one), which the file records for generate and onnxruntime-genai
+    from_config = ["eos 0 recorded from the module's config (--eos-id, --pad-id to record others)"]
+    assert result.warnings == (from_config if name.startswith("hf_") else []), result.warnings
+    assert result.metadata.generation == (GenerationIds([0]) if name.startswith("hf_") else None)
     layers = 4 if name == "torch_decoder" else 2  # nn.TransformerDecoder: self- and cross-attention per layer
     assert MHASession(result.path, provider="cpu").signature.layers == layers
     assert result.fusion.fused == layers and result.fusion.complete
@@ -364,6 +368,13 @@ def test_a_rotary_decoder_exports_with_the_defaults_and_takes_each_rows_position
     session = MHASession(path, provider="cpu")
     assert session.signature.input_names[:2] == ("input_ids", "position_ids")
     assert session.metadata.positions == "input" and session.metadata.opset == 22
+    # What onnxruntime-genai's config needs, from the module's config: its context and its eos
+    assert "max length 256 recorded from the module's config (max_position_embeddings" in output
+    assert session.metadata.max_length == 256 and session.metadata.generation.eos_token_ids == [2]
+    from mha_deploy.runtime.genai_config import genai_config
+
+    genai = genai_config(session.metadata, path.name)["model"]  # `genai-config` with no --max-length
+    assert (genai["context_length"], genai["eos_token_id"]) == (256, 2)
     assert session.metadata.parity.passed and any(shape.startswith("3x") for shape in session.metadata.parity.shapes)
 
 
