@@ -48,6 +48,10 @@ class Comparison:
     reference_finite: bool = True
     # atol (and required_atol) in units of each row's magnitude: max |reference| over the last axis, at least 1.
     atol_per_row: bool = False
+    # Logits outputs (``is_logits``): how many of the compared rows (last axis) there are, and in how many the
+    # argmax is the reference's. Quantized models report the share (top-1 agreement) beside their error.
+    top1_rows: int = 0
+    top1_agree: int = 0
 
     @property
     def passed(self) -> bool:
@@ -79,6 +83,12 @@ class Comparison:
 def tolerance_words(atol: float, rtol: float, atol_per_row: bool) -> str:
     """``atol=1e-05 x row scale rtol=0.0001``: the tolerance as the comparison applied it."""
     return f"atol={atol:g}{' x row scale' if atol_per_row else ''} rtol={rtol:g}"
+
+
+def is_logits(name: str) -> bool:
+    """Whether output ``name`` holds scores whose argmax over the last axis is a prediction (a token, a class):
+    named as transformers and Optimum name them (``logits``, ``start_logits``)."""
+    return "logits" in name.lower()
 
 
 def row_scale(reference: np.ndarray) -> np.ndarray:
@@ -122,6 +132,10 @@ def compare_arrays(
     if abs_err.size == 0:
         return Comparison(name, atol, rtol, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, finite, rel_budget,
                           atol_per_row=atol_per_row)
+    top1_rows = top1_agree = 0
+    if is_logits(name) and expected64.ndim >= 1 and expected64.shape[-1] > 1:
+        top1_rows = expected64.size // expected64.shape[-1]
+        top1_agree = int((actual64.argmax(axis=-1) == expected64.argmax(axis=-1)).sum())
     nonzero = reference > _TINY
     rel = abs_err[nonzero] / reference[nonzero]
     scale = row_scale(reference) if atol_per_row else 1.0
@@ -148,6 +162,8 @@ def compare_arrays(
         rel_budget=rel_budget,
         reference_finite=reference_finite,
         atol_per_row=atol_per_row,
+        top1_rows=top1_rows,
+        top1_agree=top1_agree,
     )
 
 

@@ -19,22 +19,24 @@ __all__ = [
     "ATTENTION_KINDS", "CACHE_HOLES", "CACHE_LAYOUTS", "CACHE_LAYOUT_AUTO", "CACHE_LAYOUT_CHOICES", "CACHE_RAGGED",
     "DTYPES", "DTYPE_CHOICES", "ENCODER_DECODER_KEY", "FUSE_CHOICES", "MASK_MODES", "MAX_OPSET",
     "METADATA_KEY", "MIN_OPSET", "MODEL_KINDS", "ON_ERROR_CHOICES", "PROVIDER_CHOICES", "QUANTIZE_CHOICES",
-    "TRITON_KINDS", "EncoderDecoderRecord", "GenerationIds", "ModelMetadata", "ParityReport", "Signature",
+    "QUANT_METHODS", "TRITON_KINDS", "EncoderDecoderRecord", "GenerationIds", "ModelMetadata", "ParityReport",
+    "Signature", "WeightOnlyRecord",
 ]
 
 METADATA_KEY = "mha_deploy"
 # Bumped when the meaning of a recorded field changes: the newest format this version reads. Files are
 # written in the oldest format that holds them, 1, except a custom model's (declared tensors; 2), a model
 # with a max length (3), a parity report whose atol is per row (4), a generation section (5), how a KV-cache
-# model's positions work (6) and a KV-cache model's cache layout (7), which earlier mha-deploy cannot read: it then
-# says to upgrade.
-METADATA_FORMAT = 7
+# model's positions work (6), a KV-cache model's cache layout (7) and weight-only quantization with its measured
+# quality (8), which earlier mha-deploy cannot read: it then says to upgrade.
+METADATA_FORMAT = 8
 _CUSTOM_FORMAT = 2
 _MAX_LENGTH_FORMAT = 3
 _ROW_ATOL_FORMAT = 4
 _GENERATION_FORMAT = 5
 _POSITIONS_FORMAT = 6
 _CACHE_LAYOUT_FORMAT = 7
+_WEIGHT_ONLY_FORMAT = 8
 # How a KV-cache model over token ids numbers its tokens (ModelMetadata.positions): from its position_ids input
 # (each row its own), not at all (a row's logits do not depend on padding before it), or by column of the padded
 # batch (rows of different lengths do not get what they get alone).
@@ -68,7 +70,15 @@ CACHE_LAYOUT_WORDS = {
 # onnxruntime) so that the CLI lists them without importing either; the modules that
 # check them re-export them.
 FUSE_CHOICES = ("auto", "mha", "onnx", "none")
-QUANTIZE_CHOICES = ("none", "int8")
+# int4 / int8: weight-only, every MatMul with a constant weight as contrib MatMulNBits (block-wise scales, the CPU's
+# int8 kernels at accuracy_level 4); int8-dynamic: onnxruntime.quantization's dynamic int8 (weights per tensor,
+# activations quantized per call), the projections of encoders. Files before format 8 called int8-dynamic "int8".
+QUANTIZE_CHOICES = ("none", "int4", "int8", "int8-dynamic")
+WEIGHT_ONLY_BITS = {"int4": 4, "int8": 8}
+INT8_DYNAMIC = "int8-dynamic"
+# How weight-only scales are chosen: round to nearest (ORT's default quantizer), or HQQ's half-quadratic fit of
+# scale and zero point (no calibration data either).
+QUANT_METHODS = ("rtn", "hqq")
 # dtype option -> element type of the model's float tensors (recorded as ModelMetadata.dtype).
 DTYPES = {"fp32": "float32", "fp16": "float16"}
 DTYPE_CHOICES = tuple(DTYPES)
@@ -100,13 +110,22 @@ class ParityReport:
     # atol (and required_atol) in units of each output row's magnitude (compare.row_scale); files from before
     # it hold absolute ones.
     atol_per_row: bool = False
+    # Quantized models with logits outputs: the share of real rows whose argmax over the last axis is the
+    # reference's, over ``top1_rows`` rows of every shape (compare.Comparison.top1_agree); None: not measured.
+    top1_agreement: float | None = None
+    top1_rows: int | None = None
 
     def summary(self) -> str:
         verdict = "PASSED" if self.passed else "FAILED"
         if self.rel_budget is not None:
+            over = (f": {self.rel_err / self.rel_budget:.1f}x the budget" if self.rel_budget and
+                    self.rel_err > self.rel_budget else "")
+            top1 = (f", top-1 agreement {self.top1_agreement:.1%} over {self.top1_rows} rows"
+                    if self.top1_agreement is not None else "")
             return (
                 f"parity {verdict} over {len(self.shapes)} shapes ({', '.join(self.shapes)}): "
-                f"relative error {self.rel_err:.3%} (budget {self.rel_budget:.1%}), max abs err {self.max_abs_err:.3g}"
+                f"relative error {self.rel_err:.3%} (budget {self.rel_budget:.1%}{over}), "
+                f"max abs err {self.max_abs_err:.3g}{top1}"
             )
         tolerance = tolerance_words(self.atol, self.rtol, self.atol_per_row)
         return (
@@ -162,6 +181,30 @@ class GenerationIds:
         return ", ".join(parts)
 
 
+@dataclass
+class WeightOnlyRecord:
+    """How a weight-only quantized file (``--quantize int4|int8``) was written, as its graph states it:
+    ``matmuls`` contrib MatMulNBits of ``bits`` bits in blocks of ``block_size`` along K, ``symmetric`` (no zero
+    points) or not, scales chosen by ``method`` (QUANT_METHODS), ``accuracy_level`` the op's (4: the CPU's int8
+    kernels; 0: unset); ``fp32_matmuls`` MatMuls with a constant weight left in fp32 (the LM head under
+    ``--keep-head-fp32``); ``head_fp32`` whether that was asked."""
+
+    bits: int
+    block_size: int
+    symmetric: bool
+    method: str
+    accuracy_level: int
+    matmuls: int
+    fp32_matmuls: int = 0
+    head_fp32: bool = False
+
+    def describe(self) -> str:
+        kept = f"; {self.fp32_matmuls} MatMul(s) with a constant weight kept fp32" if self.fp32_matmuls else ""
+        head = " (the LM head, --keep-head-fp32)" if self.head_fp32 and self.fp32_matmuls else ""
+        return (f"{self.matmuls} MatMulNBits, {self.bits}-bit {'symmetric' if self.symmetric else 'asymmetric'} "
+                f"blocks of {self.block_size}, {self.method}, accuracy_level {self.accuracy_level}{kept}{head}")
+
+
 # An encoder-decoder exported with --kv-cache is two files (exporters.own_seq2seq_cache); each records under this
 # key which part it is, and the decoder the name of its encoder beside it. Kept apart from METADATA_KEY: the pair's
 # I/O is Optimum's encoder-decoder convention, which a custom Signature does not describe.
@@ -182,14 +225,23 @@ class EncoderDecoderRecord:
     parity: str = ""
     # The longest source or target the module takes (a position table's size, --max-length); None: no limit.
     max_length: int | None = None
+    # --quantize (QUANTIZE_CHOICES) of both files; weight-only: how the decoder's weights were (the encoder's
+    # alike). Written only when set, so that an fp32 pair stays readable by earlier mha-deploy.
+    quantization: str = "none"
+    weight_only: WeightOnlyRecord | None = None
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        raw = asdict(self)
+        if self.quantization == "none":
+            del raw["quantization"], raw["weight_only"]
+        return raw
 
     @classmethod
     def from_json(cls, text: str, source: str = "model") -> EncoderDecoderRecord:
         try:
             raw = json.loads(text)
+            if raw.get("weight_only") is not None:
+                raw["weight_only"] = WeightOnlyRecord(**raw["weight_only"])
             if raw.get("generation") is not None:
                 raw["generation"] = GenerationIds(**raw["generation"])
             record = cls(**raw)
@@ -231,6 +283,9 @@ class ModelMetadata:
     # A user's KV-cache LM: how its cache is laid out and updated (CACHE_LAYOUTS); None: holes (other models,
     # earlier files).
     cache_layout: str | None = None
+    # --quantize int4 / int8 (weight-only): how the weights were quantized; None otherwise. A file that records
+    # quantization "int8" without it is from before int4 (format < 8): the dynamic path, read as "int8-dynamic".
+    weight_only: WeightOnlyRecord | None = None
 
     @property
     def fixed_sizes(self) -> dict[str, int]:
@@ -265,11 +320,19 @@ class ModelMetadata:
             del raw["cache_layout"]
         else:
             raw["format"] = max(raw["format"], _CACHE_LAYOUT_FORMAT)
+        if self.weight_only is None:
+            del raw["weight_only"]
+        else:
+            raw["format"] = max(raw["format"], _WEIGHT_ONLY_FORMAT)
         if raw["parity"] is not None:
             if raw["parity"]["atol_per_row"]:
                 raw["format"] = max(raw["format"], _ROW_ATOL_FORMAT)
             else:
                 del raw["parity"]["atol_per_row"]
+            if raw["parity"]["top1_agreement"] is None:
+                del raw["parity"]["top1_agreement"], raw["parity"]["top1_rows"]
+            else:
+                raw["format"] = max(raw["format"], _WEIGHT_ONLY_FORMAT)
         return json.dumps(raw, sort_keys=True)
 
     @classmethod
@@ -281,6 +344,10 @@ class ModelMetadata:
                 raw["parity"] = ParityReport(**raw["parity"])
             if raw.get("generation") is not None:
                 raw["generation"] = GenerationIds(**raw["generation"])
+            if raw.get("weight_only") is not None:
+                raw["weight_only"] = WeightOnlyRecord(**raw["weight_only"])
+            elif raw.get("quantization") == "int8":
+                raw["quantization"] = INT8_DYNAMIC  # the only int8 there was before weight-only int8
             metadata = cls(**raw)
         except (ValueError, TypeError, KeyError, SignatureError) as exc:
             raise ModelFileError(f"{source}: unreadable mha-deploy metadata ({exc})") from exc
@@ -313,6 +380,12 @@ class ModelMetadata:
                 f"{source}: metadata format {metadata.format} is newer than this mha-deploy "
                 f"understands ({METADATA_FORMAT}); upgrade mha-deploy"
             )
+        if metadata.quantization not in QUANTIZE_CHOICES:
+            raise ModelFileError(f"{source}: mha-deploy metadata quantization is {metadata.quantization!r}, not one of "
+                                 f"{', '.join(QUANTIZE_CHOICES)}")
+        if (metadata.quantization in WEIGHT_ONLY_BITS) != (metadata.weight_only is not None):
+            raise ModelFileError(f"{source}: mha-deploy metadata quantization {metadata.quantization} "
+                                 f"{'lacks' if metadata.weight_only is None else 'contradicts'} its weight-only record")
         return metadata
 
     @classmethod

@@ -21,6 +21,7 @@ from mha_deploy.metadata import (
     EncoderDecoderRecord,
     GenerationIds,
     ModelMetadata,
+    WeightOnlyRecord,
 )
 from mha_deploy.onnx_nodes import BIAS_PROP, LONG_KERNEL, POSITION_BIAS, all_nodes, kernel_tag, packing_tags
 from mha_deploy.signature import TOKENS, Signature
@@ -120,6 +121,9 @@ class ModelReport:
                 f"  encoder-decoder: the {pair['part']} of a pair exported with --kv-cache; its "
                 f"{'encoder' if pair['part'] == 'decoder' else 'decoder'}: {pair['companion']} (beside it)",
                 f"  attentions: {attentions} (fusion {pair['fusion']}); generation: {ids}",
+                *([f"  quantization {pair['quantization']}"
+                   + (f": {WeightOnlyRecord(**pair['weight_only']).describe()}" if pair.get("weight_only") else "")]
+                  if pair.get("quantization", "none") != "none" else []),
                 *([f"  max length {pair['max_length']}: generate refuses a longer source"]
                   if pair.get("max_length") is not None else []),
                 f"  {pair['parity']}",
@@ -152,8 +156,20 @@ class ModelReport:
         if meta.get("generation") is not None:
             ids = GenerationIds(**meta["generation"])
             lines.append(f"  generate {ids.describe()} (recorded at export: generate's defaults)")
+        if meta.get("quantization", "none") != "none":
+            record = meta.get("weight_only")
+            lines.append(f"  quantization {meta['quantization']}"
+                         + (f": {WeightOnlyRecord(**record).describe()}" if record else ""))
         parity = meta.get("parity")
-        if parity:
+        if parity and parity.get("rel_budget") is not None:
+            top1 = parity.get("top1_agreement")
+            lines.append(
+                f"  parity {'PASSED' if parity['passed'] else 'FAILED'}: relative error {parity['rel_err']:.3%} "
+                f"against fp32 torch (budget {parity['rel_budget']:.1%})"
+                + (f", top-1 agreement {top1:.1%} over {parity['top1_rows']} rows" if top1 is not None else "")
+                + f", over {', '.join(parity['shapes'])}"
+            )
+        elif parity:
             lines.append(
                 f"  parity {'PASSED' if parity['passed'] else 'FAILED'}: max abs err {parity['max_abs_err']:.3g} "
                 f"at {tolerance_words(parity['atol'], parity['rtol'], parity.get('atol_per_row', False))} over "

@@ -158,7 +158,9 @@ def _constant(dotted: str):
     ("command", "param", "constant"),
     [
         ("export", "fuse", "mha_deploy.exporters.export.FUSE_CHOICES"),
-        ("export", "quantize", "mha_deploy.exporters.export.QUANTIZE_CHOICES"),
+        ("export", "quantize", "mha_deploy.exporters.quantize.QUANTIZE_CHOICES"),
+        ("export", "quant_method", "mha_deploy.exporters.quantize.QUANT_METHODS"),
+        ("optimize", "quantize", "mha_deploy.exporters.quantize.QUANTIZE_CHOICES"),
         ("export", "dtype", "mha_deploy.exporters.precision.DTYPES"),
         ("export", "model_kind", "mha_deploy.metadata.MODEL_KINDS"),
         ("export", "attention", "mha_deploy.metadata.ATTENTION_KINDS"),
@@ -470,7 +472,7 @@ def bias_free_checkpoint(tmp_path_factory):
         ["--mask", "padding-causal"],
         ["--attention", "cross", "--fuse", "onnx", "--return-weights"],
         ["--mask", "padding-causal", "--kv-cache"],
-        ["--mask", "padding", "--quantize", "int8"],
+        ["--mask", "padding", "--quantize", "int8-dynamic"],
     ],
     ids=lambda args: "-".join(a.strip("-") for a in args),
 )

@@ -14,6 +14,7 @@ from mha_deploy.metadata import (
     GenerationIds,
     ModelMetadata,
     ParityReport,
+    WeightOnlyRecord,
 )
 from mha_deploy.signature import Signature, TensorSpec
 
@@ -131,3 +132,37 @@ def test_a_max_length_that_is_no_positive_integer_is_refused(value):
 def test_impossible_declarations_are_refused(inputs, outputs, paddable, message):
     with pytest.raises(SignatureError, match=message):
         Signature.custom(inputs, outputs, paddable)
+
+
+def test_weight_only_quantization_and_its_quality_survive_the_files_metadata_in_format_8():
+    record = WeightOnlyRecord(4, 32, False, "rtn", 4, matmuls=13, fp32_matmuls=1, head_fp32=True)
+    parity = ParityReport(True, 1e-5, 1e-4, 0.3, 0.2, 0.0, rel_err=0.065, rel_budget=0.25, top1_agreement=0.9,
+                          top1_rows=120)
+    raw = ModelMetadata(32, 4, Signature.custom((IDS,), (POOLED,)), quantization="int4", weight_only=record,
+                        parity=parity).to_json()
+    assert '"format": 8' in raw
+    back = ModelMetadata.from_json(raw)
+    assert (back.quantization, back.weight_only, back.parity) == ("int4", record, parity)
+    assert "top-1 agreement 90.0% over 120 rows" in back.parity.summary()
+
+
+def test_an_int8_file_from_before_weight_only_int8_reads_as_the_dynamic_path():
+    """Before format 8, "int8" was dynamic int8 (MatMulInteger): such a file loads as int8-dynamic, and an fp32
+    report without top-1 keeps the older format."""
+    raw = ModelMetadata(32, 4, Signature(), quantization="int8").to_json()
+    assert '"format": 1' in raw and '"int8"' in raw
+    assert ModelMetadata.from_json(raw).quantization == "int8-dynamic"
+
+
+@pytest.mark.parametrize(("quantization", "words"), [("int4", "quantization int4 lacks its weight-only record"),
+                                                     ("int3", "quantization is 'int3', not one of")])
+def test_a_quantization_the_file_cannot_back_is_refused_naming_the_file(quantization, words):
+    raw = json.loads(ModelMetadata(32, 4, Signature()).to_json())
+    raw["quantization"] = quantization
+    with pytest.raises(ModelFileError, match=rf"q\.onnx: .*{words}"):
+        ModelMetadata.from_json(json.dumps(raw), "q.onnx")
+
+
+def test_a_relative_budget_failure_says_by_how_much():
+    parity = ParityReport(False, 1e-5, 1e-4, 0.3, 0.2, 0.0, shapes=["1x1"], rel_err=0.5, rel_budget=0.25)
+    assert "relative error 50.000% (budget 25.0%: 2.0x the budget)" in parity.summary()

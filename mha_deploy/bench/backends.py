@@ -39,7 +39,7 @@ TORCH_DTYPES = {"fp32": torch.float32, "fp16": torch.float16}
 class Backend:
     name: str
     prepare: Callable[[Feeds], Runner]  # the bench's float32 inputs -> a call that runs them once
-    # Which parity tolerance its error is judged by: "fp32", "fp16" or "int8" (a relative budget).
+    # Which parity tolerance its error is judged by: "fp32", "fp16" or "int8-dynamic" (a relative budget).
     precision: str = "fp32"
     # The inputs it takes; None: whatever the mode's signature says.
     signature: Signature | None = None
@@ -249,7 +249,7 @@ def default_backends(
     mha: MultiHeadAttention, signature: Signature, target: BenchTarget = CPU_FP32, threads: int = 2,
     workdir: str | Path | None = None, packed_qkv: bool = False, openvino: bool = False,
 ) -> list[Backend]:
-    """torch eager (the ratios' baseline) and SDPA, ORT unfused and fused per target, int8 on CPU fp32.
+    """torch eager (the ratios' baseline) and SDPA, ORT unfused and fused per target, int8-dynamic on CPU fp32.
 
     ``packed_qkv`` adds the packed-QKV contrib ``Attention`` when its rules fuse this signature;
     ``openvino`` adds OpenVINO on the unfused graph (CPU fp32 only).
@@ -257,7 +257,7 @@ def default_backends(
     workdir = Path(workdir or tempfile.mkdtemp(prefix="mha-bench-"))
     ort_paths = [("none", "none"), ("mha", "none"), ("onnx", "none")]
     if target.provider == "cpu" and target.dtype == "fp32":
-        ort_paths.append(("mha", "int8"))  # dynamic int8 projections: CPU fp32 models only
+        ort_paths.append(("mha", "int8-dynamic"))  # dynamic int8 projections: CPU fp32 models only
     backends = [torch_eager(mha, signature, target), torch_sdpa(mha, signature, target)]
     ort = [ort_exported(mha, signature, target, threads, workdir, f, q) for f, q in ort_paths]
     backends += ort

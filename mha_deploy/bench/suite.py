@@ -5,7 +5,7 @@ Per mask mode and shape, the inputs come from the one data loader
 the CPU, and every backend's output is compared with it on real query rows
 (``mha_deploy.compare``) before the backends are timed together in blocks.
 Efficiency is against ORT's own MatMul rate on the same device, in the same run
-(int8 rows: its int8 MatMulInteger rate).
+(int8-dynamic rows: its int8 MatMulInteger rate).
 Figures only: nothing here asserts a timing.
 """
 
@@ -34,10 +34,11 @@ from mha_deploy.bench.target import CPU_FP32, BenchTarget
 from mha_deploy.bench.timing import QuietGate, load_average, load_line, mha_flops, time_blocks
 from mha_deploy.compare import compare_outputs
 from mha_deploy.errors import OptionError
-from mha_deploy.exporters.export import INT8_REL_ERR_BUDGET, auto_fusion_target
+from mha_deploy.exporters.export import auto_fusion_target
 from mha_deploy.exporters.graphs import attention_graph
 from mha_deploy.exporters.parity import DEFAULT_ATOL, DEFAULT_RTOL, torch_reference
 from mha_deploy.exporters.precision import FP16_ATOL, FP16_RTOL
+from mha_deploy.exporters.quantize import INT8_REL_ERR_BUDGET
 from mha_deploy.inputs import real_rows
 from mha_deploy.model_report import read_metadata
 from mha_deploy.models import MultiHeadAttention
@@ -49,7 +50,7 @@ BASELINE = "torch eager"
 TOLERANCES = {
     "fp32": (DEFAULT_ATOL, DEFAULT_RTOL, None),
     "fp16": (FP16_ATOL, FP16_RTOL, None),
-    "int8": (DEFAULT_ATOL, DEFAULT_RTOL, INT8_REL_ERR_BUDGET),
+    "int8-dynamic": (DEFAULT_ATOL, DEFAULT_RTOL, INT8_REL_ERR_BUDGET),
 }
 
 
@@ -83,7 +84,7 @@ class BenchReport:
     gemm_gflops: float  # the best ORT MatMul rate of the run, on the bench's provider and dtype
     gemm_size: int  # ... reached at gemm_size³
     mask_modes: list[str] = field(default_factory=list)
-    # ORT's int8 MatMulInteger rate (GOP/s) and size, the yardstick of int8 rows; measured when the run has one.
+    # ORT's int8 MatMulInteger rate (GOP/s) and size, the yardstick of int8-dynamic rows; measured when the run has one.
     int8_gemm_gops: float | None = None
     int8_gemm_size: int | None = None
     # mask mode label -> the backend that is what `mha-deploy export` (--fuse auto) writes for it.
@@ -104,7 +105,7 @@ class BenchReport:
             f"d_model {self.d_model}, {self.heads} heads, {self.threads} threads, provider {self.provider}, "
             f"{self.dtype}; ORT {self.dtype} MatMul peak {self.gemm_gflops:.0f} GFLOP/s "
             f"(at {self.gemm_size}^3; efficiency = GFLOP/s / this)"
-            + (f"; int8 rows: / ORT int8 MatMulInteger peak {self.int8_gemm_gops:.0f} GOP/s "
+            + (f"; int8-dynamic rows: / ORT int8 MatMulInteger peak {self.int8_gemm_gops:.0f} GOP/s "
                f"(at {self.int8_gemm_size}^3)" if self.int8_gemm_gops else ""),
             "errors: output vs the torch eager reference (fp32, CPU) on the same inputs, real query rows; "
             "rel err = ||out - ref|| / ||ref||",
@@ -168,7 +169,7 @@ def bench_case(
     for backend in backends:
         timing, comparison = timings[backend.name], comparisons.get(backend.name)
         gflops = flops / (timing.median_ms * 1e-3) / 1e9 if flops else float("nan")
-        peak = report.int8_gemm_gops if backend.precision == "int8" else report.gemm_gflops
+        peak = report.int8_gemm_gops if backend.precision == "int8-dynamic" else report.gemm_gflops
         rows.append(BenchRow(
             label, backend.name, batch, seq, timing.median_ms, timing.p90_ms, gflops,
             baseline.median_ms / timing.median_ms if baseline else None, gflops / peak if flops and peak else None,
@@ -292,7 +293,7 @@ def run_bench(
             if signature not in by_signature:
                 by_signature[signature] = factory(signature) + [f for f in files if f.signature == signature]
                 _check_backends(signature, by_signature[signature])
-            if report.int8_gemm_gops is None and any(b.precision == "int8" for b in by_signature[signature]):
+            if report.int8_gemm_gops is None and any(b.precision == "int8-dynamic" for b in by_signature[signature]):
                 report.int8_gemm_gops, report.int8_gemm_size = peak_gemm_gflops(
                     threads, target, gemm_sizes, dtype="int8"
                 )

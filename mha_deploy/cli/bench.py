@@ -29,8 +29,8 @@ from mha_deploy.metadata import MASK_MODES
               help="Shapes at which peak RSS of each ORT path is measured (in fresh processes, a few seconds each); "
                    "'' to skip.")
 @click.option("--gemm-sizes", default="512,1024,2048,4096", show_default=True,
-              help="Square MatMul sizes tried for the efficiency yardstick (ORT's best rate over them; for int8 "
-                   "rows its int8 MatMulInteger rate).")
+              help="Square MatMul sizes tried for the efficiency yardstick (ORT's best rate over them; for "
+                   "int8-dynamic rows its int8 MatMulInteger rate).")
 @click.option("--quiet-wait-s", type=click.FloatRange(min=0), default=0.0, show_default=True,
               help="Before each timed block, wait up to this long for other processes to leave the CPUs "
                    "(0: do not wait).")
@@ -45,11 +45,11 @@ from mha_deploy.metadata import MASK_MODES
               help="Write a plot of time per token, one panel per mask mode (PNG).")
 def bench(model, checkpoint, prefix, d_model, heads, masks, shapes, provider, threads, budget_s, memory_shapes,
           gemm_sizes, quiet_wait_s, openvino, module_spec, as_json, plot):
-    """Compare torch eager, torch SDPA, ORT unfused, ORT fused per target and int8, and OpenVINO, per mask mode,
+    """Compare torch eager, torch SDPA, ORT unfused, ORT fused per target and int8-dynamic, and OpenVINO, per mask mode,
     in one run.
 
     Reports median and p90 latency, GFLOP/s, the ratio to torch eager,
-    efficiency against ORT's own MatMul rate measured in the same run (int8
+    efficiency against ORT's own MatMul rate measured in the same run (int8-dynamic
     rows: its int8 MatMulInteger rate), and each
     row's error against the torch eager reference on the same inputs (max abs
     err, relative err). MODEL, an exported self-attention .onnx file, is added

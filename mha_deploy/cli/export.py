@@ -8,7 +8,7 @@ import click
 
 from mha_deploy.cli.builtin import build_stack, load_model
 from mha_deploy.cli.group import main
-from mha_deploy.cli.options import model_options, pack_tokens_option
+from mha_deploy.cli.options import model_options, pack_tokens_option, quantization, quantize_options
 from mha_deploy.metadata import (
     ATTENTION_KINDS,
     CACHE_LAYOUT_CHOICES,
@@ -18,7 +18,6 @@ from mha_deploy.metadata import (
     MAX_OPSET,
     MIN_OPSET,
     MODEL_KINDS,
-    QUANTIZE_CHOICES,
     GenerationIds,
     Signature,
 )
@@ -52,9 +51,7 @@ from mha_deploy.metadata import (
                    "the only op that can also output the probabilities. none: the plain graph. auto picks mha for "
                    "that memory saving, or onnx when --return-weights asks for the probabilities; it falls back to "
                    "none with a warning if fusion or parity fails.")
-@click.option("--quantize", type=click.Choice(QUANTIZE_CHOICES), default="none", show_default=True,
-              help="int8: dynamic int8 projections for ORT's CPU provider, attention kept fused; parity then "
-                   "means a relative error within 5%.")
+@quantize_options
 @click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True, help="Seed of the random-init model.")
 @click.option("--opset", type=click.IntRange(MIN_OPSET, MAX_OPSET), default=MAX_OPSET, show_default=True,
               help=f"ONNX opset (torch's exporter needs >= {MIN_OPSET}; --fuse onnx, the standard Attention op, "
@@ -114,8 +111,9 @@ from mha_deploy.metadata import (
               help="Where to write the .onnx file (written only if parity passes).")
 @click.pass_context
 def export(ctx, checkpoint, prefix, d_model, heads, model_kind, layers, d_ff, attention, mask, return_weights, kv_cache,
-           fuse, quantize, seed, opset, dtype, atol, rtol, module_spec, inputs, output_names, max_length, eos_ids,
-           pad_id, start_id, position_ids, cache_layout, genai, pack_tokens, output):
+           fuse, quantize, block_size, symmetric, keep_head_fp32, quant_method, seed, opset, dtype, atol, rtol,
+           module_spec, inputs, output_names, max_length, eos_ids, pad_id, start_id, position_ids, cache_layout,
+           genai, pack_tokens, output):
     """Export a reference MHA to ONNX with dynamic batch and sequence axes, checked against torch.
 
     \b
@@ -124,20 +122,22 @@ def export(ctx, checkpoint, prefix, d_model, heads, model_kind, layers, d_ff, at
       mha-deploy export --attention cross --mask padding -o cross.onnx
       mha-deploy export --fuse onnx --mask padding-causal -o mha.onnx
       mha-deploy export --mask padding-causal --kv-cache -o decode.onnx
-      mha-deploy export --quantize int8 -o mha-int8.onnx
+      mha-deploy export --quantize int8-dynamic -o mha-int8.onnx
       mha-deploy export --dtype fp16 --fuse mha --mask padding -o mha-fp16.onnx
       mha-deploy export --model decoder --layers 6 --mask padding -o decoder.onnx
       mha-deploy export --checkpoint attn.safetensors --heads 8 --mask padding-causal -o mha.onnx
       mha-deploy export --module model.py:build --input ids:tokens --input mask:padding-mask -o model.onnx
       mha-deploy export --module gpt.py:build --input ids:tokens --input mask:padding-mask --kv-cache \
           --eos-id 2 --pad-id 0 --genai -o lm/model.onnx
+      mha-deploy export --module gpt.py:build --input ids:tokens --input mask:padding-mask --kv-cache \
+          --quantize int4 -o lm-int4.onnx
       mha-deploy export --module mt.py:build --input src:tokens:src_seq --input src_mask:padding-mask:src_seq \
           --input tgt:tokens:tgt_seq --input tgt_mask:padding-mask:tgt_seq --kv-cache --start-id 1 -o mt.onnx
     """
     from mha_deploy.exporters import export_builtin, export_model, load_factory
 
-    options = {"opset": opset, "atol": atol, "rtol": rtol, "fuse": fuse, "quantize": quantize, "dtype": dtype,
-               "pack_tokens": pack_tokens}
+    options = {"opset": opset, "atol": atol, "rtol": rtol, "fuse": fuse, "dtype": dtype, "pack_tokens": pack_tokens,
+               "quantize": quantization(quantize, block_size, symmetric, keep_head_fp32, quant_method)}
     lone_block = ("prefix", "d_model", "heads", "model_kind", "layers", "d_ff", "attention", "mask",
                   "return_weights", "seed")
     own_model = ("inputs", "output_names", "max_length", "eos_ids", "pad_id", "start_id", "position_ids",
@@ -217,6 +217,10 @@ def echo_export(result) -> None:
     click.echo(result.fusion.summary())
     if result.packing is not None:
         click.echo(result.packing.describe())
+    # a file's metadata, or an encoder-decoder pair's result (own_seq2seq_cache), which has no ModelMetadata
+    quantized = getattr(result, "metadata", result)
+    if getattr(quantized, "weight_only", None) is not None:
+        click.echo(f"quantized {quantized.quantization}: {quantized.weight_only.describe()}")
     click.echo(result.parity.summary())
     max_length = result.metadata.max_length if hasattr(result, "metadata") else result.max_length
     if max_length is not None:

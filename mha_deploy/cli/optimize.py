@@ -8,7 +8,7 @@ import click
 
 from mha_deploy.cli.export import echo_export
 from mha_deploy.cli.group import main
-from mha_deploy.cli.options import pack_tokens_option
+from mha_deploy.cli.options import pack_tokens_option, quantization, quantize_options
 from mha_deploy.metadata import FUSE_CHOICES
 
 
@@ -31,20 +31,25 @@ from mha_deploy.metadata import FUSE_CHOICES
               help="Parity tolerance, absolute, in units of each output row's magnitude (its largest |value|, at "
                    "least 1; default 1e-5).")
 @click.option("--rtol", type=click.FloatRange(min=0), help="Parity tolerance, relative (default 1e-4).")
+@quantize_options
 @pack_tokens_option
 @click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path), required=True,
               help="Where to write the .onnx file (written only if parity passes).")
-def optimize(source, inputs, output_names, fuse, max_length, atol, rtol, pack_tokens, output):
+def optimize(source, inputs, output_names, fuse, max_length, atol, rtol, quantize, block_size, symmetric,
+             keep_head_fp32, quant_method, pack_tokens, output):
     """Fuse the attentions of an ONNX graph exported elsewhere (e.g. torch.onnx.export of your model), checked
     against that graph in ONNX Runtime at unseen shapes, left and right padding.
 
     \b
     Example:
       mha-deploy optimize model.onnx --input input_ids:tokens --input attention_mask:padding-mask -o fused.onnx
+      mha-deploy optimize model.onnx --input input_ids:tokens --input attention_mask:padding-mask \
+          --quantize int4 -o fused-int4.onnx
     """
     from mha_deploy.exporters.optimize import optimize_model
 
     click.echo(f"optimizing {source}, inputs {', '.join(inputs)}", err=True)
     result = optimize_model(source, output, inputs, output_names=output_names or None, fuse=fuse, atol=atol,
-                            rtol=rtol, max_length=max_length, pack_tokens=pack_tokens)
+                            rtol=rtol, max_length=max_length, pack_tokens=pack_tokens,
+                            quantize=quantization(quantize, block_size, symmetric, keep_head_fp32, quant_method))
     echo_export(result)

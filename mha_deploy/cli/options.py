@@ -13,7 +13,7 @@ from pathlib import Path
 import click
 
 from mha_deploy.checkpoint_names import names_text
-from mha_deploy.metadata import PROVIDER_CHOICES
+from mha_deploy.metadata import PROVIDER_CHOICES, QUANT_METHODS, QUANTIZE_CHOICES
 
 DEFAULT_D_MODEL, DEFAULT_HEADS = 512, 8
 
@@ -85,3 +85,31 @@ pack_tokens_option = click.option(
          "padding mask that the model may be padded on, only where the MatMul work outweighs the copies "
          "(a stack or your own model from d_model 256, a lone block from 1024), not for fp16 or --kv-cache, and "
          "dropped with a warning if parity fails with it.")
+
+
+# export and optimize: --quantize and the weight-only knobs (exporters.quantize.Quantization; docs/precision.md).
+quantize_options = option_group(
+    click.option("--quantize", type=click.Choice(QUANTIZE_CHOICES), default="none", show_default=True,
+                 help="int4 / int8: weight-only, every MatMul with a constant weight as ORT's MatMulNBits (blocks "
+                      "of --block-size, accuracy_level 4), attentions and I/O unchanged: the decoder's choice "
+                      "(about a sixth / a third of the fp32 weight bytes per token). int8-dynamic: dynamic int8 "
+                      "projections (an encoder's large batches). Parity then means a relative error within a "
+                      "budget (int4 25%, int8 and int8-dynamic 5%), recorded with the logits' top-1 agreement."),
+    click.option("--block-size", type=click.IntRange(min=16), default=32, show_default=True,
+                 help="With --quantize int4/int8: weights per scale along K (a power of two)."),
+    click.option("--symmetric", is_flag=True,
+                 help="With --quantize int4/int8: no zero points (slightly smaller, slightly less exact)."),
+    click.option("--keep-head-fp32", is_flag=True,
+                 help="With --quantize int4/int8: leave the LM head (the MatMul producing the logits output) in "
+                      "fp32; its error reaches the logits undamped."),
+    click.option("--quant-method", type=click.Choice(QUANT_METHODS), default="rtn", show_default=True,
+                 help="With --quantize int4/int8: rtn rounds each block to nearest; hqq fits scale and zero "
+                      "point (int4 only)."),
+)
+
+
+def quantization(quantize: str, block_size: int, symmetric: bool, keep_head_fp32: bool, quant_method: str):
+    """What the ``quantize_options`` ask for, as the exporters take it (``exporters.quantize.Quantization``)."""
+    from mha_deploy.exporters.quantize import Quantization
+
+    return Quantization(quantize, block_size, symmetric, keep_head_fp32, quant_method)

@@ -51,6 +51,7 @@ from mha_deploy.exporters.fusion.pipeline import MAX_IR_VERSION
 from mha_deploy.exporters.own_model import InputDecl, count_attentions, declare_inputs, graph_vocabularies
 from mha_deploy.exporters.parity import ParityCase, default_cases
 from mha_deploy.exporters.probes import output_axes, paddable_axes, probe_feeds, unpadded_mask_warnings
+from mha_deploy.exporters.quantize import Quantization
 from mha_deploy.metadata import MAX_OPSET, MIN_OPSET, ModelMetadata
 from mha_deploy.runtime.model_check import check_branch_ranks
 from mha_deploy.signature import (
@@ -111,6 +112,7 @@ def optimize_model(
     max_length: int | None = None,
     parity_cases: tuple[ParityCase, ...] | None = None,
     pack_tokens: bool = True,
+    quantize: str | Quantization = "none",
 ) -> ExportResult:
     """Fuse the attentions of the ONNX graph ``source`` (exported elsewhere) and write it to ``output``.
 
@@ -120,7 +122,8 @@ def optimize_model(
     warning; ``mha``/``onnx`` fail, writing nothing, if an attention stays unfused). Parity of the written graph
     against ``source``, both in ORT, is checked at unseen shapes, lengths capped at ``max_length``, which the
     file records (a longer sequence is refused).
-    ``pack_tokens`` as for ``export_model`` (``ExportOptions``). Raises
+    ``pack_tokens`` and ``quantize`` as for ``export_model`` (``ExportOptions``): a quantized graph is judged
+    against ``source`` by its relative error, recorded with the logits' top-1 agreement. Raises
     ``ExportError`` (``ParityError`` for parity; of another layer's kind too, as ``export_model``'s) and writes
     nothing when anything fails.
     """
@@ -133,7 +136,7 @@ def optimize_model(
     except ModelFileError as exc:  # the load check's words, as an export error: nothing is written
         raise ExportError(str(exc)) from exc
     options = ExportOptions(opset=_default_opset(model, source), atol=atol, rtol=rtol, fuse=fuse,
-                            pack_tokens=pack_tokens)
+                            pack_tokens=pack_tokens, quantize=quantize)
     options.check()
     decls = declare_inputs(inputs)
     graph_inputs, graph_outputs = _interface(model, decls, source)

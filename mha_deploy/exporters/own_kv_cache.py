@@ -409,6 +409,14 @@ RAGGED_CACHE_CASES = (
 )
 
 
+# A quantized file's cache after the calls against its own one call's. The attention kernels differ between a
+# prompt and a one-token step by fp32 rounding (1e-7), and MatMulNBits at accuracy_level 4 rounds activations to
+# int8, which turns such a difference into a whole rounding step now and then; later layers' keys and values move
+# by that (measured at int4 on the tutorial GPT's bench build, 6 layers: 1e-7 in layers 0-2, then 5.5e-4, 1.2e-3,
+# 4.3e-3). A wrong cache (a stale row, a shifted position) is off by tens of percent.
+QUANTIZED_CACHE_REL_ERR = 0.05
+
+
 def check_own_cache_parity(
     reference: torch.nn.Module,
     declared: Signature,
@@ -418,6 +426,7 @@ def check_own_cache_parity(
     rtol: float,
     seed: int = 0,
     layout: str = CACHE_HOLES,
+    rel_budget: float | None = None,
 ) -> ParityReport:
     """A causal LM's cache ``session`` decoding each case call by call (a prompt, then steps) against
     ``reference``, the module's one forward over the whole sequence (its ``declared`` cache-free inputs): each
@@ -427,8 +436,10 @@ def check_own_cache_parity(
     ``layout`` CACHE_HOLES: every row's calls take the same columns (a prompt padded on the case's side, then
     the steps); CACHE_RAGGED (``fusion.ragged_cache``'s contract): prompts right-padded, each row's steps at its
     own length, positions each row's own, the several-token call only at batch 1; ``session`` then a
-    ``PlainRuns``."""
+    ``PlainRuns``. ``rel_budget`` (a quantized file): each call's logits pass within that relative error of the
+    module's instead of atol/rtol, and the cache after the calls within ``QUANTIZED_CACHE_REL_ERR`` of one call's."""
     tokens, mask, output = lm_tensors(declared)
+    cache_budget = None if rel_budget is None else min(rel_budget, QUANTIZED_CACHE_REL_ERR)
     comparisons, failures, labels = [], [], []
     for index, case in enumerate(cases):
         rng = np.random.default_rng(seed + index)
@@ -456,7 +467,7 @@ def check_own_cache_parity(
             want = expected[rows, np.minimum(columns, calls.width - 1)]
             for comparison in compare_outputs(
                 session.signature, {LOGITS: result[LOGITS]}, {LOGITS: want}, real[rows, columns] & given,
-                atol, rtol, names=[LOGITS], atol_per_row=True,
+                atol, rtol, rel_budget, names=[LOGITS], atol_per_row=True,
             ):
                 comparisons.append(comparison)
                 if not comparison.passed:
@@ -470,11 +481,11 @@ def check_own_cache_parity(
         for name, present in session.signature.cache_pairs.items():
             # [batch, heads, total, d_k] -> [batch, total, heads, d_k]: the real positions' rows
             got, want = (np.moveaxis(a[:, :, : calls.width], 2, 1)[real] for a in (past[name], whole[present]))
-            comparison = compare_arrays(present, got, want, atol, rtol, atol_per_row=True)
+            comparison = compare_arrays(present, got, want, atol, rtol, cache_budget, atol_per_row=True)
             comparisons.append(comparison)
             if not comparison.passed:
                 failures.append(f"{label}: {present} after the calls is not one call's ({comparison.summary()})")
-    return parity_report(comparisons, labels, failures, atol, rtol)
+    return parity_report(comparisons, labels, failures, atol, rtol, rel_budget=rel_budget)
 
 
 class PlainRuns:

@@ -64,8 +64,15 @@ from mha_deploy.exporters.own_kv_cache import (
     find_attention_caches,
 )
 from mha_deploy.exporters.parity import DEFAULT_ATOL, DEFAULT_RTOL, parity_report, torch_reference
+from mha_deploy.exporters.quantize import Quantization
 from mha_deploy.inputs import padding_mask
-from mha_deploy.metadata import ENCODER_DECODER_KEY, EncoderDecoderRecord, GenerationIds, ParityReport
+from mha_deploy.metadata import (
+    ENCODER_DECODER_KEY,
+    EncoderDecoderRecord,
+    GenerationIds,
+    ParityReport,
+    WeightOnlyRecord,
+)
 from mha_deploy.signature import PADDING_MASK, TOKENS, Signature, TensorSpec
 
 ENCODER_MASK = "encoder_attention_mask"
@@ -345,11 +352,11 @@ def _session(model: onnx.ModelProto) -> ort.InferenceSession:
 def check_seq2seq_cache_parity(
     reference: torch.nn.Module, declared: Signature, tensors: Seq2SeqTensors, encoder: onnx.ModelProto,
     decoder: onnx.ModelProto, cases: Sequence[Seq2SeqCase], atol: float = DEFAULT_ATOL, rtol: float = DEFAULT_RTOL,
-    seed: int = 0,
+    seed: int = 0, rel_budget: float | None = None,
 ) -> ParityReport:
     """The encoder once, then the decoder call by call, against ``reference``'s one forward over the whole
     target (its ``declared`` cache-free inputs): each call's logits on every real target row, named by the
-    case and call where they differ."""
+    case and call where they differ; within ``rel_budget`` relative error instead of atol/rtol (quantized files)."""
     encoder_session, decoder_session = _session(encoder), _session(decoder)
     dtypes = {port.name: port.type for port in decoder_session.get_inputs()}
     source_mask_type = np.bool_ if dtypes[ENCODER_MASK] == "tensor(bool)" else np.int64
@@ -386,14 +393,14 @@ def check_seq2seq_cache_parity(
                 ENCODER_MASK: source_real.astype(source_mask_type), **past, **cross}), strict=True))
             comparison = compare_arrays(LOGITS, result[LOGITS][target_real[:, start:end]],
                                         expected[:, start:end][target_real[:, start:end]], atol, rtol,
-                                        atol_per_row=True)
+                                        rel_budget, atol_per_row=True)
             comparisons.append(comparison)
             if not comparison.passed:
                 failures.append(f"{case.label}: call {call} of {len(case.calls)} ({length} token(s) after {start}): "
                                 f"{comparison.summary()}")
             past = {name: result[name.replace("past_key_values.", "present.", 1)] for name in past}
             start = end
-    return parity_report(comparisons, labels, failures, atol, rtol)
+    return parity_report(comparisons, labels, failures, atol, rtol, rel_budget=rel_budget)
 
 
 def _input_type(session: ort.InferenceSession, name: str):
@@ -414,17 +421,24 @@ class Seq2SeqExport:
     fusion: str
     warnings: list[str]
     attentions: tuple[int, int, int]  # encoder self, decoder self, cross
+    quantization: str = "none"
+    weight_only: WeightOnlyRecord | None = None  # the decoder's
 
 
 def build_seq2seq_cache(
     reference: torch.nn.Module, declared: Signature, plain: onnx.ModelProto, attention_ops: int,
     max_length: int | None, cases: Sequence[Seq2SeqCase] | None = None, atol: float = DEFAULT_ATOL,
-    rtol: float = DEFAULT_RTOL, fuse: str = "auto",
+    rtol: float = DEFAULT_RTOL, fuse: str = "auto", quantize: Quantization | None = None,
 ) -> Seq2SeqExport:
     """``plain`` (the cache-free export of ``declared``) as an encoder file and a decoder file with a cache, each
     attention fused (``fuse`` "auto" or "mha": the mha target, auto falling back to the unfused graph with a
-    warning), checked call by call against ``reference``; ``ParityError`` naming the failing call."""
+    warning), both quantized as ``quantize`` asks (weight-only: the parity then within its relative budget),
+    checked call by call against ``reference``; ``ParityError`` naming the failing call."""
     from mha_deploy.exporters.fusion import fuse_attention
+
+    quantize = quantize or Quantization()
+    # The encoder has no logits: its head is the decoder's.
+    encoder_quantize = replace(quantize, keep_head_fp32=False)
 
     tensors = seq2seq_tensors(declared)
     cut = cut_plain(plain, tensors, attention_ops)
@@ -441,13 +455,16 @@ def build_seq2seq_cache(
             if target != "none" and (not report.complete or report.fused != expected):
                 raise ExportError(f"{report.summary()}, expected {expected} fused")
             models.append(result)
-        return models[0], models[1]
+        return encoder_quantize.apply(models[0]), quantize.apply(models[1])
+
+    def checked(encoder_model: onnx.ModelProto, decoder_model: onnx.ModelProto) -> ParityReport:
+        return check_seq2seq_cache_parity(reference, declared, tensors, encoder_model, decoder_model, cases, atol,
+                                          rtol, rel_budget=quantize.rel_budget)
 
     target = "mha" if fuse == "auto" else fuse
     try:
         fused_encoder, fused_decoder = fused(target)
-        report = check_seq2seq_cache_parity(reference, declared, tensors, fused_encoder, fused_decoder, cases, atol,
-                                            rtol)
+        report = checked(fused_encoder, fused_decoder)
         if not report.passed and fuse == "auto" and target != "none":
             raise ParityError(report.summary())
     except (ExportError, ParityError) as exc:
@@ -455,12 +472,13 @@ def build_seq2seq_cache(
             raise
         warnings.append(f"--fuse auto: {target} fusion not used ({exc}); exported the unfused graphs")
         target = "none"
-        fused_encoder, fused_decoder = encoder, decoder
-        report = check_seq2seq_cache_parity(reference, declared, tensors, encoder, decoder, cases, atol, rtol)
+        fused_encoder, fused_decoder = encoder_quantize.apply(encoder), quantize.apply(decoder)
+        report = checked(fused_encoder, fused_decoder)
     if not report.passed:
         raise ParityError(f"{report.summary()}; failures: {'; '.join(report.failures[:5])}; nothing written")
     return Seq2SeqExport(fused_encoder, fused_decoder, report, target, warnings,
-                         (cut.encoder_attentions, len(cut.self_layers), len(cut.cross_layers)))
+                         (cut.encoder_attentions, len(cut.self_layers), len(cut.cross_layers)),
+                         quantize.kind, quantize.record(fused_decoder))
 
 
 def encoder_path(decoder: Path) -> Path:
@@ -505,6 +523,8 @@ class Seq2SeqExportResult:
     max_length: int | None
     warnings: list[str]
     packing: None = None
+    quantization: str = "none"
+    weight_only: WeightOnlyRecord | None = None
 
 
 def write_seq2seq_pair(built: Seq2SeqExport, output: Path, generation: GenerationIds | None,
@@ -516,9 +536,9 @@ def write_seq2seq_pair(built: Seq2SeqExport, output: Path, generation: Generatio
     attentions = dict(zip(("encoder self", "decoder self", "cross"), built.attentions, strict=True))
     parity = built.parity.summary()
     record(built.decoder, EncoderDecoderRecord("decoder", encoder_file.name, generation, built.fusion, attentions,
-                                               parity, max_length))
+                                               parity, max_length, built.quantization, built.weight_only))
     record(built.encoder, EncoderDecoderRecord("encoder", output.name, generation, built.fusion, attentions, parity,
-                                               max_length))
+                                               max_length, built.quantization, built.weight_only))
     encoder_in_place = False
     try:
         with atomic_path(output) as decoder_tmp:
@@ -531,4 +551,5 @@ def write_seq2seq_pair(built: Seq2SeqExport, output: Path, generation: Generatio
             encoder_file.unlink(missing_ok=True)
         raise
     return Seq2SeqExportResult(output, encoder_file, built.parity, PairFusion(built.fusion, built.attentions),
-                               generation, max_length, built.warnings)
+                               generation, max_length, built.warnings, quantization=built.quantization,
+                               weight_only=built.weight_only)

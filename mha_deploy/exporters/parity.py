@@ -210,7 +210,12 @@ def _judge(
 def parity_report(comparisons: list, labels: list[str], failures: list[str], atol: float, rtol: float,
                   **settings) -> ParityReport:
     """The report of a parity run: the worst of its comparisons, the shapes it ran, what failed. Whether atol
-    counted in row scales is read off the comparisons, so the report cannot claim a tolerance they did not apply."""
+    counted in row scales is read off the comparisons, so the report cannot claim a tolerance they did not apply.
+    Under a relative budget (quantized models) it also reports the top-1 agreement of the logits outputs over
+    every compared row, which fp32 parity does not need."""
+    rows = sum(c.top1_rows for c in comparisons)
+    if settings.get("rel_budget") is not None and rows:
+        settings = {**settings, "top1_agreement": sum(c.top1_agree for c in comparisons) / rows, "top1_rows": rows}
     return ParityReport(
         atol_per_row=all(c.atol_per_row for c in comparisons),
         passed=not failures,

@@ -36,8 +36,8 @@ def cuda_unsupported(proto: onnx.ModelProto) -> str | None:
     int8 = sorted(ops & _INT8_OPS)
     if int8:
         return (
-            f"the model is int8 ({', '.join(int8)}), which ORT's CUDA provider has no kernels for: it would run "
-            "every projection on the CPU with copies around it. Run it with --provider cpu, or export "
+            f"the model is int8-dynamic ({', '.join(int8)}), which ORT's CUDA provider has no kernels for: it would "
+            "run every projection on the CPU with copies around it. Run it with --provider cpu, or export "
             "--dtype fp16 (without --quantize) for CUDA"
         )
     # CUDA registers GroupQueryAttention for float16 and bfloat16 only

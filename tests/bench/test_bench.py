@@ -302,18 +302,19 @@ def test_cli_bench_json_and_plot(tmp_path):
     report = json.loads(result.stdout)
     rows = {r["backend"]: r for r in report["rows"]}
     # OpenVINO joins by default when its extra is installed, which CI's set-up checks it is.
-    assert list(rows) == ["torch eager", "torch SDPA", "ORT none", "ORT mha", "ORT onnx", "ORT mha int8", "OpenVINO"]
+    assert list(rows) == ["torch eager", "torch SDPA", "ORT none", "ORT mha", "ORT onnx", "ORT mha int8-dynamic",
+                          "OpenVINO"]
     assert all(r["mask"] == "padding-causal" for r in report["rows"])
     for name, row in rows.items():
         assert row["within_tolerance"], row
-        assert row["rel_err"] < (0.05 if name.endswith("int8") else 1e-5), row
-    assert rows["ORT mha int8"]["rel_err"] > 0  # int8 error is measured, not assumed
+        assert row["rel_err"] < (0.05 if name.endswith("int8-dynamic") else 1e-5), row
+    assert rows["ORT mha int8-dynamic"]["rel_err"] > 0  # int8 error is measured, not assumed
     assert "the default export (--fuse auto) is, per mask mode, padding-causal: ORT mha" in report["notes"][0]
     assert report["default_export"] == {"padding-causal": "ORT mha"}
-    # int8 rows against ORT's int8 GEMM of the same run, the others against its float MatMul.
+    # int8-dynamic rows against ORT's int8 GEMM of the same run, the others against its float MatMul.
     assert report["int8_gemm_gops"] > 0
     for name, row in rows.items():
-        peak = report["int8_gemm_gops"] if name.endswith("int8") else report["gemm_gflops"]
+        peak = report["int8_gemm_gops"] if name.endswith("int8-dynamic") else report["gemm_gflops"]
         assert row["efficiency"] == pytest.approx(row["gflops"] / peak), name
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 

@@ -278,10 +278,10 @@ def test_kv_cache_prefill_runs_the_causal_kernel(export_model, signature):
     assert describe_model(plain).attention_ops == []
 
 
-def test_kv_cache_refuses_int8(tmp_path):
-    with pytest.raises(ExportError, match="not available with --kv-cache"):
+def test_kv_cache_of_the_block_refuses_quantization(tmp_path):
+    with pytest.raises(ExportError, match="int4 is not available with --kv-cache for the built-in block"):
         export_mha(MultiHeadAttention(TEST_D_MODEL, TEST_HEADS), tmp_path / "kv.onnx", KV_SIGNATURES[0],
-                   quantize="int8")
+                   quantize="int4")
 
 
 def test_metadata_without_cache_stays_readable_by_earlier_versions(export_model):

@@ -371,3 +371,15 @@ def test_a_graph_from_elsewhere_is_packed_and_matches_the_input_graph(elsewhere,
         feeds = make_inputs(signature, session.metadata.d_model, InputCase(batch, length, length, side), seed=index)
         name_ = signature.outputs[0].name
         _assert_equal_on_real_rows(session, session.run(feeds), {name_: _input_graph(source, feeds)[name_]}, feeds)
+
+
+def test_a_graph_from_elsewhere_is_quantized_and_judged_against_itself(elsewhere, tmp_path):
+    """optimize --quantize int8: every MatMul with a constant weight as MatMulNBits, the attentions fused, the
+    error against the input graph (fp32, in ORT) within int8's budget and recorded with the logits' top-1."""
+    source = elsewhere("causal_lm", 18)
+    path = tmp_path / "m.onnx"
+    result = optimize_model(source, path, user_module("causal_lm").INPUTS, output_names=["logits"], quantize="int8")
+    assert result.fusion.fused == 2 and result.parity.passed and result.parity.rel_budget == 0.05
+    assert 0 < result.parity.rel_err < 0.05 and result.parity.top1_agreement > 0.9
+    metadata = MHASession(path, provider="cpu").metadata
+    assert metadata.quantization == "int8" and metadata.weight_only.bits == 8 and metadata.weight_only.matmuls > 0

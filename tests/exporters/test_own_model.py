@@ -218,7 +218,7 @@ def test_the_cli_refuses_built_in_model_flags_with_a_module(tmp_path):
 @pytest.mark.parametrize(
     ("options", "op"),
     [({"fuse": "onnx"}, "Attention"), ({"dtype": "fp16"}, "MultiHeadAttention"),
-     ({"quantize": "int8"}, "MultiHeadAttention")],
+     ({"quantize": "int8-dynamic"}, "MultiHeadAttention"), ({"quantize": "int4"}, "MultiHeadAttention")],
 )
 def test_every_export_option_takes_a_users_model(tmp_path, options, op):
     inputs = user_module("classifier").INPUTS

@@ -194,3 +194,20 @@ def test_the_position_table_bounds_the_source_generate_takes(bart_pair):
     short = Prompt(1, np.ones(3, np.int64))
     assert limits.problem(short, max_new_tokens=limits.max_length) is None
     assert "decoder takes at most 512 target tokens" in limits.problem(short, max_new_tokens=limits.max_length + 1)
+
+
+def test_an_int8_pair_quantizes_both_files_and_records_its_quality(tmp_path):
+    """--kv-cache --quantize int8 on the tutorial encoder-decoder: the encoder's and the decoder's MatMuls as
+    MatMulNBits, each call's logits within int8's budget of the module's (top-1 agreement recorded), both files
+    saying so; generate runs the pair as it runs the fp32 one."""
+    module = user_module("seq2seq")
+    path = tmp_path / "mt.onnx"
+    result = export_model(module.build(), path, module.INPUTS, kv_cache=True, quantize="int8",
+                          generation=GenerationIds([], None, START))
+    assert result.parity.passed and 0 < result.parity.rel_err <= 0.05 and result.parity.top1_agreement > 0.9
+    for file in (result.path, result.encoder_path):
+        assert any(node.op_type == "MatMulNBits" for node in onnx.load(file).graph.node), file
+        record = json.loads({p.key: p.value for p in onnx.load(file).metadata_props}[ENCODER_DECODER_KEY])
+        assert record["quantization"] == "int8" and record["weight_only"]["bits"] == 8
+    out = generate(KVCacheStepper(path), [[5, 9, 2], [3, 4, 8, 8, 1]], max_new_tokens=4)
+    assert [len(t) for t in out.tokens] == [4, 4]

@@ -52,8 +52,9 @@ def test_fp16_session_wants_fp16_inputs(tmp_path):
 
 
 def test_int8_and_fp16_do_not_mix(tmp_path):
-    with pytest.raises(ExportError, match="--quantize int8 quantizes an fp32 model"):
-        export_mha(MultiHeadAttention(TEST_D_MODEL, TEST_HEADS), tmp_path / "h.onnx", dtype="fp16", quantize="int8")
+    with pytest.raises(ExportError, match="--quantize int8-dynamic quantizes an fp32 model"):
+        export_mha(MultiHeadAttention(TEST_D_MODEL, TEST_HEADS), tmp_path / "h.onnx", dtype="fp16",
+                   quantize="int8-dynamic")
 
 
 @pytest.mark.parametrize("fuse", ["auto", "none"])

@@ -1,4 +1,5 @@
-"""--quantize int8: projections quantized, attention kept fused, parity judged by a relative-error budget."""
+"""--quantize: int4 / int8 weight-only (MatMulNBits) and int8-dynamic, attentions kept fused as in the fp32 file,
+quality measured against fp32 torch and judged by a relative-error budget."""
 
 from __future__ import annotations
 
@@ -7,22 +8,30 @@ import onnx
 import pytest
 import torch
 
-from mha_deploy.errors import ParityError
-from mha_deploy.exporters import export_mha
-from mha_deploy.exporters.export import INT8_REL_ERR_BUDGET
-from mha_deploy.exporters.quantize import quantize_int8
-from mha_deploy.metadata import Signature
+from mha_deploy.errors import ExportError, ParityError
+from mha_deploy.exporters import export_mha, export_model
+from mha_deploy.exporters.quantize import (
+    INT8_REL_ERR_BUDGET,
+    REL_ERR_BUDGETS,
+    Quantization,
+    constant_weight_matmuls,
+    lm_heads,
+    quantize_int8_dynamic,
+    quantize_weights,
+)
+from mha_deploy.metadata import Signature, WeightOnlyRecord
 from mha_deploy.model_report import describe_model
 from mha_deploy.models import MultiHeadAttention
+from mha_deploy.onnx_nodes import all_nodes
 from mha_deploy.runtime import MHASession
-from tests.conftest import TEST_D_MODEL, TEST_HEADS
+from tests.conftest import TEST_D_MODEL, TEST_HEADS, user_module
 
 
 @pytest.mark.parametrize("signature", [Signature("self", "padding-causal"), Signature("cross", "padding")])
-def test_int8_export(tmp_path, signature):
+def test_int8_dynamic_export(tmp_path, signature):
     torch.manual_seed(0)
     result = export_mha(MultiHeadAttention(TEST_D_MODEL, TEST_HEADS), tmp_path / "q.onnx", signature,
-                        fuse="mha", quantize="int8")
+                        fuse="mha", quantize="int8-dynamic")
     ops = {n.op_type for n in onnx.load(result.path).graph.node}
     assert "MatMulInteger" in ops and "MatMul" not in ops
     # The attention stays one float op (under an If for the padding mask's flash path).
@@ -32,12 +41,12 @@ def test_int8_export(tmp_path, signature):
     assert result.parity.passed and 0 < result.parity.rel_err <= INT8_REL_ERR_BUDGET
     assert result.parity.rel_budget == INT8_REL_ERR_BUDGET
     session = MHASession(result.path, provider="cpu")
-    assert session.metadata.quantization == "int8"
+    assert session.metadata.quantization == "int8-dynamic" and session.metadata.weight_only is None
 
 
 def _quantize_and_break(model):
-    """int8, then the output projection's weights scaled by 1.1: a broken model the budget must catch."""
-    quantized = quantize_int8(model)
+    """int8-dynamic, then the output projection's weights scaled by 1.1: a broken model the budget must catch."""
+    quantized = quantize_int8_dynamic(model)
     out_proj_weights = [t for t in quantized.graph.initializer if t.data_type == onnx.TensorProto.INT8]
     weight = out_proj_weights[-1]
     scaled = np.clip(np.round(onnx.numpy_helper.to_array(weight) * 1.1), -128, 127).astype(np.int8)
@@ -45,11 +54,11 @@ def _quantize_and_break(model):
     return quantized
 
 
-def test_int8_budget_catches_a_broken_model(tmp_path, monkeypatch):
-    monkeypatch.setattr("mha_deploy.exporters.export.quantize_int8", _quantize_and_break)
+def test_int8_dynamic_budget_catches_a_broken_model(tmp_path, monkeypatch):
+    monkeypatch.setattr("mha_deploy.exporters.quantize.quantize_int8_dynamic", _quantize_and_break)
     with pytest.raises(ParityError, match="relative error"):
         export_mha(MultiHeadAttention(TEST_D_MODEL, TEST_HEADS), tmp_path / "q.onnx", Signature(), fuse="mha",
-                   quantize="int8")
+                   quantize="int8-dynamic")
     assert list(tmp_path.iterdir()) == []
 
 
@@ -66,13 +75,201 @@ def _matmul_model() -> onnx.ModelProto:
 
 def test_the_quantizers_advice_stays_out_of_the_output(caplog):
     """onnxruntime.quantization logs "Please consider to run pre-processing before quantization" on the root
-    logger: a user of --quantize int8 sees nothing of it, and the root logger's handlers are left as they were."""
+    logger: a user of --quantize sees nothing of it, and the root logger's handlers are left as they were."""
     import logging
 
     root = logging.getLogger()
     handlers = list(root.handlers)
     with caplog.at_level(logging.DEBUG):
-        quantized = quantize_int8(_matmul_model())
+        quantized = quantize_int8_dynamic(_matmul_model())
+        weight_only = Quantization("int4").apply(_matmul_model())
     assert "MatMulInteger" in {n.op_type for n in quantized.graph.node}
+    assert "MatMulNBits" in {n.op_type for n in weight_only.graph.node}
     assert not [r.getMessage() for r in caplog.records if "onnxruntime" in r.pathname], caplog.text
     assert root.handlers == handlers
+
+
+def _linear_model(k: int = 64, n: int = 48, shared: bool = False, head_in_if: bool = False) -> onnx.ModelProto:
+    """x [2, k] -> MatMul(w1) -> Relu -> MatMul(w2) + bias -> logits [2, n]: a body and an LM head. ``shared``:
+    the body's weight read by a second MatMul too; ``head_in_if``: the head in both branches of an If."""
+    rng = np.random.default_rng(0)
+    helper, tensor = onnx.helper, onnx.numpy_helper.from_array
+    weights = [tensor(rng.standard_normal((k, k)).astype(np.float32), "w1"),
+               tensor(rng.standard_normal((k, n)).astype(np.float32), "w_head"),
+               tensor(rng.standard_normal(n).astype(np.float32), "b_head"),
+               tensor(np.array(True), "always")]
+    nodes = [helper.make_node("MatMul", ["x", "w1"], ["h1"], name="body"), helper.make_node("Relu", ["h1"], ["h"])]
+    if shared:
+        nodes += [helper.make_node("MatMul", ["h", "w1"], ["h2"], name="body_again"),
+                  helper.make_node("Relu", ["h2"], ["h3"])]
+    last = "h3" if shared else "h"
+    head = [helper.make_node("MatMul", [last, "w_head"], ["p"]), helper.make_node("Add", ["p", "b_head"], ["scores"])]
+    if head_in_if:
+        branches = [helper.make_graph(
+            [helper.make_node("MatMul", [last, "w_head"], [f"p_{b}"]),
+             helper.make_node("Add", [f"p_{b}", "b_head"], [f"s_{b}"])], b, [],
+            [helper.make_tensor_value_info(f"s_{b}", onnx.TensorProto.FLOAT, [2, n])]) for b in ("then", "else")]
+        head = [helper.make_node("If", ["always"], ["scores"], then_branch=branches[0], else_branch=branches[1])]
+    nodes += [*head, helper.make_node("Identity", ["scores"], ["logits"])]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [2, k])],
+                              [helper.make_tensor_value_info("logits", onnx.TensorProto.FLOAT, [2, n])], weights)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=10)
+
+
+def _run(model: onnx.ModelProto, x: np.ndarray) -> np.ndarray:
+    import onnxruntime as ort
+
+    return ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+
+
+def _nbits(model: onnx.ModelProto) -> list[dict]:
+    return [{a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+            for node in all_nodes(model.graph) if node.op_type == "MatMulNBits"]
+
+
+@pytest.mark.parametrize(("kind", "block_size", "symmetric", "budget"),
+                         [("int4", 32, False, 0.25), ("int4", 64, True, 0.25), ("int8", 32, False, 0.05)])
+def test_weight_only_writes_matmulnbits_as_asked(kind, block_size, symmetric, budget):
+    model = _linear_model()
+    quantization = Quantization(kind, block_size=block_size, symmetric=symmetric)
+    quantized = quantization.apply(model)
+    attributes = _nbits(quantized)
+    assert len(attributes) == 2 and not constant_weight_matmuls(quantized)
+    bits = 4 if kind == "int4" else 8
+    assert all(a["bits"] == bits and a["block_size"] == block_size and a["accuracy_level"] == 4 for a in attributes)
+    zero_points = [n for n in all_nodes(quantized.graph) if n.op_type == "MatMulNBits" and len(n.input) > 3]
+    assert bool(zero_points) == (not symmetric)
+    x = np.random.default_rng(1).standard_normal((2, 64)).astype(np.float32)
+    want, got = _run(model, x), _run(quantized, x)
+    assert 0 < np.linalg.norm(got - want) / np.linalg.norm(want) < budget
+    assert quantization.record(quantized) == WeightOnlyRecord(bits, block_size, symmetric, "rtn", 4, matmuls=2)
+    assert quantized.ir_version == model.ir_version
+
+
+def test_keep_head_fp32_finds_the_head_behind_its_bias_and_through_an_if():
+    model = _linear_model(head_in_if=True)
+    assert [node.input[1] for node in lm_heads(model)] == ["w_head", "w_head"]
+    quantized = Quantization("int4", keep_head_fp32=True).apply(model)
+    # the body quantized, the head's MatMul in each branch left fp32 and its weight kept once
+    assert len(_nbits(quantized)) == 1 and len(constant_weight_matmuls(quantized)) == 2
+    assert [t.name for t in quantized.graph.initializer].count("w_head") == 1
+    record = Quantization("int4", keep_head_fp32=True).record(quantized)
+    assert record.fp32_matmuls == 2 and record.head_fp32 and "kept fp32 (the LM head" in record.describe()
+
+
+def test_a_weight_read_by_two_matmuls_is_quantized_once():
+    quantized = Quantization("int4").apply(_linear_model(shared=True))
+    names = [t.name for t in quantized.graph.initializer]
+    assert len(names) == len(set(names)) and len(_nbits(quantized)) == 3
+    x = np.random.default_rng(1).standard_normal((2, 64)).astype(np.float32)
+    assert np.isfinite(_run(quantized, x)).all()  # ORT takes the file
+
+
+def test_keep_head_fp32_without_a_logits_output_is_refused():
+    with pytest.raises(ExportError, match=r"--keep-head-fp32: no MatMul .* produces a logits output"):
+        Quantization("int4", keep_head_fp32=True).apply(_matmul_model())
+
+
+@pytest.mark.parametrize(("quantization", "words"), [
+    (Quantization("int4", block_size=48), "--block-size 48: MatMulNBits takes a power of two"),
+    (Quantization("int8", method="hqq"), "--quant-method hqq: .* 8-bit"),
+    (Quantization("int4", method="hqq", symmetric=True), "hqq fits a zero point"),
+    (Quantization("int8-dynamic", symmetric=True), "--symmetric: options of weight-only quantization"),
+    (Quantization("none", keep_head_fp32=True), "--keep-head-fp32: options of weight-only"),
+    (Quantization("int2"), "quantize must be one of none, int4, int8, int8-dynamic"),
+])
+def test_options_weight_only_quantization_cannot_take_are_refused(quantization, words):
+    with pytest.raises(ExportError, match=words):
+        quantization.check()
+
+
+def test_hqq_int4_runs():
+    model = _linear_model()
+    quantized = Quantization("int4", method="hqq").apply(model)
+    x = np.random.default_rng(1).standard_normal((2, 64)).astype(np.float32)
+    want, got = _run(model, x), _run(quantized, x)
+    assert len(_nbits(quantized)) == 2 and np.linalg.norm(got - want) / np.linalg.norm(want) < 0.25
+
+
+def test_int4_export_of_the_block_keeps_its_attention_and_records_its_quality(tmp_path, export_model):
+    signature = Signature("self", "padding-causal")
+    fp32, _ = export_model(signature)
+    torch.manual_seed(1234)  # the fixture's block
+    mha = MultiHeadAttention(TEST_D_MODEL, TEST_HEADS).eval()
+    result = export_mha(mha, tmp_path / "q.onnx", signature, quantize="int4")
+    quantized = onnx.load(result.path)
+    # the four projections as MatMulNBits, nothing else changed: the fp32 file's attention and I/O
+    assert [a["bits"] for a in _nbits(quantized)] == [4] * 4 and not constant_weight_matmuls(quantized)
+    assert [(op.op, op.kernel) for op in describe_model(result.path).attention_ops] == [
+        (op.op, op.kernel) for op in describe_model(fp32).attention_ops]
+    before = onnx.load(fp32)
+    assert [(v.name, v.type) for v in quantized.graph.input] == [(v.name, v.type) for v in before.graph.input]
+    assert [(v.name, v.type) for v in quantized.graph.output] == [(v.name, v.type) for v in before.graph.output]
+    assert 0 < result.parity.rel_err <= REL_ERR_BUDGETS["int4"] and result.parity.passed
+    assert result.parity.top1_agreement is None  # a hidden state, not logits
+    metadata = MHASession(result.path, provider="cpu").metadata  # the load check's probes pass too
+    assert metadata.quantization == "int4" and metadata.weight_only.matmuls == 4
+    assert metadata.parity.rel_budget == REL_ERR_BUDGETS["int4"]
+    text = describe_model(result.path).text()
+    assert "quantization int4: 4 MatMulNBits, 4-bit asymmetric blocks of 32, rtn, accuracy_level 4" in text
+    assert "relative error" in text and "budget 25.0%" in text
+    assert onnx.load(result.path).ByteSize() < before.ByteSize()
+
+
+def _quantize_with_a_broken_scale(model, quantization):
+    """Weight-only as asked, then the first MatMulNBits' scales doubled: a wrong scale the budget must refuse."""
+    quantized = quantize_weights(model, quantization)
+    node = next(n for n in all_nodes(quantized.graph) if n.op_type == "MatMulNBits")
+    scales = next(t for t in quantized.graph.initializer if t.name == node.input[2])
+    scales.CopyFrom(onnx.numpy_helper.from_array(onnx.numpy_helper.to_array(scales) * 2, scales.name))
+    return quantized
+
+
+def test_a_broken_scale_is_refused_saying_by_how_much(tmp_path, monkeypatch):
+    monkeypatch.setattr("mha_deploy.exporters.quantize.quantize_weights", _quantize_with_a_broken_scale)
+    with pytest.raises(ParityError, match=r"relative error .*\(budget 5\.0%: \d+\.\dx the budget\).*nothing written"):
+        export_mha(MultiHeadAttention(TEST_D_MODEL, TEST_HEADS), tmp_path / "q.onnx", Signature(), quantize="int8")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_an_int4_kv_cache_lm_keeps_its_cache_and_generates(lm_cache):
+    """The tutorial GPT with --kv-cache --quantize int4: every MatMul as MatMulNBits, the ragged cache, its
+    GroupQueryAttentions and its I/O as the fp32 export has them; generation runs through the same runtime
+    unchanged, and the file records its error and top-1 agreement against fp32 torch."""
+    from mha_deploy.runtime.generation import generate
+    from mha_deploy.runtime.kv_stepper import KVCacheStepper
+
+    path, output = lm_cache("tutorial_gpt", "--quantize", "int4")
+    assert "quantized int4: 13 MatMulNBits, 4-bit asymmetric blocks of 32, rtn, accuracy_level 4" in output
+    report = describe_model(path)
+    assert [op.op for op in report.attention_ops] == ["com.microsoft::GroupQueryAttention"] * 2
+    metadata = MHASession(path, provider="cpu").metadata  # the load check takes it
+    assert metadata.cache_layout == "ragged" and metadata.positions == "input"
+    assert [v.name for v in onnx.load(path).graph.input] == ["input_ids", "attention_mask",
+                                                            *metadata.signature.cache_pairs, "position_ids"]
+    parity = metadata.parity
+    assert parity.passed and 0 < parity.rel_err <= REL_ERR_BUDGETS["int4"] and parity.top1_rows > 0
+    assert 0.5 < parity.top1_agreement <= 1
+    assert f"top-1 agreement {parity.top1_agreement:.1%}" in report.text()
+    prompts = [[5, 9, 2, 7, 1], [3, 4], [8, 8, 8, 1, 2, 6, 7]]
+    out = generate(KVCacheStepper(path), prompts, max_new_tokens=6, eos_token_id=[])
+    assert [len(t) for t in out.tokens] == [6, 6, 6]
+    assert all(0 <= token < 60 for row in out.tokens for token in row)
+
+
+def test_weight_only_options_without_weight_only_quantization_are_refused(tmp_path):
+    from click.testing import CliRunner
+
+    from mha_deploy.cli import main
+
+    result = CliRunner().invoke(main, ["export", "--symmetric", "--block-size", "64", "-o", str(tmp_path / "m.onnx")])
+    assert result.exit_code != 0
+    assert "--block-size, --symmetric: options of weight-only quantization" in result.output
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_int8_dynamic_with_a_kv_cache_is_refused_saying_why(tmp_path):
+    causal_lm = user_module("causal_lm")
+    with pytest.raises(ExportError, match=r"int8-dynamic with --kv-cache: .* use --quantize int8 or int4"):
+        export_model(causal_lm.build(), tmp_path / "lm.onnx", causal_lm.INPUTS, kv_cache=True,
+                     quantize="int8-dynamic")

@@ -109,7 +109,7 @@ def test_int8_packs_and_passes_its_parity_budget(tmp_path, pack_any_size):
     classifier = user_module("classifier")
     # int8's dynamic quantization scales each MatMul input over its rows: packed, over the real ones only, so
     # packed and unpacked int8 differ within the int8 budget, not bit for bit.
-    result = export_model(classifier.build(), tmp_path / "m.onnx", classifier.INPUTS, quantize="int8")
+    result = export_model(classifier.build(), tmp_path / "m.onnx", classifier.INPUTS, quantize="int8-dynamic")
     assert result.packing.runs == 1 and result.parity.passed and not result.warnings
     assert result.parity.rel_budget is not None
 

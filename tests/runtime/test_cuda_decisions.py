@@ -38,7 +38,7 @@ def int8_model(tmp_path_factory):
 
     torch.manual_seed(0)
     path = tmp_path_factory.mktemp("int8") / "int8.onnx"
-    export_mha(MultiHeadAttention(D, TEST_HEADS).eval(), path, PADDING, quantize="int8")
+    export_mha(MultiHeadAttention(D, TEST_HEADS).eval(), path, PADDING, quantize="int8-dynamic")
     return path
 
 
@@ -100,7 +100,7 @@ def test_a_missing_cudnn_is_named(monkeypatch):
 def test_cuda_unsupported_names_int8_and_returned_weights(export_model, int8_model):
     assert cuda_unsupported(onnx.load(export_model(PADDING)[0])) is None
     assert cuda_unsupported(onnx.load(export_model(PADDING, dtype="fp16")[0])) is None
-    assert "int8 (DynamicQuantizeLinear, MatMulInteger)" in cuda_unsupported(onnx.load(int8_model))
+    assert "int8-dynamic (DynamicQuantizeLinear, MatMulInteger)" in cuda_unsupported(onnx.load(int8_model))
     assert "qk_matmul_output" in cuda_unsupported(onnx.load(export_model(WEIGHTS)[0]))
     # Unfused, the weights are a plain Softmax output: every op has a CUDA kernel.
     assert cuda_unsupported(onnx.load(export_model(WEIGHTS, "none")[0])) is None
