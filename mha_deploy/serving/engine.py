@@ -1,5 +1,8 @@
 """Continuous batching of a KV-cache decoder: one decode loop (a thread) per model, requests joining and leaving it
-between steps. No torch, no HTTP (the server's routes are adapters over ``GenerationEngine``).
+between steps. No torch, no HTTP (the server's routes are adapters over ``GenerationEngine``). What the loop decides
+-- who starts, how much prefill a turn takes, which cohort a row joins, when cohorts merge, what the KV budget
+allows -- is planned in ``serving.scheduler`` (pure functions of the engine's state, tested without a model); this
+module runs that plan on the ``KVCacheStepper``.
 
 Each turn of the loop:
 
@@ -60,6 +63,7 @@ from mha_deploy.metadata import POSITIONS_NONE, POSITIONS_PADDED_WIDTH
 from mha_deploy.runtime.generation import GenerationConfig, draw_tokens
 from mha_deploy.runtime.kv_stepper import KVCacheStepper
 from mha_deploy.runtime.logits import LogitBiasLogitsProcessor, TokenHistory, log_softmax
+from mha_deploy.serving.scheduler import AlignmentKey, KVBudget, Prefilling, Scheduler
 
 logger = logging.getLogger("mha_deploy.serve")
 
@@ -165,25 +169,6 @@ class GenerationObserver:
         pass
 
 
-class KVBudget:
-    """Which requests may run at once within ``max_kv_tokens`` cache positions: a pure function of their needs.
-
-    ``mixed``: one cohort, every row as wide as the widest possible row (rows x max need); otherwise each row holds
-    its own length (sum of needs)."""
-
-    def __init__(self, max_kv_tokens: int, mixed: bool):
-        self.max_kv_tokens = max_kv_tokens
-        self.mixed = mixed
-
-    def planned(self, needs: list[int]) -> int:
-        if not needs:
-            return 0
-        return len(needs) * max(needs) if self.mixed else sum(needs)
-
-    def fits(self, needs: list[int], need: int) -> bool:
-        return self.planned([*needs, need]) <= self.max_kv_tokens
-
-
 @dataclass(eq=False)
 class _Sequence:
     """A request in the engine: its history, its sampler, where its cache is, and whom to tell."""
@@ -269,10 +254,11 @@ class GenerationEngine:
             raise InputError(f"{stepper.graph.source} cannot mask the holes that mixing lengths leaves (it takes no "
                              "attention_mask" + (" or encoder_attention_mask" if stepper.encoder is not None else "")
                              + "): its requests can share steps only with rows of their own length")
-        self.budget = KVBudget(max_kv_tokens, self.mix_lengths)
-        self.max_running = max_running
+        # The plan (who starts, joins, merges, what the budget allows); this class runs it on the stepper.
+        self.scheduler = Scheduler(max_kv_tokens=max_kv_tokens, max_running=max_running, prefill_chunk=prefill_chunk,
+                                   mix_lengths=self.mix_lengths, ragged=stepper.ragged,
+                                   whole_prompts=stepper.encoder is not None)
         self.max_waiting = max_waiting
-        self.prefill_chunk = prefill_chunk
         self.observer = observer or GenerationObserver()
         self._lock = threading.Condition()
         self._waiting: deque[_Sequence] = deque()
@@ -284,6 +270,18 @@ class GenerationEngine:
         self.turns = 0
 
     # --- what callers use -------------------------------------------------------------------------
+
+    @property
+    def budget(self) -> KVBudget:
+        return self.scheduler.budget
+
+    @property
+    def max_running(self) -> int:
+        return self.scheduler.max_running
+
+    @property
+    def prefill_chunk(self) -> int:
+        return self.scheduler.prefill_chunk
 
     @property
     def batching(self) -> str:
@@ -343,7 +341,7 @@ class GenerationEngine:
         if bias and self.stepper.graph.vocab_size is not None:
             # Checked here, not at the row's first step: a failure inside the loop would fail every running row.
             LogitBiasLogitsProcessor(bias).check_vocabulary(self.stepper.graph.vocab_size)
-        if not self.budget.fits([], request.kv_need):
+        if not self.scheduler.fits_alone(request.kv_need):
             raise RequestTooLarge(
                 f"the prompt's {len(prompt)} tokens and max_tokens {request.config.max_new_tokens} need "
                 f"{request.kv_need} cache positions, past this server's --max-kv-tokens {self.budget.max_kv_tokens}")
@@ -412,19 +410,15 @@ class GenerationEngine:
             self._leave(cohort, [s for s in cohort.sequences if s.cancelled])
 
     def _admit(self) -> None:
-        """Waiting requests start in arrival order while the budget holds them (the first that does not fit waits,
-        and so do those behind it: a long request is not starved by short ones passing it)."""
-        needs = [s.request.kv_need for s in self._active()]
-        while self._waiting and len(needs) < self.max_running:
-            head = self._waiting[0]
-            if not self.budget.fits(needs, head.request.kv_need):
-                break
-            self._waiting.popleft()
+        """The waiting requests the scheduler starts (``Scheduler.admitted``) each get a stepper to prefill in."""
+        count = self.scheduler.admitted([s.request.kv_need for s in self._waiting],
+                                        [s.request.kv_need for s in self._active()])
+        for _ in range(count):
+            head = self._waiting.popleft()
             head.stepper = self.stepper.fork()
             if head.stepper.ragged:
                 head.stepper.reserve(len(head.request.prompt), 1)  # its prompt, in chunks or not: no regrowth
             self._prefilling.append(head)
-            needs.append(head.request.kv_need)
 
     def _turn(self) -> None:
         self._prefill()
@@ -435,21 +429,20 @@ class GenerationEngine:
             finished = [s for s, row in zip(cohort.sequences, logits, strict=True) if self._choose(s, row)]
             now_tokens += len(cohort.sequences)
             self._leave(cohort, finished)
-        if not self.mix_lengths:
+        if len(self._cohorts) > 1:  # one cohort has none to merge with (and mixed lengths never make two)
             self._merge_aligned()
         self.observer.tokens(now_tokens)
 
     def _prefill(self) -> None:
-        """Up to ``prefill_chunk`` prompt tokens this turn, oldest request first; at least one chunk."""
-        budget = self.prefill_chunk
-        for sequence in list(self._prefilling):
-            if budget <= 0:
-                break
+        """This turn's prefill chunks (``Scheduler.prefill_chunks``), oldest request first; a prompt whose prefill
+        is done gets its first token and joins a cohort."""
+        prefilling = list(self._prefilling)
+        plan = self.scheduler.prefill_chunks([Prefilling(len(s.request.prompt), s.prefilled) for s in prefilling])
+        for chunk in plan:
+            sequence = prefilling[chunk.index]
             prompt = sequence.request.prompt
-            start = sequence.prefilled
-            # An encoder reads its whole source in one call; a decoder's prompt may come in chunks.
-            chunk = len(prompt) if self.stepper.encoder is not None else budget
-            ids = np.asarray(prompt[start : start + chunk], np.int64)[None, :]
+            start = chunk.start
+            ids = np.asarray(prompt[start : start + chunk.length], np.int64)[None, :]
             stepper = sequence.stepper
             scored = sequence.prompt_scores is not None
             logits = stepper.prefill(ids, np.ones_like(ids), scored) if start == 0 else stepper.extend(ids, scored)
@@ -457,7 +450,6 @@ class GenerationEngine:
                 self._score_prompt(sequence, start, logits[0])
                 logits = logits[:, -1]
             sequence.prefilled += ids.shape[1]
-            budget -= ids.shape[1]
             if sequence.prefilled < len(prompt):
                 continue
             self._prefilling.remove(sequence)
@@ -474,62 +466,48 @@ class GenerationEngine:
             raw = log_softmax(logits[: following.size])
             sequence.prompt_scores.extend(token_logprobs(raw, following, sequence.request.logprobs))
 
-    def _alignment(self, stepper: KVCacheStepper) -> tuple[int, int]:
+    def _alignment(self, stepper: KVCacheStepper) -> AlignmentKey:
         """What rows must share to step together unmixed: the cache width, and an encoder-decoder's source length
         when its decoder cannot mask a shorter source (no encoder_attention_mask)."""
         source = 0 if "encoder_attention_mask" in stepper.graph.inputs else stepper.source_width
         return stepper.mask.shape[1], source
 
     def _join(self, sequence: _Sequence) -> None:
+        """``sequence``'s prefilled rows join the cohort the scheduler names, or a new one."""
         key = self._alignment(sequence.stepper)
-        target = next((c for c in self._cohorts if self.mix_lengths or self._alignment(c.stepper) == key), None)
-        if target is None:
+        index = self.scheduler.cohort_for(key, [self._alignment(c.stepper) for c in self._cohorts])
+        if index is None:
             target = _Cohort(self.stepper.fork(), [])
             self._cohorts.append(target)
+        else:
+            target = self._cohorts[index]
         if target.stepper.ragged:
-            self._plan_rows(target, sequence)
+            # Sized before the join, so that the joining row goes into a spare row and the running rows stay put.
+            needs = [s.request.kv_need for s in [*target.sequences, sequence]]
+            buffers = self.scheduler.cohort_buffers(needs, target.stepper.row_capacity, target.stepper.capacity)
+            if buffers is not None:
+                target.stepper.reserve(buffers.positions, buffers.rows)
         target.stepper.join(sequence.stepper)
         target.sequences.append(sequence)
         sequence.stepper = None
 
-    def _plan_rows(self, cohort: _Cohort, sequence: _Sequence) -> None:
-        """Size a ragged cohort's buffers before ``sequence`` joins: positions for the longest need among its rows
-        (prompt + max_new_tokens), rows doubling (so that joins mostly fill spare rows and move nothing) but never
-        past ``max_running`` or what ``max_kv_tokens`` holds at that width; the budget already admitted the rows,
-        so rows x positions stays within it. Buffers that fit are kept (no copy); new ones are as wide as the rows
-        now need, narrower than before when the longest request has left."""
-        stepper = cohort.stepper
-        rows = len(cohort.sequences) + 1
-        positions = max(s.request.kv_need for s in [*cohort.sequences, sequence])
-        if stepper.row_capacity >= rows and stepper.capacity >= positions:
-            return
-        room = max(rows, self.budget.max_kv_tokens // positions)
-        stepper.reserve(positions, min(max(rows, 2 * stepper.row_capacity), self.max_running, room))
-
     def _merge_aligned(self) -> None:
-        """Cohorts of one width hold rows of one length each (no holes): one call can step them all."""
-        by_key: dict[tuple[int, int], _Cohort] = {}
-        for cohort in list(self._cohorts):
-            into = by_key.setdefault(self._alignment(cohort.stepper), cohort)
-            if into is not cohort:
-                into.stepper.join(cohort.stepper)
-                into.sequences.extend(cohort.sequences)
-                self._cohorts.remove(cohort)
+        """Cohorts whose keys met after a step step as one from now on (``Scheduler.merges``)."""
+        merges = self.scheduler.merges([self._alignment(c.stepper) for c in self._cohorts])
+        for merged, into in merges:
+            self._cohorts[into].stepper.join(self._cohorts[merged].stepper)
+            self._cohorts[into].sequences.extend(self._cohorts[merged].sequences)
+        gone = {merged for merged, _ in merges}
+        self._cohorts = [c for i, c in enumerate(self._cohorts) if i not in gone]
 
     def _leave(self, cohort: _Cohort, leaving: list[_Sequence]) -> None:
         if not leaving:
             return
-        staying = [i for i, s in enumerate(cohort.sequences) if s not in leaving]
+        staying = self.scheduler.rows_kept(len(cohort.sequences),
+                                           {i for i, s in enumerate(cohort.sequences) if s in leaving})
         if not staying:
             self._cohorts.remove(cohort)
             return
-        if cohort.stepper.ragged:
-            # Swap-remove: each leaving row's place goes to the last row, so a departure moves one row, not all.
-            order = list(range(len(cohort.sequences)))
-            for i in sorted((i for i, s in enumerate(cohort.sequences) if s in leaving), reverse=True):
-                order[i] = order[-1]
-                order.pop()
-            staying = order
         cohort.stepper.keep(np.array(staying, np.int64))
         cohort.sequences = [cohort.sequences[i] for i in staying]
 
