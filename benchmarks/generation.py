@@ -25,6 +25,13 @@ onnxruntime-genai (``.venv-genai``, scripts/setup.sh). Greedy, 2 threads everywh
   the end is printed beside the size a max-length cache would take.
 
 Each timed block waits for a quiet machine (``QuietGate``); the load average before and after ends the report.
+
+With ``--quantize int4`` (or int8) it measures the weight-only quantized export against the fp32 one instead, in
+one run: both exported the same way (the quantized one with its error and top-1 agreement against fp32 torch),
+their file sizes, the weight bytes a decoded token reads (every stored weight, scales and zero points included,
+an embedding table counted as one row), this machine's memory bandwidth (a numpy sum over 256 MB, one core) and the
+batch-1 limit it sets, and new tokens/s of ``runtime.generation`` at batch 1 and at batch 16 (prompts of 128,
+128 new tokens; each in a fresh process, the two files alternating).
 """
 
 from __future__ import annotations
@@ -68,6 +75,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="the small tutorial GPT, short prompts")
     parser.add_argument("--workdir", type=Path, help="where to export (default: a temporary directory)")
+    parser.add_argument("--quantize", choices=("int4", "int8"),
+                        help="measure this weight-only export against the fp32 one (sizes, bytes per token, tokens/s)")
     parser.add_argument("--probe", choices=("ours", "transformers"), help=argparse.SUPPRESS)
     parser.add_argument("--request", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -75,12 +84,13 @@ def main() -> None:
         print(json.dumps(_PROBES[args.probe](json.loads(args.request.read_text()))))
         return
     sizes = QUICK if args.quick else TARGET
+    measure = (lambda s, w: run_quantized(s, w, args.quantize)) if args.quantize else run
     if args.workdir is not None:
         args.workdir.mkdir(parents=True, exist_ok=True)
-        run(sizes, args.workdir)
+        measure(sizes, args.workdir)
     else:
         with tempfile.TemporaryDirectory(prefix="mha-generation-bench-") as workdir:
-            run(sizes, Path(workdir))
+            measure(sizes, Path(workdir))
 
 
 def run(sizes: Sizes, workdir: Path) -> None:
@@ -143,8 +153,84 @@ def run(sizes: Sizes, workdir: Path) -> None:
     print(load_line(before, load_average(), THREADS))
 
 
-def export(sizes: Sizes, workdir: Path) -> Path:
-    """The benchmark's GPT exported with --kv-cache (a pad id recorded) and genai_config.json beside it."""
+def run_quantized(sizes: Sizes, workdir: Path, kind: str) -> None:
+    """The fp32 export against the ``kind`` weight-only one: sizes, weight bytes per token against the memory
+    bandwidth, and new tokens/s at batch 1 and at batch ``sizes.batch``, the two files alternating."""
+    from mha_deploy.bench import QuietGate
+    from mha_deploy.bench.timing import load_average, load_line
+
+    before = load_average()
+    gate = QuietGate(wait_s=2.0, total_wait_s=20.0) if sizes is QUICK else QuietGate(wait_s=15.0, total_wait_s=240.0)
+    paths = {"fp32": export(sizes, workdir), kind: export(sizes, workdir, kind)}
+    print(f"model: tutorial_gpt.{sizes.factory}() d_model {sizes.d_model}, {sizes.heads} heads, {sizes.layers} "
+          f"layers, vocabulary {sizes.vocab}, {sizes.positions} positions; {THREADS} threads, greedy", flush=True)
+    bandwidth = memory_bandwidth_gb_s()
+    read = {name: weight_bytes_per_token(path) for name, path in paths.items()}
+    print(f"memory bandwidth: {bandwidth:.1f} GB/s (numpy sum over 256 MB, one core, best of 5)")
+    for name, path in paths.items():
+        print(f"  {name:<5} file {path.stat().st_size / 2**20:7.1f} MB; a decoded token reads "
+              f"{read[name] / 2**20:6.1f} MB of weights: at most {bandwidth * 1e9 / read[name]:6.0f} tokens/s "
+              "at batch 1")
+    rng = np.random.default_rng(0)
+    prompts = rng.integers(1, sizes.vocab, (sizes.batch, sizes.prompt)).tolist()
+    rates: dict[tuple[str, int], float] = {}
+    for batch in (1, sizes.batch):
+        seconds: dict[str, list[float]] = {name: [] for name in paths}
+        for _ in range(sizes.repeats):  # alternating, so that a noisy moment hits both
+            for name, path in paths.items():
+                gate.wait()
+                request = {"model": str(path), "prompts": prompts[:batch], "new": sizes.new, "repeats": 1,
+                           "threads": THREADS, "sizes": sizes.__dict__}
+                seconds[name] += _probe("ours", request, workdir)["seconds"]
+        for name in paths:
+            rates[name, batch] = batch * sizes.new / float(np.median(seconds[name]))
+    print(f"new tokens/s, prompts of {sizes.prompt}, {sizes.new} new tokens (runtime.generation; median of "
+          f"{sizes.repeats} runs each, fresh processes):")
+    for batch in (1, sizes.batch):
+        line = "   ".join(f"{name} {rates[name, batch]:7.0f}" for name in paths)
+        print(f"  batch {batch:>2}: {line}   {kind} / fp32 {rates[kind, batch] / rates['fp32', batch]:.2f}x; "
+              f"{kind} at {rates[kind, batch] * read[kind] / 1e9 / bandwidth:.0%} of the bandwidth (batch-1 terms)")
+    size_ratio = paths[kind].stat().st_size / paths["fp32"].stat().st_size
+    print(f"file size {kind} / fp32: {size_ratio:.2f}; weight bytes per token {read[kind] / read['fp32']:.2f}")
+    print(gate.summary())
+    print(load_line(before, load_average(), THREADS))
+
+
+def memory_bandwidth_gb_s() -> float:
+    """GB/s of a numpy sum over 256 MB of float32 (one core): what one decoding thread can read at best."""
+    data = np.ones(64 * 2**20, np.float32)
+    best = float("inf")
+    for _ in range(5):
+        started = time.perf_counter()
+        data.sum()
+        best = min(best, time.perf_counter() - started)
+    return data.nbytes / best / 1e9
+
+
+def weight_bytes_per_token(path: Path) -> int:
+    """The bytes of stored weights one decoded token reads: every initializer (MatMulNBits' blocks, scales and zero
+    points included), except a table only gathered from (an embedding), which gives one row per token."""
+    import onnx
+
+    from mha_deploy.onnx_nodes import all_nodes
+
+    model = onnx.load(str(path))
+    readers: dict[str, list] = {}
+    for node in all_nodes(model.graph):
+        for index, name in enumerate(node.input):
+            readers.setdefault(name, []).append((node.op_type, index))
+    total = 0
+    for tensor in model.graph.initializer:
+        size = onnx.numpy_helper.to_array(tensor).nbytes
+        uses = readers.get(tensor.name, [])
+        gathered = uses and all(op == "Gather" and index == 0 for op, index in uses) and len(tensor.dims) == 2
+        total += size // tensor.dims[0] if gathered else size
+    return total
+
+
+def export(sizes: Sizes, workdir: Path, quantize: str = "none") -> Path:
+    """The benchmark's GPT exported with --kv-cache (a pad id recorded, ``quantize`` as asked) and
+    genai_config.json beside it."""
     sys.path.insert(0, str(REPOSITORY / "tests" / "user_models"))
     import tutorial_gpt
 
@@ -152,12 +238,15 @@ def export(sizes: Sizes, workdir: Path) -> Path:
     from mha_deploy.metadata import GenerationIds
     from mha_deploy.runtime.genai_config import write_genai_config
 
-    path = workdir / "model.onnx"
+    # genai_config.json names model.onnx: a quantized file gets a folder of its own
+    path = (workdir if quantize == "none" else workdir / quantize) / "model.onnx"
+    path.parent.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     result = export_model(getattr(tutorial_gpt, sizes.factory)(), path, tutorial_gpt.INPUTS, kv_cache=True,
-                          generation=GenerationIds([], PAD))
+                          generation=GenerationIds([], PAD), quantize=quantize)
     write_genai_config(path, threads=THREADS)
-    print(f"exported in {time.perf_counter() - started:.0f} s: {result.fusion.summary()}; cache layout "
+    print(f"exported {quantize if quantize != 'none' else 'fp32'} in {time.perf_counter() - started:.0f} s: "
+          f"{result.fusion.summary()}; cache layout "
           f"{result.metadata.cache_layout or 'holes'}; {result.parity.summary()}",
           flush=True)
     return path
