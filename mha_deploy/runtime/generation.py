@@ -27,6 +27,7 @@ from typing import Protocol, runtime_checkable
 import numpy as np
 
 from mha_deploy.errors import InputError, OptionError
+from mha_deploy.metadata import POSITIONS_PADDED_WIDTH
 from mha_deploy.runtime.beam_search import BeamSearchScorer, check_length_penalty
 from mha_deploy.runtime.logits import (
     LogitBiasLogitsProcessor,
@@ -228,6 +229,8 @@ def generate(
     (padded on the left here). ``options`` override ``config``'s fields (``max_new_tokens=32, num_beams=4``)."""
     config = _config(config, options, stepper)
     ids, mask = prompt_batch(input_ids, attention_mask)
+    if _positions_by_column(stepper) and not mask.all():
+        return _generate_by_length(stepper, ids, mask, config)
     if config.num_beams > 1:
         return _beam_search(stepper, ids, mask, config)
     tokens: list[list[int]] = [[] for _ in range(len(ids))]
@@ -235,6 +238,33 @@ def generate(
         for prompt, token in zip(step.prompts, step.tokens, strict=True):
             tokens[prompt].append(int(token))
     return GenerationOutput([np.asarray(t, np.int64) for t in tokens], _pad_id(config))
+
+
+def _positions_by_column(stepper: TokenStepper) -> bool:
+    """Whether the stepper's file numbers positions by the padded batch's columns (its export measured that a
+    row's output moves with padding before it or a hole inside it): prompts of other lengths, or padded at all,
+    would then not get what they get alone."""
+    graph = getattr(stepper, "graph", None)  # a KVCacheStepper's file; other steppers say nothing of positions
+    return getattr(graph, "positions", None) == POSITIONS_PADDED_WIDTH
+
+
+def _generate_by_length(
+    stepper: TokenStepper, ids: np.ndarray, mask: np.ndarray, config: GenerationConfig
+) -> GenerationOutput:
+    """``generate`` one length at a time, each prompt's real tokens unpadded, so that every prompt gets what it
+    gets alone on a file whose positions are its columns; the results in the order given."""
+    lengths = mask.sum(axis=1)
+    tokens: list[np.ndarray] = [np.zeros(0, np.int64)] * len(ids)
+    scores: list[float] | None = [0.0] * len(ids) if config.num_beams > 1 else None
+    for length in sorted(set(lengths.tolist())):
+        rows = np.flatnonzero(lengths == length)
+        prompts = np.stack([ids[row][mask[row] != 0] for row in rows])
+        part = generate(stepper, prompts, np.ones_like(prompts), config)
+        for index, row in enumerate(rows):
+            tokens[row] = part.tokens[index]
+            if scores is not None:
+                scores[row] = part.scores[index]
+    return GenerationOutput(tokens, _pad_id(config), scores)
 
 
 def stream(
@@ -250,6 +280,9 @@ def stream(
     if config.num_beams > 1:
         raise OptionError("beam search cannot stream: its best sequence is known only at the end; use generate")
     ids, mask = prompt_batch(input_ids, attention_mask)
+    if _positions_by_column(stepper) and not mask.all():
+        raise InputError("this file counts positions over the padded batch's columns, so a padded prompt would not get "
+                         "what it gets alone: stream prompts of one length, unpadded (generate splits them itself)")
     return _sample(stepper, ids, mask, config)
 
 

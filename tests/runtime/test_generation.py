@@ -16,7 +16,7 @@ from mha_deploy.runtime.generation import GenerationConfig, TokenStepper, genera
 from mha_deploy.runtime.kv_stepper import KVCacheStepper
 from mha_deploy.runtime.logits import TokenHistory
 from mha_deploy.runtime.stopping import EosTokenCriteria, MaxNewTokensCriteria, StoppingCriteriaList
-from tests.conftest import user_module
+from tests.conftest import HOLES_LM, user_module
 from tests.runtime.fixed_logits import FixedLogits
 
 torch = pytest.importorskip("torch")
@@ -611,3 +611,28 @@ def test_a_rotary_decoders_mixed_length_batch_gives_each_prompt_its_greedy_token
         prompt = ids[row][mask[row] == 1][None]
         alone = transformers_generate(model, prompt, np.ones_like(prompt), eos_token_id=llama.EOS_ID)[0]
         assert tokens.tolist() == alone.tolist(), f"row {row}"
+
+
+@pytest.mark.parametrize("padding", ["left", "right"])
+@pytest.mark.parametrize("search", [{}, {"num_beams": 2}], ids=["greedy", "beams"])
+def test_a_file_counting_positions_by_column_generates_each_length_as_alone(lm_cache, padding, search):
+    """GPT-2's holes export takes no position_ids: its positions are the padded batch's columns, so a padded row
+    would be shifted (left) or split by a hole (right). generate runs such a batch one length at a time, each
+    prompt unpadded, and every prompt gets what it gets alone, in the order given."""
+    pytest.importorskip("transformers")
+    path, _ = lm_cache("hf_gpt2", *HOLES_LM)
+    stepper = KVCacheStepper(path)
+    assert stepper.graph.positions == "padded-width"
+    ids, mask = prompts([4, 9, 4, 1], 96, seed=11)
+    if padding == "right":
+        ids, mask = right_padded(ids, mask)
+    options = {"max_new_tokens": 6, "eos_token_id": [], **search}
+    out = generate(stepper, ids, mask, **options)
+    for row, tokens in enumerate(out.tokens):
+        alone = generate(KVCacheStepper(path), [ids[row][mask[row] == 1]], **options)
+        assert tokens.tolist() == alone.tokens[0].tolist(), f"row {row}"
+        if search:
+            assert out.scores[row] == pytest.approx(alone.scores[0])
+    if not search:
+        with pytest.raises(InputError, match="stream prompts of one length, unpadded"):
+            next(iter(stream(stepper, ids, mask, **options)))
