@@ -25,6 +25,13 @@ class RawItem(NamedTuple):
     item_id: str
     item: Item | None
     problem: str | None = None
+    # Where the item is in its file, for a format whose ids need not find it (a JSON line: "line 4").
+    place: str | None = None
+
+    @property
+    def label(self) -> str:
+        """How messages name the item: ``item '<id>'``, with its place when it has one."""
+        return f"item {self.item_id!r}" + (f" ({self.place})" if self.place else "")
 
 
 class ItemReader(Protocol):

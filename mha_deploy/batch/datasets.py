@@ -1,8 +1,9 @@
 """Datasets of items as shards on disk, read lazily and written shard by shard.
 
 A dataset is one file or a directory of shard files (``.npz``, ``.safetensors``,
-``.parquet``; names starting with ``.`` or ``_`` are ignored, as Spark and Ray
-do). Readers hand out items one at a time, so a runner never holds more than
+``.parquet``, ``.jsonl``; names starting with ``.`` or ``_`` are ignored, as Spark and Ray
+do). Outputs keep their shard's name and format, except a JSONL shard's, which is
+``<stem>.npz``. Readers hand out items one at a time, so a runner never holds more than
 its read-ahead window of inputs; writers stream outputs into a temporary file
 that is renamed onto the shard's output path only when the shard is complete.
 
@@ -11,7 +12,7 @@ Layouts (``npz``/``safetensors`` as in ``mha_deploy.batch.items``):
 - self-attention: ``<id>`` -> [seq, d_model]; cross: ``<id>.query``, ``<id>.key``, ``<id>.value``
 - outputs: ``<id>`` -> [q_seq, d_model] and ``<id>.attn_weights`` -> [heads, q_seq, kv_seq]
   (``output_keys``; the job refuses an item whose keys another item of the shard already takes)
-- Parquet: see ``mha_deploy.batch.parquet``.
+- Parquet: see ``mha_deploy.batch.parquet``; JSONL: see ``mha_deploy.batch.jsonl``.
 
 A member that cannot be read (damaged, pickled objects, a header declaring
 more data than the archive holds) is a bad item, named by its id, that
@@ -34,12 +35,17 @@ import numpy as np
 from mha_deploy.atomic import atomic_path
 from mha_deploy.batch.base import ItemReader, ItemWriter, RawItem, refuse_padding_masks
 from mha_deploy.batch.items import ITEM_SUFFIXES
+from mha_deploy.batch.jsonl import JSONL_SUFFIX, JsonlItemReader
 from mha_deploy.errors import InputError
 from mha_deploy.metadata import Signature
 from mha_deploy.runtime.validation import physical_memory_bytes
 
 PARQUET_SUFFIX = ".parquet"
-DATASET_SUFFIXES = (*ITEM_SUFFIXES, PARQUET_SUFFIX)
+OUTPUT_SUFFIXES = (*ITEM_SUFFIXES, PARQUET_SUFFIX)
+# JSONL is read, not written: outputs are float arrays, which JSON would hold as text several times their size
+# and parse slowly; a JSONL shard's outputs go to the streamed npz.
+DATASET_SUFFIXES = (*OUTPUT_SUFFIXES, JSONL_SUFFIX)
+JSONL_OUTPUT_SUFFIX = ".npz"
 # Zip entries carry a timestamp; a fixed one makes an output shard's bytes depend on its contents only.
 _ZIP_EPOCH = (1980, 1, 1, 0, 0, 0)
 
@@ -66,22 +72,37 @@ def list_shards(input_path: str | os.PathLike, output_path: str | os.PathLike) -
             raise InputError(
                 f"--input {input_path} is a directory, so --output must be one too ({output_path} is a file)"
             )
-        names = sorted(
-            p.name
+        paths = sorted(
+            p
             for p in input_path.iterdir()
             if p.is_file() and p.suffix in DATASET_SUFFIXES and not p.name.startswith((".", "_"))
         )
-        if not names:
+        if not paths:
             raise InputError(f"{input_path}: no {', '.join(DATASET_SUFFIXES)} files in this directory")
-        return [Shard(name, input_path / name, output_path / name) for name in names]
+        outputs = [_output_name(p) for p in paths]
+        shared = next((name for name, count in Counter(outputs).items() if count > 1), None)
+        if shared is not None:
+            sources = [p.name for p, name in zip(paths, outputs, strict=True) if name == shared]
+            raise InputError(
+                f"{input_path}: {' and '.join(sources)} would both write {shared} (a JSONL shard's outputs go to "
+                f"<stem>{JSONL_OUTPUT_SUFFIX}); rename one of them"
+            )
+        return [Shard(p.name, p, output_path / name) for p, name in zip(paths, outputs, strict=True)]
     if not input_path.is_file():
         raise InputError(f"input file not found: {input_path}")
-    for role, path in (("input", input_path), ("output", output_path)):
-        if path.suffix not in DATASET_SUFFIXES:
-            raise InputError(f"{role} file {path} must end in {' or '.join(DATASET_SUFFIXES)}")
+    if input_path.suffix not in DATASET_SUFFIXES:
+        raise InputError(f"input file {input_path} must end in {' or '.join(DATASET_SUFFIXES)}")
+    if output_path.suffix not in OUTPUT_SUFFIXES:
+        read_only = " (JSONL is read, not written)" if output_path.suffix == JSONL_SUFFIX else ""
+        raise InputError(f"output file {output_path} must end in {' or '.join(OUTPUT_SUFFIXES)}{read_only}")
     if output_path.is_dir():
         raise InputError(f"--output {output_path} is a directory; give a file name for a single input file")
     return [Shard(input_path.name, input_path, output_path)]
+
+
+def _output_name(path: Path) -> str:
+    """A directory shard's output: the same name, or ``<stem>.npz`` for JSONL, which is not written."""
+    return path.stem + JSONL_OUTPUT_SUFFIX if path.suffix == JSONL_SUFFIX else path.name
 
 
 def open_reader(
@@ -92,6 +113,8 @@ def open_reader(
         from mha_deploy.batch.parquet import ParquetItemReader
 
         return ParquetItemReader(path, signature, window, d_model)
+    if path.suffix == JSONL_SUFFIX:
+        return JsonlItemReader(path, signature)
     if path.suffix == ".npz":
         return NpzItemReader(path, signature, d_model)
     return SafetensorsItemReader(path, signature)

@@ -32,6 +32,7 @@ from mha_deploy.batch.base import refuse_padding_masks
 from mha_deploy.batch.datasets import Shard
 from mha_deploy.batch.items import read_arrays
 from mha_deploy.batch.job import DatasetJob, run_shards
+from mha_deploy.batch.jsonl import id_problem, jsonl_records, record_problem
 from mha_deploy.batch.lock import OutputError
 from mha_deploy.batch.planner import BatchLimits, plan_batches
 from mha_deploy.batch.ray_engine import RayOptions, run_shards_on_ray
@@ -124,7 +125,7 @@ def count_prompts(path: Path) -> int:
     """Prompts in one shard, without tokenizing them. The run counts every shard before it writes anything, so a
     shard holding a padding mask is refused here, as ``read_prompts`` refuses it."""
     if path.suffix == ".jsonl":
-        return sum(1 for _ in _jsonl_records(path))
+        return sum(1 for _ in jsonl_records(path, PROMPT_MASKS))
     try:
         if path.suffix == ".npz":
             with zipfile.ZipFile(path) as archive:
@@ -143,34 +144,10 @@ def count_prompts(path: Path) -> int:
     return rows
 
 
-def _jsonl_records(path: Path) -> Iterator[tuple[int, object]]:
-    """(line number, its JSON value, or the ``ValueError`` that says why it is none) per line that is not blank.
-    An object with a padding mask field is refused here, so that counting the prompts refuses it too."""
-    try:
-        with path.open(encoding="utf-8") as lines:
-            for number, line in enumerate(lines, 1):
-                if not line.strip():
-                    continue
-                try:
-                    record = json.loads(line)
-                except ValueError as exc:
-                    yield number, exc
-                    continue
-                if isinstance(record, dict):
-                    refuse_padding_masks(f"{path}: line {number}", record, PROMPT_MASKS, "field")
-                yield number, record
-    except UnicodeDecodeError as exc:
-        raise InputError(f"{path}: not UTF-8 text ({exc})") from exc
-
-
 def _jsonl_prompts(path: Path, tokenizer: PromptTokenizer | None) -> Iterator[Prompt]:
-    for number, record in _jsonl_records(path):
-        if isinstance(record, ValueError):
-            yield Prompt(f"line {number}", None, f"line {number} is not JSON ({record})")
-        elif not isinstance(record, dict) or "id" not in record:
-            yield Prompt(f"line {number}", None, f"line {number} is not an object with an \"id\"")
-        elif (problem := _id_problem(record["id"])) is not None:
-            yield Prompt(f"line {number}", None, f"line {number}: {problem}")
+    for number, record in jsonl_records(path, PROMPT_MASKS):
+        if (problem := record_problem(number, record)) is not None:
+            yield Prompt(f"line {number}", None, problem)
         else:
             yield _record_prompt(record, tokenizer)
 
@@ -198,19 +175,10 @@ def _parquet_prompts(path: Path, tokenizer: PromptTokenizer | None) -> Iterator[
             return
         for record in batch.to_pylist():
             row += 1
-            if (problem := _id_problem(record["id"])) is not None:
+            if (problem := id_problem(record["id"])) is not None:
                 yield Prompt(f"row {row}", None, f"row {row}: {problem}")
                 continue
             yield _record_prompt({k: v for k, v in record.items() if v is not None}, tokenizer)
-
-
-def _id_problem(item_id: object) -> str | None:
-    """Why a JSON line's or Parquet row's id cannot be a prompt's id, or None. An id is a string or an integer:
-    the output line carries it back as given, so null, a float, a list or an object would leave outputs that no
-    id names (every null alike) or that compare unlike their input's (1.0 written as 1.0, read back as 1)."""
-    if isinstance(item_id, str) or (isinstance(item_id, int) and not isinstance(item_id, bool)):
-        return None
-    return f"\"id\" must be a string or an integer, got {json.dumps(item_id, default=repr)}"
 
 
 def _record_prompt(record: dict, tokenizer: PromptTokenizer | None) -> Prompt:

@@ -345,7 +345,7 @@ def _claim_output_keys(items: Iterable[RawItem], keys_of: Callable[[str], tuple[
                     f"its output {taken!r} would overwrite that of item {owner!r} (an id plus a suffix the "
                     f"output uses for {owner!r}'s other outputs); rename one of them"
                 )
-            yield RawItem(raw.item_id, None, problem)
+            yield raw._replace(item=None, problem=problem)
             continue
         for key in keys:
             owners.setdefault(key, raw.item_id)

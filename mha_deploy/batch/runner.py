@@ -142,11 +142,14 @@ class BatchRunner:
         """Items read ahead before batching: the memory bound of a run, in items."""
         return self.options.window_items
 
-    def prepare_item(self, item_id: str, item: Mapping[str, np.ndarray]) -> tuple[Item, str | None]:
-        """The item in the model's dtype (see ``in_model_dtype``), and what makes it unusable (naming ``item_id``)."""
+    def prepare_item(
+        self, item_id: str, item: Mapping[str, np.ndarray], place: str | None = None
+    ) -> tuple[Item, str | None]:
+        """The item in the model's dtype (see ``in_model_dtype``), and what makes it unusable (naming ``item_id``,
+        and ``place``, where in its file it is, when given)."""
         item = in_model_dtype(self.session.metadata, item)
         problem = item_problem(self.session.metadata, item)
-        return item, (f"item {item_id!r}: {problem}" if problem else None)
+        return item, (f"{RawItem(item_id, None, place=place).label}: {problem}" if problem else None)
 
     def item_problem(self, item_id: str, item: Mapping[str, np.ndarray]) -> str | None:
         """What makes the item unusable (naming ``item_id``), or None."""
@@ -183,40 +186,40 @@ class BatchRunner:
 
         ``source`` (a shard name) is put in front of error messages.
         """
-        window: list[tuple[str, Item]] = []
+        window: list[RawItem] = []
         for raw in items:
-            item, problem = raw.item, raw.problem and f"item {raw.item_id!r}: {raw.problem}"
+            item, problem = raw.item, raw.problem and f"{raw.label}: {raw.problem}"
             if not problem:
-                item, problem = self.prepare_item(raw.item_id, raw.item)
+                item, problem = self.prepare_item(raw.item_id, raw.item, raw.place)
             if problem:
                 error = ItemError(source, raw.item_id, problem)
                 if self.on_error == "stop":
                     raise InputError(str(error))
                 stats.errors.append(error)
                 continue
-            window.append((raw.item_id, item))
+            window.append(raw._replace(item=item))
             if len(window) >= self.window_items:
                 yield self._run_window(window, stats, on_batch, source)
                 window = []
         if window:
             yield self._run_window(window, stats, on_batch, source)
 
-    def _bad_output(self, source: str, item_id: str, result: Result, stats: RunStats) -> bool:
-        """Whether ``result`` must be left out (recorded, or raised with ``on_error="stop"``)."""
+    def _bad_output(self, source: str, raw: RawItem, result: Result, stats: RunStats) -> bool:
+        """Whether ``result`` (``raw``'s) must be left out (recorded, or raised with ``on_error="stop"``)."""
         problem = output_problem(result)
         if problem is None:
             return False
-        error = ItemError(source, item_id, f"item {item_id!r}: {problem.message}")
+        error = ItemError(source, raw.item_id, f"{raw.label}: {problem.message}")
         if self.on_error == "stop":
             raise InputError(str(error))
         stats.errors.append(error)
         return True
 
     def _run_window(
-        self, window: list[tuple[str, Item]], stats: RunStats, on_batch: BatchCallback | None, source: str = ""
+        self, window: list[RawItem], stats: RunStats, on_batch: BatchCallback | None, source: str = ""
     ) -> list[tuple[str, Result]]:
         signature = self.session.signature
-        values = [item for _, item in window]
+        values = [raw.item for raw in window]
         results: list[Result | None] = [None] * len(window)
         limits = BatchLimits(
             self.options.batch_size,
@@ -231,11 +234,11 @@ class BatchRunner:
             outputs = self.session.run(batch.feeds)
             stats.batch_ms.append((time.perf_counter() - t0) * 1e3)
             for index, result in zip(indices, split_outputs(outputs, batch, signature), strict=True):
-                if not self._bad_output(source, window[index][0], result, stats):
+                if not self._bad_output(source, window[index], result, stats):
                     results[index] = result
                     stats.items += 1
             stats.tokens += batch.real_tokens
             stats.padded_tokens += batch.padded_tokens
             if on_batch:
                 on_batch(len(indices), batch.real_tokens)
-        return [(item_id, result) for (item_id, _), result in zip(window, results, strict=True) if result is not None]
+        return [(raw.item_id, result) for raw, result in zip(window, results, strict=True) if result is not None]

@@ -17,12 +17,15 @@ from mha_deploy.metadata import ON_ERROR_CHOICES
 @main.command()
 @click.argument("model", type=click.Path(path_type=Path))
 @click.option("--input", "input_path", type=click.Path(path_type=Path), required=True,
-              help="Items keyed by id: a .npz, .safetensors or .parquet file, or a directory of such shards. "
-                   "npz/safetensors: <id> -> [seq, d_model] float32 (<id>.query/.key/.value for cross-attention); "
-                   "Parquet: columns id (string) and x (list<list<float32>>; query/key/value for cross).")
+              help="Items keyed by id: a .npz, .safetensors, .parquet or .jsonl file, or a directory of such "
+                   "shards. npz/safetensors: <id> -> [seq, d_model] float32 (<id>.query/.key/.value for "
+                   "cross-attention); Parquet: columns id (string) and x (list<list<float32>>; query/key/value "
+                   "for cross); JSONL: one object per line, {\"id\": ..., \"x\": [[...], ...]}, "
+                   "its fields Parquet's columns.")
 @click.option("--output", "output_path", type=click.Path(path_type=Path), required=True,
-              help="Outputs keyed by the same ids, unpadded [seq, d_model]: a file (format from its suffix) "
-                   "for a file input, a directory with the same shard names and formats for a directory.")
+              help="Outputs keyed by the same ids, unpadded [seq, d_model]: a .npz, .safetensors or .parquet file "
+                   "for a file input, a directory with the same shard names and formats for a directory (a JSONL "
+                   "shard's outputs: <stem>.npz).")
 @click.option("--batch-size", type=click.IntRange(min=1),
               help=f"At most this many items per batch (default {RunnerOptions.batch_size} unless --max-batch-tokens "
                    "is given).")
@@ -58,6 +61,7 @@ def infer(model, input_path, output_path, batch_size, max_batch_tokens, bucket_w
       mha-deploy infer mha.onnx --input items.npz --output out.npz --batch-size 32
       mha-deploy infer mha.onnx --input shards/ --output out/ --max-batch-tokens 8192 --on-error skip
       mha-deploy infer mha.onnx --input data.parquet --output out.parquet --json
+      mha-deploy infer classifier.onnx --input texts.jsonl --output logits.npz
       mha-deploy infer mha.onnx --input shards/ --output out/ --engine ray --concurrency 4
     """
     from mha_deploy.batch import BatchRunner

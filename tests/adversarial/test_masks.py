@@ -4,6 +4,7 @@ unpadded. A padded position is one every mask of its axis calls padding; a mask 
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 
 import numpy as np
@@ -135,21 +136,27 @@ def _write_items_with_masks(source, ids: dict[str, np.ndarray], masks: dict[str,
                           "attention_mask": [m.astype(np.int64).tolist() for m in masks.values()]})
         pq.write_table(table, source)
         return
+    if source.suffix == ".jsonl":
+        source.write_text("".join(json.dumps({"id": key, "input_ids": ids[key].tolist(),
+                                              "attention_mask": masks[key].astype(int).tolist()}) + "\n"
+                                  for key in ids))
+        return
     from mha_deploy.batch.items import write_arrays
 
     write_arrays(source, {**ids, **{f"{key}.attention_mask": mask for key, mask in masks.items()}})
 
 
-@pytest.mark.parametrize("suffix", [".parquet", ".npz", ".safetensors"])
+@pytest.mark.parametrize("suffix", [".parquet", ".npz", ".safetensors", ".jsonl"])
 def test_a_padding_mask_in_a_dataset_is_refused_in_one_line_naming_it(own_model, tmp_path, suffix):
     """Items are unpadded and infer builds every batch's masks itself: a mask per item (zeros in it) would be
     ignored and the padding it marks read as real tokens, so it is refused, as /v1 refuses it."""
     model = own_model("classifier")[0]
-    source, output = tmp_path / f"in{suffix}", tmp_path / f"out{suffix}"
+    source, output = tmp_path / f"in{suffix}", tmp_path / f"out{'.npz' if suffix == '.jsonl' else suffix}"
     ids = {"a": np.array([5, 9, 2, 0, 0]), "b": np.array([7, 3, 4])}
     masks = {"a": np.array([1, 1, 1, 0, 0], bool), "b": np.ones(3, bool)}
     _write_items_with_masks(source, ids, masks)
-    where = "column attention_mask" if suffix == ".parquet" else "key 'a.attention_mask'"
+    where = {".parquet": "column attention_mask", ".jsonl": "line 1: field attention_mask"}.get(
+        suffix, "key 'a.attention_mask'")
     assert_loud(infer(model, source, output), f"{source}: {where}: attention_mask is this model's padding mask",
                 "remove it and keep only each item's real tokens")
     assert not output.exists()

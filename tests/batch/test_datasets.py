@@ -47,10 +47,26 @@ def read_outputs(path) -> dict[str, np.ndarray]:
     return arrays
 
 
+def write_jsonl(path, items):
+    """One object per line, keyed by input name, as ``infer`` reads them; a blank line and an extra field, which
+    it skips and ignores."""
+    lines = [json.dumps({"id": item_id, **{name: a.tolist() for name, a in item.items()}, "label": index})
+             for index, (item_id, item) in enumerate(items.items())]
+    path.write_text("\n".join([*lines[:1], "", *lines[1:]]) + "\n")
+
+
+def output_path(directory, input_name):
+    """Where infer writes a shard's outputs: the same name, ``<stem>.npz`` for JSONL (not written)."""
+    name = input_name.replace(".jsonl", ".npz")
+    return directory / name
+
+
 def write_shard(path, items):
     path.parent.mkdir(parents=True, exist_ok=True)
     if path.suffix == ".parquet":
         write_parquet(path, items)
+    elif path.suffix == ".jsonl":
+        write_jsonl(path, items)
     elif next(iter(items.values())).keys() == {"x"}:
         write_arrays(path, {item_id: item["x"] for item_id, item in items.items()})
     else:
@@ -71,8 +87,8 @@ def test_nested_lists_round_trip(fixed_inner):
 @pytest.mark.parametrize(
     ("signature", "suffixes"),
     [
-        (Signature("self", "padding"), [".npz", ".safetensors", ".parquet"]),
-        (Signature("cross", "padding", True), [".parquet", ".npz"]),
+        (Signature("self", "padding"), [".npz", ".safetensors", ".parquet", ".jsonl"]),
+        (Signature("cross", "padding", True), [".parquet", ".npz", ".jsonl"]),
         (Signature("self", "none"), [".parquet"]),
     ],
     ids=["self-mixed-formats", "cross-weights", "self-no-mask"],
@@ -93,12 +109,12 @@ def test_directory_output_mirrors_input(tmp_path, export_model, signature, suffi
 
     assert stats.items == sum(len(r) for r in expected_all.values()) and stats.shards_written == len(suffixes)
     names = sorted(p.name for p in (tmp_path / "out").iterdir())
-    assert names == sorted([*expected_all, "_mha_deploy_manifest.json"])
+    assert names == sorted([*(output_path(tmp_path, n).name for n in expected_all), "_mha_deploy_manifest.json"])
     for name, expected in expected_all.items():
-        outputs = read_outputs(tmp_path / "out" / name)
+        outputs = read_outputs(output_path(tmp_path / "out", name))
         keys = [k for item_id, r in expected.items() for k in [item_id] + [f"{item_id}.attn_weights"] * (len(r) > 1)]
         assert sorted(outputs) == sorted(keys)
-        if name.endswith((".npz", ".parquet")):
+        if name.endswith((".npz", ".parquet", ".jsonl")):
             assert [k for k in outputs if "." not in k.partition("-")[2]] == list(expected), "input order kept"
         for item_id, result in expected.items():
             np.testing.assert_allclose(outputs[item_id], result["output"], atol=1e-5, rtol=1e-4)
@@ -120,62 +136,112 @@ def test_readers_count_without_reading_and_stream(tmp_path):
     items = make_items(Signature("self", "padding"))
     write_parquet(tmp_path / "a.parquet", items, row_group_size=3)
     np.savez(tmp_path / "b.npz", **{k: v["x"] for k, v in items.items()})
-    for name in ("a.parquet", "b.npz"):
+    write_jsonl(tmp_path / "c.jsonl", items)
+    for name in ("a.parquet", "b.npz", "c.jsonl"):
         with open_reader(tmp_path / name, Signature("self", "padding"), D, window=4) as reader:
             assert reader.count() == len(items)
             assert [raw.item_id for raw in reader] == list(items)
 
 
-def bad_parquet(path):
-    good = np.ones((3, D), np.float32)
+def write_bad_items(path):
+    """Good items around bad ones, in Parquet or JSONL."""
+    good = np.ones((3, D), np.float32).tolist()
     rows = [
-        ("ok-1", good.tolist()),
+        ("ok-1", good),
         ("wide", np.ones((2, D + 1), np.float32).tolist()),
         ("ragged", [[1.0] * D, [1.0] * (D - 1)]),
         ("nan", np.full((2, D), np.nan, np.float32).tolist()),
         ("empty", []),
         ("null", None),
-        ("ok-2", good.tolist()),
+        ("ok-2", good),
     ]
-    table = pa.table(
-        {"id": [r[0] for r in rows], "x": pa.array([r[1] for r in rows], pa.list_(pa.list_(pa.float32())))}
-    )
+    if path.suffix == ".jsonl":
+        path.write_text("".join(json.dumps({"id": item_id, "x": x}) + "\n" for item_id, x in rows))
+        return
+    x = pa.array([r[1] for r in rows], pa.list_(pa.list_(pa.float32())))
+    table = pa.table({"id": [r[0] for r in rows], "x": x})
     pq.write_table(table, path)
 
 
-def test_bad_parquet_items_skipped_and_listed(tmp_path, export_model):
+def output_ids(path) -> list[str]:
+    return pq.read_table(path).column("id").to_pylist() if path.suffix == ".parquet" else np.load(path).files
+
+
+@pytest.mark.parametrize(("suffix", "output"), [(".parquet", ".parquet"), (".jsonl", ".npz")])
+def test_bad_items_skipped_and_listed(tmp_path, export_model, suffix, output):
     session = MHASession(export_model(Signature("self", "padding"))[0], provider="cpu")
-    bad_parquet(tmp_path / "in.parquet")
-    job = DatasetJob(tmp_path / "in.parquet", tmp_path / "out.parquet", session.source)
+    write_bad_items(tmp_path / f"in{suffix}")
+    job = DatasetJob(tmp_path / f"in{suffix}", tmp_path / f"out{output}", session.source)
     stats = run_dataset(job, BatchRunner(session, on_error="skip"))
-    assert pq.read_table(tmp_path / "out.parquet").column("id").to_pylist() == ["ok-1", "ok-2"]
+    assert output_ids(tmp_path / f"out{output}") == ["ok-1", "ok-2"]
     errors = {e.item_id: e for e in stats.errors}
     assert sorted(errors) == ["empty", "nan", "null", "ragged", "wide"]
-    assert all(e.shard == "in.parquet" for e in errors.values())
+    assert all(e.shard == f"in{suffix}" for e in errors.values())
     assert "x has d_model 65, this model expects 64" in errors["wide"].message
-    assert "vectors of different lengths" in errors["ragged"].message
+    assert "of different lengths" in errors["ragged"].message
     assert "NaN" in errors["nan"].message and "x is empty" in errors["empty"].message
+    if suffix == ".jsonl":  # ids need not find a line: each message names it
+        assert errors["nan"].message.startswith("item 'nan' (line 4): x contains NaN")
+        assert errors["null"].message.startswith("item 'null' (line 6): x must hold numbers only")
     manifest = json.loads(job.manifest_path.read_text())
-    assert len(manifest["shards"]["in.parquet"]["skipped_items"]) == 5
+    assert len(manifest["shards"][f"in{suffix}"]["skipped_items"]) == 5
     assert "5 bad items skipped" in stats.summary()
 
 
-def test_bad_item_stops_with_its_shard_and_id(tmp_path, export_model):
+@pytest.mark.parametrize(("suffix", "output", "message"), [
+    (".parquet", ".parquet", r"in.parquet: item 'wide': x has d_model 65"),
+    (".jsonl", ".npz", r"in.jsonl: item 'wide' \(line 2\): x has d_model 65"),
+])
+def test_bad_item_stops_with_its_shard_and_id(tmp_path, export_model, suffix, output, message):
     session = MHASession(export_model(Signature("self", "padding"))[0], provider="cpu")
-    bad_parquet(tmp_path / "in.parquet")
-    job = DatasetJob(tmp_path / "in.parquet", tmp_path / "out.parquet", session.source)
-    with pytest.raises(InputError, match=r"in.parquet: item 'wide': x has d_model 65"):
+    write_bad_items(tmp_path / f"in{suffix}")
+    job = DatasetJob(tmp_path / f"in{suffix}", tmp_path / f"out{output}", session.source)
+    with pytest.raises(InputError, match=message):
         run_dataset(job, BatchRunner(session, bucket_window=1))
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.parquet"], "no output, temporary file or manifest"
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f"in{suffix}"], "no output, temporary file or manifest"
+
+
+def test_jsonl_lines_that_name_no_usable_item_are_bad_items_naming_the_line(tmp_path, export_model):
+    """Ids as generate takes them (a string or an integer), and numbers only: numpy would read true as 1."""
+    session = MHASession(export_model(Signature("self", "padding"))[0], provider="cpu")
+    good = np.ones((2, D)).tolist()
+    lines = [
+        "not json",
+        "[1, 2]",
+        json.dumps({"id": 1.5, "x": good}),
+        json.dumps({"id": True, "x": good}),
+        json.dumps({"id": 7, "x": good}),
+        json.dumps({"id": "flag", "x": [[True] + [0.0] * (D - 1)] * 2}),
+        json.dumps({"id": "text", "x": [["a"] * D]}),
+        json.dumps({"id": "none"}),
+        json.dumps({"id": "7", "x": good}),
+    ]
+    (tmp_path / "in.jsonl").write_text("\n".join(lines) + "\n")
+    stats = run_dataset(DatasetJob(tmp_path / "in.jsonl", tmp_path / "out.npz", session.source),
+                        BatchRunner(session, on_error="skip"))
+    assert np.load(tmp_path / "out.npz").files == ["7"]
+    assert [e.message for e in stats.errors] == [
+        "item '<line 1>': line 1 is not JSON (Expecting value: line 1 column 1 (char 0))",
+        "item '<line 2>': line 2 is not an object with an \"id\"",
+        "item '<line 3>': line 3: \"id\" must be a string or an integer, got 1.5",
+        "item '<line 4>': line 4: \"id\" must be a string or an integer, got true",
+        "item 'flag' (line 6): x holds true or false among its numbers; give numbers only",
+        "item 'text' (line 7): x must hold numbers only (no true/false, null, strings or integers past 64 bits)",
+        "item 'none' (line 8): lacks field x, which this model reads per item",
+        "item '7' (line 9): appears twice in this shard: the second would overwrite the first's outputs",
+    ]
 
 
 @pytest.mark.parametrize(
     ("make", "message"),
     [
-        (lambda p: (p / "in").mkdir(), "no .npz, .safetensors, .parquet files"),
+        (lambda p: (p / "in").mkdir(), "no .npz, .safetensors, .parquet, .jsonl files"),
         (lambda p: (p / "in.txt").write_text(""), "must end in .npz or .safetensors or .parquet"),
         (lambda p: pq.write_table(pa.table({"id": ["a"]}), p / "in.parquet"), "no column x"),
         (lambda p: (p / "in.parquet").write_bytes(b"nope"), "cannot read Parquet"),
+        (lambda p: (p / "in.jsonl").write_bytes(b'{"id": "\xff"}\n'), r"in.jsonl: not UTF-8 text"),
+        (lambda p: (p / "in.jsonl").write_text('{"id": "a", "x": [[0.5]], "key_padding_mask": [true]}\n'),
+         r"in.jsonl: line 1: field key_padding_mask: key_padding_mask is this model's padding mask"),
     ],
 )
 def test_unusable_inputs(tmp_path, export_model, make, message):
@@ -185,6 +251,20 @@ def test_unusable_inputs(tmp_path, export_model, make, message):
     output = tmp_path / ("out" if source.is_dir() else "out.parquet")
     with pytest.raises(InputError, match=message):
         run_dataset(DatasetJob(source, output, session.source), BatchRunner(session))
+
+
+def test_jsonl_is_read_not_written(tmp_path):
+    """A JSONL shard's outputs are float arrays: an npz beside the others, never two inputs' outputs in one."""
+    (tmp_path / "in").mkdir()
+    (tmp_path / "in" / "a.jsonl").write_text("")
+    with pytest.raises(InputError, match=r"out.jsonl must end in .npz or .safetensors or .parquet \(JSONL is read"):
+        list_shards(tmp_path / "in" / "a.jsonl", tmp_path / "out.jsonl")
+    (tmp_path / "in" / "b.jsonl").write_text("")
+    assert [(s.name, s.output.name) for s in list_shards(tmp_path / "in", tmp_path / "out")] == [
+        ("a.jsonl", "a.npz"), ("b.jsonl", "b.npz")]
+    np.savez(tmp_path / "in" / "a.npz")
+    with pytest.raises(InputError, match=r"a\.jsonl and a\.npz would both write a\.npz"):
+        list_shards(tmp_path / "in", tmp_path / "out")
 
 
 def test_directory_input_needs_directory_output(tmp_path):

@@ -1,7 +1,9 @@
-"""`mha-deploy infer` over a user's own classifier (token ids in, one row of logits per item out): npz and
-Parquet, equal to the module run on each item alone."""
+"""`mha-deploy infer` over a user's own classifier (token ids in, one row of logits per item out): npz, Parquet
+and JSONL, equal to the module run on each item alone."""
 
 from __future__ import annotations
+
+import json
 
 import numpy as np
 import pytest
@@ -34,12 +36,23 @@ def _alone(items: dict[str, np.ndarray], factory: str = "build") -> dict[str, np
 
 
 # build_wide: an export with its tokens packed (token_packing), as wider models are by default
-@pytest.mark.parametrize(("suffix", "factory"), [(".npz", "build"), (".parquet", "build"), (".npz", "build_wide")])
+def _write_ids(source, items: dict[str, np.ndarray]) -> None:
+    """Token id items as infer reads them: npz keys or JSON lines (Parquet's are written by the test)."""
+    if source.suffix == ".npz":
+        np.savez(source, **items)
+    else:
+        source.write_text("".join(json.dumps({"id": key, "input_ids": ids.tolist()}) + "\n"
+                                  for key, ids in items.items()))
+
+
+@pytest.mark.parametrize(("suffix", "factory"),
+                         [(".npz", "build"), (".parquet", "build"), (".jsonl", "build"), (".npz", "build_wide")])
 def test_infer_equals_the_module_item_by_item(own_model, tmp_path, suffix, factory):
     items = _items()
-    source, target = tmp_path / f"items{suffix}", tmp_path / f"out{suffix}"
-    if suffix == ".npz":
-        np.savez(source, **items)
+    # JSONL is read, not written: its outputs go to npz.
+    source, target = tmp_path / f"items{suffix}", tmp_path / f"out{'.npz' if suffix == '.jsonl' else suffix}"
+    if suffix != ".parquet":
+        _write_ids(source, items)
     else:
         pq.write_table(pa.table({"id": list(items), "input_ids": [ids.tolist() for ids in items.values()]}), source)
     path, export_output = own_model("classifier", factory)
@@ -47,7 +60,7 @@ def test_infer_equals_the_module_item_by_item(own_model, tmp_path, suffix, facto
     result = CliRunner().invoke(main, ["infer", str(path), "--input", str(source), "--output",
                                        str(target), "--batch-size", "8", "--no-progress", "--provider", "cpu"])
     assert result.exit_code == 0, result.output
-    if suffix == ".npz":
+    if target.suffix == ".npz":
         got = dict(np.load(target))
     else:
         table = pq.read_table(target).to_pydict()
@@ -59,13 +72,30 @@ def test_infer_equals_the_module_item_by_item(own_model, tmp_path, suffix, facto
         np.testing.assert_allclose(got[key], logits, atol=ATOL, rtol=RTOL, err_msg=key)
 
 
-def test_ids_outside_the_vocabulary_are_named(own_model, tmp_path):
-    np.savez(tmp_path / "items.npz", good=np.array([1, 2, 3]), bad=np.array([4, 99]))
-    result = CliRunner().invoke(main, ["infer", str(own_model("classifier")[0]), "--input", str(tmp_path / "items.npz"),
-                                       "--output", str(tmp_path / "out.npz"), "--no-progress", "--provider", "cpu"])
+@pytest.mark.parametrize(("suffix", "bad"), [(".npz", "'bad'"), (".jsonl", "'bad' (line 2)")])
+def test_ids_outside_the_vocabulary_are_named(own_model, tmp_path, suffix, bad):
+    _write_ids(tmp_path / f"items{suffix}", {"good": np.array([1, 2, 3]), "bad": np.array([4, 99])})
+    result = CliRunner().invoke(main, ["infer", str(own_model("classifier")[0]), "--input",
+                                       str(tmp_path / f"items{suffix}"), "--output", str(tmp_path / "out.npz"),
+                                       "--no-progress", "--provider", "cpu"])
     assert result.exit_code == 1
-    assert "input_ids holds id 99: this model's vocabulary is ids 0 to 49" in result.output
+    assert f"item {bad}: input_ids holds id 99: this model's vocabulary is ids 0 to 49" in result.output
     assert not (tmp_path / "out.npz").exists()
+
+
+def test_jsonl_ids_are_integers_not_true_false_or_floats(own_model, tmp_path):
+    """numpy would read true as id 1; a float id is not a token; an integer item id comes back as its digits."""
+    lines = [{"id": 3, "input_ids": [1, 2]}, {"id": "flag", "input_ids": [1, True]},
+             {"id": "float", "input_ids": [1, 2.5]}, {"id": "huge", "input_ids": [2**64]}]
+    (tmp_path / "items.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    result = CliRunner().invoke(main, ["infer", str(own_model("classifier")[0]), "--input",
+                                       str(tmp_path / "items.jsonl"), "--output", str(tmp_path / "out.npz"),
+                                       "--on-error", "skip", "--no-progress", "--provider", "cpu"])
+    assert result.exit_code == 0, result.output
+    assert np.load(tmp_path / "out.npz").files == ["3"]
+    assert "item 'flag' (line 2): input_ids holds true or false among its numbers" in result.output
+    assert "item 'float' (line 3): input_ids holds token ids: expected integers, got float64" in result.output
+    assert "item 'huge' (line 4): input_ids must hold numbers only" in result.output
 
 
 def test_an_encoder_decoders_item_is_its_target_with_the_source_beside_it(own_model, tmp_path):

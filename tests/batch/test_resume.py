@@ -21,6 +21,8 @@ from mha_deploy.cli import main
 from mha_deploy.errors import InputError
 from mha_deploy.metadata import Signature
 from mha_deploy.runtime import MHASession
+from mha_deploy.runtime.digest import sha256_digest
+from tests.batch.test_datasets import write_shard
 from tests.conftest import TEST_D_MODEL
 
 D = TEST_D_MODEL
@@ -30,13 +32,18 @@ SIGNATURE = Signature("self", "padding")
 NAN_ERROR = "error: shard-1.npz: item 'nan': x contains NaN or Inf (or a value beyond float32's range)"
 
 
-def write_dataset(root: Path, shards: int, items: int, mean_log_length: float = 3.0, seed: int = 0) -> None:
+def write_dataset(
+    root: Path, shards: int, items: int, mean_log_length: float = 3.0, seed: int = 0, suffix: str = ".npz"
+) -> None:
     rng = np.random.default_rng(seed)
     root.mkdir(parents=True, exist_ok=True)
     for shard in range(shards):
         lengths = np.clip(rng.lognormal(mean_log_length, 1.0, items).astype(int), 1, 512)
         arrays = {f"s{shard}-{i}": rng.standard_normal((n, D), dtype=np.float32) for i, n in enumerate(lengths)}
-        np.savez(root / f"shard-{shard}.npz", **arrays)
+        if suffix == ".npz":
+            np.savez(root / f"shard-{shard}.npz", **arrays)
+        else:
+            write_shard(root / f"shard-{shard}{suffix}", {key: {"x": array} for key, array in arrays.items()})
 
 
 def files(root: Path) -> dict[str, bytes]:
@@ -53,8 +60,9 @@ def run(session, src, dst, **options) -> object:
     return run_dataset(DatasetJob(src, dst, session.source, overwrite=overwrite), BatchRunner(session, **options))
 
 
-def test_rerun_skips_finished_shards(tmp_path, session):
-    write_dataset(tmp_path / "in", shards=3, items=5)
+@pytest.mark.parametrize("suffix", [".npz", ".jsonl"])
+def test_rerun_skips_finished_shards(tmp_path, session, suffix):
+    write_dataset(tmp_path / "in", shards=3, items=5, suffix=suffix)
     first = run(session, tmp_path / "in", tmp_path / "out")
     assert (first.shards_written, first.shards_skipped, first.items) == (3, 0, 15)
     before = {p.name: p.stat().st_mtime_ns for p in (tmp_path / "out").iterdir()}
@@ -65,10 +73,16 @@ def test_rerun_skips_finished_shards(tmp_path, session):
     }, "finished shards are not rewritten"
 
 
-def test_changed_input_shard_is_redone(tmp_path, session):
-    write_dataset(tmp_path / "in", shards=2, items=4)
+@pytest.mark.parametrize("suffix", [".npz", ".jsonl"])
+def test_changed_input_shard_is_redone(tmp_path, session, suffix):
+    write_dataset(tmp_path / "in", shards=2, items=4, suffix=suffix)
     run(session, tmp_path / "in", tmp_path / "out")
-    np.savez(tmp_path / "in" / "shard-1.npz", new=np.ones((2, D), np.float32))
+    source = tmp_path / "in" / f"shard-1{suffix}"
+    record = json.loads((tmp_path / "out" / "_mha_deploy_manifest.json").read_text())["shards"][source.name]
+    assert record["input"]["size"] == source.stat().st_size
+    assert record["input"]["sha256"] == sha256_digest(source)
+    assert record["output"]["name"] == "shard-1.npz"
+    write_shard(source, {"new": {"x": np.ones((2, D), np.float32)}})
     stats = run(session, tmp_path / "in", tmp_path / "out")
     assert (stats.shards_written, stats.shards_skipped) == (1, 1)
     with np.load(tmp_path / "out" / "shard-1.npz") as out:
