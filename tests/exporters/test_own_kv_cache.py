@@ -304,7 +304,7 @@ def test_a_cache_needs_token_ids_and_their_mask(tmp_path):
         export_model(Unmasked(), tmp_path / "lm.onnx", ["ids:tokens"], kv_cache=True)
 
 
-def test_quantized_and_half_caches_are_not_offered_yet(tmp_path):
+def test_half_caches_are_not_offered_yet(tmp_path):
     with pytest.raises(ExportError, match="fp32 for now"):
         export_model(user_module("causal_lm").build(), tmp_path / "lm.onnx", user_module("causal_lm").INPUTS,
                      kv_cache=True, dtype="fp16")
