@@ -9,7 +9,7 @@ import click
 
 from mha_deploy.batching import RunnerOptions
 from mha_deploy.cli.group import main
-from mha_deploy.cli.options import session_options
+from mha_deploy.cli.options import ray_options, session_options
 from mha_deploy.cli.progress import echo_run_notes, run_with_progress
 from mha_deploy.metadata import ON_ERROR_CHOICES
 from mha_deploy.seeds import SEED_LIMIT
@@ -78,16 +78,9 @@ from mha_deploy.seeds import SEED_LIMIT
               help="At a bad prompt (ids past the vocabulary, empty, too long, unreadable): stop with an error, "
                    "or skip it and list it.")
 @click.option("--overwrite", is_flag=True, help="Redo every shard, even those a previous run finished.")
-@click.option("--engine", type=click.Choice(["local", "ray"]), default="local", show_default=True,
-              help="ray: shards spread over Ray Data actors, the same outputs as local (needs mha-deploy[ray], the "
-                   "input, output and model files on a filesystem every node sees).")
-@click.option("--ray-address", help="Ray cluster to join (default: $RAY_ADDRESS or the one last "
-                                         "started on this machine, else a local one for this run).")
-@click.option("--concurrency", type=click.IntRange(min=1), default=1, show_default=True,
-              help="Ray actors, each holding one KV-cache stepper (--threads each; default: the cluster's CPUs "
-                   "shared among them).")
-@click.option("--num-gpus", type=click.FloatRange(min=0), default=0, show_default=True,
-              help="GPUs per Ray actor (use with --provider cuda).")
+@ray_options("ray: shards spread over Ray Data actors, the same outputs as local (needs mha-deploy[ray], the input, "
+             "output and model files on a filesystem every node sees).",
+             "one KV-cache stepper (--threads each; default: the cluster's CPUs shared among them)")
 @session_options(provider="cpu")
 @click.option("--progress/--no-progress", default=True, show_default=True, help="Progress bar on stderr.")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON on stdout.")

@@ -64,6 +64,21 @@ class RenamedOption(click.Option):
             self.opts = every
 
 
+def ray_options(engine_help: str, actor_holds: str) -> Decorator:
+    """--engine, --ray-address, --concurrency and --num-gpus: where a dataset job runs (``batch.ray_engine``), as
+    ``infer`` and ``generate`` take them; what an actor holds is the command's own."""
+    return option_group(
+        click.option("--engine", type=click.Choice(["local", "ray"]), default="local", show_default=True,
+                     help=engine_help),
+        click.option("--ray-address", help="Ray cluster to join (default: $RAY_ADDRESS or the one last started on "
+                                           "this machine, else a local one for this run)."),
+        click.option("--concurrency", type=click.IntRange(min=1), default=1, show_default=True,
+                     help=f"Ray actors, each holding {actor_holds}."),
+        click.option("--num-gpus", type=click.FloatRange(min=0), default=0, show_default=True,
+                     help="GPUs per Ray actor (use with --provider cuda)."),
+    )
+
+
 def session_options(provider: str = "auto", threads: int | None = None) -> Decorator:
     """--provider and --threads: where ONNX Runtime runs and how wide; the defaults may differ per command."""
     return option_group(
