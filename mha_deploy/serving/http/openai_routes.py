@@ -39,6 +39,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from mha_deploy.runtime.logits import MAX_LOGIT_BIAS, MAX_PENALTY
+from mha_deploy.seeds import SEED_LIMIT
 from mha_deploy.serving.http.body import read_json
 from mha_deploy.serving.http.generation import (
     Choice,
@@ -57,7 +58,6 @@ LOWEST_LOGPROB = -9999.0  # OpenAI's stand-in for a token too unlikely to score 
 MAX_STOP = 4
 MAX_STOP_IDS = 64  # an id costs one comparison per step: a bound, not OpenAI's (it takes strings only)
 MAX_LOGIT_BIAS_IDS = 300  # each id costs a scatter per step: a bound on what one request may bias
-MAX_SEED = 2**64 - 1  # a 64-bit seed, as Triton's LLM backends take it (numpy's generator would take any)
 UNSUPPORTED = {"suffix": None}
 ERROR_TYPES = {400: "invalid_request_error", 404: "invalid_request_error", 408: "invalid_request_error",
                413: "invalid_request_error", 401: "authentication_error", 429: "rate_limit_error",
@@ -149,7 +149,7 @@ def parse_sampling(
         top_p=_number(body, "top_p", 1.0, 0.0, 1.0, low_open=True,
                       hint=" (no token has 0 of the probability mass; for greedy decoding send temperature 0)"),
         top_k=None if top_k in (None, -1, 0) else top_k,
-        seed=_integer(body, "seed", None, 0, MAX_SEED),
+        seed=_integer(body, "seed", None, 0, SEED_LIMIT - 1),
         stop_ids=stop_ids,
         repetition_penalty=_number(body, "repetition_penalty", 1.0, 0.01, 100.0),
         presence_penalty=_number(body, "presence_penalty", 0.0, -MAX_PENALTY, MAX_PENALTY),
