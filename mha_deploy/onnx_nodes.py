@@ -43,6 +43,11 @@ def all_nodes(graph: onnx.GraphProto) -> Iterator[onnx.NodeProto]:
                 yield from all_nodes(subgraph)
 
 
+def default_opset(model: onnx.ModelProto) -> int:
+    """The model's version of the default ONNX domain (0 when it imports none)."""
+    return next((entry.version for entry in model.opset_import if entry.domain in ("", "ai.onnx")), 0)
+
+
 def producers_and_readers(
     graph: onnx.GraphProto,
 ) -> tuple[dict[str, onnx.NodeProto], dict[str, list[onnx.NodeProto]]]:

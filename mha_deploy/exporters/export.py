@@ -71,7 +71,7 @@ from mha_deploy.exporters.quantize import Quantization
 from mha_deploy.exporters.reference_form import reference_attention, without_fast_path
 from mha_deploy.exporters.stack_graphs import decoder_cache_graphs, export_stack_onnx, stack_graph
 from mha_deploy.exporters.token_packing import PackingReport, pack_model, packing_masks
-from mha_deploy.exporters.torch_export import DEFAULT_OPSET, export_onnx
+from mha_deploy.exporters.torch_export import DEFAULT_OPSET, ROTARY_OPSET, export_onnx
 from mha_deploy.metadata import (
     CACHE_HOLES,
     CACHE_LAYOUT_AUTO,
@@ -91,7 +91,7 @@ from mha_deploy.metadata import (
 )
 from mha_deploy.models.attention import MASK_FILL_VALUE, MultiHeadAttention
 from mha_deploy.models.transformer import Decoder, Encoder
-from mha_deploy.onnx_nodes import all_nodes
+from mha_deploy.onnx_nodes import default_opset
 from mha_deploy.runtime.model_check import graph_heads, head_splits
 from mha_deploy.runtime.session import MHASession, check_model_before_writing
 
@@ -546,9 +546,9 @@ def _export_model(
                               "--quantize int8 or int4 (weight-only)")
     try:
         with reference_attention():
-            plain = export_onnx(declared.traced, signature, declared.d_model, export_options.opset)
-            if export_options.opset > ROTARY_OPSET and writes_onnx_rotary(plain):
-                plain = export_onnx(declared.traced, signature, declared.d_model, ROTARY_OPSET)
+            plain = export_onnx(declared.traced, signature, declared.d_model, export_options.opset,
+                                plain_rotary=True)
+            if default_opset(plain) != export_options.opset:
                 declared.warnings.append(
                     f"opset {ROTARY_OPSET}, not {export_options.opset}: at opset {export_options.opset} torch writes "
                     "the rotary as ONNX RotaryEmbedding, which ONNX Runtime rejects at batch > 1; at "
@@ -581,18 +581,6 @@ def _export_model(
     result = _finish(declared.wrapper, plain, metadata, output, export_options, attention_ops)
     result.warnings[:0] = [*declared.warnings, *vocabulary_warnings]
     return result
-
-
-# The newest opset at which torch writes a rotary embedding as plain ops (Sin, Cos, Mul, Concat): from opset 23 it
-# writes ONNX RotaryEmbedding with cos/sin of one row, [1, seq, d/2], which ONNX Runtime 1.31's kernel rejects for an
-# input of more rows ("Inputs 'cos_cache' and 'sin_cache' are expected to have the same shape as input 'x'").
-ROTARY_OPSET = 22
-
-
-def writes_onnx_rotary(model: onnx.ModelProto) -> bool:
-    """Whether ``model`` holds the standard RotaryEmbedding op (in its graph or its local functions)."""
-    nodes = [*all_nodes(model.graph), *(node for function in model.functions for node in function.node)]
-    return any(node.op_type == "RotaryEmbedding" and node.domain in ("", "ai.onnx") for node in nodes)
 
 
 def _export_own_cache(

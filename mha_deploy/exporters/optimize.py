@@ -53,6 +53,7 @@ from mha_deploy.exporters.parity import ParityCase, default_cases
 from mha_deploy.exporters.probes import output_axes, paddable_axes, probe_feeds, unpadded_mask_warnings
 from mha_deploy.exporters.quantize import Quantization
 from mha_deploy.metadata import MAX_OPSET, MIN_OPSET, ModelMetadata
+from mha_deploy.onnx_nodes import default_opset
 from mha_deploy.runtime.model_check import check_branch_ranks
 from mha_deploy.signature import (
     BATCH_AXIS,
@@ -247,7 +248,7 @@ def external_data_files(model: onnx.ModelProto, path: Path, output: Path) -> lis
 
 
 def _default_opset(model: onnx.ModelProto, source) -> int:
-    opset = next((entry.version for entry in model.opset_import if entry.domain in ("", "ai.onnx")), 0)
+    opset = default_opset(model)
     if not MIN_OPSET <= opset <= MAX_OPSET:
         raise ExportError(
             f"{source} has opset {opset}: optimize takes opsets {MIN_OPSET} to {MAX_OPSET}, the ones the fusion "

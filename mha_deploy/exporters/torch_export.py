@@ -12,6 +12,7 @@ import torch
 from torch.export import Dim
 
 from mha_deploy.errors import ExportError
+from mha_deploy.onnx_nodes import all_nodes
 from mha_deploy.signature import ENCODER_PAST_AXIS, PADDING_MASK, TOKENS, TOTAL_AXIS, Signature, TensorSpec
 
 # Tracing sizes: all >= 2 and pairwise different, so that torch.export cannot
@@ -131,6 +132,7 @@ def export_onnx(
     opset: int = DEFAULT_OPSET,
     heads: int = 1,
     output_names: tuple[str, ...] | None = None,
+    plain_rotary: bool = False,
 ) -> onnx.ModelProto:
     """torch.onnx.export (dynamo) of ``module``, an eval-mode graph whose forward takes ``signature``'s
     inputs in order, traced at the tracing sizes, quietly, with an IR version ORT accepts.
@@ -138,6 +140,8 @@ def export_onnx(
     ``output_names``: what the outputs are called when they are not ``signature``'s (a KV-cache model's
     prefill: its cache-free signature's output, then the present caches). A module whose forward takes
     its trailing inputs as ``*args`` says from which input on with ``variadic_from``.
+    ``plain_rotary``: where the graph at ``opset`` holds ONNX RotaryEmbedding, translate the same trace again at
+    ``ROTARY_OPSET`` (see ``writes_onnx_rotary``; the returned model's opset says which was written).
     """
     if opset < 18:
         raise ExportError(f"opset {opset} is too old: torch's ONNX exporter needs opset >= 18")
@@ -146,23 +150,39 @@ def export_onnx(
     if variadic_from is not None:
         # torch.export matches dynamic_shapes to forward's parameters: *args takes one tuple.
         shapes = (*shapes[:variadic_from], shapes[variadic_from:])
+    names = {"input_names": list(signature.input_names), "output_names": list(output_names or signature.output_names)}
+    samples = sample_inputs(signature, d_model, heads)
     try:
         with _quiet_exporter(), torch.no_grad():
-            program = torch.onnx.export(
-                module,
-                sample_inputs(signature, d_model, heads),
-                dynamo=True,
-                dynamic_shapes=shapes,
-                input_names=list(signature.input_names),
-                output_names=list(output_names or signature.output_names),
-                opset_version=opset,
-                verbose=False,
-            )
+            program = torch.onnx.export(module, samples, dynamo=True, dynamic_shapes=shapes, opset_version=opset,
+                                        verbose=False, **names)
     except Exception as exc:  # the exporter raises many unrelated types
         raise ExportError(f"torch.onnx.export failed: {type(exc).__name__}: {exc}") from exc
     _check_dynamic(program, signature)
     model = program.model_proto
+    if plain_rotary and opset > ROTARY_OPSET and writes_onnx_rotary(model):
+        # The trace (torch.export) is most of an export's time; translating the program it made again at the older
+        # opset keeps its dynamic dims and costs about half a fresh export.
+        try:
+            with _quiet_exporter(), torch.no_grad():
+                program = torch.onnx.export(program.exported_program, samples, dynamo=True, opset_version=ROTARY_OPSET,
+                                            verbose=False, **names)
+        except Exception as exc:
+            raise ExportError(f"torch.onnx.export at opset {ROTARY_OPSET} failed: {type(exc).__name__}: {exc}") from exc
+        model = program.model_proto
     model.ir_version = min(model.ir_version, MAX_IR_VERSION)
     if signature.kv_cache or signature.model == "custom":
         name_dynamic_axes(model, signature)
     return model
+
+
+# The newest opset at which torch writes a rotary embedding as plain ops (Sin, Cos, Mul, Concat): from opset 23 it
+# writes ONNX RotaryEmbedding with cos/sin of one row, [1, seq, d/2], which ONNX Runtime 1.31's kernel rejects for an
+# input of more rows ("Inputs 'cos_cache' and 'sin_cache' are expected to have the same shape as input 'x'").
+ROTARY_OPSET = 22
+
+
+def writes_onnx_rotary(model: onnx.ModelProto) -> bool:
+    """Whether ``model`` holds the standard RotaryEmbedding op (in its graph or its local functions)."""
+    nodes = [*all_nodes(model.graph), *(node for function in model.functions for node in function.node)]
+    return any(node.op_type == "RotaryEmbedding" and node.domain in ("", "ai.onnx") for node in nodes)
