@@ -6,7 +6,7 @@ scripts/setup.sh --no-next
 # Every extra the tests exercise must be installed: a missing one fails here, by name,
 # instead of letting its tests skip.
 .venv/bin/python -c "import xdist, torch, onnxscript, starlette, uvicorn, prometheus_client, orjson, pyarrow, ray.data, \
-tritonclient.grpc, tritonclient.http, matplotlib, openvino"
+ray.serve, tritonclient.grpc, tritonclient.http, matplotlib, openvino"
 # kserve on its own: its protobuf messages clash with tritonclient's in one process (the tests run it apart).
 .venv/bin/python -c "import kserve"
 # onnxruntime-genai in its own environment (scripts/setup.sh): the tests that compare with it need it.

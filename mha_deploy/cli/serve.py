@@ -95,11 +95,23 @@ DEFAULT_DRAIN_TIMEOUT_S = 30.0
                    "source. Default: the encoder a decoder exported with --kv-cache names (written beside it).")
 @click.option("--start-id", type=click.IntRange(min=0),
               help="Generator: the decoder start id of an encoder-decoder (default: the one recorded at export).")
+@click.option("--ray-replicas", type=click.IntRange(min=1),
+              help="Run N replicas of this server as a Ray Serve deployment behind Ray Serve's HTTP proxy (on "
+                   "--host/--port), each with --threads ORT threads (default 1) and as many CPUs reserved; needs the "
+                   "'ray' extra and the model file at the same path on every node.")
+@click.option("--ray-address",
+              help="With --ray-replicas: the Ray cluster to join (default: $RAY_ADDRESS or the one last started on "
+                   "this machine, else a local one for this run).")
+@click.option("--ray-autoscaling", metavar="JSON|FILE",
+              help="Ray Serve's autoscaling_config (a JSON object or a JSON file), e.g. '{\"min_replicas\": 1, "
+                   "\"max_replicas\": 4, \"target_ongoing_requests\": 32}': replicas follow the load instead of "
+                   "--ray-replicas.")
 def serve(model, host, port, max_batch, max_wait_ms, max_batch_tokens, workers, provider, threads, max_body_mb,
           max_item_tokens, optimized_model, spin, log_level, access_log, drain_timeout, name, grpc_port, max_queue,
           api_key_file, ssl_certfile, ssl_keyfile, body_timeout, max_connections, keep_alive_timeout,
           header_timeout, max_idle_connections, tokenizer, chat_template, max_kv_tokens, max_new_tokens, max_length,
-          prefill_chunk, eos_ids, mix_lengths, max_choices, encoder, start_id):
+          prefill_chunk, eos_ids, mix_lengths, max_choices, encoder, start_id, ray_replicas, ray_address,
+          ray_autoscaling):
     """Serve a model over HTTP (and gRPC) with dynamic micro-batching (needs the 'serve' extra).
 
     The Open Inference Protocol (KServe v2, what Triton's and KServe's clients
@@ -128,6 +140,7 @@ def serve(model, host, port, max_batch, max_wait_ms, max_batch_tokens, workers, 
       mha-deploy serve lm.onnx --tokenizer tokenizer.json --eos-id 0 --max-kv-tokens 32768
       curl -s localhost:8000/v1/completions -H 'Content-Type: application/json' \\
         -d '{"model": "lm", "prompt": "Once upon a time", "max_tokens": 32, "temperature": 0}'
+      mha-deploy serve lm.onnx --tokenizer tokenizer.json --ray-replicas 2 --threads 1
     """
     from mha_deploy.serving.http import GenerationOptions, ServeConfig
     from mha_deploy.serving.http import serve as run_server
@@ -138,7 +151,7 @@ def serve(model, host, port, max_batch, max_wait_ms, max_batch_tokens, workers, 
     )
     batching = BatchingConfig(max_batch=max_batch, max_wait_ms=max_wait_ms, workers=workers, max_queue=max_queue,
                               max_batch_tokens=max_batch_tokens)
-    run_server(ServeConfig(
+    config = ServeConfig(
         model, host=host, port=port, provider=provider, threads=threads, batching=batching, limits=limits,
         optimized_model_path=optimized_model, spin=spin, log_level=log_level, access_log=access_log,
         graceful_timeout_s=drain_timeout, name=name, grpc_port=grpc_port, api_key_file=api_key_file,
@@ -151,4 +164,17 @@ def serve(model, host, port, max_batch, max_wait_ms, max_batch_tokens, workers, 
             eos_token_ids=tuple(eos_ids), mix_lengths=mix_lengths, max_choices=max_choices, encoder=encoder,
             start_id=start_id,
         ),
-    ))
+    )
+    if ray_replicas is None and ray_autoscaling is None:
+        if ray_address is not None:
+            raise click.UsageError("--ray-address needs --ray-replicas or --ray-autoscaling")
+        run_server(config)
+        return
+    from mha_deploy.serving.ray_serve import RayServeOptions, read_autoscaling, serve_on_ray
+
+    options = RayServeOptions(
+        replicas=ray_replicas or 1, address=ray_address,
+        autoscaling=read_autoscaling(ray_autoscaling) if ray_autoscaling is not None else None,
+    )
+    serve_on_ray(config, options, on_ready=lambda url: click.echo(
+        f"serving {config.model_name} on Ray Serve at {url} (Ctrl+C stops it)", err=True))
