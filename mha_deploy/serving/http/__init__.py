@@ -14,11 +14,13 @@ in ``app`` and ``serve``, so embedding ``MHASession`` needs neither.
 - ``auth``: API keys; ``body``: reading a body within size and time limits
 - ``metrics``: the Prometheus metrics
 - ``app``: ``create_app``, the /v1 routes and the app's lifetime
+- ``embeddings``: OpenAI's /v1/embeddings over an encoder's pooled output, through the same batcher
+- ``prompt_ids``: text or token ids in, as OpenAI's routes take them (prompts, embeddings' input)
 - ``engine`` (``mha_deploy.serving.engine``), ``generation``, ``openai_routes``, ``triton_generate``,
   ``generation_app``: a KV-cache decoder served as a generator (continuous batching)
 - ``server``: ``serve``, uvicorn (and gRPC) with TLS, limits and graceful shutdown
 """
 
-from mha_deploy.serving.http.server import GenerationOptions, ServeConfig, ServeError, serve
+from mha_deploy.serving.http.server import EmbeddingOptions, GenerationOptions, ServeConfig, ServeError, serve
 
-__all__ = ["GenerationOptions", "ServeConfig", "ServeError", "serve"]
+__all__ = ["EmbeddingOptions", "GenerationOptions", "ServeConfig", "ServeError", "serve"]

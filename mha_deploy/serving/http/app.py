@@ -8,6 +8,7 @@ Routes (the Open Inference Protocol's ``/v2/...`` routes are in ``rest_v2``):
   ``.npy``; an ``application/x-npz`` request gets an ``.npz`` with ``output`` (and
   ``attn_weights``). Binary responses carry ``X-Provider`` and ``X-Latency-Ms`` headers.
 - ``GET /v1/model``: the model's recorded metadata.
+- ``POST /v1/embeddings``: OpenAI's embeddings, for a file whose output is one vector per item (``embeddings``).
 - ``GET /healthz``: 200 while the process serves HTTP at all (liveness).
 - ``GET /readyz``: 200 once the model is loaded and warmed up, 503 while loading,
   after a failed load, and while draining on shutdown (readiness).
@@ -49,6 +50,9 @@ from mha_deploy.runtime.session import MHASession
 from mha_deploy.serving.http.auth import AUTHORIZED, ApiKeys, is_health_path
 from mha_deploy.serving.http.body import read_body
 from mha_deploy.serving.http.connections import RequestSlots, refusal
+from mha_deploy.serving.http.embeddings import PATH as EMBEDDINGS_PATH
+from mha_deploy.serving.http.embeddings import check_embedding_output, embedding_routes
+from mha_deploy.serving.http.openai_routes import error_body
 from mha_deploy.serving.http.parsing import (
     CONTENT_TYPES,
     JSON,
@@ -60,6 +64,7 @@ from mha_deploy.serving.http.parsing import (
     parse_request,
 )
 from mha_deploy.serving.http.rest_v2 import v2_routes
+from mha_deploy.serving.http.server import EmbeddingOptions
 from mha_deploy.serving.http.service import THREAD_THRESHOLD_BYTES, BatchingConfig, InferenceService
 
 try:  # ~15x faster than tolist() + json.dumps for arrays of floats (part of the 'serve' extra)
@@ -82,16 +87,27 @@ def create_app(
     api_keys: ApiKeys | None = None,
     grpc_config=None,
     max_requests: int | None = None,
+    embeddings: EmbeddingOptions | None = None,
+    tokenizer=None,
 ) -> Starlette:
     """The app. ``load_session`` runs in a thread at startup (the port is open and /healthz answers meanwhile).
 
     ``model_name`` is the name the v2 protocol serves the model under; ``grpc_config``, a
     ``grpc_server.GrpcConfig``, adds the gRPC server; ``max_requests`` caps the requests
-    (authorised ones, health checks aside) handled at once (``connections.RequestSlots``).
+    (authorised ones, health checks aside) handled at once (``connections.RequestSlots``). ``embeddings`` says how
+    ``POST /v1/embeddings`` serves a file whose output is one vector per item, and ``tokenizer`` (a
+    ``PromptTokenizer``) turns its texts into ids.
     """
     batching = batching or BatchingConfig()
     limits = limits or RequestLimits()
-    service = InferenceService(load_session, batching, limits, model_name, on_load_error)
+    embeddings = embeddings or EmbeddingOptions()
+
+    def load_checked() -> MHASession:
+        session = load_session()
+        check_embedding_output(session.signature, embeddings)  # a bad --embedding-output stops the start
+        return session
+
+    service = InferenceService(load_checked, batching, limits, model_name, on_load_error)
     metrics = service.metrics
     frontend = None
     if grpc_config is not None:
@@ -166,6 +182,9 @@ def create_app(
         return Response(content, media_type=content_type)
 
     async def http_error(request: Request, exc: HTTPException) -> Response:
+        if request.url.path == EMBEDDINGS_PATH:  # OpenAI's clients read OpenAI's error shape
+            code = {405: "method_not_allowed"}.get(exc.status_code, "http_error")
+            return JSONResponse(error_body(exc.status_code, code, str(exc.detail)), status_code=exc.status_code)
         if request.url.path.startswith("/v2"):
             return JSONResponse({"error": str(exc.detail)}, status_code=exc.status_code)
         kind = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
@@ -178,6 +197,7 @@ def create_app(
         Route("/readyz", readyz, methods=["GET"]),
         Route("/metrics", metrics_endpoint, methods=["GET"]),
         *v2_routes(service),
+        *embedding_routes(service, embeddings, tokenizer),
     ]
     # The key is checked first (outermost), so that only authorised requests take a slot.
     middleware = [Middleware(RequireApiKey, keys=api_keys)] if api_keys is not None else []

@@ -34,15 +34,12 @@ from mha_deploy.serving.engine import (
 )
 from mha_deploy.serving.http.metrics import GenerationMetrics
 from mha_deploy.serving.http.parsing import RequestError, RequestLimits
+from mha_deploy.serving.http.prompt_ids import list_ids, text_ids
 from mha_deploy.serving.http.service import TrackedService
 from mha_deploy.serving.http.text_bound import chars_per_token
 from mha_deploy.serving.http.token_texts import TokenTexts
 
 logger = logging.getLogger("mha_deploy.serve")
-# Prompts up to this long are tokenized or converted on the event loop (well under a millisecond); longer ones in a
-# thread, so that one large prompt cannot hold every other request and health check.
-INLINE_TEXT_CHARS = 16_384
-INLINE_IDS = 16_384
 REPLACEMENT = "\ufffd"  # what a tokenizer decodes half a multi-byte character to
 
 
@@ -140,53 +137,12 @@ class GenerationService(TrackedService):
         return self.engine.budget.max_kv_tokens if self.engine is not None else None
 
     async def encode(self, text: str, param: str) -> np.ndarray:
-        """A text prompt's token ids. A text too long to fit is refused by its length, before it is tokenized;
-        a long one is tokenized in a thread, so that the event loop keeps answering meanwhile."""
-        if self.tokenizer is None:
-            raise RequestError(400, "no_tokenizer",
-                               f"{param}: text needs a tokenizer (start the server with --tokenizer tokenizer.json); "
-                               "or send token ids")
-        longest = self.longest_prompt
-        if longest is not None and self.chars_per_token is not None and len(text) > longest * self.chars_per_token:
-            raise RequestError(400, "context_length_exceeded",
-                               f"{param}: the text's {len(text)} characters are more tokens than this model's maximum "
-                               f"length of {longest} (a token of this tokenizer stands for at most "
-                               f"{self.chars_per_token} characters); shorten the prompt")
-        if len(text) <= INLINE_TEXT_CHARS:
-            return self._tokenize(text, param)
-        return await asyncio.to_thread(self._tokenize, text, param)
-
-    def _tokenize(self, text: str, param: str) -> np.ndarray:
-        try:
-            text.encode("utf-8")
-        except UnicodeEncodeError as exc:  # JSON's "\ud800" escape: half a UTF-16 pair, no character
-            raise RequestError(400, "bad_text",
-                               f"{param}: holds a lone surrogate {text[exc.start]!r} at character {exc.start}, "
-                               "which is not text (a \\uD800-\\uDFFF escape must be half of a pair)") from None
-        return self.tokenizer.encode(text)
+        """A text prompt's token ids (``prompt_ids.text_ids``: refused by its length when too long to fit)."""
+        return await text_ids(text, param, self.tokenizer, self.longest_prompt, self.chars_per_token)
 
     async def ids(self, items: object, param: str) -> np.ndarray:
-        """A prompt given as token ids (a JSON list of integers), as int64; a list longer than any prompt can be is
-        refused before it is converted, and a long one is converted in a thread."""
-        if not isinstance(items, list):
-            raise RequestError(400, "bad_prompt", f"{param}: must be a list of token ids")
-        longest = self.longest_prompt
-        if longest is not None and len(items) > longest:
-            raise RequestError(400, "context_length_exceeded",
-                               f"{param}: the prompt's {len(items)} tokens exceed this model's maximum length "
-                               f"{longest}; shorten the prompt")
-        if len(items) <= INLINE_IDS:
-            return self._id_array(items, param)
-        return await asyncio.to_thread(self._id_array, items, param)
-
-    def _id_array(self, items: list, param: str) -> np.ndarray:
-        if not all(type(i) is int for i in items):  # bool is an int subclass: true is no token id
-            raise RequestError(400, "bad_prompt", f"{param}: must be a list of token ids (integers)")
-        try:
-            return np.asarray(items, np.int64)
-        except OverflowError:  # an id past int64, which no vocabulary reaches
-            huge = next(i for i in items if not -(2**63) <= i < 2**63)
-            raise self._bad_id(huge, param) from None
+        """A prompt given as token ids (a JSON list of integers), as int64 (``prompt_ids.list_ids``)."""
+        return await list_ids(items, param, self.longest_prompt, self._bad_id)
 
     def _bad_id(self, token: int, param: str) -> RequestError:
         vocab = self.engine.limits.vocab if self.engine is not None else None

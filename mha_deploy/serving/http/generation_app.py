@@ -2,6 +2,7 @@
 health and metadata, and the same API keys, request slots, health checks and metrics as every server here.
 
 - ``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``: ``openai_routes``.
+- ``/v1/embeddings``: 400, a generator returns tokens, not embeddings (``embeddings`` serves an encoder's).
 - ``/v2/models/NAME/generate``, ``/generate_stream``: ``triton_generate``.
 - ``/v2/health/live|ready``, ``/v2``, ``/v2/models/NAME[/ready]``: as for any model; the metadata describes the
   generator as what it serves (``text_input`` -> ``text_output``, the batching it does, its KV budget), and
@@ -26,6 +27,7 @@ from mha_deploy.serving.http import v2
 from mha_deploy.serving.http.app import RequireApiKey
 from mha_deploy.serving.http.auth import ApiKeys
 from mha_deploy.serving.http.connections import RequestSlots
+from mha_deploy.serving.http.embeddings import generator_refusal
 from mha_deploy.serving.http.generation import GenerationService
 from mha_deploy.serving.http.openai_routes import error_body, openai_routes
 from mha_deploy.serving.http.parsing import RequestError
@@ -141,6 +143,7 @@ def create_generation_app(
         Route("/v2/health/ready", ready, methods=["GET"]),
         Route("/v2", server_metadata, methods=["GET"]),
         *openai_routes(service),
+        generator_refusal(service.model_name),
         *triton_generate_routes(service),
         *(Route(path, model_metadata, methods=["GET"]) for path in model_paths),
         *(Route(path + "/ready", model_ready, methods=["GET"]) for path in model_paths),

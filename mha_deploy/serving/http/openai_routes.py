@@ -49,6 +49,7 @@ from mha_deploy.serving.http.generation import (
     until_done_or_gone,
 )
 from mha_deploy.serving.http.parsing import RequestError
+from mha_deploy.serving.http.prompt_ids import prompt_list
 from mha_deploy.serving.http.token_texts import TextCursor
 
 logger = logging.getLogger("mha_deploy.serve")
@@ -186,23 +187,30 @@ def _logit_bias(value, vocab: int | None) -> tuple[tuple[int, float], ...]:
 
 
 async def _prompts(value, service: GenerationService) -> list[tuple[np.ndarray, str | None]]:
-    """``prompt`` as OpenAI takes it: a string, a list of strings, a list of ids, or a list of lists of ids; each as
+    """``prompt`` as OpenAI takes it: a string, a list of strings, a list of token ids, or a list of such lists; each as
     (ids, its text as given, None for ids)."""
-    async def ids(item, where: str) -> tuple[np.ndarray, str | None]:
-        try:
-            if isinstance(item, str):
-                return await service.encode(item, where), item
-            if isinstance(item, list) and not (item and isinstance(item[0], str | list)):
-                return await service.ids(item, where), None
-        except RequestError as exc:
-            raise OpenAIError(exc.status, exc.kind, exc.message, "prompt") from None
-        raise _bad("prompt", "must be a string, a list of strings, a list of token ids or a list of such lists")
+    return await field_ids(value, "prompt", service.encode, service.ids)
 
-    if isinstance(value, str) or (isinstance(value, list) and value and type(value[0]) is int):
-        return [await ids(value, "prompt")]
-    if isinstance(value, list) and value:
-        return [await ids(item, f"prompt[{i}]") for i, item in enumerate(value)]
-    raise _bad("prompt", "is required: a string, a list of strings, a list of token ids or a list of such lists")
+
+async def field_ids(value, param: str, encode, ids) -> list[tuple[np.ndarray, str | None]]:
+    """``prompt_ids.prompt_list`` of one request field (``prompt``, embeddings' ``input``), its refusals naming the
+    field as OpenAI's ``param``."""
+    try:
+        return await prompt_list(value, param, encode, ids)
+    except RequestError as exc:
+        raise OpenAIError(exc.status, exc.kind, exc.message, param) from None
+
+
+def check_model(body: object, model_name: str) -> None:
+    """A 400 unless ``body`` is a JSON object naming a model, a 404 unless it is ``model_name``."""
+    if not isinstance(body, dict):
+        raise _bad("body", "must be a JSON object")
+    name = body.get("model")
+    if not isinstance(name, str):
+        raise _bad("model", "is required (a string): this server serves " + repr(model_name))
+    if name != model_name:
+        raise OpenAIError(404, "model_not_found",
+                          f"the model {name!r} does not exist: this server serves {model_name!r}", "model")
 
 
 def _finite(logprob: float | None) -> float | None:
@@ -252,16 +260,6 @@ def openai_routes(service: GenerationService) -> list[Route]:
         return JSONResponse({"object": "list", "data": [
             {"id": service.model_name, "object": "model", "created": service.created, "owned_by": "mha-deploy"}]})
 
-    def check_model(body) -> None:
-        if not isinstance(body, dict):
-            raise _bad("body", "must be a JSON object")
-        name = body.get("model")
-        if not isinstance(name, str):
-            raise _bad("model", "is required (a string): this server serves " + repr(service.model_name))
-        if name != service.model_name:
-            raise OpenAIError(404, "model_not_found",
-                              f"the model {name!r} does not exist: this server serves {service.model_name!r}", "model")
-
     def start(prompts, body: dict, sampling: Sampling, stops, logprobs, echo: bool = False) -> list[Choice]:
         n = _integer(body, "n", 1, 1)
         if n * len(prompts) > service.settings.max_choices:
@@ -310,7 +308,7 @@ def openai_routes(service: GenerationService) -> list[Route]:
         with service.track("openai_chat" if chat else "openai_completions"):
             try:
                 body = await read_json(request, service.limits)
-                check_model(body)
+                check_model(body, service.model_name)
                 echo = False
                 if chat:
                     prompts = [(await _chat_prompt(body, service), None)]

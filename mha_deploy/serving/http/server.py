@@ -73,6 +73,9 @@ class ServeConfig:
     max_idle_connections: int | None = None
     # A KV-cache decoder is served as a generator (OpenAI's and Triton's generate routes) with these settings.
     generation: GenerationOptions = field(default_factory=lambda: GenerationOptions())
+    # An encoder whose output is one vector per item is served on OpenAI's /v1/embeddings too, with these settings
+    # (texts through generation.tokenizer).
+    embeddings: EmbeddingOptions = field(default_factory=lambda: EmbeddingOptions())
 
     @property
     def model_name(self) -> str:
@@ -84,7 +87,8 @@ class ServeConfig:
 class GenerationOptions:
     """How a generator is served (``mha-deploy serve`` of a KV-cache decoder; ignored for other models)."""
 
-    # tokenizers' tokenizer.json: text prompts and text out (without it, token ids in and out).
+    # tokenizers' tokenizer.json: text prompts and text out (without it, token ids in and out); an encoder's
+    # /v1/embeddings takes texts through it too.
     tokenizer: str | os.PathLike | None = None
     # A jinja2 chat template over ``messages``: enables /v1/chat/completions.
     chat_template: str | os.PathLike | None = None
@@ -106,6 +110,16 @@ class GenerationOptions:
     # (None: the one the decoder file recorded at export).
     encoder: str | os.PathLike | None = None
     start_id: int | None = None
+
+
+@dataclass(frozen=True)
+class EmbeddingOptions:
+    """How an encoder's pooled output is served on OpenAI's ``/v1/embeddings`` (``serve`` of a plain encoder)."""
+
+    # Scale each vector to unit length (L2), as OpenAI's embeddings come; False: the model's output as it is.
+    normalize: bool = True
+    # The output holding the vectors ([batch, d] floats); None: the file's only such output.
+    output: str | None = None
 
 
 class ServeError(MHADeployError):
@@ -172,7 +186,8 @@ def serve(config: ServeConfig) -> None:
         app = create_app(
             load_session, config.batching, config.limits, on_load_error,
             model_name=config.model_name, api_keys=api_keys, grpc_config=grpc_config,
-            max_requests=config.max_connections,
+            max_requests=config.max_connections, embeddings=config.embeddings,
+            tokenizer=_tokenizer(config.generation.tokenizer),
         )
     max_idle = config.max_idle_connections or max(64, _raise_open_file_limit() // 2)
     uvicorn_config = uvicorn.Config(
@@ -232,13 +247,12 @@ def _with_companion_encoder(config: ServeConfig) -> ServeConfig:
 def _generation_app(config: ServeConfig, api_keys, on_load_error):
     """The generator's app: tokenizer and chat template read now (a bad file stops the start with one line), the
     model loaded by the app's lifespan."""
-    from mha_deploy.batch.generation import PromptTokenizer
     from mha_deploy.serving.engine import GenerationEngine
     from mha_deploy.serving.http.generation import GenerationService, GenerationSettings
     from mha_deploy.serving.http.generation_app import create_generation_app, load_chat_template
 
     options = config.generation
-    tokenizer = PromptTokenizer(options.tokenizer) if options.tokenizer is not None else None
+    tokenizer = _tokenizer(options.tokenizer)
     template = None
     if options.chat_template is not None:
         try:
@@ -280,6 +294,15 @@ def _generation_app(config: ServeConfig, api_keys, on_load_error):
                                 tokenizer=tokenizer, chat_template=template)
     return create_generation_app(service, api_keys=api_keys, max_requests=config.max_connections,
                                  drain_timeout_s=config.graceful_timeout_s)
+
+
+def _tokenizer(path: str | os.PathLike | None):
+    """The ``PromptTokenizer`` at ``path`` (None: none); a file that is not one stops the start with one line."""
+    if path is None:
+        return None
+    from mha_deploy.batch.generation import PromptTokenizer
+
+    return PromptTokenizer(path)
 
 
 def _check_tls(config: ServeConfig) -> None:
