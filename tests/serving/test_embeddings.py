@@ -257,6 +257,44 @@ def test_a_generator_answers_that_it_serves_no_embeddings():
     assert refused.value.param == "model" and "generator" in refused.value.message
 
 
+def _signature(outputs: dict[str, tuple], first_role: str = "tokens") -> Signature:
+    from mha_deploy.signature import TensorSpec
+
+    inputs = (TensorSpec("input_ids", first_role, "int64" if first_role == "tokens" else "model",
+                         ("batch", "seq") if first_role == "tokens" else ("batch", "seq", 8)),
+              TensorSpec("attention_mask", "padding_mask", "bool", ("batch", "seq"), marks="input_ids"))
+    return Signature.custom(inputs, tuple(TensorSpec(name, "output", "model", axes) for name, axes in outputs.items()))
+
+
+@pytest.mark.parametrize(("outputs", "named", "served_output", "words"), [
+    ({"output": ("batch", 32)}, None, "output", ""),
+    # BERT as from_pretrained returns it: pooler_output is its next-sentence head's input, no trained embedding
+    ({"last_hidden_state": ("batch", "seq", 32), "pooler_output": ("batch", 32)}, None, None,
+     "pooler_output is no trained embedding"),
+    ({"last_hidden_state": ("batch", "seq", 32), "pooler_output": ("batch", 32)}, "pooler_output", "pooler_output", ""),
+    ({"text_embeds": ("batch", 16), "logits": ("batch", 3)}, None, None, "name the one"),
+    ({"text_embeds": ("batch", 16), "logits": ("batch", 3)}, "text_embeds", "text_embeds", ""),
+    ({"text_embeds": ("batch", 16)}, "last_hidden_state", None, "'last_hidden_state' is not one vector per item"),
+    ({"last_hidden_state": ("batch", "seq", 32)}, None, None, "no output is an embedding"),
+])
+def test_which_output_is_served(outputs, named, served_output, words):
+    from mha_deploy.serving.http.embeddings import embedding_model
+
+    found = embedding_model(_signature(outputs), named)
+    if served_output is None:
+        assert isinstance(found, str) and words in found, found
+    else:
+        assert found.output == served_output and found.tokens == "input_ids"
+        assert found.dimensions == outputs[served_output][1]
+
+
+def test_float_sequences_in_are_no_embedding_model():
+    from mha_deploy.serving.http.embeddings import embedding_model
+
+    found = embedding_model(_signature({"output": ("batch", 8)}, first_role="sequence"))
+    assert isinstance(found, str) and "input_ids (sequence)" in found and "one input of token ids" in found
+
+
 # --- servers in this process ---------------------------------------------------------------------------------------
 
 

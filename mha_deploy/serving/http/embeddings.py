@@ -15,8 +15,9 @@ ids are checked by the runtime's one validator (``item_problem``: the vocabulary
 maximum length) before anything runs; the body, queue, API keys and request slots are bounded as for any route.
 
 Which output: the one ``EmbeddingOptions.output`` names (a wrong name stops the server's start), else the file's only
-float output of shape ``[batch, d]``. A file with none, or with inputs beyond token ids (a float sequence, an image),
-answers 400 saying why. Errors have OpenAI's shape (``openai_routes.error_response``), naming the field at fault.
+float output of shape ``[batch, d]`` (BERT's ``pooler_output`` aside: no trained embedding). A file with none, or with
+inputs beyond token ids (a float sequence, an image), answers 400 saying why. Errors have OpenAI's shape
+(``openai_routes.error_response``), naming the field at fault.
 """
 
 from __future__ import annotations
@@ -52,6 +53,9 @@ PATH = "/v1/embeddings"
 ENCODING_FORMATS = ("float", "base64")
 SEGMENTS = "segments"  # segment ids (BERT's token_type_ids): filled with 0 for one text
 NORM_EPS = 1e-12  # as torch.nn.functional.normalize (sentence-transformers' Normalize): a zero vector stays zero
+# [batch, d] outputs that are no embedding, left out of the automatic choice (they can still be named): BERT's
+# pooler_output is tanh(dense(first token)), the input of its next-sentence head, not a trained sentence embedding.
+NOT_EMBEDDINGS = ("pooler_output",)
 
 
 class EmbeddingSetupError(MHADeployError):
@@ -84,14 +88,17 @@ def embedding_model(signature: Signature, output: str | None = None) -> Embeddin
         if not chosen:
             return (f"its output {output!r} is not one vector per item ([batch, d] floats): the model returns "
                     f"{described}")
-    elif len(pooled) != 1:
-        if not pooled:
-            return (f"no output is one vector per item ([batch, d] floats): the model returns {described} (export "
-                    "the model with its pooling, e.g. the mean of its token states over the attention mask)")
-        return (f"{len(pooled)} outputs are one vector per item ({', '.join(spec.name for spec in pooled)}): name the "
-                "one that holds the embeddings (serve --embedding-output)")
     else:
-        chosen = pooled
+        chosen = [spec for spec in pooled if spec.name not in NOT_EMBEDDINGS]
+        if not chosen:
+            skipped = "".join(f"; {spec.name} is no trained embedding (name it with --embedding-output to serve it "
+                              "anyway)" for spec in pooled)
+            return (f"no output is an embedding (one vector per item, [batch, d] floats): the model returns "
+                    f"{described} (export the model with its pooling, e.g. the mean of its token states over the "
+                    f"attention mask){skipped}")
+        if len(chosen) > 1:
+            return (f"{len(chosen)} outputs are one vector per item ({', '.join(spec.name for spec in chosen)}): name "
+                    "the one that holds the embeddings (serve --embedding-output)")
     segments = tuple(spec.name for spec in inputs if spec.role == SEGMENTS)
     return EmbeddingModel(tokens[0], segments, chosen[0].name, int(chosen[0].axes[1]))
 
