@@ -547,7 +547,7 @@ def _export_model(
     try:
         with reference_attention():
             plain = export_onnx(declared.traced, signature, declared.d_model, export_options.opset,
-                                plain_rotary=True)
+                                plain_rotary=True, max_length=max_length)
             if default_opset(plain) != export_options.opset:
                 declared.warnings.append(
                     f"opset {ROTARY_OPSET}, not {export_options.opset}: at opset {export_options.opset} torch writes "

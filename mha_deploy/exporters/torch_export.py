@@ -13,7 +13,7 @@ from torch.export import Dim
 
 from mha_deploy.errors import ExportError
 from mha_deploy.onnx_nodes import all_nodes
-from mha_deploy.signature import ENCODER_PAST_AXIS, PADDING_MASK, TOKENS, TOTAL_AXIS, Signature, TensorSpec
+from mha_deploy.signature import ENCODER_PAST_AXIS, ID_ROLES, PADDING_MASK, TOTAL_AXIS, Signature, TensorSpec
 
 # Tracing sizes: all >= 2 and pairwise different, so that torch.export cannot
 # specialise a dynamic axis to a constant or unify two axes that are independent.
@@ -35,7 +35,7 @@ def sample_inputs(signature: Signature, d_model: int, heads: int = 1) -> tuple[t
 def _sample(spec: TensorSpec, shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
     if spec.role == PADDING_MASK:
         return torch.ones(shape, dtype=torch.bool)
-    if spec.role == TOKENS:
+    if spec.role in ID_ROLES:
         return torch.randint(0, spec.vocab or 2, shape, generator=gen)
     return torch.randn(shape, generator=gen)
 
@@ -90,12 +90,14 @@ def not_dynamic(signature: Signature, axis: str, why: str) -> ExportError:
     return ExportError(f"the module does not trace with a dynamic {axis!r} axis (inputs {inputs}): {why}")
 
 
-def _check_dynamic(program, signature: Signature) -> None:
+def _check_dynamic(program, signature: Signature, max_length: int | None = None) -> None:
     """Refuse a graph that holds only for some sizes of an axis declared dynamic.
 
     When strict capture fails, torch.onnx.export falls back to capture strategies that accept the module's
     guards: a Python branch on a length (``if x.size(1) > 4``) then leaves a graph valid up to 4 only,
-    recorded as a bounded range of that axis's symbol.
+    recorded as a bounded range of that axis's symbol. A range that reaches ``max_length`` is no loss: the file
+    refuses longer sequences anyway (CLIP's text model checks its length against its 77 positions; M2M100 rebuilds its
+    sinusoidal table past its size).
     """
     exported = getattr(program, "exported_program", None)
     if exported is None:
@@ -118,10 +120,14 @@ def _check_dynamic(program, signature: Signature) -> None:
             symbol = str(size) if size is not None else None
             if symbol in bounded:
                 low, high = bounded[symbol]
+                if max_length is not None and high >= max_length:
+                    continue
                 raise not_dynamic(
                     signature, axis,
                     f"the traced graph holds only for {axis} in {low}..{high}; its code decides something on that "
-                    f"size (e.g. `if x.size(1) > {high}`), which a graph cannot: compute it with tensor ops",
+                    f"size (e.g. `if x.size(1) > {high}`), which a graph cannot: compute it with tensor ops, or, if "
+                    f"the module takes no longer sequence, say so with --max-length {high}"
+                    + ("" if max_length is None else f" (the max length now is {max_length})"),
                 )
 
 
@@ -133,6 +139,7 @@ def export_onnx(
     heads: int = 1,
     output_names: tuple[str, ...] | None = None,
     plain_rotary: bool = False,
+    max_length: int | None = None,
 ) -> onnx.ModelProto:
     """torch.onnx.export (dynamo) of ``module``, an eval-mode graph whose forward takes ``signature``'s
     inputs in order, traced at the tracing sizes, quietly, with an IR version ORT accepts.
@@ -142,6 +149,8 @@ def export_onnx(
     its trailing inputs as ``*args`` says from which input on with ``variadic_from``.
     ``plain_rotary``: where the graph at ``opset`` holds ONNX RotaryEmbedding, translate the same trace again at
     ``ROTARY_OPSET`` (see ``writes_onnx_rotary``; the returned model's opset says which was written).
+    ``max_length``: the longest sequence the module takes (recorded in the file, longer ones refused): a graph that
+    holds for every length up to it is accepted, as a guard in the module's code on its position table's size.
     """
     if opset < 18:
         raise ExportError(f"opset {opset} is too old: torch's ONNX exporter needs opset >= 18")
@@ -158,7 +167,7 @@ def export_onnx(
                                         verbose=False, **names)
     except Exception as exc:  # the exporter raises many unrelated types
         raise ExportError(f"torch.onnx.export failed: {type(exc).__name__}: {exc}") from exc
-    _check_dynamic(program, signature)
+    _check_dynamic(program, signature, max_length)
     model = program.model_proto
     if plain_rotary and opset > ROTARY_OPSET and writes_onnx_rotary(model):
         # The trace (torch.export) is most of an export's time; translating the program it made again at the older
