@@ -1,4 +1,9 @@
-"""``mha-deploy export``: the reference MHA, a stack of it, or your own module, to ONNX."""
+"""``mha-deploy export``: the reference MHA, a stack of it, your own module or a Hugging Face folder, to ONNX.
+
+Three sources: the built-in block (its flags build it), ``--module FILE.py:FACTORY`` (your code, its inputs
+declared with ``--input``) and ``--hf DIR`` (a folder ``save_pretrained`` wrote, read whole). ``FLAG_SOURCES`` says
+which flags are whose: ``--help`` lists them in a section per source, and a flag of another source is refused
+naming the source it is for."""
 
 from __future__ import annotations
 
@@ -8,7 +13,13 @@ import click
 
 from mha_deploy.cli.builtin import build_stack, load_model
 from mha_deploy.cli.group import main
-from mha_deploy.cli.options import model_options, pack_tokens_option, quantization, quantize_options
+from mha_deploy.cli.options import (
+    SectionedCommand,
+    model_options,
+    pack_tokens_option,
+    quantization,
+    quantize_options,
+)
 from mha_deploy.metadata import (
     ATTENTION_KINDS,
     CACHE_LAYOUT_CHOICES,
@@ -22,8 +33,60 @@ from mha_deploy.metadata import (
     Signature,
 )
 
+BUILTIN, MODULE, HF = "built-in", "--module", "--hf"
+# The one place that says which flags are whose (by parameter name); a flag not here is every source's.
+FLAG_SOURCES: dict[str, tuple[str, ...]] = {
+    **dict.fromkeys(("prefix", "d_model", "heads", "model_kind", "layers", "d_ff", "attention", "mask",
+                     "return_weights", "seed"), (BUILTIN,)),
+    "checkpoint": (BUILTIN, MODULE),
+    **dict.fromkeys(("module_spec", "inputs", "output_names"), (MODULE,)),
+    "hf": (HF,),
+    **dict.fromkeys(("max_length", "eos_ids", "pad_id", "start_id", "position_ids", "cache_layout", "genai"),
+                    (MODULE, HF)),
+}
+# --help's sections, in order, by the sources a flag is for (the last: every source's).
+SECTIONS: dict[tuple[str, ...], str] = {
+    (BUILTIN,): "The built-in block (without --module or --hf)",
+    (BUILTIN, MODULE): "The built-in block or --module",
+    (MODULE,): "Your own module (--module)",
+    (HF,): "A Hugging Face folder (--hf)",
+    (MODULE, HF): "Your own module or a Hugging Face folder (--module, --hf)",
+    (): "Every source",
+}
+# What each source takes instead of another's flags, and how a flag's owners are named, for the refusal.
+SOURCE_TAKES = {
+    BUILTIN: "without --module or --hf, export builds the reference block from its own flags",
+    MODULE: "--module exports your model as it is",
+    HF: "--hf exports the folder's model as it is: its inputs read from the model's forward, its outputs named "
+        "after its output fields, its weights the folder's",
+}
+OWNERS = {
+    (BUILTIN,): "describe the built-in ones",
+    (BUILTIN, MODULE): "for the built-in block or --module",
+    (MODULE,): "for --module (your own code)",
+    (HF,): "for --hf",
+    (MODULE, HF): "for --module or --hf (a model of your own)",
+}
 
-@main.command()
+
+def _section(name: str) -> str:
+    return SECTIONS[FLAG_SOURCES.get(name, ())]
+
+
+def refuse_other_sources(ctx: click.Context, source: str) -> None:
+    """A ``UsageError`` naming the flags given that are for another source than ``source``, and whose they are."""
+    given = [name for name, owners in FLAG_SOURCES.items() if source not in owners and _given(ctx, name)]
+    if not given:
+        return
+    owners = FLAG_SOURCES[given[0]]
+    names = [name for name in given if FLAG_SOURCES[name] == owners]
+    owned = OWNERS[owners]
+    if not owned.startswith("describe"):
+        owned = ("is " if len(names) == 1 else "are ") + owned
+    raise click.UsageError(f"{_flags(names)} {owned}; {SOURCE_TAKES[source]}")
+
+
+@main.command(cls=SectionedCommand, sections=tuple(SECTIONS.values()), section_of=_section)
 @model_options
 @click.option("--model", "model_kind", type=click.Choice(MODEL_KINDS), default="mha",
               show_default=True, help="A lone MHA, or a post-norm Transformer stack of --layers layers built from it "
@@ -78,7 +141,7 @@ from mha_deploy.metadata import (
                    "output for a lone tensor, a dict's key, output_<i> for a tuple's items, <name>.<i> inside "
                    "them, None values skipped).")
 @click.option("--max-length", type=click.IntRange(min=1),
-              help="With --module, the longest sequence the module takes (default: read off its position "
+              help="With --module or --hf, the longest sequence the module takes (default: read off its position "
                    "table, an nn.Embedding indexed by position, if any): parity checks no longer one, and it is "
                    "recorded in the file so that a longer sequence is refused.")
 @click.option("--eos-id", "eos_ids", type=click.IntRange(min=0), multiple=True,
@@ -92,20 +155,31 @@ from mha_deploy.metadata import (
                    "every target from it). A causal LM starts from its prompt: generate does not use it, and "
                    "--genai writes it as bos_token_id.")
 @click.option("--position-ids/--no-position-ids", default=None,
-              help="With --module ... --kv-cache (a causal LM: on unless --no-position-ids): the file takes "
+              help="With --module or --hf and --kv-cache (a causal LM: on unless --no-position-ids): the file takes "
                    "position_ids int64 [batch, seq] (each row's own positions, as onnxruntime-genai and generate "
                    "feed them) where the module's positions are an arange indexing a table or computed from it "
                    "(rotary cos/sin), so that rows of "
                    "different lengths share a batch exactly (and the cache can be ragged).")
 @click.option("--cache-layout", type=click.Choice(CACHE_LAYOUT_CHOICES), default="auto", show_default=True,
-              help="With --module ... --kv-cache (a causal LM): ragged = each attention is GroupQueryAttention "
+              help="With --module or --hf and --kv-cache (a causal LM): ragged = each attention is "
+                   "GroupQueryAttention "
                    "updating the cache in place (prompts right-padded, each row's cache from position 0); holes = "
                    "each step returns past ++ new (padding on either side); auto = ragged where the module's "
                    "positions and mask allow it (checked call by call), else holes with a warning saying why.")
 @click.option("--genai", is_flag=True,
-              help="With --module ... --kv-cache, also write genai_config.json beside the file so that "
+              help="With --module or --hf and --kv-cache (a causal LM), also write genai_config.json beside the "
+                   "file so that "
                    "onnxruntime-genai generates from it unchanged (context_length from the max length; needs one "
                    "recorded). The same as `mha-deploy genai-config` afterwards.")
+@click.option("--hf", type=click.Path(file_okay=False, path_type=Path), metavar="DIR",
+              help="A Hugging Face model folder as save_pretrained writes it (config.json, the weights, tokenizer "
+                   "files, generation_config.json), read locally, nothing downloaded. The config's architectures "
+                   "picks the transformers class; the file takes the forward's inputs under Hugging Face's names "
+                   "(input_ids, attention_mask; decoder_input_ids, decoder_attention_mask for an encoder-decoder) "
+                   "and gives its outputs under the output's field names (logits, last_hidden_state, ...). With "
+                   "--kv-cache (a causal LM or an encoder-decoder) the eos, pad and decoder start ids are read from "
+                   "generation_config.json or config.json. The tokenizer files, chat template and generation / "
+                   "preprocessor configs are copied beside the file, where generate and serve find them.")
 @pack_tokens_option
 @click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path), required=True,
               help="Where to write the .onnx file (written only if parity passes).")
@@ -113,8 +187,9 @@ from mha_deploy.metadata import (
 def export(ctx, checkpoint, prefix, d_model, heads, model_kind, layers, d_ff, attention, mask, return_weights, kv_cache,
            fuse, quantize, block_size, symmetric, keep_head_fp32, quant_method, seed, opset, dtype, atol, rtol,
            module_spec, inputs, output_names, max_length, eos_ids, pad_id, start_id, position_ids, cache_layout,
-           genai, pack_tokens, output):
-    """Export a reference MHA to ONNX with dynamic batch and sequence axes, checked against torch.
+           hf, genai, pack_tokens, output):
+    """Export a model to ONNX with dynamic batch and sequence axes, checked against torch: the reference MHA or a
+    stack of it (built from the flags), your own module (--module), or a Hugging Face folder (--hf).
 
     \b
     Examples:
@@ -133,15 +208,18 @@ def export(ctx, checkpoint, prefix, d_model, heads, model_kind, layers, d_ff, at
           --quantize int4 -o lm-int4.onnx
       mha-deploy export --module mt.py:build --input src:tokens:src_seq --input src_mask:padding-mask:src_seq \
           --input tgt:tokens:tgt_seq --input tgt_mask:padding-mask:tgt_seq --kv-cache --start-id 1 -o mt.onnx
+      mha-deploy export --hf ./bert-classifier -o classifier/model.onnx
+      mha-deploy export --hf ./llama --kv-cache --quantize int4 -o llama/model.onnx
+      mha-deploy export --hf ./bart --kv-cache -o bart/model.onnx
     """
     from mha_deploy.exporters import export_builtin, export_model, load_factory
 
     options = {"opset": opset, "atol": atol, "rtol": rtol, "fuse": fuse, "dtype": dtype, "pack_tokens": pack_tokens,
                "quantize": quantization(quantize, block_size, symmetric, keep_head_fp32, quant_method)}
-    lone_block = ("prefix", "d_model", "heads", "model_kind", "layers", "d_ff", "attention", "mask",
-                  "return_weights", "seed")
-    own_model = ("inputs", "output_names", "max_length", "eos_ids", "pad_id", "start_id", "position_ids",
-                 "cache_layout", "genai")
+    if module_spec is not None and hf is not None:
+        raise click.UsageError("--module and --hf are two sources of a model: give one")
+    source = HF if hf is not None else MODULE if module_spec is not None else BUILTIN
+    refuse_other_sources(ctx, source)
     generation = None
     if eos_ids or pad_id is not None or start_id is not None:
         if not kv_cache:
@@ -153,10 +231,21 @@ def export(ctx, checkpoint, prefix, d_model, heads, model_kind, layers, d_ff, at
         raise click.UsageError("--cache-layout is how a KV-cache decoder keeps its cache: give --kv-cache")
     if genai and not kv_cache:
         raise click.UsageError("--genai writes onnxruntime-genai's config for a KV-cache decoder: give --kv-cache")
-    if module_spec is not None:
-        given = [name for name in lone_block if _given(ctx, name)]
-        if given:
-            raise click.UsageError(f"--module exports your model as it is: {_flags(given)} describe the built-in ones")
+    if hf is not None:
+        from mha_deploy.exporters.hf_folder import export_hf_folder, read_config
+
+        if genai and read_config(hf).get("is_encoder_decoder"):
+            raise click.UsageError("--genai describes a decoder-only model to onnxruntime-genai; this folder holds "
+                                   "an encoder-decoder")
+        click.echo(f"exporting the model of {hf}", err=True)
+        done = export_hf_folder(hf, output, kv_cache=kv_cache, generation=generation, max_length=max_length,
+                                position_ids=position_ids, cache_layout=cache_layout, **options)
+        click.echo(f"{done.architecture}: inputs {', '.join(done.inputs)}", err=True)
+        if done.generation is not None:
+            click.echo(f"{done.generation.describe()} recorded (the folder's generation config and config; --eos-id, "
+                       "--pad-id, --start-id to record others)", err=True)
+        result = done.result
+    elif module_spec is not None:
         if not inputs:
             raise click.UsageError("--module needs its forward's inputs: --input NAME:ROLE for each")
         if genai and sum(spec.split(":")[1:2] == ["tokens"] for spec in inputs) > 1:
@@ -167,8 +256,6 @@ def export(ctx, checkpoint, prefix, d_model, heads, model_kind, layers, d_ff, at
         result = export_model(module, output, inputs, output_names=output_names or None, checkpoint=checkpoint,
                               max_length=max_length, kv_cache=kv_cache, position_ids=position_ids,
                               generation=generation, cache_layout=cache_layout, **options)
-    elif given := [name for name in own_model if _given(ctx, name)]:
-        raise click.UsageError(f"{_flags(given)} describe your own model: give it with --module FILE.py:FACTORY")
     elif model_kind == "mha":
         if layers != 1:
             raise click.UsageError("--layers is for --model encoder or decoder")
@@ -190,6 +277,8 @@ def export(ctx, checkpoint, prefix, d_model, heads, model_kind, layers, d_ff, at
                    err=True)
         result = export_builtin(stack, output, signature, **options)
     echo_export(result)
+    if hf is not None and done.beside:
+        click.echo(f"wrote beside it: {', '.join(path.name for path in done.beside)}")
     if genai:
         write_genai_beside(result.path)
 
@@ -240,5 +329,6 @@ def _given(ctx: click.Context, name: str) -> bool:
 
 
 def _flags(names: list[str]) -> str:
-    flags = {"model_kind": "--model", "inputs": "--input", "output_names": "--output-name", "eos_ids": "--eos-id"}
+    flags = {"model_kind": "--model", "inputs": "--input", "output_names": "--output-name", "eos_ids": "--eos-id",
+             "module_spec": "--module"}
     return ", ".join(flags.get(name, "--" + name.replace("_", "-")) for name in names)

@@ -26,7 +26,8 @@ from mha_deploy.seeds import SEED_LIMIT
               help="A .jsonl file of {\"id\", \"output_ids\", \"text\"} per prompt, in input order (the new tokens "
                    "only; text with --tokenizer); for a directory input, a directory of <shard stem>.jsonl.")
 @click.option("--tokenizer", type=click.Path(dir_okay=False, path_type=Path),
-              help="A Hugging Face tokenizers file (tokenizer.json): encodes text prompts, decodes the outputs.")
+              help="A Hugging Face tokenizers file (tokenizer.json): encodes text prompts, decodes the outputs. "
+                   "Default: the tokenizer.json beside MODEL (export --hf writes it there), if any.")
 @click.option("--encoder", type=click.Path(dir_okay=False, path_type=Path),
               help="An encoder-decoder's encoder file (MODEL is then its decoder); needs --start-id. Default: the "
                    "encoder a decoder exported with --kv-cache names (written beside it), with its recorded start id.")
@@ -113,9 +114,13 @@ def generate(model, input_path, output_path, tokenizer, encoder, max_new_tokens,
         prompt_limits,
         run_generation,
     )
+    from mha_deploy.runtime.beside_model import BesideModel
     from mha_deploy.runtime.generation import GenerationConfig, with_recorded_ids
     from mha_deploy.runtime.kv_stepper import KVCacheStepper, encoder_companion
 
+    tokenizer, note = BesideModel.of(model).tokenizer_for(tokenizer)  # export --hf writes it beside the model
+    if note:
+        click.echo(note, err=True)
     if encoder is None and (found := encoder_companion(model)) is not None:
         # export --kv-cache of an encoder-decoder wrote its encoder beside it and named it, with its start id
         encoder, start_id = Path(found[0]), start_id if start_id is not None else found[1]

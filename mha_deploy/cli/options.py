@@ -128,3 +128,25 @@ def quantization(quantize: str, block_size: int, symmetric: bool, keep_head_fp32
     from mha_deploy.exporters.quantize import Quantization
 
     return Quantization(quantize, block_size, symmetric, keep_head_fp32, quant_method)
+
+
+class SectionedCommand(click.Command):
+    """A command whose ``--help`` lists its options in sections (click has no option groups): ``section_of`` maps a
+    parameter's name to its section's title, ``sections`` orders the titles; a parameter it maps to None (or to a
+    title not in ``sections``) is listed under the last section."""
+
+    def __init__(self, *args, sections: tuple[str, ...], section_of: Callable[[str], str | None], **kwargs):
+        super().__init__(*args, **kwargs)
+        self.sections, self.section_of = sections, section_of
+
+    def format_options(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        records: dict[str, list[tuple[str, str]]] = {title: [] for title in self.sections}
+        for param in self.get_params(ctx):
+            record = param.get_help_record(ctx)
+            if record is not None:
+                title = self.section_of(param.name or "")
+                records[title if title in records else self.sections[-1]].append(record)
+        for title, rows in records.items():
+            if rows:
+                with formatter.section(title):
+                    formatter.write_dl(rows)

@@ -1,0 +1,326 @@
+"""``export_hf_folder``: a Hugging Face model folder, as ``save_pretrained`` writes it, -> a checked ONNX file.
+
+The folder says everything ``--module`` makes the user say: ``config.json``'s ``architectures`` names the
+transformers class (and with it the task: ``BertForSequenceClassification``, ``GPT2LMHeadModel``, ...), its
+weights load into it, and the inputs are the forward's parameters under Hugging Face's names, each with the role
+and length axis ``HF_INPUTS`` gives it. The outputs keep the model's output field names (``logits``,
+``last_hidden_state``, ``pooler_output``: ``own_model.named_outputs`` names a ``ModelOutput``'s tensors by their
+keys). With ``kv_cache`` the special ids come from ``generation_config.json`` and the config, recorded as
+``--eos-id``, ``--pad-id`` and ``--start-id`` would record them. The tokenizer, its chat template and the generation
+and preprocessor configs are copied beside the file (``beside_model``), so that ``generate`` and ``serve`` find
+them there. Nothing is downloaded: the folder is read with ``local_files_only``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import json
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from mha_deploy.atomic import atomic_path, same_file
+from mha_deploy.errors import ExportError
+from mha_deploy.metadata import CACHE_LAYOUT_AUTO, GenerationIds
+from mha_deploy.runtime.beside_model import CHAT_TEMPLATE_FILE, TOKENIZER_FILE
+
+CONFIG_FILE = "config.json"
+TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
+GENERATION_CONFIG_FILE = "generation_config.json"
+# What lands beside the exported file when the folder has it: what a tokenizer, a chat template, a generator and an
+# image or audio preprocessor read (the chat template also when tokenizer_config.json holds it: ``_chat_template``).
+COPIED_FILES = (TOKENIZER_FILE, TOKENIZER_CONFIG_FILE, "special_tokens_map.json", GENERATION_CONFIG_FILE,
+                "preprocessor_config.json")
+
+# A length axis of an encoder or a decoder-only model; an encoder-decoder has two, its source's and its target's.
+SEQ, SOURCE, TARGET = "seq", "src_seq", "tgt_seq"
+
+
+@dataclass(frozen=True)
+class HFInput:
+    """How a forward parameter of Hugging Face's name is fed: its role (``own_model.ROLES``), and whether it is on
+    the decoder's side of an encoder-decoder (its target axis; else the source's, or ``seq`` in a model with one)."""
+
+    role: str
+    target: bool = False
+
+    def axis(self, encoder_decoder: bool) -> str:
+        if not encoder_decoder:
+            return SEQ
+        return TARGET if self.target else SOURCE
+
+
+# Hugging Face's input names -> how the file takes them: the one table. A name whose role own_model.ROLES takes
+# becomes an input of the file wherever the forward has that parameter; the others are left at their defaults,
+# unless the model reads nothing without them (its main input: ``refuse_unfed``). A new role is one line here,
+# e.g. "token_type_ids": HFInput("segments").
+HF_INPUTS: dict[str, HFInput] = {
+    "input_ids": HFInput("tokens"),
+    "attention_mask": HFInput("padding-mask"),
+    "decoder_input_ids": HFInput("tokens", target=True),
+    "decoder_attention_mask": HFInput("padding-mask", target=True),
+}
+
+
+@dataclass
+class HFModel:
+    """A folder's model, loaded for export: the module (eval, fp32, caches off) and the inputs to declare."""
+
+    module: object  # a transformers PreTrainedModel
+    architecture: str
+    inputs: tuple[str, ...]  # NAME:ROLE[:AXIS], as ``--input`` takes them
+    encoder_decoder: bool
+
+    def generation_ids(self) -> GenerationIds | None:
+        """The eos, pad and (an encoder-decoder's) decoder start ids of the folder's generation config, else of its
+        config; None when it names none."""
+        sources = [getattr(self.module, "generation_config", None), self.module.config]
+
+        def first(name: str) -> list[int]:
+            return next((ids for source in sources if (ids := _token_ids(getattr(source, name, None)))), [])
+
+        eos, pad = first("eos_token_id"), first("pad_token_id")
+        # A causal LM starts from its prompt: its bos id is the tokenizer's business, not the generator's.
+        start = first("decoder_start_token_id") if self.encoder_decoder else []
+        if not (eos or pad or start):
+            return None
+        return GenerationIds(eos, pad[0] if pad else None, start[0] if start else None)
+
+
+def _token_ids(value) -> list[int]:
+    values = value if isinstance(value, list | tuple) else [value]
+    return [v for v in values if type(v) is int and v >= 0]
+
+
+def read_config(folder: Path) -> dict:
+    """``config.json`` of ``folder``, with the ``ExportError`` that says what is missing when it is not a folder
+    ``save_pretrained`` wrote."""
+    if not folder.is_dir():
+        raise ExportError(f"--hf {folder}: {'not a folder' if folder.exists() else 'no such folder'} (give the "
+                          "folder save_pretrained wrote: config.json, the weights, the tokenizer files)")
+    path = folder / CONFIG_FILE
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ExportError(f"--hf {folder}: no {CONFIG_FILE} in it (give the folder save_pretrained wrote)") from None
+    except (OSError, ValueError) as exc:
+        raise ExportError(f"--hf {folder}: {CONFIG_FILE} cannot be read: {exc}") from exc
+    if not isinstance(config, dict):
+        raise ExportError(f"--hf {folder}: {CONFIG_FILE} is not a JSON object")
+    return config
+
+
+def model_class(folder: Path, config: dict):
+    """The transformers class ``config.json``'s ``architectures`` names (its first)."""
+    import transformers
+
+    architectures = config.get("architectures") or []
+    if not architectures or not isinstance(architectures[0], str):
+        raise ExportError(f"--hf {folder}: {CONFIG_FILE} names no architecture (\"architectures\": [...]), so the "
+                          "model class is unknown; save the model with save_pretrained from its task class "
+                          "(e.g. BertForSequenceClassification), or export it with --module")
+    name = architectures[0]
+    cls = getattr(transformers, name, None)
+    if not isinstance(cls, type) or not hasattr(cls, "from_pretrained"):
+        raise ExportError(f"--hf {folder}: transformers {transformers.__version__} has no model class {name} "
+                          "(the config's architectures): a newer transformers, or --module with your own code")
+    return cls
+
+
+def load_hf_model(folder: str | os.PathLike) -> HFModel:
+    """The model of ``folder`` (eval, fp32, sdpa attention where the class has it, caches off) and the inputs its
+    forward takes under ``HF_INPUTS``' names; an ``ExportError`` naming what the folder lacks otherwise."""
+    import torch
+
+    folder = Path(folder)
+    config = read_config(folder)
+    cls = model_class(folder, config)
+    with _quiet_transformers():
+        try:
+            module = _from_pretrained(cls, folder, torch.float32)
+        except (OSError, ValueError, RuntimeError, KeyError) as exc:
+            raise ExportError(f"--hf {folder}: {cls.__name__}.from_pretrained failed: {type(exc).__name__}: "
+                              f"{str(exc).strip().splitlines()[0] if str(exc).strip() else ''}") from exc
+    module = module.float().eval()
+    # The export traces a forward without a cache object (a KV-cache export adds its own to the graph); the
+    # config save_pretrained wrote keeps use_cache on, the forward's default.
+    for cfg in (module.config, getattr(module.config, "text_config", None)):
+        if cfg is not None and hasattr(cfg, "use_cache"):
+            cfg.use_cache = False
+    encoder_decoder = bool(getattr(module.config, "is_encoder_decoder", False))
+    return HFModel(module, cls.__name__, forward_inputs(module, encoder_decoder), encoder_decoder)
+
+
+def _from_pretrained(cls, folder: Path, dtype):
+    """``cls.from_pretrained`` of the local folder, with sdpa attention unless the class does not offer it."""
+    common = {"local_files_only": True, "dtype": dtype}
+    try:
+        return cls.from_pretrained(folder, attn_implementation="sdpa", **common)
+    except ValueError as exc:
+        if "sdpa" not in str(exc).lower():
+            raise
+        return cls.from_pretrained(folder, **common)  # its own attention: eager, the fusion's other spelling
+
+
+@contextlib.contextmanager
+def _quiet_transformers() -> Iterator[None]:
+    """transformers' progress bars (writing, loading weights) off while the folder loads."""
+    from transformers.utils import logging
+
+    was = logging.is_progress_bar_enabled()
+    logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was:
+            logging.enable_progress_bar()
+
+
+def forward_inputs(module, encoder_decoder: bool) -> tuple[str, ...]:
+    """``NAME:ROLE[:AXIS]`` for each forward parameter ``HF_INPUTS`` names with a role the export takes, in the
+    forward's order; refused naming it when the model's main input (or an encoder-decoder's decoder ids) is not
+    among them."""
+    from mha_deploy.exporters.own_model import ROLES
+
+    parameters = list(inspect.signature(module.forward).parameters)
+    needed = [getattr(module, "main_input_name", "input_ids")]
+    if encoder_decoder:
+        needed.append("decoder_input_ids")
+    takes = f"{type(module).__name__}.forward"
+    for name in needed:
+        known = HF_INPUTS.get(name)
+        if known is None or known.role not in ROLES:
+            fed = [n for n, spec in HF_INPUTS.items() if spec.role in ROLES]
+            raise ExportError(f"{takes} reads {name}, which --hf cannot feed yet (it feeds {', '.join(fed)}): "
+                              f"export it with --module, declaring {name} with --input")
+        if name not in parameters:
+            raise ExportError(f"{takes} has no parameter {name} (its main input): export it with --module")
+    inputs = []
+    for name in parameters:
+        spec = HF_INPUTS.get(name)
+        if spec is None or spec.role not in ROLES:
+            continue  # left at its default (token_type_ids: zeros, position_ids: the model's own)
+        axis = spec.axis(encoder_decoder)
+        inputs.append(f"{name}:{spec.role}" + (f":{axis}" if axis != SEQ else ""))
+    return tuple(inputs)
+
+
+@dataclass(frozen=True)
+class BesideFiles:
+    """The folder's files that go beside the exported model: file name -> bytes."""
+
+    files: dict[str, bytes]
+
+    @classmethod
+    def read(cls, folder: Path) -> BesideFiles:
+        files = {}
+        for name in COPIED_FILES:
+            with contextlib.suppress(FileNotFoundError, IsADirectoryError):
+                files[name] = (folder / name).read_bytes()
+        if (template := _chat_template(folder, files.get(TOKENIZER_CONFIG_FILE))) is not None:
+            files[CHAT_TEMPLATE_FILE] = template.encode("utf-8")
+        return cls(files)
+
+    def write(self, folder: Path, source: Path) -> list[Path]:
+        """Each file written atomically into ``folder``; a file that is the one in ``source`` (an export into the
+        model's own folder) is left as it is. On failure the ones written are removed again and the error raised."""
+        written: list[Path] = []
+        try:
+            for name, data in self.files.items():
+                path = folder / name
+                if path.exists() and same_file(path, source / name):
+                    continue
+                with atomic_path(path) as tmp:
+                    tmp.write_bytes(data)
+                written.append(path)
+        except BaseException:
+            for path in written:
+                path.unlink(missing_ok=True)
+            raise
+        return written
+
+
+def _chat_template(folder: Path, tokenizer_config: bytes | None) -> str | None:
+    """The chat template: ``chat_template.jinja`` (transformers 5's save), else the one ``tokenizer_config.json``
+    holds (a string, or the ``default`` of named templates)."""
+    with contextlib.suppress(FileNotFoundError, IsADirectoryError):
+        return (folder / CHAT_TEMPLATE_FILE).read_text(encoding="utf-8")
+    if tokenizer_config is None:
+        return None
+    try:
+        template = json.loads(tokenizer_config).get("chat_template")
+    except (ValueError, AttributeError):
+        return None
+    if isinstance(template, list):  # [{"name": ..., "template": ...}, ...]
+        template = next((t.get("template") for t in template if isinstance(t, dict) and t.get("name") == "default"),
+                        None)
+    return template if isinstance(template, str) else None
+
+
+def export_hf_folder(
+    folder: str | os.PathLike,
+    output: str | os.PathLike,
+    *,
+    kv_cache: bool = False,
+    generation: GenerationIds | None = None,
+    max_length: int | None = None,
+    position_ids: bool | None = None,
+    cache_layout: str = CACHE_LAYOUT_AUTO,
+    **options,
+):
+    """Export the model of ``folder`` (as ``save_pretrained`` wrote it) to ``output`` as ``export_model`` exports a
+    module, its inputs read off the forward (``HF_INPUTS``), its outputs named after its output fields; then copy
+    the tokenizer files, chat template and generation / preprocessor configs beside it (``COPIED_FILES``).
+
+    ``kv_cache``: a causal LM or an encoder-decoder exported for generation (as ``export_model``'s); the eos, pad and
+    decoder start ids are the folder's generation config's (else its config's), each one ``generation`` gives
+    taking its place. ``max_length``: as ``export_model``'s (default: the model's position table, or a causal LM's
+    ``max_position_embeddings`` with ``kv_cache``). ``options`` as for ``export_mha``.
+
+    Returns an ``HFExport``: ``export_model``'s result, the architecture, the inputs declared and the files copied.
+    Writes nothing when anything fails: the model file(s) are removed again if the files beside cannot be written.
+    """
+    from mha_deploy.exporters.export import export_model
+
+    folder = Path(folder)
+    model = load_hf_model(folder)
+    beside = BesideFiles.read(folder)
+    ids = _merged(model.generation_ids(), generation) if kv_cache else generation
+    result = export_model(model.module, output, model.inputs, max_length=max_length, kv_cache=kv_cache,
+                          position_ids=position_ids, generation=ids, cache_layout=cache_layout, **options)
+    written = [Path(result.path)] + ([Path(result.encoder_path)] if getattr(result, "encoder_path", None) else [])
+    try:
+        copied = beside.write(Path(result.path).parent, folder)
+    except BaseException:
+        for path in written:
+            path.unlink(missing_ok=True)
+        raise
+    return HFExport(result, model.architecture, model.inputs, copied, ids)
+
+
+@dataclass
+class HFExport:
+    """What ``export_hf_folder`` did: ``export_model``'s result (an ``ExportResult``, or an encoder-decoder's pair),
+    the class the folder named, the inputs declared for it (``NAME:ROLE[:AXIS]``), the files copied beside and the
+    generation ids passed to the export (with ``kv_cache``: the folder's, or the ones given in their place)."""
+
+    result: object
+    architecture: str
+    inputs: tuple[str, ...]
+    beside: list[Path]
+    generation: GenerationIds | None = None
+
+
+def _merged(found: GenerationIds | None, given: GenerationIds | None) -> GenerationIds | None:
+    """The folder's ids, each one ``given`` sets (``--eos-id``, ``--pad-id``, ``--start-id``) in its place."""
+    if given is None or found is None:
+        return given or found
+    return replace(
+        found,
+        eos_token_ids=given.eos_token_ids or found.eos_token_ids,
+        pad_token_id=given.pad_token_id if given.pad_token_id is not None else found.pad_token_id,
+        decoder_start_token_id=(given.decoder_start_token_id if given.decoder_start_token_id is not None
+                                else found.decoder_start_token_id),
+    )

@@ -1,0 +1,352 @@
+"""``mha-deploy export --hf DIR``: folders as ``save_pretrained`` writes them (small configs, random weights, a tiny
+tokenizer built here; nothing downloaded), each exported with ``--hf DIR`` and nothing else (``--kv-cache`` for the
+generators): a BERT sequence classifier, a GPT-2 causal LM and BART. Every attention fused; the file equal to the
+module in plain ONNX Runtime under Hugging Face's input names at shapes the export never saw; outputs named after
+the model's output fields; the special ids recorded from the folder's configs; the tokenizer files and chat
+template beside the file, where ``generate`` finds them with no flag. And export's three sources apart: ``--help``
+lists each source's options in its own section, and a flag of another source is refused naming whose it is."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+tokenizers = pytest.importorskip("tokenizers")
+ort = pytest.importorskip("onnxruntime")
+
+from click.testing import CliRunner  # noqa: E402
+
+from mha_deploy.cli import main  # noqa: E402
+from mha_deploy.exporters.hf_folder import HF_INPUTS, BesideFiles  # noqa: E402
+from mha_deploy.exporters.own_model import named_outputs  # noqa: E402
+from mha_deploy.model_report import read_metadata  # noqa: E402
+from mha_deploy.onnx_nodes import all_nodes  # noqa: E402
+from tests.conftest import OWN_MODEL_ATOL, OWN_MODEL_RTOL, USER_MODELS  # noqa: E402
+
+sys.path.insert(0, str(USER_MODELS))
+from hf_models import D_MODEL, FFN, HEADS, LAYERS, MAX_POSITIONS, PAD_ID, VOCAB  # noqa: E402
+
+sys.path.remove(str(USER_MODELS))
+
+EOS_IDS, START_ID, BOS_ID = [2, 3], 2, 0
+TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+# Lengths the export never traced, probed or checked parity at (its traces: 3-17, its parity: 1-17, 41, 300).
+UNSEEN_BATCH, UNSEEN_SEQ, UNSEEN_TARGET = 3, 23, 19
+
+
+def _tokenizer(folder, template_in_config: bool = False) -> None:
+    """A word-level tokenizer whose word ``w<i>`` is id i, saved as transformers saves one: tokenizer.json,
+    tokenizer_config.json, and the chat template (chat_template.jinja, or inside tokenizer_config.json)."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import Whitespace
+
+    word_level = Tokenizer(WordLevel({f"w{i}": i for i in range(VOCAB)}, unk_token="w0"))
+    word_level.pre_tokenizer = Whitespace()
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=word_level, pad_token=f"w{PAD_ID}",
+                                                eos_token=f"w{EOS_IDS[0]}")
+    if not template_in_config:
+        fast.chat_template = TEMPLATE
+    fast.save_pretrained(folder)
+    if template_in_config:  # as older transformers saved it
+        config = json.loads((folder / "tokenizer_config.json").read_text())
+        (folder / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": TEMPLATE}))
+
+
+def _bert(folder):
+    config = transformers.BertConfig(vocab_size=VOCAB, hidden_size=D_MODEL, num_hidden_layers=LAYERS,
+                                     num_attention_heads=HEADS, intermediate_size=FFN,
+                                     max_position_embeddings=MAX_POSITIONS, pad_token_id=PAD_ID, num_labels=3)
+    torch.manual_seed(41)
+    transformers.BertForSequenceClassification(config).save_pretrained(folder)
+    _tokenizer(folder)
+
+
+def _gpt2(folder):
+    config = transformers.GPT2Config(vocab_size=VOCAB, n_embd=D_MODEL, n_layer=LAYERS, n_head=HEADS,
+                                     n_positions=MAX_POSITIONS, bos_token_id=BOS_ID, eos_token_id=EOS_IDS[0])
+    torch.manual_seed(42)
+    transformers.GPT2LMHeadModel(config).save_pretrained(folder)
+    # The generation config names more than the config does: it is the one read first.
+    transformers.GenerationConfig(bos_token_id=BOS_ID, eos_token_id=EOS_IDS, pad_token_id=PAD_ID).save_pretrained(
+        folder)
+    _tokenizer(folder, template_in_config=True)
+
+
+def _bart(folder):
+    config = transformers.BartConfig(vocab_size=VOCAB, d_model=D_MODEL, encoder_layers=LAYERS, decoder_layers=LAYERS,
+                                     encoder_attention_heads=HEADS, decoder_attention_heads=HEADS,
+                                     encoder_ffn_dim=FFN, decoder_ffn_dim=FFN, max_position_embeddings=MAX_POSITIONS,
+                                     pad_token_id=PAD_ID, bos_token_id=BOS_ID, eos_token_id=EOS_IDS[0],
+                                     decoder_start_token_id=START_ID)
+    torch.manual_seed(43)
+    transformers.BartForConditionalGeneration(config).save_pretrained(folder)
+    _tokenizer(folder)
+
+
+FAMILIES = {"bert": (_bert, []), "gpt2": (_gpt2, ["--kv-cache"]), "bart": (_bart, ["--kv-cache"])}
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    """``exported(family) -> (folder, file, CLI output)``: each family saved and exported once per module, with
+    ``--hf DIR`` and nothing else (``--kv-cache`` for the generators)."""
+    done = {}
+
+    def export(family: str):
+        if family not in done:
+            save, flags = FAMILIES[family]
+            folder = tmp_path_factory.mktemp(f"hf-{family}")
+            save(folder)
+            path = tmp_path_factory.mktemp(f"onnx-{family}") / "model.onnx"
+            result = CliRunner().invoke(main, ["export", "--hf", str(folder), *flags, "-o", str(path)])
+            assert result.exit_code == 0, result.output
+            done[family] = folder, path, result.output
+        return done[family]
+
+    return export
+
+
+def _module(folder):
+    config = transformers.AutoConfig.from_pretrained(folder, local_files_only=True)
+    cls = getattr(transformers, config.architectures[0])
+    return cls.from_pretrained(folder, local_files_only=True, attn_implementation="sdpa").eval()
+
+
+def _ops(path) -> list[str]:
+    import onnx
+
+    return [node.op_type for node in all_nodes(onnx.load(str(path)).graph)]
+
+
+def _right_padded(rng, batch: int, seq: int) -> tuple[np.ndarray, np.ndarray]:
+    """Token ids [batch, seq] and their 0/1 attention mask, each row shorter than the last (the first whole)."""
+    lengths = np.linspace(seq, max(seq // 3, 1), batch).astype(int)
+    mask = (np.arange(seq)[None, :] < lengths[:, None]).astype(np.int64)
+    ids = np.where(mask == 1, rng.integers(3, VOCAB, (batch, seq)), PAD_ID).astype(np.int64)
+    return ids, mask
+
+
+def _pair_record(path):
+    """The encoder-decoder record a pair's decoder file holds (its generation ids)."""
+    import onnx
+
+    from mha_deploy.metadata import ENCODER_DECODER_KEY, EncoderDecoderRecord
+
+    props = {p.key: p.value for p in onnx.load(str(path), load_external_data=False).metadata_props}
+    return EncoderDecoderRecord.from_json(props[ENCODER_DECODER_KEY], str(path))
+
+
+def _plain(path):
+    return ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+
+
+def test_a_bert_classifier_exports_fused_under_hugging_faces_names(exported):
+    _, path, output = exported("bert")
+    session = _plain(path)
+    assert [i.name for i in session.get_inputs()] == ["input_ids", "attention_mask"]  # token_type_ids: its default
+    assert [o.name for o in session.get_outputs()] == ["logits"]  # SequenceClassifierOutput's field
+    # each attention one MultiHeadAttention (an If between two kernels of it where the fusion picks by length)
+    assert f"{LAYERS} attention subgraph(s) found, {LAYERS} fused into com.microsoft.MultiHeadAttention" in output
+    ops = _ops(path)
+    assert ops.count("MultiHeadAttention") >= LAYERS and "Softmax" not in ops
+    assert f"max length {MAX_POSITIONS} recorded" in output
+
+
+def test_a_bert_classifier_equals_the_module_in_plain_onnxruntime(exported):
+    folder, path, _ = exported("bert")
+    ids, mask = _right_padded(np.random.default_rng(0), UNSEEN_BATCH, UNSEEN_SEQ)
+    # the file's padding masks are bool (True = real token), as every mha-deploy file's: a tokenizer's 0/1 as bool
+    (logits,) = _plain(path).run(["logits"], {"input_ids": ids, "attention_mask": mask.astype(bool)})
+    with torch.no_grad():
+        want = _module(folder)(input_ids=torch.from_numpy(ids), attention_mask=torch.from_numpy(mask)).logits
+    np.testing.assert_allclose(logits, want.numpy(), atol=OWN_MODEL_ATOL, rtol=OWN_MODEL_RTOL)
+
+
+def test_a_causal_lm_exports_its_cache_fused_with_the_folders_ids(exported):
+    _, path, output = exported("gpt2")
+    session = _plain(path)
+    names = [i.name for i in session.get_inputs()]
+    assert names[:2] == ["input_ids", "attention_mask"] and "position_ids" in names
+    assert session.get_outputs()[0].name == "logits"
+    assert f"{LAYERS} attention subgraph(s) found, {LAYERS} fused" in output and "cache layout ragged" in output
+    ops = _ops(path)
+    assert ops.count("GroupQueryAttention") >= LAYERS and "Softmax" not in ops
+    recorded = read_metadata(path)
+    # generation_config.json's ids (eos 2 and 3, pad 1), not config.json's (eos 2 only); no start id for a causal LM
+    assert recorded.generation.eos_token_ids == EOS_IDS and recorded.generation.pad_token_id == PAD_ID
+    assert recorded.generation.decoder_start_token_id is None
+    assert recorded.max_length == MAX_POSITIONS
+
+
+def test_a_causal_lms_prompt_call_equals_the_module_in_plain_onnxruntime(exported):
+    """The first call (an empty cache) at an unseen length, right-padded, on the real rows."""
+    folder, path, _ = exported("gpt2")
+    session = _plain(path)
+    ids, mask = _right_padded(np.random.default_rng(1), UNSEEN_BATCH, UNSEEN_SEQ)
+    feeds = {"input_ids": ids, "attention_mask": mask,
+             "position_ids": np.broadcast_to(np.arange(UNSEEN_SEQ), ids.shape).astype(np.int64)}
+    for spec in session.get_inputs():
+        if spec.name.startswith("past_key_values."):
+            feeds[spec.name] = np.zeros((UNSEEN_BATCH, spec.shape[1], 0, spec.shape[3]), np.float32)
+    logits = session.run(["logits"], feeds)[0]
+    with torch.no_grad():
+        want = _module(folder)(input_ids=torch.from_numpy(ids), attention_mask=torch.from_numpy(mask)).logits
+    real = mask == 1
+    np.testing.assert_allclose(logits[real], want.numpy()[real], atol=OWN_MODEL_ATOL, rtol=OWN_MODEL_RTOL)
+
+
+def test_generate_finds_the_tokenizer_beside_the_file_and_equals_transformers(exported, tmp_path):
+    folder, path, _ = exported("gpt2")
+    prompt = "w5 w9 w17 w33 w4"
+    (tmp_path / "prompts.jsonl").write_text(json.dumps({"id": "a", "prompt": prompt}) + "\n")
+    result = CliRunner().invoke(main, ["generate", str(path), "--input", str(tmp_path / "prompts.jsonl"),
+                                       "--output", str(tmp_path / "out.jsonl"), "--max-new-tokens", "6",
+                                       "--no-progress"])
+    assert result.exit_code == 0, result.output
+    assert "tokenizer.json beside the model" in result.output
+    (line,) = (tmp_path / "out.jsonl").read_text().splitlines()
+    record = json.loads(line)
+    assert set(record["text"].split()) <= {f"w{i}" for i in record["output_ids"]}  # decoded by that tokenizer
+    ids = torch.tensor([[int(word[1:]) for word in prompt.split()]])
+    with torch.no_grad():  # transformers' greedy search, stopping at the folder's eos ids as generate does
+        want = _module(folder).generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False)
+    assert record["output_ids"] == want[0, ids.shape[1]:].tolist()
+
+
+def test_an_encoder_decoder_exports_its_pair_fused_with_the_folders_ids(exported):
+    _, path, output = exported("bart")
+    encoder = path.with_name("model.encoder.onnx")
+    assert "decoder 2 self- and 2 cross-attention(s), all fused" in output
+    for file in (encoder, path):
+        assert "Softmax" not in _ops(file)
+    assert [i.name for i in _plain(encoder).get_inputs()] == ["input_ids", "attention_mask"]
+    recorded = _pair_record(path).generation
+    assert (recorded.eos_token_ids, recorded.pad_token_id, recorded.decoder_start_token_id) == (
+        [EOS_IDS[0]], PAD_ID, START_ID)
+
+
+def test_an_encoder_decoder_equals_the_module_in_plain_onnxruntime(exported):
+    """The encoder's run and the decoder's first call (an empty self-attention cache, a whole target prompt) at
+    unseen lengths, the source right-padded: the logits of every target position."""
+    folder, path, _ = exported("bart")
+    rng = np.random.default_rng(2)
+    source, source_mask = _right_padded(rng, UNSEEN_BATCH, UNSEEN_SEQ)
+    target = rng.integers(3, VOCAB, (UNSEEN_BATCH, UNSEEN_TARGET)).astype(np.int64)
+    encoder = _plain(path.with_name("model.encoder.onnx"))
+    encoder_feeds = {"input_ids": source, "attention_mask": source_mask.astype(bool)}
+    cross = dict(zip([o.name for o in encoder.get_outputs()], encoder.run(None, encoder_feeds), strict=True))
+    decoder = _plain(path)
+    feeds = {"input_ids": target, "attention_mask": np.ones_like(target), "encoder_attention_mask": encoder_feeds[
+        "attention_mask"]}
+    for spec in decoder.get_inputs():
+        if spec.name.endswith(".encoder.key") or spec.name.endswith(".encoder.value"):
+            feeds[spec.name] = cross[spec.name.replace("past_key_values.", "present.")]
+        elif spec.name.startswith("past_key_values."):
+            feeds[spec.name] = np.zeros((UNSEEN_BATCH, spec.shape[1], 0, spec.shape[3]), np.float32)
+    logits = decoder.run(["logits"], feeds)[0]
+    with torch.no_grad():
+        want = _module(folder)(input_ids=torch.from_numpy(source), attention_mask=torch.from_numpy(source_mask),
+                               decoder_input_ids=torch.from_numpy(target)).logits
+    np.testing.assert_allclose(logits, want.numpy(), atol=OWN_MODEL_ATOL, rtol=OWN_MODEL_RTOL)
+
+
+@pytest.mark.parametrize("family", ["bert", "gpt2", "bart"])
+def test_the_tokenizer_files_and_chat_template_land_beside_the_file(exported, family):
+    folder, path, _ = exported(family)
+    beside = {file.name for file in path.parent.iterdir()}
+    assert {"tokenizer.json", "tokenizer_config.json", "chat_template.jinja"} <= beside
+    assert (path.parent / "tokenizer.json").read_bytes() == (folder / "tokenizer.json").read_bytes()
+    # GPT-2's folder holds its template inside tokenizer_config.json (older transformers' way): written out.
+    assert (path.parent / "chat_template.jinja").read_text() == TEMPLATE
+    if family != "bert":  # save_pretrained writes a generation config for models that generate
+        assert (path.parent / "generation_config.json").is_file()
+    assert not [name for name in beside if name.startswith(".")]  # no temporary left
+
+
+def test_generate_finds_an_encoder_decoders_tokenizer(exported, tmp_path):
+    _, path, _ = exported("bart")
+    (tmp_path / "src.jsonl").write_text(json.dumps({"id": 1, "prompt": "w7 w8 w9 w10"}) + "\n")
+    result = CliRunner().invoke(main, ["generate", str(path), "--input", str(tmp_path / "src.jsonl"), "--output",
+                                       str(tmp_path / "out.jsonl"), "--max-new-tokens", "4", "--no-progress"])
+    assert result.exit_code == 0, result.output
+    assert "tokenizer.json beside the model" in result.output
+    assert "text" in json.loads((tmp_path / "out.jsonl").read_text())
+
+
+def test_the_output_names_are_a_model_outputs_field_names():
+    """What names a cache-free --hf export's outputs (own_model.named_outputs on the ModelOutput): its fields, the
+    None ones (loss, attentions) skipped."""
+    config = transformers.BertConfig(vocab_size=VOCAB, hidden_size=D_MODEL, num_hidden_layers=1,
+                                     num_attention_heads=HEADS, intermediate_size=FFN)
+    with torch.no_grad():
+        result = transformers.BertModel(config).eval()(input_ids=torch.ones(2, 5, dtype=torch.int64))
+    assert [name for name, _ in named_outputs(result)] == ["last_hidden_state", "pooler_output"]
+
+
+@pytest.mark.skipif("pixel_values" in HF_INPUTS, reason="--hf feeds images now")
+def test_a_model_reading_an_input_without_a_role_is_refused_naming_it(tmp_path):
+    config = transformers.ViTConfig(hidden_size=D_MODEL, num_hidden_layers=1, num_attention_heads=HEADS,
+                                    intermediate_size=FFN, image_size=32, patch_size=16)
+    transformers.ViTModel(config).save_pretrained(tmp_path / "vit")
+    out = tmp_path / "out"
+    result = CliRunner().invoke(main, ["export", "--hf", str(tmp_path / "vit"), "-o", str(out / "vit.onnx")])
+    assert result.exit_code == 1
+    assert "ViTModel.forward reads pixel_values, which --hf cannot feed yet" in result.output
+    assert not out.exists()
+
+
+def test_a_folder_without_a_config_or_an_architecture_is_refused(tmp_path):
+    result = CliRunner().invoke(main, ["export", "--hf", str(tmp_path), "-o", str(tmp_path / "m.onnx")])
+    assert result.exit_code == 1 and "no config.json in it" in result.output
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "bert"}))
+    result = CliRunner().invoke(main, ["export", "--hf", str(tmp_path), "-o", str(tmp_path / "m.onnx")])
+    assert result.exit_code == 1 and "names no architecture" in result.output
+    assert not (tmp_path / "m.onnx").exists()
+
+
+def test_files_beside_are_written_whole_or_not_at_all(tmp_path):
+    """A file beside the model that cannot be written takes back the ones written before it."""
+    (tmp_path / "folder").mkdir()
+    beside = BesideFiles({"tokenizer.json": b"{}", "generation_config.json": b"{}"})
+    (tmp_path / "out" / "generation_config.json").mkdir(parents=True)  # a directory in the way
+    (tmp_path / "out" / "generation_config.json" / "x").write_text("")
+    with pytest.raises(OSError):
+        beside.write(tmp_path / "out", tmp_path / "folder")
+    assert sorted(path.name for path in (tmp_path / "out").iterdir()) == ["generation_config.json"]
+
+
+def test_export_help_shows_each_sources_options_apart():
+    help_text = CliRunner().invoke(main, ["export", "--help"]).output
+    sections = ["The built-in block (without --module or --hf):", "Your own module (--module):",
+                "A Hugging Face folder (--hf):", "Your own module or a Hugging Face folder (--module, --hf):",
+                "Every source:"]
+    where = [help_text.index(title) for title in sections]
+    assert where == sorted(where)
+    for flag, section in (("--mask [", 0), ("--input NAME", 1), ("--hf DIR", 2), ("--eos-id", 3), ("--fuse [", 4)):
+        at = help_text.index(f"  {flag}", where[0])
+        assert where[section] < at and (section == len(where) - 1 or at < where[section + 1]), flag
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--hf", "DIR", "--input", "input_ids:tokens"],
+     "--input is for --module (your own code); --hf exports the folder's model as it is: its inputs read from the "
+     "model's forward"),
+    (["--hf", "DIR", "--output-name", "x"], "--output-name is for --module (your own code); --hf"),
+    (["--hf", "DIR", "--mask", "padding", "--heads", "2"], "--heads, --mask describe the built-in ones; --hf"),
+    (["--hf", "DIR", "--checkpoint", "w.safetensors"], "--checkpoint is for the built-in block or --module; --hf"),
+    (["--hf", "DIR", "--module", "m.py:build"], "--module and --hf are two sources of a model: give one"),
+    (["--module", "m.py:build", "--mask", "padding"], "--mask describe the built-in ones; --module exports your"),
+    (["--max-length", "5"], "--max-length is for --module or --hf (a model of your own); without --module or --hf"),
+    (["--input", "x:tokens"], "--input is for --module (your own code); without --module or --hf"),
+])
+def test_a_flag_of_another_source_is_refused_naming_its_source(tmp_path, args, message):
+    args = [str(tmp_path) if arg == "DIR" else arg for arg in args]
+    result = CliRunner().invoke(main, ["export", *args, "-o", str(tmp_path / "m.onnx")])
+    assert result.exit_code == 2 and message in " ".join(result.output.split()), result.output
+    assert not (tmp_path / "m.onnx").exists()
