@@ -5,6 +5,7 @@ No torch, no onnxruntime: only paths."""
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,6 +26,17 @@ class BesideModel:
         folder = Path(model).parent
         return cls(*(path if path.is_file() else None
                      for path in (folder / TOKENIZER_FILE, folder / CHAT_TEMPLATE_FILE)))
+
+    def resolve(self, tokenizer: Path | None, chat_template: Path | None,
+                say: Callable[[str], None]) -> tuple[Path | None, Path | None]:
+        """(tokenizer, chat template) as ``serve`` takes them: each the flag's, else the one found here, ``say``
+        called with a line for each found here."""
+        (tokenizer, first), (chat_template, second) = self.tokenizer_for(tokenizer), self.chat_template_for(
+            chat_template)
+        for note in (first, second):
+            if note is not None:
+                say(note)
+        return tokenizer, chat_template
 
     def tokenizer_for(self, given: Path | None) -> tuple[Path | None, str | None]:
         """The tokenizer to use: ``given`` (``--tokenizer``), else the one found here; with a line to print when it

@@ -350,3 +350,21 @@ def test_a_flag_of_another_source_is_refused_naming_its_source(tmp_path, args, m
     result = CliRunner().invoke(main, ["export", *args, "-o", str(tmp_path / "m.onnx")])
     assert result.exit_code == 2 and message in " ".join(result.output.split()), result.output
     assert not (tmp_path / "m.onnx").exists()
+
+
+def test_the_files_beside_a_model_are_found_unless_a_flag_names_others(tmp_path):
+    """What generate (and serve) take with no --tokenizer / --chat-template: the files export --hf wrote beside."""
+    from mha_deploy.runtime.beside_model import BesideModel
+
+    model = tmp_path / "model.onnx"
+    assert BesideModel.of(model).resolve(None, None, print) == (None, None)
+    (tmp_path / "tokenizer.json").write_text("{}")
+    (tmp_path / "chat_template.jinja").write_text(TEMPLATE)
+    said = []
+    found = BesideModel.of(model).resolve(None, None, said.append)
+    assert found == (tmp_path / "tokenizer.json", tmp_path / "chat_template.jinja") and len(said) == 2
+    said.clear()
+    given = BesideModel.of(model).resolve(tmp_path / "other.json", None, said.append)
+    assert given == (tmp_path / "other.json", tmp_path / "chat_template.jinja")
+    assert said == [f"chat_template.jinja beside the model: {tmp_path / 'chat_template.jinja'} (--chat-template to "
+                    "use another)"]
