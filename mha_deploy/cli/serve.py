@@ -66,10 +66,12 @@ DEFAULT_DRAIN_TIMEOUT_S = 30.0
                    "(default: half the open-file limit).")
 @click.option("--tokenizer", type=click.Path(dir_okay=False, path_type=Path),
               help="Generator: a Hugging Face tokenizers file (tokenizer.json) for text prompts and text out; "
-                   "without it, prompts are token ids.")
+                   "without it, prompts are token ids. Default: the tokenizer.json beside MODEL (export --hf writes "
+                   "it there), if any.")
 @click.option("--chat-template", type=click.Path(dir_okay=False, path_type=Path),
               help="Generator: a jinja2 chat template over 'messages' (add_generation_prompt is true): enables "
-                   "POST /v1/chat/completions.")
+                   "POST /v1/chat/completions. Default: the chat_template.jinja beside MODEL (export --hf writes it "
+                   "there), if any.")
 @click.option("--max-kv-tokens", type=click.IntRange(min=1), default=65536, show_default=True,
               help="Generator: KV cache positions the running requests may hold, planned from each request's prompt "
                    "+ max_tokens; a request that does not fit waits (--max-queue), one that never fits gets 400.")
@@ -142,10 +144,14 @@ def serve(model, host, port, max_batch, max_wait_ms, max_batch_tokens, workers, 
         -d '{"model": "lm", "prompt": "Once upon a time", "max_tokens": 32, "temperature": 0}'
       mha-deploy serve lm.onnx --tokenizer tokenizer.json --ray-replicas 2 --threads 1
     """
+    from mha_deploy.runtime.beside_model import BesideModel
     from mha_deploy.serving.http import GenerationOptions, ServeConfig
     from mha_deploy.serving.http import serve as run_server
     from mha_deploy.serving.http.parsing import RequestLimits
 
+    # export --hf writes the tokenizer and chat template beside the model: taken when no flag names others
+    tokenizer, chat_template = BesideModel.of(model).resolve(tokenizer, chat_template, lambda line: click.echo(
+        line, err=True))
     limits = RequestLimits(
         max_body_bytes=int(max_body_mb * 2**20), max_item_tokens=max_item_tokens, body_timeout_s=body_timeout
     )
