@@ -368,3 +368,22 @@ def test_the_files_beside_a_model_are_found_unless_a_flag_names_others(tmp_path)
     assert given == (tmp_path / "other.json", tmp_path / "chat_template.jinja")
     assert said == [f"chat_template.jinja beside the model: {tmp_path / 'chat_template.jinja'} (--chat-template to "
                     "use another)"]
+
+
+def test_the_id_flags_take_the_folders_ids_place_one_by_one():
+    from mha_deploy.exporters.hf_folder import _merged
+    from mha_deploy.metadata import GenerationIds
+
+    folder = GenerationIds([2], 1, 0)
+    assert _merged(folder, None) == folder and _merged(None, GenerationIds([5])) == GenerationIds([5])
+    assert _merged(folder, GenerationIds([], None, 7)) == GenerationIds([2], 1, 7)
+    assert _merged(folder, GenerationIds([5, 6])) == GenerationIds([5, 6], 1, 0)
+
+
+def test_genai_is_refused_for_an_encoder_decoder_folder_before_it_loads(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["BartForConditionalGeneration"],
+                                                      "is_encoder_decoder": True}))
+    result = CliRunner().invoke(main, ["export", "--hf", str(tmp_path), "--kv-cache", "--genai", "-o",
+                                       str(tmp_path / "out" / "m.onnx")])
+    assert result.exit_code == 2 and "this folder holds an encoder-decoder" in result.output
+    assert not (tmp_path / "out").exists()
