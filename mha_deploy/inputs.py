@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from mha_deploy.errors import OptionError
-from mha_deploy.signature import PADDING_MASK, PAST, SEQUENCE, TOKENS, Signature, TensorSpec
+from mha_deploy.signature import ID_ROLES, PADDING_MASK, Signature, TensorSpec
 
 PADDING_SIDES = ("none", "right", "left", "mixed")
 
@@ -27,6 +27,8 @@ class InputCase:
     padding: str = "right"
 
     def label(self, signature: Signature) -> str:
+        if not signature.sequence_axes:  # images, audio: only the batch varies
+            return f"batch {self.batch}"
         one_sequence = len(signature.sequence_axes) == 1
         shape = f"{self.batch}x{self.q_len}" if one_sequence else f"{self.batch}x{self.q_len}x{self.kv_len}"
         return f"{shape}/{self.padding}" if signature.has_padding_mask and self.padding != "none" else shape
@@ -56,8 +58,9 @@ def padding_mask(batch: int, length: int, padding: str, rng: np.random.Generator
 
 
 def random_values(spec: TensorSpec, shape: tuple[int, ...], rng: np.random.Generator, dtype: str) -> np.ndarray:
-    """Values for a tokens, sequence or cache input: ids uniform over the vocabulary, else standard normal."""
-    if spec.role == TOKENS:
+    """Values for a tokens, segments, sequence, image, audio or cache input: ids uniform over their own table,
+    else standard normal."""
+    if spec.role in ID_ROLES:
         return rng.integers(0, spec.vocab or 2, size=shape, dtype=np.int64)
     return rng.standard_normal(shape, dtype=np.float32).astype(dtype, copy=False)
 
@@ -65,11 +68,13 @@ def random_values(spec: TensorSpec, shape: tuple[int, ...], rng: np.random.Gener
 def random_item(
     signature: Signature, fixed: dict[str, int], lengths: dict[str, int], rng: np.random.Generator, dtype: str
 ) -> dict[str, np.ndarray]:
-    """One unbatched item: each tokens or sequence input at its axis's length in ``lengths``."""
+    """One unbatched item: each input an item carries (``Signature.item_inputs``), a length input at its axis's
+    length in ``lengths``."""
+    specs = signature.tensors
     return {
-        spec.name: random_values(spec, spec.item_shape(lengths[spec.axes[1]], fixed), rng, dtype)
-        for spec in signature.inputs
-        if spec.role in (SEQUENCE, TOKENS)
+        name: random_values(specs[name], specs[name].item_shape(lengths.get(specs[name].sequence_axis, 0), fixed),
+                            rng, dtype)
+        for name in signature.item_inputs
     }
 
 
@@ -82,10 +87,10 @@ def make_inputs(
     sizes = signature.axis_sizes(case.batch, case.q_len, case.kv_len, d_model=d_model, heads=heads)
     feeds: dict[str, np.ndarray] = {}
     for spec in signature.inputs:
-        if spec.role in (SEQUENCE, PAST, TOKENS):
-            feeds[spec.name] = random_values(spec, spec.shape(sizes), rng, dtype)
-        elif spec.role == PADDING_MASK:
+        if spec.role == PADDING_MASK:
             feeds[spec.name] = padding_mask(case.batch, sizes[spec.axes[1]], case.padding, rng)
+        else:
+            feeds[spec.name] = random_values(spec, spec.shape(sizes), rng, dtype)
     return feeds
 
 

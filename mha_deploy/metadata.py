@@ -13,7 +13,7 @@ from mha_deploy.compare import tolerance_words
 from mha_deploy.errors import ModelFileError, SignatureError
 
 # The I/O contract lives in its own module; re-exported here, where it was first defined.
-from mha_deploy.signature import ATTENTION_KINDS, MASK_MODES, MODEL_KINDS, Signature
+from mha_deploy.signature import ATTENTION_KINDS, FIXED_SHAPE_ROLES, MASK_MODES, MODEL_KINDS, SEGMENTS, Signature
 
 __all__ = [
     "ATTENTION_KINDS", "CACHE_HOLES", "CACHE_LAYOUTS", "CACHE_LAYOUT_AUTO", "CACHE_LAYOUT_CHOICES", "CACHE_RAGGED",
@@ -27,9 +27,10 @@ METADATA_KEY = "mha_deploy"
 # Bumped when the meaning of a recorded field changes: the newest format this version reads. Files are
 # written in the oldest format that holds them, 1, except a custom model's (declared tensors; 2), a model
 # with a max length (3), a parity report whose atol is per row (4), a generation section (5), how a KV-cache
-# model's positions work (6), a KV-cache model's cache layout (7) and weight-only quantization with its measured
-# quality (8), which earlier mha-deploy cannot read: it then says to upgrade.
-METADATA_FORMAT = 8
+# model's positions work (6), a KV-cache model's cache layout (7), weight-only quantization with its measured
+# quality (8) and inputs of the roles segments, image or audio (9), which earlier mha-deploy cannot read: it then
+# says to upgrade.
+METADATA_FORMAT = 9
 _CUSTOM_FORMAT = 2
 _MAX_LENGTH_FORMAT = 3
 _ROW_ATOL_FORMAT = 4
@@ -37,6 +38,7 @@ _GENERATION_FORMAT = 5
 _POSITIONS_FORMAT = 6
 _CACHE_LAYOUT_FORMAT = 7
 _WEIGHT_ONLY_FORMAT = 8
+_INPUT_ROLES_FORMAT = 9
 # How a KV-cache model over token ids numbers its tokens (ModelMetadata.positions): from its position_ids input
 # (each row its own), not at all (a row's logits do not depend on padding before it), or by column of the padded
 # batch (rows of different lengths do not get what they get alone).
@@ -304,6 +306,8 @@ class ModelMetadata:
                 del raw["signature"][name]
         else:
             raw["format"] = max(self.format, _CUSTOM_FORMAT)
+            if any(spec.role in (SEGMENTS, *FIXED_SHAPE_ROLES) for spec in self.signature.custom_inputs):
+                raw["format"] = max(raw["format"], _INPUT_ROLES_FORMAT)
         if self.max_length is None:
             del raw["max_length"]
         else:

@@ -24,7 +24,7 @@ from mha_deploy.metadata import (
     WeightOnlyRecord,
 )
 from mha_deploy.onnx_nodes import BIAS_PROP, LONG_KERNEL, POSITION_BIAS, all_nodes, kernel_tag, packing_tags
-from mha_deploy.signature import TOKENS, Signature
+from mha_deploy.signature import ID_ROLES, Signature
 from mha_deploy.token_tables import vocabulary
 
 # Ops that carry a whole attention, with their input roles (from the ops' schemas),
@@ -179,10 +179,11 @@ class ModelReport:
         return "\n".join(lines)
 
     def _vocabulary_lines(self, sig: dict) -> list[str]:
-        """Per tokens input, the ids it takes: the recorded vocabulary, else the graph's table, else unknown."""
+        """Per tokens or segments input, the ids it takes: the recorded vocabulary, else the graph's table, else
+        unknown."""
         lines = []
         for spec in sig.get("custom_inputs", ()):
-            if spec["role"] != TOKENS:
+            if spec["role"] not in ID_ROLES:
                 continue
             vocab, rows = spec.get("vocab"), self.token_tables.get(spec["name"])
             if vocab is not None:
@@ -191,7 +192,7 @@ class ModelReport:
                 said = f"vocabulary not recorded; the table its ids index has {rows} rows (ids 0 to {rows - 1})"
             else:
                 said = "vocabulary unknown (no table its ids index could be read): only negative ids are refused"
-            lines.append(f"  tokens {spec['name']}: {said}")
+            lines.append(f"  {spec['role']} {spec['name']}: {said}")
         return lines
 
 
@@ -391,6 +392,6 @@ def describe_model(path: str | os.PathLike) -> ModelReport:
         packing=packing_tags(model.graph),
         metadata=asdict(metadata) if metadata else None,
         token_tables={spec.name: vocabulary(model, spec.name) for spec in metadata.signature.custom_inputs
-                      if spec.role == TOKENS} if metadata else {},
+                      if spec.role in ID_ROLES} if metadata else {},
         encoder_decoder=pair.to_dict() if pair is not None else None,
     )

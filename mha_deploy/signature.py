@@ -27,6 +27,11 @@ MASK_MODES = ("none", "padding", "causal", "padding-causal")
 SEQUENCE = "sequence"  # float [batch, <sequence axis>, d_model] (a custom model's: [batch, <axis>, features])
 TOKENS = "tokens"  # int64 [batch, <sequence axis>]: token ids (custom models)
 PADDING_MASK = "padding_mask"  # bool [batch, <sequence axis>], True = real token
+# Segment ids (BERT's token_type_ids): int64 [batch, <a tokens input's axis>], indexing a table of their own.
+SEGMENTS = "segments"
+# Whole-item inputs, every size but the batch fixed by the model: no length axis, so nothing to pad or mask.
+IMAGE = "image"  # float [batch, channels, height, width] (pixel_values)
+AUDIO = "audio"  # float [batch, mel, frames] (Whisper's input_features)
 OUTPUT = "output"  # float [batch, <query axis>, d_model]; a custom model's per token or per item (see ``per_token``)
 WEIGHTS = "weights"  # float [batch, heads, <query axis>, <key axis>]: the softmax probabilities
 # A KV-cache model's keys/values of earlier calls, in and out: float [batch, heads, <length axis>, d_k].
@@ -47,9 +52,14 @@ CACHE_PAIRS = {"past_key": "present_key", "past_value": "present_value"}
 SELF_CACHE_KINDS, ENCODER_CACHE_KINDS = ("key", "value"), ("encoder_key", "encoder_value")
 # dtype of a float tensor: whatever the model was exported in (float32, or float16).
 MODEL_DTYPE = "model"
-# The roles a custom model's inputs may have (the CLI spells padding_mask "padding-mask"): exactly the inputs
-# whose axis 1 is a length axis that items are batched along.
-INPUT_ROLES = (TOKENS, SEQUENCE, PADDING_MASK)
+# Inputs whose axis 1 is a length axis that items are batched (padded, masked, cut) along.
+LENGTH_ROLES = (TOKENS, SEQUENCE, SEGMENTS, PADDING_MASK)
+# Inputs of fixed item shape ([batch, <ints>]): a batch of them stacks, never pads.
+FIXED_SHAPE_ROLES = (IMAGE, AUDIO)
+# Ids that index an embedding table: int64, each input its own vocabulary (the rows of the table it indexes).
+ID_ROLES = (TOKENS, SEGMENTS)
+# The roles a custom model's inputs may have (the CLI spells padding_mask "padding-mask").
+INPUT_ROLES = (*LENGTH_ROLES, *FIXED_SHAPE_ROLES)
 
 
 @dataclass(frozen=True)
@@ -62,7 +72,7 @@ class TensorSpec:
     # e.g. ("batch", "seq", "d_model"); a custom model's fixed sizes are ints: ("batch", "seq", 80), ("batch", 3)
     axes: tuple[str | int, ...]
     marks: str | None = None  # padding masks: the sequence input whose positions it marks
-    # Token ids: the vocabulary size (ids must be in [0, vocab)); None when unknown.
+    # Token or segment ids: the rows of the table they index (ids must be in [0, vocab)); None when unknown.
     vocab: int | None = None
 
     def __post_init__(self):
@@ -70,8 +80,9 @@ class TensorSpec:
 
     @property
     def sequence_axis(self) -> str | None:
-        """The length axis of a sequence input, token ids or padding mask (axis 1), else None."""
-        return self.axes[1] if self.role in INPUT_ROLES else None
+        """The length axis of a sequence input, token or segment ids or padding mask (axis 1), else None (an
+        image or audio input has none)."""
+        return self.axes[1] if self.role in LENGTH_ROLES else None
 
     @property
     def dynamic_axes(self) -> dict[int, str]:
@@ -94,8 +105,10 @@ class TensorSpec:
         )
 
     def item_shape(self, length: int, fixed: Mapping[str, int]) -> tuple[int, ...]:
-        """One item's shape (no batch axis) with ``length`` positions: [length, d_model], [length], [length, 80]."""
-        return self.shape({**fixed, BATCH_AXIS: 1, self.axes[1]: length})[1:]
+        """One item's shape (no batch axis) with ``length`` positions: [length, d_model], [length], [length, 80];
+        an image's or audio input's whatever ``length``: [3, 224, 224], [80, 3000]."""
+        axis = self.sequence_axis
+        return self.shape({**fixed, BATCH_AXIS: 1, **({axis: length} if axis else {})})[1:]
 
     def describe(self) -> str:
         """``[batch, seq, 80]``: the axes as the docs and errors write them."""
@@ -180,8 +193,8 @@ class Signature:
         names = [spec.name for spec in (*inputs, *outputs)]
         if duplicate := next((name for name in names if names.count(name) > 1), None):
             raise SignatureError(f"{duplicate} is declared twice: every input and output needs its own name")
-        if not any(spec.role in (SEQUENCE, TOKENS) for spec in inputs):
-            raise SignatureError("a model needs at least one tokens or sequence input")
+        if not any(spec.role in (SEQUENCE, TOKENS, *FIXED_SHAPE_ROLES) for spec in inputs):
+            raise SignatureError("a model needs at least one tokens, sequence, image or audio input")
         if not outputs:
             raise SignatureError("a model needs at least one output")
         if (blank := next((index for index, spec in enumerate(outputs) if not spec.name.strip()), None)) is not None:
@@ -192,9 +205,15 @@ class Signature:
         for spec in inputs:
             if spec.role not in INPUT_ROLES:
                 raise SignatureError(f"{spec.name}: role must be one of {', '.join(INPUT_ROLES)}, got {spec.role!r}")
-            if len(spec.axes) < 2 or spec.axes[0] != BATCH_AXIS or not isinstance(spec.axes[1], str):
-                raise SignatureError(f"{spec.name}: an input is [batch, <length axis>, ...], got {spec.describe()}")
+            _check_input_axes(spec)
         sequences = {spec.name: spec.axes[1] for spec in inputs if spec.role in (SEQUENCE, TOKENS)}
+        token_axes = {spec.axes[1] for spec in inputs if spec.role == TOKENS}
+        for spec in inputs:
+            if spec.role == SEGMENTS and spec.axes[1] not in token_axes:
+                raise SignatureError(
+                    f"{spec.name}: segment ids mark the positions of a tokens input, and none is declared on their "
+                    f"axis {spec.axes[1]!r} (give both the same axis: NAME:ROLE:AXIS)"
+                )
         for spec in inputs:
             if spec.role != PADDING_MASK:
                 continue
@@ -264,7 +283,10 @@ class Signature:
     def _sequences(self) -> tuple[tuple[str, str], ...]:
         """(input name, its length axis) of each sequence input; the first one's positions are the output rows."""
         if self.model == "custom":
-            sequences = [(spec.name, spec.axes[1]) for spec in self.custom_inputs if spec.role in (SEQUENCE, TOKENS)]
+            sequences = [(spec.name, spec.axes[1]) for spec in self.custom_inputs
+                         if spec.role in (SEQUENCE, TOKENS, SEGMENTS)]
+            if not sequences:  # an image or audio encoder: no length axis at all
+                return ()
             # The rows users read: the first per-token output's axis (an encoder-decoder's target), first.
             rows = next(
                 (spec.axes[1] for spec in self.custom_outputs
@@ -367,7 +389,19 @@ class Signature:
 
     @property
     def sequence_inputs(self) -> tuple[str, ...]:
+        """The inputs an item holds along a length axis (sequences, token and segment ids), query input first."""
         return tuple(name for name, _ in self._sequences)
+
+    @property
+    def fixed_shape_inputs(self) -> tuple[str, ...]:
+        """The image and audio inputs: one fixed-shape array per item, stacked into a batch, never padded."""
+        return tuple(spec.name for spec in self.custom_inputs if spec.role in FIXED_SHAPE_ROLES)
+
+    @property
+    def item_inputs(self) -> tuple[str, ...]:
+        """Every input an item carries (what datasets, requests and the planner hold per item): the sequence
+        inputs, then the fixed-shape ones. Padding masks and caches are not an item's: batching builds them."""
+        return (*self.sequence_inputs, *self.fixed_shape_inputs)
 
     @property
     def padding_masks(self) -> dict[str, str]:
@@ -395,21 +429,23 @@ class Signature:
 
     @property
     def query_input(self) -> str:
-        """The sequence input whose positions are the output's rows (x or query)."""
-        return self._sequences[0][0]
+        """The sequence input whose positions are the output's rows (x or query); a model with no length axis
+        (an image or audio encoder): its first input."""
+        return self._sequences[0][0] if self._sequences else self.item_inputs[0]
 
     @property
-    def query_axis(self) -> str:
-        return self._sequences[0][1]
+    def query_axis(self) -> str | None:
+        """The query input's length axis; None for a model with no length axis (an image or audio encoder)."""
+        return self._sequences[0][1] if self._sequences else None
 
     @property
-    def key_axis(self) -> str:
+    def key_axis(self) -> str | None:
         """The length axis of the keys the (first) attention reads."""
         if self.kv_cache:
             return TOTAL_AXIS
         if self.model == "custom":
             # Its attentions are the user's: the longest axis bounds what one of them reads.
-            return self._sequences[0][1]
+            return self.query_axis
         return self._sequences[0][1] if self.attention == "self" else self._sequences[1][1]
 
     @property
@@ -471,6 +507,24 @@ class Signature:
 
     def input_shapes(self, sizes: Mapping[str, int]) -> dict[str, tuple[int, ...]]:
         return {spec.name: spec.shape(sizes) for spec in self.inputs}
+
+
+def _check_input_axes(spec: TensorSpec) -> None:
+    """A length input is [batch, <length axis>, ...] (segment ids int64 [batch, <axis>]); an image [batch,
+    channels, height, width] and audio [batch, mel, frames], every size but the batch fixed."""
+    if spec.role in FIXED_SHAPE_ROLES:
+        rank = 4 if spec.role == IMAGE else 3
+        layout = "[batch, channels, height, width]" if spec.role == IMAGE else "[batch, mel, frames]"
+        if (len(spec.axes) != rank or spec.axes[0] != BATCH_AXIS
+                or not all(isinstance(size, int) and size >= 1 for size in spec.axes[1:])):
+            raise SignatureError(f"{spec.name}: an {spec.role} input is {layout} with fixed sizes, got "
+                                 f"{spec.describe()}")
+        return
+    if len(spec.axes) < 2 or spec.axes[0] != BATCH_AXIS or not isinstance(spec.axes[1], str):
+        raise SignatureError(f"{spec.name}: an input is [batch, <length axis>, ...], got {spec.describe()}")
+    if spec.role == SEGMENTS and (len(spec.axes) != 2 or spec.dtype != "int64"):
+        raise SignatureError(f"{spec.name}: segment ids are int64 [batch, <length axis>], got {spec.dtype} "
+                             f"{spec.describe()}")
 
 
 def _cache_axes(length_axis: str) -> tuple[str, ...]:

@@ -23,6 +23,9 @@ SRC_MASK = TensorSpec("src_mask", "padding_mask", "bool", ("batch", "src_seq"), 
 TGT = TensorSpec("tgt", "tokens", "int64", ("batch", "tgt_seq"), vocab=50)
 LOGITS = TensorSpec("logits", "output", "model", ("batch", "tgt_seq", 50))
 POOLED = TensorSpec("pooled", "output", "model", ("batch", 8))
+SEGMENT_IDS = TensorSpec("segments", "segments", "int64", ("batch", "src_seq"), vocab=2)
+IMAGE = TensorSpec("pixel_values", "image", "model", ("batch", 3, 32, 32))
+AUDIO = TensorSpec("input_features", "audio", "model", ("batch", 80, 3000))
 
 
 def test_a_custom_signature_survives_the_files_metadata():
@@ -122,7 +125,12 @@ def test_a_max_length_that_is_no_positive_integer_is_refused(value):
 @pytest.mark.parametrize(
     ("inputs", "outputs", "paddable", "message"),
     [
-        ((SRC_MASK,), (POOLED,), (), "at least one tokens or sequence input"),
+        ((SRC_MASK,), (POOLED,), (), "at least one tokens, sequence, image or audio input"),
+        ((SEGMENT_IDS,), (POOLED,), (), "at least one tokens, sequence, image or audio input"),
+        ((TGT, SEGMENT_IDS), (POOLED,), (), "segments: segment ids mark the positions of a tokens input"),
+        ((TensorSpec("pixel_values", "image", "model", ("batch", 3, "h", 32)),), (POOLED,), (),
+         r"pixel_values: an image input is \[batch, channels"),
+        ((TensorSpec("input_features", "audio", "model", ("batch", 80)),), (POOLED,), (), r"\[batch, mel, frames\]"),
         ((IDS, SRC_MASK), (), (), "at least one output"),
         ((TGT, SRC_MASK), (POOLED,), (), "src_mask: a padding mask marks"),
         ((IDS, IDS), (POOLED,), (), "src is declared twice"),
@@ -132,6 +140,23 @@ def test_a_max_length_that_is_no_positive_integer_is_refused(value):
 def test_impossible_declarations_are_refused(inputs, outputs, paddable, message):
     with pytest.raises(SignatureError, match=message):
         Signature.custom(inputs, outputs, paddable)
+
+
+def test_segments_images_and_audio_survive_the_files_metadata_in_format_9():
+    """Inputs of the roles an earlier mha-deploy does not know: it is told to upgrade (format 9), and they come back
+    as declared; images and audio have no length axis (nothing to pad), segment ids ride on their tokens' axis."""
+    for inputs in ((IDS, SRC_MASK, SEGMENT_IDS), (IMAGE,), (AUDIO,)):
+        signature = Signature.custom(inputs, (POOLED,), ("src_seq",) if inputs[0] is IDS else ())
+        raw = ModelMetadata(32, 4, signature).to_json()
+        assert '"format": 9' in raw
+        back = ModelMetadata.from_json(raw).signature
+        assert back == signature
+    image = Signature.custom((IMAGE,), (POOLED,))
+    assert image.sequence_inputs == () and image.item_inputs == image.fixed_shape_inputs == ("pixel_values",)
+    assert image.query_axis is None and image.query_input == "pixel_values" and image.sequence_axes == ()
+    assert IMAGE.sequence_axis is None and IMAGE.item_shape(7, {}) == (3, 32, 32) and IMAGE.dims({}) == (-1, 3, 32, 32)
+    pair = Signature.custom((IDS, SRC_MASK, SEGMENT_IDS), (POOLED,), ("src_seq",))
+    assert pair.sequence_inputs == ("src", "segments") and pair.padding_masks == {"src_mask": "src"}
 
 
 def test_weight_only_quantization_and_its_quality_survive_the_files_metadata_in_format_8():

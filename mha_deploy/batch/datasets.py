@@ -147,8 +147,8 @@ def _read_error(path: Path, exc: Exception) -> InputError:
 def _group_names(names: list[str], signature: Signature, source: Path) -> dict[str, dict[str, str]]:
     """File keys -> item id -> {input name: file key}, in order of first appearance."""
     refuse_padding_masks(source, names, signature.padding_masks, "key")
-    parts = signature.sequence_inputs
-    if len(parts) == 1:  # one sequence per item: the key is the id
+    parts = signature.item_inputs
+    if len(parts) == 1:  # one input per item: the key is the id
         return {name: {parts[0]: name} for name in names}
     # A custom model's query input (its first per-token output's rows: an encoder-decoder's target) is the item
     # itself (<id>), its others <id>.<input>; the built-in cross-attention and decoder name every part.
@@ -193,7 +193,7 @@ class _KeyedFileReader:
 
     def __iter__(self) -> Iterator[RawItem]:
         for item_id, keys in self._items.items():
-            missing = [p for p in self.signature.sequence_inputs if p not in keys]
+            missing = [p for p in self.signature.item_inputs if p not in keys]
             if missing:
                 yield RawItem(item_id, None, f"lacks {', '.join(f'{item_id}.{p}' for p in missing)}")
                 continue
@@ -229,12 +229,14 @@ class NpzItemReader(_KeyedFileReader):
 
     def __init__(self, path: Path, signature: Signature, d_model: int = 0):
         super().__init__(path, signature)
-        # Each input's item shape past its length ((d_model,), (), (80,)); unchecked where d_model is unknown.
+        # Each input's item shape past its length ((d_model,), (), (80,)); unchecked where d_model is unknown. An
+        # image's or audio input's whole item shape ((3, 224, 224)): it has no length.
         fixed = {"d_model": d_model}
         self._tails = {
             name: signature.tensors[name].item_shape(0, fixed)[1:] if d_model else None
             for name in signature.sequence_inputs
-        }
+        } | {name: signature.tensors[name].item_shape(0, fixed) for name in signature.fixed_shape_inputs}
+        self._whole = set(signature.fixed_shape_inputs)
 
     def _open(self):
         if not zipfile.is_zipfile(self.path):
@@ -264,7 +266,8 @@ class NpzItemReader(_KeyedFileReader):
                 f"{info.file_size - header_bytes}"
             )
         tail = self._tails[name]
-        if len(shape) < 1 or (tail is not None and tuple(shape[1:]) != tail) or dtype.kind not in "fiu":
+        past_length = tuple(shape) if name in self._whole else tuple(shape[1:])
+        if len(shape) < 1 or (tail is not None and past_length != tail) or dtype.kind not in "fiu":
             # Not an item the model takes: a stand-in of the declared shape and dtype, without the data,
             # lets the one validator name what is wrong.
             return np.broadcast_to(np.zeros((), dtype), shape)

@@ -1,7 +1,8 @@
 """JSON Lines datasets, one JSON object per line, read as a stream: ``infer``'s items and ``generate``'s prompts.
 
 An item is ``{"id": ..., "<input name>": [...], ...}``, keyed by the model's input names as the npz and Parquet
-readers key them: token ids as a list of integers [seq], other sequences as lists of lists [seq][features]. The
+readers key them: token and segment ids as a list of integers [seq], other sequences as lists of lists
+[seq][features], an image as nested lists [channels][height][width], audio features as [mel][frames]. The
 id is a string or an integer, as for ``generate``'s prompts. Other fields are ignored, except the model's padding
 masks, which are refused (``base.refuse_padding_masks``): items are unpadded and each batch's masks are built from
 their lengths. A line that is not such an object is a bad item named by its line; so is every other bad item, as
@@ -113,7 +114,7 @@ class JsonlItemReader:
             yield self._item(str(record["id"]), record, f"line {number}")
 
     def _item(self, item_id: str, record: dict, place: str) -> RawItem:
-        names = self.signature.sequence_inputs
+        names = self.signature.item_inputs
         missing = [name for name in names if name not in record]
         if missing:
             return RawItem(item_id, None, f"lacks field {', '.join(missing)}, which this model reads per item", place)

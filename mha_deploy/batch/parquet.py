@@ -6,6 +6,9 @@ Layout, one row per item:
 - self-attention: ``x``: list<list<float32>> [seq][d_model] (or list<fixed_size_list<float32, d_model>>,
   what Spark's ``array<array<float>>`` and Ray's nested lists read as)
 - cross-attention: ``query``, ``key``, ``value``, each like ``x``
+- token and segment ids: list<int64> [seq]
+- an image or audio input (a fixed shape, [channels, height, width] or [mel, frames]): nested lists of that
+  shape (list<list<list<float32>>>), or one flat list<float32> of all its values in row-major order
 - other columns are ignored, except the model's padding masks, which are refused: items are unpadded and
   the runner builds each batch's masks (``base.refuse_padding_masks``).
 
@@ -27,7 +30,7 @@ import numpy as np
 from mha_deploy.batch.base import RawItem, refuse_padding_masks
 from mha_deploy.errors import InputError
 from mha_deploy.metadata import Signature
-from mha_deploy.signature import TOKENS
+from mha_deploy.signature import ID_ROLES
 
 ID_COLUMN = "id"
 # Rows decoded, and rows per written row group, at a time: bounds pyarrow's transient buffers.
@@ -126,6 +129,52 @@ def decode_sequences(column, d_model: int) -> list[np.ndarray | str]:
     return decoded
 
 
+def _list_sizes(array) -> np.ndarray | None:
+    """The length of each list of a list-typed arrow array, or None for an array of values."""
+    pa, _ = _pyarrow()
+    if pa.types.is_fixed_size_list(array.type):
+        return np.full(len(array), array.type.list_size)
+    if pa.types.is_list(array.type) or pa.types.is_large_list(array.type):
+        return np.diff(array.offsets.to_numpy())
+    return None
+
+
+def decode_tensors(column, shape: tuple[int, ...]) -> list[np.ndarray | str]:
+    """A column of fixed-shape items (an image, audio features) -> per row an array, or a problem. Nested lists
+    give the row's own shape (the validator names sizes that are not ``shape``); one flat list of exactly
+    prod(``shape``) values is ``shape`` in row-major order."""
+    pa, _ = _pyarrow()
+    if isinstance(column, pa.ChunkedArray):
+        column = column.combine_chunks()
+    levels, values = [], column
+    while (sizes := _list_sizes(values)) is not None:
+        levels.append(np.concatenate([[0], np.cumsum(sizes)]))  # each list's start in the next level, then the end
+        values = values.flatten()
+    if not levels or not (pa.types.is_floating(values.type) or pa.types.is_integer(values.type)):
+        raise InputError(f"column type {column.type} is not nested lists of numbers (list<list<list<float32>>>)")
+    flat = values.to_numpy(zero_copy_only=False)
+    nulls = column.is_null().to_numpy(zero_copy_only=False)
+    decoded: list[np.ndarray | str] = []
+    for row in range(len(column)):
+        if nulls[row]:
+            decoded.append("is null")
+            continue
+        low, high, dims = row, row + 1, []
+        for starts in levels:
+            sizes = np.diff(starts[low : high + 1])
+            if len(sizes) and (sizes != sizes[0]).any():
+                decoded.append(f"holds lists of different lengths {sorted(set(sizes.tolist()))[:5]} at depth "
+                               f"{len(dims) + 1}")
+                break
+            dims.append(int(sizes[0]) if len(sizes) else 0)
+            low, high = int(starts[low]), int(starts[high])
+        else:
+            array = flat[low:high].reshape(dims)
+            flat_whole = len(dims) == 1 and len(shape) > 1 and dims[0] == int(np.prod(shape))
+            decoded.append(array.reshape(shape) if flat_whole else array)
+    return decoded
+
+
 def encode_nested(arrays: list[np.ndarray], fixed_inner: bool = False):
     """Arrays of one rank (shapes may differ) -> a nested list array, one row per array."""
     pa, _ = _pyarrow()
@@ -150,7 +199,7 @@ class ParquetItemReader:
         self.d_model = d_model
 
     def __enter__(self):
-        _, pq = _pyarrow()
+        pa, pq = _pyarrow()
         try:
             # No pre-buffering: it would fetch whole row groups ahead of the rows being decoded.
             self._file = pq.ParquetFile(self.path, pre_buffer=False)
@@ -158,7 +207,7 @@ class ParquetItemReader:
             raise InputError(f"{self.path}: cannot read Parquet ({exc})") from exc
         names = self._file.schema_arrow.names
         refuse_padding_masks(self.path, names, self.signature.padding_masks, "column")
-        self.columns = [ID_COLUMN, *self.signature.sequence_inputs]
+        self.columns = [ID_COLUMN, *self.signature.item_inputs]
         missing = [c for c in self.columns if c not in names]
         if missing:
             raise InputError(
@@ -168,11 +217,19 @@ class ParquetItemReader:
         schema = self._file.schema_arrow
         for name in self.columns[1:]:
             column_type = schema.field(name).type
-            if self.signature.tensors[name].role == TOKENS:
+            role = self.signature.tensors[name].role
+            if role in ID_ROLES:
                 if not is_id_list(column_type):
                     raise InputError(
-                        f"{self.path}: column {name} is {column_type}; it must hold per row a list of token ids "
-                        "(list<int64>: [seq])"
+                        f"{self.path}: column {name} is {column_type}; it must hold per row a list of "
+                        f"{role.replace('tokens', 'token')} ids (list<int64>: [seq])"
+                    )
+            elif name in self.signature.fixed_shape_inputs:
+                if _list_sizes(pa.nulls(0, column_type)) is None:
+                    shape = "x".join(map(str, self.signature.tensors[name].axes[1:]))
+                    raise InputError(
+                        f"{self.path}: column {name} is {column_type}; it must hold per row one {role} of "
+                        f"{shape} numbers (nested lists, or one flat list)"
                     )
             elif not is_vector_list(column_type):
                 raise InputError(
@@ -193,11 +250,7 @@ class ParquetItemReader:
         rows = min(self.window, ROWS_PER_BATCH)
         for batch in self._file.iter_batches(batch_size=rows, columns=self.columns, use_threads=False):
             ids = batch.column(ID_COLUMN).to_pylist()
-            decoded = {
-                name: decode_ids(batch.column(name)) if self.signature.tensors[name].role == TOKENS
-                else decode_sequences(batch.column(name), self.d_model)
-                for name in self.columns[1:]
-            }
+            decoded = {name: self._decode(name, batch.column(name)) for name in self.columns[1:]}
             for row, item_id in enumerate(ids):
                 if item_id is None:
                     yield RawItem(f"<row {row}>", None, "id is null")
@@ -208,6 +261,15 @@ class ParquetItemReader:
                     yield RawItem(str(item_id), None, "; ".join(problems))
                 else:
                     yield RawItem(str(item_id), parts)
+
+
+    def _decode(self, name: str, column) -> list[np.ndarray | str]:
+        spec = self.signature.tensors[name]
+        if spec.role in ID_ROLES:
+            return decode_ids(column)
+        if name in self.signature.fixed_shape_inputs:
+            return decode_tensors(column, spec.axes[1:])
+        return decode_sequences(column, self.d_model)
 
 
 class ParquetItemWriter:

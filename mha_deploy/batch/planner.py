@@ -11,6 +11,11 @@ Whether padding an axis changes the result depends on the model
 padded; keys can be padded when a padding mask marks them, or when the
 attention over them is causal (right padding comes after every real query).
 Items whose unpaddable axes differ never share a batch.
+
+Image and audio inputs have no length axis: every item's is the same shape (the
+validator holds them to the model's sizes), so a batch stacks them, pads nothing,
+and only the batch size bounds it. A model whose inputs are all such (ViT,
+Whisper's encoder) has no lengths at all: its items batch in the order given.
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ PAD_SLACK_TOKENS = 8
 
 
 def item_lengths(item: Item, signature: Signature) -> dict[str, int]:
-    """Length axis -> length, for one item."""
+    """Length axis -> length, for one item (empty for an item of images or audio only)."""
     return {signature.axis_of(name): item[name].shape[0] for name in signature.sequence_inputs}
 
 
@@ -162,25 +167,31 @@ def _pad(arrays: list[np.ndarray], longest: int) -> np.ndarray:
 class Batch:
     feeds: dict[str, np.ndarray]
     lengths: list[dict[str, int]]  # per item: axis -> real length
-    query_axis: str
+    query_axis: str | None  # None: a model without a length axis, whose items count one each
 
     @property
     def real_tokens(self) -> int:
+        if self.query_axis is None:
+            return len(self.lengths)
         return sum(lengths[self.query_axis] for lengths in self.lengths)
 
     @property
     def padded_tokens(self) -> int:
+        if self.query_axis is None:
+            return len(self.lengths)
         return len(self.lengths) * max(lengths[self.query_axis] for lengths in self.lengths)
 
 
 def collate(items: Sequence[Item], signature: Signature) -> Batch:
-    """Right-pad ``items`` into one batch of feeds, with the padding masks the model takes."""
+    """Right-pad ``items`` into one batch of feeds, with the padding masks the model takes; images and audio
+    stacked as they are."""
     lengths = [item_lengths(item, signature) for item in items]
     longest = {axis: max(item[axis] for item in lengths) for axis in signature.sequence_axes}
     feeds = {
         name: _pad([item[name] for item in items], longest[signature.axis_of(name)])
         for name in signature.sequence_inputs
     }
+    feeds.update({name: np.stack([item[name] for item in items]) for name in signature.fixed_shape_inputs})
     for mask_name in signature.padding_masks:
         axis = signature.axis_of(mask_name)
         feeds[mask_name] = right_padding_mask([item[axis] for item in lengths], longest[axis])

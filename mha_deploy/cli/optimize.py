@@ -15,10 +15,13 @@ from mha_deploy.metadata import FUSE_CHOICES
 @main.command()
 @click.argument("source", metavar="IN.onnx", type=click.Path(dir_okay=False, path_type=Path))
 @click.option("--input", "inputs", multiple=True, required=True, metavar="NAME:ROLE[:AXIS][:FEATURES]",
-              help="One per input of the graph, as for export --module. ROLE: tokens (int64 or int32 ids), sequence "
-                   "(float32 [batch, seq, FEATURES]; FEATURES read off the graph when it fixes them) or "
-                   "padding-mask (bool or integer, True/1 = real token; the written model takes bool). AXIS "
-                   "(default seq) names a length axis, e.g. tgt:tokens:tgt_seq.")
+              help="One per input of the graph, as for export --module. ROLE: tokens (int64 or int32 ids), segments "
+                   "(segment ids on a tokens input's AXIS, e.g. token_type_ids; their own table), sequence "
+                   "(float32 [batch, seq, FEATURES]; FEATURES read off the graph when it fixes them), "
+                   "padding-mask (bool or integer, True/1 = real token; the written model takes bool), image "
+                   "(float32 [batch, C, H, W]) or audio (float32 [batch, MEL, FRAMES]); an image's or audio's "
+                   "sizes are the graph's, or declared as NAME:image:CxHxW / NAME:audio:MELxFRAMES where it does "
+                   "not fix them. AXIS (default seq) names a length axis, e.g. tgt:tokens:tgt_seq.")
 @click.option("--output-name", "output_names", multiple=True, metavar="NAME",
               help="Rename the graph's outputs, in order (default: the graph's names).")
 @click.option("--fuse", type=click.Choice(FUSE_CHOICES), default="auto", show_default=True,

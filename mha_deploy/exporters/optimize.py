@@ -48,7 +48,7 @@ from mha_deploy.exporters.export import (
     widest_attention,
 )
 from mha_deploy.exporters.fusion.pipeline import MAX_IR_VERSION
-from mha_deploy.exporters.own_model import InputDecl, count_attentions, declare_inputs, graph_vocabularies
+from mha_deploy.exporters.own_model import ROLES, InputDecl, count_attentions, declare_inputs, graph_vocabularies
 from mha_deploy.exporters.parity import ParityCase, default_cases
 from mha_deploy.exporters.probes import output_axes, paddable_axes, probe_feeds, unpadded_mask_warnings
 from mha_deploy.exporters.quantize import Quantization
@@ -71,17 +71,24 @@ from mha_deploy.token_tables import indexed_tables
 # errors describe the role.
 _ACCEPTED_TYPES = {
     "tokens": (TensorProto.INT64, TensorProto.INT32),
+    "segments": (TensorProto.INT64, TensorProto.INT32),
     "sequence": (TensorProto.FLOAT,),
+    "image": (TensorProto.FLOAT,),
+    "audio": (TensorProto.FLOAT,),
     "padding-mask": (TensorProto.BOOL, TensorProto.INT64, TensorProto.INT32, TensorProto.INT16, TensorProto.INT8,
                      TensorProto.UINT8),
 }
-_WRITTEN_TYPES = {"tokens": TensorProto.INT64, "sequence": TensorProto.FLOAT, "padding-mask": TensorProto.BOOL}
+_WRITTEN_TYPES = {"tokens": TensorProto.INT64, "segments": TensorProto.INT64, "sequence": TensorProto.FLOAT,
+                  "padding-mask": TensorProto.BOOL, "image": TensorProto.FLOAT, "audio": TensorProto.FLOAT}
 _ROLE_TEXT = {
     "tokens": "token ids: int64 or int32 [batch, seq]",
+    "segments": "segment ids: int64 or int32 [batch, seq]",
     "sequence": "a sequence: float32 [batch, seq, features]",
     "padding-mask": "a padding mask: bool or integer [batch, seq]",
+    "image": "an image: float32 [batch, channels, height, width]",
+    "audio": "audio features: float32 [batch, mel, frames]",
 }
-_ROLE_RANKS = {"tokens": 2, "sequence": 3, "padding-mask": 2}
+_ROLE_RANKS = {"tokens": 2, "segments": 2, "sequence": 3, "padding-mask": 2, "image": 4, "audio": 3}
 _OUTPUT_TYPES = {TensorProto.FLOAT: MODEL_DTYPE, TensorProto.INT64: "int64", TensorProto.BOOL: "bool"}
 # The weights one model file can hold: protobuf refuses to serialise a message of 2 GB or more.
 _MAX_MODEL_BYTES = 2**31 - 1
@@ -143,7 +150,7 @@ def optimize_model(
     graph_inputs, graph_outputs = _interface(model, decls, source)
     names = _output_names(graph_outputs, output_names)
     axes_of = _axes_of_dims(decls, graph_inputs)
-    marks = {d.axis: d.name for d in reversed(decls) if d.role != "padding-mask"}
+    marks = {d.axis: d.name for d in reversed(decls) if d.role in ("tokens", "sequence")}
     specs = tuple(_input_spec(decl, graph_inputs[decl.name], marks.get(decl.axis)) for decl in decls)
     specs, vocabulary_warnings = graph_vocabularies(specs, model)
     reference = GraphReference(model, {d.name: graph_inputs[d.name].elem_type for d in decls},
@@ -158,7 +165,11 @@ def optimize_model(
     if attention_ops == 0:
         warnings.append("the graph holds no attention subgraph (Softmax over MatMul scores): nothing to fuse")
     widths = [spec.axes[2] for spec in specs if spec.role == SEQUENCE]
-    d_model, heads = widest_attention(plain, next(iter(widths), 0) or _embedding_width(model, specs))
+    # The model's width where no attention says it: a sequence's, a token table's, else (images, audio) the last
+    # fixed size of the first float output.
+    width = next(iter(widths), 0) or _embedding_width(model, specs) or next(
+        (spec.axes[-1] for spec in outputs if spec.dtype == MODEL_DTYPE and isinstance(spec.axes[-1], int)), 0)
+    d_model, heads = widest_attention(plain, width)
     metadata = ModelMetadata(d_model=d_model, num_heads=heads, signature=signature, layers=max(attention_ops, 1),
                              max_length=max_length)
     options = replace(options, parity_cases=parity_cases or capped_cases(default_cases(signature), max_length))
@@ -312,7 +323,9 @@ def _check_role(decl: InputDecl, tensor: _GraphTensor) -> None:
         return
     if len(tensor.dims) != _ROLE_RANKS[decl.role]:
         raise ExportError(said)
-    for position, axis in ((0, BATCH_AXIS), (1, decl.axis)):
+    if decl.axis is None:  # an image or audio input: its sizes (declared or the graph's) are checked by _fixed_sizes
+        _fixed_sizes(decl, tensor)
+    for position, axis in ((0, BATCH_AXIS), (1, decl.axis))[: 1 if decl.axis is None else 2]:
         if isinstance(tensor.dims[position], int) and tensor.dims[position] > 0:
             raise ExportError(
                 f"input {decl.name}: the graph fixes its {axis} axis (axis {position}) at {tensor.dims[position]}; "
@@ -322,6 +335,22 @@ def _check_role(decl: InputDecl, tensor: _GraphTensor) -> None:
         width = tensor.dims[2] if isinstance(tensor.dims[2], int) and tensor.dims[2] > 0 else None
         if width is not None and decl.features is not None and width != decl.features:
             raise ExportError(f"input {decl.name}: declared {decl.features} features, the graph's has {width}")
+
+
+def _fixed_sizes(decl: InputDecl, tensor: _GraphTensor) -> tuple[int, ...]:
+    """An image's or audio input's sizes past the batch: the graph's where it fixes them, else as declared; the
+    two must agree."""
+    dims = tuple(tensor.dims or ())[1:]
+    graph = dims if dims and all(isinstance(d, int) and d > 0 for d in dims) else None
+    if graph is not None and decl.sizes is not None and graph != decl.sizes:
+        raise ExportError(f"input {decl.name}: declared sizes {'x'.join(map(str, decl.sizes))}, the graph's are "
+                          f"{'x'.join(map(str, graph))}")
+    sizes = graph or decl.sizes
+    if sizes is None:
+        example = "3x224x224" if decl.role == "image" else "80x3000"
+        raise ExportError(f"input {decl.name}: the graph does not fix the {decl.role}'s sizes; declare them, "
+                          f"e.g. --input {decl.name}:{decl.role}:{example}")
+    return sizes
 
 
 def _sequence_width(decl: InputDecl, tensor: _GraphTensor) -> int:
@@ -340,7 +369,7 @@ def _axes_of_dims(decls: Sequence[InputDecl], graph_inputs: Mapping[str, _GraphT
     axes_of: dict[str, str] = {}
     for decl in decls:
         dims = graph_inputs[decl.name].dims or ()
-        for position, axis in ((0, BATCH_AXIS), (1, decl.axis)):
+        for position, axis in ((0, BATCH_AXIS), (1, decl.axis))[: 1 if decl.axis is None else 2]:
             symbol = dims[position] if position < len(dims) else None
             if not isinstance(symbol, str) or not symbol:
                 continue
@@ -354,9 +383,11 @@ def _axes_of_dims(decls: Sequence[InputDecl], graph_inputs: Mapping[str, _GraphT
 
 
 def _input_spec(decl: InputDecl, tensor: _GraphTensor, marks: str | None) -> TensorSpec:
+    if decl.axis is None:  # an image or audio input
+        return TensorSpec(decl.name, ROLES[decl.role], MODEL_DTYPE, (BATCH_AXIS, *_fixed_sizes(decl, tensor)))
     axes = (BATCH_AXIS, decl.axis)
-    if decl.role == "tokens":
-        return TensorSpec(decl.name, TOKENS, "int64", axes)  # its vocabulary: graph_vocabularies
+    if decl.role in ("tokens", "segments"):  # their vocabulary: graph_vocabularies
+        return TensorSpec(decl.name, ROLES[decl.role], "int64", axes)
     if decl.role == "sequence":
         return TensorSpec(decl.name, SEQUENCE, MODEL_DTYPE, (*axes, _sequence_width(decl, tensor)))
     # A mask marks the first tokens or sequence input declared on its axis (declare_inputs checked there is one).

@@ -1,15 +1,18 @@
 """``export_model``: a user's own ``nn.Module`` built around the reference attention -> a checked ONNX file.
 
 The user declares what the forward takes (``NAME:ROLE[:AXIS][:FEATURES]``: token ids, float sequences,
-padding masks); everything else is read off the module:
+segment ids, padding masks; ``NAME:image[:CxHxW]`` and ``NAME:audio[:MELxFRAMES]``, sizes read off a Hugging
+Face config when not given); everything else is read off the module:
 
 - the outputs, and whether each has a row per position (per token) or one per item, from two eager runs
   at different sizes;
 - the length axes along which right-padding (zeros or id 0 past each item's end, its mask False there)
   leaves every real output unchanged: the axes the batch runner and the server may pad. A classifier
   that pools without its mask, or a model that is not causal and reads unmasked keys, is not padded;
-- the vocabulary of each token input, from the embedding table its ids index in the exported graph
-  (``graph_vocabularies``; until then the probes draw ids below the smallest ``nn.Embedding``).
+- the vocabulary of each tokens or segments input, from the embedding table its ids index in the exported
+  graph (``graph_vocabularies``); until then the probes draw each input's ids below the table an eager run
+  sees them index (``_id_tables``; below the smallest ``nn.Embedding`` where none is seen), so that BERT's
+  token_type_ids stay within their 2 rows while its input_ids range over the vocabulary.
 
 Then it goes the way of the lone block: torch.onnx.export with a dynamic batch and every length axis
 dynamic, the fusion chain, parity against the module at unseen shapes on both padding sides, and the
@@ -18,6 +21,7 @@ Signature written into the file, so that runtime, batch and serving take the mod
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import inspect
 import os
@@ -38,10 +42,14 @@ from mha_deploy.exporters.probes import output_axes, paddable_axes, unpadded_mas
 from mha_deploy.exporters.reference_form import in_reference_form
 from mha_deploy.exporters.torch_export import TRACE_BATCH, not_dynamic
 from mha_deploy.signature import (
+    AUDIO,
     BATCH_AXIS,
+    ID_ROLES,
+    IMAGE,
     MODEL_DTYPE,
     OUTPUT,
     PADDING_MASK,
+    SEGMENTS,
     SEQUENCE,
     TOKENS,
     Signature,
@@ -50,7 +58,10 @@ from mha_deploy.signature import (
 from mha_deploy.token_tables import indexed_tables, non_finite_rows
 
 # The roles as the CLI spells them -> the Signature's.
-ROLES = {"tokens": TOKENS, "sequence": SEQUENCE, "padding-mask": PADDING_MASK}
+ROLES = {"tokens": TOKENS, "sequence": SEQUENCE, "padding-mask": PADDING_MASK, "segments": SEGMENTS,
+         "image": IMAGE, "audio": AUDIO}
+# Roles without a length axis: sizes CxHxW and MELxFRAMES, every one fixed (only the batch is dynamic).
+FIXED_SHAPES = {"image": ("channels", "height", "width"), "audio": ("mel", "frames")}
 DEFAULT_AXIS = "seq"
 # Tracing lengths per declared axis, in declaration order: >= 2, pairwise different, never the tracing batch
 # (so that torch.export neither specialises an axis nor unifies two), and a second set for the probe run
@@ -69,12 +80,15 @@ _OUTPUT_DTYPES = {torch.float32: MODEL_DTYPE, torch.float16: MODEL_DTYPE, torch.
 
 @dataclass(frozen=True)
 class InputDecl:
-    """One declared input of the forward: ``NAME:ROLE[:AXIS][:FEATURES]`` on the command line."""
+    """One declared input of the forward: ``NAME:ROLE[:AXIS][:FEATURES]`` on the command line, or
+    ``NAME:image[:CxHxW]`` / ``NAME:audio[:MELxFRAMES]`` (no length axis; sizes from the module's config
+    when not given)."""
 
     name: str
-    role: str  # tokens | sequence | padding-mask
-    axis: str = DEFAULT_AXIS
+    role: str  # tokens | sequence | segments | padding-mask | image | audio
+    axis: str | None = DEFAULT_AXIS  # None for an image or audio input
     features: int | None = None  # a sequence's width; read off the module when not given
+    sizes: tuple[int, ...] | None = None  # an image's (C, H, W), audio's (mel, frames); read off the config if None
 
     @classmethod
     def parse(cls, text: str) -> InputDecl:
@@ -82,23 +96,49 @@ class InputDecl:
         if len(parts) < 2 or not all(parts):
             raise ExportError(f"--input {text!r}: expected NAME:ROLE[:AXIS][:FEATURES], e.g. ids:tokens")
         name, role, rest = parts[0], parts[1], parts[2:]
-        axis, features = DEFAULT_AXIS, None
+        axis, features, sizes = DEFAULT_AXIS, None, None
         for part in rest:
             if part.isdigit():
                 features = int(part)
+            elif re.fullmatch(r"\d+(x\d+)+", part):
+                sizes = tuple(int(size) for size in part.split("x"))
             elif re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", part):
                 axis = part
+                if role in FIXED_SHAPES:
+                    raise ExportError(f"--input {text!r}: an {role} input has no length axis; give its sizes "
+                                      f"({_spelled_sizes(role)}) or nothing")
             else:
                 raise ExportError(f"--input {text!r}: {part!r} is neither an axis name nor a feature width")
+        if role in FIXED_SHAPES:
+            if features is not None:  # one number for a several-axis size
+                raise ExportError(f"--input {text!r}: an {role} input's sizes are "
+                                  f"{_spelled_sizes(role)}, e.g. {name}:{role}:"
+                                  f"{'3x224x224' if role == 'image' else '80x3000'}")
+            return cls(name, role, None, None, sizes)
+        if sizes is not None:
+            raise ExportError(f"--input {text!r}: sizes AxB are for an image or audio input")
         return cls(name, role, axis, features)
 
     def __post_init__(self):
         if self.role not in ROLES:
             raise ExportError(f"input {self.name}: role must be one of {', '.join(ROLES)}, got {self.role!r}")
+        if self.role in FIXED_SHAPES:
+            object.__setattr__(self, "axis", None)
+            wanted = FIXED_SHAPES[self.role]
+            if self.sizes is not None and (len(self.sizes) != len(wanted) or min(self.sizes) < 1):
+                raise ExportError(f"input {self.name}: an {self.role} input's sizes are {', '.join(wanted)} "
+                                  f"({_spelled_sizes(self.role)}), each at least 1; got {self.sizes}")
+        elif self.sizes is not None:
+            raise ExportError(f"input {self.name}: sizes are for an image or audio input")
         if self.axis == BATCH_AXIS:
             raise ExportError(f"input {self.name}: {BATCH_AXIS!r} is the batch axis, not a length axis")
         if self.features is not None and (self.role != "sequence" or self.features < 1):
             raise ExportError(f"input {self.name}: a feature width is for a sequence input, and at least 1")
+
+
+def _spelled_sizes(role: str) -> str:
+    """``CHANNELSxHEIGHTxWIDTH``: how an image's or audio input's sizes are written on the command line."""
+    return "x".join(axis.upper() for axis in FIXED_SHAPES[role])
 
 
 def import_model_file(path: Path, spec: str | None = None):
@@ -164,11 +204,19 @@ def declare_inputs(inputs: Sequence[InputDecl | str]) -> tuple[InputDecl, ...]:
     if duplicate := next((n for n in names if names.count(n) > 1), None):
         raise ExportError(f"input {duplicate} is declared twice")
     for decl in decls:
-        if decl.role == "padding-mask" and not any(d.role != "padding-mask" and d.axis == decl.axis for d in decls):
+        if decl.role == "padding-mask" and not any(d.role in ("tokens", "sequence") and d.axis == decl.axis
+                                                   for d in decls):
             raise ExportError(
                 f"input {decl.name}: a padding mask marks a tokens or sequence input on its axis {decl.axis!r}, "
                 f"and none is declared there (give both the same axis: NAME:ROLE:AXIS)"
             )
+        if decl.role == "segments" and not any(d.role == "tokens" and d.axis == decl.axis for d in decls):
+            raise ExportError(
+                f"input {decl.name}: segment ids mark the positions of a tokens input on their axis {decl.axis!r}, "
+                f"and none is declared there (give both the same axis: NAME:ROLE:AXIS)"
+            )
+    if not any(d.role in ("tokens", "sequence", *FIXED_SHAPES) for d in decls):
+        raise ExportError("declare at least one tokens, sequence, image or audio input")
     return decls
 
 
@@ -292,6 +340,30 @@ def feature_width(module: nn.Module, decl: InputDecl) -> int:
     )
 
 
+def fixed_shape(module: nn.Module, decl: InputDecl) -> tuple[int, ...]:
+    """An image's (channels, height, width) or audio's (mel, frames): as declared, else from the module's Hugging
+    Face config (``num_channels`` and ``image_size``; Whisper's ``num_mel_bins`` and ``2 * max_source_positions``
+    frames, the only length its encoder takes)."""
+    if decl.sizes is not None:
+        return decl.sizes
+    config = getattr(module, "config", None)
+    if decl.role == "image":
+        channels, size = getattr(config, "num_channels", None), getattr(config, "image_size", None)
+        size = (size, size) if type(size) is int else tuple(size) if isinstance(size, (list, tuple)) else ()
+        if type(channels) is int and len(size) == 2 and all(type(n) is int for n in size):
+            return (channels, *size)
+        example = "3x224x224"
+    else:
+        mel, positions = getattr(config, "num_mel_bins", None), getattr(config, "max_source_positions", None)
+        if type(mel) is int and type(positions) is int:
+            return (mel, 2 * positions)
+        example = "80x3000"
+    raise ExportError(
+        f"input {decl.name}: the module has no config that gives the {decl.role}'s sizes "
+        f"({', '.join(FIXED_SHAPES[decl.role])}); declare them, e.g. --input {decl.name}:{decl.role}:{example}"
+    )
+
+
 def probe_vocabulary(module: nn.Module) -> int:
     """The ids the probes draw before the graph says which table the ids index: below the smallest
     ``nn.Embedding`` (ids there index every table the module holds), else below 2."""
@@ -306,7 +378,7 @@ def graph_vocabularies(specs: Sequence[TensorSpec], model: onnx.ModelProto) -> t
     the ids index hold NaN or Inf is an ExportError (parity would rarely draw those ids; every run would)."""
     found, warnings = [], []
     for spec in specs:
-        if spec.role == TOKENS:
+        if spec.role in ID_ROLES:
             tables, unreadable = indexed_tables(model, spec.name)
             for table, rows in non_finite_rows(model, tables).items():
                 shape = next(f"[{t.rows}, {t.width}]" for t in tables if t.name == table)
@@ -492,13 +564,17 @@ class _Probe:
     batch: int
     lengths: dict[str, int]  # length axis -> length
 
-    def tensors(self, decls, vocab, widths, gen) -> list[torch.Tensor]:
-        """Random inputs; padding masks True everywhere."""
+    def tensors(self, decls, vocab: Mapping[str, int], widths, gen) -> list[torch.Tensor]:
+        """Random inputs, each id input's below its ``vocab``; padding masks True everywhere; images and audio
+        at their fixed sizes (``widths``)."""
         tensors = []
         for decl in decls:
+            if decl.role in FIXED_SHAPES:
+                tensors.append(torch.randn(self.batch, *widths[decl.name], generator=gen))
+                continue
             length = self.lengths[decl.axis]
-            if decl.role == "tokens":
-                tensors.append(torch.randint(0, vocab or 2, (self.batch, length), generator=gen))
+            if decl.role in ("tokens", "segments"):
+                tensors.append(torch.randint(0, vocab[decl.name], (self.batch, length), generator=gen))
             elif decl.role == "sequence":
                 tensors.append(torch.randn(self.batch, length, widths[decl.name], generator=gen))
             else:
@@ -606,15 +682,16 @@ def declare_model(
     module = module.eval()
     decls = declare_inputs(inputs)
     binding = check_forward(module, decls)
-    axes = list(dict.fromkeys(d.axis for d in decls))
+    axes = list(dict.fromkeys(d.axis for d in decls if d.axis is not None))
     if len(axes) > len(_TRACE_LENGTHS):
         raise ExportError(f"{len(axes)} length axes declared; at most {len(_TRACE_LENGTHS)} are supported")
-    vocab = probe_vocabulary(module)
+    vocab = dict.fromkeys((d.name for d in decls if d.role in ("tokens", "segments")), probe_vocabulary(module))
     widths = {d.name: feature_width(module, d) for d in decls if d.role == "sequence"}
+    fixed = {d.name: fixed_shape(module, d) for d in decls if d.role in FIXED_SHAPES}
     first = _Probe(TRACE_BATCH, {axis: _TRACE_LENGTHS[i] for i, axis in enumerate(axes)})
     second = _Probe(_PROBE_BATCH, {axis: _PROBE_LENGTHS[i] for i, axis in enumerate(axes)})
     gen = torch.Generator().manual_seed(0)
-    runs = [first.tensors(decls, vocab, widths, gen), second.tensors(decls, vocab, widths, gen)]
+    runs = [first.tensors(decls, vocab, widths | fixed, gen)]
     before = ModuleState(module)
     notes = []
     try:
@@ -627,6 +704,9 @@ def declare_model(
         notes.append(f"{type(module).__name__}.forward called with use_cache=False: the cache object it returns "
                      "otherwise is not a tensor (with --kv-cache the file keeps its own cache)")
     wrapper = DeclaredModule(module, mask_dtypes, binding)
+    # Each id input's own table, now that a run has shown which it indexes: the probes draw within it.
+    vocab |= _id_tables(wrapper, decls, runs[0])
+    runs = [first.tensors(decls, vocab, widths | fixed, gen), second.tensors(decls, vocab, widths | fixed, gen)]
     with torch.no_grad():
         result = binding.call(module, wrapper.module_args(runs[0]))
     at_first = flatten_outputs(result)
@@ -640,21 +720,70 @@ def declare_model(
     with torch.no_grad():
         at_second = wrapper(*runs[1])
     outputs = _output_specs(names, at_first, at_second, first, second)
-    marks = {d.axis: d.name for d in reversed(decls) if d.role != "padding-mask"}
-    specs = tuple(
-        TensorSpec(d.name, PADDING_MASK, "bool", (BATCH_AXIS, d.axis), marks=marks[d.axis])
-        if d.role == "padding-mask"
-        else TensorSpec(d.name, TOKENS, "int64", (BATCH_AXIS, d.axis), vocab=vocab)
-        if d.role == "tokens"
-        else TensorSpec(d.name, SEQUENCE, MODEL_DTYPE, (BATCH_AXIS, d.axis, widths[d.name]))
-        for d in decls
-    )
+    specs = tuple(_input_spec(d, decls, vocab, widths, fixed) for d in decls)
     draft = Signature.custom(specs, outputs)
     signature = Signature.custom(specs, outputs, _paddable_axes(wrapper, draft))
     warnings = [*notes, *unpadded_mask_warnings(signature)]
-    d_model = next(iter(widths.values()), 0) or _embedding_width(module)
+    d_model = next(iter(widths.values()), 0) or _embedding_width(module) or _config_width(module)
     traced, _ = in_reference_form(module)
     return Declared(wrapper, DeclaredModule(traced, wrapper.mask_dtypes, binding), signature, d_model, warnings)
+
+
+def _input_spec(decl: InputDecl, decls, vocab: Mapping[str, int], widths, fixed) -> TensorSpec:
+    """The TensorSpec of one declared input (an id input's probe vocabulary until the graph states its table)."""
+    if decl.role == "padding-mask":
+        # It marks the first tokens or sequence input of its axis.
+        marks = next(d.name for d in decls if d.role in ("tokens", "sequence") and d.axis == decl.axis)
+        return TensorSpec(decl.name, PADDING_MASK, "bool", (BATCH_AXIS, decl.axis), marks=marks)
+    if decl.role in ("tokens", "segments"):
+        return TensorSpec(decl.name, ROLES[decl.role], "int64", (BATCH_AXIS, decl.axis), vocab=vocab[decl.name])
+    if decl.role in FIXED_SHAPES:
+        return TensorSpec(decl.name, ROLES[decl.role], MODEL_DTYPE, (BATCH_AXIS, *fixed[decl.name]))
+    return TensorSpec(decl.name, SEQUENCE, MODEL_DTYPE, (BATCH_AXIS, decl.axis, widths[decl.name]))
+
+
+def _id_tables(wrapper: DeclaredModule, decls: Sequence[InputDecl], sample: Sequence[torch.Tensor]) -> dict[str, int]:
+    """Each tokens or segments input -> the rows of the smallest ``nn.Embedding`` table an eager run on ``sample``
+    indexes with its ids as given (BERT's token_type_ids: the 2-row segment table); inputs seen indexing none are
+    left out (their probes keep ids below the smallest table)."""
+    tables = {id(layer.weight): layer.num_embeddings for layer in wrapper.module.modules()
+              if isinstance(layer, nn.Embedding)}
+    ids = {d.name: tensor for d, tensor in zip(decls, sample, strict=True) if d.role in ("tokens", "segments")}
+    found: dict[str, int] = {}
+    with _watched_embeddings() as calls, torch.no_grad():
+        wrapper(*sample)
+    for indices, weight in calls:
+        rows = tables.get(id(weight))
+        for name, tensor in ids.items():
+            if rows is not None and indices.shape == tensor.shape and torch.equal(indices, tensor):
+                found[name] = min(found.get(name, rows), rows)
+    return found
+
+
+@contextlib.contextmanager
+def _watched_embeddings():
+    """Every ``F.embedding`` call's (indices, weight) while the block runs: subclasses that index their table with
+    positions they compute (BART's, Marian's position tables) call it too, not the modules' hooks."""
+    calls: list[tuple[torch.Tensor, torch.Tensor]] = []
+    embedding = F.embedding
+
+    def watched(indices, weight, *args, **kwargs):
+        calls.append((indices, weight))
+        return embedding(indices, weight, *args, **kwargs)
+
+    F.embedding = watched
+    try:
+        yield calls
+    finally:
+        F.embedding = embedding
+
+
+def _config_width(module: nn.Module) -> int:
+    """The hidden width a Hugging Face config states (``hidden_size``, Whisper's ``d_model``), else 0: the width of
+    a model whose inputs are images or audio, which neither the inputs nor an embedding table give."""
+    config = getattr(module, "config", None)
+    width = getattr(config, "hidden_size", None) or getattr(config, "d_model", None)
+    return width if type(width) is int else 0
 
 
 # Two lengths the position tables are read at: short, so that any table holds them.
@@ -708,28 +837,20 @@ def _largest_indices(
     for spec in signature.inputs:
         if spec.role == TOKENS:
             feeds[spec.name] = np.full_like(feeds[spec.name], filler)
+        elif spec.role == SEGMENTS:  # segment 0 throughout: any segment table holds it
+            feeds[spec.name] = np.zeros_like(feeds[spec.name])
     ids = [torch.from_numpy(feeds[spec.name]) for spec in signature.inputs if spec.role == TOKENS]
     by_weight = {id(layer.weight): layer for layer in tables}
     seen: dict[nn.Embedding, int] = {}
     token_tables: set[nn.Embedding] = set()
-    embedding = F.embedding
-
-    # F.embedding, not the modules' hooks: a subclass (BART's and Marian's position tables) takes the token ids
-    # in its forward and indexes its table with positions it computes.
-    def watched(indices, weight, *args, **kwargs):
+    with _watched_embeddings() as calls, torch.no_grad():
+        wrapper(*(torch.from_numpy(feeds[name]) for name in signature.input_names))
+    for indices, weight in calls:
         layer = by_weight.get(id(weight))
         if layer is not None and indices.numel():
             seen[layer] = max(seen.get(layer, -1), int(indices.max()))
             if any(indices.shape == t.shape and torch.equal(indices, t) for t in ids):
                 token_tables.add(layer)
-        return embedding(indices, weight, *args, **kwargs)
-
-    F.embedding = watched
-    try:
-        with torch.no_grad():
-            wrapper(*(torch.from_numpy(feeds[name]) for name in signature.input_names))
-    finally:
-        F.embedding = embedding
     return seen, token_tables
 
 

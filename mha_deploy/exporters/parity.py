@@ -285,7 +285,8 @@ def nan_source(module: torch.nn.Module, signature: Signature, feeds: dict[str, n
 
 
 def default_cases(signature: Signature) -> tuple[ParityCase, ...]:
-    return SELF_CASES if len(signature.sequence_axes) == 1 else CROSS_CASES
+    # A model with no length axis (images, audio) varies in its batch only: the self-attention cases' batches.
+    return SELF_CASES if len(signature.sequence_axes) <= 1 else CROSS_CASES
 
 
 def torch_reference(module: torch.nn.Module, signature: Signature, feeds: dict[str, np.ndarray]) -> dict:

@@ -40,7 +40,7 @@ from mha_deploy.errors import ModelFileError
 from mha_deploy.inputs import random_item, right_padding_mask
 from mha_deploy.metadata import INT8_DYNAMIC, ModelMetadata
 from mha_deploy.onnx_nodes import all_nodes
-from mha_deploy.signature import FIXED_AXES, PADDING_MASK, SEQUENCE, TOKENS, Signature, TensorSpec
+from mha_deploy.signature import FIXED_AXES, ID_ROLES, PADDING_MASK, Signature, TensorSpec
 from mha_deploy.token_tables import vocabulary
 
 _ELEMENT_TYPES = {
@@ -203,7 +203,7 @@ def with_graph_vocabularies(proto: onnx.ModelProto, metadata: ModelMetadata, sou
     signature = metadata.signature
     specs = []
     for spec in signature.custom_inputs:
-        rows = vocabulary(proto, spec.name) if spec.role == TOKENS else None
+        rows = vocabulary(proto, spec.name) if spec.role in ID_ROLES else None
         if rows is not None:
             if spec.vocab is not None and spec.vocab > rows:
                 _refuse(source, f"its metadata gives {spec.name} a vocabulary of {spec.vocab}, the table its ids "
@@ -365,11 +365,13 @@ def check_cache_behaviour(run: RunFn, metadata: ModelMetadata, source: str) -> N
 
 
 def _padded_batch(items: list[dict[str, np.ndarray]], signature: Signature) -> dict[str, np.ndarray]:
-    """Right-padded with zeros, masks marking real positions: what ``mha_deploy.batch.planner.collate`` feeds."""
-    feeds: dict[str, np.ndarray] = {}
+    """Right-padded with zeros, masks marking real positions, images and audio stacked: what
+    ``mha_deploy.batch.planner.collate`` feeds."""
+    feeds: dict[str, np.ndarray] = {name: np.stack([item[name] for item in items])
+                                    for name in signature.fixed_shape_inputs}
     lengths: dict[str, list[int]] = {}
     for spec in signature.inputs:
-        if spec.role in (SEQUENCE, TOKENS):
+        if spec.name in signature.sequence_inputs:
             arrays = [item[spec.name] for item in items]
             longest = max(len(a) for a in arrays)
             batch = np.zeros((len(arrays), longest, *arrays[0].shape[1:]), arrays[0].dtype)

@@ -41,16 +41,23 @@ from mha_deploy.errors import InputError
 from mha_deploy.inputs import right_padding_mask
 from mha_deploy.metadata import CACHE_RAGGED, ModelMetadata
 from mha_deploy.signature import (
+    AUDIO,
     BATCH_AXIS,
     ENCODER_PAST_AXIS,
+    FIXED_SHAPE_ROLES,
+    ID_ROLES,
+    IMAGE,
     MEMORY_AXIS,
     PADDING_MASK,
     PAST_AXIS,
-    TOKENS,
+    SEGMENTS,
     TOTAL_AXIS,
     Signature,
     TensorSpec,
 )
+
+# The axes of an image's or audio input's item, as errors name them.
+_FIXED_AXIS_NAMES = {IMAGE: ("channels", "height", "width"), AUDIO: ("mel", "frames")}
 
 
 @dataclass(frozen=True)
@@ -85,9 +92,12 @@ def name_problem(names, expected: tuple[str, ...]) -> Problem | None:
 def shape_problem(
     metadata: ModelMetadata, name: str, shape: tuple[int, ...], max_item_tokens: int | None = None
 ) -> Problem | None:
-    """One item's sequence must be [seq, d_model] ([seq] token ids, [seq, features] for a custom model's
-    sequence) with 1 <= seq (<= ``max_item_tokens`` when given)."""
+    """One item's sequence must be [seq, d_model] ([seq] token or segment ids, [seq, features] for a custom
+    model's sequence) with 1 <= seq (<= ``max_item_tokens`` when given); an image or audio item exactly the
+    sizes the model was exported with (``fixed_shape_problem``)."""
     spec = metadata.signature.tensors[name]
+    if spec.role in FIXED_SHAPE_ROLES:
+        return fixed_shape_problem(spec, tuple(shape))
     expected = spec.item_shape(0, metadata.fixed_sizes)
     layout = "[" + ", ".join(["seq", *map(str, expected[1:])]) + "]"
     if len(shape) >= 1 and shape[0] == 0:
@@ -101,6 +111,23 @@ def shape_problem(
     if max_item_tokens is not None and shape[0] > max_item_tokens:
         return Problem("too_many_tokens", f"{name} has {shape[0]} tokens, at most {max_item_tokens} are accepted")
     return length_problem(metadata, name, shape[0])
+
+
+def fixed_shape_problem(spec: TensorSpec, shape: tuple[int, ...]) -> Problem | None:
+    """One image's [channels, height, width] or audio input's [mel, frames] against the sizes the model takes
+    (its metadata's, fixed at export), each wrong size named with the expected one; or None."""
+    expected, names = tuple(spec.axes[1:]), _FIXED_AXIS_NAMES[spec.role]
+    layout = f"[{', '.join(names)}] = {list(expected)}"
+    if tuple(shape) == expected:
+        return None
+    if len(shape) != len(expected):
+        return Problem("wrong_rank", f"{spec.name} has shape {tuple(shape)}: one {spec.role} is {layout}")
+    wrong = ", ".join(f"{axis} {got} (expected {want})"
+                      for axis, got, want in zip(names, shape, expected, strict=True) if got != want)
+    fix = "resize the images to it" if spec.role == IMAGE else (
+        f"pad or cut the features to {expected[1]} frames, as the model's feature extractor does")
+    what = "images" if spec.role == IMAGE else "audio features"
+    return Problem("wrong_shape", f"{spec.name} has {wrong}: this model takes {what} of {layout}; {fix}")
 
 
 def length_problem(metadata: ModelMetadata, name: str, length: int) -> Problem | None:
@@ -175,14 +202,14 @@ def in_model_dtype(metadata: ModelMetadata, item: Mapping[str, object]) -> dict[
     dtype = np.dtype(metadata.dtype)
     cast = dict(item)
     specs = metadata.signature.tensors
-    for name in metadata.signature.sequence_inputs:
+    for name in metadata.signature.item_inputs:
         array = item.get(name)
         if (
             isinstance(array, np.ndarray)
             and array.dtype.kind in "fiu"
             and shape_problem(metadata, name, array.shape) is None
         ):
-            if specs[name].role == TOKENS:
+            if specs[name].role in ID_ROLES:
                 # Ids stay ids: integers of any width become int64 (an unsigned one beyond int64 is left for
                 # item_problem to name); floats are left for item_problem to refuse.
                 if array.dtype.kind in "iu" and _beyond_int64(array) is None:
@@ -196,14 +223,15 @@ def in_model_dtype(metadata: ModelMetadata, item: Mapping[str, object]) -> dict[
 def item_problem(
     metadata: ModelMetadata, item: Mapping[str, object], max_item_tokens: int | None = None
 ) -> Problem | None:
-    """What makes one item (sequence input name -> [seq, d_model]) unusable, or None."""
+    """What makes one item (input name -> [seq, d_model], [seq] ids, [channels, height, width]) unusable, or
+    None."""
     signature = metadata.signature
-    problem = name_problem(item, signature.sequence_inputs)
+    problem = name_problem(item, signature.item_inputs)
     if problem:
         return problem
     dtype = np.dtype(metadata.dtype)
     specs = signature.tensors
-    for name in signature.sequence_inputs:
+    for name in signature.item_inputs:
         array = item[name]
         if not isinstance(array, np.ndarray) or array.dtype.kind not in "fiu":
             kind = getattr(getattr(array, "dtype", None), "name", type(array).__name__)
@@ -211,12 +239,12 @@ def item_problem(
         problem = shape_problem(metadata, name, array.shape, max_item_tokens)
         if problem:
             return problem
-        if specs[name].role == TOKENS:
+        if specs[name].role in ID_ROLES:
             too_large = _beyond_int64(array)
             if too_large is not None:
                 return _id_out_of_range(specs[name], too_large)
             if array.dtype != np.int64:
-                return Problem("wrong_dtype", f"{name} holds token ids: expected integers, got {array.dtype}")
+                return Problem("wrong_dtype", f"{name} holds {_ids(specs[name])}: expected integers, got {array.dtype}")
             problem = _id_problem(specs[name], array)
             if problem:
                 return problem
@@ -229,6 +257,8 @@ def item_problem(
     problem = _length_problem(signature, lengths)
     if problem:
         return problem
+    if signature.query_axis is None:  # images, audio: no length, the scores' size fixed by the model
+        return None
     axes = {signature.axis_of(name): length for name, length in lengths.items()}
     return memory_problem(metadata, axes[signature.query_axis], axes[signature.key_axis])
 
@@ -292,7 +322,8 @@ def validate_inputs(metadata: ModelMetadata, inputs: Mapping[str, object]) -> di
         raise InputError(problem.message)
     specs = signature.tensors
     arrays = {name: _sequence_array(specs[name], inputs[name], metadata) for name in signature.sequence_inputs}
-    batch = {name: array.shape[0] for name, array in arrays.items()}
+    fixed = {name: _fixed_shape_array(specs[name], inputs[name], metadata) for name in signature.fixed_shape_inputs}
+    batch = {name: array.shape[0] for name, array in (arrays | fixed).items()}
     if len(set(batch.values())) > 1:
         raise InputError(f"batch sizes differ: {', '.join(f'{name} {size}' for name, size in batch.items())}")
     problem = _length_problem(signature, {name: array.shape[1] for name, array in arrays.items()})
@@ -315,9 +346,10 @@ def validate_inputs(metadata: ModelMetadata, inputs: Mapping[str, object]) -> di
     feeds = ragged_padding(signature, arrays) | past if ragged else inert_padding(signature, {**arrays, **past})
     for name in signature.sequence_inputs:
         # Ids are checked once padding is inert: whatever sat at a padded position is 0 now.
-        problem = _id_problem(specs[name], feeds[name]) if specs[name].role == TOKENS else None
+        problem = _id_problem(specs[name], feeds[name]) if specs[name].role in ID_ROLES else None
         if problem:
             raise InputError(problem.message)
+    feeds.update(fixed)
     for name in signature.padding_masks:
         if specs[name].dtype == "int64":  # a causal LM's attention_mask, as onnxruntime-genai feeds it
             feeds[name] = feeds[name].astype(np.int64)
@@ -442,11 +474,12 @@ def _cache_arrays(
 
 
 def _sequence_array(spec: TensorSpec, value: object, metadata: ModelMetadata) -> np.ndarray:
-    """A batch of one tokens or sequence input: its dtype, rank and fixed sizes; token ids in the vocabulary."""
+    """A batch of one tokens, segments or sequence input: its dtype, rank and fixed sizes (ids are checked
+    against their table once padding is inert)."""
     name, array = spec.name, np.asarray(value)
-    if spec.role == TOKENS:
+    if spec.role in ID_ROLES:
         if array.dtype.kind not in "iu":
-            raise InputError(f"{name} holds token ids: it must be an integer array (int64), got {array.dtype}")
+            raise InputError(f"{name} holds {_ids(spec)}: it must be an integer array (int64), got {array.dtype}")
         too_large = _beyond_int64(array)
         if too_large is not None:
             raise InputError(_id_out_of_range(spec, too_large).message)
@@ -474,6 +507,23 @@ def _sequence_array(spec: TensorSpec, value: object, metadata: ModelMetadata) ->
     return np.ascontiguousarray(array)
 
 
+def _fixed_shape_array(spec: TensorSpec, value: object, metadata: ModelMetadata) -> np.ndarray:
+    """A batch of one image or audio input: the model's float dtype, [batch, <the sizes it takes>], finite."""
+    name, array = spec.name, np.asarray(value)
+    dtype = np.dtype(metadata.dtype)
+    if array.dtype != dtype:
+        hint = f" (cast with .astype(np.{dtype.name}))" if array.dtype.kind in "fiu" else ""
+        raise InputError(f"{name} must be {dtype.name}, got {array.dtype}{hint}")
+    if array.ndim == 0 or array.shape[0] == 0:
+        raise InputError(f"{name} is empty (shape {array.shape}): a batch needs at least one {spec.role}")
+    problem = fixed_shape_problem(spec, array.shape[1:])
+    if problem:
+        raise InputError(f"{problem.message} (batch shape {array.shape})")
+    if not np.isfinite(array).all():
+        raise InputError(f"{name} contains NaN or Inf (or a value beyond {dtype.name}'s range)")
+    return np.ascontiguousarray(array)
+
+
 def _layout(spec: TensorSpec, metadata: ModelMetadata) -> str:
     """``[batch, seq, 512]``: the axes with the model's fixed sizes filled in."""
     fixed = metadata.fixed_sizes
@@ -496,11 +546,18 @@ def _id_problem(spec: TensorSpec, ids: np.ndarray) -> Problem | None:
 
 
 def _id_out_of_range(spec: TensorSpec, bad: int) -> Problem:
-    if spec.vocab is not None:
+    if spec.vocab is not None and spec.role == SEGMENTS:
+        allowed = (f"its segment table has {spec.vocab} rows in this model, so segment ids are 0 to "
+                   f"{spec.vocab - 1}")
+    elif spec.vocab is not None:
         allowed = f"this model's vocabulary is ids 0 to {spec.vocab - 1}"
     else:
-        allowed = "token ids are 0 or more" if bad < 0 else "token ids must fit int64"
+        allowed = f"{_ids(spec)} are 0 or more" if bad < 0 else f"{_ids(spec)} must fit int64"
     return Problem("id_out_of_range", f"{spec.name} holds id {bad}: {allowed}")
+
+
+def _ids(spec: TensorSpec) -> str:
+    return "segment ids" if spec.role == SEGMENTS else "token ids"
 
 
 def _beyond_int64(ids: np.ndarray) -> int | None:

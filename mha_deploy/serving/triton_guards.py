@@ -20,13 +20,13 @@ import onnx
 from onnx import TensorProto, helper
 
 from mha_deploy.metadata import ModelMetadata
-from mha_deploy.signature import INPUT_ROLES, TOKENS
+from mha_deploy.signature import ID_ROLES, LENGTH_ROLES, SEGMENTS
 
 _PREFIX = "mha_deploy_bound"
 
 
 def bound_inputs(proto: onnx.ModelProto, metadata: ModelMetadata) -> list[str]:
-    """``proto`` (changed in place) with each token input checked against its vocabulary and each input of a
+    """``proto`` (changed in place) with each token or segment input checked against its table and each input of a
     length axis (ids, features, padding masks) against the recorded max length (not on a KV-cache file, whose
     length is past + new tokens); the names of the checks added, empty when the metadata records no bound."""
     signature = metadata.signature
@@ -34,12 +34,13 @@ def bound_inputs(proto: onnx.ModelProto, metadata: ModelMetadata) -> list[str]:
     checks: list[str] = []
     for spec in signature.custom_inputs:
         bounds = []
-        if spec.role == TOKENS and spec.vocab is not None:
-            bounds.append((f"{spec.name}: token ids must be in [0, {spec.vocab})", _outside_vocabulary(spec.name,
-                                                                                                        spec.vocab)))
+        if spec.role in ID_ROLES and spec.vocab is not None:
+            kind = "segment" if spec.role == SEGMENTS else "token"
+            bounds.append((f"{spec.name}: {kind} ids must be in [0, {spec.vocab})",
+                           _outside_vocabulary(spec.name, spec.vocab)))
         # Masks too: an export reads the length off whichever input of the axis it traced (positions counted
         # over the mask's columns, say), so every input of a length axis carries the bound.
-        if spec.role in INPUT_ROLES and metadata.max_length is not None and not signature.kv_cache:
+        if spec.role in LENGTH_ROLES and metadata.max_length is not None and not signature.kv_cache:
             bounds.append((f"{spec.name}: at most {metadata.max_length} positions (the model's max length)",
                            _longer_than(spec.name, metadata.max_length)))
         if not bounds:

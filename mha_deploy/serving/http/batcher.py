@@ -47,7 +47,7 @@ from mha_deploy.runtime.session import MHASession
 from mha_deploy.runtime.validation import output_problem
 from mha_deploy.serving.http.metrics import ServerMetrics
 from mha_deploy.serving.http.parsing import RequestError
-from mha_deploy.signature import TOKENS, Signature
+from mha_deploy.signature import ID_ROLES, Signature
 
 logger = logging.getLogger("mha_deploy.serve")
 
@@ -244,7 +244,7 @@ def table_index_error(exc: Exception, feeds: dict[str, np.ndarray], signature: S
         return None
     index = int(found.group(1) or found.group(3))
     for spec in signature.custom_inputs:
-        if spec.role == TOKENS and spec.name in feeds and (np.asarray(feeds[spec.name]) == index).any():
+        if spec.role in ID_ROLES and spec.name in feeds and (np.asarray(feeds[spec.name]) == index).any():
             table = f": the model's table holds ids 0 to {found.group(2)}" if found.group(2) is not None else ""
             return RequestError(400, "id_out_of_range", f"{spec.name} holds id {index}, past the table its ids index "
                                                         f"in this model{table} (the file records no vocabulary)")

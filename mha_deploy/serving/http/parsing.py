@@ -106,9 +106,9 @@ def parse_request(body: bytes, content_type: str | None, metadata: ModelMetadata
 
 def check_item(arrays: dict[str, np.ndarray], metadata: ModelMetadata, limits: RequestLimits) -> Item:
     """One item's arrays cast to the model's dtype and checked by the runtime's validator; problems are 422s."""
-    for name in metadata.signature.sequence_inputs:
+    for name in metadata.signature.item_inputs:
         check_shape(name, arrays[name].shape, metadata, limits)
-    item = in_model_dtype(metadata, {name: arrays[name] for name in metadata.signature.sequence_inputs})
+    item = in_model_dtype(metadata, {name: arrays[name] for name in metadata.signature.item_inputs})
     problem = item_problem(metadata, item, limits.max_item_tokens)
     if problem:
         raise RequestError(422, problem.kind, problem.message)
@@ -123,7 +123,7 @@ def check_shape(name: str, shape: tuple[int, ...], metadata: ModelMetadata, limi
 
 
 def _check_names(names: set[str], metadata: ModelMetadata, kind: str) -> None:
-    problem = name_problem(names, metadata.signature.sequence_inputs)
+    problem = name_problem(names, metadata.signature.item_inputs)
     if problem:
         # {"inputs": [...]} is an Open Inference Protocol body, sent to /v1 by mistake.
         hint = "; a v2 request goes to /v2/models/NAME/infer" if "inputs" in names else ""
@@ -157,7 +157,7 @@ def _from_json(body: bytes, metadata: ModelMetadata) -> dict[str, np.ndarray]:
     if not isinstance(payload, dict):
         raise RequestError(400, "malformed_json", f"body must be a JSON object, got {type(payload).__name__}")
     _check_names(set(payload), metadata, "JSON body:")
-    return {name: _json_array(name, payload[name]) for name in metadata.signature.sequence_inputs}
+    return {name: _json_array(name, payload[name]) for name in metadata.signature.item_inputs}
 
 
 def _json_array(name: str, value: object) -> np.ndarray:
@@ -188,7 +188,7 @@ def holds_json_boolean(data: object) -> bool:
 
 
 def _from_npy(body: bytes, metadata: ModelMetadata, limits: RequestLimits) -> dict[str, np.ndarray]:
-    names = metadata.signature.sequence_inputs
+    names = metadata.signature.item_inputs
     if len(names) != 1:
         raise RequestError(
             415,
@@ -213,7 +213,7 @@ def _from_npz(body: bytes, metadata: ModelMetadata, limits: RequestLimits) -> di
     members = {m[: -len(".npy")]: m for m in names}
     _check_names(set(members), metadata, ".npz archive:")
     arrays = {}
-    for name in metadata.signature.sequence_inputs:
+    for name in metadata.signature.item_inputs:
         try:
             with archive.open(members[name]) as stream:
                 arrays[name] = _read_npy(stream, name, metadata, limits)

@@ -43,7 +43,7 @@ from mha_deploy.runtime.validation import (
 )
 from mha_deploy.serving.http.batcher import MicroBatcher
 from mha_deploy.serving.http.parsing import RequestError, holds_json_boolean
-from mha_deploy.signature import BATCH_AXIS, SEQUENCE, TOKENS, TensorSpec
+from mha_deploy.signature import BATCH_AXIS, TensorSpec
 
 SERVER_NAME = "mha-deploy"
 MODEL_VERSION = "1"
@@ -105,7 +105,7 @@ def check_declared(
         raise bad_request("wrong_shape", f"input {name} has shape {list(shape)}, this model takes {dims} (-1: any)")
     if shape[0] == 0:
         raise bad_request("empty_batch", f"input {name} has an empty batch: shape {list(shape)}")
-    if spec.role in (SEQUENCE, TOKENS):
+    if name in metadata.signature.item_inputs:  # a length input's item, or an image's or audio input's sizes
         problem = shape_problem(metadata, name, tuple(shape[1:]), max_item_tokens)
         if problem:
             raise bad_request(problem.kind, f"input {problem.message} (shape {list(shape)}, expected {dims})")
@@ -201,6 +201,8 @@ def plan_request(metadata: ModelMetadata, inputs: Mapping[str, np.ndarray], max_
                 item[name] = feeds[name][row, : lengths[axis][row]]
             else:
                 item[name] = feeds[name][row, masks[axis][row]]
+        for name in signature.fixed_shape_inputs:  # images, audio: nothing to cut
+            item[name] = feeds[name][row]
         problem = item_problem(metadata, item, max_item_tokens)
         if problem:
             raise bad_request(problem.kind, f"row {row}: {problem.message}")
