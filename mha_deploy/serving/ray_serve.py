@@ -28,6 +28,7 @@ import contextlib
 import json
 import logging
 import os
+import re
 import signal
 import threading
 from collections.abc import Callable, Mapping
@@ -66,7 +67,7 @@ class RayServeOptions:
     # CPUs each replica reserves (None: the config's ORT threads, else 1); GPUs each reserves.
     cpus_per_replica: float | None = None
     gpus_per_replica: float = 0
-    # Times Ray Serve retries a replica whose start failed before the deployment fails.
+    # Times Ray Serve starts a replica whose start failed before the deployment fails (at least 1).
     start_retries: int = 2
 
     def __post_init__(self):
@@ -74,6 +75,8 @@ class RayServeOptions:
             raise InputError(f"replicas must be at least 1, not {self.replicas}")
         if self.gpus_per_replica < 0 or (self.cpus_per_replica is not None and self.cpus_per_replica < 0):
             raise InputError("cpus_per_replica and gpus_per_replica cannot be negative")
+        if self.start_retries < 1:
+            raise InputError(f"start_retries must be at least 1 (Ray Serve's least), not {self.start_retries}")
         if not _MODEL_NAME.match(self.app_name):
             raise InputError(f"app name {self.app_name!r}: use letters, digits, '_', '.' and '-' only")
 
@@ -169,7 +172,7 @@ class ServerReplica:
         self.service = None
         self.replica_id = "?"
 
-    def __serve_build_asgi_app__(self):
+    async def __serve_build_asgi_app__(self):
         from ray import serve
         from starlette.responses import JSONResponse, PlainTextResponse, Response
         from starlette.routing import Route
@@ -179,7 +182,7 @@ class ServerReplica:
         self.replica_id = context.replica_id.unique_id
         app = replica_app(self.config)
         self.service = service = app.state.mha
-        self._wait_for_model(app)
+        await self._start_app(app)
 
         async def replicas(request) -> Response:
             return JSONResponse([{k: v for k, v in report.items() if k != "metrics"}
@@ -199,25 +202,30 @@ class ServerReplica:
         logger.info("replica %s of %s: %s", self.replica_id, context.app_name, service.model_name)
         return app
 
-    def _wait_for_model(self, app) -> None:
-        """Wrap the app's lifespan so that startup ends once the model is loaded (the plain server loads it in a
-        task while the port is open; a replica that answered 503 meanwhile would take requests it cannot serve),
-        and fails with the load error."""
-        original = app.router.lifespan_context
+    async def _start_app(self, app) -> None:
+        """Run the app's startup here, until its model is loaded and warm (the plain server loads it in a task while
+        its port is open: a replica started then would take requests it cannot serve), so that a model that does
+        not load fails the replica with its own error (Ray Serve's message for a failed lifespan names none). Ray
+        Serve's run of the app's lifespan then only finds it started, and its shutdown drains the app."""
+        running = app.router.lifespan_context(app)
+        await running.__aenter__()
         service = self.service
+        while service.status == "loading":
+            await asyncio.sleep(_LOAD_POLL_S)
+        if not service.ready:
+            await running.__aexit__(None, None, None)
+            failures = app.state.load_failures
+            reason = f"{failures[0]}" if failures else f"the server is {service.status}"
+            raise ServeError(f"replica cannot serve {self.config.model}: {reason}")
 
         @contextlib.asynccontextmanager
-        async def lifespan(asgi_app):
-            async with original(asgi_app) as state:
-                while service.status == "loading":
-                    await asyncio.sleep(_LOAD_POLL_S)
-                if not service.ready:
-                    failures = app.state.load_failures
-                    reason = f"{failures[0]}" if failures else f"the server is {service.status}"
-                    raise ServeError(f"replica cannot serve {self.config.model}: {reason}")
-                yield state
+        async def started(asgi_app):
+            try:
+                yield
+            finally:
+                await running.__aexit__(None, None, None)
 
-        app.router.lifespan_context = lifespan
+        app.router.lifespan_context = started
 
     def check_health(self) -> None:
         """Ray Serve's health check: a replica that is not ready (model failed, engine stopped) is replaced."""
@@ -328,10 +336,24 @@ def _start(application, proxy: dict, config: ServeConfig, options: RayServeOptio
     _check_proxy(config)
     try:
         serve.run(application, name=options.app_name, route_prefix="/", blocking=False)
-    except Exception as exc:  # Ray Serve's DEPLOY_FAILED, with the replicas' error (their logs have the rest)
-        raise ServeError(f"the Ray Serve deployment of {config.model} failed: {exc}") from None
+    except Exception as exc:  # Ray Serve's DEPLOY_FAILED: the replicas' error is in the deployment's status
+        reason = _replica_error(options) or exc
+        raise ServeError(f"the Ray Serve deployment of {config.model} failed: {reason}") from None
     scheme = "https" if config.ssl_certfile is not None else "http"
     return f"{scheme}://{config.host}:{config.port}"
+
+
+def _replica_error(options: RayServeOptions) -> str | None:
+    """The last line of the failed deployment's message: the exception its replicas raised on starting."""
+    from ray import serve
+
+    try:
+        deployments = serve.status().applications[options.app_name].deployments.values()
+    except Exception:  # the application is gone: nothing more to say
+        return None
+    lines = [line for d in deployments for line in (d.message or "").splitlines() if line.strip()]
+    # "mha_deploy....ServeError: replica cannot serve ...": the message without the exception's class
+    return re.sub(r"^[\w.]+(Error|Exception): ", "", lines[-1].strip()) if lines else None
 
 
 def _check_proxy(config: ServeConfig) -> None:

@@ -2,14 +2,16 @@
 generator answer OpenAI's official client (completions and chat, plain and streaming, greedy and seeded) and
 Triton's generate as the single-process server does; a replica killed under a stream ends that stream with an
 error, and later requests are answered; the plain Open Inference Protocol server of an encoder, started by
-``mha-deploy serve --ray-replicas 2 --ray-address``, answers ``/v2/models/NAME/infer`` as the single server does.
-One cluster for the module, tiny models, one ORT thread per replica."""
+``mha-deploy serve --ray-autoscaling ... --ray-address`` with two replicas, answers ``/v2/models/NAME/infer`` as
+the single server does. One cluster for the module, tiny models, one ORT thread per replica."""
 
 from __future__ import annotations
 
 import contextlib
+import json
 import signal
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -24,7 +26,7 @@ httpx = pytest.importorskip("httpx")
 ray = pytest.importorskip("ray")
 serve = pytest.importorskip("ray.serve")
 
-from mha_deploy.serving.http import GenerationOptions, ServeConfig  # noqa: E402
+from mha_deploy.serving.http import GenerationOptions, ServeConfig, ServeError  # noqa: E402
 from mha_deploy.serving.ray_serve import RayServeOptions, deploy, replica_reports  # noqa: E402
 
 PROMPT = "the cat sat on the"
@@ -130,22 +132,33 @@ def replica_actor(replica_id: str):
     return ray.get_actor(names[0], namespace="serve")
 
 
-def test_a_killed_replica_fails_its_stream_and_later_requests_are_answered(generator):
+def test_a_killed_replica_fails_its_requests_in_flight_and_later_requests_are_answered(generator):
     url, single = generator
     expected = ask(f"http://{single.url}", "completions", False, SAMPLING["greedy"])
-    body = {"model": NAME, "prompt": PROMPT, "max_tokens": 600, "temperature": 0, "stream": True}
-    events, finished = 0, False
-    start = time.monotonic()
-    with pytest.raises(httpx.HTTPError), httpx.stream("POST", f"{url}/v1/completions", json=body,
-                                                      timeout=30) as response:
-        assert response.status_code == 200
-        for line in response.iter_lines():
-            if line.startswith("data: "):
-                events += 1
-                finished = line == "data: [DONE]"
-                if events == 2:  # the stream is running on this replica: kill it under the stream
-                    ray.kill(replica_actor(response.headers["x-replica"]), no_restart=True)
-    assert 2 <= events < 600 and not finished and time.monotonic() - start < 30
+    body = {"model": NAME, "prompt": PROMPT, "max_tokens": 600, "temperature": 0}
+    with ThreadPoolExecutor(8) as pool:
+        # Plain requests in flight on both replicas, then a stream; the stream's replica is killed under it.
+        plain = [pool.submit(httpx.post, f"{url}/v1/completions", json=body, timeout=30) for _ in range(8)]
+        deadline = time.monotonic() + 20
+        while sum(r["accepted"] > r["answered"] for r in replica_reports("gen")) < 2:
+            assert time.monotonic() < deadline, "the plain requests never ran on both replicas"
+        events, finished = 0, False
+        start = time.monotonic()
+        with pytest.raises(httpx.HTTPError), httpx.stream(
+                "POST", f"{url}/v1/completions", json={**body, "stream": True}, timeout=30) as response:
+            assert response.status_code == 200
+            for line in response.iter_lines():
+                if line.startswith("data: "):
+                    events += 1
+                    finished = line == "data: [DONE]"
+                    if events == 2:  # the stream is running on this replica
+                        ray.kill(replica_actor(response.headers["x-replica"]), no_restart=True)
+        assert 2 <= events < 600 and not finished and time.monotonic() - start < 30
+        # A plain request on the killed replica gets the proxy's 500; one on the live replica ends whole.
+        answers = [future.result() for future in plain]
+    statuses = sorted(answer.status_code for answer in answers)
+    assert 500 in statuses and set(statuses) <= {200, 500}, statuses
+    assert all(len(a.json()["choices"][0]["token_ids"]) == 600 for a in answers if a.status_code == 200)
     # Later requests go to the live replica (and to the one Ray Serve starts in the killed one's place).
     for _ in range(4):
         assert ask(url, "completions", False, SAMPLING["greedy"]) == expected
@@ -165,14 +178,16 @@ def infer(url: str, name: str, inputs: dict[str, np.ndarray]) -> dict[str, np.nd
     return {o["name"]: np.asarray(o["data"], np.float32).reshape(o["shape"]) for o in response.json()["outputs"]}
 
 
-def test_the_oip_server_of_an_encoder_on_two_replicas_equals_the_single_server(cluster, generator, encoder,
+def test_the_oip_server_of_an_encoder_on_two_autoscaled_replicas_equals_the_single_server(cluster, generator, encoder,
                                                                                 tmp_path):
     serve.delete("gen")  # one route prefix per cluster: the generator's application gives way
     address, port = cluster
     signature, path = encoder
     single = Server(path, tmp_path / "single.log", "--threads", "1")
-    replicated = Server(path, tmp_path / "ray.log", "--threads", "1", "--ray-replicas", "2", "--ray-address",
-                        address, "--port", str(port))
+    # Ray Serve's autoscaling config passed through: at least two replicas (ready before the command reports).
+    autoscaling = json.dumps({"min_replicas": 2, "max_replicas": 3, "target_ongoing_requests": 16})
+    replicated = Server(path, tmp_path / "ray.log", "--threads", "1", "--ray-autoscaling", autoscaling,
+                        "--ray-address", address, "--port", str(port))
     replicated.port = port  # the proxy's (the last --port wins)
     try:
         single.wait_ready()
@@ -194,6 +209,17 @@ def test_the_oip_server_of_an_encoder_on_two_replicas_equals_the_single_server(c
         replicated.stop()
 
 
+def test_a_model_that_does_not_load_fails_the_deployment_with_its_error(cluster, tmp_path):
+    bad = tmp_path / "bad.onnx"
+    bad.write_bytes(b"not an ONNX file")
+    config = ServeConfig(bad, port=cluster[1], provider="cpu")
+    try:
+        with pytest.raises(ServeError, match=r"replica cannot serve .*ONNX Runtime cannot load it"):
+            deploy(config, RayServeOptions(replicas=1, app_name="bad", start_retries=1))
+    finally:
+        serve.delete("bad")
+
+
 @pytest.mark.parametrize(("args", "code", "message"), [
     (["--grpc-port", "9001", "--ray-replicas", "2"], 1, "--grpc-port: not available with Ray Serve replicas"),
     (["--header-timeout", "3", "--access-log", "--ray-replicas", "2"], 1, "--header-timeout, --access-log: not"),
@@ -203,18 +229,22 @@ def test_the_oip_server_of_an_encoder_on_two_replicas_equals_the_single_server(c
     (["--ray-autoscaling", "[1, 2]"], 1, "autoscaling: expected a JSON object"),
     (["--ray-replicas", "2", "--provider", "cuda"], 1, "provider cuda on Ray needs GPUs per replica"),
 ], ids=["grpc", "connection-guards", "address-alone", "bad-field", "no-file", "not-an-object", "cuda"])
-def test_what_replicas_cannot_carry_is_refused_before_any_cluster_starts(encoder, args, code, message):
+def test_what_replicas_cannot_carry_is_refused_before_any_cluster_starts(encoder, args, code, message, monkeypatch):
     from click.testing import CliRunner
 
     from mha_deploy.cli import main
+    from mha_deploy.serving import ray_serve
 
+    def started(*args, **kwargs):
+        raise AssertionError("a cluster or an application was started")
+
+    monkeypatch.setattr(ray, "init", started)
+    monkeypatch.setattr(ray_serve, "_start", started)
     result = CliRunner().invoke(main, ["serve", str(encoder[1]), *args])
     assert result.exit_code == code and message in result.output, result.output
-    assert not ray.is_initialized()
 
 
 def test_a_missing_model_is_refused_naming_every_node(tmp_path):
-    from mha_deploy.serving.http.server import ServeError
     from mha_deploy.serving.ray_serve import server_application
 
     with pytest.raises(ServeError, match="every node that runs a replica needs it"):
