@@ -47,7 +47,7 @@ class HFInput:
     target: bool = False
 
     def axis(self, encoder_decoder: bool) -> str:
-        if not encoder_decoder:
+        if not encoder_decoder or self.role in ("image", "audio"):  # no length axis: SEQ writes none
             return SEQ
         return TARGET if self.target else SOURCE
 
@@ -61,6 +61,9 @@ HF_INPUTS: dict[str, HFInput] = {
     "attention_mask": HFInput("padding-mask"),
     "decoder_input_ids": HFInput("tokens", target=True),
     "decoder_attention_mask": HFInput("padding-mask", target=True),
+    "token_type_ids": HFInput("segments"),
+    "pixel_values": HFInput("image"),
+    "input_features": HFInput("audio"),
 }
 
 
@@ -197,14 +200,17 @@ def forward_inputs(module, encoder_decoder: bool) -> tuple[str, ...]:
                               f"export it with --module, declaring {name} with --input")
         if name not in parameters:
             raise ExportError(f"{takes} has no parameter {name} (its main input): export it with --module")
-    inputs = []
-    for name in parameters:
-        spec = HF_INPUTS.get(name)
-        if spec is None or spec.role not in ROLES:
-            continue  # left at its default (token_type_ids: zeros, position_ids: the model's own)
-        axis = spec.axis(encoder_decoder)
-        inputs.append(f"{name}:{spec.role}" + (f":{axis}" if axis != SEQ else ""))
-    return tuple(inputs)
+    fed = {name: HF_INPUTS[name] for name in parameters if name in HF_INPUTS and HF_INPUTS[name].role in ROLES}
+    # Segment ids where the config gives them a table of more than one row (BERT's type_vocab_size 2): GPT-2's
+    # forward takes token_type_ids into its word table, RoBERTa's table has one row (Optimum feeds neither).
+    segments = getattr(getattr(module, "config", None), "type_vocab_size", None)
+    if not (type(segments) is int and segments > 1):
+        fed = {name: spec for name, spec in fed.items() if spec.role != "segments"}
+    # A mask marks ids on its axis: ViT's and Whisper's forwards take an attention_mask they never read.
+    token_axes = {spec.axis(encoder_decoder) for spec in fed.values() if spec.role == "tokens"}
+    return tuple(f"{name}:{spec.role}" + (f":{axis}" if (axis := spec.axis(encoder_decoder)) != SEQ else "")
+                 for name, spec in fed.items()  # others left at their defaults (position_ids: the model's own)
+                 if spec.role != "padding-mask" or spec.axis(encoder_decoder) in token_axes)
 
 
 @dataclass(frozen=True)

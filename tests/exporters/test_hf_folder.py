@@ -149,7 +149,7 @@ def _plain(path):
 def test_a_bert_classifier_exports_fused_under_hugging_faces_names(exported):
     _, path, output = exported("bert")
     session = _plain(path)
-    assert [i.name for i in session.get_inputs()] == ["input_ids", "attention_mask"]  # token_type_ids: its default
+    assert [i.name for i in session.get_inputs()] == ["input_ids", "attention_mask", "token_type_ids"]
     assert [o.name for o in session.get_outputs()] == ["logits"]  # SequenceClassifierOutput's field
     # each attention one MultiHeadAttention (an If between two kernels of it where the fusion picks by length)
     assert f"{LAYERS} attention subgraph(s) found, {LAYERS} fused into com.microsoft.MultiHeadAttention" in output
@@ -162,9 +162,12 @@ def test_a_bert_classifier_equals_the_module_in_plain_onnxruntime(exported):
     folder, path, _ = exported("bert")
     ids, mask = _right_padded(np.random.default_rng(0), UNSEEN_BATCH, UNSEEN_SEQ)
     # the file's padding masks are bool (True = real token), as every mha-deploy file's: a tokenizer's 0/1 as bool
-    (logits,) = _plain(path).run(["logits"], {"input_ids": ids, "attention_mask": mask.astype(bool)})
+    segments = (np.arange(UNSEEN_SEQ) >= UNSEEN_SEQ // 2).astype(np.int64) * mask  # a sentence pair's second half
+    (logits,) = _plain(path).run(["logits"], {"input_ids": ids, "attention_mask": mask.astype(bool),
+                                              "token_type_ids": segments})
     with torch.no_grad():
-        want = _module(folder)(input_ids=torch.from_numpy(ids), attention_mask=torch.from_numpy(mask)).logits
+        want = _module(folder)(input_ids=torch.from_numpy(ids), attention_mask=torch.from_numpy(mask),
+                               token_type_ids=torch.from_numpy(segments)).logits
     np.testing.assert_allclose(logits, want.numpy(), atol=OWN_MODEL_ATOL, rtol=OWN_MODEL_RTOL)
 
 

@@ -166,5 +166,22 @@ def test_optimize_takes_segment_ids_and_images(tmp_path, file):
     result = optimize_model(source, written, user_module(file).INPUTS)
     assert result.parity.passed
     assert [op.op for op in describe_model(written).attention_ops] == ["com.microsoft::MultiHeadAttention"] * LAYERS
-    recorded = {spec.name: (spec.role, spec.axes, spec.vocab) for spec in MHASession(written, provider="cpu").signature.inputs}
+    recorded = {spec.name: (spec.role, spec.axes, spec.vocab)
+                for spec in MHASession(written, provider="cpu").signature.inputs}
     assert recorded == FAMILIES[file]
+
+
+def test_export_hf_feeds_a_vit_folders_pixel_values_as_an_image(tmp_path):
+    """``export --hf DIR`` takes pixel_values by its table's role, sizes from the folder's config, and leaves the
+    attention_mask ViT's forward takes (and never reads) at its default."""
+    from click.testing import CliRunner
+
+    from mha_deploy.cli import main
+
+    user_module("hf_vision").build().save_pretrained(tmp_path / "vit")
+    result = CliRunner().invoke(main, ["export", "--hf", str(tmp_path / "vit"), "-o", str(tmp_path / "out.onnx")])
+    assert result.exit_code == 0, result.output
+    assert "ViTModel: inputs pixel_values:image" in result.output
+    recorded = {spec.name: (spec.role, spec.axes, spec.vocab)
+                for spec in MHASession(tmp_path / "out.onnx", provider="cpu").signature.inputs}
+    assert recorded == FAMILIES["hf_vision"]
