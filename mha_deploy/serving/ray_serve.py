@@ -334,6 +334,10 @@ def _start(application, proxy: dict, config: ServeConfig, options: RayServeOptio
 
     serve.start(http_options=proxy)
     _check_proxy(config)
+    running = serve.status().applications.get(options.app_name)
+    if running is not None and getattr(running.status, "value", running.status) != "DELETING":
+        raise ServeError(f"an application named {options.app_name!r} already runs on this Ray cluster: serve.delete "
+                         "it first (its command's Ctrl+C does), or give this one another name")
     try:
         serve.run(application, name=options.app_name, route_prefix="/", blocking=False)
     except Exception as exc:  # Ray Serve's DEPLOY_FAILED: the replicas' error is in the deployment's status

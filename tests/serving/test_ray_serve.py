@@ -126,6 +126,13 @@ def test_triton_generate_health_and_metrics_per_replica(generator):
     assert httpx.get(f"{url}/replicas/nobody/metrics", timeout=30).status_code == 404
 
 
+def test_a_second_application_of_the_same_name_is_refused(generator, cluster, encoder):
+    with pytest.raises(ServeError, match="an application named 'gen' already runs on this Ray cluster"):
+        deploy(ServeConfig(encoder[1], port=cluster[1]), RayServeOptions(app_name="gen"))
+    with pytest.raises(ServeError, match=f"its HTTP proxy on 127.0.0.1:{cluster[1]}: give --host 127.0.0.1 --port"):
+        deploy(ServeConfig(encoder[1], port=free_port()), RayServeOptions(app_name="other"))
+
+
 def replica_actor(replica_id: str):
     names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if replica_id in a["name"]]
     assert len(names) == 1, names
@@ -191,7 +198,7 @@ def test_the_oip_server_of_an_encoder_on_two_autoscaled_replicas_equals_the_sing
     replicated.port = port  # the proxy's (the last --port wins)
     try:
         single.wait_ready()
-        replicated.wait_ready(timeout=90)
+        wait_for_line(replicated, "on Ray Serve at", timeout=90)  # every replica ready (/readyz: the first one)
         rng = np.random.default_rng(0)
         for lengths in ([3, 5], [7], [2, 4, 6]):
             inputs = batch_request(signature, rng, len(lengths), lengths, 64)
@@ -206,7 +213,21 @@ def test_the_oip_server_of_an_encoder_on_two_autoscaled_replicas_equals_the_sing
         assert "mha-deploy" not in serve.status().applications
     finally:
         single.stop()
+        if replicated.process.poll() is None:
+            replicated.process.send_signal(signal.SIGTERM)
+            with contextlib.suppress(Exception):
+                replicated.process.wait(timeout=60)
         replicated.stop()
+        with contextlib.suppress(Exception):
+            serve.delete("mha-deploy")
+
+
+def wait_for_line(server: Server, text: str, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while text not in server.log():
+        assert server.process.poll() is None, f"exited with {server.process.returncode}:\n{server.log()}"
+        assert time.monotonic() < deadline, f"no {text!r} after {timeout} s:\n{server.log()}"
+        time.sleep(0.2)
 
 
 def test_a_model_that_does_not_load_fails_the_deployment_with_its_error(cluster, tmp_path):
