@@ -143,21 +143,33 @@ class GenerationIds:
     """The token ids a generator needs and the file alone cannot say, recorded at export (``--eos-id``,
     ``--pad-id``, ``--start-id``) so that generation needs none of them: ``eos_token_ids`` end a row (none: every
     row runs to its token budget), ``pad_token_id`` fills prompts and finished rows (onnxruntime-genai finds a
-    prompt's padding by it), ``decoder_start_token_id`` is the first token an encoder-decoder's decoder reads."""
+    prompt's padding by it), ``decoder_start_token_id`` is the first token an encoder-decoder's decoder reads,
+    ``forced_bos_token_id`` the token an encoder-decoder's first generated token is forced to by default (a Hugging
+    Face generation config's: M2M100's and MBart-50's target language; ``generate --forced-bos-id`` overrides it)."""
 
     eos_token_ids: list[int] = field(default_factory=list)
     pad_token_id: int | None = None
     decoder_start_token_id: int | None = None
+    forced_bos_token_id: int | None = None
 
     def __post_init__(self):
         self.eos_token_ids = list(self.eos_token_ids)
+
+    def to_dict(self) -> dict:
+        """As recorded: the forced first id only when set, so that a file without one stays readable by earlier
+        mha-deploy."""
+        raw = asdict(self)
+        if self.forced_bos_token_id is None:
+            del raw["forced_bos_token_id"]
+        return raw
 
     @property
     def ids(self) -> dict[str, int]:
         """Every recorded id by what it is, e.g. {"eos id": 2, "pad id": 0} (eos ids numbered when several)."""
         eos = self.eos_token_ids
         named = {("eos id" if len(eos) == 1 else f"eos id #{i + 1}"): token for i, token in enumerate(eos)}
-        for name, token in (("pad id", self.pad_token_id), ("start id", self.decoder_start_token_id)):
+        for name, token in (("pad id", self.pad_token_id), ("start id", self.decoder_start_token_id),
+                            ("forced first id", self.forced_bos_token_id)):
             if token is not None:
                 named[name] = token
         return named
@@ -180,6 +192,8 @@ class GenerationIds:
             parts.append(f"pad {self.pad_token_id}")
         if self.decoder_start_token_id is not None:
             parts.append(f"decoder start {self.decoder_start_token_id}")
+        if self.forced_bos_token_id is not None:
+            parts.append(f"forced first token {self.forced_bos_token_id}")
         return ", ".join(parts)
 
 
@@ -234,6 +248,8 @@ class EncoderDecoderRecord:
 
     def to_dict(self) -> dict:
         raw = asdict(self)
+        if self.generation is not None:
+            raw["generation"] = self.generation.to_dict()
         if self.quantization == "none":
             del raw["quantization"], raw["weight_only"]
         return raw
@@ -315,6 +331,7 @@ class ModelMetadata:
         if self.generation is None:
             del raw["generation"]
         else:
+            raw["generation"] = self.generation.to_dict()
             raw["format"] = max(raw["format"], _GENERATION_FORMAT)
         if self.positions is None:
             del raw["positions"]

@@ -450,6 +450,7 @@ def export_model(
     position_ids: bool | None = None,
     generation: GenerationIds | None = None,
     cache_layout: str = CACHE_LAYOUT_AUTO,
+    context_length: int | None = None,
     **options,
 ) -> ExportResult:
     """Export a user's own ``module`` (built around the reference attention) whose forward takes ``inputs``.
@@ -487,6 +488,10 @@ def export_model(
     the holes layout with a warning saying why;
     "ragged" refuses (writing nothing) where it cannot; "holes" keeps ``past ++ new`` for any padding. Recorded as
     ``ModelMetadata.cache_layout`` (None for holes, which earlier mha-deploy reads).
+
+    ``context_length``: the longest sequence the module takes by its own account (a Hugging Face config's
+    ``max_position_embeddings``), recorded as the max length where neither ``max_length`` nor a position table
+    gives one: the trace then accepts a length guard that reaches it (M2M100's sinusoidal table, rebuilt past it).
     """
     export_options = ExportOptions(**options)
     export_options.check()
@@ -509,7 +514,7 @@ def export_model(
     kept = ModuleState(module, copy=True)
     try:
         return _export_model(module, output, inputs, output_names, max_length, export_options, kv_cache, generation,
-                             position_ids, cache_layout)
+                             position_ids, cache_layout, context_length)
     except SystemExit as exc:  # the module's own code: it must not end the caller's process with its status
         raise ExportError(f"{type(module).__name__} called sys.exit({exc.code!r}) (SystemExit) while it ran for the "
                           "export: a forward must return its outputs") from exc
@@ -519,13 +524,18 @@ def export_model(
 
 def _export_model(
     module, output, inputs, output_names, max_length, export_options, kv_cache, generation=None, position_ids=None,
-    cache_layout=CACHE_LAYOUT_AUTO,
+    cache_layout=CACHE_LAYOUT_AUTO, context_length=None,
 ) -> ExportResult:
     # The probes run the module as parity does: with torch's fast path off (reference_form.without_fast_path).
     with without_fast_path():
         declared = declare_model(module, inputs, output_names)
         signature = declared.signature
         max_length = _max_length(max_length, position_tables(declared.wrapper, signature))
+    if max_length is None and context_length is not None:
+        max_length = context_length
+        declared.warnings.append(f"max length {context_length} recorded from the model's config (its "
+                                 "max_position_embeddings: no position table states it; --max-length to record "
+                                 "another)")
     seq2seq = seq2seq_tensors(signature) if kv_cache else None
     if kv_cache:
         if seq2seq is None:
@@ -667,7 +677,8 @@ def _export_seq2seq_cache(
         raise ExportError(f"--kv-cache for an encoder-decoder fuses for the mha target (or none), not {options.fuse}")
     cases = options.parity_cases or None
     built = build_seq2seq_cache(declared.wrapper, declared.signature, plain, attention_ops, max_length, cases,
-                                *options.tolerance, fuse=options.fuse, quantize=options.quantize)
+                                *options.tolerance, fuse=options.fuse, quantize=options.quantize,
+                                pad_id=generation.pad_token_id if generation is not None else None)
     return write_seq2seq_pair(built, output, generation, max_length)
 
 

@@ -78,7 +78,8 @@ class HFModel:
 
     def generation_ids(self) -> GenerationIds | None:
         """The eos, pad and (an encoder-decoder's) decoder start ids of the folder's generation config, else of its
-        config; None when it names none."""
+        config, and an encoder-decoder's forced first token (``forced_bos_token_id``: M2M100's and MBart-50's
+        target language); None when it names none."""
         sources = [getattr(self.module, "generation_config", None), self.module.config]
 
         def first(name: str) -> list[int]:
@@ -87,9 +88,17 @@ class HFModel:
         eos, pad = first("eos_token_id"), first("pad_token_id")
         # A causal LM starts from its prompt: its bos id is the tokenizer's business, not the generator's.
         start = first("decoder_start_token_id") if self.encoder_decoder else []
-        if not (eos or pad or start):
+        forced = first("forced_bos_token_id") if self.encoder_decoder else []
+        if not (eos or pad or start or forced):
             return None
-        return GenerationIds(eos, pad[0] if pad else None, start[0] if start else None)
+        return GenerationIds(eos, pad[0] if pad else None, start[0] if start else None,
+                             forced[0] if forced else None)
+
+    def context_length(self) -> int | None:
+        """The config's ``max_position_embeddings``: the longest sequence the model takes, where no position table
+        states it (M2M100's sinusoidal table, rebuilt in its forward past that length)."""
+        value = getattr(self.module.config, "max_position_embeddings", None)
+        return value if type(value) is int and value > 0 else None
 
 
 def _token_ids(value) -> list[int]:
@@ -282,8 +291,9 @@ def export_hf_folder(
 
     ``kv_cache``: a causal LM or an encoder-decoder exported for generation (as ``export_model``'s); the eos, pad and
     decoder start ids are the folder's generation config's (else its config's), each one ``generation`` gives
-    taking its place. ``max_length``: as ``export_model``'s (default: the model's position table, or a causal LM's
-    ``max_position_embeddings`` with ``kv_cache``). ``options`` as for ``export_mha``.
+    taking its place (an encoder-decoder's generation config's ``forced_bos_token_id`` recorded too). ``max_length``:
+    as ``export_model``'s (default: the model's position table, else the config's ``max_position_embeddings``).
+    ``options`` as for ``export_mha``.
 
     Returns an ``HFExport``: ``export_model``'s result, the architecture, the inputs declared and the files copied.
     Writes nothing when anything fails: the model file(s) are removed again if the files beside cannot be written.
@@ -295,7 +305,8 @@ def export_hf_folder(
     beside = BesideFiles.read(folder)
     ids = _merged(model.generation_ids(), generation) if kv_cache else generation
     result = export_model(model.module, output, model.inputs, max_length=max_length, kv_cache=kv_cache,
-                          position_ids=position_ids, generation=ids, cache_layout=cache_layout, **options)
+                          position_ids=position_ids, generation=ids, cache_layout=cache_layout,
+                          context_length=model.context_length(), **options)
     written = [Path(result.path)] + ([Path(result.encoder_path)] if getattr(result, "encoder_path", None) else [])
     try:
         copied = beside.write(Path(result.path).parent, folder)

@@ -352,11 +352,16 @@ def _session(model: onnx.ModelProto) -> ort.InferenceSession:
 def check_seq2seq_cache_parity(
     reference: torch.nn.Module, declared: Signature, tensors: Seq2SeqTensors, encoder: onnx.ModelProto,
     decoder: onnx.ModelProto, cases: Sequence[Seq2SeqCase], atol: float = DEFAULT_ATOL, rtol: float = DEFAULT_RTOL,
-    seed: int = 0, rel_budget: float | None = None,
+    seed: int = 0, rel_budget: float | None = None, pad_id: int | None = None,
 ) -> ParityReport:
     """The encoder once, then the decoder call by call, against ``reference``'s one forward over the whole
     target (its ``declared`` cache-free inputs): each call's logits on every real target row, named by the
-    case and call where they differ; within ``rel_budget`` relative error instead of atol/rtol (quantized files)."""
+    case and call where they differ; within ``rel_budget`` relative error instead of atol/rtol (quantized files).
+
+    ``pad_id``: the real target tokens are drawn without it. A model may number its target positions by the ids
+    that are not the pad id (M2M100: a cumulative sum over ``ids != pad``), so one forward over a target holding it
+    numbers the tokens after it one lower; a cached step, as transformers' own cached forward, numbers a token by
+    how many came before it. Padding is marked by the mask, never by a real token's id."""
     encoder_session, decoder_session = _session(encoder), _session(decoder)
     dtypes = {port.name: port.type for port in decoder_session.get_inputs()}
     source_mask_type = np.bool_ if dtypes[ENCODER_MASK] == "tensor(bool)" else np.int64
@@ -368,6 +373,8 @@ def check_seq2seq_cache_parity(
         source[~source_real] = 0
         total = sum(case.calls)
         target = rng.integers(0, tensors.target.vocab or 2, (case.batch, total))
+        if pad_id is not None:  # the next id in its place (id 0 where it is the last)
+            target[target == pad_id] = (pad_id + 1) % (tensors.target.vocab or 2)
         target_real = np.ones((case.batch, total), bool)
         target_real[:, : case.prompt] = padding_mask(case.batch, case.prompt, case.target_padding, rng)
         target[~target_real] = 0
@@ -428,12 +435,13 @@ class Seq2SeqExport:
 def build_seq2seq_cache(
     reference: torch.nn.Module, declared: Signature, plain: onnx.ModelProto, attention_ops: int,
     max_length: int | None, cases: Sequence[Seq2SeqCase] | None = None, atol: float = DEFAULT_ATOL,
-    rtol: float = DEFAULT_RTOL, fuse: str = "auto", quantize: Quantization | None = None,
+    rtol: float = DEFAULT_RTOL, fuse: str = "auto", quantize: Quantization | None = None, pad_id: int | None = None,
 ) -> Seq2SeqExport:
     """``plain`` (the cache-free export of ``declared``) as an encoder file and a decoder file with a cache, each
     attention fused (``fuse`` "auto" or "mha": the mha target, auto falling back to the unfused graph with a
     warning), both quantized as ``quantize`` asks (weight-only: the parity then within its relative budget),
-    checked call by call against ``reference``; ``ParityError`` naming the failing call."""
+    checked call by call against ``reference`` (real target tokens drawn without ``pad_id``); ``ParityError`` naming
+    the failing call."""
     from mha_deploy.exporters.fusion import fuse_attention
 
     quantize = quantize or Quantization()
@@ -459,7 +467,7 @@ def build_seq2seq_cache(
 
     def checked(encoder_model: onnx.ModelProto, decoder_model: onnx.ModelProto) -> ParityReport:
         return check_seq2seq_cache_parity(reference, declared, tensors, encoder_model, decoder_model, cases, atol,
-                                          rtol, rel_budget=quantize.rel_budget)
+                                          rtol, rel_budget=quantize.rel_budget, pad_id=pad_id)
 
     target = "mha" if fuse == "auto" else fuse
     try:

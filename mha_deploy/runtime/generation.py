@@ -30,6 +30,7 @@ from mha_deploy.errors import InputError, OptionError
 from mha_deploy.metadata import POSITIONS_PADDED_WIDTH
 from mha_deploy.runtime.beam_search import BeamSearchScorer, check_length_penalty
 from mha_deploy.runtime.logits import (
+    ForcedBOSTokenLogitsProcessor,
     LogitBiasLogitsProcessor,
     LogitsProcessorList,
     MinNewTokensLengthLogitsProcessor,
@@ -55,7 +56,8 @@ class TokenStepper(Protocol):
     - ``prefill(input_ids, attention_mask)``: start a batch from prompts int64 [rows, seq]
       (``attention_mask`` int64 [rows, seq], 1 = real token, 0 = padding); returns the logits of
       each row's next token [rows, vocab]. An encoder-decoder reads them as the encoder's input and
-      starts its decoder from ``decoder_start_token_id``.
+      starts its decoder from ``decoder_start_token_id``, or from ``decoder_input_ids=`` [rows, length]
+      where ``generate`` was given decoder prompts (asked only then).
     - ``step(next_ids)``: append one token per row (int64 [rows]); returns [rows, vocab].
     - ``keep(rows)``: the current rows that the next call continues, in their new order (int64 indices
       into the current rows; an index may repeat, a row left out is freed).
@@ -96,6 +98,9 @@ class GenerationConfig:
       filter every token), even one the search does not use.
     - ``pad_token_id``: what ``GenerationOutput.padded`` fills with (default: the file's recorded pad id, else the
       first end id, else 0).
+    - ``forced_bos_token_id`` (an encoder-decoder's): the first generated token of a row that starts from its
+      decoder start id alone (M2M100's and MBart-50's target language), as transformers forces it; None: the id the
+      file recorded at export (the folder's generation config), if any. A row given a decoder prompt is not forced.
     """
 
     max_new_tokens: int = 20
@@ -115,6 +120,7 @@ class GenerationConfig:
     stop_token_ids: Sequence[int] = ()
     pad_token_id: int | None = None
     seed: int | None = None
+    forced_bos_token_id: int | None = None
 
     def __post_init__(self):
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
@@ -134,8 +140,10 @@ class GenerationConfig:
                               "log-probabilities, where they would not mean what OpenAI defines")
         if self.early_stopping not in (True, False, "never"):
             raise OptionError(f"early_stopping must be True, False or 'never', got {self.early_stopping!r}")
-        if self.pad_token_id is not None and (not isinstance(self.pad_token_id, int) or self.pad_token_id < 0):
-            raise OptionError(f"pad_token_id must be a non-negative integer, got {self.pad_token_id!r}")
+        for name in ("pad_token_id", "forced_bos_token_id"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
+                raise OptionError(f"{name} must be a non-negative integer, got {value!r}")
         for name in FLOAT_OPTIONS:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int | float | np.floating) or not math.isfinite(value):
@@ -155,11 +163,12 @@ class GenerationConfig:
         check): the model can never produce it, so it would end no row, silently."""
         if vocab is None:
             return
-        for name, ids in (("eos_token_id", self.eos_token_id), ("stop_token_ids", self.stop_token_ids)):
+        for name, ids in (("eos_token_id", self.eos_token_id), ("stop_token_ids", self.stop_token_ids),
+                          ("forced_bos_token_id", self.forced_bos_token_id)):
             past = [token for token in token_ids(ids) if token >= vocab]
             if past:
                 raise OptionError(f"{name} {past[0]} is past the model's vocabulary of {vocab} ids (0 to {vocab - 1}), "
-                                  "so it could never end a row: was it taken from another model's tokenizer?")
+                                  "so the model could never produce it: was it taken from another model's tokenizer?")
 
     @property
     def end_ids(self) -> tuple[int, ...]:
@@ -177,6 +186,8 @@ class GenerationConfig:
             processors.append(PresenceFrequencyPenaltyLogitsProcessor(self.presence_penalty, self.frequency_penalty))
         if self.min_new_tokens > 0 and self.end_ids:
             processors.append(MinNewTokensLengthLogitsProcessor(self.min_new_tokens, self.end_ids))
+        if self.forced_bos_token_id is not None:
+            processors.append(ForcedBOSTokenLogitsProcessor(self.forced_bos_token_id))
         if self.do_sample:
             processors.extend(sampling_processors(self.temperature, self.top_k, self.top_p))
         return processors
@@ -222,19 +233,70 @@ def generate(
     input_ids,
     attention_mask=None,
     config: GenerationConfig | None = None,
+    decoder_prompts: Sequence | None = None,
     **options,
 ) -> GenerationOutput:
     """Generate for every prompt: ``input_ids`` int [batch, seq] (with ``attention_mask`` [batch, seq], 1 = real,
     padding on either side; transformers' models expect it on the left) or a list of prompts of any lengths
-    (padded on the left here). ``options`` override ``config``'s fields (``max_new_tokens=32, num_beams=4``)."""
+    (padded on the left here). ``options`` override ``config``'s fields (``max_new_tokens=32, num_beams=4``).
+
+    ``decoder_prompts`` (an encoder-decoder's): per prompt, the token ids its decoder starts from (Whisper's
+    ``<|startoftranscript|><|lang|><|task|><|notimestamps|>``), or None for the decoder start id alone; a prompt
+    that does not begin with the start id gets it in front, as transformers' ``decoder_input_ids`` do. The prompt's
+    tokens are not returned: the new tokens follow it. Rows of one decoder prompt length run together."""
     config = _config(config, options, stepper)
     ids, mask = prompt_batch(input_ids, attention_mask)
+    if decoder_prompts is None:
+        return _generate(stepper, ids, mask, config)
+    prompts = decoder_prompt_rows(stepper, decoder_prompts, len(ids))
+    lengths = np.array([len(prompt) for prompt in prompts])
+    tokens: list[np.ndarray] = [np.zeros(0, np.int64)] * len(ids)
+    scores: list[float] | None = [0.0] * len(ids) if config.num_beams > 1 else None
+    for length in sorted(set(lengths.tolist())):
+        rows = np.flatnonzero(lengths == length)
+        part = _generate(stepper, ids[rows], mask[rows], config, np.stack([prompts[row] for row in rows]))
+        for index, row in enumerate(rows):
+            tokens[row] = part.tokens[index]
+            if scores is not None:
+                scores[row] = part.scores[index]
+    return GenerationOutput(tokens, _pad_id(config), scores)
+
+
+def decoder_prompt_rows(stepper: TokenStepper, decoder_prompts: Sequence, rows: int) -> list[np.ndarray]:
+    """Each row's decoder prompt as int64 ids beginning with the decoder start id (put in front where it is not
+    there; None or empty: the start id alone); ``InputError`` for a decoder-only model, a count other than the
+    prompts', or ids that are not non-negative integers below the model's vocabulary."""
+    start = getattr(stepper, "decoder_start_token_id", None)
+    if start is None:
+        raise InputError("decoder prompts are an encoder-decoder's: this model's decoder starts from the prompt itself")
+    if len(decoder_prompts) != rows:
+        raise InputError(f"{len(decoder_prompts)} decoder prompts for {rows} prompts: give one per prompt (None for "
+                         "the start id alone)")
+    vocab = vocab_size(stepper)
+    out = []
+    for row, prompt in enumerate(decoder_prompts):
+        ids = np.zeros(0, np.int64) if prompt is None else np.asarray(prompt).ravel()
+        if ids.size and (ids.dtype.kind not in "iu" or ids.min() < 0):
+            raise InputError(f"decoder prompt {row} must hold non-negative integer token ids, got {ids.tolist()}")
+        if vocab is not None and ids.size and ids.max() >= vocab:
+            raise InputError(f"decoder prompt {row}: token id {int(ids.max())} is past the model's vocabulary of "
+                             f"{vocab} ids")
+        ids = ids.astype(np.int64)
+        out.append(ids if ids.size and ids[0] == start else np.concatenate([[start], ids]).astype(np.int64))
+    return out
+
+
+def _generate(
+    stepper: TokenStepper, ids: np.ndarray, mask: np.ndarray, config: GenerationConfig,
+    decoder_ids: np.ndarray | None = None,
+) -> GenerationOutput:
+    """``generate`` of a prompt batch; ``decoder_ids`` [rows, length]: the rows' decoder prompts (one length)."""
     if _positions_by_column(stepper) and not mask.all():
         return _generate_by_length(stepper, ids, mask, config)
     if config.num_beams > 1:
-        return _beam_search(stepper, ids, mask, config)
+        return _beam_search(stepper, ids, mask, config, decoder_ids)
     tokens: list[list[int]] = [[] for _ in range(len(ids))]
-    for step in _sample(stepper, ids, mask, config):
+    for step in _sample(stepper, ids, mask, config, decoder_ids):
         for prompt, token in zip(step.prompts, step.tokens, strict=True):
             tokens[prompt].append(int(token))
     return GenerationOutput([np.asarray(t, np.int64) for t in tokens], _pad_id(config))
@@ -337,6 +399,9 @@ def with_recorded_ids(config: GenerationConfig, stepper: TokenStepper) -> Genera
         config = replace(config, eos_token_id=list(recorded.eos_token_ids))
     if config.pad_token_id is None and recorded.pad_token_id is not None:
         config = replace(config, pad_token_id=recorded.pad_token_id)
+    forced = getattr(recorded, "forced_bos_token_id", None)
+    if config.forced_bos_token_id is None and forced is not None:
+        config = replace(config, forced_bos_token_id=forced)
     return config
 
 
@@ -362,23 +427,30 @@ def _pad_id(config: GenerationConfig) -> int:
     return config.end_ids[0] if config.end_ids else 0
 
 
-def _prompt_history(stepper: TokenStepper, ids: np.ndarray, mask: np.ndarray) -> np.ndarray:
+def _prompt_history(
+    stepper: TokenStepper, ids: np.ndarray, mask: np.ndarray, decoder_ids: np.ndarray | None = None
+) -> np.ndarray:
     """What each row's history starts with: its real prompt tokens (-1 where padded), or for an encoder-decoder
-    its decoder start id (the prompt went to the encoder)."""
+    its decoder prompt, by default its decoder start id (the prompt went to the encoder)."""
+    if decoder_ids is not None:
+        return decoder_ids
     start = getattr(stepper, "decoder_start_token_id", None)
     if start is not None:
         return np.full((len(ids), 1), start, np.int64)
     return np.where(mask != 0, ids, -1)
 
 
-def _sample(stepper: TokenStepper, ids: np.ndarray, mask: np.ndarray, config: GenerationConfig) -> Iterator[StepTokens]:
+def _sample(
+    stepper: TokenStepper, ids: np.ndarray, mask: np.ndarray, config: GenerationConfig,
+    decoder_ids: np.ndarray | None = None,
+) -> Iterator[StepTokens]:
     """Greedy or sampled tokens, one ``StepTokens`` per step; a row leaves the stepper when it is finished."""
     processors, criteria = config.logits_processors(), config.stopping_criteria()
     rng = np.random.default_rng(config.seed)
-    history = _prompt_history(stepper, ids, mask)
+    history = _prompt_history(stepper, ids, mask, decoder_ids)
     prompts = np.arange(len(ids))  # the prompt each current row generates for
     _reserve(stepper, ids, config, len(ids))
-    logits = stepper.prefill(ids, mask)
+    logits = _prefill(stepper, ids, mask, decoder_ids)
     generated = 0
     while True:
         scores = processors(TokenHistory(history, generated), logits.astype(np.float32, copy=False))
@@ -394,6 +466,13 @@ def _sample(stepper: TokenStepper, ids: np.ndarray, mask: np.ndarray, config: Ge
             stepper.keep(staying)  # the finished rows' caches are freed here
             prompts, history, next_ids = prompts[staying], history[staying], next_ids[staying]
         logits = stepper.step(next_ids)
+
+
+def _prefill(stepper: TokenStepper, ids: np.ndarray, mask: np.ndarray, decoder_ids: np.ndarray | None) -> np.ndarray:
+    """The prompts' first logits; an encoder-decoder's decoder from ``decoder_ids`` where given."""
+    if decoder_ids is None:
+        return stepper.prefill(ids, mask)
+    return stepper.prefill(ids, mask, decoder_input_ids=decoder_ids)
 
 
 def _reserve(stepper: TokenStepper, ids: np.ndarray, config: GenerationConfig, rows: int) -> None:
@@ -414,11 +493,12 @@ def draw_tokens(scores: np.ndarray, rng: np.random.Generator) -> np.ndarray:
 
 
 def _beam_search(
-    stepper: TokenStepper, ids: np.ndarray, mask: np.ndarray, config: GenerationConfig
+    stepper: TokenStepper, ids: np.ndarray, mask: np.ndarray, config: GenerationConfig,
+    decoder_ids: np.ndarray | None = None,
 ) -> GenerationOutput:
     processors = config.logits_processors()
     scorer = BeamSearchScorer(
-        _prompt_history(stepper, ids, mask),
+        _prompt_history(stepper, ids, mask, decoder_ids),
         config.num_beams,
         config.stopping_criteria(),
         config.max_new_tokens,
@@ -427,7 +507,7 @@ def _beam_search(
         config.early_stopping,
     )
     _reserve(stepper, ids, config, len(ids) * config.num_beams)
-    logits = stepper.prefill(ids, mask)
+    logits = _prefill(stepper, ids, mask, decoder_ids)
     stepper.keep(scorer.rows)  # each prompt's row repeated once per beam
     logits = logits[scorer.rows]
     while True:

@@ -323,11 +323,14 @@ class KVCacheStepper:
 
     # --- the TokenStepper protocol -------------------------------------------------------------
 
-    def prefill(self, input_ids: np.ndarray, attention_mask: np.ndarray, every_position: bool = False) -> np.ndarray:
+    def prefill(self, input_ids: np.ndarray, attention_mask: np.ndarray, every_position: bool = False,
+                decoder_input_ids: np.ndarray | None = None) -> np.ndarray:
         """The prompts' cache; returns each row's last real token's logits [rows, vocab], or with ``every_position``
         the logits at every column the call fed [rows, seq, vocab] (what a prompt's own log probabilities need; the
         file computes them anyway): a padded prompt's padding columns hold no meaning (a ragged prefill moves each
-        row's tokens to the front first), and an encoder-decoder's one column is its start token's."""
+        row's tokens to the front first), and an encoder-decoder's one column is its start token's.
+        ``decoder_input_ids`` int64 [rows, length] (an encoder-decoder's): the decoder starts from these instead
+        of the start id alone (its decoder prompt, start id included), unpadded."""
         input_ids = np.asarray(input_ids, np.int64)
         attention_mask = np.asarray(attention_mask, np.int64)
         if input_ids.ndim != 2 or attention_mask.shape != input_ids.shape:
@@ -345,9 +348,17 @@ class KVCacheStepper:
         if self.ragged:
             return self._prefill_ragged(input_ids, attention_mask, every_position)
         self._reset(len(input_ids))
+        if decoder_input_ids is not None and self.encoder is None:
+            raise InputError("decoder_input_ids are an encoder-decoder's decoder prompt: this model has no encoder")
         if self.encoder is not None:
             self.encoder_feeds = self._encode(input_ids, attention_mask)
-            input_ids = np.full((len(input_ids), 1), self.decoder_start_token_id, np.int64)
+            rows = len(input_ids)
+            if decoder_input_ids is None:
+                input_ids = np.full((rows, 1), self.decoder_start_token_id, np.int64)
+            else:
+                input_ids = np.asarray(decoder_input_ids, np.int64)
+                if input_ids.ndim != 2 or len(input_ids) != rows or input_ids.shape[1] == 0:
+                    raise InputError(f"decoder_input_ids must be [rows={rows}, length >= 1], got {input_ids.shape}")
             attention_mask = np.ones_like(input_ids)
         return self._call(input_ids, attention_mask, first=True, every_position=every_position)
 

@@ -222,6 +222,25 @@ class MinNewTokensLengthLogitsProcessor(LogitsProcessor):
         return scores
 
 
+class ForcedBOSTokenLogitsProcessor(LogitsProcessor):
+    """An encoder-decoder's first generated token forced (M2M100's and MBart-50's target language id): on a row
+    whose history is its decoder start id alone, every score but ``token_id``'s is filtered and that one is 0, as
+    transformers' processor of this name does; a row that began from a longer decoder prompt is left alone."""
+
+    def __init__(self, token_id: int):
+        (self.token_id,) = token_ids(token_id)
+
+    def __call__(self, history: TokenHistory, scores: np.ndarray) -> np.ndarray:
+        if history.tokens.shape[1] != 1:
+            return scores
+        if self.token_id >= scores.shape[-1]:
+            raise OptionError(f"forced_bos_token_id {self.token_id} is past the model's vocabulary of "
+                              f"{scores.shape[-1]} ids")
+        forced = np.full_like(scores, FILTERED)
+        forced[:, self.token_id] = 0.0
+        return forced
+
+
 def token_ids(ids: int | Iterable[int] | None) -> tuple[int, ...]:
     """``ids`` as a tuple of distinct non-negative ints, in the order given (None: none)."""
     if ids is None:
