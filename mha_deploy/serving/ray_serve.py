@@ -2,9 +2,9 @@
 
 Each replica builds, from one ``ServeConfig``, the Starlette app the single-process server runs
 (``http.server``): a generator's (OpenAI's routes, Triton's generate extension, continuous batching inside the
-replica) or the plain Open Inference Protocol server's (``/v2``, ``/v1/infer``). Ray Serve runs the app's lifespan
-in the replica, so the model loads there; the replica reports itself started only once the model is loaded and
-warm, and not at all when it cannot load (the deployment then fails with the load error). Ray Serve's proxy takes
+replica) or the plain Open Inference Protocol server's (``/v2``, ``/v1/infer``, ``/v1/embeddings``). The replica
+starts the app (its lifespan: the model loads there) before it reports itself started, so that it takes requests
+only once the model is loaded and warm, and fails with the load error when it cannot load. Ray Serve's proxy takes
 the HTTP connections, picks a replica per request and streams the replica's ASGI messages back, server-sent events
 included. Routes, bodies and errors are the app's own; the proxy adds an ``X-Request-ID`` header.
 
@@ -127,13 +127,14 @@ def _absolute(config: ServeConfig) -> ServeConfig:
     """Every path in ``config`` made absolute: replicas run in other working directories (and on other nodes, where
     the same path must hold the same file)."""
 
-    def resolve(path):
-        return str(Path(path).resolve()) if path is not None else None
+    def resolve(path):  # symbolic links kept: the file's name is the model's
+        return os.path.abspath(path) if path is not None else None
 
     options = config.generation
     return replace(
-        config, model=resolve(config.model), optimized_model_path=resolve(config.optimized_model_path),
-        api_key_file=resolve(config.api_key_file), ssl_certfile=None, ssl_keyfile=None,
+        config, name=config.model_name, model=resolve(config.model),
+        optimized_model_path=resolve(config.optimized_model_path), api_key_file=resolve(config.api_key_file),
+        ssl_certfile=None, ssl_keyfile=None,
         generation=replace(options, tokenizer=resolve(options.tokenizer),
                            chat_template=resolve(options.chat_template), encoder=resolve(options.encoder)),
     )
