@@ -2,12 +2,13 @@
 
 Prompts are read from JSONL (``{"id": ..., "input_ids": [...]}``, or ``{"id": ..., "prompt": "..."}`` with a
 Hugging Face ``tokenizers`` tokenizer), npz (``<id>`` -> int ids [seq]) or Parquet (columns ``id`` and
-``input_ids`` or ``prompt``). Each window of ``bucket_window`` prompts is cut into batches by the one
-planner (``batch.planner``), sorted by length, within ``batch_size`` rows and ``max_batch_tokens`` cache
-positions (rows x (longest prompt + max_new_tokens): what the batch's KV cache may grow to); each batch is
-one call of the torch-free loop (``runtime.generation.generate``) over a ``TokenStepper``. Outputs are JSONL
-lines ``{"id": ..., "output_ids": [...], "text": ...}`` (the new tokens only; ``text`` with a tokenizer), in
-input order, one output file per input shard (``<stem>.jsonl``). Shards are run, locked, recorded and
+``input_ids`` or ``prompt``); an encoder-decoder's JSONL line or Parquet row may add ``"decoder_prompt"`` (the ids
+its decoder starts from: Whisper's task tokens, a target language id). Each window of ``bucket_window`` prompts is
+cut into batches by the one planner (``batch.planner``), sorted by length, within ``batch_size`` rows and
+``max_batch_tokens`` cache positions (rows x (longest prompt + max_new_tokens): what the batch's KV cache may grow
+to); each batch is one call of the torch-free loop (``runtime.generation.generate``) over a ``TokenStepper``.
+Outputs are JSONL lines ``{"id": ..., "output_ids": [...], "text": ...}`` (the new tokens only; ``text`` with a
+tokenizer), in input order, one output file per input shard (``<stem>.jsonl``). Shards are run, locked, recorded and
 resumed by ``batch.job`` (``DatasetJob``, ``run_shards``): a killed run's rerun skips the finished shards and
 redoes the others from their start, so its outputs are byte for byte those of an uninterrupted run (sampling
 included: batch ``b`` of a shard samples with ``seed + b`` (modulo 2**64), and the plan depends only on the
@@ -75,11 +76,13 @@ PROMPT_MASKS = tuple(PADDED_PROMPTS.padding_masks)
 
 @dataclass(frozen=True)
 class Prompt:
-    """One prompt as read: its id as the input gave it, its token ids int64 [seq], or why it cannot run."""
+    """One prompt as read: its id as the input gave it, its token ids int64 [seq], or why it cannot run; an
+    encoder-decoder's ``decoder_prompt`` int64 [length] where the item gave one (JSONL ``"decoder_prompt"``)."""
 
     id: object
     input_ids: np.ndarray | None
     problem: str | None = None
+    decoder_prompt: np.ndarray | None = None
 
     @property
     def label(self) -> str:
@@ -163,7 +166,7 @@ def _parquet_prompts(path: Path, tokenizer: PromptTokenizer | None) -> Iterator[
     refuse_padding_masks(path, names, PROMPT_MASKS, "column")
     if "id" not in names or not {"input_ids", "prompt"} & set(names):
         raise InputError(f"{path}: needs columns id and input_ids (list of int) or prompt (string), has {names}")
-    columns = ["id", *(name for name in ("input_ids", "prompt") if name in names)]
+    columns = ["id", *(name for name in ("input_ids", "prompt", "decoder_prompt") if name in names)]
     batches = file.iter_batches(batch_size=1024, columns=columns)
     row = 0
     while True:
@@ -192,11 +195,25 @@ def _record_prompt(record: dict, tokenizer: PromptTokenizer | None) -> Prompt:
             return Prompt(item_id, None, f"{label}: \"prompt\" must be text")
         if tokenizer is None:
             return Prompt(item_id, None, f"{label}: a text prompt needs --tokenizer tokenizer.json to become ids")
-        return Prompt(item_id, tokenizer.encode(record["prompt"]))
+        return _with_decoder_prompt(Prompt(item_id, tokenizer.encode(record["prompt"])), record)
     ids = record["input_ids"]
-    if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+    if not _id_list(ids):
         return Prompt(item_id, None, f"{label}: \"input_ids\" must be a list of integer token ids")
-    return Prompt(item_id, np.asarray(ids, np.int64))
+    return _with_decoder_prompt(Prompt(item_id, np.asarray(ids, np.int64)), record)
+
+
+def _id_list(ids) -> bool:
+    return isinstance(ids, list) and all(isinstance(i, int) and not isinstance(i, bool) for i in ids)
+
+
+def _with_decoder_prompt(prompt: Prompt, record: dict) -> Prompt:
+    """``prompt`` with the record's ``"decoder_prompt"`` (an encoder-decoder's decoder's first ids), if it has one."""
+    if "decoder_prompt" not in record:
+        return prompt
+    ids = record["decoder_prompt"]
+    if not _id_list(ids):
+        return Prompt(prompt.id, None, f"{prompt.label}: \"decoder_prompt\" must be a list of integer token ids")
+    return replace(prompt, decoder_prompt=np.asarray(ids, np.int64))
 
 
 def _array_prompt(key: str, ids: np.ndarray) -> Prompt:
@@ -244,6 +261,28 @@ class PromptLimits:
     # An encoder-decoder's decoder: the longest target it takes (the start token and every new token but the last
     # are fed to it); None: not known.
     target_max_length: int | None = None
+    # An encoder-decoder's decoder's vocabulary (its logits' width), which a decoder prompt's ids must be below;
+    # None: not known, or a decoder-only model (which takes no decoder prompt).
+    target_vocab: int | None = None
+    encoder_decoder: bool = False
+
+    def _decoder_prompt_problem(self, prompt: Prompt, max_new_tokens: int) -> str | None:
+        """What is wrong with an item's decoder prompt, or with the target it and the new tokens make."""
+        given = prompt.decoder_prompt
+        if given is not None and not self.encoder_decoder:
+            return (f"{prompt.label}: \"decoder_prompt\" is an encoder-decoder's; this model is decoder-only (put "
+                    "the ids in its prompt)")
+        given = given if given is not None else np.zeros(0, np.int64)
+        bad = given[(given < 0) | (given >= self.target_vocab)] if self.target_vocab is not None else given[given < 0]
+        if bad.size:
+            allowed = f"0 to {self.target_vocab - 1}" if self.target_vocab is not None else "non-negative"
+            return f"{prompt.label}: decoder_prompt token id {int(bad[0])} is past the decoder's vocabulary ({allowed})"
+        # Fed to the decoder: the start id, the rest of its prompt and every new token but the last.
+        fed = max(len(given), 1) + max_new_tokens - 1
+        if self.target_max_length is not None and fed > self.target_max_length:
+            return (f"{prompt.label}: the decoder takes at most {self.target_max_length} target tokens (its recorded "
+                    f"max length), fewer than its decoder prompt and --max-new-tokens {max_new_tokens} need; lower it")
+        return None
 
     def problem(self, prompt: Prompt, max_new_tokens: int) -> str | None:
         if prompt.problem is not None:
@@ -256,9 +295,8 @@ class PromptLimits:
             allowed = f"0 to {self.vocab - 1}" if self.vocab is not None else "non-negative"
             return (f"{prompt.label}: token id {int(bad[0])} is past the model's vocabulary ({allowed}); was it "
                     "tokenized for another model?")
-        if self.target_max_length is not None and max_new_tokens > self.target_max_length:
-            return (f"{prompt.label}: the decoder takes at most {self.target_max_length} target tokens (its recorded "
-                    f"max length), fewer than --max-new-tokens {max_new_tokens} needs; lower it")
+        if (problem := self._decoder_prompt_problem(prompt, max_new_tokens)) is not None:
+            return problem
         if self.max_length is None:
             return None
         if self.with_new_tokens and ids.size + max_new_tokens > self.max_length:
@@ -304,7 +342,8 @@ def prompt_limits(stepper, max_length: int | None = None) -> PromptLimits:
     source = vocabulary(onnx.load(str(path), load_external_data=False), "input_ids") if path.is_file() else None
     pair = getattr(stepper.graph, "pair", None)  # export --kv-cache's decoder records the module's max length
     target = pair.max_length if pair is not None else None
-    return PromptLimits(source, with_new_tokens=False, target_max_length=target, **length)
+    return PromptLimits(source, with_new_tokens=False, target_max_length=target, target_vocab=vocab_size(stepper),
+                        encoder_decoder=True, **length)
 
 
 class PromptGenerator:
@@ -383,8 +422,9 @@ class PromptGenerator:
             if config.seed is not None:
                 config = replace(config, seed=offset_seed(config.seed, number))
             t0 = time.perf_counter()
+            prompts = [window[i].decoder_prompt for i in indices]
             output = generate(self.stepper, *self._prompt_batch([window[i].input_ids for i in indices]),
-                              config=config)
+                              config=config, decoder_prompts=prompts if any(p is not None for p in prompts) else None)
             stats.batch_ms.append((time.perf_counter() - t0) * 1e3)
             new_tokens = sum(len(tokens) for tokens in output.tokens)
             for index, tokens in zip(indices, output.tokens, strict=True):

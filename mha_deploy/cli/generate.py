@@ -41,6 +41,10 @@ from mha_deploy.seeds import SEED_LIMIT
 @click.option("--start-id", type=click.IntRange(min=0),
               help="The decoder start id of an encoder-decoder (with --encoder); default: the one its decoder file "
                    "recorded at export.")
+@click.option("--forced-bos-id", type=click.IntRange(min=0),
+              help="An encoder-decoder's first generated token, forced (M2M100's and MBart-50's target language "
+                   "id) for every prompt without a \"decoder_prompt\"; default: the one recorded at export from the "
+                   "folder's generation config (forced_bos_token_id), if any.")
 @click.option("--do-sample", is_flag=True, help="Sample (with --temperature, --top-k, --top-p); default greedy.")
 @click.option("--temperature", type=click.FloatRange(min=0, min_open=True), default=1.0, show_default=True)
 @click.option("--top-k", type=click.IntRange(min=1), help="Sample among the k likeliest tokens only.")
@@ -86,9 +90,10 @@ from mha_deploy.seeds import SEED_LIMIT
 @click.option("--progress/--no-progress", default=True, show_default=True, help="Progress bar on stderr.")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON on stdout.")
 def generate(model, input_path, output_path, tokenizer, encoder, max_new_tokens, min_new_tokens, eos_ids, start_id,
-             do_sample, temperature, top_k, top_p, repetition_penalty, presence_penalty, frequency_penalty, num_beams,
-             length_penalty, seed, max_length, batch_size, max_batch_tokens, pad_prompts, bucket_window, on_error,
-             overwrite, engine, ray_address, concurrency, num_gpus, provider, threads, progress, as_json):
+             forced_bos_id, do_sample, temperature, top_k, top_p, repetition_penalty, presence_penalty,
+             frequency_penalty, num_beams, length_penalty, seed, max_length, batch_size, max_batch_tokens,
+             pad_prompts, bucket_window, on_error, overwrite, engine, ray_address, concurrency, num_gpus, provider,
+             threads, progress, as_json):
     """Generate new tokens for every prompt of a dataset with a KV-cache decoder (export --module ... --kv-cache,
     or any decoder in Optimum's cache naming), greedy unless told to sample or search beams.
 
@@ -104,6 +109,10 @@ def generate(model, input_path, output_path, tokenizer, encoder, max_new_tokens,
       mha-deploy generate lm.onnx --input prompts.jsonl --output out.jsonl --provider cuda
       mha-deploy generate decoder.onnx --encoder encoder.onnx --start-id 0 --input src.jsonl --output out.jsonl
       mha-deploy generate mt.onnx --input src.jsonl --output out.jsonl   # export --kv-cache's pair: mt.encoder.onnx
+      mha-deploy generate m2m.onnx --input src.jsonl --output out.jsonl --forced-bos-id 128022
+
+    An encoder-decoder's JSONL line may carry its decoder's prompt: {"id": ..., "input_ids": [...],
+    "decoder_prompt": [ids]} (the start id put in front where missing); its output ids follow that prompt.
       mha-deploy generate lm.onnx --input prompts/ --output out/ --engine ray --concurrency 4
     """
     from mha_deploy.batch.generation import (
@@ -130,6 +139,9 @@ def generate(model, input_path, output_path, tokenizer, encoder, max_new_tokens,
     if (encoder is None) != (start_id is None):
         raise click.UsageError("an encoder-decoder needs --encoder and --start-id (or a start id recorded in its "
                                "decoder at export); a decoder-only model neither")
+    if forced_bos_id is not None and encoder is None:
+        raise click.UsageError("--forced-bos-id forces an encoder-decoder's first generated token: this model is "
+                               "decoder-only (its prompt says what comes first)")
     if num_beams > 1 and do_sample:
         raise click.UsageError("--num-beams searches beams and samples nothing: give it or --do-sample, not both")
     if num_beams > 1 and (presence_penalty or frequency_penalty):
@@ -140,6 +152,7 @@ def generate(model, input_path, output_path, tokenizer, encoder, max_new_tokens,
         top_k=top_k, top_p=top_p, repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
         frequency_penalty=frequency_penalty, num_beams=num_beams,
         length_penalty=length_penalty, eos_token_id=list(eos_ids) or None, seed=seed,
+        forced_bos_token_id=forced_bos_id,
     )
     options = RunnerOptions(batch_size, max_batch_tokens, bucket_window, on_error)
     # On Ray the driver's stepper only checks the files and resolves the settings; the actors generate, on --provider.
@@ -151,6 +164,9 @@ def generate(model, input_path, output_path, tokenizer, encoder, max_new_tokens,
     config = with_recorded_ids(config, stepper)
     if config.eos_token_id is not None and not eos_ids:
         click.echo(f"eos ids {', '.join(map(str, config.end_ids))} (recorded in {model.name})", err=True)
+    if config.forced_bos_token_id is not None and forced_bos_id is None:
+        click.echo(f"forced first token {config.forced_bos_token_id} (recorded in {model.name}; --forced-bos-id to "
+                   "force another)", err=True)
     generator = PromptGenerator(
         stepper, config, options, limits=prompt_limits(stepper, max_length),
         tokenizer=PromptTokenizer(tokenizer) if tokenizer is not None else None,
