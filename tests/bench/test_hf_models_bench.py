@@ -2,7 +2,9 @@
 
 The structure only (rows, ratios against the targets, what ORT's optimizer fused, errors against torch);
 timings are never asserted. Which exports succeed depends on what the exporter handles: a row that fails
-must say why, and the run must go on.
+must say why, and the run must go on. DistilBERT (an encoder, right-padded) and GPT-2 (a decoder, left-padded)
+stand for the script's paths; BART, the third model of a real run, exports as the others do (its export and fusion
+are tested in tests/exporters) and would double this test's time.
 """
 
 from __future__ import annotations
@@ -22,11 +24,12 @@ SHAPES = [(2, 8), (1, 12)]
 
 
 @pytest.mark.slow
-def test_tiny_run_reports_every_row_of_every_model(tmp_path):
+def test_tiny_run_reports_every_row_of_each_model(tmp_path):
     figures_path = tmp_path / "figures.json"
     command = [
         sys.executable, str(ROOT / "benchmarks" / "hf_models.py"), "--quick", "--threads", "1",
-        "--layers", "1", "--d-model", "32", "--heads", "4", "--ffn", "64", "--vocab", "96", "--max-positions", "64",
+        "--models", "distilbert,gpt2", "--layers", "1", "--d-model", "32", "--heads", "4", "--ffn", "64",
+        "--vocab", "96", "--max-positions", "64",
         "--shapes", "2x8,1x12", "--budget-s", "0.01", "--json", str(figures_path),
     ]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
@@ -36,9 +39,9 @@ def test_tiny_run_reports_every_row_of_every_model(tmp_path):
     figures = json.loads(figures_path.read_text())
     assert figures["sizes"] == {"layers": 1, "d_model": 32, "heads": 4, "ffn": 64, "vocab": 96, "max_positions": 64}
     assert figures["threads"] == 1 and figures["gemm_gflops"] > 0
-    assert list(figures["models"]) == ["distilbert", "gpt2", "bart"]
+    assert list(figures["models"]) == ["distilbert", "gpt2"]
     sides = {name: model["padding_side"] for name, model in figures["models"].items()}
-    assert sides == {"distilbert": "right", "gpt2": "left", "bart": "right"}
+    assert sides == {"distilbert": "right", "gpt2": "left"}
     for name, model in figures["models"].items():
         assert "error" not in model, f"{name}: {model.get('error')}"  # the test models' inputs declare
         assert list(model["exports"]) == ORT_ROWS
