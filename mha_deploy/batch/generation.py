@@ -51,7 +51,9 @@ from mha_deploy.runtime.generation import (
 from mha_deploy.seeds import offset_seed
 from mha_deploy.signature import PADDING_MASK, TOKENS, Signature, TensorSpec
 
-PROMPT_SUFFIXES = (".jsonl", ".npz", ".parquet")
+PROMPT_SUFFIXES = (".jsonl", ".npz", ".safetensors", ".parquet")
+# The arrays formats: an item per key, token ids [seq] or an encoder's features (Whisper's [mel, frames]).
+ARRAY_SUFFIXES = (".npz", ".safetensors")
 OUTPUT_SUFFIX = ".jsonl"
 
 
@@ -117,7 +119,7 @@ def read_prompts(path: Path, tokenizer: PromptTokenizer | None = None) -> Iterat
     line."""
     if path.suffix == ".jsonl":
         return _jsonl_prompts(path, tokenizer)
-    if path.suffix == ".npz":
+    if path.suffix in ARRAY_SUFFIXES:
         arrays = read_arrays(path)
         refuse_padding_masks(path, arrays, PROMPT_MASKS, "key")
         return (_array_prompt(key, ids) for key, ids in arrays.items())
@@ -129,6 +131,10 @@ def count_prompts(path: Path) -> int:
     shard holding a padding mask is refused here, as ``read_prompts`` refuses it."""
     if path.suffix == ".jsonl":
         return sum(1 for _ in jsonl_records(path, PROMPT_MASKS))
+    if path.suffix == ".safetensors":
+        names = list(read_arrays(path))
+        refuse_padding_masks(path, names, PROMPT_MASKS, "key")
+        return len(names)
     try:
         if path.suffix == ".npz":
             with zipfile.ZipFile(path) as archive:
@@ -217,8 +223,11 @@ def _with_decoder_prompt(prompt: Prompt, record: dict) -> Prompt:
 
 
 def _array_prompt(key: str, ids: np.ndarray) -> Prompt:
+    if ids.ndim >= 2 and ids.dtype.kind == "f":  # an encoder's features: checked against its sizes (PromptLimits)
+        return Prompt(key, ids)
     if ids.ndim != 1 or (ids.size and ids.dtype.kind not in "iu"):
-        return Prompt(key, None, f"prompt {key!r}: must be integer token ids [seq], got {ids.dtype} {ids.shape}")
+        return Prompt(key, None, f"prompt {key!r}: must be integer token ids [seq] (or an encoder's float features), "
+                                 f"got {ids.dtype} {ids.shape}")
     return Prompt(key, ids.astype(np.int64))
 
 
@@ -265,6 +274,25 @@ class PromptLimits:
     # None: not known, or a decoder-only model (which takes no decoder prompt).
     target_vocab: int | None = None
     encoder_decoder: bool = False
+    # An encoder that takes features (Whisper's input_features): each item's must be of its sizes, float.
+    features: TensorSpec | None = None
+
+    def _features_problem(self, prompt: Prompt, max_new_tokens: int, is_features: bool) -> str | None:
+        """An item for an encoder of features: float, of the sizes it takes (the one validator's check)."""
+        from mha_deploy.runtime.validation import fixed_shape_problem
+
+        if self.features is None:
+            return (f"{prompt.label}: float features {prompt.input_ids.shape}, but this model's encoder takes token "
+                    "ids [seq]")
+        if not is_features:
+            return (f"{prompt.label}: token ids, but this model's encoder takes {self.features.name} features "
+                    f"{list(self.features.axes[1:])} (float)")
+        problem = fixed_shape_problem(self.features, prompt.input_ids.shape)
+        if problem is not None:
+            return f"{prompt.label}: {problem.message}"
+        if not np.isfinite(prompt.input_ids).all():
+            return f"{prompt.label}: {self.features.name} contains NaN or Inf"
+        return self._decoder_prompt_problem(prompt, max_new_tokens)
 
     def _decoder_prompt_problem(self, prompt: Prompt, max_new_tokens: int) -> str | None:
         """What is wrong with an item's decoder prompt, or with the target it and the new tokens make."""
@@ -287,6 +315,9 @@ class PromptLimits:
     def problem(self, prompt: Prompt, max_new_tokens: int) -> str | None:
         if prompt.problem is not None:
             return prompt.problem
+        is_features = prompt.input_ids.dtype.kind == "f"
+        if self.features is not None or is_features:
+            return self._features_problem(prompt, max_new_tokens, is_features)
         ids = prompt.input_ids
         if ids.size == 0:
             return f"{prompt.label}: is empty; give at least one token"
@@ -326,6 +357,10 @@ def prompt_limits(stepper, max_length: int | None = None) -> PromptLimits:
     sequence is ``max_length`` when given, else what the (encoder's) file records (``export --max-length``)."""
     encoder = getattr(stepper, "encoder", None)
     graph = stepper.graph if encoder is None else encoder
+    if (features := getattr(stepper, "source_features", None)) is not None:
+        pair = getattr(stepper.graph, "pair", None)
+        return PromptLimits(with_new_tokens=False, target_max_length=pair.max_length if pair is not None else None,
+                            target_vocab=vocab_size(stepper), encoder_decoder=True, features=features)
     recorded = getattr(getattr(graph.session, "metadata", None), "max_length", None)
     if recorded is None and getattr(graph, "pair", None) is not None:  # export --kv-cache's encoder-decoder pair
         recorded = graph.pair.max_length
@@ -406,7 +441,9 @@ class PromptGenerator:
         # The planner counts an item's length on its arrays: a view as long as the prompt and its new tokens,
         # the cache positions its row may take, bounds the batch's cache with max_batch_tokens.
         new = self.config.max_new_tokens
-        items = [{"input_ids": np.broadcast_to(np.int64(0), (p.input_ids.size + new,))} for p in window]
+        # An encoder's features fill no cache position: the decoder's prompt and new tokens do.
+        features = self.limits.features is not None
+        items = [{"input_ids": np.broadcast_to(np.int64(0), (_length(p, features) + new,))} for p in window]
         limits = BatchLimits(self.options.batch_size, self.options.max_batch_tokens)
         signature = PADDED_PROMPTS if self.pad_prompts else EQUAL_PROMPTS
         return plan_batches(items, signature, limits, sort=self.options.bucket_window > 0)
@@ -436,10 +473,12 @@ class PromptGenerator:
                 on_batch(len(indices), new_tokens)
         return list(zip(window, results, strict=True)), number + 1
 
-    def _prompt_batch(self, prompts: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    def _prompt_batch(self, prompts: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray | None]:
         """(ids, mask) [rows, longest]: an encoder's source padded on the right (where every position source of an
         encoder still counts from its first real token), a decoder's prompts on the left (its next token is then
-        every row's last column)."""
+        every row's last column); an encoder's features stacked, no mask."""
+        if self.limits.features is not None:
+            return np.stack(prompts), None
         ids, mask = prompt_batch(prompts)  # left-padded
         if getattr(self.stepper, "decoder_start_token_id", None) is not None:
             for row, prompt in enumerate(prompts):
@@ -452,6 +491,13 @@ class PromptGenerator:
         if self.tokenizer is not None:
             record["text"] = self.tokenizer.decode(tokens)
         return json.dumps(record, ensure_ascii=False) + "\n"
+
+
+def _length(prompt: Prompt, features: bool) -> int:
+    """The cache positions a prompt takes before its new tokens: its ids, or with features its decoder prompt."""
+    if features:
+        return len(prompt.decoder_prompt) if prompt.decoder_prompt is not None else 1
+    return prompt.input_ids.size
 
 
 def run_prompt_shard(generator: PromptGenerator, shard: Shard, on_batch: BatchCallback | None = None) -> RunStats:

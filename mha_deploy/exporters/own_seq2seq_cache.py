@@ -73,7 +73,7 @@ from mha_deploy.metadata import (
     ParityReport,
     WeightOnlyRecord,
 )
-from mha_deploy.signature import PADDING_MASK, TOKENS, Signature, TensorSpec
+from mha_deploy.signature import FIXED_SHAPE_ROLES, PADDING_MASK, TOKENS, Signature, TensorSpec
 
 ENCODER_MASK = "encoder_attention_mask"
 _SOURCE_PROBE = 5  # the source length of the narrowing's probe runs: apart from its two target lengths (11, 13)
@@ -81,13 +81,23 @@ _SOURCE_PROBE = 5  # the source length of the narrowing's probe runs: apart from
 
 @dataclass(frozen=True)
 class Seq2SeqTensors:
-    """The declared source ids and mask, target ids and mask, and the per-target-token logits."""
+    """The declared source ids and mask, target ids and mask, and the per-target-token logits. A source of features
+    (Whisper's ``input_features``, the audio role: [batch, mel, frames], every item the same size) has no mask."""
 
     source: TensorSpec
-    source_mask: TensorSpec
+    source_mask: TensorSpec | None
     target: TensorSpec
     target_mask: TensorSpec
     logits: TensorSpec
+
+    @property
+    def features(self) -> bool:
+        """Whether the source is features of a fixed size (no length axis, no mask) rather than token ids."""
+        return self.source.role in FIXED_SHAPE_ROLES
+
+    @property
+    def source_inputs(self) -> tuple[str, ...]:
+        return (self.source.name,) + ((self.source_mask.name,) if self.source_mask is not None else ())
 
 
 def seq2seq_tensors(signature: Signature) -> Seq2SeqTensors | None:
@@ -97,6 +107,9 @@ def seq2seq_tensors(signature: Signature) -> Seq2SeqTensors | None:
     inputs = signature.custom_inputs
     tokens = [spec for spec in inputs if spec.role == TOKENS]
     masks = {spec.marks: spec for spec in inputs if spec.role == PADDING_MASK}
+    features = [spec for spec in inputs if spec.role in FIXED_SHAPE_ROLES]
+    if len(tokens) == 1 and len(features) == 1 and len(inputs) == 3 and set(masks) == {tokens[0].name}:
+        return _features_seq2seq(signature, features[0], tokens[0], masks[tokens[0].name])
     if len(tokens) != 2 or len(inputs) != 4 or set(masks) != {spec.name for spec in tokens}:
         return None
     by_axis = {spec.axes[1]: spec for spec in tokens}
@@ -115,6 +128,20 @@ def seq2seq_tensors(signature: Signature) -> Seq2SeqTensors | None:
     outputs = logits
     source = next(spec for spec in tokens if spec is not target)
     return Seq2SeqTensors(source, masks[source.name], target, masks[target.name], outputs[0])
+
+
+def _features_seq2seq(signature: Signature, source: TensorSpec, target: TensorSpec,
+                      target_mask: TensorSpec) -> Seq2SeqTensors:
+    """An encoder-decoder whose source is features of a fixed size (Whisper): the logits are the output with a row
+    per target token (one named logits where several)."""
+    per_target = [spec for spec in signature.custom_outputs if len(spec.axes) == 3 and spec.axes[1] == target.axes[1]]
+    logits = [spec for spec in per_target if spec.name == LOGITS] or per_target
+    if len(logits) != 1:
+        raise ExportError(
+            "--kv-cache for an encoder-decoder needs one output with a row per target token (its logits, or one "
+            f"named logits), got {', '.join(f'{spec.name} {spec.describe()}' for spec in signature.custom_outputs)}"
+        )
+    return Seq2SeqTensors(source, None, target, target_mask, logits[0])
 
 
 @dataclass(frozen=True)
@@ -181,7 +208,8 @@ def _dependents(graph: onnx.GraphProto, roots: set[str], through_shapes: bool = 
 
 
 def encoder_model(plain: onnx.ModelProto, tensors: Seq2SeqTensors, cut: Cut) -> onnx.ModelProto:
-    """The source-only subgraph: ``input_ids``, ``attention_mask`` (the source's) -> the cross keys/values."""
+    """The source-only subgraph: ``input_ids``, ``attention_mask`` (the source's; features: the one input under its
+    own name) -> the cross keys/values."""
     model = onnx.ModelProto()
     model.CopyFrom(plain)
     graph = model.graph
@@ -199,9 +227,10 @@ def encoder_model(plain: onnx.ModelProto, tensors: Seq2SeqTensors, cut: Cut) -> 
     graph.ClearField("output")
     graph.output.extend(outputs)
     model = _without_dead_nodes(model)
-    kept = [value for value in graph.input if value.name in (tensors.source.name, tensors.source_mask.name)]
+    kept = [value for value in graph.input if value.name in tensors.source_inputs]
     for value in kept:
-        name = INPUT_IDS if value.name == tensors.source.name else ATTENTION_MASK
+        # Token ids and their mask under Optimum's encoder names; features keep the model's name (input_features).
+        name = (value.name if tensors.features else INPUT_IDS) if value.name == tensors.source.name else ATTENTION_MASK
         _rename(model.graph, value.name, name)
     model.graph.ClearField("input")
     model.graph.input.extend(kept)
@@ -230,22 +259,35 @@ def decoder_model(
         scores.input[1], weighted.input[1] = key + ".t", value
         dims = ["batch", layer.heads, "src_seq", layer.head_dim]
         extra_inputs += [helper.make_tensor_value_info(name, float_type, dims) for name in (key, value)]
-    # The source's tokens are read for their shape only now (the check in cut_plain): zeros of the mask's shape.
-    _rename(graph, tensors.source_mask.name, ENCODER_MASK)
     # A private name: the source's own (input_ids, in Hugging Face's models) is the decoder's target now.
     source = CACHE_PREFIX + "source_ids"
     _rename(graph, tensors.source.name, source)
-    nodes += [
-        helper.make_node("Shape", [ENCODER_MASK], [source + ".shape"]),
-        helper.make_node("ConstantOfShape", [source + ".shape"], [source],
-                         value=helper.make_tensor("zero", TensorProto.INT64, [1], [0])),
-    ]
+    if tensors.source_mask is not None:
+        # The source's tokens are read for their shape only now (the check in cut_plain): zeros of the mask's shape.
+        _rename(graph, tensors.source_mask.name, ENCODER_MASK)
+        nodes += [
+            helper.make_node("Shape", [ENCODER_MASK], [source + ".shape"]),
+            helper.make_node("ConstantOfShape", [source + ".shape"], [source],
+                             value=helper.make_tensor("zero", TensorProto.INT64, [1], [0])),
+        ]
+        mask_info = helper.make_tensor_value_info(ENCODER_MASK, types[tensors.source_mask.name], ["batch", "src_seq"])
+        extra_inputs.insert(0, mask_info)
+    else:
+        # Features of a fixed size: whatever the decoder still reads of them (their batch) from zeros of their shape,
+        # the batch the target's.
+        fixed = [int(size) for size in tensors.source.axes[1:]]
+        nodes += [
+            helper.make_node("Shape", [tensors.target.name], [source + ".batch"], start=0, end=1),
+            helper.make_node("Constant", [], [source + ".rest"], value=helper.make_tensor(
+                "rest", TensorProto.INT64, [len(fixed)], fixed)),
+            helper.make_node("Concat", [source + ".batch", source + ".rest"], [source + ".shape"], axis=0),
+            helper.make_node("ConstantOfShape", [source + ".shape"], [source],
+                             value=helper.make_tensor("zero", types[tensors.source.name], [1], [0])),
+        ]
     graph.node.extend(nodes)
     kept = [value for value in graph.input if value.name != source]
     graph.ClearField("input")
     graph.input.extend(kept)
-    mask_info = helper.make_tensor_value_info(ENCODER_MASK, types[tensors.source_mask.name], ["batch", "src_seq"])
-    extra_inputs.insert(0, mask_info)
     graph.input.extend(extra_inputs)  # declared for the sort; attach_own_caches sets the target's interface
 
     lm = Signature.custom((tensors.target, tensors.target_mask), (tensors.logits,))
@@ -263,9 +305,10 @@ def decoder_model(
     attached = _without_dead_nodes(attached)
 
     def feeds(batch: int, past: int, seq: int) -> dict[str, np.ndarray]:
-        result = {INPUT_IDS: np.zeros((batch, seq), np.int64), ATTENTION_MASK: np.ones((batch, past + seq), np.int64),
-                  ENCODER_MASK: np.ones((batch, _SOURCE_PROBE), onnx.helper.tensor_dtype_to_np_dtype(
-                      types[tensors.source_mask.name]))}
+        result = {INPUT_IDS: np.zeros((batch, seq), np.int64), ATTENTION_MASK: np.ones((batch, past + seq), np.int64)}
+        if tensors.source_mask is not None:
+            result[ENCODER_MASK] = np.ones((batch, _SOURCE_PROBE), onnx.helper.tensor_dtype_to_np_dtype(
+                types[tensors.source_mask.name]))
         for value in attached.graph.input:
             if value.name.startswith("past_key_values."):
                 _, heads, _, head_dim = (d.dim_value for d in value.type.tensor_type.shape.dim)
@@ -364,13 +407,17 @@ def check_seq2seq_cache_parity(
     how many came before it. Padding is marked by the mask, never by a real token's id."""
     encoder_session, decoder_session = _session(encoder), _session(decoder)
     dtypes = {port.name: port.type for port in decoder_session.get_inputs()}
-    source_mask_type = np.bool_ if dtypes[ENCODER_MASK] == "tensor(bool)" else np.int64
+    source_mask_type = np.bool_ if dtypes.get(ENCODER_MASK) == "tensor(bool)" else np.int64
     comparisons, failures, labels = [], [], []
     for index, case in enumerate(cases):
         rng = np.random.default_rng(seed + index)
-        source_real = padding_mask(case.batch, case.source_len, case.source_padding, rng)
-        source = rng.integers(0, tensors.source.vocab or 2, (case.batch, case.source_len))
-        source[~source_real] = 0
+        if tensors.features:  # every item of the fixed size, nothing padded: the case's source length is unused
+            source = rng.standard_normal((case.batch, *tensors.source.axes[1:])).astype(np.float32)
+            source_real = None
+        else:
+            source_real = padding_mask(case.batch, case.source_len, case.source_padding, rng)
+            source = rng.integers(0, tensors.source.vocab or 2, (case.batch, case.source_len))
+            source[~source_real] = 0
         total = sum(case.calls)
         target = rng.integers(0, tensors.target.vocab or 2, (case.batch, total))
         if pad_id is not None:  # the next id in its place (id 0 where it is the last)
@@ -379,11 +426,17 @@ def check_seq2seq_cache_parity(
         target_real[:, : case.prompt] = padding_mask(case.batch, case.prompt, case.target_padding, rng)
         target[~target_real] = 0
         labels.append(case.label)
+        sources = {tensors.source.name: source}
+        if tensors.source_mask is not None:
+            sources[tensors.source_mask.name] = source_real
         expected = torch_reference(reference, declared, {
-            tensors.source.name: source, tensors.source_mask.name: source_real,
-            tensors.target.name: target, tensors.target_mask.name: target_real})[tensors.logits.name]
-        source_feeds = {INPUT_IDS: source,
-                        ATTENTION_MASK: source_real.astype(_input_type(encoder_session, ATTENTION_MASK))}
+            **sources, tensors.target.name: target, tensors.target_mask.name: target_real})[tensors.logits.name]
+        if tensors.features:
+            source_feeds, encoder_mask = {tensors.source.name: source}, {}
+        else:
+            source_feeds = {INPUT_IDS: source,
+                            ATTENTION_MASK: source_real.astype(_input_type(encoder_session, ATTENTION_MASK))}
+            encoder_mask = {ENCODER_MASK: source_real.astype(source_mask_type)}
         encoded = dict(zip([o.name for o in encoder_session.get_outputs()], encoder_session.run(None, source_feeds),
                            strict=True))
         past = {}
@@ -397,7 +450,7 @@ def check_seq2seq_cache_parity(
             end = start + length
             result = dict(zip(outputs, decoder_session.run(None, {
                 INPUT_IDS: target[:, start:end], ATTENTION_MASK: target_real[:, :end].astype(np.int64),
-                ENCODER_MASK: source_real.astype(source_mask_type), **past, **cross}), strict=True))
+                **encoder_mask, **past, **cross}), strict=True))
             comparison = compare_arrays(LOGITS, result[LOGITS][target_real[:, start:end]],
                                         expected[:, start:end][target_real[:, start:end]], atol, rtol,
                                         rel_budget, atol_per_row=True)

@@ -243,9 +243,12 @@ def generate(
     ``decoder_prompts`` (an encoder-decoder's): per prompt, the token ids its decoder starts from (Whisper's
     ``<|startoftranscript|><|lang|><|task|><|notimestamps|>``), or None for the decoder start id alone; a prompt
     that does not begin with the start id gets it in front, as transformers' ``decoder_input_ids`` do. The prompt's
-    tokens are not returned: the new tokens follow it. Rows of one decoder prompt length run together."""
+    tokens are not returned: the new tokens follow it. Rows of one decoder prompt length run together.
+
+    An encoder-decoder whose encoder takes features (Whisper: ``stepper.source_features``) takes them as
+    ``input_ids``: float [batch, <the sizes its encoder takes>], no mask (the stepper checks them)."""
     config = _config(config, options, stepper)
-    ids, mask = prompt_batch(input_ids, attention_mask)
+    ids, mask = prompt_batch(input_ids, attention_mask, getattr(stepper, "source_features", None) is not None)
     if decoder_prompts is None:
         return _generate(stepper, ids, mask, config)
     prompts = decoder_prompt_rows(stepper, decoder_prompts, len(ids))
@@ -348,9 +351,17 @@ def stream(
     return _sample(stepper, ids, mask, config)
 
 
-def prompt_batch(input_ids, attention_mask=None) -> tuple[np.ndarray, np.ndarray]:
+def prompt_batch(input_ids, attention_mask=None, features: bool = False) -> tuple[np.ndarray, np.ndarray]:
     """Prompts as (ids int64 [batch, seq], mask int64 [batch, seq]): a list of prompts is padded on the left
-    (pad id 0, masked), an array is taken with its mask (default: every token real)."""
+    (pad id 0, masked), an array is taken with its mask (default: every token real). ``features``: an encoder's
+    features [batch, ...] as given (an array or a list of items of one shape), each item's mask one real column."""
+    if features:
+        if attention_mask is not None:
+            raise InputError("features take no attention_mask: every item is of the size the encoder takes")
+        array = np.asarray(input_ids)
+        if array.ndim < 2 or array.shape[0] == 0:
+            raise InputError(f"features must be [batch, ...] with at least one item, got shape {array.shape}")
+        return array, np.ones((len(array), 1), np.int64)
     if _ragged(input_ids):
         if attention_mask is not None:
             raise InputError("a list of prompts carries its own lengths: give attention_mask only with an array")

@@ -59,6 +59,7 @@ from mha_deploy.errors import InputError, ModelFileError, OptionError
 from mha_deploy.inputs import right_padding_mask
 from mha_deploy.metadata import CACHE_HOLES, CACHE_RAGGED, ENCODER_DECODER_KEY, METADATA_KEY, EncoderDecoderRecord
 from mha_deploy.runtime.cache_layout import SELF_CACHE, read_cache_layout
+from mha_deploy.signature import AUDIO, IMAGE, TensorSpec
 
 CROSS_CACHE = re.compile(r"^past_key_values\.(\d+)\.encoder\.(key|value)$")
 DECODER_INPUTS = frozenset(
@@ -262,6 +263,7 @@ class KVCacheStepper:
             # The cache lives in host buffers that ORT writes in place (run_in_place binds host memory).
             raise OptionError(f"{source}: provider {_provider(self.graph.session)!r}: {RAGGED_OFF_CPU}")
         self.cache_layout = layout
+        self.source_features = _features_input(self.encoder) if self.encoder is not None else None
         # Positions and rows the next allocation holds at least (``reserve``).
         self._reserved = (0, 0)
         self._reset(0)
@@ -331,9 +333,14 @@ class KVCacheStepper:
         row's tokens to the front first), and an encoder-decoder's one column is its start token's.
         ``decoder_input_ids`` int64 [rows, length] (an encoder-decoder's): the decoder starts from these instead
         of the start id alone (its decoder prompt, start id included), unpadded."""
-        input_ids = np.asarray(input_ids, np.int64)
-        attention_mask = np.asarray(attention_mask, np.int64)
-        if input_ids.ndim != 2 or attention_mask.shape != input_ids.shape:
+        if self.source_features is not None:  # the encoder's features, every item of one size: no mask to read
+            features = check_features(self.source_features, input_ids)
+            attention_mask = np.ones((len(features), 1), np.int64)
+            input_ids = features
+        else:
+            input_ids = np.asarray(input_ids, np.int64)
+            attention_mask = np.asarray(attention_mask, np.int64)
+        if self.source_features is None and (input_ids.ndim != 2 or attention_mask.shape != input_ids.shape):
             raise InputError(
                 f"input_ids and attention_mask must both be [batch, seq], got {input_ids.shape} and "
                 f"{attention_mask.shape}"
@@ -595,6 +602,11 @@ class KVCacheStepper:
 
     def _encode(self, input_ids: np.ndarray, attention_mask: np.ndarray) -> dict[str, np.ndarray]:
         ports = self.encoder.inputs
+        if self.source_features is not None:
+            outputs = self.encoder.run({self.source_features.name: input_ids})
+            for name, present in self.cross_caches.items():
+                self.past[name] = outputs[present]
+            return {}
         feeds = {"input_ids": input_ids.astype(ports["input_ids"].dtype)}
         if "attention_mask" in ports:
             feeds["attention_mask"] = attention_mask.astype(ports["attention_mask"].dtype)
@@ -644,6 +656,39 @@ class KVCacheStepper:
         if rows.size:
             for name in self.self_caches:
                 self.past[name][rows, :, columns, :] = 0
+
+
+def _features_input(encoder: _Graph) -> TensorSpec | None:
+    """The encoder's source when it is features of a fixed size (Whisper's ``input_features`` [batch, mel,
+    frames]: one float input, every axis but the batch fixed), as the one validator's spec; None for token ids."""
+    ports = list(encoder.inputs.values())
+    if "input_ids" in encoder.inputs or len(ports) != 1:
+        return None
+    port = ports[0]
+    sizes = tuple(port.shape[1:])
+    if port.dtype.kind != "f" or not sizes or not all(isinstance(size, int) and size > 0 for size in sizes):
+        return None
+    role = AUDIO if len(sizes) == 2 else IMAGE
+    return TensorSpec(port.name, role, port.dtype.name, ("batch", *sizes))
+
+
+def check_features(spec: TensorSpec, value) -> np.ndarray:
+    """A batch of an encoder's features: ``spec``'s float dtype, [batch, <its sizes>], finite; ``InputError`` naming
+    what is wrong otherwise (the sizes through ``validation.fixed_shape_problem``, as infer and serve check them)."""
+    from mha_deploy.runtime.validation import fixed_shape_problem
+
+    array = np.asarray(value)
+    if array.dtype.kind not in "fiu" or array.dtype == np.bool_:
+        raise InputError(f"{spec.name} must be {spec.dtype} features, got {array.dtype}")
+    if array.ndim == 0 or array.shape[0] == 0:
+        raise InputError(f"{spec.name} is empty (shape {array.shape}): give at least one item's features")
+    problem = fixed_shape_problem(spec, array.shape[1:])
+    if problem is not None:
+        raise InputError(f"{problem.message} (batch shape {array.shape})")
+    array = array.astype(spec.dtype, copy=False)
+    if not np.isfinite(array).all():
+        raise InputError(f"{spec.name} contains NaN or Inf")
+    return np.ascontiguousarray(array)
 
 
 def _provider(session) -> str:
