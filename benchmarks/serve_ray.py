@@ -86,7 +86,7 @@ def main() -> None:
     from mha_deploy.batching import BatchingConfig
     from mha_deploy.runtime.kv_stepper import KVCacheStepper
     from mha_deploy.serving.http import GenerationOptions, ServeConfig
-    from mha_deploy.serving.ray_serve import RayServeOptions, deploy
+    from mha_deploy.serving.ray_serve import RayServeOptions, deploy, replica_reports
 
     with tempfile.TemporaryDirectory() as tmp:
         model = args.model or export(args.module, Path(tmp), position_ids=True)
@@ -117,11 +117,12 @@ def main() -> None:
                     burst(port, prompts[: 4 * replicas], [4] * (4 * replicas))  # warm every replica up
                     gate.wait()
                     tokens, seconds = burst(port, prompts, lengths)
+                    split = "/".join(str(r["accepted"]) for r in replica_reports("bench"))
                     serve.delete("bench")
                     generated = sum(len(t) for t in tokens)
                     rates[replicas].append(generated / seconds)
-                    print(f"{replicas} replica{'s' if replicas > 1 else ''}: {generated} new tokens in {seconds:.1f} s",
-                          flush=True)
+                    print(f"{replicas} replica{'s' if replicas > 1 else ''}: {generated} new tokens in {seconds:.1f} s "
+                          f"(requests per replica, warm-up included: {split})", flush=True)
                     reference = reference or tokens
                     if tokens != reference:
                         print("  tokens differ from the first run's:",
