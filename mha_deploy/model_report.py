@@ -23,7 +23,16 @@ from mha_deploy.metadata import (
     ModelMetadata,
     WeightOnlyRecord,
 )
-from mha_deploy.onnx_nodes import BIAS_PROP, LONG_KERNEL, POSITION_BIAS, all_nodes, kernel_tag, packing_tags
+from mha_deploy.onnx_nodes import (
+    BIAS_PROP,
+    LONG_KERNEL,
+    POSITION_BIAS,
+    SCORE_TERMS,
+    WINDOW_MASK,
+    all_nodes,
+    kernel_tag,
+    packing_tags,
+)
 from mha_deploy.signature import ID_ROLES, Signature
 from mha_deploy.token_tables import vocabulary
 
@@ -48,6 +57,11 @@ _MHA_NON_FLASH_INPUTS = ("key_padding_mask", "attention_bias", "past_key", "past
 MASK_NOT_RECOGNISED = "mask not recognised, additive attention_bias"
 # An attention_bias the fusion read as a bias that masks nothing (onnx_nodes.BIAS_PROP).
 BIAS_NOT_MASK = f"{POSITION_BIAS}, additive attention_bias"
+_BIAS_LABELS = {
+    POSITION_BIAS: BIAS_NOT_MASK,
+    SCORE_TERMS: f"{SCORE_TERMS}, additive attention_bias",
+    WINDOW_MASK: f"{WINDOW_MASK} (no ORT kernel takes a two-sided window), additive attention_bias",
+}
 
 
 @dataclass
@@ -286,9 +300,10 @@ def _kernel(node: onnx.NodeProto) -> str:
 
 
 def _bias_label(node: onnx.NodeProto) -> str:
-    """What an attention op's attention_bias is: a bias the fusion read as one, or a mask it could not read."""
-    tagged = any(p.key == BIAS_PROP and p.value == POSITION_BIAS for p in node.metadata_props)
-    return BIAS_NOT_MASK if tagged else MASK_NOT_RECOGNISED
+    """What an attention op's attention_bias is: a bias the fusion read as one, relative score terms with the mask,
+    a window mask no kernel takes, or a mask it could not read."""
+    tag = next((p.value for p in node.metadata_props if p.key == BIAS_PROP), None)
+    return _BIAS_LABELS.get(tag, MASK_NOT_RECOGNISED)
 
 
 def _branches(node: onnx.NodeProto) -> dict[str, onnx.GraphProto]:

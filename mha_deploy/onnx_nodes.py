@@ -17,8 +17,8 @@ from collections.abc import Iterator
 import onnx
 
 __all__ = [
-    "BIAS_PROP", "KERNEL_PROP", "LONG_KERNEL", "PACKING_PROP", "POSITION_BIAS", "all_nodes", "kernel_tag",
-    "packing_tags",
+    "BIAS_PROP", "KERNEL_PROP", "LONG_KERNEL", "PACKING_PROP", "POSITION_BIAS", "SCORE_TERMS", "WINDOW_MASK",
+    "all_nodes", "kernel_tag", "packing_tags",
 ]
 
 KERNEL_PROP = "mha_deploy.kernel"
@@ -30,6 +30,12 @@ LONG_KERNEL = "{long}"
 # a mask the fusion could not read.
 BIAS_PROP = "mha_deploy.attention_bias"
 POSITION_BIAS = "position bias"
+# An attention_bias holding a term of the scores computed from the activations (DeBERTa's c2p + p2c) with the
+# model's mask added to it, as the graph computes them (exact; the term is [batch, heads, q, kv] anyway).
+SCORE_TERMS = "relative score terms with the mask"
+# An attention_bias that is a mask with a window or chunk size (ModernBERT's local layers): no ORT kernel takes a
+# two-sided window (GroupQueryAttention's local_window_size is causal), so it stays materialised.
+WINDOW_MASK = "window mask"
 
 
 def all_nodes(graph: onnx.GraphProto) -> Iterator[onnx.NodeProto]:

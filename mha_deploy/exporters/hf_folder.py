@@ -67,6 +67,42 @@ HF_INPUTS: dict[str, HFInput] = {
 }
 
 
+# Outputs that compare every item of a batch with every other (CLIP's image-text similarities, [batch, batch]):
+# not an item's own, so a file that batches items as it likes cannot return them. The embeddings they are
+# computed from are the file's outputs (logits_per_image = exp(logit_scale) * image_embeds @ text_embeds.T).
+CROSS_BATCH_OUTPUTS = ("logits_per_image", "logits_per_text")
+
+
+class ItemOutputs:
+    """A dual encoder's module (a config with text and vision configs: CLIP) whose forward leaves out the
+    ``CROSS_BATCH_OUTPUTS``; it takes the same parameters (its signature is the module's)."""
+
+    @staticmethod
+    def wrap(module):
+        import torch
+
+        class _ItemOutputs(torch.nn.Module):
+            def __init__(self, inner):
+                super().__init__()
+                self.module = inner
+                self.config = inner.config
+
+            def forward(self, **inputs):
+                result = self.module(**inputs)
+                return {name: value for name, value in result.items() if name not in CROSS_BATCH_OUTPUTS}
+
+        parameters = list(inspect.signature(module.forward).parameters.values())
+        self_parameter = inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)
+        _ItemOutputs.forward.__signature__ = inspect.Signature([self_parameter, *parameters])
+        _ItemOutputs.__name__ = _ItemOutputs.__qualname__ = type(module).__name__
+        return _ItemOutputs(module).eval()
+
+    @staticmethod
+    def needed(module) -> bool:
+        config = module.config
+        return getattr(config, "text_config", None) is not None and getattr(config, "vision_config", None) is not None
+
+
 @dataclass
 class HFModel:
     """A folder's model, loaded for export: the module (eval, fp32, caches off) and the inputs to declare."""
@@ -162,7 +198,10 @@ def load_hf_model(folder: str | os.PathLike) -> HFModel:
         if cfg is not None and hasattr(cfg, "use_cache"):
             cfg.use_cache = False
     encoder_decoder = bool(getattr(module.config, "is_encoder_decoder", False))
-    return HFModel(module, cls.__name__, forward_inputs(module, encoder_decoder), encoder_decoder)
+    inputs = forward_inputs(module, encoder_decoder)
+    if ItemOutputs.needed(module):
+        module = ItemOutputs.wrap(module)
+    return HFModel(module, cls.__name__, inputs, encoder_decoder)
 
 
 def _from_pretrained(cls, folder: Path, dtype):
@@ -171,7 +210,9 @@ def _from_pretrained(cls, folder: Path, dtype):
     try:
         return cls.from_pretrained(folder, attn_implementation="sdpa", **common)
     except ValueError as exc:
-        if "sdpa" not in str(exc).lower():
+        # transformers names it "sdpa" or spells it out (DeBERTa-v2: "... through
+        # torch.nn.functional.scaled_dot_product_attention yet").
+        if not any(name in str(exc).lower() for name in ("sdpa", "scaled_dot_product_attention")):
             raise
         return cls.from_pretrained(folder, **common)  # its own attention: eager, the fusion's other spelling
 
@@ -307,6 +348,10 @@ def export_hf_folder(
     result = export_model(model.module, output, model.inputs, max_length=max_length, kv_cache=kv_cache,
                           position_ids=position_ids, generation=ids, cache_layout=cache_layout,
                           context_length=model.context_length(), **options)
+    if ItemOutputs.needed(model.module):
+        result.warnings.append(f"{', '.join(CROSS_BATCH_OUTPUTS)} left out: they compare each item with every other "
+                               "of the batch, which the file batches as it likes; compute them from image_embeds "
+                               "and text_embeds (exp(logit_scale) * image_embeds @ text_embeds.T)")
     written = [Path(result.path)] + ([Path(result.encoder_path)] if getattr(result, "encoder_path", None) else [])
     try:
         copied = beside.write(Path(result.path).parent, folder)

@@ -348,6 +348,8 @@ def fixed_shape(module: nn.Module, decl: InputDecl) -> tuple[int, ...]:
         return decl.sizes
     config = getattr(module, "config", None)
     if decl.role == "image":
+        # CLIP's two towers: the image sizes are its vision config's.
+        config = getattr(config, "vision_config", None) or config
         channels, size = getattr(config, "num_channels", None), getattr(config, "image_size", None)
         size = (size, size) if type(size) is int else tuple(size) if isinstance(size, (list, tuple)) else ()
         if type(channels) is int and len(size) == 2 and all(type(n) is int for n in size):

@@ -55,12 +55,23 @@ def name_dynamic_axes(model: onnx.ModelProto, signature: Signature) -> None:
     """Give every dynamic axis of the graph's inputs and outputs its Signature name (the exporter names a
     derived axis by its expression, e.g. ``past_seq + seq``, or ``s46``), so that inspect and Triton agree."""
     specs = signature.tensors
+    renamed: dict[str, set[str]] = {}
     for value in (*model.graph.input, *model.graph.output):
         spec = specs.get(value.name)
         if spec is None:
             continue
         for index, axis in spec.dynamic_axes.items():
-            value.type.tensor_type.shape.dim[index].dim_param = axis
+            dim = value.type.tensor_type.shape.dim[index]
+            if dim.dim_param:
+                renamed.setdefault(dim.dim_param, set()).add(axis)
+            dim.dim_param = axis
+    # The values inside carry the exporter's symbols too (``s21``): the fusion rules match an op's dims against
+    # the inputs' (a padding mask is [batch, seq]), so each symbol that became one axis is renamed there as well.
+    renamed = {symbol: axes.pop() for symbol, axes in renamed.items() if len(axes) == 1 and symbol.isidentifier()}
+    for value in model.graph.value_info:
+        for dim in value.type.tensor_type.shape.dim:
+            if dim.dim_param in renamed:
+                dim.dim_param = renamed[dim.dim_param]
 
 
 @contextlib.contextmanager

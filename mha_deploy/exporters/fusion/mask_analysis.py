@@ -38,13 +38,13 @@ part are taken (two padding inputs need not be one mask).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import onnx_ir as ir
 
 from mha_deploy.exporters.fusion.constant_values import constant_array, scalar_constant
-from mha_deploy.exporters.fusion.mask_probe import MIN_FILL_MAGNITUDE, probe_bias
+from mha_deploy.exporters.fusion.mask_probe import MIN_FILL_MAGNITUDE, probe_bias, reads_activations
 
 
 def finite_fill(fill: float, dtype) -> float:
@@ -318,7 +318,7 @@ def analyse_bias_for(bias: ir.Value | None, batch, q_len, kv_len) -> MaskParts |
         return parts
     probed = probe_bias(bias, (batch, q_len, kv_len))
     if probed is None:
-        return None
+        return _with_computed_term(bias, batch, q_len, kv_len)
     return MaskParts(
         fill=probed.fill,
         key_padding=probed.key_padding,
@@ -326,6 +326,36 @@ def analyse_bias_for(bias: ir.Value | None, batch, q_len, kv_len) -> MaskParts |
         causal=probed.causal,
         bias_terms=probed.bias_terms,
     )
+
+
+def _with_computed_term(bias: ir.Value, batch, q_len, kv_len) -> MaskParts | None:
+    """``Add(term, mask)`` where ``term`` is computed from the activations (DeBERTa's c2p + p2c, [batch, heads,
+    q_len, kv_len]) and ``mask`` is read as key padding and/or causal: the mask's parts, ``term`` kept as the op's
+    bias. A term computed from activations is the scores' own, not a mask to read: kept whole, it is exact."""
+    if (node := _producer(bias, "Expand")) is not None:  # upstream's broadcast over heads; the term has them
+        bias = node.inputs[0]
+    node = _producer(bias, "Add")
+    if node is None:
+        return None
+    computed = [term for term in node.inputs if reads_activations(term)]
+    if len(computed) != 1:
+        return None
+    term, mask = computed[0], next(other for other in node.inputs if other is not computed[0])
+    # attention_bias broadcasts batch and heads, not q and kv.
+    if term.shape is None or term.shape.rank() != 4 or list(term.shape)[2:] != [q_len, kv_len]:
+        return None
+    parts = analyse_bias_for(mask, batch, q_len, kv_len)
+    if parts is None or reads_activations(mask):
+        return None
+    return replace(parts, bias_terms=(term, *parts.bias_terms))
+
+
+def holds_score_terms(bias: ir.Value | None) -> bool:
+    """Whether ``bias`` adds a term computed from the activations to the scores (DeBERTa's c2p + p2c)."""
+    if (node := _producer(bias, "Expand")) is not None:
+        bias = node.inputs[0]
+    node = _producer(bias, "Add")
+    return node is not None and any(reads_activations(term) for term in node.inputs)
 
 
 def _fitting(parts: MaskParts | None, batch, q_len, kv_len) -> MaskParts | None:

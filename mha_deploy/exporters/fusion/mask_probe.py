@@ -22,7 +22,9 @@ Why this is sound enough to drop the bias for the op's own mask inputs:
   with 1, 0.5 and 2 (a cast to an integer type truncates 0.5 to padding);
 - only rows with a visible key are compared: a row with none is a padded query
   under left padding + causal, or an all-padding item (padding, never returned;
-  Hugging Face's sdpa masks unmask them), where the kernels differ anyway;
+  Hugging Face's sdpa masks unmask them), where the kernels differ anyway (a
+  mask that also hides padded queries' rows, DeBERTa's, is not key padding: a
+  model may read a padded position's output, its first token's under left padding);
 - every other input is drawn afresh per probe, so a bias that also depends on
   them (token ids, activations) matches no candidate;
 - what probes at these lengths cannot see is a pattern that changes only at
@@ -33,7 +35,8 @@ Why this is sound enough to drop the bias for the op's own mask inputs:
 A bias made of several terms (``scores + position_bias + mask``, T5) is read
 term by term: terms that mask nothing (finite, above any masking fill) are a
 real bias kept as the op's ``attention_bias``; the masking terms together must
-be key padding and/or causal; all-zero terms (T5's cross-attention bias) go.
+be key padding and/or causal; all-zero terms (T5's cross-attention bias) go. A bias all of whose terms are
+zero (a mask that masks nothing: ViT's) goes whole, unless its integer arithmetic holds a window or chunk size.
 """
 
 from __future__ import annotations
@@ -85,6 +88,34 @@ def probe_bias(bias: ir.Value, dims: tuple) -> ProbedBias | None:
         return None
 
 
+def reads_activations(value: ir.Value) -> bool:
+    """Whether ``value`` is computed from the model's activations (a MatMul, a normalisation, ... on its way from
+    the graph's inputs): a score term such as DeBERTa's c2p + p2c, never a mask built from the inputs."""
+    stack, seen = [value], set()
+    while stack:
+        current = stack.pop()
+        if current is None or id(current) in seen:
+            continue
+        seen.add(id(current))
+        node = current.producer()
+        if node is None:
+            continue
+        if node.op_type in _ACTIVATION_OPS:
+            return True
+        stack.extend(node.inputs)
+    return False
+
+
+def window_constants(value: ir.Value) -> bool:
+    """Whether the mask ``value`` is built from the inputs alone with integer arithmetic on a constant other than 0
+    and +-1: a sliding window or a chunk size (ModernBERT's local layers), which no probe length can bound."""
+    try:
+        nodes, _ = _subgraph([value], shapes_as_inputs=True)  # the Expand upstream adds reads the query's shape
+    except _NotReadable:
+        return False
+    return _has_position_constants(nodes)
+
+
 def cut_out(outputs: list[ir.Value], shapes_as_inputs: bool = False):
     """(an ONNX Runtime session computing ``outputs`` from the graph inputs they read, those inputs): the
     subgraph producing them cut out of their graph, as ``probe_bias`` runs it; None when it cannot be (an
@@ -125,7 +156,9 @@ def _probe(bias: ir.Value, dims: tuple) -> ProbedBias:
     bias_terms = tuple(term.value for term, kind in zip(terms, kinds, strict=True) if kind == "bias")
     masks = [i for i, kind in enumerate(kinds) if kind == "mask"]
     if not masks:
-        if not bias_terms:
+        # Every term 0 at every probe masks nothing (ViT's all-True mask expanded over the batch): the op needs
+        # no bias, unless a window or chunk size may mask at lengths the probes did not reach.
+        if not bias_terms and _has_position_constants(nodes):
             raise _NotReadable
         return ProbedBias(0.0, None, True, False, bias_terms)
     if _has_position_constants(_subgraph([terms[i].value for i in masks])[0]):

@@ -20,8 +20,9 @@ import onnx_ir as ir
 from onnxscript.rewriter import pattern
 
 from mha_deploy.exporters.fusion.contrib_mha import has_inputs_from, optional_input
-from mha_deploy.exporters.fusion.mask_analysis import MaskParts, analyse_bias_for, finite_fill
-from mha_deploy.onnx_nodes import BIAS_PROP, POSITION_BIAS
+from mha_deploy.exporters.fusion.mask_analysis import MaskParts, analyse_bias_for, finite_fill, holds_score_terms
+from mha_deploy.exporters.fusion.mask_probe import window_constants
+from mha_deploy.onnx_nodes import BIAS_PROP, POSITION_BIAS, SCORE_TERMS, WINDOW_MASK
 
 # (op type, index of the key-padding input, index of attention_bias)
 _MASK_INPUTS = {"MultiHeadAttention": (4, 5), "Attention": (3, 5)}
@@ -102,5 +103,18 @@ native_mask_rules = pattern.RewriteRuleSet([NativeMask.rule("MultiHeadAttention"
 
 
 def fuse_native_mask(model: ir.Model) -> int:
-    """Apply the rule everywhere in ``model``; the number of rewrites."""
-    return native_mask_rules.apply_to_model(model)
+    """Apply the rule everywhere in ``model``; the number of rewrites. A bias it leaves that is what no native
+    input can take is tagged for the report (``BIAS_PROP``): relative score terms with the mask (DeBERTa), a
+    window mask (ModernBERT's local layers)."""
+    count = native_mask_rules.apply_to_model(model)
+    for node in model.graph.all_nodes():
+        if node.domain != "com.microsoft" or node.op_type not in _MASK_INPUTS or BIAS_PROP in node.metadata_props:
+            continue
+        bias = optional_input(node, _MASK_INPUTS[node.op_type][1])
+        if bias is None:
+            continue
+        if holds_score_terms(bias):
+            node.metadata_props[BIAS_PROP] = SCORE_TERMS
+        elif window_constants(bias):
+            node.metadata_props[BIAS_PROP] = WINDOW_MASK
+    return count

@@ -5,6 +5,7 @@ The chain, per target (own rules marked *, the rest is upstream
 
     * sdpa_from_attention     standard Attention over 4-D Q/K/V (torch's F.scaled_dot_product_attention)
                               -> SDPA (private op) with an additive mask, so upstream's mha takes it
+    * batched_heads           heads folded into the batch for torch.bmm (DeBERTa-v2) -> 4-D again
     * masked_fill_bias        Where-masked scores -> additive bias, so upstream matches
     * score_bias_sum          two biases added to the scores (T5: position bias, mask) -> their sum added
     * shared_heads            a head-split Transpose several attentions read -> one copy each
@@ -66,6 +67,7 @@ from onnxscript.rewriter.ort_fusions.sdpa import fuse_sdpa, sdpa_rules
 from onnxscript.rewriter.ort_fusions.sdpa_via_mha import replace_sdpa_by_mha
 
 from mha_deploy.errors import ExportError
+from mha_deploy.exporters.fusion.batched_heads import fuse_batched_heads
 from mha_deploy.exporters.fusion.bias_axes import fuse_bias_axes
 from mha_deploy.exporters.fusion.cache_heads import fuse_cache_heads
 from mha_deploy.exporters.fusion.causal_gqa import fuse_causal_gqa
@@ -90,17 +92,22 @@ from mha_deploy.exporters.fusion.sdpa_from_attention import (
 from mha_deploy.exporters.fusion.shared_heads import unshare_head_transposes
 from mha_deploy.exporters.fusion.short_sequence import fuse_short_sequence
 from mha_deploy.model_report import MASK_NOT_RECOGNISED, attention_ops
+from mha_deploy.onnx_nodes import WINDOW_MASK
 
 FUSION_TARGETS = ("mha", "onnx", "none")
 # ORT 1.31 rejects IR version 14; 10 is what it accepts for opset 23.
 MAX_IR_VERSION = 10
 MIN_ONNX_ATTENTION_OPSET = 23
 _FUSION_DOMAIN = "ai.onnxruntime._fusion"
+# Why a window mask stays a materialised bias: MultiHeadAttention takes no window, GroupQueryAttention's
+# local_window_size is a causal one (keys behind the query only).
+_WINDOW_WHY = "materialised: no ORT kernel takes a two-sided window"
 # The mask inputs worth reporting; the ops a fusion produces and their input
 # roles are the ones `mha-deploy inspect` knows (model_report).
 _MASK_ROLES = {"key_padding_mask", "attention_bias", "mask_index", "attn_mask", "seqlens_k"}
-# Ops that sit between the scores MatMul and the Softmax in an attention subgraph.
-_SCORE_OPS = {"Add", "Sub", "Mul", "Div", "Where", "Cast"}
+# Ops that sit between the scores MatMul and the Softmax in an attention subgraph (Reshape: DeBERTa's
+# [batch * heads, q, kv] scores viewed as [batch, heads, q, kv]).
+_SCORE_OPS = {"Add", "Sub", "Mul", "Div", "Where", "Cast", "Reshape"}
 
 
 @dataclass
@@ -160,6 +167,7 @@ class FusionReport:
         kinds = sorted({op.op_type for op in self.ops})
         reasons = "; ".join(f"{rule}: {' / '.join(why)}" for rule, why in self.unfused_reasons.items())
         unread = len(self.unrecognised_masks)
+        windows = sum(WINDOW_MASK in op.kernel for op in self.ops)
         return (
             f"fusion {self.target}: {self.found} attention subgraph(s) found, {self.fused} fused"
             f"{' into ' + ', '.join(kinds) if kinds else ''}, "
@@ -167,6 +175,7 @@ class FusionReport:
             f"{self.remaining} left unfused"
             f"{f' ({reasons})' if reasons else ''}"
             f"{f'; {unread} with a {MASK_NOT_RECOGNISED} (materialised)' if unread else ''}"
+            f"{f'; {windows} with a {WINDOW_MASK} as attention_bias ({_WINDOW_WHY})' if windows else ''}"
         )
 
     @property
@@ -200,7 +209,8 @@ def _is_attention_softmax(node: ir.Node) -> bool:
         return False
     consumers = [use.node for use in node.outputs[0].uses()]
     return any(c.op_type == "MatMul" for c in consumers) or any(
-        c.op_type == "Where" and any(u.node.op_type == "MatMul" for u in c.outputs[0].uses()) for c in consumers
+        c.op_type in ("Where", "Reshape") and any(u.node.op_type == "MatMul" for u in c.outputs[0].uses())
+        for c in consumers
     )
 
 
@@ -244,6 +254,7 @@ def _check_weights_supported(model: ir.Model, target: str) -> None:
 def _run_chain(model: ir.Model, target: str, packed_qkv: bool, short_sequences: bool) -> dict[str, int]:
     counts = {}
     counts["sdpa_from_attention"] = fuse_sdpa_from_attention(model)
+    counts["batched_heads"] = fuse_batched_heads(model)
     counts["masked_fill_bias"] = fuse_masked_fill_bias(model)
     counts["score_bias_sum"] = fuse_score_bias_sum(model)
     counts["shared_heads"] = unshare_head_transposes(model)
