@@ -2,15 +2,18 @@
 the forward returning an ``EncoderDecoderCache`` by default), exported with ``export --hf DIR --kv-cache`` and
 nothing else, then generated from with ``mha-deploy generate``: M2M100 (its sinusoidal position table rebuilt in
 the forward past ``max_position_embeddings``: a length guard, traced at that max length) with a forced first token
-(the target language id its generation config names, recorded at export) and per-item decoder prompts. Greedy and
-beam search equal transformers' ``generate`` token for token, on sources of different lengths batched together.
-MBart's folder as it comes: the forward it is traced with returns no cache object."""
+(the target language id its generation config names, recorded at export) and per-item decoder prompts; Whisper,
+whose source is audio features (``input_features`` [batch, mel, frames], frames fixed) and whose decoder starts
+from a prompt (start, language, task, no-timestamps ids). Greedy and beam search equal transformers' ``generate``
+token for token, on sources of different lengths (features of different contents) batched together. MBart's
+folder as it comes: the forward it is traced with returns no cache object."""
 
 from __future__ import annotations
 
 import json
 import sys
 
+import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -157,3 +160,87 @@ def test_mbart_as_it_comes_is_traced_without_its_cache_object(tmp_path):
     assert model.generation_ids().forced_bos_token_id == FORCED_ID
     assert model.inputs == ("input_ids:tokens:src_seq", "attention_mask:padding-mask:src_seq",
                             "decoder_input_ids:tokens:tgt_seq", "decoder_attention_mask:padding-mask:tgt_seq")
+
+
+# Whisper: features of MEL x 2*POSITIONS; its decoder prompt <|startoftranscript|><|lang|><|task|><|notimestamps|>.
+MEL, POSITIONS, TRANSCRIPT = 8, 8, 50
+WHISPER_PROMPT = [TRANSCRIPT, 60, 70, 80]
+
+
+@pytest.fixture(scope="module")
+def whisper(tmp_path_factory):
+    """(folder, decoder file, export's output): Whisper saved and exported once, with --hf DIR --kv-cache only."""
+    folder = tmp_path_factory.mktemp("hf-whisper")
+    kwargs = {**_config_kwargs(), "decoder_start_token_id": TRANSCRIPT}
+    del kwargs["max_position_embeddings"]
+    config = transformers.WhisperConfig(num_mel_bins=MEL, max_source_positions=POSITIONS, max_target_positions=32,
+                                        **kwargs)
+    torch.manual_seed(48)
+    model = transformers.WhisperForConditionalGeneration(config)
+    assert model.config.use_cache
+    model.save_pretrained(folder)
+    path = tmp_path_factory.mktemp("onnx-whisper") / "model.onnx"
+    result = CliRunner().invoke(main, ["export", "--hf", str(folder), "--kv-cache", "-o", str(path)])
+    assert result.exit_code == 0, result.output
+    return folder, path, result.output
+
+
+def _features(rows: int, seed: int = 5) -> np.ndarray:
+    return (np.random.default_rng(seed).standard_normal((rows, MEL, 2 * POSITIONS)) * 2).astype(np.float32)
+
+
+def test_whisper_as_it_comes_exports_fused_on_its_audio_features(whisper):
+    import onnxruntime as ort
+
+    _, path, output = whisper
+    assert f"decoder {LAYERS} self- and {LAYERS} cross-attention(s), all fused" in output
+    encoder = path.with_name("model.encoder.onnx")
+    for file in (encoder, path):
+        ops = _ops(file)
+        assert "Softmax" not in ops and ops.count("MultiHeadAttention") >= LAYERS
+    plain = ort.InferenceSession(str(encoder), providers=["CPUExecutionProvider"])
+    assert [(i.name, i.shape[1:]) for i in plain.get_inputs()] == [("input_features", [MEL, 2 * POSITIONS])]
+    decoder = [i.name for i in ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).get_inputs()]
+    assert "encoder_attention_mask" not in decoder  # the features have no padding to mask
+
+
+@pytest.mark.parametrize("num_beams", [1, 3])
+def test_whisper_generates_as_transformers_from_features_and_decoder_prompts(whisper, num_beams):
+    """Four items of different features in one call: two from the start id alone, two from Whisper's prompt."""
+    from mha_deploy.runtime.generation import generate
+    from mha_deploy.runtime.kv_stepper import KVCacheStepper
+
+    folder, path, _ = whisper
+    features = _features(4)
+    prompts = [None, WHISPER_PROMPT, None, WHISPER_PROMPT[1:]]  # the last one: the start id put in front
+    got = generate(KVCacheStepper(path), features, max_new_tokens=NEW_TOKENS, num_beams=num_beams,
+                   decoder_prompts=prompts)
+    module = transformers.WhisperForConditionalGeneration.from_pretrained(folder, local_files_only=True).eval()
+    for rows, decoder in (([0, 2], [TRANSCRIPT]), ([1, 3], WHISPER_PROMPT)):
+        with torch.no_grad():  # transformers' generation loop (Whisper's own generate adds its timestamp logic)
+            want = transformers.GenerationMixin.generate(
+                module, torch.from_numpy(features[rows]), decoder_input_ids=torch.tensor([decoder] * 2),
+                max_new_tokens=NEW_TOKENS, num_beams=num_beams, do_sample=False)
+        for row, tokens in zip(rows, want[:, len(decoder):].tolist(), strict=True):
+            assert got.tokens[row].tolist() == tokens, row
+    assert len({tuple(tokens.tolist()) for tokens in got.tokens}) > 1
+
+
+def test_generate_reads_whisper_features_items_and_names_a_bad_one(whisper, tmp_path):
+    _, path, _ = whisper
+    features = _features(2, seed=6)
+    np.savez(tmp_path / "audio.npz", a=features[0], b=features[1],
+             short=np.zeros((MEL, 2 * POSITIONS - 2), np.float32))
+    result = CliRunner().invoke(main, ["generate", str(path), "--input", str(tmp_path / "audio.npz"), "--output",
+                                       str(tmp_path / "out.jsonl"), "--max-new-tokens", str(NEW_TOKENS),
+                                       "--on-error", "skip", "--no-progress"])
+    assert result.exit_code == 0, result.output
+    assert (f"prompt 'short': input_features has frames {2 * POSITIONS - 2} (expected {2 * POSITIONS})"
+            in " ".join(result.output.split()))
+    got = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
+    assert [record["id"] for record in got] == ["a", "b"]
+    from mha_deploy.runtime.generation import generate
+    from mha_deploy.runtime.kv_stepper import KVCacheStepper
+
+    alone = generate(KVCacheStepper(path), features, max_new_tokens=NEW_TOKENS)
+    assert [record["output_ids"] for record in got] == [tokens.tolist() for tokens in alone.tokens]
