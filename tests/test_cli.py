@@ -258,6 +258,18 @@ def test_drain_timeout_reaches_the_serve_config(monkeypatch):
     assert invoke("serve", "mha.onnx", "--drain-timeout", "-1").exit_code == 2
 
 
+def test_embedding_flags_reach_the_serve_config(monkeypatch):
+    import mha_deploy.serving.http as http
+
+    configs = []
+    monkeypatch.setattr(http, "serve", configs.append)
+    assert invoke("serve", "m.onnx").exit_code == 0
+    assert configs[0].embeddings == http.EmbeddingOptions()
+    result = invoke("serve", "m.onnx", "--raw-embeddings", "--embedding-output", "sentence_embedding")
+    assert result.exit_code == 0, result.output
+    assert configs[1].embeddings == http.EmbeddingOptions(normalize=False, output="sentence_embedding")
+
+
 def test_cli_imports_neither_torch_nor_onnxruntime():
     code = "import mha_deploy.cli, sys; print(sorted(m for m in ('torch','onnxruntime') if m in sys.modules))"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)

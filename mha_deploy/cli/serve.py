@@ -65,13 +65,19 @@ DEFAULT_DRAIN_TIMEOUT_S = 30.0
               help="Connections with no request in progress kept at once; beyond, the longest idle is closed "
                    "(default: half the open-file limit).")
 @click.option("--tokenizer", type=click.Path(dir_okay=False, path_type=Path),
-              help="Generator: a Hugging Face tokenizers file (tokenizer.json) for text prompts and text out; "
-                   "without it, prompts are token ids. Default: the tokenizer.json beside MODEL (export --hf writes "
-                   "it there), if any.")
+              help="A Hugging Face tokenizers file (tokenizer.json): a generator's text prompts and text out, an "
+                   "encoder's texts on /v1/embeddings; without it, inputs are token ids. Default: the "
+                   "tokenizer.json beside MODEL (export --hf writes it there), if any.")
 @click.option("--chat-template", type=click.Path(dir_okay=False, path_type=Path),
               help="Generator: a jinja2 chat template over 'messages' (add_generation_prompt is true): enables "
                    "POST /v1/chat/completions. Default: the chat_template.jinja beside MODEL (export --hf writes it "
                    "there), if any.")
+@click.option("--normalize-embeddings/--raw-embeddings", default=True, show_default=True,
+              help="Encoder with a pooled output: POST /v1/embeddings returns unit-length (L2) vectors, as OpenAI's "
+                   "do, or (--raw-embeddings) the model's output as it is.")
+@click.option("--embedding-output", metavar="NAME",
+              help="Encoder: the output /v1/embeddings serves ([batch, d] floats; default: the file's only such "
+                   "output, BERT's pooler_output aside).")
 @click.option("--max-kv-tokens", type=click.IntRange(min=1), default=65536, show_default=True,
               help="Generator: KV cache positions the running requests may hold, planned from each request's prompt "
                    "+ max_tokens; a request that does not fit waits (--max-queue), one that never fits gets 400.")
@@ -113,7 +119,7 @@ def serve(model, host, port, max_batch, max_wait_ms, max_batch_tokens, workers, 
           api_key_file, ssl_certfile, ssl_keyfile, body_timeout, max_connections, keep_alive_timeout,
           header_timeout, max_idle_connections, tokenizer, chat_template, max_kv_tokens, max_new_tokens, max_length,
           prefill_chunk, eos_ids, mix_lengths, max_choices, encoder, start_id, ray_replicas, ray_address,
-          ray_autoscaling):
+          ray_autoscaling, normalize_embeddings, embedding_output):
     """Serve a model over HTTP (and gRPC) with dynamic micro-batching (needs the 'serve' extra).
 
     The Open Inference Protocol (KServe v2, what Triton's and KServe's clients
@@ -145,7 +151,7 @@ def serve(model, host, port, max_batch, max_wait_ms, max_batch_tokens, workers, 
       mha-deploy serve lm.onnx --tokenizer tokenizer.json --ray-replicas 2 --threads 1
     """
     from mha_deploy.runtime.beside_model import BesideModel
-    from mha_deploy.serving.http import GenerationOptions, ServeConfig
+    from mha_deploy.serving.http import EmbeddingOptions, GenerationOptions, ServeConfig
     from mha_deploy.serving.http import serve as run_server
     from mha_deploy.serving.http.parsing import RequestLimits
 
@@ -170,6 +176,7 @@ def serve(model, host, port, max_batch, max_wait_ms, max_batch_tokens, workers, 
             eos_token_ids=tuple(eos_ids), mix_lengths=mix_lengths, max_choices=max_choices, encoder=encoder,
             start_id=start_id,
         ),
+        embeddings=EmbeddingOptions(normalize=normalize_embeddings, output=embedding_output),
     )
     if ray_replicas is None and ray_autoscaling is None:
         if ray_address is not None:

@@ -42,9 +42,8 @@ from mha_deploy.serving.http.server import (
     ServeError,
     _check_tls,
     _configure_logging,
-    _generation_app,
     _with_companion_encoder,
-    is_generator,
+    build_app,
 )
 
 logger = logging.getLogger("mha_deploy.serve")
@@ -141,25 +140,12 @@ def _absolute(config: ServeConfig) -> ServeConfig:
 
 
 def replica_app(config: ServeConfig):
-    """The app one replica serves: the single-process server's, for a generator or any other model."""
-    from mha_deploy.runtime.session import MHASession
-    from mha_deploy.serving.http.app import create_app
+    """The app one replica serves: the single-process server's (``build_app``), for a generator or any other model."""
     from mha_deploy.serving.http.auth import ApiKeys
 
     api_keys = ApiKeys.from_file(config.api_key_file) if config.api_key_file is not None else None
     failures: list[BaseException] = []
-    if is_generator(config.model):
-        app = _generation_app(config, api_keys, failures.append)
-    else:
-        def load_session() -> MHASession:
-            return MHASession(
-                config.model, provider=config.provider, threads=config.threads,
-                optimized_model_path=config.optimized_model_path,
-                session_config={"session.intra_op.allow_spinning": "1" if config.spin else "0"}, warmup=True,
-            )
-
-        app = create_app(load_session, config.batching, config.limits, failures.append,
-                         model_name=config.model_name, api_keys=api_keys, max_requests=config.max_connections)
+    app = build_app(config, api_keys, failures.append)
     app.state.load_failures = failures
     return app
 

@@ -131,11 +131,10 @@ def serve(config: ServeConfig) -> None:
     try:
         import uvicorn
 
-        from mha_deploy.serving.http.app import create_app
+        import mha_deploy.serving.http.app  # noqa: F401  (the app's imports: a missing one is refused here by name)
         from mha_deploy.serving.http.connections import deadline_protocol
     except ImportError as exc:
         raise ServeError(f"the server needs the 'serve' extra: pip install 'mha-deploy[serve]' ({exc})") from exc
-    from mha_deploy.runtime.session import MHASession
     from mha_deploy.serving.http.auth import ApiKeys
 
     if not _MODEL_NAME.match(config.model_name):
@@ -144,8 +143,7 @@ def serve(config: ServeConfig) -> None:
     api_keys = ApiKeys.from_file(config.api_key_file) if config.api_key_file is not None else None
     _configure_logging(config.log_level)
     config = _with_companion_encoder(config)
-    generator = is_generator(config.model)
-    if generator and config.grpc_port is not None:
+    if is_generator(config.model) and config.grpc_port is not None:
         raise ServeError("a generator (KV-cache decoder) is served over REST only (OpenAI's routes and Triton's "
                          "generate extension): drop --grpc-port")
     grpc_config = _grpc_config(config)
@@ -164,31 +162,12 @@ def serve(config: ServeConfig) -> None:
                 self.grpc_frontend.begin_stop()
             await super().shutdown(sockets)
 
-    def load_session() -> MHASession:
-        return MHASession(
-            config.model,
-            provider=config.provider,
-            threads=config.threads,
-            optimized_model_path=config.optimized_model_path,
-            # Idle ORT threads spin by default, burning the CPU the event loop needs between runs.
-            session_config={"session.intra_op.allow_spinning": "1" if config.spin else "0"},
-            warmup=True,
-        )
-
     def on_load_error(exc: BaseException) -> None:
         failures.append(exc)
         if server is not None:
             server.should_exit = True
 
-    if generator:
-        app = _generation_app(config, api_keys, on_load_error)
-    else:
-        app = create_app(
-            load_session, config.batching, config.limits, on_load_error,
-            model_name=config.model_name, api_keys=api_keys, grpc_config=grpc_config,
-            max_requests=config.max_connections, embeddings=config.embeddings,
-            tokenizer=_tokenizer(config.generation.tokenizer),
-        )
+    app = build_app(config, api_keys, on_load_error, grpc_config)
     max_idle = config.max_idle_connections or max(64, _raise_open_file_limit() // 2)
     uvicorn_config = uvicorn.Config(
         app,
@@ -210,6 +189,35 @@ def serve(config: ServeConfig) -> None:
         raise failures[0]
     if not server.started:
         raise ServeError(f"the server did not start on {config.host}:{config.port} (see the log above)")
+
+
+def build_app(config: ServeConfig, api_keys, on_load_error, grpc_config=None):
+    """The app ``serve`` runs, and each Ray Serve replica: a generator's (OpenAI's routes, Triton's generate) or the
+    Open Inference Protocol server's (``/v2``, ``/v1/infer``, ``/v1/embeddings``), its model loaded by the app's
+    lifespan (a load error goes to ``on_load_error``)."""
+    from mha_deploy.runtime.session import MHASession
+    from mha_deploy.serving.http.app import create_app
+
+    if is_generator(config.model):
+        return _generation_app(config, api_keys, on_load_error)
+
+    def load_session() -> MHASession:
+        return MHASession(
+            config.model,
+            provider=config.provider,
+            threads=config.threads,
+            optimized_model_path=config.optimized_model_path,
+            # Idle ORT threads spin by default, burning the CPU the event loop needs between runs.
+            session_config={"session.intra_op.allow_spinning": "1" if config.spin else "0"},
+            warmup=True,
+        )
+
+    return create_app(
+        load_session, config.batching, config.limits, on_load_error,
+        model_name=config.model_name, api_keys=api_keys, grpc_config=grpc_config,
+        max_requests=config.max_connections, embeddings=config.embeddings,
+        tokenizer=_tokenizer(config.generation.tokenizer),
+    )
 
 
 def is_generator(model: str | os.PathLike) -> bool:
