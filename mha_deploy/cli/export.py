@@ -132,10 +132,15 @@ def refuse_other_sources(ctx: click.Context, source: str) -> None:
 @click.option("--input", "inputs", multiple=True, metavar="NAME:ROLE[:AXIS][:FEATURES]",
               help="With --module, one per forward parameter to feed, bound by NAME (any order; parameters not "
                    "declared keep their defaults); the file takes its inputs in this order. ROLE: tokens (int64 "
-                   "ids [batch, seq]), "
-                   "sequence (float [batch, seq, FEATURES]; FEATURES read off the module when omitted) or "
-                   "padding-mask ([batch, seq], True/1 = real token; it marks the input on the same AXIS). AXIS "
-                   "(default seq) names a length axis: an encoder-decoder's target is e.g. tgt:tokens:tgt_seq.")
+                   "ids [batch, seq]), segments (int64 segment ids on a tokens input's AXIS, e.g. BERT's "
+                   "token_type_ids: their own table, ids past it refused), sequence (float [batch, seq, FEATURES]; "
+                   "FEATURES read off the module when omitted), padding-mask ([batch, seq], True/1 = real token; it "
+                   "marks the input on the same AXIS), image (float [batch, C, H, W], e.g. "
+                   "pixel_values:image:3x224x224) or audio (float [batch, MEL, FRAMES], e.g. "
+                   "input_features:audio:80x3000); an image's or audio's sizes are read off the module's Hugging "
+                   "Face config when omitted (num_channels and image_size; num_mel_bins and 2 x "
+                   "max_source_positions), only its batch dynamic. AXIS (default seq) names a length axis: an "
+                   "encoder-decoder's target is e.g. tgt:tokens:tgt_seq.")
 @click.option("--output-name", "output_names", multiple=True, metavar="NAME",
               help="With --module, names of the forward's outputs in order (default: where each was returned: "
                    "output for a lone tensor, a dict's key, output_<i> for a tuple's items, <name>.<i> inside "
