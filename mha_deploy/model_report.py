@@ -60,7 +60,7 @@ BIAS_NOT_MASK = f"{POSITION_BIAS}, additive attention_bias"
 _BIAS_LABELS = {
     POSITION_BIAS: BIAS_NOT_MASK,
     SCORE_TERMS: f"{SCORE_TERMS}, additive attention_bias",
-    WINDOW_MASK: f"{WINDOW_MASK} (no ORT kernel takes a two-sided window), additive attention_bias",
+    WINDOW_MASK: f"{WINDOW_MASK}, additive attention_bias",
 }
 
 

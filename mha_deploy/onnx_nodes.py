@@ -33,9 +33,9 @@ POSITION_BIAS = "position bias"
 # An attention_bias holding a term of the scores computed from the activations (DeBERTa's c2p + p2c) with the
 # model's mask added to it, as the graph computes them (exact; the term is [batch, heads, q, kv] anyway).
 SCORE_TERMS = "relative score terms with the mask"
-# An attention_bias that is a mask with a window or chunk size (ModernBERT's local layers): no ORT kernel takes a
-# two-sided window (GroupQueryAttention's local_window_size is causal), so it stays materialised.
-WINDOW_MASK = "window mask"
+# An attention_bias that is a mask with a window or chunk size (ModernBERT's local layers): MultiHeadAttention takes
+# no window and GroupQueryAttention's local_window_size is causal only, so it stays materialised.
+WINDOW_MASK = "window or chunk mask"
 
 
 def all_nodes(graph: onnx.GraphProto) -> Iterator[onnx.NodeProto]:

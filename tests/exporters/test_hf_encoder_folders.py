@@ -5,10 +5,11 @@ nothing downloaded.
 
 Each family: every attention fused (no Softmax left) and the fused ops as said (DeBERTa's c2p + p2c as the op's
 attention_bias with its 1/sqrt(d * 3) scale; ModernBERT's global layers on the key padding input, its local
-layers' two-sided window as a materialised attention_bias, which the export's report names, since no ORT kernel
-takes such a window); the file equal to the module in plain ONNX Runtime under Hugging Face's input names at a
-batch and length the export never saw (right-padded rows, masks bool in the file), within OWN_MODEL_ATOL/RTOL
-(2e-5 absolute, 1e-4 relative: fp32, a different summation order). One export per family per module."""
+layers' two-sided window as a materialised attention_bias, which the export's report names: MultiHeadAttention
+takes no window and GroupQueryAttention's local_window_size is causal only); the file equal to the module in plain
+ONNX Runtime under Hugging Face's input names at a batch and length the export never saw (right-padded rows, masks
+bool in the file), within OWN_MODEL_ATOL/RTOL (2e-5 absolute, 1e-4 relative: fp32, a different summation order).
+One export per family per module."""
 
 from __future__ import annotations
 
@@ -132,11 +133,11 @@ def test_debertas_relative_terms_are_the_ops_bias_with_its_scale(exported):
 def test_modernberts_global_layer_takes_key_padding_and_its_local_window_is_named(exported):
     _, path, output = exported("modernbert")
     _, _, infos = _fused(path)
-    windows = [info for info in infos if "window mask" in info.kernel]
+    windows = [info for info in infos if "window or chunk mask" in info.kernel]
     assert len(windows) == LAYERS // 2, [info.kernel for info in infos]  # global_attn_every_n_layers 2
     assert all("key_padding_mask" in info.inputs for info in infos if info not in windows)
-    assert f"{LAYERS // 2} with a window mask as attention_bias (materialised: no ORT kernel takes a two-sided " \
-           "window)" in output
+    assert f"{LAYERS // 2} with a window or chunk mask as attention_bias (materialised: MultiHeadAttention takes " \
+           "no window, GroupQueryAttention's is causal only)" in output
     assert "opset 22, not 23" in output  # the rotary written as plain ops
 
 

@@ -100,8 +100,8 @@ MAX_IR_VERSION = 10
 MIN_ONNX_ATTENTION_OPSET = 23
 _FUSION_DOMAIN = "ai.onnxruntime._fusion"
 # Why a window mask stays a materialised bias: MultiHeadAttention takes no window, GroupQueryAttention's
-# local_window_size is a causal one (keys behind the query only).
-_WINDOW_WHY = "materialised: no ORT kernel takes a two-sided window"
+# local_window_size is a causal one (keys behind the query only; not used here yet).
+_WINDOW_WHY = "materialised: MultiHeadAttention takes no window, GroupQueryAttention's is causal only"
 # The mask inputs worth reporting; the ops a fusion produces and their input
 # roles are the ones `mha-deploy inspect` knows (model_report).
 _MASK_ROLES = {"key_padding_mask", "attention_bias", "mask_index", "attn_mask", "seqlens_k"}
