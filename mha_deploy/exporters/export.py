@@ -534,8 +534,8 @@ def _export_model(
     if max_length is None and context_length is not None:
         max_length = context_length
         declared.warnings.append(f"max length {context_length} recorded from the model's config (its "
-                                 "max_position_embeddings: no position table states it; --max-length to record "
-                                 "another)")
+                                 "max_position_embeddings or max_target_positions: no position table states it; "
+                                 "--max-length to record another)")
     seq2seq = seq2seq_tensors(signature) if kv_cache else None
     if kv_cache:
         if seq2seq is None:

@@ -132,9 +132,15 @@ class HFModel:
 
     def context_length(self) -> int | None:
         """The config's ``max_position_embeddings``: the longest sequence the model takes, where no position table
-        states it (M2M100's sinusoidal table, rebuilt in its forward past that length)."""
-        value = getattr(self.module.config, "max_position_embeddings", None)
-        return value if type(value) is int and value > 0 else None
+        states it (M2M100's sinusoidal table, rebuilt in its forward past that length); else an encoder-decoder's
+        ``max_target_positions`` (Whisper: its source is features of a fixed size, its decoder's table is sliced by
+        length, which no probe reads as a table)."""
+        config = self.module.config
+        for name in ("max_position_embeddings", *(("max_target_positions",) if self.encoder_decoder else ())):
+            value = getattr(config, name, None)
+            if type(value) is int and value > 0:
+                return value
+        return None
 
 
 def _token_ids(value) -> list[int]:

@@ -163,7 +163,7 @@ def test_mbart_as_it_comes_is_traced_without_its_cache_object(tmp_path):
 
 
 # Whisper: features of MEL x 2*POSITIONS; its decoder prompt <|startoftranscript|><|lang|><|task|><|notimestamps|>.
-MEL, POSITIONS, TRANSCRIPT = 8, 8, 50
+MEL, POSITIONS, TARGET_POSITIONS, TRANSCRIPT = 8, 8, 32, 50
 WHISPER_PROMPT = [TRANSCRIPT, 60, 70, 80]
 
 
@@ -173,8 +173,8 @@ def whisper(tmp_path_factory):
     folder = tmp_path_factory.mktemp("hf-whisper")
     kwargs = {**_config_kwargs(), "decoder_start_token_id": TRANSCRIPT}
     del kwargs["max_position_embeddings"]
-    config = transformers.WhisperConfig(num_mel_bins=MEL, max_source_positions=POSITIONS, max_target_positions=32,
-                                        **kwargs)
+    config = transformers.WhisperConfig(num_mel_bins=MEL, max_source_positions=POSITIONS,
+                                        max_target_positions=TARGET_POSITIONS, **kwargs)
     torch.manual_seed(48)
     model = transformers.WhisperForConditionalGeneration(config)
     assert model.config.use_cache
@@ -194,6 +194,8 @@ def test_whisper_as_it_comes_exports_fused_on_its_audio_features(whisper):
 
     _, path, output = whisper
     assert f"decoder {LAYERS} self- and {LAYERS} cross-attention(s), all fused" in output
+    # its decoder's table is sliced by length: the longest target is the config's max_target_positions
+    assert f"max length {TARGET_POSITIONS} recorded from the model's config" in output
     encoder = path.with_name("model.encoder.onnx")
     for file in (encoder, path):
         ops = _ops(file)
