@@ -145,22 +145,28 @@ class GenerationIds:
     row runs to its token budget), ``pad_token_id`` fills prompts and finished rows (onnxruntime-genai finds a
     prompt's padding by it), ``decoder_start_token_id`` is the first token an encoder-decoder's decoder reads,
     ``forced_bos_token_id`` the token an encoder-decoder's first generated token is forced to by default (a Hugging
-    Face generation config's: M2M100's and MBart-50's target language; ``generate --forced-bos-id`` overrides it)."""
+    Face generation config's: M2M100's and MBart-50's target language; ``generate --forced-bos-id`` overrides it);
+    ``suppress_tokens`` and ``begin_suppress_tokens`` ids generation never picks (first), a generation config's
+    (Whisper's)."""
 
     eos_token_ids: list[int] = field(default_factory=list)
     pad_token_id: int | None = None
     decoder_start_token_id: int | None = None
     forced_bos_token_id: int | None = None
+    suppress_tokens: list[int] = field(default_factory=list)
+    begin_suppress_tokens: list[int] = field(default_factory=list)
 
     def __post_init__(self):
         self.eos_token_ids = list(self.eos_token_ids)
+        self.suppress_tokens, self.begin_suppress_tokens = list(self.suppress_tokens), list(self.begin_suppress_tokens)
 
     def to_dict(self) -> dict:
         """As recorded: the forced first id only when set, so that a file without one stays readable by earlier
         mha-deploy."""
         raw = asdict(self)
-        if self.forced_bos_token_id is None:
-            del raw["forced_bos_token_id"]
+        for name in ("forced_bos_token_id", "suppress_tokens", "begin_suppress_tokens"):
+            if raw[name] in (None, []):
+                del raw[name]
         return raw
 
     @property
@@ -185,6 +191,10 @@ class GenerationIds:
                     f"{source}: {name} is {token}, past the model's vocabulary of {vocab} ids (0 to {vocab - 1}): "
                     "was it taken from another model's tokenizer?"
                 )
+        for name in ("suppress_tokens", "begin_suppress_tokens"):  # ids past the vocabulary are ignored, as there
+            bad = [token for token in getattr(self, name) if type(token) is not int or token < 0]
+            if bad:
+                raise SignatureError(f"{source}: {name} holds {bad[0]!r}, not a non-negative integer token id")
 
     def describe(self) -> str:
         parts = [f"eos {', '.join(map(str, self.eos_token_ids))}" if self.eos_token_ids else "no eos"]
@@ -194,6 +204,8 @@ class GenerationIds:
             parts.append(f"decoder start {self.decoder_start_token_id}")
         if self.forced_bos_token_id is not None:
             parts.append(f"forced first token {self.forced_bos_token_id}")
+        if self.suppress_tokens or self.begin_suppress_tokens:
+            parts.append(f"{len(self.suppress_tokens)} suppressed id(s), {len(self.begin_suppress_tokens)} never first")
         return ", ".join(parts)
 
 

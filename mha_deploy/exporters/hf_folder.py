@@ -115,7 +115,7 @@ class HFModel:
     def generation_ids(self) -> GenerationIds | None:
         """The eos, pad and (an encoder-decoder's) decoder start ids of the folder's generation config, else of its
         config, and an encoder-decoder's forced first token (``forced_bos_token_id``: M2M100's and MBart-50's
-        target language); None when it names none."""
+        target language) and the ids its generation config suppresses (Whisper's); None when it names none."""
         sources = [getattr(self.module, "generation_config", None), self.module.config]
 
         def first(name: str) -> list[int]:
@@ -125,10 +125,14 @@ class HFModel:
         # A causal LM starts from its prompt: its bos id is the tokenizer's business, not the generator's.
         start = first("decoder_start_token_id") if self.encoder_decoder else []
         forced = first("forced_bos_token_id") if self.encoder_decoder else []
-        if not (eos or pad or start or forced):
+        # Whisper's: ids its generation never picks (first); only a generation config names them.
+        config = sources[0] if self.encoder_decoder else None
+        suppress, begin = (_token_ids(getattr(config, name, None)) for name in ("suppress_tokens",
+                                                                                "begin_suppress_tokens"))
+        if not (eos or pad or start or forced or suppress or begin):
             return None
         return GenerationIds(eos, pad[0] if pad else None, start[0] if start else None,
-                             forced[0] if forced else None)
+                             forced[0] if forced else None, suppress, begin)
 
     def context_length(self) -> int | None:
         """The config's ``max_position_embeddings``: the longest sequence the model takes, where no position table

@@ -36,6 +36,8 @@ from mha_deploy.runtime.logits import (
     MinNewTokensLengthLogitsProcessor,
     PresenceFrequencyPenaltyLogitsProcessor,
     RepetitionPenaltyLogitsProcessor,
+    SuppressTokensAtBeginLogitsProcessor,
+    SuppressTokensLogitsProcessor,
     TokenHistory,
     log_softmax,
     sampling_processors,
@@ -101,6 +103,9 @@ class GenerationConfig:
     - ``forced_bos_token_id`` (an encoder-decoder's): the first generated token of a row that starts from its
       decoder start id alone (M2M100's and MBart-50's target language), as transformers forces it; None: the id the
       file recorded at export (the folder's generation config), if any. A row given a decoder prompt is not forced.
+    - ``suppress_tokens`` (never generated) and ``begin_suppress_tokens`` (never generated first; second where the
+      first is forced): a Hugging Face generation config's (Whisper's), applied as transformers applies them; None:
+      the ids the file recorded at export, if any; ``[]``: none.
     """
 
     max_new_tokens: int = 20
@@ -121,6 +126,8 @@ class GenerationConfig:
     pad_token_id: int | None = None
     seed: int | None = None
     forced_bos_token_id: int | None = None
+    suppress_tokens: Sequence[int] | None = None
+    begin_suppress_tokens: Sequence[int] | None = None
 
     def __post_init__(self):
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
@@ -188,6 +195,11 @@ class GenerationConfig:
             processors.append(MinNewTokensLengthLogitsProcessor(self.min_new_tokens, self.end_ids))
         if self.forced_bos_token_id is not None:
             processors.append(ForcedBOSTokenLogitsProcessor(self.forced_bos_token_id))
+        if self.suppress_tokens:
+            processors.append(SuppressTokensLogitsProcessor(self.suppress_tokens))
+        if self.begin_suppress_tokens:
+            processors.append(SuppressTokensAtBeginLogitsProcessor(self.begin_suppress_tokens,
+                                                                   self.forced_bos_token_id is not None))
         if self.do_sample:
             processors.extend(sampling_processors(self.temperature, self.top_k, self.top_p))
         return processors
@@ -413,6 +425,9 @@ def with_recorded_ids(config: GenerationConfig, stepper: TokenStepper) -> Genera
     forced = getattr(recorded, "forced_bos_token_id", None)
     if config.forced_bos_token_id is None and forced is not None:
         config = replace(config, forced_bos_token_id=forced)
+    for name in ("suppress_tokens", "begin_suppress_tokens"):
+        if getattr(config, name) is None and getattr(recorded, name, None):
+            config = replace(config, **{name: list(getattr(recorded, name))})
     return config
 
 

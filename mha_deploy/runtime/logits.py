@@ -241,6 +241,37 @@ class ForcedBOSTokenLogitsProcessor(LogitsProcessor):
         return forced
 
 
+class SuppressTokensLogitsProcessor(LogitsProcessor):
+    """Ids never generated (a Hugging Face generation config's ``suppress_tokens``: Whisper's non-speech symbols):
+    filtered at every step, as transformers' processor of this name does; ids past the vocabulary are ignored."""
+
+    def __init__(self, ids: Iterable[int]):
+        self.ids = token_ids(ids)
+
+    def __call__(self, history: TokenHistory, scores: np.ndarray) -> np.ndarray:
+        ids = [i for i in self.ids if i < scores.shape[-1]]
+        if not ids:
+            return scores
+        scores = scores.copy()
+        scores[:, ids] = FILTERED
+        return scores
+
+
+class SuppressTokensAtBeginLogitsProcessor(SuppressTokensLogitsProcessor):
+    """Ids never generated first (``begin_suppress_tokens``: Whisper's blank and end ids), as transformers applies
+    them: at the first new token, or at the second where the first is forced (``forced_bos``) after the start id
+    alone."""
+
+    def __init__(self, ids: Iterable[int], forced_bos: bool = False):
+        super().__init__(ids)
+        self.forced_bos = forced_bos
+
+    def __call__(self, history: TokenHistory, scores: np.ndarray) -> np.ndarray:
+        prompt = history.tokens.shape[1] - history.generated
+        begin = 1 if self.forced_bos and prompt == 1 else 0
+        return super().__call__(history, scores) if history.generated == begin else scores
+
+
 def token_ids(ids: int | Iterable[int] | None) -> tuple[int, ...]:
     """``ids`` as a tuple of distinct non-negative ints, in the order given (None: none)."""
     if ids is None:

@@ -13,7 +13,12 @@ from mha_deploy.batch.generation import Prompt, PromptLimits, _record_prompt
 from mha_deploy.errors import InputError, OptionError
 from mha_deploy.metadata import EncoderDecoderRecord, GenerationIds
 from mha_deploy.runtime.generation import GenerationConfig, decoder_prompt_rows, with_recorded_ids
-from mha_deploy.runtime.logits import ForcedBOSTokenLogitsProcessor, TokenHistory
+from mha_deploy.runtime.logits import (
+    ForcedBOSTokenLogitsProcessor,
+    SuppressTokensAtBeginLogitsProcessor,
+    SuppressTokensLogitsProcessor,
+    TokenHistory,
+)
 from mha_deploy.signature import AUDIO, TensorSpec
 
 START, VOCAB = 2, 10
@@ -34,6 +39,20 @@ def test_the_forced_first_token_is_the_only_one_after_the_start_id_alone():
     # A row begun from a longer decoder prompt (or past its first token) is left alone, as transformers leaves it.
     later = TokenHistory(np.array([[START, 5], [START, 6]]), 1)
     assert ForcedBOSTokenLogitsProcessor(7)(later, scores) is scores
+
+
+def test_suppressed_ids_are_never_generated_and_begin_ones_never_first():
+    scores = np.zeros((1, VOCAB), np.float32)
+    start = TokenHistory(np.array([[START]]), 0)
+    assert np.isneginf(SuppressTokensLogitsProcessor([3, 4, 99])(start, scores)[0, [3, 4]]).all()  # 99: past, ignored
+    begin = SuppressTokensAtBeginLogitsProcessor([5])
+    assert np.isneginf(begin(start, scores)[0, 5]) and begin(TokenHistory(np.array([[START, 7]]), 1), scores) is scores
+    # transformers' begin index moves one on where the first token after the start id alone is forced
+    forced = SuppressTokensAtBeginLogitsProcessor([5], forced_bos=True)
+    assert forced(start, scores) is scores
+    assert np.isneginf(forced(TokenHistory(np.array([[START, 7]]), 1), scores)[0, 5])
+    prompted = TokenHistory(np.array([[START, 8, 9]]), 0)  # a decoder prompt: its first new token, forced or not
+    assert np.isneginf(forced(prompted, scores)[0, 5])
 
 
 def test_the_recorded_forced_id_is_the_default_and_a_given_one_wins():
@@ -100,7 +119,7 @@ def test_items_within_the_limits_pass():
 def test_the_forced_id_is_recorded_only_when_set():
     """A pair's record without a forced id stays what earlier mha-deploy reads; with one, it comes back."""
     plain = EncoderDecoderRecord("decoder", "m.encoder.onnx", GenerationIds([1], 0, START))
-    assert "forced_bos_token_id" not in plain.to_dict()["generation"]
+    assert set(plain.to_dict()["generation"]) == {"eos_token_ids", "pad_token_id", "decoder_start_token_id"}
     forced = EncoderDecoderRecord("decoder", "m.encoder.onnx", GenerationIds([1], 0, START, forced_bos_token_id=7))
     import json
 
