@@ -165,6 +165,8 @@ def test_mbart_as_it_comes_is_traced_without_its_cache_object(tmp_path):
 # Whisper: features of MEL x 2*POSITIONS; its decoder prompt <|startoftranscript|><|lang|><|task|><|notimestamps|>.
 MEL, POSITIONS, TARGET_POSITIONS, TRANSCRIPT = 8, 8, 32, 50
 WHISPER_PROMPT = [TRANSCRIPT, 60, 70, 80]
+# Its generation config's ids never generated (non-speech symbols) and never first (blank, end), as it saves them.
+SUPPRESS, BEGIN_SUPPRESS = list(range(3, 40, 3)), [EOS_ID, 41, 42, 43]
 
 
 @pytest.fixture(scope="module")
@@ -178,6 +180,7 @@ def whisper(tmp_path_factory):
     torch.manual_seed(48)
     model = transformers.WhisperForConditionalGeneration(config)
     assert model.config.use_cache
+    model.generation_config.suppress_tokens, model.generation_config.begin_suppress_tokens = SUPPRESS, BEGIN_SUPPRESS
     model.save_pretrained(folder)
     path = tmp_path_factory.mktemp("onnx-whisper") / "model.onnx"
     result = CliRunner().invoke(main, ["export", "--hf", str(folder), "--kv-cache", "-o", str(path)])
@@ -204,11 +207,13 @@ def test_whisper_as_it_comes_exports_fused_on_its_audio_features(whisper):
     assert [(i.name, i.shape[1:]) for i in plain.get_inputs()] == [("input_features", [MEL, 2 * POSITIONS])]
     decoder = [i.name for i in ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).get_inputs()]
     assert "encoder_attention_mask" not in decoder  # the features have no padding to mask
+    assert f"{len(SUPPRESS)} suppressed id(s), {len(BEGIN_SUPPRESS)} never first" in output
 
 
 @pytest.mark.parametrize("num_beams", [1, 3])
 def test_whisper_generates_as_transformers_from_features_and_decoder_prompts(whisper, num_beams):
-    """Four items of different features in one call: two from the start id alone, two from Whisper's prompt."""
+    """Four items of different features in one call: two from the start id alone, two from Whisper's prompt; the
+    recorded suppressed ids applied as transformers applies its generation config's."""
     from mha_deploy.runtime.generation import generate
     from mha_deploy.runtime.kv_stepper import KVCacheStepper
 
@@ -226,6 +231,7 @@ def test_whisper_generates_as_transformers_from_features_and_decoder_prompts(whi
         for row, tokens in zip(rows, want[:, len(decoder):].tolist(), strict=True):
             assert got.tokens[row].tolist() == tokens, row
     assert len({tuple(tokens.tolist()) for tokens in got.tokens}) > 1
+    assert not {token for tokens in got.tokens for token in tokens.tolist()} & set(SUPPRESS)
 
 
 def test_generate_reads_whisper_features_items_and_names_a_bad_one(whisper, tmp_path):
