@@ -405,8 +405,16 @@ def describe_model(path: str | os.PathLike) -> ModelReport:
         op_counts=dict(Counter(_op_label(n) for n in nodes).most_common()),
         attention_ops=attention,
         packing=packing_tags(model.graph),
-        metadata=asdict(metadata) if metadata else None,
+        metadata=_metadata_dict(metadata) if metadata else None,
         token_tables={spec.name: vocabulary(model, spec.name) for spec in metadata.signature.custom_inputs
                       if spec.role in ID_ROLES} if metadata else {},
         encoder_decoder=pair.to_dict() if pair is not None else None,
     )
+
+
+def _metadata_dict(metadata: ModelMetadata) -> dict:
+    """The metadata as a dict, its generation ids as recorded (``GenerationIds.to_dict``: unset ones left out)."""
+    raw = asdict(metadata)
+    if metadata.generation is not None:
+        raw["generation"] = metadata.generation.to_dict()
+    return raw
