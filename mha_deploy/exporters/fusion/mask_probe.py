@@ -98,7 +98,7 @@ def reads_activations(value: ir.Value) -> bool:
             continue
         seen.add(id(current))
         node = current.producer()
-        if node is None:
+        if node is None or node.op_type in ("Shape", "Size"):  # an activation's shape is not its values
             continue
         if node.op_type in _ACTIVATION_OPS:
             return True
@@ -113,7 +113,31 @@ def window_constants(value: ir.Value) -> bool:
         nodes, _ = _subgraph([value], shapes_as_inputs=True)  # the Expand upstream adds reads the query's shape
     except _NotReadable:
         return False
-    return _has_position_constants(nodes)
+    # A comparison of positions against a size: ``|q - k| <= w`` (ModernBERT), ``k > q - w``. Shape arithmetic
+    # (a view's batch * heads) compares nothing.
+    for node in nodes:
+        if node.op_type not in _COMPARISONS:
+            continue
+        for operand in node.inputs:
+            producer = operand.producer() if operand is not None else None
+            sources = [operand, *(producer.inputs if producer is not None and producer.op_type in ("Add", "Sub")
+                                  else ())]
+            if any(_sized_constant(source) for source in sources):
+                return True
+    return False
+
+
+_COMPARISONS = {"Less", "LessOrEqual", "Greater", "GreaterOrEqual"}
+
+
+def _sized_constant(value: ir.Value | None) -> bool:
+    """Whether ``value`` is an integer constant other than 0 and +-1."""
+    if value is None or value.dtype not in _INTEGER_TYPES:
+        return False
+    tensor = value.const_value
+    if tensor is None and (producer := value.producer()) is not None and producer.op_type == "Constant":
+        tensor = producer.attributes.get_tensor("value", None)
+    return tensor is not None and not np.isin(tensor.numpy(), (-1, 0, 1)).all()
 
 
 def cut_out(outputs: list[ir.Value], shapes_as_inputs: bool = False):
