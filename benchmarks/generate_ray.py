@@ -5,9 +5,12 @@ A script, not a test:
 
     .venv/bin/python benchmarks/generate_ray.py                  # 2,000 prompts, about 2 minutes on 2 cores
     .venv/bin/python benchmarks/generate_ray.py --prompts 200 --repeats 1   # checks it runs
+    .venv/bin/python benchmarks/generate_ray.py --model bench --max-new-tokens 8 --repeats 1   # a model whose work
+                                                                 # outweighs an actor's start (about 6 minutes)
 
 The model is ``tests/user_models/tutorial_gpt.py``'s ``build()`` (the small tutorial GPT: 2 layers, d_model 32, a
-60-token vocabulary, 512 positions), exported as users export it (``export_model(..., kv_cache=True)``). The
+60-token vocabulary, 512 positions; ``--model bench``: ``build_bench()``, 6 layers, d_model 512), exported as
+users export it (``export_model(..., kv_cache=True)``). The
 prompts: random ids of 16 to 64 tokens in 8 JSONL shards; greedy, ``--max-new-tokens`` new tokens each (no end id,
 so every prompt runs to the end), batches of 16. A local Ray of 2 CPUs is started once, before anything is timed,
 as a cluster is up before a job is sent to it; each timed run is a fresh job (a new output directory) timed from
@@ -34,14 +37,15 @@ REPOSITORY = Path(__file__).resolve().parents[1]
 SHARDS, BATCH = 8, 16
 
 
-def export(workdir: Path) -> Path:
+def export(workdir: Path, size: str) -> Path:
     sys.path.insert(0, str(REPOSITORY / "tests" / "user_models"))
     import tutorial_gpt
 
     from mha_deploy.exporters import export_model
 
     path = workdir / "gpt.onnx"
-    export_model(tutorial_gpt.build(), path, tutorial_gpt.INPUTS, kv_cache=True)
+    module = tutorial_gpt.build_bench() if size == "bench" else tutorial_gpt.build()
+    export_model(module, path, tutorial_gpt.INPUTS, kv_cache=True)
     return path
 
 
@@ -61,6 +65,10 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=2000)
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=2)
+    # tiny: each actor's start (Ray, onnxruntime, the model: a few seconds) is most of a run; bench: the work is.
+    parser.add_argument("--model", choices=("tiny", "bench"), default="tiny",
+                        help="tiny: tutorial_gpt.build() (d_model 32); bench: build_bench() (6 layers, d_model 512, "
+                             "32k vocabulary)")
     args = parser.parse_args()
 
     import ray
@@ -81,7 +89,7 @@ def main() -> None:
 
     workdir = Path(tempfile.mkdtemp(prefix="generate-ray-"))
     try:
-        model = export(workdir)
+        model = export(workdir, args.model)
         prompts = write_prompts(workdir / "prompts", args.prompts)
         config = GenerationConfig(max_new_tokens=args.max_new_tokens)
         options = RunnerOptions(batch_size=BATCH)

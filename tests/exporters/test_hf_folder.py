@@ -22,7 +22,7 @@ ort = pytest.importorskip("onnxruntime")
 from click.testing import CliRunner  # noqa: E402
 
 from mha_deploy.cli import main  # noqa: E402
-from mha_deploy.exporters.hf_folder import HF_INPUTS, BesideFiles  # noqa: E402
+from mha_deploy.exporters.hf_folder import BesideFiles  # noqa: E402
 from mha_deploy.exporters.own_model import named_outputs  # noqa: E402
 from mha_deploy.model_report import read_metadata  # noqa: E402
 from mha_deploy.onnx_nodes import all_nodes  # noqa: E402
@@ -292,15 +292,16 @@ def test_the_output_names_are_a_model_outputs_field_names():
     assert [name for name, _ in named_outputs(result)] == ["last_hidden_state", "pooler_output"]
 
 
-@pytest.mark.skipif("pixel_values" in HF_INPUTS, reason="--hf feeds images now")
 def test_a_model_reading_an_input_without_a_role_is_refused_naming_it(tmp_path):
-    config = transformers.ViTConfig(hidden_size=D_MODEL, num_hidden_layers=1, num_attention_heads=HEADS,
-                                    intermediate_size=FFN, image_size=32, patch_size=16)
-    transformers.ViTModel(config).save_pretrained(tmp_path / "vit")
+    """Wav2Vec2 reads raw waveforms (input_values), which no role feeds: refused before anything is written."""
+    config = transformers.Wav2Vec2Config(hidden_size=D_MODEL, num_hidden_layers=1, num_attention_heads=HEADS,
+                                         intermediate_size=FFN, conv_dim=(D_MODEL,), conv_stride=(5,),
+                                         conv_kernel=(10,), num_conv_pos_embeddings=16)
+    transformers.Wav2Vec2Model(config).save_pretrained(tmp_path / "wav2vec2")
     out = tmp_path / "out"
-    result = CliRunner().invoke(main, ["export", "--hf", str(tmp_path / "vit"), "-o", str(out / "vit.onnx")])
+    result = CliRunner().invoke(main, ["export", "--hf", str(tmp_path / "wav2vec2"), "-o", str(out / "w.onnx")])
     assert result.exit_code == 1
-    assert "ViTModel.forward reads pixel_values, which --hf cannot feed yet" in result.output
+    assert "Wav2Vec2Model.forward reads input_values, which --hf cannot feed yet" in result.output
     assert not out.exists()
 
 
