@@ -46,6 +46,31 @@ def connect(port: int, ca: Path | None = None, timeout: float = TIMEOUT) -> http
     return http.client.HTTPSConnection("127.0.0.1", port, timeout=timeout, context=context)
 
 
+@contextlib.contextmanager
+def app_on_loopback(app, ready: bool = True, timeout_s: float = 30.0, log_level: str = "critical"):
+    """``app`` served by uvicorn in a thread on a free loopback port, for settings the CLI does not take: yields the
+    port once the server listens (and, with ``ready``, once /readyz answers 200); stops it on the way out."""
+    import uvicorn
+
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level=log_level))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            with contextlib.suppress(*NETWORK_ERRORS):
+                if server.started and (not ready or http_request(connect(port), "GET", "/readyz")[0] == 200):
+                    break
+            time.sleep(0.05)
+        else:
+            raise AssertionError("the server did not start")
+        yield port
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+
+
 def http_request(conn: http.client.HTTPConnection, method: str, path: str, body: bytes | None = None,
                  headers: dict | None = None, close: bool = True) -> tuple[int, dict[str, str], bytes]:
     """(status, lower-cased headers, body) of one request on ``conn``."""

@@ -10,14 +10,13 @@ from __future__ import annotations
 import base64
 import contextlib
 import json
-import threading
 import time
 
 import numpy as np
 import pytest
 
 from tests.conftest import user_module
-from tests.serving.helpers import NETWORK_ERRORS, connect, free_port, http_request
+from tests.serving.helpers import app_on_loopback, http_request
 
 torch = pytest.importorskip("torch")
 openai = pytest.importorskip("openai")
@@ -252,7 +251,8 @@ def test_a_generator_answers_that_it_serves_no_embeddings():
         raise RuntimeError("no engine in this test")
 
     service = GenerationService(no_engine, GenerationSettings(), RequestLimits(), "lm")
-    with running(create_generation_app(service), ready=False) as port, pytest.raises(openai.BadRequestError) as refused:
+    app = create_generation_app(service)
+    with app_on_loopback(app, ready=False, timeout_s=60) as port, pytest.raises(openai.BadRequestError) as refused:
         client(port).embeddings.create(model="lm", input=[1, 2, 3])
     assert refused.value.param == "model" and "generator" in refused.value.message
 
@@ -307,29 +307,8 @@ def served(path, options: EmbeddingOptions | None = None, tokenizer=None, on_loa
 
     app = create_app(load, batching, limits, on_load_error, model_name=NAME, embeddings=options, api_keys=api_keys,
                      tokenizer=PromptTokenizer(tokenizer) if tokenizer is not None else None)
-    with running(app, ready) as port:
+    with app_on_loopback(app, ready, timeout_s=60) as port:
         yield port
-
-
-@contextlib.contextmanager
-def running(app, ready: bool = True):
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="critical"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    try:
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            with contextlib.suppress(*NETWORK_ERRORS):
-                if server.started and (not ready or http_request(connect(port), "GET", "/readyz")[0] == 200):
-                    break
-            time.sleep(0.05)
-        else:
-            raise AssertionError("the server did not start")
-        yield port
-    finally:
-        server.should_exit = True
-        thread.join(timeout=30)
 
 
 def test_errors_have_openais_shape_for_any_http_client(server):

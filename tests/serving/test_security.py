@@ -19,8 +19,8 @@ from mha_deploy.metadata import Signature
 from mha_deploy.runtime import MHASession
 from tests.conftest import TEST_D_MODEL
 from tests.serving.helpers import (
-    NETWORK_ERRORS,
     Server,
+    app_on_loopback,
     assert_matches,
     connect,
     free_port,
@@ -286,7 +286,6 @@ def test_slow_bodies_cannot_hold_connections_or_the_drain(export_model, tmp_path
 
 def test_internal_errors_say_nothing_about_the_machine(export_model):
     """A failure inside the model run: 500 / INTERNAL with a fixed message; the path and traceback go to the log."""
-    import uvicorn
 
     from mha_deploy.serving.http.app import create_app
     from mha_deploy.serving.http.grpc_server import GrpcConfig
@@ -302,24 +301,13 @@ def test_internal_errors_say_nothing_about_the_machine(export_model):
         session.run = run
         return session
 
-    port, grpc_port = free_port(), free_port()
+    grpc_port = free_port()
     app = create_app(broken_session, model_name="mha", grpc_config=GrpcConfig(port=grpc_port))
+    with app_on_loopback(app) as port:
 
-    def request(method: str, route: str, body: bytes | None = None, headers: dict | None = None):
-        return http_request(connect(port), method, route, body, headers)
+        def request(method: str, route: str, body: bytes | None = None, headers: dict | None = None):
+            return http_request(connect(port), method, route, body, headers)
 
-    uv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="critical"))
-    thread = threading.Thread(target=uv.run, daemon=True)
-    thread.start()
-    try:
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            try:
-                if request("GET", "/readyz")[0] == 200:
-                    break
-            except NETWORK_ERRORS:
-                pass
-            time.sleep(0.05)
         answers = [
             request("POST", "/v1/infer", json.dumps({"x": X[0].tolist()}).encode(),
                     {"Content-Type": "application/json"}),
@@ -333,6 +321,3 @@ def test_internal_errors_say_nothing_about_the_machine(export_model):
             _grpc_infer(grpcclient.InferenceServerClient(f"127.0.0.1:{grpc_port}"), {"x": X})
         assert info.value.status() == "StatusCode.INTERNAL"
         assert str(path.parent) not in info.value.message() and "node" not in info.value.message()
-    finally:
-        uv.should_exit = True
-        thread.join(timeout=30)

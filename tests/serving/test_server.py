@@ -21,7 +21,7 @@ from mha_deploy.batching import BatchingConfig
 from mha_deploy.metadata import Signature
 from mha_deploy.runtime import MHASession
 from tests.conftest import TEST_D_MODEL
-from tests.serving.helpers import NETWORK_ERRORS, TIMEOUT, Server, free_port, sigterm_under_load
+from tests.serving.helpers import NETWORK_ERRORS, TIMEOUT, Server, app_on_loopback, free_port, sigterm_under_load
 
 D = TEST_D_MODEL
 MAX_TOKENS, MAX_BODY_MB = 256, 1
@@ -326,7 +326,6 @@ def test_unloadable_model_exits_with_one_line_error(tmp_path):
 
 def test_readyz_waits_for_the_model(export_model):
     """/healthz answers while the model loads; /readyz says 503 until it is loaded and warm."""
-    import uvicorn
 
     from mha_deploy.serving.http.app import create_app
 
@@ -337,28 +336,21 @@ def test_readyz_waits_for_the_model(export_model):
         assert release.wait(timeout=30)
         return MHASession(path, provider="cpu", warmup=True)
 
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(create_app(slow_load), host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    try:
-        deadline = time.monotonic() + 30
-        while not server.started and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert get(port, "/healthz")[0] == 200
-        status, _, body = get(port, "/readyz")
-        assert status == 503 and json.loads(body)["status"] == "loading"
-        status, _, body = request(port, "POST", "/v1/infer", _json({"x": [ROW]}), "application/json")
-        assert status == 503 and json.loads(body)["error"]["kind"] == "not_ready"
-        release.set()
-        while get(port, "/readyz")[0] != 200 and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert get(port, "/readyz")[0] == 200
-        assert infer(port, {"x": np.ones((2, D), np.float32)}, binary=True)[0] == 200
-    finally:
-        release.set()
-        server.should_exit = True
-        thread.join(timeout=30)
+    deadline = time.monotonic() + 30
+    with app_on_loopback(create_app(slow_load), ready=False, log_level="warning") as port:
+        try:
+            assert get(port, "/healthz")[0] == 200
+            status, _, body = get(port, "/readyz")
+            assert status == 503 and json.loads(body)["status"] == "loading"
+            status, _, body = request(port, "POST", "/v1/infer", _json({"x": [ROW]}), "application/json")
+            assert status == 503 and json.loads(body)["error"]["kind"] == "not_ready"
+            release.set()
+            while get(port, "/readyz")[0] != 200 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert get(port, "/readyz")[0] == 200
+            assert infer(port, {"x": np.ones((2, D), np.float32)}, binary=True)[0] == 200
+        finally:
+            release.set()
 
 
 def test_help_shows_an_example():
