@@ -44,6 +44,7 @@ from mha_deploy.serving.http.server import (
     _configure_logging,
     _with_companion_encoder,
     build_app,
+    check_model_name,
 )
 
 logger = logging.getLogger("mha_deploy.serve")
@@ -269,8 +270,7 @@ def server_application(config: ServeConfig, options: RayServeOptions | None = No
         raise ServeError(f"{', '.join(refused)}: not available with Ray Serve replicas (Ray Serve's HTTP proxy holds "
                          "the connections and serves no gRPC of the app's own); drop "
                          f"{'it' if len(refused) == 1 else 'them'}")
-    if not _MODEL_NAME.match(config.model_name):
-        raise ServeError(f"model name {config.model_name!r}: use letters, digits, '_', '.' and '-' only")
+    check_model_name(config.model_name)
     for label, path in (("model", config.model), ("tokenizer", config.generation.tokenizer),
                         ("chat template", config.generation.chat_template), ("encoder", config.generation.encoder),
                         ("API key file", config.api_key_file)):

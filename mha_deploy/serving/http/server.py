@@ -126,6 +126,12 @@ class ServeError(MHADeployError):
     """The server could not start (missing dependency, model that does not load, port in use)."""
 
 
+def check_model_name(name: str) -> None:
+    """Refuse a model name that is not one URL path segment unescaped (``_MODEL_NAME``)."""
+    if not _MODEL_NAME.match(name):
+        raise ServeError(f"model name {name!r}: use letters, digits, '_', '.' and '-' only")
+
+
 def serve(config: ServeConfig) -> None:
     """Run the server until SIGTERM/SIGINT. Raises ``ServeError`` or the load error if it cannot start."""
     try:
@@ -137,8 +143,7 @@ def serve(config: ServeConfig) -> None:
         raise ServeError(f"the server needs the 'serve' extra: pip install 'mha-deploy[serve]' ({exc})") from exc
     from mha_deploy.serving.http.auth import ApiKeys
 
-    if not _MODEL_NAME.match(config.model_name):
-        raise ServeError(f"model name {config.model_name!r}: use letters, digits, '_', '.' and '-' only")
+    check_model_name(config.model_name)
     _check_tls(config)
     api_keys = ApiKeys.from_file(config.api_key_file) if config.api_key_file is not None else None
     _configure_logging(config.log_level)
