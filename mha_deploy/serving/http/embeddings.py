@@ -41,7 +41,7 @@ from mha_deploy.serving.http.prompt_ids import is_id_list, list_ids, text_ids
 from mha_deploy.serving.http.server import EmbeddingOptions
 from mha_deploy.serving.http.service import InferenceService
 from mha_deploy.serving.http.text_bound import chars_per_token
-from mha_deploy.signature import BATCH_AXIS, MODEL_DTYPE, PADDING_MASK, TOKENS, Signature
+from mha_deploy.signature import BATCH_AXIS, MODEL_DTYPE, PADDING_MASK, SEGMENTS, TOKENS, Signature
 
 try:  # ~15x faster than tolist() + json.dumps for arrays of floats (part of the 'serve' extra)
     import orjson
@@ -51,7 +51,6 @@ except ImportError:  # pragma: no cover - depends on the environment
 logger = logging.getLogger("mha_deploy.serve")
 PATH = "/v1/embeddings"
 ENCODING_FORMATS = ("float", "base64")
-SEGMENTS = "segments"  # segment ids (BERT's token_type_ids): filled with 0 for one text
 NORM_EPS = 1e-12  # as torch.nn.functional.normalize (sentence-transformers' Normalize): a zero vector stays zero
 # [batch, d] outputs that are no embedding, left out of the automatic choice (they can still be named): BERT's
 # pooler_output is tanh(dense(first token)), the input of its next-sentence head, not a trained sentence embedding.
