@@ -47,6 +47,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+from _decode_limits import memory_bandwidth_gb_s, peak_rss_mb, weight_bytes_per_token
 
 REPOSITORY = Path(__file__).resolve().parents[1]
 THREADS, PAD = 2, 0
@@ -196,38 +197,6 @@ def run_quantized(sizes: Sizes, workdir: Path, kind: str) -> None:
     print(load_line(before, load_average(), THREADS))
 
 
-def memory_bandwidth_gb_s() -> float:
-    """GB/s of a numpy sum over 256 MB of float32 (one core): what one decoding thread can read at best."""
-    data = np.ones(64 * 2**20, np.float32)
-    best = float("inf")
-    for _ in range(5):
-        started = time.perf_counter()
-        data.sum()
-        best = min(best, time.perf_counter() - started)
-    return data.nbytes / best / 1e9
-
-
-def weight_bytes_per_token(path: Path) -> int:
-    """The bytes of stored weights one decoded token reads: every initializer (MatMulNBits' blocks, scales and zero
-    points included), except a table only gathered from (an embedding), which gives one row per token."""
-    import onnx
-
-    from mha_deploy.onnx_nodes import all_nodes
-
-    model = onnx.load(str(path))
-    readers: dict[str, list] = {}
-    for node in all_nodes(model.graph):
-        for index, name in enumerate(node.input):
-            readers.setdefault(name, []).append((node.op_type, index))
-    total = 0
-    for tensor in model.graph.initializer:
-        size = onnx.numpy_helper.to_array(tensor).nbytes
-        uses = readers.get(tensor.name, [])
-        gathered = uses and all(op == "Gather" and index == 0 for op, index in uses) and len(tensor.dims) == 2
-        total += size // tensor.dims[0] if gathered else size
-    return total
-
-
 def export(sizes: Sizes, workdir: Path, quantize: str = "none") -> Path:
     """The benchmark's GPT exported with --kv-cache (a pad id recorded, ``quantize`` as asked) and
     genai_config.json beside it."""
@@ -290,11 +259,6 @@ def _probe(name: str, request: dict, workdir: Path) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def _peak_rss_mb() -> float:
-    with open("/proc/self/status") as status:
-        return next(int(line.split()[1]) for line in status if line.startswith("VmHWM:")) / 1024
-
-
 def _ours(request: dict) -> dict:
     """runtime.generation over the file: torch-free, as users run it."""
     from mha_deploy.runtime.generation import generate
@@ -311,7 +275,7 @@ def _ours(request: dict) -> dict:
     # The cache as the last step left it (every row ran to the end, so none was freed).
     # A ragged file's cache is its buffers (sized once from prompt + new tokens), a holes file's the last present.
     cache_bytes = sum(array.nbytes for array in (stepper.buffers if stepper.ragged else stepper.past).values())
-    return {"seconds": seconds, "peak_rss_mb": _peak_rss_mb(), "tokens": [t.tolist() for t in out.tokens],
+    return {"seconds": seconds, "peak_rss_mb": peak_rss_mb(), "tokens": [t.tolist() for t in out.tokens],
             "cache_mb": cache_bytes / 2**20, "cache_positions": stepper.capacity}
 
 
@@ -339,7 +303,7 @@ def _transformers(request: dict) -> dict:
                                  min_new_tokens=request["new"], **options)
             seconds.append(time.perf_counter() - started)
     assert out.shape[1] == prompts.shape[1] + request["new"]
-    return {"seconds": seconds, "peak_rss_mb": _peak_rss_mb()}
+    return {"seconds": seconds, "peak_rss_mb": peak_rss_mb()}
 
 
 _PROBES = {"ours": _ours, "transformers": _transformers}
