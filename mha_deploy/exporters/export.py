@@ -603,7 +603,7 @@ def _export_own_cache(
     """``export_model`` with ``kv_cache``: ``plain`` rewired to take and return a cache per attention, in the
     ragged layout where ``cache_layout`` and the file allow it."""
     notes = _check_generation_ids(generation, declared.signature)
-    layers = find_attention_caches(plain, attention_ops)
+    layers = find_attention_caches(plain, attention_ops, grouped=True)
     if len({(layer.heads, layer.head_dim) for layer in layers}) > 1:
         raise ExportError("--kv-cache: the attentions differ in heads or head size; one cache shape is supported")
     signature = cache_signature(declared.signature, layers)

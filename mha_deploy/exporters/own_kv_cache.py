@@ -38,6 +38,11 @@ those rows (rotary cos/sin) is computed from ``position_ids``; the metadata's
 ``positions`` records which of "input", "none" or "padded-width" the file's positions are
 (``positions_kind``).
 
+A grouped-query attention (fewer KV heads than query heads, repeated before the attention reads them as
+Hugging Face's ``repeat_kv`` writes it: ``fusion.repeat_kv``) keeps its cache at the KV heads: the cache grows
+where the repeat reads the KV heads, ``present.i.key = Concat(past [batch, kv_heads, past_seq, d_k], new)``, and
+the attention reads past ++ new repeated, as it read new repeated (``find_attention_caches(grouped=True)``).
+
 That is the "holes" layout: present = past ++ new, a copy of the cache per step, padding on either side kept as
 holes the mask hides. Where the positions are "input" or "none", the export then rewrites the fused graph into the
 "ragged" layout (``fusion.ragged_cache``, whose docstring is that file contract): each attention is
@@ -98,13 +103,23 @@ class AttentionCache:
     weighted: str
     heads: int
     head_dim: int
+    # A grouped-query attention whose keys and values are a repeat of fewer heads (``fusion.repeat_kv``): the
+    # cache holds the ``kv_heads`` before the repeat, and these Unsqueeze nodes (the repeat's first) read it.
+    kv_heads: int | None = None
+    key_repeat: str | None = None
+    value_repeat: str | None = None
+
+    @property
+    def cache_heads(self) -> int:
+        """The heads the cache holds: the KV heads of a grouped-query attention, else every head."""
+        return self.kv_heads or self.heads
 
 
 def cache_signature(signature: Signature, layers: list[AttentionCache]) -> Signature:
     """The cache-free ``signature`` of a causal LM as its cache model takes it: ``input_ids`` [batch, seq],
     ``attention_mask`` int64 [batch, total_seq] (1 = real, over the cached tokens and the new ones),
-    ``past_key_values.{i}.key|value`` [batch, heads, past_seq, head_dim] per attention; ``logits``
-    [batch, seq, vocab] and ``present.{i}.key|value`` [batch, heads, total_seq, head_dim] out."""
+    ``past_key_values.{i}.key|value`` [batch, heads, past_seq, head_dim] per attention (a grouped-query one's KV
+    heads); ``logits`` [batch, seq, vocab] and ``present.{i}.key|value`` [batch, heads, total_seq, head_dim] out."""
     tokens, _, output = lm_tensors(signature)
     inputs = [
         replace(tokens, name=INPUT_IDS),
@@ -113,9 +128,9 @@ def cache_signature(signature: Signature, layers: list[AttentionCache]) -> Signa
     outputs = [replace(output, name=LOGITS)]
     for i, layer in enumerate(layers):
         for kind in ("key", "value"):
-            axes = (BATCH_AXIS, layer.heads, PAST_AXIS, layer.head_dim)
+            axes = (BATCH_AXIS, layer.cache_heads, PAST_AXIS, layer.head_dim)
             inputs.append(TensorSpec(f"past_key_values.{i}.{kind}", PAST, MODEL_DTYPE, axes))
-            axes = (BATCH_AXIS, layer.heads, TOTAL_AXIS, layer.head_dim)
+            axes = (BATCH_AXIS, layer.cache_heads, TOTAL_AXIS, layer.head_dim)
             outputs.append(TensorSpec(f"present.{i}.{kind}", PRESENT, MODEL_DTYPE, axes))
     return Signature.custom(tuple(inputs), tuple(outputs), signature.custom_paddable, layers=len(layers))
 
@@ -142,10 +157,12 @@ def lm_tensors(signature: Signature) -> tuple[TensorSpec, TensorSpec, TensorSpec
     return tokens[0], masks[0], outputs[0]
 
 
-def find_attention_caches(plain: onnx.ModelProto, expected: int) -> list[AttentionCache]:
+def find_attention_caches(plain: onnx.ModelProto, expected: int, grouped: bool = False) -> list[AttentionCache]:
     """Each attention of the plain export in graph order, with the MatMuls that read its keys and values;
     an ``ExportError`` unless every one of the ``expected`` attentions is found in the reference form
-    (a Softmax over Q·Kᵀ scores, its probabilities times V, 4-D keys and values with static heads)."""
+    (a Softmax over Q·Kᵀ scores, its probabilities times V, 4-D keys and values with static heads).
+    ``grouped``: where every attention's keys and values are a repeat of fewer KV heads (``fusion.repeat_kv``),
+    each records them, and ``attach_own_caches`` keeps the cache at those heads (never repeated)."""
     from mha_deploy.exporters.fusion.pipeline import _score_nodes, unfused_attentions
 
     model = ir.serde.deserialize_model(plain)
@@ -163,6 +180,8 @@ def find_attention_caches(plain: onnx.ModelProto, expected: int) -> list[Attenti
             problems.append(f"{node.name}: keys/values are not [batch, heads, seq, d_k] with static heads")
             continue
         caches.append(AttentionCache(scores[-1].name, weighted.name, dims[1][0], dims[1][2]))
+    if grouped and not problems:
+        caches = _grouped(caches, {node.name: node for node in model.graph})
     if problems or len(caches) != expected or not caches:
         raise ExportError(
             f"--kv-cache: {len(caches)} of {expected} attention(s) found where a cache can be attached"
@@ -170,6 +189,31 @@ def find_attention_caches(plain: onnx.ModelProto, expected: int) -> list[Attenti
             "silently wrong, so nothing is written"
         )
     return caches
+
+
+def _grouped(caches: list[AttentionCache], nodes: dict[str, ir.Node]) -> list[AttentionCache]:
+    """``caches`` with their KV heads where every attention's keys (``Transpose(repeat, [0, 1, 3, 2])`` as the
+    scores read them) and values are a repeat of the same fewer heads; else ``caches`` as they are (all or none:
+    one cache shape for every layer)."""
+    from mha_deploy.exporters.fusion.repeat_kv import repeated_heads
+
+    grouped = []
+    for layer in caches:
+        keys_t = nodes[layer.scores].inputs[1]
+        transpose = keys_t.producer()
+        if transpose is None or transpose.op_type != "Transpose" \
+                or list(transpose.attributes.get_ints("perm", [])) != [0, 1, 3, 2]:
+            return caches
+        key, value = repeated_heads(transpose.inputs[0]), repeated_heads(nodes[layer.weighted].inputs[1])
+        if key is None or value is None or (key.kv_heads, key.groups) != (value.kv_heads, value.groups) \
+                or key.kv_heads * key.groups != layer.heads or not key.unsqueeze.name or not value.unsqueeze.name \
+                or len({key.unsqueeze.name, value.unsqueeze.name}) != 2:
+            return caches
+        grouped.append(replace(layer, kv_heads=key.kv_heads, key_repeat=key.unsqueeze.name,
+                               value_repeat=value.unsqueeze.name))
+    if len({layer.kv_heads for layer in grouped}) != 1:
+        return caches
+    return grouped
 
 
 def _probabilities_matmul(softmax: ir.Node) -> ir.Node | None:
@@ -232,6 +276,19 @@ def attach_own_caches(
         scores, weighted = by_name[layer.scores], by_name[layer.weighted]
         keys_t, values = scores.input[1], weighted.input[1]
         key, value = f"{_PREFIX}{i}.key", f"{_PREFIX}{i}.value"
+        if layer.kv_heads is not None:
+            # Grouped-query: the cache grows the KV heads where the repeat reads them, so the attention reads
+            # past ++ new repeated as it read new repeated, and the cache holds each KV head once.
+            for repeat, past_name, grown in ((layer.key_repeat, f"past_key_values.{i}.key", key),
+                                             (layer.value_repeat, f"past_key_values.{i}.value", value)):
+                unsqueeze = by_name[repeat]
+                source = unsqueeze.input[0]  # [batch, kv_heads, seq, d_k]
+                nodes += [*_grown(source, past_name, grown, past),
+                          helper.make_node("Identity", [grown], [past_name.replace("past_key_values", "present")])]
+                unsqueeze.input[0] = grown
+                if source in types:
+                    shapes.append((grown, types[source]))
+            continue
         nodes += [
             helper.make_node("Transpose", [keys_t], [key + ".new"], perm=[0, 1, 3, 2]),
             *_grown(key + ".new", f"past_key_values.{i}.key", key, past),

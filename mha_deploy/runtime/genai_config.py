@@ -85,9 +85,10 @@ def genai_config(metadata: ModelMetadata, filename: str, max_length: int | None 
     model["decoder"] = {
         "filename": filename,
         "session_options": session_options,
-        "hidden_size": heads * head_dim,
+        # A grouped-query model's cache holds its KV heads, fewer than the queries' (metadata.num_heads).
+        "hidden_size": max(metadata.num_heads, heads) * head_dim,
         "head_size": head_dim,
-        "num_attention_heads": heads,
+        "num_attention_heads": max(metadata.num_heads, heads),
         "num_key_value_heads": heads,
         "num_hidden_layers": layers,
         "inputs": {**{name: name for name in _GENAI_INPUTS if name in inputs},

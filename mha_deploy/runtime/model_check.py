@@ -332,7 +332,9 @@ def check_cache_behaviour(run: RunFn, metadata: ModelMetadata, source: str) -> N
                                         metadata.dtype)[query][None]}
     x = sequences[query]
     output = signature.output_names[0]
-    empty = np.zeros((1, metadata.num_heads, 0, metadata.d_model // metadata.num_heads), metadata.dtype)
+    # Each cache empty as its own spec sizes it: a grouped-query model's caches hold fewer heads than its queries.
+    sizes = signature.axis_sizes(1, 1, 0, **metadata.fixed_sizes)
+    empty = {name: np.zeros(signature.tensors[name].shape(sizes), metadata.dtype) for name in signature.cache_pairs}
 
     def call(tokens: np.ndarray, past: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         total = tokens.shape[1] + past[signature.growing_caches[0]].shape[2]
@@ -345,8 +347,8 @@ def check_cache_behaviour(run: RunFn, metadata: ModelMetadata, source: str) -> N
             if "position_ids" in signature.tensors else {}
         return run({**sequences, query: tokens, **past, **masks, **positions})
 
-    whole = call(x, dict.fromkeys(signature.cache_pairs, empty))
-    first = call(x[:, :3], dict.fromkeys(signature.cache_pairs, empty))
+    whole = call(x, empty)
+    first = call(x[:, :3], empty)
     second = call(x[:, 3:], {past: first[present] for past, present in signature.cache_pairs.items()})
     pieces = {
         output: np.concatenate([first[output], second[output]], axis=1),

@@ -441,10 +441,13 @@ def _cache_arrays(
     decoder's encoder caches empty on the first call (past_seq 0) and memory-long on later ones."""
     signature = metadata.signature
     dtype = np.dtype(metadata.dtype)
-    heads, d_k = metadata.num_heads, metadata.d_model // metadata.num_heads
     batch = next(iter(sequences.values())).shape[0]
     arrays = {}
     for name in signature.cache_pairs:
+        # A cache states its own heads where it holds fewer than the queries (a grouped-query model's KV heads).
+        _, heads, _, d_k = signature.tensors[name].axes
+        heads = heads if isinstance(heads, int) else metadata.num_heads
+        d_k = d_k if isinstance(d_k, int) else metadata.d_model // metadata.num_heads
         array = np.asarray(inputs[name])
         if array.dtype != dtype:
             raise InputError(f"{name} must be {dtype.name}, got {array.dtype}")

@@ -17,15 +17,20 @@ The file contract of the ragged layout (what a runtime feeds; ``metadata.cache_l
 - ``attention_mask`` int64 [batch, total]: row r's first n_r entries 1, the rest 0 (n_r = the row's tokens so
   far including this call's real ones). Right padding only.
 - ``position_ids`` [batch, seq] (when the file takes them): n_r - seq + arange(seq) (a first call: arange).
-- ``past_key_values.i.key|value`` [batch, heads, W, head_dim], W >= each row's past length (n_r - seq): row r's
-  first n_r - seq positions are its cache, anything after is ignored. ``present.i.key|value`` [batch, heads,
-  max(total, W), head_dim]: past with this call's keys/values written at each row's positions; bound to the
-  past's own buffer it is updated in place.
+- ``past_key_values.i.key|value`` [batch, kv_heads, W, head_dim], W >= each row's past length (n_r - seq): row
+  r's first n_r - seq positions are its cache, anything after is ignored. ``present.i.key|value`` [batch,
+  kv_heads, max(total, W), head_dim]: past with this call's keys/values written at each row's positions; bound to
+  the past's own buffer it is updated in place. ``kv_heads`` is a grouped-query model's KV heads (``kv_num_heads``),
+  else every head.
 
 What is rewritten, found structurally: each ``com.microsoft.MultiHeadAttention`` whose keys and values are
-``Concat(past input, new [batch, heads, seq, head_dim])`` along the length, each Concat read by the op and by
-one Identity to a present output; the new keys/values traced back through Transposes and one Reshape to the
-[batch, seq, heads * head_dim] projection GroupQueryAttention takes. The op's additive bias must come only from
+``Concat(past input, new [batch, kv_heads, seq, head_dim])`` along the length, each Concat read by the op (directly,
+or through a grouped-query model's ``repeat_kv`` of its KV heads, ``fusion.repeat_kv``, and the Reshape(Transpose)
+to [batch, total, hidden] upstream's fusion wrote, nothing else reading either) and by one Identity to a present
+output. The new keys/values are traced back through Transposes and one Reshape to the [batch, seq, kv_heads *
+head_dim] projection GroupQueryAttention takes, or, where they are not one (keys rotated after the heads were
+split), transposed and merged into it: the rotary stays the module's own ops, fed by each row's position_ids.
+The op's additive bias must come only from
 ``attention_mask`` and from shapes (a Shape of any input, constants): what the module's mask ops can then
 express is key padding and a pattern over positions.
 That the pattern is exactly GroupQueryAttention's (key j visible to row r's query at position p iff j < n_r and
@@ -51,6 +56,7 @@ from onnx_ir.passes.common import RemoveUnusedNodesPass
 
 from mha_deploy.exporters.fusion.contrib_mha import ATTENTION_BIAS, BIAS, KEY_PADDING_MASK, PAST_KEY, optional_input
 from mha_deploy.exporters.fusion.mask_probe import MIN_FILL_MAGNITUDE, cut_out
+from mha_deploy.exporters.fusion.repeat_kv import repeated_heads
 from mha_deploy.inputs import right_padding_mask
 
 _PREFIX = "ragged."
@@ -93,21 +99,24 @@ def to_ragged_cache(model: onnx.ModelProto, mask: str = "attention_mask", max_le
 class _Plan:
     """One MultiHeadAttention's rewrite, checked before any is applied."""
 
-    def __init__(self, node, query, keys, values, heads, head_dim, presents, concats):
+    def __init__(self, node, query, keys, values, heads, kv_heads, head_dim, presents, concats):
         self.node, self.query, self.keys, self.values = node, query, keys, values
-        self.heads, self.head_dim, self.presents, self.concats = heads, head_dim, presents, concats
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
+        self.presents, self.concats = presents, concats
 
     def apply(self, graph: ir.Graph, lengths: ir.Value, total: ir.Value) -> None:
         node = self.node
-        attributes = [ir.AttrInt64("num_heads", self.heads), ir.AttrInt64("kv_num_heads", self.heads)]
+        attributes = [ir.AttrInt64("num_heads", self.heads), ir.AttrInt64("kv_num_heads", self.kv_heads)]
         scale = node.attributes.get("scale")
         if scale is not None:
             attributes.append(ir.AttrFloat32("scale", scale.as_float()))
         past_key, past_value = (concat.inputs[0] for concat in self.concats)
+        keys, values = (_projection(graph, new, self.kv_heads * self.head_dim, f"{node.name}.{role}")
+                        for new, role in ((self.keys, "keys"), (self.values, "values")))
         outputs = [ir.Value(name=_PREFIX + node.name + ".out"),
                    *(ir.Value(name=_PREFIX + present.name) for present in self.presents)]
         ir.Node(_DOMAIN, "GroupQueryAttention",
-                [self.query, self.keys, self.values, past_key, past_value, lengths, total],
+                [self.query, keys, values, past_key, past_value, lengths, total],
                 attributes, outputs=outputs, name=_PREFIX + node.name, graph=graph)
         out = node.outputs[0]
         outputs[0].shape, outputs[0].type = out.shape, out.type
@@ -123,6 +132,26 @@ class _Plan:
             graph.remove(identity, safe=True)
             written.name = name
         graph.remove(node, safe=True)
+
+
+def _projection(graph: ir.Graph, new: ir.Value, hidden: int, name: str) -> ir.Value:
+    """``new`` as GroupQueryAttention takes it, [batch, seq, kv_heads * head_dim]: itself when it is that already
+    (the projection the heads were split from), else its [batch, kv_heads, seq, head_dim] transposed and merged
+    (keys rotated after the split: a copy of this call's tokens only)."""
+    if new.shape is not None and new.shape.rank() == 3:
+        return new
+    transpose = ir.Node("", "Transpose", [new], [ir.AttrInt64s("perm", [0, 2, 1, 3])],
+                        outputs=[ir.Value(name=_PREFIX + name + ".bsnh")], graph=graph, name=_PREFIX + name + ".bsnh")
+    shape = ir.tensor(np.array([0, 0, hidden], np.int64), name=_PREFIX + name + ".shape")
+    shape_value = ir.Value(name=shape.name, const_value=shape, shape=shape.shape, type=ir.TensorType(shape.dtype))
+    graph.register_initializer(shape_value)
+    merged = ir.Node("", "Reshape", [transpose.outputs[0], shape_value],
+                     outputs=[ir.Value(name=_PREFIX + name + ".merged")], graph=graph, name=_PREFIX + name + ".merged")
+    out = merged.outputs[0]
+    out.type = new.type
+    if new.shape is not None:
+        out.shape = ir.Shape([new.shape[0], new.shape[2], hidden])
+    return out
 
 
 def _swap_output(graph: ir.Graph, old: ir.Value, new: ir.Value) -> None:
@@ -142,53 +171,85 @@ def _plan(node: ir.Node, mask: ir.Value) -> _Plan:
     query = node.inputs[0]
     if query is None or query.shape is None or query.shape.rank() != 3:
         raise RaggedRefused(f"{name}: its query is not [batch, seq, hidden]")
-    traced = [_cache_and_new(node.inputs[i], heads, name, role) for i, role in ((1, "keys"), (2, "values"))]
-    (key_concat, keys, key_dim), (value_concat, values, value_dim) = traced
+    traced = [_cache_and_new(node, i, heads, name, role) for i, role in ((1, "keys"), (2, "values"))]
+    (key_concat, keys, key_dim, key_heads), (value_concat, values, value_dim, value_heads) = traced
     if key_dim != value_dim:
         raise RaggedRefused(f"{name}: keys of {key_dim} and values of {value_dim} per head")
+    if key_heads != value_heads:
+        raise RaggedRefused(f"{name}: keys of {key_heads} and values of {value_heads} KV heads")
     bias = optional_input(node, ATTENTION_BIAS)
     if bias is not None:
         _check_bias_sources(bias, mask, name)
-    presents = [_present_of(concat, node, name) for concat in (key_concat, value_concat)]
-    return _Plan(node, query, keys, values, heads, key_dim, presents, (key_concat, value_concat))
+    presents = [_present_of(concat, name) for concat in (key_concat, value_concat)]
+    return _Plan(node, query, keys, values, heads, key_heads, key_dim, presents, (key_concat, value_concat))
 
 
-def _cache_and_new(grown: ir.Value | None, heads: int, name: str, role: str) -> tuple[ir.Node, ir.Value, int]:
-    """(the Concat growing the cache, the [batch, seq, heads * head_dim] projection its new part is, head_dim)."""
-    concat = grown.producer() if grown is not None else None
+def _cache_and_new(node: ir.Node, index: int, heads: int, name: str, role: str
+                   ) -> tuple[ir.Node, ir.Value, int, int]:
+    """(the Concat growing the cache, its new part as GroupQueryAttention's key or value input will read it, head_dim,
+    the KV heads the cache holds) for input ``index`` of ``node``, which reads that cache through no more than:
+    the [batch, total, hidden] Reshape(Transpose) upstream's fusion wrote (where the cache's heads were repeated,
+    ``fusion.cache_heads`` leaves it), and a grouped-query model's ``repeat_kv`` (``fusion.repeat_kv``). The new
+    part is the [batch, seq, kv_heads * head_dim] projection its heads were split from where it is one, else the
+    [batch, kv_heads, seq, head_dim] tensor itself (a rotated key), merged when the rewrite applies."""
+    value = node.inputs[index]
+    path = []  # the values between the cache and the op, read by nothing else (they die with the op)
+    merged = value.producer() if value is not None else None
+    if merged is not None and merged.op_type == "Reshape" and value.shape is not None and value.shape.rank() == 3:
+        split = merged.inputs[0].producer()
+        if split is not None and split.op_type == "Transpose" \
+                and list(split.attributes.get_ints("perm", [])) == [0, 2, 1, 3]:
+            path += [value, split.outputs[0]]
+            value = split.inputs[0]
+    kv_heads = heads
+    repeat = repeated_heads(value)
+    if repeat is not None:
+        if repeat.kv_heads * repeat.groups != heads:
+            raise RaggedRefused(f"{name}: its {role} repeat {repeat.kv_heads} heads {repeat.groups} times, not into "
+                                f"its {heads}")
+        path += [repeat.repeated, repeat.repeated.producer().inputs[0], repeat.unsqueeze.outputs[0]]
+        value, kv_heads = repeat.source, repeat.kv_heads
+    if any(len(step.uses()) != 1 or step.is_graph_output() for step in path):
+        raise RaggedRefused(f"{name}: the cache its {role} read is read by more than the op")
+    concat = value.producer() if value is not None else None
     if concat is None or concat.op_type != "Concat" or concat.attributes.get_int("axis", 0) not in (2, -2) \
             or len(concat.inputs) != 2 or not concat.inputs[0].is_graph_input():
         raise RaggedRefused(f"{name}: its {role} are not a cache input grown by a Concat along the length")
     past = concat.inputs[0]
     shape = past.shape
-    if shape is None or shape.rank() != 4 or shape[1] != heads or not isinstance(shape[3], int):
-        raise RaggedRefused(f"{name}: {past.name} is not [batch, {heads} heads, past_seq, head_dim]")
+    if shape is None or shape.rank() != 4 or shape[1] != kv_heads or not isinstance(shape[3], int):
+        raise RaggedRefused(f"{name}: {past.name} is not [batch, {kv_heads} heads, past_seq, head_dim]")
     head_dim = shape[3]
-    # Follow the new part up through Transposes to a Reshape of [batch, seq, hidden] into [batch, seq, heads, d]:
-    # the Transposes together must make that [batch, heads, seq, d].
-    value, perm = concat.inputs[1], list(range(4))
+    new = concat.inputs[1]
+    if new.shape is None or new.shape.rank() != 4 or new.shape[1] != kv_heads or new.shape[3] != head_dim:
+        raise RaggedRefused(f"{name}: its new {role} are not [batch, {kv_heads} heads, seq, {head_dim}]")
+    return concat, _split_projection(new, kv_heads * head_dim), head_dim, kv_heads
+
+
+def _split_projection(new: ir.Value, hidden: int) -> ir.Value:
+    """The [batch, seq, hidden] projection ``new`` [batch, heads, seq, head_dim] is split from by Transposes and one
+    Reshape (that Transposes together make [batch, heads, seq, d]), else ``new`` itself."""
+    value, perm = new, list(range(4))
     while (producer := value.producer()) is not None and producer.op_type == "Transpose":
         step = list(producer.attributes.get_ints("perm", [3, 2, 1, 0]))
         perm = [step[axis] for axis in perm]
         value = producer.inputs[0]
     if producer is None or producer.op_type != "Reshape" or perm != [0, 2, 1, 3]:
-        raise RaggedRefused(f"{name}: its new {role} are not a [batch, seq, hidden] projection split into heads")
+        return new
     projection = producer.inputs[0]
     shape = projection.shape
-    if shape is None or shape.rank() != 3 or shape[2] != heads * head_dim:
-        raise RaggedRefused(f"{name}: its new {role} come from {projection.name}, not [batch, seq, "
-                            f"{heads * head_dim}]")
-    return concat, projection, head_dim
+    if shape is None or shape.rank() != 3 or shape[2] != hidden:
+        return new
+    return projection
 
 
-def _present_of(concat: ir.Node, attention: ir.Node, name: str) -> ir.Value:
-    """The present output that is an Identity of the grown cache, which nothing else may read (the op then
-    owns the cache's update)."""
+def _present_of(concat: ir.Node, name: str) -> ir.Value:
+    """The present output that is an Identity of the grown cache, which nothing but the attention's path reads
+    besides (the op then owns the cache's update)."""
     grown = concat.outputs[0]
     presents = [use.node.outputs[0] for use in grown.uses()
                 if use.node.op_type == "Identity" and use.node.outputs[0].is_graph_output()]
-    others = [use.node for use in grown.uses() if use.node is not attention and use.node.op_type != "Identity"]
-    if len(presents) != 1 or others or grown.is_graph_output() or len(grown.uses()) != 2:
+    if len(presents) != 1 or grown.is_graph_output() or len(grown.uses()) != 2:
         raise RaggedRefused(f"{name}: its grown cache is read by more than the op and one present output")
     return presents[0]
 
