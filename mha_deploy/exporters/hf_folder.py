@@ -9,6 +9,10 @@ keys). With ``kv_cache`` the special ids come from ``generation_config.json`` an
 ``--eos-id``, ``--pad-id`` and ``--start-id`` would record them. The tokenizer, its chat template and the generation
 and preprocessor configs are copied beside the file (``beside_model``), so that ``generate`` and ``serve`` find
 them there. Nothing is downloaded: the folder is read with ``local_files_only``.
+
+A sentence-transformers folder (``modules.json``: a transformer, its pooling, optionally Normalize) is exported as
+one model, the transformer with its pooling after it: one output, ``sentence_embedding`` [batch, d], what
+``SentenceTransformer.encode`` returns (``sentence_folder``), its max length the folder's ``max_seq_length``.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from pathlib import Path
 
 from mha_deploy.atomic import atomic_path, same_file
 from mha_deploy.errors import ExportError
+from mha_deploy.exporters.sentence_folder import SentenceFolder, sentence_module
 from mha_deploy.metadata import CACHE_LAYOUT_AUTO, GenerationIds
 from mha_deploy.runtime.beside_model import CHAT_TEMPLATE_FILE, TOKENIZER_FILE
 
@@ -91,11 +96,7 @@ class ItemOutputs:
                 result = self.module(**inputs)
                 return {name: value for name, value in result.items() if name not in CROSS_BATCH_OUTPUTS}
 
-        parameters = list(inspect.signature(module.forward).parameters.values())
-        self_parameter = inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)
-        _ItemOutputs.forward.__signature__ = inspect.Signature([self_parameter, *parameters])
-        _ItemOutputs.__name__ = _ItemOutputs.__qualname__ = type(module).__name__
-        return _ItemOutputs(module).eval()
+        return forward_like(_ItemOutputs(module).eval(), module)
 
     @staticmethod
     def needed(module) -> bool:
@@ -103,14 +104,28 @@ class ItemOutputs:
         return getattr(config, "text_config", None) is not None and getattr(config, "vision_config", None) is not None
 
 
+def forward_like(wrapper, module):
+    """``wrapper`` (a module over ``module`` whose forward takes ``**inputs``) declared with ``module``'s forward
+    parameters and class name: the export feeds a forward the parameters its signature names, and names the
+    model by its class."""
+    parameters = list(inspect.signature(module.forward).parameters.values())
+    self_parameter = inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    cls = type(wrapper)
+    cls.forward.__signature__ = inspect.Signature([self_parameter, *parameters])
+    cls.__name__ = cls.__qualname__ = type(module).__name__
+    return wrapper
+
+
 @dataclass
 class HFModel:
     """A folder's model, loaded for export: the module (eval, fp32, caches off) and the inputs to declare."""
 
-    module: object  # a transformers PreTrainedModel
+    module: object  # a transformers PreTrainedModel (or a module over it: ItemOutputs, sentence_module)
     architecture: str
     inputs: tuple[str, ...]  # NAME:ROLE[:AXIS], as ``--input`` takes them
     encoder_decoder: bool
+    source: Path  # the folder of its config, weights and tokenizer files
+    sentence: SentenceFolder | None = None  # a sentence-transformers folder's pipeline
 
     def generation_ids(self) -> GenerationIds | None:
         """The eos, pad and (an encoder-decoder's) decoder start ids of the folder's generation config, else of its
@@ -193,11 +208,14 @@ def load_hf_model(folder: str | os.PathLike) -> HFModel:
     import torch
 
     folder = Path(folder)
-    config = read_config(folder)
-    cls = model_class(folder, config)
+    sentence = SentenceFolder.read(folder)
+    source = sentence.transformer if sentence is not None else folder
+    config = read_config(source)
+    # sentence-transformers loads its transformer with AutoModel (the base model, whatever architectures says)
+    cls = _auto_model() if sentence is not None else model_class(source, config)
     with _quiet_transformers():
         try:
-            module = _from_pretrained(cls, folder, torch.float32)
+            module = _from_pretrained(cls, source, torch.float32)
         except (OSError, ValueError, RuntimeError, KeyError) as exc:
             raise ExportError(f"--hf {folder}: {cls.__name__}.from_pretrained failed: {type(exc).__name__}: "
                               f"{str(exc).strip().splitlines()[0] if str(exc).strip() else ''}") from exc
@@ -209,9 +227,37 @@ def load_hf_model(folder: str | os.PathLike) -> HFModel:
             cfg.use_cache = False
     encoder_decoder = bool(getattr(module.config, "is_encoder_decoder", False))
     inputs = forward_inputs(module, encoder_decoder)
+    if sentence is not None:
+        return _sentence_model(folder, sentence, module, inputs, encoder_decoder)
     if ItemOutputs.needed(module):
         module = ItemOutputs.wrap(module)
-    return HFModel(module, cls.__name__, inputs, encoder_decoder)
+    return HFModel(module, cls.__name__, inputs, encoder_decoder, source)
+
+
+def _auto_model():
+    import transformers
+
+    return transformers.AutoModel
+
+
+def _sentence_model(folder: Path, sentence: SentenceFolder, encoder, inputs: tuple[str, ...],
+                    encoder_decoder: bool) -> HFModel:
+    """The transformer of a sentence-transformers folder with its pooling after it; refused where the pooling
+    has no mask to read or the transformer is not an encoder."""
+    name = type(encoder).__name__
+    if encoder_decoder:
+        raise ExportError(f"--hf {folder}: its transformer is an encoder-decoder ({name}), of which "
+                          "sentence-transformers runs the encoder alone: not exported by --hf yet; export it with "
+                          "--module (the encoder and its pooling)")
+    if not any(spec.split(":")[1] == "padding-mask" for spec in inputs):
+        raise ExportError(f"--hf {folder}: {name}.forward takes no attention_mask, over which the pooling "
+                          "averages: export it with --module")
+    # One text per vector, as encode takes them: segment ids all 0, the forward's default, so the file takes none
+    # (and infer and /v1/embeddings need none).
+    inputs = tuple(spec for spec in inputs if spec.split(":")[1] != "segments")
+    module = forward_like(sentence_module(encoder, sentence), encoder)
+    return HFModel(module, f"{name} with sentence-transformers' {sentence.describe()}", inputs, encoder_decoder,
+                   sentence.transformer, sentence)
 
 
 def _from_pretrained(cls, folder: Path, dtype):
@@ -352,9 +398,15 @@ def export_hf_folder(
     from mha_deploy.exporters.export import export_model
 
     folder = Path(folder)
+    if kv_cache and SentenceFolder.read(folder) is not None:
+        raise ExportError(f"--hf {folder}: a sentence-transformers folder is an encoder with its pooling, which "
+                          "generates nothing: drop --kv-cache")
     model = load_hf_model(folder)
-    beside = BesideFiles.read(folder)
+    beside = BesideFiles.read(model.source)
     ids = _merged(model.generation_ids(), generation) if kv_cache else generation
+    if max_length is None and model.sentence is not None and model.sentence.max_seq_length is not None:
+        # encode truncates there: a file taking longer inputs would return vectors the model never gives
+        max_length = min(model.sentence.max_seq_length, model.context_length() or model.sentence.max_seq_length)
     result = export_model(model.module, output, model.inputs, max_length=max_length, kv_cache=kv_cache,
                           position_ids=position_ids, generation=ids, cache_layout=cache_layout,
                           context_length=model.context_length(), **options)
@@ -364,7 +416,7 @@ def export_hf_folder(
                                "and text_embeds (exp(logit_scale) * image_embeds @ text_embeds.T)")
     written = [Path(result.path)] + ([Path(result.encoder_path)] if getattr(result, "encoder_path", None) else [])
     try:
-        copied = beside.write(Path(result.path).parent, folder)
+        copied = beside.write(Path(result.path).parent, model.source)
     except BaseException:
         for path in written:
             path.unlink(missing_ok=True)

@@ -29,6 +29,7 @@ from mha_deploy.onnx_nodes import all_nodes  # noqa: E402
 from tests.conftest import OWN_MODEL_ATOL, OWN_MODEL_RTOL, USER_MODELS  # noqa: E402
 
 sys.path.insert(0, str(USER_MODELS))
+import hf_sentence  # noqa: E402
 from hf_models import D_MODEL, FFN, HEADS, LAYERS, MAX_POSITIONS, PAD_ID, VOCAB  # noqa: E402
 
 sys.path.remove(str(USER_MODELS))
@@ -39,16 +40,21 @@ TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
 UNSEEN_BATCH, UNSEEN_SEQ, UNSEEN_TARGET = 3, 23, 19
 
 
-def _tokenizer(folder, template_in_config: bool = False) -> None:
-    """A word-level tokenizer whose word ``w<i>`` is id i, saved as transformers saves one: tokenizer.json,
-    tokenizer_config.json, and the chat template (chat_template.jinja, or inside tokenizer_config.json)."""
+def _word_level(pad: str = f"w{PAD_ID}"):
+    """A word-level tokenizer whose word ``w<i>`` is id i, but the pad id's word when ``pad`` spells it."""
     from tokenizers import Tokenizer
     from tokenizers.models import WordLevel
     from tokenizers.pre_tokenizers import Whitespace
 
-    word_level = Tokenizer(WordLevel({f"w{i}": i for i in range(VOCAB)}, unk_token="w0"))
+    word_level = Tokenizer(WordLevel({(pad if i == PAD_ID else f"w{i}"): i for i in range(VOCAB)}, unk_token="w0"))
     word_level.pre_tokenizer = Whitespace()
-    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=word_level, pad_token=f"w{PAD_ID}",
+    return word_level
+
+
+def _tokenizer(folder, template_in_config: bool = False) -> None:
+    """``_word_level`` saved as transformers saves a tokenizer: tokenizer.json, tokenizer_config.json, and the chat
+    template (chat_template.jinja, or inside tokenizer_config.json)."""
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=_word_level(), pad_token=f"w{PAD_ID}",
                                                 eos_token=f"w{EOS_IDS[0]}")
     if not template_in_config:
         fast.chat_template = TEMPLATE
@@ -89,7 +95,28 @@ def _bart(folder):
     _tokenizer(folder)
 
 
-FAMILIES = {"bert": (_bert, []), "gpt2": (_gpt2, ["--kv-cache"]), "bart": (_bart, ["--kv-cache"])}
+# sentence-transformers folders: 6's layout (the transformer at the root, pooling_mode) with mean pooling and
+# Normalize; the layout before it (0_Transformer, pooling_mode_* flags) with every other mode, concatenated in its
+# order.
+SENTENCE_POOLING = {"sentence": ("mean",), "sentence-legacy": ("cls", "max", "mean_sqrt_len_tokens", "weightedmean",
+                                                               "lasttoken")}
+
+
+def _sentence_tokenizer():
+    """``_word_level`` with its pad word spelt [PAD]: a special token is matched inside words ("w1" in "w17")."""
+    return _word_level(pad="[PAD]")
+
+
+def _sentence(folder):
+    hf_sentence.save_folder(folder, _sentence_tokenizer(), SENTENCE_POOLING["sentence"], normalize=True)
+
+
+def _sentence_legacy(folder):
+    hf_sentence.save_folder(folder, _sentence_tokenizer(), SENTENCE_POOLING["sentence-legacy"], layout="legacy")
+
+
+FAMILIES = {"bert": (_bert, []), "gpt2": (_gpt2, ["--kv-cache"]), "bart": (_bart, ["--kv-cache"]),
+            "sentence": (_sentence, []), "sentence-legacy": (_sentence_legacy, [])}
 
 
 @pytest.fixture(scope="module")
@@ -169,6 +196,75 @@ def test_a_bert_classifier_equals_the_module_in_plain_onnxruntime(exported):
         want = _module(folder)(input_ids=torch.from_numpy(ids), attention_mask=torch.from_numpy(mask),
                                token_type_ids=torch.from_numpy(segments)).logits
     np.testing.assert_allclose(logits, want.numpy(), atol=OWN_MODEL_ATOL, rtol=OWN_MODEL_RTOL)
+
+
+@pytest.mark.parametrize("family", SENTENCE_POOLING)
+def test_a_sentence_transformers_folder_exports_its_pooled_vector_fused(exported, family):
+    """One output, sentence-transformers' ``sentence_embedding`` [batch, d per pooling mode]; every attention fused
+    (the pooling reads the mask too); no segment ids (one text per vector); encode's max_seq_length recorded."""
+    _, path, output = exported(family)
+    session = _plain(path)
+    modes = SENTENCE_POOLING[family]
+    assert [i.name for i in session.get_inputs()] == ["input_ids", "attention_mask"]
+    outputs = [(o.name, o.shape) for o in session.get_outputs()]
+    assert outputs == [("sentence_embedding", ["batch", D_MODEL * len(modes)])]
+    normalised = ", normalised" if family == "sentence" else ": inputs"
+    assert f"BertModel with sentence-transformers' {' + '.join(modes)} pooling{normalised}" in output
+    assert f"{LAYERS} attention subgraph(s) found, {LAYERS} fused into com.microsoft.MultiHeadAttention, 0 left " \
+           "unfused" in output
+    assert "Softmax" not in _ops(path)
+    assert read_metadata(path).max_length == hf_sentence.MAX_SEQ_LENGTH
+    assert {"tokenizer.json", "tokenizer_config.json"} <= {file.name for file in path.parent.iterdir()}
+
+
+@pytest.mark.parametrize("side", ["right", "left"])
+@pytest.mark.parametrize("family", SENTENCE_POOLING)
+def test_a_sentence_transformers_folder_equals_its_encode(exported, family, side):
+    """The file's vectors equal sentence-transformers' own on the folder at a batch and lengths the export never saw:
+    ``encode`` of the texts (its tokenizer pads on the right), and its forward over the same ids padded on the left
+    (where cls, lasttoken and weightedmean must find the first and last real tokens)."""
+    sentence_transformers = pytest.importorskip("sentence_transformers")
+    folder, path, _ = exported(family)
+    model = sentence_transformers.SentenceTransformer(str(folder), device="cpu")
+    rng = np.random.default_rng(5)
+    rows = [rng.integers(3, VOCAB, length) for length in (UNSEEN_SEQ, 4, 12)]
+    mask = np.zeros((len(rows), UNSEEN_SEQ), bool)
+    ids = np.full(mask.shape, PAD_ID, np.int64)
+    for row, real in enumerate(rows):
+        at = slice(0, len(real)) if side == "right" else slice(UNSEEN_SEQ - len(real), UNSEEN_SEQ)
+        ids[row, at], mask[row, at] = real, True
+    (got,) = _plain(path).run(["sentence_embedding"], {"input_ids": ids, "attention_mask": mask})
+    if side == "right":
+        want = model.encode([" ".join(f"w{i}" for i in real) for real in rows], batch_size=len(rows))
+    else:
+        with torch.no_grad():
+            features = {"input_ids": torch.from_numpy(ids), "attention_mask": torch.from_numpy(mask.astype(np.int64))}
+            want = model(features)["sentence_embedding"].numpy()
+    np.testing.assert_allclose(got, want, atol=OWN_MODEL_ATOL, rtol=OWN_MODEL_RTOL)
+    if family == "sentence":  # its Normalize
+        np.testing.assert_allclose(np.linalg.norm(got, axis=1), 1.0, atol=1e-6)
+
+
+@pytest.mark.parametrize(("change", "flags", "message"), [
+    ("dense", [], "modules.json's module 2 is 'sentence_transformers.models.Dense'; --hf exports a "
+                  "sentence-transformers folder of Transformer, Pooling and optionally Normalize"),
+    ("pooling", [], "1_Pooling/config.json: pooling mode 'mean_of_squares' is not one of cls, max, mean"),
+    (None, ["--kv-cache"], "a sentence-transformers folder is an encoder with its pooling, which generates nothing"),
+])
+def test_a_sentence_transformers_folder_the_file_cannot_follow_is_refused(tmp_path, change, flags, message):
+    """A module the file would leave out (a Dense projection), a pooling it does not know, generation: refused
+    naming it, nothing written."""
+    folder = hf_sentence.save_folder(tmp_path / "st", pooling=("mean",))
+    if change == "dense":
+        modules = json.loads((folder / "modules.json").read_text())
+        modules.append({"idx": 2, "name": "2", "path": "2_Dense", "type": "sentence_transformers.models.Dense"})
+        (folder / "modules.json").write_text(json.dumps(modules))
+    elif change == "pooling":
+        (folder / "1_Pooling" / "config.json").write_text(json.dumps({"pooling_mode": "mean_of_squares"}))
+    out = tmp_path / "out"
+    result = CliRunner().invoke(main, ["export", "--hf", str(folder), *flags, "-o", str(out / "m.onnx")])
+    assert result.exit_code == 1 and message in " ".join(result.output.split()), result.output
+    assert not out.exists()
 
 
 def test_a_causal_lm_exports_its_cache_fused_with_the_folders_ids(exported):
