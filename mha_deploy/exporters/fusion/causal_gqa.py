@@ -150,7 +150,11 @@ class CausalGQA(ContribMHARule):
         positions past the cut (padding in every row) get zeros."""
         op = TapeBuilder()
         compaction = real_first(op, mask)
-        length = longest(op, compaction)
+        # Made for CUDA (no materialising): no cut, and total_sequence_length from the mask's Shape. On an H200
+        # (ORT 1.31) the cut's length, computed from the mask's values on the device, reached CUDA's GQA as "Flash
+        # total sequence length must be positive and fit int32" (it is >= 1); GQA reads that input on the host,
+        # and a Shape is computed there. Padded positions then stay in the op, masked by seqlens_k.
+        length = longest(op, compaction) if self.materialise_max_bytes else op.Squeeze(op.Shape(mask, start=1, end=2))
         src = cut(op, compaction.src, length)
         q, k, v = (gather_rows(op, x, src) for x in (q, k, v))
         # seqlens_k = max(count - 1, 0): GQA rejects -1, and a row without any real token only has to stay finite.
@@ -167,28 +171,37 @@ class CausalGQA(ContribMHARule):
     def _gqa(self, op, q, k, v, lengths, attributes, attention: ir.Value, name: str, cut_shape=False) -> ir.Value:
         """If(scores small) GQA materialising them, else GQA tiled: the present_key/present_value outputs,
         unused, are what makes ORT 1.31's CPU kernel take its flash path (module docstring). ``lengths`` is
-        GQA's (seqlens_k, total_sequence_length)."""
+        GQA's (seqlens_k, total_sequence_length). With ``materialise_max_bytes`` 0, GQA tiled alone: ORT's CUDA
+        kernel (1.31) refuses a GQA without present_key/present_value ("required unless borrowing a non-quantized
+        KV cache"), so files made for CUDA (fp16) never take the materialising path, a CPU speed-up."""
         seqlens, total = lengths
-        # the check made sure the dtype is known
-        scores = score_bytes(op, q, k, attributes["num_heads"], attention.dtype.itemsize)
-        small = op.LessOrEqual(scores, int64(op, self.materialise_max_bytes))
         inputs = [q, k, v, None, None, seqlens, total]
         # The cut output's length is the longest row's, not the model's seq.
         known = cut_shape and attention.shape is not None and attention.shape.rank() == 3
         shape = ir.Shape([attention.shape[0], None, attention.shape[2]]) if known else None
-        materialised, tiled = (
-            op_branch(
-                "com.microsoft", "GroupQueryAttention", inputs, attributes, f"{name}_{kind}", attention, n, shape
+
+        def gqa(kind: str, outputs: int) -> ir.Graph:
+            return op_branch(
+                "com.microsoft", "GroupQueryAttention", inputs, attributes, f"{name}_{kind}", attention, outputs, shape
             )
-            for kind, n in (("gqa_materialised", 1), ("gqa_tiled", 3))
-        )
-        return op.If(small, then_branch=materialised, else_branch=tiled)
+
+        max_bytes = self.materialise_max_bytes
+        if not max_bytes:
+            output = op.GroupQueryAttention(*inputs, _domain="com.microsoft", _outputs=3, **attributes)[0]
+            output.dtype, output.shape = attention.dtype, shape if shape is not None else attention.shape
+            return output
+        # the check made sure the dtype is known
+        scores = score_bytes(op, q, k, attributes["num_heads"], attention.dtype.itemsize)
+        small = op.LessOrEqual(scores, int64(op, max_bytes))
+        return op.If(small, then_branch=gqa("gqa_materialised", 1), else_branch=gqa("gqa_tiled", 3))
 
 
 def gqa_kernel(compacted: bool, max_bytes: int) -> str:
     """What this rule's If runs on ORT's CPU provider: GQA materialising scores up to ``max_bytes``, tiled beyond;
     ``compacted`` when a padding mask's padded tokens are moved out first."""
     compaction = ", padded tokens compacted out: any padding side" if compacted else ""
+    if not max_bytes:
+        return f"GroupQueryAttention (causal{compaction}; tiled)"
     return f"GroupQueryAttention (causal{compaction}; scores materialised up to {max_bytes / 2**20:g} MB, tiled beyond)"
 
 
@@ -207,6 +220,7 @@ def causal_gqa_rules_with(materialise_max_bytes: int) -> pattern.RewriteRuleSet:
 causal_gqa_rules = causal_gqa_rules_with(MATERIALISE_MAX_BYTES)
 
 
-def fuse_causal_gqa(model: ir.Model) -> int:
-    """Apply the rule everywhere in ``model``; the number of rewrites."""
-    return causal_gqa_rules.apply_to_model(model)
+def fuse_causal_gqa(model: ir.Model, materialise: bool = True) -> int:
+    """Apply the rule everywhere in ``model``; the number of rewrites. ``materialise`` False: GQA tiled only, the
+    form ORT's CUDA provider runs (fp16 exports)."""
+    return (causal_gqa_rules if materialise else causal_gqa_rules_with(0)).apply_to_model(model)

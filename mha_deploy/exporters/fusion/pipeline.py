@@ -286,7 +286,8 @@ def _run_chain(model: ir.Model, target: str, packed_qkv: bool, short_sequences: 
         if short_sequences:
             # First: causal_gqa and padding_flash then rewrite the causal or masked op of its long branch.
             counts["short_sequence"] = fuse_short_sequence(model)
-        counts["causal_gqa"] = fuse_causal_gqa(model)
+        # Files without short_sequence's If are made for CUDA, whose GQA needs the tiled form.
+        counts["causal_gqa"] = fuse_causal_gqa(model, materialise=short_sequences)
         counts["padding_flash"] = fuse_padding_flash(model)
         counts["output_bias"] = fuse_output_bias(model)
         counts["cache_heads"] = fuse_cache_heads(model)

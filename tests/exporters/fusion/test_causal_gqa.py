@@ -8,6 +8,7 @@ import onnx
 import pytest
 
 from mha_deploy.exporters.fusion.causal_gqa import MATERIALISE_MAX_BYTES, causal_gqa_rules, causal_gqa_rules_with
+from mha_deploy.onnx_nodes import all_nodes
 from tests.exporters.fusion import hand_graphs as hg
 
 # GQA wants head sizes that are multiples of 8: 32 / 2 heads = 16.
@@ -86,9 +87,8 @@ def test_causal_becomes_group_query_attention(options):
         (MATERIALISE_MAX_BYTES, "materialised"),
         (SCORE_BYTES, "materialised"),  # "up to": equal is still small
         (SCORE_BYTES - 1, "tiled"),
-        (0, "tiled"),
     ],
-    ids=["default", "at-threshold", "one-byte-over", "always-tiled"],
+    ids=["default", "at-threshold", "one-byte-over"],
 )
 @pytest.mark.parametrize(
     ("padding", "side", "where"),
@@ -114,6 +114,45 @@ def test_the_score_size_chooses_the_branch_and_both_equal_the_op(threshold, bran
     if where == "compacted" and branch == "tiled" and threshold == SCORE_BYTES - 1:
         branch = "materialised"  # the cut's scores fit where the full ones did not
     assert gqa_ran == {(where, branch)}
+
+
+@pytest.mark.parametrize("padding", [False, True], ids=["no-mask", "padding"])
+def test_without_materialising_every_gqa_asks_for_present_as_cuda_requires(padding):
+    """ORT 1.31's CUDA GroupQueryAttention fails a GQA without present_key/present_value ("required unless
+    borrowing a non-quantized KV cache", seen on an H200): with materialising off (fp16 exports, made for CUDA)
+    there is no size If and every GQA has its three outputs; equal to the op on every real row."""
+    model = _mha(padding=padding, bias=True)
+    rewritten, count = hg.rewrite(model, causal_gqa_rules_with(0))
+    assert count == 1
+    gqas = [n for n in all_nodes(rewritten.graph) if n.op_type == "GroupQueryAttention"]
+    assert len(gqas) == (2 if padding else 1)  # padding: the compacted and the as-they-are branch
+    assert all(len(gqa.output) == 3 and all(gqa.output) for gqa in gqas)
+    # Nor a cut to the longest row: its length, computed from the mask's values on the device, failed CUDA's GQA
+    # as its total_sequence_length; the padded length comes from a Shape instead.
+    producers = {output: n for n in all_nodes(rewritten.graph) for output in n.output}
+
+    def chain(value: str) -> list[str]:
+        ops = []
+        while value in producers and len(ops) < 4:
+            ops.append(producers[value].op_type)
+            value = producers[value].input[0]
+        return ops
+
+    assert all(chain(gqa.input[6])[:3] == ["Cast", "Squeeze", "Shape"] for gqa in gqas)
+    feeds = _feeds(model, "right", seed=5)
+    hg.assert_same_outputs(model, rewritten, feeds, rows=feeds.get("key_padding_mask"))
+
+
+@pytest.mark.parametrize("mask", ["causal", "padding-causal"])
+def test_an_fp16_causal_export_runs_gqa_in_the_form_cuda_takes(tmp_path, mask):
+    from mha_deploy.exporters import export_mha
+    from mha_deploy.metadata import Signature
+    from mha_deploy.models import MultiHeadAttention
+
+    path = tmp_path / "mha.onnx"
+    export_mha(MultiHeadAttention(32, 2).eval(), path, Signature("self", mask), fuse="mha", dtype="fp16")
+    gqas = [n for n in all_nodes(onnx.load(path).graph) if n.op_type == "GroupQueryAttention"]
+    assert gqas and all(len(gqa.output) == 3 for gqa in gqas)
 
 
 def test_the_threshold_counts_half_precision_scores_at_two_bytes():
