@@ -1,6 +1,8 @@
 """OpenAI's ``POST /v1/embeddings`` on the plain server, driven by the official ``openai`` client: a sentence-embedding
 model (Hugging Face BERT from a small config, mean-pooled over the attention mask: tests/user_models/hf_sentence.py)
-exported once by ``mha-deploy export --module``, served by ``mha-deploy serve --tokenizer``. Texts and token ids in,
+exported once by ``mha-deploy export --module``, served by ``mha-deploy serve --tokenizer``; and the same weights as
+the folder sentence-transformers saves, exported by ``mha-deploy export --hf DIR`` (its pooled output,
+``sentence_embedding``) and served with the tokenizer the export wrote beside it. Texts and token ids in,
 float and base64 out, each vector the module's pooled output for that input alone, scaled to unit length; a batch of
 inputs of different lengths answers each as alone; bad requests are 400s naming the field; ``infer`` writes what the
 server returns before normalisation. Servers that need settings the CLI lacks run in this process (uvicorn thread)."""
@@ -70,10 +72,32 @@ def sentence_model(own_model, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def folder_model(sentence_model, tmp_path_factory):
+    """(model path, tokenizer path): hf_sentence's weights saved as a sentence-transformers folder (mean pooling, no
+    Normalize: the vectors of the --module export) with the tokenizer, exported by ``export --hf DIR`` alone."""
+    folder = user_module("hf_sentence").save_folder(tmp_path_factory.mktemp("st") / "folder", sentence_model[2])
+    path = tmp_path_factory.mktemp("st-onnx") / "model.onnx"
+    result = CliRunner().invoke(main, ["export", "--hf", str(folder), "-o", str(path)])
+    assert result.exit_code == 0, result.output
+    return path, path.parent / "tokenizer.json"
+
+
+@pytest.fixture(scope="module")
 def server(sentence_model, start_server):
     path, tokenizer_path, _ = sentence_model
     return start_server(path, "--name", NAME, "--tokenizer", str(tokenizer_path), "--threads", "2",
                         "--max-wait-ms", "5", "--max-item-tokens", str(MAX_ITEM_TOKENS))
+
+
+@pytest.fixture(scope="module")
+def folder_server(folder_model, start_server):
+    """The --hf export served with no --tokenizer: serve takes the tokenizer.json export wrote beside the file."""
+    return start_server(folder_model[0], "--name", NAME, "--threads", "2", "--max-wait-ms", "5", "--max-item-tokens",
+                        str(MAX_ITEM_TOKENS))
+
+
+# Which export a test serves: "module" (export --module) or "folder" (export --hf of the sentence-transformers folder).
+SOURCES = {"module": "server", "folder": "folder_server"}
 
 
 @pytest.fixture(scope="module")
@@ -98,9 +122,10 @@ def unit(vector: np.ndarray) -> np.ndarray:
 
 # None: the client's default, which asks for base64 and decodes it itself; "base64" asked for: the string is the
 # caller's to decode (little-endian float32, as OpenAI documents it).
+@pytest.mark.parametrize("source", SOURCES)
 @pytest.mark.parametrize("encoding", ["float", "base64", None])
-def test_a_text_is_the_modules_pooled_output_normalised(server, sentence_model, module, encoding):
-    tokenizer = sentence_model[2]
+def test_a_text_is_the_modules_pooled_output_normalised(request, sentence_model, module, encoding, source):
+    server, tokenizer = request.getfixturevalue(SOURCES[source]), sentence_model[2]
     fields = {"encoding_format": encoding} if encoding is not None else {}
     answer = client(server.port).embeddings.create(model=NAME, input=SENTENCES[0], **fields)
     ids = tokenizer.encode(SENTENCES[0]).ids
@@ -181,10 +206,13 @@ def test_texts_without_a_tokenizer_are_refused_ids_are_served(sentence_model):
         assert len(client(port).embeddings.create(model=NAME, input=[2, 5, 3]).data[0].embedding) == DIMENSIONS
 
 
-def test_raw_vectors_equal_what_infer_writes(sentence_model, module, tmp_path):
+@pytest.mark.parametrize("source", SOURCES)
+def test_raw_vectors_equal_what_infer_writes(request, sentence_model, module, tmp_path, source):
     """With normalisation off the server returns the model's output as it is, and ``mha-deploy infer`` over the same
     ids writes the same vectors (outputs are written by name: the pooled output, [d] per item)."""
     path, tokenizer_path, tokenizer = sentence_model
+    if source == "folder":
+        path, tokenizer_path = request.getfixturevalue("folder_model")
     items = {f"doc{i}": np.asarray(tokenizer.encode(text).ids, np.int64) for i, text in enumerate(SENTENCES)}
     np.savez(tmp_path / "items.npz", **items)
     result = CliRunner().invoke(main, ["infer", str(path), "--input", str(tmp_path / "items.npz"), "--output",
@@ -193,10 +221,11 @@ def test_raw_vectors_equal_what_infer_writes(sentence_model, module, tmp_path):
     written = dict(np.load(tmp_path / "out.npz"))
     with served(path, EmbeddingOptions(normalize=False), tokenizer_path) as port:
         answer = client(port).embeddings.create(model=NAME, input=SENTENCES)
+    suffix = ".sentence_embedding" if source == "folder" else ""  # infer writes "output" under the item's id alone
     for (key, ids), datum in zip(items.items(), answer.data, strict=True):
         raw = np.asarray(datum.embedding, np.float32)
         assert abs(np.linalg.norm(raw) - 1) > 1e-3  # not normalised
-        np.testing.assert_allclose(raw, written[key], atol=2e-6, err_msg=key)
+        np.testing.assert_allclose(raw, written[key + suffix], atol=2e-6, err_msg=key)
         np.testing.assert_allclose(raw, pooled(module, ids), atol=ATOL, err_msg=key)
 
 
@@ -275,6 +304,8 @@ def _signature(outputs: dict[str, tuple], first_role: str = "tokens") -> Signatu
     ({"text_embeds": ("batch", 16), "logits": ("batch", 3)}, None, None, "name the one"),
     ({"text_embeds": ("batch", 16), "logits": ("batch", 3)}, "text_embeds", "text_embeds", ""),
     ({"text_embeds": ("batch", 16)}, "last_hidden_state", None, "'last_hidden_state' is not one vector per item"),
+    # sentence-transformers' name (export --hf of its folder) is the embedding beside any other vector
+    ({"pooled": ("batch", 8), "sentence_embedding": ("batch", 32)}, None, "sentence_embedding", ""),
     ({"last_hidden_state": ("batch", "seq", 32)}, None, None, "no output is an embedding"),
 ])
 def test_which_output_is_served(outputs, named, served_output, words):

@@ -14,10 +14,11 @@ all 0: one text, no pair), padding is the batcher's, so a text's vector is the s
 ids are checked by the runtime's one validator (``item_problem``: the vocabulary, the longest item, the file's
 maximum length) before anything runs; the body, queue, API keys and request slots are bounded as for any route.
 
-Which output: the one ``EmbeddingOptions.output`` names (a wrong name stops the server's start), else the file's only
-float output of shape ``[batch, d]`` (BERT's ``pooler_output`` aside: no trained embedding). A file with none, or with
-inputs beyond token ids (a float sequence, an image), answers 400 saying why. Errors have OpenAI's shape
-(``openai_routes.error_response``), naming the field at fault.
+Which output: the one ``EmbeddingOptions.output`` names (a wrong name stops the server's start), else
+``sentence_embedding`` (sentence-transformers' name, which ``export --hf`` gives a sentence-transformers folder's
+pooled vector), else the file's only float output of shape ``[batch, d]`` (BERT's ``pooler_output`` aside: no trained
+embedding). A file with none, or with inputs beyond token ids (a float sequence, an image), answers 400 saying why.
+Errors have OpenAI's shape (``openai_routes.error_response``), naming the field at fault.
 """
 
 from __future__ import annotations
@@ -55,6 +56,9 @@ NORM_EPS = 1e-12  # as torch.nn.functional.normalize (sentence-transformers' Nor
 # [batch, d] outputs that are no embedding, left out of the automatic choice (they can still be named): BERT's
 # pooler_output is tanh(dense(first token)), the input of its next-sentence head, not a trained sentence embedding.
 NOT_EMBEDDINGS = ("pooler_output",)
+# A [batch, d] output of this name is the embedding whatever else the file returns: sentence-transformers' name for
+# its pooled (and normalised) vector, which export --hf keeps.
+EMBEDDING_OUTPUT = "sentence_embedding"
 
 
 class EmbeddingSetupError(MHADeployError):
@@ -88,7 +92,8 @@ def embedding_model(signature: Signature, output: str | None = None) -> Embeddin
             return (f"its output {output!r} is not one vector per item ([batch, d] floats): the model returns "
                     f"{described}")
     else:
-        chosen = [spec for spec in pooled if spec.name not in NOT_EMBEDDINGS]
+        chosen = [spec for spec in pooled if spec.name == EMBEDDING_OUTPUT] or [
+            spec for spec in pooled if spec.name not in NOT_EMBEDDINGS]
         if not chosen:
             skipped = "".join(f"; {spec.name} is no trained embedding (name it with --embedding-output to serve it "
                               "anyway)" for spec in pooled)
