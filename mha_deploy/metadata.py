@@ -19,8 +19,8 @@ __all__ = [
     "ATTENTION_KINDS", "CACHE_HOLES", "CACHE_LAYOUTS", "CACHE_LAYOUT_AUTO", "CACHE_LAYOUT_CHOICES", "CACHE_RAGGED",
     "DTYPES", "DTYPE_CHOICES", "ENCODER_DECODER_KEY", "FUSE_CHOICES", "MASK_MODES", "MAX_OPSET",
     "METADATA_KEY", "MIN_OPSET", "MODEL_KINDS", "ON_ERROR_CHOICES", "PROVIDER_CHOICES", "QUANTIZE_CHOICES",
-    "QUANT_METHODS", "TRITON_KINDS", "EncoderDecoderRecord", "GenerationIds", "ModelMetadata", "ParityReport",
-    "Signature", "WeightOnlyRecord",
+    "QUANT_METHODS", "TRITON_KINDS", "EncoderDecoderRecord", "EvalRecord", "GenerationIds", "ModelMetadata",
+    "ParityReport", "Signature", "WeightOnlyRecord",
 ]
 
 METADATA_KEY = "mha_deploy"
@@ -28,9 +28,9 @@ METADATA_KEY = "mha_deploy"
 # written in the oldest format that holds them, 1, except a custom model's (declared tensors; 2), a model
 # with a max length (3), a parity report whose atol is per row (4), a generation section (5), how a KV-cache
 # model's positions work (6), a KV-cache model's cache layout (7), weight-only quantization with its measured
-# quality (8) and inputs of the roles segments, image or audio (9), which earlier mha-deploy cannot read: it then
-# says to upgrade.
-METADATA_FORMAT = 9
+# quality (8), inputs of the roles segments, image or audio (9) and a weight-only file's quantized embedding tables
+# or its quality on text (10), which earlier mha-deploy cannot read: it then says to upgrade.
+METADATA_FORMAT = 10
 _CUSTOM_FORMAT = 2
 _MAX_LENGTH_FORMAT = 3
 _ROW_ATOL_FORMAT = 4
@@ -39,6 +39,7 @@ _POSITIONS_FORMAT = 6
 _CACHE_LAYOUT_FORMAT = 7
 _WEIGHT_ONLY_FORMAT = 8
 _INPUT_ROLES_FORMAT = 9
+_QUANTIZED_TEXT_FORMAT = 10
 # How a KV-cache model over token ids numbers its tokens (ModelMetadata.positions): from its position_ids input
 # (each row its own), not at all (a row's logits do not depend on padding before it), or by column of the padded
 # batch (rows of different lengths do not get what they get alone).
@@ -78,9 +79,10 @@ FUSE_CHOICES = ("auto", "mha", "onnx", "none")
 QUANTIZE_CHOICES = ("none", "int4", "int8", "int8-dynamic")
 WEIGHT_ONLY_BITS = {"int4": 4, "int8": 8}
 INT8_DYNAMIC = "int8-dynamic"
-# How weight-only scales are chosen: round to nearest (ORT's default quantizer), or HQQ's half-quadratic fit of
-# scale and zero point (no calibration data either).
-QUANT_METHODS = ("rtn", "hqq")
+# How weight-only scales are chosen: round to nearest (ORT's default quantizer), HQQ's half-quadratic fit of
+# scale and zero point (no calibration data either), or GPTQ (ORT's copy of Intel Neural Compressor's; int4, with
+# calibration prompts: each layer's rounding corrected against the activations those prompts give).
+QUANT_METHODS = ("rtn", "hqq", "gptq")
 # dtype option -> element type of the model's float tensors (recorded as ModelMetadata.dtype).
 DTYPES = {"fp32": "float32", "fp16": "float16"}
 DTYPE_CHOICES = tuple(DTYPES)
@@ -225,12 +227,71 @@ class WeightOnlyRecord:
     matmuls: int
     fp32_matmuls: int = 0
     head_fp32: bool = False
+    # --quantize-embeddings: token embedding tables as contrib GatherBlockQuantized (4-bit, blocks of block_size
+    # along the hidden axis, round to nearest whatever ``method``). Written only when set (format 10).
+    embeddings: int = 0
+    # --eval-data: the quantized file against the fp32 module on the user's text. Written only when set (format 10).
+    evaluation: EvalRecord | None = None
 
     def describe(self) -> str:
         kept = f"; {self.fp32_matmuls} MatMul(s) with a constant weight kept fp32" if self.fp32_matmuls else ""
         head = " (the LM head, --keep-head-fp32)" if self.head_fp32 and self.fp32_matmuls else ""
+        tables = (f"; {self.embeddings} embedding table(s) as 4-bit GatherBlockQuantized (rtn)"
+                  if self.embeddings else "")
         return (f"{self.matmuls} MatMulNBits, {self.bits}-bit {'symmetric' if self.symmetric else 'asymmetric'} "
-                f"blocks of {self.block_size}, {self.method}, accuracy_level {self.accuracy_level}{kept}{head}")
+                f"blocks of {self.block_size}, {self.method}, accuracy_level {self.accuracy_level}{kept}{head}"
+                f"{tables}")
+
+    def to_dict(self) -> dict:
+        """As JSON holds it: the fields added in format 10 only when set, so that other files stay readable by
+        mha-deploy that predates them."""
+        raw = asdict(self)
+        if not self.embeddings:
+            del raw["embeddings"]
+        if self.evaluation is None:
+            del raw["evaluation"]
+        return raw
+
+    @property
+    def format(self) -> int:
+        """The oldest metadata format that holds this record."""
+        return _QUANTIZED_TEXT_FORMAT if self.embeddings or self.evaluation is not None else _WEIGHT_ONLY_FORMAT
+
+    @classmethod
+    def from_dict(cls, raw: dict) -> WeightOnlyRecord:
+        raw = dict(raw)
+        if raw.get("evaluation") is not None:
+            raw["evaluation"] = EvalRecord(**raw["evaluation"])
+        return cls(**raw)
+
+
+@dataclass(frozen=True)
+class EvalRecord:
+    """A weight-only file against the fp32 module on the user's text (``export --eval-data``): ``perplexity`` of
+    the file and ``perplexity_fp32`` of the module over ``scored`` next tokens of ``prompts`` prompts read from
+    ``source``; greedy decoding of ``new_tokens`` tokens from each prompt by both, ``greedy_agreement`` the mean share
+    of them before the first token that differs, ``greedy_identical`` the prompts whose tokens are all equal.
+    ``ratio_budget``: the perplexity ratio past which the export refused the file."""
+
+    source: str
+    prompts: int
+    scored: int
+    perplexity: float
+    perplexity_fp32: float
+    new_tokens: int
+    greedy_agreement: float
+    greedy_identical: int
+    ratio_budget: float
+
+    @property
+    def ratio(self) -> float:
+        return self.perplexity / self.perplexity_fp32
+
+    def describe(self) -> str:
+        return (f"on {self.source} ({self.prompts} prompts, {self.scored} tokens scored): perplexity "
+                f"{self.perplexity:.4g} against fp32's {self.perplexity_fp32:.4g} ({self.ratio:.3f}x, budget "
+                f"{self.ratio_budget:g}x); greedy {self.new_tokens} new tokens: {self.greedy_agreement:.1%} equal "
+                f"before the first difference, {self.greedy_identical} of {self.prompts} prompts identical")
 
 
 # An encoder-decoder exported with --kv-cache is two files (exporters.own_seq2seq_cache); each records under this
@@ -264,6 +325,8 @@ class EncoderDecoderRecord:
             raw["generation"] = self.generation.to_dict()
         if self.quantization == "none":
             del raw["quantization"], raw["weight_only"]
+        elif self.weight_only is not None:
+            raw["weight_only"] = self.weight_only.to_dict()
         return raw
 
     @classmethod
@@ -271,7 +334,7 @@ class EncoderDecoderRecord:
         try:
             raw = json.loads(text)
             if raw.get("weight_only") is not None:
-                raw["weight_only"] = WeightOnlyRecord(**raw["weight_only"])
+                raw["weight_only"] = WeightOnlyRecord.from_dict(raw["weight_only"])
             if raw.get("generation") is not None:
                 raw["generation"] = GenerationIds(**raw["generation"])
             record = cls(**raw)
@@ -356,7 +419,8 @@ class ModelMetadata:
         if self.weight_only is None:
             del raw["weight_only"]
         else:
-            raw["format"] = max(raw["format"], _WEIGHT_ONLY_FORMAT)
+            raw["weight_only"] = self.weight_only.to_dict()
+            raw["format"] = max(raw["format"], self.weight_only.format)
         if raw["parity"] is not None:
             if raw["parity"]["atol_per_row"]:
                 raw["format"] = max(raw["format"], _ROW_ATOL_FORMAT)
@@ -378,7 +442,7 @@ class ModelMetadata:
             if raw.get("generation") is not None:
                 raw["generation"] = GenerationIds(**raw["generation"])
             if raw.get("weight_only") is not None:
-                raw["weight_only"] = WeightOnlyRecord(**raw["weight_only"])
+                raw["weight_only"] = WeightOnlyRecord.from_dict(raw["weight_only"])
             elif raw.get("quantization") == "int8":
                 raw["quantization"] = INT8_DYNAMIC  # the only int8 there was before weight-only int8
             metadata = cls(**raw)

@@ -136,7 +136,8 @@ class ModelReport:
                 f"{'encoder' if pair['part'] == 'decoder' else 'decoder'}: {pair['companion']} (beside it)",
                 f"  attentions: {attentions} (fusion {pair['fusion']}); generation: {ids}",
                 *([f"  quantization {pair['quantization']}"
-                   + (f": {WeightOnlyRecord(**pair['weight_only']).describe()}" if pair.get("weight_only") else "")]
+                   + (f": {WeightOnlyRecord.from_dict(pair['weight_only']).describe()}"
+                      if pair.get("weight_only") else "")]
                   if pair.get("quantization", "none") != "none" else []),
                 *([f"  max length {pair['max_length']}: generate refuses a longer source"]
                   if pair.get("max_length") is not None else []),
@@ -171,9 +172,10 @@ class ModelReport:
             ids = GenerationIds(**meta["generation"])
             lines.append(f"  generate {ids.describe()} (recorded at export: generate's defaults)")
         if meta.get("quantization", "none") != "none":
-            record = meta.get("weight_only")
-            lines.append(f"  quantization {meta['quantization']}"
-                         + (f": {WeightOnlyRecord(**record).describe()}" if record else ""))
+            record = WeightOnlyRecord.from_dict(meta["weight_only"]) if meta.get("weight_only") else None
+            lines.append(f"  quantization {meta['quantization']}" + (f": {record.describe()}" if record else ""))
+            if record is not None and record.evaluation is not None:
+                lines.append(f"  quality {record.evaluation.describe()}")
         parity = meta.get("parity")
         if parity and parity.get("rel_budget") is not None:
             top1 = parity.get("top1_agreement")

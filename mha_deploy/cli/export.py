@@ -43,6 +43,8 @@ FLAG_SOURCES: dict[str, tuple[str, ...]] = {
     "hf": (HF,),
     **dict.fromkeys(("max_length", "eos_ids", "pad_id", "start_id", "position_ids", "cache_layout", "genai"),
                     (MODULE, HF)),
+    # Token prompts: a model over token ids (the built-in block takes float inputs).
+    **dict.fromkeys(("calibration", "eval_data", "eval_tokens"), (MODULE, HF)),
 }
 # --help's sections, in order, by the sources a flag is for (the last: every source's).
 SECTIONS: dict[tuple[str, ...], str] = {
@@ -115,6 +117,19 @@ def refuse_other_sources(ctx: click.Context, source: str) -> None:
                    "that memory saving, or onnx when --return-weights asks for the probabilities; it falls back to "
                    "none with a warning if fusion or parity fails.")
 @quantize_options
+@click.option("--quantize-embeddings", is_flag=True,
+              help="With --quantize int4: the token embedding tables too, as ORT's GatherBlockQuantized (4-bit "
+                   "blocks of --block-size along the hidden axis; a tied LM head keeps its own MatMulNBits copy).")
+@click.option("--calibration", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="With --quant-method gptq: prompts (as generate reads them: JSONL input_ids or prompt text, "
+                   "Parquet, npz) whose activations GPTQ corrects each layer's rounding against.")
+@click.option("--eval-data", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="With --quantize int4/int8 and --kv-cache: prompts (as generate reads them) on which the written "
+                   "file's perplexity and greedy tokens are compared with the fp32 module's; printed, recorded in "
+                   "the file (inspect), refused past 1.5x the fp32 perplexity. Texts use the tokenizer.json of the "
+                   "--hf folder or beside -o.")
+@click.option("--eval-tokens", type=click.IntRange(min=1), default=16, show_default=True,
+              help="With --eval-data: greedy tokens generated from each prompt by both.")
 @click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True, help="Seed of the random-init model.")
 @click.option("--opset", type=click.IntRange(MIN_OPSET, MAX_OPSET), default=MAX_OPSET, show_default=True,
               help=f"ONNX opset (torch's exporter needs >= {MIN_OPSET}; --fuse onnx, the standard Attention op, "
@@ -190,7 +205,8 @@ def refuse_other_sources(ctx: click.Context, source: str) -> None:
               help="Where to write the .onnx file (written only if parity passes).")
 @click.pass_context
 def export(ctx, checkpoint, prefix, d_model, heads, model_kind, layers, d_ff, attention, mask, return_weights, kv_cache,
-           fuse, quantize, block_size, symmetric, keep_head_fp32, quant_method, seed, opset, dtype, atol, rtol,
+           fuse, quantize, block_size, symmetric, keep_head_fp32, quant_method, quantize_embeddings, calibration,
+           eval_data, eval_tokens, seed, opset, dtype, atol, rtol,
            module_spec, inputs, output_names, max_length, eos_ids, pad_id, start_id, position_ids, cache_layout,
            hf, genai, pack_tokens, output):
     """Export a model to ONNX with dynamic batch and sequence axes, checked against torch: the reference MHA or a
@@ -219,8 +235,11 @@ def export(ctx, checkpoint, prefix, d_model, heads, model_kind, layers, d_ff, at
     """
     from mha_deploy.exporters import export_builtin, export_model, load_factory
 
+    quantize_as = quantization(quantize, block_size, symmetric, keep_head_fp32, quant_method)
+    if quantize_embeddings or calibration is not None or eval_data is not None:
+        quantize_as = _with_text(quantize_as, quantize_embeddings, calibration, eval_data, eval_tokens, hf, output)
     options = {"opset": opset, "atol": atol, "rtol": rtol, "fuse": fuse, "dtype": dtype, "pack_tokens": pack_tokens,
-               "quantize": quantization(quantize, block_size, symmetric, keep_head_fp32, quant_method)}
+               "quantize": quantize_as}
     if module_spec is not None and hf is not None:
         raise click.UsageError("--module and --hf are two sources of a model: give one")
     source = HF if hf is not None else MODULE if module_spec is not None else BUILTIN
@@ -288,6 +307,23 @@ def export(ctx, checkpoint, prefix, d_model, heads, model_kind, layers, d_ff, at
         write_genai_beside(result.path)
 
 
+def _with_text(quantize_as, embeddings: bool, calibration: Path | None, eval_data: Path | None, eval_tokens: int,
+               hf: Path | None, output: Path):
+    """``quantize_as`` with the embedding tables, GPTQ's calibration prompts and the evaluation text asked for; texts
+    tokenized by the --hf folder's tokenizer.json, else one beside ``output``."""
+    from dataclasses import replace
+
+    from mha_deploy.exporters.quantize import read_text_data
+    from mha_deploy.runtime.beside_model import TOKENIZER_FILE, BesideModel
+
+    tokenizer = Path(hf) / TOKENIZER_FILE if hf is not None else BesideModel.of(output).tokenizer
+    tokenizer = tokenizer if tokenizer is not None and tokenizer.is_file() else None
+    return replace(
+        quantize_as, embeddings=embeddings,
+        calibration=read_text_data(calibration, tokenizer) if calibration is not None else None,
+        evaluation=read_text_data(eval_data, tokenizer, eval_tokens) if eval_data is not None else None)
+
+
 def write_genai_beside(model: Path) -> None:
     """``genai_config.json`` beside the model just written; the model is removed again when the config cannot be
     written, so that a failed ``export --genai`` leaves nothing."""
@@ -315,6 +351,8 @@ def echo_export(result) -> None:
     quantized = getattr(result, "metadata", result)
     if getattr(quantized, "weight_only", None) is not None:
         click.echo(f"quantized {quantized.quantization}: {quantized.weight_only.describe()}")
+        if quantized.weight_only.evaluation is not None:
+            click.echo(f"quality {quantized.weight_only.evaluation.describe()}")
     click.echo(result.parity.summary())
     max_length = result.metadata.max_length if hasattr(result, "metadata") else result.max_length
     if max_length is not None:

@@ -67,7 +67,7 @@ from mha_deploy.exporters.parity import (
     default_cases,
 )
 from mha_deploy.exporters.precision import DTYPES, FP16_ATOL, FP16_RTOL, to_float16
-from mha_deploy.exporters.quantize import Quantization
+from mha_deploy.exporters.quantize import EVAL_NEEDS_CAUSAL_LM, Quantization
 from mha_deploy.exporters.reference_form import reference_attention, without_fast_path
 from mha_deploy.exporters.stack_graphs import decoder_cache_graphs, export_stack_onnx, stack_graph
 from mha_deploy.exporters.token_packing import PackingReport, pack_model, packing_masks
@@ -537,6 +537,8 @@ def _export_model(
                                  "max_position_embeddings or max_target_positions: no position table states it; "
                                  "--max-length to record another)")
     seq2seq = seq2seq_tensors(signature) if kv_cache else None
+    if export_options.quantize.evaluation is not None and not kv_cache:
+        raise ExportError(EVAL_NEEDS_CAUSAL_LM)
     if kv_cache:
         if seq2seq is None:
             lm_tensors(signature)
@@ -550,6 +552,8 @@ def _export_model(
         if export_options.dtype != "fp32":
             raise ExportError("--kv-cache exports a user's module in fp32 for now (or weight-only --quantize int4 or "
                               "int8 from it): drop --dtype")
+        if export_options.quantize.evaluation is not None and seq2seq is not None:
+            raise ExportError(EVAL_NEEDS_CAUSAL_LM)
         if export_options.quantize.kind == INT8_DYNAMIC:
             raise ExportError("--quantize int8-dynamic with --kv-cache: it quantizes each call's activations with "
                               "one scale over the batch, so a row's tokens would move with its batch-mates; use "
@@ -866,6 +870,8 @@ def _finish(
     metadata.fusion = fusion.target
     metadata.quantization = options.quantize.kind
     metadata.weight_only = options.quantize.record(model)
+    if options.quantize.evaluation is not None:
+        metadata.weight_only = options.quantize.evaluate(metadata.weight_only, module, declared, model, metadata)
     metadata.parity = report
     if metadata.signature.model == "custom":
         # A user's model: the most heads one of its attentions splits into, as the written graph states them

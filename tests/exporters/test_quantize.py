@@ -3,6 +3,8 @@ quality measured against fp32 torch and judged by a relative-error budget."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import onnx
 import pytest
@@ -19,7 +21,7 @@ from mha_deploy.exporters.quantize import (
     quantize_int8_dynamic,
     quantize_weights,
 )
-from mha_deploy.metadata import Signature, WeightOnlyRecord
+from mha_deploy.metadata import ModelMetadata, Signature, WeightOnlyRecord
 from mha_deploy.model_report import describe_model
 from mha_deploy.models import MultiHeadAttention
 from mha_deploy.onnx_nodes import all_nodes
@@ -232,15 +234,43 @@ def test_a_broken_scale_is_refused_saying_by_how_much(tmp_path, monkeypatch):
     assert list(tmp_path.iterdir()) == []
 
 
-def test_an_int4_kv_cache_lm_keeps_its_cache_and_generates(lm_cache):
-    """The tutorial GPT with --kv-cache --quantize int4: every MatMul as MatMulNBits, the ragged cache, its
-    GroupQueryAttentions and its I/O as the fp32 export has them; generation runs through the same runtime
-    unchanged, and the file records its error and top-1 agreement against fp32 torch."""
+EVAL_PROMPTS = [[5, 9, 2, 7, 1, 3, 3, 8, 14, 20], [3, 4, 40, 41, 2, 2, 17], [8, 8, 8, 1, 2, 6, 7, 30, 31, 49, 0]]
+
+
+@pytest.fixture(scope="session")
+def eval_prompts(tmp_path_factory):
+    """--eval-data as generate reads prompts: JSONL lines of id and input_ids (ids within the tutorial GPT's
+    vocabulary, 60, and the tiny LM's, 50)."""
+    import json
+
+    path = tmp_path_factory.mktemp("eval") / "prompts.jsonl"
+    path.write_text("".join(json.dumps({"id": i, "input_ids": ids}) + "\n" for i, ids in enumerate(EVAL_PROMPTS)))
+    return path
+
+
+def test_an_int4_kv_cache_lm_keeps_its_cache_and_generates(lm_cache, eval_prompts):
+    """The tutorial GPT with --kv-cache --quantize int4 --quantize-embeddings --eval-data: every MatMul as
+    MatMulNBits and the token table as GatherBlockQuantized; the ragged cache, its GroupQueryAttentions and its I/O
+    as the fp32 export has them; generation runs through the same runtime unchanged, and the file records its error
+    and top-1 agreement against fp32 torch, and its perplexity and greedy agreement on the text against the
+    module's."""
     from mha_deploy.runtime.generation import generate
     from mha_deploy.runtime.kv_stepper import KVCacheStepper
 
-    path, output = lm_cache("tutorial_gpt", "--quantize", "int4")
-    assert "quantized int4: 13 MatMulNBits, 4-bit asymmetric blocks of 32, rtn, accuracy_level 4" in output
+    path, output = lm_cache("tutorial_gpt", "--quantize", "int4", "--quantize-embeddings", "--eval-data",
+                            str(eval_prompts), "--eval-tokens", "6")
+    assert ("quantized int4: 13 MatMulNBits, 4-bit asymmetric blocks of 32, rtn, accuracy_level 4; 1 embedding "
+            "table(s) as 4-bit GatherBlockQuantized (rtn)") in output
+    assert "com.microsoft::GatherBlockQuantized x1" in describe_model(path).text()
+    evaluation = MHASession(path, provider="cpu").metadata.weight_only.evaluation
+    assert (evaluation.source, evaluation.prompts, evaluation.scored, evaluation.new_tokens) == (
+        "prompts.jsonl", 3, sum(len(ids) - 1 for ids in EVAL_PROMPTS), 6)
+    # random weights and random text: both perplexities near the vocabulary's 60, the file's within a few percent
+    # of fp32's either way (rounding may as well help on such text)
+    assert 0.9 < evaluation.ratio < 1.1 and 10 < evaluation.perplexity_fp32 < 200
+    assert 0 <= evaluation.greedy_agreement <= 1 and 0 <= evaluation.greedy_identical <= 3
+    assert f"quality {evaluation.describe()}" in output and f"quality {evaluation.describe()}" in \
+        describe_model(path).text()
     report = describe_model(path)
     assert [op.op for op in report.attention_ops] == ["com.microsoft::GroupQueryAttention"] * 2
     metadata = MHASession(path, provider="cpu").metadata  # the load check takes it
@@ -273,3 +303,126 @@ def test_int8_dynamic_with_a_kv_cache_is_refused_saying_why(tmp_path):
     with pytest.raises(ExportError, match=r"int8-dynamic with --kv-cache: .* use --quantize int8 or int4"):
         export_model(causal_lm.build(), tmp_path / "lm.onnx", causal_lm.INPUTS, kv_cache=True,
                      quantize="int8-dynamic")
+
+
+def _embedding_model(tied: str = "copy") -> onnx.ModelProto:
+    """ids [1, s] -> Gather(table [64, 32]) -> MatMul(w [32, 32]) -> MatMul(head) -> logits [1, s, 64], beside a
+    Gather of a shape (which is no table) and a position table indexed by position_ids. ``tied``: the head's weight
+    a copy of the table transposed ("copy", what torch's export folds a tied head into) or the table itself through
+    a Transpose node ("transpose")."""
+    rng = np.random.default_rng(0)
+    helper, tensor = onnx.helper, onnx.numpy_helper.from_array
+    table = rng.standard_normal((64, 32)).astype(np.float32)
+    weights = [tensor(table, "table"), tensor(rng.standard_normal((32, 32)).astype(np.float32), "w"),
+               tensor(rng.standard_normal((16, 32)).astype(np.float32), "positions"),
+               tensor(np.array(1, np.int64), "one")]
+    nodes = [helper.make_node("Cast", ["input_ids"], ["ids"], to=onnx.TensorProto.INT64),
+             helper.make_node("Gather", ["table", "ids"], ["embedded"]),
+             helper.make_node("Gather", ["positions", "position_ids"], ["placed"]),
+             helper.make_node("Add", ["embedded", "placed"], ["x"]),
+             helper.make_node("Shape", ["x"], ["shape"]), helper.make_node("Gather", ["shape", "one"], ["seq"]),
+             helper.make_node("MatMul", ["x", "w"], ["h"])]
+    if tied == "copy":
+        weights.append(tensor(np.ascontiguousarray(table.T), "head"))
+        nodes.append(helper.make_node("MatMul", ["h", "head"], ["logits"]))
+    else:
+        nodes += [helper.make_node("Transpose", ["table"], ["head"], perm=[1, 0]),
+                  helper.make_node("MatMul", ["h", "head"], ["logits"])]
+    ids = [helper.make_tensor_value_info(name, onnx.TensorProto.INT64, [1, "s"]) for name in ("input_ids",
+                                                                                            "position_ids")]
+    graph = helper.make_graph(nodes, "g", ids, [helper.make_tensor_value_info("logits", onnx.TensorProto.FLOAT,
+                                                                              [1, "s", 64]),
+                                               helper.make_tensor_value_info("seq", onnx.TensorProto.INT64, [])],
+                              weights)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)], ir_version=10)
+
+
+def _run_ids(model: onnx.ModelProto, ids: np.ndarray) -> np.ndarray:
+    import onnxruntime as ort
+
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    return session.run(["logits"], {"input_ids": ids, "position_ids": np.arange(ids.shape[1])[None]})[0]
+
+
+@pytest.mark.parametrize("tied", ["copy", "transpose"])
+def test_quantize_embeddings_takes_the_token_table_only_and_a_tied_head_keeps_its_own_weights(tied):
+    """ORT's own quantizer writes the token table as GatherBlockQuantized; the position table and the shape's
+    Gather stay as they were. A tied head folded into a transposed copy is quantized as any MatMul; one that reads
+    the table through a Transpose keeps the fp32 table it reads (the Gather's table is a new initializer)."""
+    model = _embedding_model(tied)
+    quantization = Quantization("int4", embeddings=True)
+    quantized = quantization.apply(model)
+    gathers = [n for n in all_nodes(quantized.graph) if n.op_type in ("Gather", "GatherBlockQuantized")]
+    assert sorted((n.op_type, n.input[0]) for n in gathers) == [
+        ("Gather", "positions"), ("Gather", "shape"), ("GatherBlockQuantized", "table_Q4")]
+    (block,) = [n for n in gathers if n.op_type == "GatherBlockQuantized"]
+    attributes = {a.name: onnx.helper.get_attribute_value(a) for a in block.attribute}
+    assert (attributes["block_size"], attributes["quantize_axis"], attributes["gather_axis"]) == (32, 1, 0)
+    assert len(_nbits(quantized)) == (2 if tied == "copy" else 1)
+    assert ("table" in {t.name for t in quantized.graph.initializer}) == (tied == "transpose")
+    ids = np.random.default_rng(1).integers(0, 64, (1, 7))
+    want, got = _run_ids(model, ids), _run_ids(quantized, ids)
+    assert 0 < np.linalg.norm(got - want) / np.linalg.norm(want) < REL_ERR_BUDGETS["int4"]
+    record = quantization.record(quantized)
+    assert record.embeddings == 1 and "1 embedding table(s) as 4-bit GatherBlockQuantized" in record.describe()
+
+
+def test_gptq_calibrates_on_the_prompts_and_writes_matmulnbits():
+    from mha_deploy.exporters.quantize import TextData
+
+    model = _embedding_model()
+    prompts = TextData("p.jsonl", tuple(tuple(range(i, i + 9)) for i in range(0, 40, 10)))
+    quantization = Quantization("int4", symmetric=True, method="gptq", calibration=prompts)
+    quantized = quantization.apply(model)
+    attributes = _nbits(quantized)
+    assert len(attributes) == 2 and all(a["bits"] == 4 and a["block_size"] == 32 for a in attributes)
+    ids = np.arange(3, 10)[None]
+    want, got = _run_ids(model, ids), _run_ids(quantized, ids)
+    assert 0 < np.linalg.norm(got - want) / np.linalg.norm(want) < REL_ERR_BUDGETS["int4"]
+    assert quantization.record(quantized).method == "gptq"
+    # ORT 1.31's GPTQ packs zero points across columns where K holds an odd number of blocks: refused first
+    with pytest.raises(ExportError, match=r"odd number of blocks along K .* add --symmetric"):
+        Quantization("int4", method="gptq", calibration=prompts).apply(model)
+
+
+@pytest.mark.parametrize(("quantization", "words"), [
+    (Quantization("int8", embeddings=True), "GatherBlockQuantized tables in 4 bits only"),
+    (Quantization("int4", method="gptq"), "gptq calibrates on prompts: give --calibration"),
+    (Quantization("int4", calibration=object()), "--calibration is GPTQ's data"),
+    (Quantization("int8", method="gptq", calibration=object()), "writes 4-bit weights only"),
+    (Quantization("int4", method="gptq", calibration=object(), keep_head_fp32=True), "ignores the nodes"),
+    (Quantization("int8-dynamic", evaluation=object()), "--eval-data: options of weight-only"),
+])
+def test_what_the_quantizer_cannot_do_is_refused_saying_why(quantization, words):
+    with pytest.raises(ExportError, match=words):
+        quantization.check()
+
+
+def test_the_quality_record_survives_the_file_and_older_records_read_as_before():
+    from mha_deploy.metadata import EvalRecord
+
+    evaluation = EvalRecord("p.jsonl", 4, 44, 75.7, 75.0, 16, 0.3125, 1, 1.5)
+    record = WeightOnlyRecord(4, 32, False, "rtn", 4, matmuls=13, embeddings=1, evaluation=evaluation)
+    metadata = ModelMetadata(32, 4, Signature(), quantization="int4", weight_only=record)
+    back = ModelMetadata.from_json(metadata.to_json())
+    assert back.weight_only == record and back.format == 10
+    plain = replace(metadata, weight_only=WeightOnlyRecord(4, 32, False, "rtn", 4, matmuls=13))
+    assert "embeddings" not in plain.to_json() and ModelMetadata.from_json(plain.to_json()).format == 8
+    assert "perplexity 75.7 against fp32's 75 (1.009x, budget 1.5x)" in evaluation.describe()
+
+
+def test_a_perplexity_past_its_budget_is_refused_and_eval_data_needs_a_kv_cache_lm(tmp_path, monkeypatch):
+    from mha_deploy.exporters.quantize import TextData
+
+    causal_lm = user_module("causal_lm")
+    data = TextData("p.jsonl", tuple(tuple(ids) for ids in EVAL_PROMPTS), new_tokens=2)
+    with pytest.raises(ExportError, match="--eval-data judges a causal LM exported with --kv-cache"):
+        export_model(causal_lm.build(), tmp_path / "lm.onnx", causal_lm.INPUTS,
+                     quantize=Quantization("int4", evaluation=data))
+    # any loss of perplexity is past a budget of 1x: the refusal says by how much, and nothing is written
+    monkeypatch.setattr("mha_deploy.exporters.quantize.PERPLEXITY_RATIO_BUDGET", 1.0)
+    with pytest.raises(ParityError, match=r"perplexity [\d.]+ is [\d.]+x the fp32 module's [\d.]+ on p.jsonl "
+                                          r"\(budget 1x\); nothing written"):
+        export_model(causal_lm.build(), tmp_path / "lm.onnx", causal_lm.INPUTS, kv_cache=True,
+                     quantize=Quantization("int4", evaluation=data))
+    assert list(tmp_path.iterdir()) == []
