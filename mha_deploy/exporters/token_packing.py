@@ -75,7 +75,11 @@ _REDUCE_OPS = {"ReduceL1", "ReduceL2", "ReduceLogSumExp", "ReduceMax", "ReduceMe
                "ReduceSum", "ReduceSumSquare"}
 # Ops over trailing axes, with the axis attribute and its default (a Split along the features: GPT-2's fused
 # q, k, v projection split in three).
-_AXIS_OPS = {"LayerNormalization": -1, "RMSNormalization": -1, "Softmax": -1, "LogSoftmax": -1, "Split": 0}
+_AXIS_OPS = {"LayerNormalization": -1, "RMSNormalization": -1, "SimplifiedLayerNormalization": -1, "Softmax": -1,
+             "LogSoftmax": -1, "Split": 0}
+# Contrib ops of the fusion that are per-token like an Add in their [batch, seq, ...] inputs (fusion.norms: the
+# residual sum normalised over its last axis; their scales and biases span that axis only).
+_PER_TOKEN_CONTRIB = {"SkipSimplifiedLayerNormalization"}
 # A run of packed ops is kept when its MatMul multiply-adds per token are at least this many times the
 # elements per token it gathers in and puts back (a pre-norm block: 12 d^2 against 4 d). Packed over unpacked,
 # the classifier of tests/user_models at 2 layers, 2 threads, fp32, ORT CPU, one run of
@@ -542,11 +546,14 @@ def _axes(node: ir.Node) -> list[int] | None:
 
 
 def _plan(node: ir.Node, masks: list[_Mask], packed: dict) -> _Plan | None:
+    out_dims = _dims(node.outputs[0]) if node.outputs else None
+    rank = len(out_dims) if out_dims is not None else None
+    if node.domain == "com.microsoft" and node.op_type in _PER_TOKEN_CONTRIB:
+        # normalised over the last axis, which must not be the sequence
+        return _elementwise_plan(node, masks, packed, rank) if rank is not None and rank >= 3 else None
     if node.domain not in ("", "ai.onnx") or not node.outputs:
         return None
     op = node.op_type
-    out_dims = _dims(node.outputs[0])
-    rank = len(out_dims) if out_dims is not None else None
     if op in ("Gemm", "Reshape") or (op == "MatMul" and node.inputs[0] in packed and packed[node.inputs[0]].flat):
         return _flat_plan(node, masks, packed, out_dims)
     if op == "MatMul":
@@ -588,6 +595,11 @@ def _plan(node: ir.Node, masks: list[_Mask], packed: dict) -> _Plan | None:
         return _Plan(mask, rank, {0: kind}) if kind in ("packed", "entry") else None
     if op not in _ELEMENTWISE or rank is None or rank < 2:
         return None
+    return _elementwise_plan(node, masks, packed, rank)
+
+
+def _elementwise_plan(node: ir.Node, masks: list[_Mask], packed: dict, rank: int) -> _Plan | None:
+    """Each input enters by how it spans [batch, seq] (all by one mask); at least one is an activation."""
     kinds: dict[int, str] = {}
     mask = None
     for index, value in enumerate(node.inputs):

@@ -39,6 +39,10 @@ The chain, per target (own rules marked *, the rest is upstream
     * output_bias             a bias added before the output projection -> folded into its bias
     onnx:
     * onnx_attention          MHA -> standard Attention (float attn_mask, is_causal)
+    then, on either target, after the attentions (their patterns see the graph as torch wrote it):
+    * norms                   RMSNorm -> SimplifiedLayerNormalization, with its residual Add ->
+                              com.microsoft.SkipSimplifiedLayerNormalization (mha); -> ONNX
+                              RMSNormalization (onnx)
 
 The onnx target keeps the causal flag on standard ``Attention`` instead of taking
 causal_gqa: GroupQueryAttention is an ORT contrib op, and that target exists for
@@ -75,6 +79,7 @@ from mha_deploy.exporters.fusion.finite_bias import fuse_finite_bias
 from mha_deploy.exporters.fusion.head_merge_view import fuse_head_merge_view
 from mha_deploy.exporters.fusion.masked_fill_bias import fuse_masked_fill_bias, masked_fill_bias_rules
 from mha_deploy.exporters.fusion.native_mask import fuse_native_mask
+from mha_deploy.exporters.fusion.norms import fuse_norms, norm_ops
 from mha_deploy.exporters.fusion.onnx_attention import fuse_onnx_attention
 from mha_deploy.exporters.fusion.onnx_attention_weights import (
     fuse_onnx_attention_weights,
@@ -150,6 +155,9 @@ class FusionReport:
     # Each attention left unfused: its Softmax's or standard Attention's node name, e.g.
     # "node_scaled_dot_product_attention (Attention)" (torch names nodes after the torch op).
     unfused_names: list[str] = field(default_factory=list)
+    # The fused norm ops in the output model by ``domain.Op`` (fusion.norms), e.g.
+    # {"SimplifiedLayerNormalization": 1, "com.microsoft.SkipSimplifiedLayerNormalization": 4}.
+    norms: dict[str, int] = field(default_factory=dict)
 
     @property
     def fused(self) -> int:
@@ -163,7 +171,9 @@ class FusionReport:
     def summary(self) -> str:
         """One line, e.g. ``fusion mha: 1 attention subgraph(s) found, 0 fused, 1 left unfused
         (masked_fill_bias: fill -1.0 is not a masking value (needs <= -10000))``, with the unfused
-        attentions' nodes named before the count (``not fused: node_softmax (Softmax); 1 left unfused``)."""
+        attentions' nodes named before the count (``not fused: node_softmax (Softmax); 1 left unfused``), and the
+        norms fused after (``; RMSNorm fused into 1 SimplifiedLayerNormalization, 4
+        com.microsoft.SkipSimplifiedLayerNormalization``)."""
         kinds = sorted({op.op_type for op in self.ops})
         reasons = "; ".join(f"{rule}: {' / '.join(why)}" for rule, why in self.unfused_reasons.items())
         unread = len(self.unrecognised_masks)
@@ -176,6 +186,7 @@ class FusionReport:
             f"{f' ({reasons})' if reasons else ''}"
             f"{f'; {unread} with a {MASK_NOT_RECOGNISED} (materialised)' if unread else ''}"
             f"{f'; {windows} with a {WINDOW_MASK} as attention_bias ({_WINDOW_WHY})' if windows else ''}"
+            f"{'; RMSNorm fused into ' + ', '.join(f'{n} {op}' for op, n in self.norms.items()) if self.norms else ''}"
         )
 
     @property
@@ -293,6 +304,8 @@ def _run_chain(model: ir.Model, target: str, packed_qkv: bool, short_sequences: 
         counts["cache_heads"] = fuse_cache_heads(model)
     else:
         counts["onnx_attention"] = fuse_onnx_attention(model)
+    # Last: the attention rules above match the norm-free subgraphs they were written for (a q/k norm inside one).
+    counts.update(fuse_norms(model, target))
     _omit_unused_present_outputs(model)
     # Layers of a stack build identical masks (Cast/Expand of one padding input): share them.
     common_passes.CommonSubexpressionEliminationPass()(model)
@@ -442,7 +455,8 @@ def fuse_attention(
     _finish_opsets(ir_model, original_domains)
     fused = ir.serde.serialize_model(ir_model)
     unfused = unfused_attentions(ir_model)
-    report = FusionReport(target, found, len(unfused), _fused_ops(fused, unfused), counts)
+    report = FusionReport(target, found, len(unfused), _fused_ops(fused, unfused), counts,
+                          norms=norm_ops(fused.graph.node))
     report.unfused_names = [f"{node.name or '(unnamed)'} ({node.op_type})" for node in unfused]
     if report.remaining:
         # After serializing: the tracing pass is told to change nothing, but it still runs
