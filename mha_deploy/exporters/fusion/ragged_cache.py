@@ -34,15 +34,17 @@ The op's additive bias must come only from
 ``attention_mask`` and from shapes (a Shape of any input, constants): what the module's mask ops can then
 express is key padding and a pattern over positions.
 That the pattern is exactly GroupQueryAttention's (key j visible to row r's query at position p iff j < n_r and
-j <= p; not, say, a sliding window, nor a position bias the op would drop) is read from what the bias computes
-(``check_masks_are_causal``): its subgraph is cut out (``mask_probe.cut_out``, each Shape it reads fed as the
-graph's shapes give it on the call) and run on calls of the contract reaching the longest sequence the file takes
-(its max length, else ``PROBE_LENGTH``): a first call of that many tokens with a right-padded row, a chunk mid-way,
-a one-token step at the end; every bias value must be 0 or a masking fill, and the keys shown must match key by
-key. Per-step parity under this layout (``own_kv_cache.check_own_cache_parity``) then checks the numbers at the
-lengths it decodes (up to 262 tokens), which alone would miss a pattern that departs from causal only later. The
-bias's subgraph, the Concats and the Identities are then dead and removed. ``to_ragged_cache`` says in one line
-why it refuses, and the export keeps the holes layout.
+j <= p, and j > p - w for a sliding window of w keys, the op's ``local_window_size``; not, say, a chunked mask, nor
+a position bias the op would drop) is read from what the bias computes (``check_masks_are_causal``): its subgraph
+is cut out (``mask_probe.cut_out``, each Shape it reads fed as the graph's shapes give it on the call) and run on
+calls of the contract reaching the longest sequence the file takes (its max length, else ``PROBE_LENGTH``): a first
+call of that many tokens with a right-padded row, a chunk mid-way, a one-token step at the end; every bias value
+must be 0 or a masking fill, the window is the most keys a query of the whole first row sees (where fewer than the
+row), and the keys shown must match key by key. Per-step parity under this layout
+(``own_kv_cache.check_own_cache_parity``) then checks the numbers at the lengths it decodes (up to 262 tokens),
+which alone would miss a pattern that departs from causal only later. The bias's subgraph, the Concats and the
+Identities are then dead and removed. ``to_ragged_cache`` says in one line why it refuses, and the export keeps the
+holes layout.
 """
 
 from __future__ import annotations
@@ -87,10 +89,10 @@ def to_ragged_cache(model: onnx.ModelProto, mask: str = "attention_mask", max_le
     plans = [_plan(node, inputs[mask]) for node in attentions]
     if 2 * len(plans) != len(caches):
         raise RaggedRefused(f"{len(plans)} attention(s) read a cache, the file takes {len(caches)} cache inputs")
-    check_masks_are_causal(graph, attentions, inputs[mask], max_length or PROBE_LENGTH)
+    windows = check_masks_are_causal(graph, attentions, inputs[mask], max_length or PROBE_LENGTH)
     lengths, total = _row_lengths(graph, inputs[mask])
-    for plan in plans:
-        plan.apply(graph, lengths, total)
+    for plan, window in zip(plans, windows or [None] * len(plans), strict=True):
+        plan.apply(graph, lengths, total, window)
     RemoveUnusedNodesPass()(ir_model)
     graph.sort()
     return ir.serde.serialize_model(ir_model)
@@ -104,9 +106,11 @@ class _Plan:
         self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
         self.presents, self.concats = presents, concats
 
-    def apply(self, graph: ir.Graph, lengths: ir.Value, total: ir.Value) -> None:
+    def apply(self, graph: ir.Graph, lengths: ir.Value, total: ir.Value, window: int | None = None) -> None:
         node = self.node
         attributes = [ir.AttrInt64("num_heads", self.heads), ir.AttrInt64("kv_num_heads", self.kv_heads)]
+        if window is not None:  # the op's window: a query sees itself and the window - 1 keys before it
+            attributes.append(ir.AttrInt64("local_window_size", window))
         scale = node.attributes.get("scale")
         if scale is not None:
             attributes.append(ir.AttrFloat32("scale", scale.as_float()))
@@ -299,25 +303,47 @@ def probe_calls(length: int) -> tuple[_Probe, ...]:
     )
 
 
-def check_masks_are_causal(graph: ir.Graph, attentions: list[ir.Node], mask: ir.Value, length: int) -> None:
-    """``RaggedRefused`` unless each attention's mask, its bias as the graph computes it from ``mask`` and
-    shapes (cut out and run, ``mask_probe.cut_out``), shows a query exactly the keys ``GroupQueryAttention``
-    does on every probe call up to ``length`` tokens (``probe_calls``): row r's query at position p sees key j
-    iff j < n_r (key padding) and j <= p (causal). A bias holding anything but 0 and a masking fill (a learned
-    or ALiBi position bias) is refused too: the op would drop it."""
+def check_masks_are_causal(graph: ir.Graph, attentions: list[ir.Node], mask: ir.Value, length: int
+                           ) -> list[int | None]:
+    """Each attention's window (None: causal over the whole past), read from its mask; ``RaggedRefused`` unless
+    each mask, its bias as the graph computes it from ``mask`` and shapes (cut out and run,
+    ``mask_probe.cut_out``), shows a query exactly the keys ``GroupQueryAttention`` does on every probe call up to
+    ``length`` tokens (``probe_calls``): row r's query at position p sees key j iff j < n_r (key padding), j <= p
+    (causal) and, for a sliding window of w keys, j > p - w (the op's ``local_window_size`` w). The window is the
+    most keys a query of the first call's whole row sees, where that is fewer than the row's length; every call
+    must then match it key by key. A bias holding anything but 0 and a masking fill (a learned or ALiBi position
+    bias) is refused too: the op would drop it."""
     biases = [optional_input(node, ATTENTION_BIAS) for node in attentions]
     unique = list({id(bias): bias for bias in biases if bias is not None}.values())
     runner = cut_out(unique, shapes_as_inputs=True) if unique else None
     if unique and runner is None:
         raise RaggedRefused("the attentions' mask cannot be cut out of the graph and run, to check it is causal")
     sizes = _symbolic_sizes(graph, mask)
+    windows: list[int | None] | None = None
     for call in probe_calls(length):
         values = _run_biases(runner, sizes, mask, call) if runner is not None else {}
-        for index, (node, bias) in enumerate(zip(attentions, biases, strict=True)):
-            reason = _visibility_differs(values.get(bias.name) if bias is not None else None,
-                                         node.attributes.get_int("unidirectional", 0), call)
+        shown = [values.get(bias.name) if bias is not None else None for bias in biases]
+        if windows is None:  # the first call: a whole row of ``length`` tokens in row 0
+            windows = [_window(bias, node.attributes.get_int("unidirectional", 0), call)
+                       for node, bias in zip(attentions, shown, strict=True)]
+        for index, (node, bias) in enumerate(zip(attentions, shown, strict=True)):
+            reason = _visibility_differs(bias, node.attributes.get_int("unidirectional", 0), call, windows[index])
             if reason:
                 raise RaggedRefused(f"the mask of attention {index} {reason} ({call.what}, the mask probe)")
+    return windows or [None] * len(attentions)
+
+
+def _window(bias: np.ndarray | None, unidirectional: int, call: _Probe) -> int | None:
+    """The most keys any query of ``call``'s row 0 (a whole row) is shown, where that is fewer than the row holds:
+    a sliding window's size; None (causal) otherwise, or where the bias is not one the check would take."""
+    if bias is None or bias.ndim < 2 or bias.shape[-1] != call.past + call.seq or bias.shape[-2] != call.seq:
+        return None
+    rows = bias.reshape((-1, *bias.shape[-2:]))[0]  # row 0 (a broadcast batch: every row's), head 0
+    shown = rows == 0
+    if unidirectional:
+        shown = shown & (np.arange(shown.shape[1])[None] <= call.past + np.arange(call.seq)[:, None])
+    widest = int(shown.sum(axis=1).max())
+    return widest if 0 < widest < call.lengths[0] else None
 
 
 def _symbolic_sizes(graph: ir.Graph, mask: ir.Value) -> dict[str, str]:
@@ -369,9 +395,10 @@ def _run_biases(runner, sizes: dict[str, str], mask: ir.Value, call: _Probe) -> 
     return {output.name: value for output, value in zip(session.get_outputs(), outputs, strict=True)}
 
 
-def _visibility_differs(bias: np.ndarray | None, unidirectional: int, call: _Probe) -> str | None:
+def _visibility_differs(bias: np.ndarray | None, unidirectional: int, call: _Probe, window: int | None = None
+                        ) -> str | None:
     """How the keys ``bias`` (with the op's own causal flag) shows each real query differ from what
-    GroupQueryAttention shows on ``call``; None when they do not."""
+    GroupQueryAttention (with ``local_window_size`` ``window``) shows on ``call``; None when they do not."""
     batch, total = len(call.lengths), call.past + call.seq
     if bias is None:
         bias = np.zeros((1, 1, call.seq, total), np.float32)
@@ -383,6 +410,13 @@ def _visibility_differs(bias: np.ndarray | None, unidirectional: int, call: _Pro
     keys = np.arange(total)
     for row, length in enumerate(call.lengths):
         past = max(length - call.seq, 0)
+        if window is not None and past != call.past:
+            # The module's mask places this call's queries at the padded batch's last columns, not at a shorter
+            # row's own positions: a causal mask is blind to that (the row's keys end before either), a window is
+            # not. The op windows each row at its own positions, which is what the module computes for the row
+            # alone: the rows whose positions are the columns (every row of a first call, the longest row of a
+            # later one, and batch 1) show it; per-step parity checks the shorter rows' numbers.
+            continue
         queries = np.arange(length - past)  # the row's real queries (a first call's padding after them)
         values = bias[row, :, : len(queries)]  # [heads, real queries, total]
         masked, shown = (values <= -MIN_FILL_MAGNITUDE) | np.isneginf(values), values == 0
@@ -393,15 +427,18 @@ def _visibility_differs(bias: np.ndarray | None, unidirectional: int, call: _Pro
         if unidirectional:  # the op's own flag: causal by column, the queries the last of the keys
             shown = shown & (keys[None, None] <= call.past + queries[None, :, None])
         wanted = (keys[None, :] < length) & (keys[None, :] <= past + queries[:, None])
+        if window is not None:
+            wanted &= keys[None, :] > past + queries[:, None] - window
         differs = np.argwhere(shown != wanted[None])
         if len(differs):
             _, query, key = differs[0]
             position = past + query
             where = "" if batch == 1 else f" in row {row}"
+            expected = "a causal mask" if window is None else f"a sliding window of {window} keys"
             if wanted[query, key]:
                 return (f"hides key {key} from query {position}{where}{' (a window?)' if key < position else ''} "
-                        "where a causal mask shows it")
-            return f"shows key {key} to query {position}{where} where a causal mask with key padding hides it"
+                        f"where {expected} shows it")
+            return f"shows key {key} to query {position}{where} where {expected} with key padding hides it"
     return None
 
 
