@@ -319,10 +319,12 @@ def test_cli_bench_json_and_plot(tmp_path):
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_cli_bench_of_a_model_file_reads_its_width_heads_and_mask(tmp_path):
-    """No --d-model, --heads or --mask: a narrow padding model is benched at its own size, in its own mask mode."""
+@pytest.mark.parametrize("quantize", [[], ["--quantize", "int4"]], ids=["fp32", "int4"])
+def test_cli_bench_of_a_model_file_reads_its_width_heads_and_mask(tmp_path, quantize):
+    """No --d-model, --heads or --mask: a narrow padding model is benched at its own size, in its own mask mode; a
+    weight-only int4 file is one more row beside the fp32 ones, judged by its export's relative budget."""
     model = tmp_path / "narrow.onnx"
-    assert CliRunner().invoke(main, ["export", "--d-model", "32", "--heads", "2", "--mask", "padding",
+    assert CliRunner().invoke(main, ["export", "--d-model", "32", "--heads", "2", "--mask", "padding", *quantize,
                                      "-o", str(model)]).exit_code == 0
     result = CliRunner().invoke(main, [
         "bench", str(model), "--shapes", "2x8", "--budget-s", "0.01", "--threads", "1", "--memory-shapes", "",

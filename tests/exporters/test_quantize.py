@@ -426,3 +426,59 @@ def test_a_perplexity_past_its_budget_is_refused_and_eval_data_needs_a_kv_cache_
         export_model(causal_lm.build(), tmp_path / "lm.onnx", causal_lm.INPUTS, kv_cache=True,
                      quantize=Quantization("int4", evaluation=data))
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.slow
+def test_a_hugging_face_llama_at_int4_keeps_its_attentions_and_records_its_quality_on_text(lm_cache, eval_prompts):
+    """tests/user_models/hf_llama.py (rotary, 4 query heads over 2 KV heads) with --kv-cache --quantize int4
+    --eval-data: its 15 projections (7 per layer and the head) as 4-bit MatMulNBits in blocks of 32, read from the
+    file; the attention ops and the I/O those of the fp32 export; generate runs it; the perplexity and greedy
+    agreement against the module recorded."""
+    from mha_deploy.runtime.generation import generate
+    from mha_deploy.runtime.kv_stepper import KVCacheStepper
+
+    path, output = lm_cache("hf_llama", "--quantize", "int4", "--eval-data", str(eval_prompts), "--eval-tokens", "4")
+    fp32, _ = lm_cache("hf_llama")
+    quantized, before = onnx.load(path), onnx.load(fp32)
+    assert [(a["bits"], a["block_size"]) for a in _nbits(quantized)] == [(4, 32)] * 15
+    assert not constant_weight_matmuls(quantized)
+    assert [(op.op, op.kernel) for op in describe_model(path).attention_ops] == [
+        (op.op, op.kernel) for op in describe_model(fp32).attention_ops]
+    assert [(v.name, v.type) for v in quantized.graph.input] == [(v.name, v.type) for v in before.graph.input]
+    assert [(v.name, v.type) for v in quantized.graph.output] == [(v.name, v.type) for v in before.graph.output]
+    metadata = MHASession(path, provider="cpu").metadata
+    assert metadata.parity.passed and metadata.parity.rel_err <= REL_ERR_BUDGETS["int4"]
+    evaluation = metadata.weight_only.evaluation
+    assert evaluation.new_tokens == 4 and evaluation.ratio <= evaluation.ratio_budget
+    assert f"quality {evaluation.describe()}" in output
+    out = generate(KVCacheStepper(path), [[5, 9, 2, 7], [3, 4]], max_new_tokens=4, eos_token_id=[])
+    assert [len(t) for t in out.tokens] == [4, 4]
+
+
+@pytest.mark.slow
+def test_a_hugging_face_bart_pair_at_int4_quantizes_both_files_and_generates(tmp_path):
+    """BART (tests/user_models/hf_seq2seq.py) with --kv-cache --quantize int4: both files' projections as 4-bit
+    MatMulNBits, the 2 + 2 + 2 fused attentions the fp32 pair has (test_own_seq2seq_cache), per-step parity
+    within int4's budget, and generate runs the pair."""
+    import json
+
+    from mha_deploy.metadata import ENCODER_DECODER_KEY, GenerationIds
+    from mha_deploy.runtime.generation import generate
+    from mha_deploy.runtime.kv_stepper import KVCacheStepper
+
+    module = user_module("hf_seq2seq")
+    model = module.build_bart()
+    path = tmp_path / "bart.onnx"
+    result = export_model(model, path, module.INPUTS, kv_cache=True, quantize="int4",
+                          generation=GenerationIds([], None, model.config.decoder_start_token_id))
+    assert result.parity.passed and 0 < result.parity.rel_err <= REL_ERR_BUDGETS["int4"]
+    assert result.fusion.target == "mha" and result.fusion.attentions == (2, 2, 2)
+    for file in (result.path, result.encoder_path):
+        graph = onnx.load(file)
+        assert {(a["bits"], a["block_size"]) for a in _nbits(graph)} == {(4, 32)}, file
+        record = json.loads({p.key: p.value for p in graph.metadata_props}[ENCODER_DECODER_KEY])
+        assert record["quantization"] == "int4" and record["weight_only"]["bits"] == 4
+    attentions = [n.op_type for n in all_nodes(onnx.load(path).graph) if "Attention" in n.op_type]
+    assert attentions and set(attentions) == {"MultiHeadAttention"}
+    out = generate(KVCacheStepper(path), [[5, 9, 2], [3, 4, 8, 8, 1]], max_new_tokens=4, eos_token_id=[])
+    assert [len(t) for t in out.tokens] == [4, 4]

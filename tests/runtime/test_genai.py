@@ -1,7 +1,8 @@
 """onnxruntime-genai, an oracle written elsewhere, generating from our KV-cache export as it is (``export
 --kv-cache --genai``): its greedy tokens equal the torch-free loop's (``runtime.generation.generate``) on the same
-file, in either cache layout, for one prompt and for a batch of two prompts of different lengths (right-padded
-with the recorded pad id, as onnxruntime-genai pads), rows ending at the recorded eos id at different steps.
+file, in either cache layout and at int4, for one prompt and for a batch of two prompts of different lengths
+(right-padded with the recorded pad id, as onnxruntime-genai pads), rows ending at the recorded eos id at different
+steps.
 onnxruntime-genai runs in ``.venv-genai`` (scripts/setup.sh), in a subprocess: it brings its own onnxruntime."""
 
 from __future__ import annotations
@@ -31,9 +32,10 @@ MAX_LENGTH, PAD, NEW_TOKENS = 64, 0, 20
 # in the test, so that a change of weights that makes them never fire fails instead of testing less).
 EOS = {"causal_lm": 43, "hf_gpt2": 83}
 # The files onnxruntime-genai runs: each model's default export (the ragged layout, a shared past/present buffer in
-# the config), and the tutorial LM's holes layout (a Concat per step, no shared buffer).
+# the config), the tutorial LM's holes layout (a Concat per step, no shared buffer) and its weight-only int4 file
+# (MatMulNBits, taken as it is).
 FILES = {"causal_lm": ("causal_lm", ()), "causal_lm-holes": ("causal_lm", ("--cache-layout", "holes")),
-         "hf_gpt2": ("hf_gpt2", ())}
+         "causal_lm-int4": ("causal_lm", ("--quantize", "int4")), "hf_gpt2": ("hf_gpt2", ())}
 PROMPTS = {"one": [[5, 7, 9]], "two-lengths": [[5, 7, 9, 11, 3, 8], [4, 2]]}
 
 
