@@ -99,50 +99,160 @@ def test_ragged_greedy_tokens_equal_the_modules_greedy_loop(lm_cache, name):
         assert generated[row].tolist() == ids[len(prompt):], f"row {row}"
 
 
-class SlidingWindowLM(torch.nn.Module):
-    """TinyLM whose attentions see only the last ``window`` positions: its mask is built from the padding mask
-    and shapes alone, as a causal one is, but GroupQueryAttention (as written) attends over a row's whole past."""
+def test_a_grouped_query_rotary_decoder_is_ragged_with_its_cache_at_the_kv_heads(lm_cache):
+    """The tiny Hugging Face Llama (4 query heads over 2 KV heads repeated by repeat_kv, rotary) with the defaults:
+    each attention GroupQueryAttention with kv_num_heads 2 writing the cache in place, the cache in and out at the
+    2 KV heads (never repeated), and the runtime's buffers sized from the file's own cache inputs. Its greedy tokens
+    against transformers' generate on a mixed-length batch, left- and right-padded: tests/runtime/test_generation.py
+    (test_a_rotary_decoders_mixed_length_batch_gives_each_prompt_its_greedy_tokens_alone) and the serving engine's
+    (test_a_rotary_decoders_requests_of_any_length_share_the_loop_each_equal_to_transformers_alone), same file."""
+    from mha_deploy.runtime.kv_stepper import KVCacheStepper
 
-    def __init__(self, window: int = 3):
+    llama = user_module("hf_llama")
+    path, output = lm_cache("hf_llama")
+    assert "holes cache layout" not in output and "cache layout ragged" in output
+    assert_ragged_file(path, llama.LAYERS)
+    graph = onnx.load(str(path)).graph
+    attentions = [node for node in graph.node if node.op_type == "GroupQueryAttention"]
+    for node in attentions:
+        attributes = {attribute.name: attribute.i for attribute in node.attribute}
+        assert (attributes["num_heads"], attributes["kv_num_heads"]) == (llama.HEADS, llama.KV_HEADS)
+        assert "local_window_size" not in attributes  # Llama: causal over the whole past
+    caches = [value for value in (*graph.input, *graph.output)
+              if value.name.startswith(("past_key_values.", "present."))]
+    assert len(caches) == 4 * llama.LAYERS
+    head_dim = llama.HIDDEN // llama.HEADS
+    assert {tuple(d.dim_value for d in value.type.tensor_type.shape.dim[1::2]) for value in caches} == {
+        (llama.KV_HEADS, head_dim)}
+    session = MHASession(path, provider="cpu")
+    assert session.metadata.cache_layout == CACHE_RAGGED and session.metadata.num_heads == llama.HEADS
+    stepper = KVCacheStepper(path)
+    stepper.prefill(np.array([[5, 6, 7], [8, 9, 0]]), np.array([[1, 1, 1], [1, 1, 0]]))
+    assert stepper.ragged and {buffer.shape[1] for buffer in stepper.buffers.values()} == {llama.KV_HEADS}
+
+
+def test_group_query_attentions_local_window_size_is_the_keys_a_query_sees():
+    """What the ragged rewrite writes a sliding window of w keys as (ONNX Runtime 1.31 CPU, pinned here): with
+    local_window_size w, the query at position p sees keys p - w + 1 .. p, in a prompt and in a one-token step after
+    it. A window read off a module's mask is only exact if this holds."""
+    from onnx import TensorProto, helper
+
+    heads, kv_heads, head_dim, length, window = 2, 1, 8, 40, 5
+    node = helper.make_node("GroupQueryAttention", ["q", "k", "v", "past_k", "past_v", "seqlens_k", "total"],
+                            ["out", "present_k", "present_v"], domain="com.microsoft", num_heads=heads,
+                            kv_num_heads=kv_heads, local_window_size=window)
+    inputs = [helper.make_tensor_value_info(name, TensorProto.FLOAT, ["b", "s", size])
+              for name, size in (("q", heads * head_dim), ("k", head_dim), ("v", head_dim))]
+    inputs += [helper.make_tensor_value_info(name, TensorProto.FLOAT, ["b", kv_heads, "p", head_dim])
+               for name in ("past_k", "past_v")]
+    inputs += [helper.make_tensor_value_info("seqlens_k", TensorProto.INT32, ["b"]),
+               helper.make_tensor_value_info("total", TensorProto.INT32, [])]
+    outputs = [helper.make_tensor_value_info(name, TensorProto.FLOAT, None) for name in node.output]
+    model = helper.make_model(helper.make_graph([node], "window", inputs, outputs), ir_version=10, opset_imports=[
+        helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)])
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    rng = np.random.default_rng(3)
+    q, k, v = (rng.standard_normal((1, length, size)).astype(np.float32)
+               for size in (heads * head_dim, head_dim, head_dim))
+    positions = np.arange(length)
+    shown = (positions[None] <= positions[:, None]) & (positions[None] > positions[:, None] - window)
+    expected = np.empty((length, heads * head_dim))
+    for head in range(heads):
+        scores = q[0, :, head * head_dim:(head + 1) * head_dim] @ k[0].T / np.sqrt(head_dim)
+        scores = np.where(shown, scores, -np.inf)
+        weights = np.exp(scores - scores.max(axis=1, keepdims=True))
+        expected[:, head * head_dim:(head + 1) * head_dim] = (weights / weights.sum(axis=1, keepdims=True)) @ v[0]
+    empty = np.zeros((1, kv_heads, 0, head_dim), np.float32)
+
+    def call(start, end, past_k, past_v):
+        return session.run(None, {"q": q[:, start:end], "k": k[:, start:end], "v": v[:, start:end], "past_k": past_k,
+                                  "past_v": past_v, "seqlens_k": np.array([end - 1], np.int32),
+                                  "total": np.array(end, np.int32)})
+
+    np.testing.assert_allclose(call(0, length, empty, empty)[0][0], expected, atol=1e-5)
+    _, past_k, past_v = call(0, length - 1, empty, empty)
+    np.testing.assert_allclose(call(length - 1, length, past_k, past_v)[0][0, 0], expected[-1], atol=1e-5)
+
+
+class SlidingWindowLM(torch.nn.Module):
+    """TinyLM whose attentions see only the last ``window`` positions (or, ``chunked``, only the positions of their
+    own chunk of ``window``, as chunked attention does): its mask is built from the padding mask and shapes alone, as
+    a causal one is."""
+
+    def __init__(self, window: int = 3, chunked: bool = False):
         super().__init__()
-        self.lm, self.window = user_module("causal_lm").build(), window
+        self.lm, self.window, self.chunked = user_module("causal_lm").build(), window, chunked
 
     def forward(self, tokens, mask):
         t = tokens.size(1)
         ones = torch.ones(t, t, dtype=torch.bool, device=tokens.device)
-        band = torch.tril(ones) & torch.triu(ones, diagonal=1 - self.window)
+        if self.chunked:
+            chunk = torch.arange(t, device=tokens.device) // self.window
+            band = torch.tril(ones) & (chunk[:, None] == chunk[None, :])
+        else:
+            band = torch.tril(ones) & torch.triu(ones, diagonal=1 - self.window)
         x = self.lm.tok(tokens)
         for layer in self.lm.layers:
             x = layer(x, mask.unsqueeze(1).unsqueeze(2) & band)
         return self.lm.lm_head(x)
 
 
-@pytest.mark.parametrize(("window", "max_length"), [(3, None), (300, 512)])
-def test_a_sliding_window_keeps_the_holes_layout_saying_where_its_mask_differs(tmp_path, monkeypatch, window,
-                                                                                max_length):
-    """A window of 3 and one of 300 (wider than every call per-step parity decodes, 262 tokens). The window of 3
-    counts over the padded batch's columns, so the positions probe sees a hole change which keys a row's window holds
-    (positions "padded-width"); the one of 300 is wider than that probe, and the mask probe, run up to the max length
-    (4096 when none is known), finds the key the window hides from a later query."""
-    export = {"inputs": ["tokens:tokens", "mask:padding-mask"], "kv_cache": True, "max_length": max_length}
-    result = export_model(SlidingWindowLM(window), tmp_path / "lm.onnx", **export)
+WINDOW_EXPORT = {"inputs": ["tokens:tokens", "mask:padding-mask"], "kv_cache": True}
+
+
+@pytest.mark.parametrize(("window", "chunked", "max_length"), [(3, False, None), (300, True, 512)],
+                         ids=["window-by-columns", "chunks-past-the-parity-lengths"])
+def test_a_mask_the_op_cannot_take_keeps_the_holes_layout_saying_where_it_differs(tmp_path, monkeypatch, window,
+                                                                                  chunked, max_length):
+    """A window of 3 counted over the padded batch's columns: the positions probe sees a hole change which keys a
+    row's window holds (positions "padded-width"). Chunks of 300, wider than every call per-step parity decodes (262
+    tokens): the mask probe, run up to the max length (4096 when none is known), reads a window of 300 off the first
+    chunk and finds the key the next chunk hides where that window shows it."""
+    export = {**WINDOW_EXPORT, "max_length": max_length}
+    result = export_model(SlidingWindowLM(window, chunked), tmp_path / "lm.onnx", **export)
     assert result.metadata.cache_layout is None and result.parity.passed
-    if window < 5:
+    if not chunked:
         why = "positions padded-width: the module counts them over the padded batch's columns"
         assert result.metadata.positions == POSITIONS_PADDED_WIDTH
         assert f"--kv-cache: holes cache layout, not ragged ({why}" in " ".join(result.warnings), result.warnings
     else:
         why = r"the mask of attention 0 hides key \d+ from query"
-        probed = rf"--kv-cache: holes cache layout, not ragged \({why} \d+"
+        probed = rf"--kv-cache: holes cache layout, not ragged \({why} \d+ .*where a sliding window of 300 keys"
         assert [w for w in result.warnings if re.match(probed, w) and "the mask probe)" in w], result.warnings
     assert "MultiHeadAttention" in {node.op_type for node in onnx.load(str(result.path)).graph.node}
     with pytest.raises(ExportError, match=rf"--cache-layout ragged: {why}"):
-        export_model(SlidingWindowLM(window), tmp_path / "forced.onnx", cache_layout="ragged", **export)
+        export_model(SlidingWindowLM(window, chunked), tmp_path / "forced.onnx", cache_layout="ragged", **export)
     assert not (tmp_path / "forced.onnx").exists()
-    if window > 262:  # what the probe is for: per-step parity alone would have written a wrong ragged file
+    if chunked:  # what the probe is for: per-step parity alone would have written a wrong ragged file
         monkeypatch.setattr(ragged_cache, "check_masks_are_causal", lambda *args: None)
-        unprobed = export_model(SlidingWindowLM(window), tmp_path / "unprobed.onnx", cache_layout="ragged", **export)
+        unprobed = export_model(SlidingWindowLM(window, chunked), tmp_path / "unprobed.onnx", cache_layout="ragged",
+                                **export)
         assert unprobed.metadata.cache_layout == CACHE_RAGGED and unprobed.parity.passed
+
+
+def test_a_sliding_window_is_read_off_the_mask_into_the_ops_local_window_size(tmp_path):
+    """A window of 300 keys (wider than per-step parity decodes): the mask probe reads it, each attention is
+    GroupQueryAttention with local_window_size 300, and greedy tokens past the window (a prompt of 305 beside one of
+    20, right-padded, each row at its own positions) equal the module's whole forward on each prompt alone."""
+    module = SlidingWindowLM(300)
+    result = export_model(module, tmp_path / "lm.onnx", max_length=512, **WINDOW_EXPORT)
+    assert result.metadata.cache_layout == CACHE_RAGGED, result.warnings
+    assert_ragged_file(result.path, result.metadata.layers)
+    windows = {attribute.i for node in onnx.load(str(result.path)).graph.node
+               if node.op_type == "GroupQueryAttention" for attribute in node.attribute
+               if attribute.name == "local_window_size"}
+    assert windows == {300}
+    rng = np.random.default_rng(30)
+    prompts = [rng.integers(0, module.lm.tok.num_embeddings, length).tolist() for length in (305, 20)]
+    generated = ragged_greedy(result.path, prompts, 3)
+    module.eval()
+    for row, prompt in enumerate(prompts):
+        ids = list(prompt)
+        with torch.no_grad():
+            for _ in range(3):
+                tokens = torch.tensor([ids])
+                ids.append(int(module(tokens, torch.ones_like(tokens, dtype=torch.bool))[0, -1].argmax()))
+        assert generated[row].tolist() == ids[len(prompt):], f"row {row}"
 
 
 def _bias_reads_the_ids(graph, attention):
