@@ -1,7 +1,8 @@
 """``mha-deploy serve`` of a KV-cache decoder: OpenAI's official client on /v1/completions and /v1/chat/completions,
-plain and streaming, Triton's generate extension, against TinyLM (tests/user_models/causal_lm.py) and Hugging Face
-GPT-2 from a config, each with a tokenizers tokenizer trained here; every greedy completion equals the library's
-generation loop on the same prompt alone. Many concurrent streams, cancellation, bad requests, metrics."""
+plain and streaming, Triton's generate extension, against TinyLM (tests/user_models/causal_lm.py; fp32, and int4
+weight-only for the completions) and Hugging Face GPT-2 from a config, each with a tokenizers tokenizer trained
+here; every greedy completion equals the library's generation loop on the same prompt alone. Many concurrent
+streams, cancellation, bad requests, metrics."""
 
 from __future__ import annotations
 
@@ -25,7 +26,8 @@ TEXT = """the cat sat on the mat and the dog sat on the log . a bird sang in the
 the hill . the dog ran to the cat and the cat ran up the tree . the bird flew over the hill and the sun set ."""
 TEMPLATE = ("{% for m in messages %}{{ m['role'] }} : {{ m['content'] }} . {% endfor %}"
             "{% if add_generation_prompt %}assistant : {% endif %}")
-MODELS = {"tiny": ("causal_lm", 50), "gpt2": ("hf_gpt2", 96)}  # user model, vocabulary
+# user model, vocabulary, export flags beyond --kv-cache (tiny-int4: a weight-only int4 file served as it is)
+MODELS = {"tiny": ("causal_lm", 50), "gpt2": ("hf_gpt2", 96), "tiny-int4": ("causal_lm", 50, "--quantize", "int4")}
 
 
 def train_tokenizer(path, vocab: int):
@@ -49,8 +51,8 @@ def served(lm_cache, tmp_path_factory):
 
     def start(key: str):
         if key not in cache:
-            name, vocab = MODELS[key]
-            path = lm_cache(name)[0]
+            name, vocab, *flags = MODELS[key]
+            path = lm_cache(name, *flags)[0]
             directory = tmp_path_factory.mktemp(f"gen-{key}")
             tokenizer = train_tokenizer(directory / "tokenizer.json", vocab)
             (directory / "chat.jinja").write_text(TEMPLATE)
