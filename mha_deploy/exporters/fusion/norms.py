@@ -13,12 +13,17 @@ This pass writes the same, with onnxscript's rules (``ort_fusions.rms_normalizat
 - Gemma's ``x_normed * (1 + weight)``: its scale is folded to one constant here where the export's optimizer
   left the Add (it folds it up to 8192 elements, which covers today's models);
 - the skip op's input, skip, gamma and bias must share one type (its ``T``; SimplifiedLayerNormalization alone
-  may mix them, as the Cast-to-fp32 forms need).
+  may mix them, as the Cast-to-fp32 forms need);
+- a ReduceMean that leaves keepdims and noop_with_empty_axes at their defaults (other exporters than torch's):
+  upstream's pattern wants them written;
+- the ``RMSNormalization`` that torch's exporter writes itself at opset 23 (onnxscript's optimizer fuses the
+  written-out norm into it) is the same op: on the mha target it becomes ``SimplifiedLayerNormalization``, so
+  that its residual Add joins it.
 
 Why ``SimplifiedLayerNormalization`` and not ONNX's ``RMSNormalization`` (opset 23): the default export is
 opset 22, the skip form exists only as a contrib op, and ORT 1.31 runs ``RMSNormalization`` as a function
 expanded into the elementwise ops (it fails on a scale of another type than the input). For the ``onnx`` target
-(runtimes without contrib ops, opset >= 23) the plain norms become ``RMSNormalization`` instead, where input and
+(runtimes without contrib ops, opset >= 23) the norms become ``RMSNormalization`` instead, only where input and
 scale share a type, and no skip op is written.
 
 Run after the attention fusion, so that the attention patterns see the graph as torch wrote it (a Qwen3-style
@@ -59,12 +64,19 @@ def _scale_array(scale: ir.Value) -> np.ndarray | None:
 
 
 class _RmsNorm(RmsNormFusion):
-    """Upstream's pattern and rewrite; the check adds what the op's scale must be."""
+    """Upstream's pattern and rewrite; the check adds what the op's scale must be, and with ``one_type`` (the onnx
+    target, whose RMSNormalization ORT runs only then) that input and scale share a type."""
+
+    def __init__(self, name: str, _mul_order: bool, one_type: bool = False):
+        super().__init__(name, _mul_order)
+        self._one_type = one_type
 
     def check(self, op, x, scale, epsilon, compute_dtype, target_dtype, **rest) -> pattern.MatchResult:
         result = super().check(op, x, scale, epsilon, compute_dtype, target_dtype, **rest)
         if not result:
             return result
+        if self._one_type and x.dtype != scale.dtype:
+            return result.fail("input and scale are of different types (ORT's RMSNormalization takes one)", scale)
         array = _scale_array(scale)
         if array is None:
             return result.fail("the scale is not a constant (the op takes one weight per feature)", scale)
@@ -97,6 +109,10 @@ rms_norm_rules = pattern.RewriteRuleSet([
     _RmsNorm.rule("RmsNorm (scale first)", _mul_order=False),
     _RmsNorm.rule("RmsNorm (scale last)", _mul_order=True),
 ])
+_one_type_rms_norm_rules = pattern.RewriteRuleSet([
+    _RmsNorm.rule("RmsNorm (scale first, one type)", _mul_order=False, one_type=True),
+    _RmsNorm.rule("RmsNorm (scale last, one type)", _mul_order=True, one_type=True),
+])
 # Upstream's order: a bias added before the residual, after it, none.
 skip_rms_norm_rules = pattern.RewriteRuleSet([
     _SkipRmsNorm.rule("SkipRmsNorm (bias first)", has_bias=True, bias_pre_add=True),
@@ -110,7 +126,9 @@ def fuse_norms(model: ir.Model, target: str = "mha") -> dict[str, int]:
     ``rms_normalization`` (ONNX RMSNormalization ops turned into SimplifiedLayerNormalization for ``mha``, the
     other way round for ``onnx``), ``skip_rms_norm`` (norms that took their residual Add, mha target)."""
     _spell_out_reduce_mean_defaults(model)
-    counts = {"rms_norm": rms_norm_rules.apply_to_model(model)}
+    if target != "mha" and model.opset_imports.get("", 0) < MIN_RMS_NORMALIZATION_OPSET:
+        return {"rms_norm": 0}  # no standard op to write, and the target is for runtimes without ORT's
+    counts = {"rms_norm": (rms_norm_rules if target == "mha" else _one_type_rms_norm_rules).apply_to_model(model)}
     if target == "mha":
         # torch's exporter writes RMSNormalization itself at opset 23 (onnxscript's optimizer fuses the written-out
         # norm into it): the same op for ORT's kernel, so that the residual Add can join it too.
@@ -119,7 +137,7 @@ def fuse_norms(model: ir.Model, target: str = "mha") -> dict[str, int]:
         # The skip op replaces the residual Add where the norm ended: a reader of the sum placed between the
         # two would now come before its producer.
         model.graph.sort()
-    elif model.opset_imports.get("", 0) >= MIN_RMS_NORMALIZATION_OPSET:
+    else:
         counts["rms_normalization"] = _rename(model, SIMPLIFIED, RMS_NORMALIZATION)
     if counts["rms_norm"]:
         common_passes.RemoveUnusedNodesPass()(model)  # a Gemma scale's Add, folded into the op's constant

@@ -149,6 +149,20 @@ def test_onnx_rms_normalization_as_torch_writes_it_at_opset_23_takes_its_residua
     hg.assert_same_outputs(model, fused, _feeds(model), atol=1e-5, rtol=1e-5)
 
 
+def test_the_onnx_target_leaves_a_norm_whose_scale_has_another_type():
+    """Gemma in fp16: the norm in fp32 times an fp32 scale, then cast back. No standard op takes that on ORT 1.31
+    (its RMSNormalization function wants one type), and the onnx target writes no contrib op."""
+    g = hg.Graph()
+    normed = _rms(g, _input(g, "x", np.float16), None, cast_to=np.float32)
+    _output(g, g.op("Cast", g.op("Mul", normed, g.const(_weight())), to=onnx.TensorProto.FLOAT16), np.float16)
+    model = g.model()
+    left, counts = _fused(model, "onnx")
+    assert counts == {"rms_norm": 0, "rms_normalization": 0} and hg.op_types(left) == hg.op_types(model)
+    fused, counts = _fused(model)  # the contrib op mixes them
+    assert counts["rms_norm"] == 1 and hg.op_types(fused) == [SIMPLIFIED, "Cast"]
+    hg.assert_same_outputs(model, fused, _feeds(model), atol=2e-3, rtol=2e-3)
+
+
 # --- near misses: must be left alone -----------------------------------------------------------------------------
 
 
