@@ -1,0 +1,498 @@
+"""Issue 40's target: a Hugging Face folder exported by ``mha-deploy export --hf DIR`` (its defaults) against Optimum
+ONNX's export of the same folder (``optimum-cli export onnx``, plain and ``--optimize O2``) run with its ORTModel*
+classes, and against torch (transformers, sdpa) on the same weights.
+
+A script, not a test:
+
+    .venv/bin/python benchmarks/hf_vs_optimum.py                 # the target (about 10 minutes here)
+    .venv/bin/python benchmarks/hf_vs_optimum.py --quick         # tiny configs: proves it runs (about 2 minutes)
+    .venv/bin/python benchmarks/hf_vs_optimum.py --workloads bert-8x128 --json figures.json
+
+Workloads (random weights, saved with ``save_pretrained``, nothing downloaded; sizes between the models' tiny and
+base configs, ``SIZES``):
+
+- ``bert-8x128``: ``BertForSequenceClassification``, 8 rows of 128 tokens, a quarter of each row padded (right);
+- ``bert-1x512``: the same model, one row of 512 tokens;
+- ``vit-8``: ``ViTForImageClassification``, 8 images of 224x224 (patch 16: 197 tokens);
+- ``whisper-8x32``: ``WhisperForConditionalGeneration`` (whisper-tiny's sizes: 4 + 4 layers, d_model 384, vocabulary
+  51,865, 80 mel bins x 3000 frames), greedy generation of 32 new tokens for 8 items from the decoder start id. Its
+  generation config suppresses the eos id, so that every row of every system generates exactly 32 tokens.
+
+Rows: ``ours`` (``export --hf DIR``; ``--kv-cache`` for Whisper; run with ``MHASession`` or, for Whisper,
+``generate`` over ``KVCacheStepper``), ``optimum`` and ``optimum -O2`` (``optimum-cli export onnx [--optimize O2]``;
+``ORTModelForSequenceClassification`` / ``ORTModelForImageClassification`` / ``ORTModelForSpeechSeq2Seq`` and its
+``generate``), ``torch`` (the folder's model, sdpa attention, ``generate`` for Whisper). Every ONNX Runtime session
+and torch run on the same number of threads (``--threads``, 2). Optimum pins its own transformers and onnxruntime,
+so it lives in ``.venv-optimum`` (created on first use: ``optimum-onnx[onnxruntime]`` with torch pinned to this
+environment's version, or pip would fetch a CUDA build); its rows run in one worker process there (this file run
+with ``--worker``), which loads each model once and times it on request. Timing: rounds in which every row runs
+``--calls`` calls in turn, interleaved so that the machine's load falls on every row alike; the median call is
+reported. Each row's outputs are compared with torch's (logits: max abs difference; Whisper: the tokens), so that
+every row did the same work. A row that fails says why, and the others still run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+OPTIMUM_VENV = ROOT / ".venv-optimum"
+# pip would take a CUDA build of torch without the pin; the version is this environment's (a local +cpu build).
+OPTIMUM_PACKAGES = ("optimum-onnx[onnxruntime]",)
+OURS, OPTIMUM, OPTIMUM_O2, TORCH = "ours", "optimum", "optimum -O2", "torch"
+ROWS = (OURS, OPTIMUM, OPTIMUM_O2, TORCH)
+# The issue's targets: ours' throughput over each row's, per workload.
+TARGETS = {"bert-8x128": {OPTIMUM_O2: 1.2}, "bert-1x512": {OPTIMUM_O2: 1.2}, "vit-8": {OPTIMUM_O2: 1.2},
+           "whisper-8x32": {OPTIMUM: 1.5, TORCH: 3.0}}
+WORKLOADS = tuple(TARGETS)
+MODEL_OF = {"bert-8x128": "bert", "bert-1x512": "bert", "vit-8": "vit", "whisper-8x32": "whisper"}
+TASKS = {"bert": "text-classification", "vit": "image-classification",
+         "whisper": "automatic-speech-recognition-with-past"}
+ORT_CLASSES = {"bert": "ORTModelForSequenceClassification", "vit": "ORTModelForImageClassification",
+               "whisper": "ORTModelForSpeechSeq2Seq"}
+SIZES = {
+    "bert": {"layers": 6, "d_model": 512, "heads": 8, "ffn": 2048, "vocab": 30522, "positions": 512},
+    "vit": {"layers": 6, "d_model": 384, "heads": 6, "ffn": 1536, "image": 224, "patch": 16},
+    "whisper": {"layers": 4, "d_model": 384, "heads": 6, "ffn": 1536, "vocab": 51865, "mel": 80,
+                "source_positions": 1500, "target_positions": 448},
+}
+QUICK_SIZES = {
+    "bert": {"layers": 2, "d_model": 64, "heads": 4, "ffn": 128, "vocab": 1000, "positions": 512},
+    "vit": {"layers": 2, "d_model": 64, "heads": 4, "ffn": 128, "image": 224, "patch": 16},
+    # Optimum's Whisper export traces 3000 frames whatever the config says: a quick run keeps them
+    "whisper": {"layers": 2, "d_model": 64, "heads": 4, "ffn": 128, "vocab": 1000, "mel": 80,
+                "source_positions": 1500, "target_positions": 64},
+}
+SHAPES = {"bert-8x128": (8, 128), "bert-1x512": (1, 512), "vit-8": (8, 224), "whisper-8x32": (8, 32)}
+QUICK_SHAPES = {"bert-8x128": (2, 32), "bert-1x512": (1, 64), "vit-8": (2, 224), "whisper-8x32": (2, 4)}
+ATTENTION_OPS = ("Attention", "MultiHeadAttention", "GroupQueryAttention", "Softmax")
+PADDED = 0.25  # of each row of bert-8x128, on the right
+NUM_LABELS = 3
+START, EOS, PAD = 50258, 50257, 50257  # whisper's <|startoftranscript|> and <|endoftext|>
+
+
+# --- the Optimum worker (runs in .venv-optimum: numpy, torch, transformers, optimum; no mha_deploy) ----------------
+
+
+def worker() -> None:
+    """Answer JSON requests, one per line on stdin, on the original stdout (everything else printed goes to
+    stderr): ``load`` a row's model, ``time`` it (per-call seconds), ``quit``."""
+    out = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)  # libraries' prints must not corrupt the replies
+    models = {}
+    for line in sys.stdin:
+        request = json.loads(line)
+        try:
+            if request["op"] == "quit":
+                break
+            if request["op"] == "load":
+                models[request["key"]] = RUNNERS[request["row"]](request)
+                reply = {"ok": True}
+            else:
+                runner = models[request["key"]]
+                seconds = []
+                for _ in range(request["calls"]):
+                    started = time.perf_counter()
+                    result = runner()
+                    seconds.append(time.perf_counter() - started)
+                if request.get("save"):
+                    np.save(request["save"], result)
+                reply = {"ok": True, "seconds": seconds}
+        except Exception as exc:  # the parent reports it on the row and goes on
+            reply = {"ok": False, "error": f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:300]}"}
+        out.write(json.dumps(reply) + "\n")
+
+
+def optimum_runner(request: dict):
+    """One call of the workload on Optimum's ORTModel of ``request['path']`` (in .venv-optimum); each runner returns
+    the outputs compared across rows (logits, or the generated tokens)."""
+    import onnxruntime
+    import optimum.onnxruntime as ortmodels
+    import torch
+
+    torch.set_num_threads(request["threads"])
+    options = onnxruntime.SessionOptions()
+    options.intra_op_num_threads, options.inter_op_num_threads = request["threads"], 1
+    cls = getattr(ortmodels, ORT_CLASSES[request["model"]])
+    model = cls.from_pretrained(request["path"], session_options=options, provider="CPUExecutionProvider")
+    return _hf_call(model, request, torch)
+
+
+def torch_runner(request: dict):
+    """The folder's model in torch (sdpa attention, transformers' default)."""
+    import torch
+    import transformers
+
+    torch.set_num_threads(request["threads"])
+    config = transformers.AutoConfig.from_pretrained(request["path"])
+    cls = getattr(transformers, config.architectures[0])
+    return _hf_call(cls.from_pretrained(request["path"], attn_implementation="sdpa").eval(), request, torch)
+
+
+def _hf_call(model, request: dict, torch):
+    feeds = {name: torch.from_numpy(value) for name, value in np.load(request["inputs"]).items()}
+    if request["model"] == "whisper":
+        return lambda: _greedy(model, feeds, request["new_tokens"], torch).numpy()
+
+    def run():
+        with torch.inference_mode():
+            return model(**feeds).logits.numpy()
+
+    return run
+
+
+def ours_runner(request: dict):
+    """The file ``export --hf`` wrote, on mha-deploy's runtime: ``MHASession``, or ``generate`` for Whisper."""
+    feeds = dict(np.load(request["inputs"]))
+    if request["model"] == "whisper":
+        from mha_deploy.runtime.generation import generate
+        from mha_deploy.runtime.kv_stepper import KVCacheStepper
+
+        stepper = KVCacheStepper(request["path"], threads=request["threads"])
+        features = feeds["input_features"]
+        return lambda: np.asarray(generate(stepper, features, max_new_tokens=request["new_tokens"]).tokens)
+    from mha_deploy.runtime import MHASession
+
+    session = MHASession(request["path"], provider="cpu", threads=request["threads"])
+    names = set(session.signature.input_names)
+    # mha-deploy files take bool padding masks (True = real): a tokenizer's 0/1 as bool
+    ours = {name: (value.astype(bool) if name == "attention_mask" else value) for name, value in feeds.items()
+            if name in names}
+    return lambda: session.run(ours)["logits"]
+
+
+def _greedy(model, feeds: dict, new_tokens: int, torch):
+    """Whisper's greedy generation as its users call it (``model.generate``), the new tokens [batch, new_tokens]."""
+    with torch.inference_mode():
+        tokens = model.generate(feeds["input_features"], max_new_tokens=new_tokens, do_sample=False, num_beams=1)
+    return tokens[:, -new_tokens:]
+
+
+RUNNERS = {OURS: ours_runner, OPTIMUM: optimum_runner, OPTIMUM_O2: optimum_runner, TORCH: torch_runner}
+
+
+class Worker:
+    """One row's worker process (Optimum's in .venv-optimum, the others in this environment), driven line by
+    line: each row in a process of its own, so that no row's threads (ORT's spin after a run) slow another's."""
+
+    def __init__(self, python: Path, log: Path):
+        self.log = open(log, "w")  # noqa: SIM115 - closed in close()
+        self.process = subprocess.Popen([str(python), __file__, "--worker"],
+                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True,
+                                        bufsize=1)
+
+    def ask(self, **request) -> dict:
+        self.process.stdin.write(json.dumps(request) + "\n")
+        self.process.stdin.flush()
+        line = self.process.stdout.readline()
+        if not line:
+            raise RuntimeError(f"the worker ended (its log: {self.log.name})")
+        return json.loads(line)
+
+    def close(self) -> None:
+        if self.process.poll() is None:
+            self.ask_quit()
+        self.process.wait(timeout=60)
+        self.log.close()
+
+    def ask_quit(self) -> None:
+        self.process.stdin.write(json.dumps({"op": "quit"}) + "\n")
+        self.process.stdin.close()
+
+
+# --- the harness (this environment: mha_deploy, torch, transformers 5) ----------------------------------------------
+
+
+def ensure_optimum_venv() -> str:
+    """Create ``.venv-optimum`` on first use; return what it holds."""
+    python = OPTIMUM_VENV / "bin" / "python"
+    check = "import optimum.onnxruntime, onnxruntime, transformers, torch"
+    if not python.exists() or subprocess.run([str(python), "-c", check], capture_output=True).returncode != 0:
+        import torch
+
+        print(f"creating {OPTIMUM_VENV.name} (optimum-onnx, torch=={torch.__version__.split('+')[0]})", flush=True)
+        if not python.exists():
+            subprocess.run([sys.executable, "-m", "venv", str(OPTIMUM_VENV)], check=True)
+        subprocess.run([str(python), "-m", "pip", "install", "--quiet", *OPTIMUM_PACKAGES,
+                        f"torch=={torch.__version__.split('+')[0]}"], check=True)
+    versions = subprocess.run(
+        [str(python), "-c", "import importlib.metadata as m; print(', '.join(f'{p} {m.version(p)}' for p in "
+         "('optimum-onnx', 'optimum', 'transformers', 'onnxruntime', 'torch')))"],
+        capture_output=True, text=True, check=True)
+    return versions.stdout.strip()
+
+
+def save_folder(model: str, sizes: dict, folder: Path) -> None:
+    """The model of ``model`` with random weights (seeded), saved with save_pretrained."""
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    if model == "bert":
+        config = transformers.BertConfig(
+            vocab_size=sizes["vocab"], hidden_size=sizes["d_model"], num_hidden_layers=sizes["layers"],
+            num_attention_heads=sizes["heads"], intermediate_size=sizes["ffn"],
+            max_position_embeddings=sizes["positions"], pad_token_id=0, num_labels=NUM_LABELS)
+        module = transformers.BertForSequenceClassification(config)
+    elif model == "vit":
+        config = transformers.ViTConfig(
+            hidden_size=sizes["d_model"], num_hidden_layers=sizes["layers"], num_attention_heads=sizes["heads"],
+            intermediate_size=sizes["ffn"], image_size=sizes["image"], patch_size=sizes["patch"],
+            num_labels=NUM_LABELS)
+        module = transformers.ViTForImageClassification(config)
+    else:
+        config = transformers.WhisperConfig(
+            vocab_size=sizes["vocab"], d_model=sizes["d_model"], encoder_layers=sizes["layers"],
+            decoder_layers=sizes["layers"], encoder_attention_heads=sizes["heads"],
+            decoder_attention_heads=sizes["heads"], encoder_ffn_dim=sizes["ffn"], decoder_ffn_dim=sizes["ffn"],
+            num_mel_bins=sizes["mel"], max_source_positions=sizes["source_positions"],
+            max_target_positions=sizes["target_positions"], pad_token_id=_id(PAD, sizes),
+            bos_token_id=_id(EOS, sizes), eos_token_id=_id(EOS, sizes), decoder_start_token_id=_id(START, sizes))
+        module = transformers.WhisperForConditionalGeneration(config)
+        generation = module.generation_config
+        # eos suppressed: every row generates exactly the new tokens asked for, in every system
+        generation.suppress_tokens, generation.begin_suppress_tokens = [_id(EOS, sizes)], [_id(EOS, sizes)]
+        generation.forced_decoder_ids = None
+    module.eval().save_pretrained(folder)
+
+
+def _id(token: int, sizes: dict) -> int:
+    """Whisper's special ids, moved into a quick run's small vocabulary."""
+    return token if token < sizes["vocab"] else sizes["vocab"] - (50259 - token)
+
+
+def make_inputs(workload: str, shape: tuple[int, int], sizes: dict, seed: int = 0) -> dict[str, np.ndarray]:
+    """Hugging Face's input names -> the workload's values (masks int64 0/1, as a tokenizer gives them)."""
+    rng = np.random.default_rng(seed)
+    model = MODEL_OF[workload]
+    if model == "bert":
+        batch, seq = shape
+        real = seq - int(seq * PADDED) if batch > 1 else seq
+        mask = (np.arange(seq)[None, :] < real).repeat(batch, 0).astype(np.int64)
+        ids = np.where(mask == 1, rng.integers(3, sizes["vocab"], (batch, seq)), 0).astype(np.int64)
+        return {"input_ids": ids, "attention_mask": mask, "token_type_ids": np.zeros_like(ids)}
+    if model == "vit":
+        batch, size = shape
+        return {"pixel_values": rng.standard_normal((batch, 3, size, size)).astype(np.float32)}
+    batch = shape[0]
+    frames = 2 * sizes["source_positions"]
+    return {"input_features": rng.standard_normal((batch, sizes["mel"], frames)).astype(np.float32)}
+
+
+def export_ours(folder: Path, model: str, out: Path) -> dict:
+    from mha_deploy.exporters.hf_folder import export_hf_folder
+
+    started = time.perf_counter()
+    export_hf_folder(folder, out / "model.onnx", kv_cache=model == "whisper")
+    return {"path": str(out / "model.onnx"), "seconds": time.perf_counter() - started,
+            "attention_ops": _attention_ops(out)}
+
+
+def export_optimum(folder: Path, model: str, out: Path, optimize: bool) -> dict:
+    """``optimum-cli export onnx`` of ``folder`` into ``out``: the path, or the error."""
+    cli = OPTIMUM_VENV / "bin" / "optimum-cli"
+    command = [str(cli), "export", "onnx", "-m", str(folder), "--task", TASKS[model],
+               *(["--optimize", "O2"] if optimize else []), str(out)]
+    started = time.perf_counter()
+    run = subprocess.run(command, capture_output=True, text=True)
+    if run.returncode != 0:
+        lines = [line for line in (run.stderr + run.stdout).splitlines() if line.strip()]
+        return {"error": (lines[-1] if lines else f"exit {run.returncode}")[:300],
+                "command": " ".join(command[1:])}
+    return {"path": str(out), "seconds": time.perf_counter() - started, "command": " ".join(command[1:]),
+            "attention_ops": _attention_ops(out)}
+
+
+def _attention_ops(folder: Path) -> dict[str, dict[str, int]]:
+    """Per file of ``folder``: how many attention ops and Softmax it holds (inside If branches too)."""
+    import onnx
+
+    from mha_deploy.onnx_nodes import all_nodes
+
+    counts = {}
+    for file in sorted(folder.glob("*.onnx")):
+        ops = [node.op_type for node in all_nodes(onnx.load(str(file), load_external_data=False).graph)]
+        counts[file.stem] = {op: ops.count(op) for op in ATTENTION_OPS if op in ops}
+    return counts
+
+
+def measure(args, workdir: Path) -> dict:
+    sizes_of, shapes = (QUICK_SIZES, QUICK_SHAPES) if args.quick else (SIZES, SHAPES)
+    report = {"threads": args.threads, "quick": args.quick, "load_before": load_average(), "workloads": {},
+              "optimum_env": ensure_optimum_venv()}
+    models = sorted({MODEL_OF[w] for w in args.workloads}, key=list(SIZES).index)
+    exports = {}
+    for model in models:
+        folder = workdir / model / "hf"
+        save_folder(model, sizes_of[model], folder)
+        rows = {}
+        for row, make in ((OURS, lambda f=folder, m=model: export_ours(f, m, workdir / m / "ours")),
+                          (OPTIMUM, lambda f=folder, m=model: export_optimum(f, m, workdir / m / "optimum", False)),
+                          (OPTIMUM_O2, lambda f=folder, m=model: export_optimum(f, m, workdir / m / "optimum-O2",
+                                                                                True))):
+            try:
+                rows[row] = make()
+            except Exception as exc:
+                rows[row] = {"error": f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:300]}"}
+            print(f"{model} {row}: " + (f"exported in {rows[row]['seconds']:.0f} s" if "path" in rows[row]
+                                         else f"FAILED {rows[row]['error']}"), flush=True)
+        exports[model] = (folder, rows)
+    workers = {row: Worker(OPTIMUM_VENV / "bin" / "python" if row in (OPTIMUM, OPTIMUM_O2) else Path(sys.executable),
+                           workdir / f"worker-{row.replace(' ', '')}.log") for row in ROWS}
+    try:
+        for workload in args.workloads:
+            report["workloads"][workload] = run_workload(args, workload, sizes_of, shapes, exports, workers,
+                                                         workdir)
+    finally:
+        for worker in workers.values():
+            worker.close()
+    report["load_after"] = load_average()
+    return report
+
+
+def run_workload(args, workload, sizes_of, shapes, exports, workers, workdir) -> dict:
+    model = MODEL_OF[workload]
+    sizes, shape = sizes_of[model], shapes[workload]
+    folder, exported = exports[model]
+    inputs = workdir / f"{workload}.npz"
+    np.savez(inputs, **make_inputs(workload, shape, sizes))
+    new_tokens = shape[1] if model == "whisper" else 0
+    runners, result = {}, {"shape": list(shape), "sizes": sizes, "rows": {}}
+    for row in ROWS:
+        entry = result["rows"][row] = {k: v for k, v in exported.get(row, {}).items() if k != "path"}
+        path = str(folder) if row == TORCH else exported[row].get("path")
+        if path is None:
+            continue
+        key = f"{workload}/{row}"
+        answer = workers[row].ask(op="load", key=key, row=row, model=model, path=path, inputs=str(inputs),
+                                  threads=args.threads, new_tokens=new_tokens)
+        if answer["ok"]:
+            runners[row] = _Remote(workers[row], key, workdir / f"{workload}-{row.replace(' ', '')}.npy")
+        else:
+            entry["error"] = answer["error"]
+    outputs, seconds = {}, {row: [] for row in runners}
+    for row, runner in list(runners.items()):
+        try:
+            outputs[row] = runner.first()  # also the warm-up call
+        except RuntimeError as exc:
+            result["rows"][row]["error"] = str(exc)
+            del runners[row], seconds[row]
+    for _ in range(args.rounds):
+        for row, runner in runners.items():
+            seconds[row].extend(runner.times(args.calls))
+    reference = outputs.get(TORCH)
+    for row in runners:
+        entry = result["rows"][row]
+        entry["median_ms"] = float(np.median(seconds[row]) * 1e3)
+        entry["calls"] = len(seconds[row])
+        if reference is not None and row != TORCH:
+            if model == "whisper":
+                entry["tokens_equal_torch"] = bool(np.array_equal(outputs[row], reference))
+            else:
+                entry["max_abs_diff_torch"] = float(np.abs(outputs[row] - reference).max())
+    ours = result["rows"].get(OURS, {}).get("median_ms")
+    for row in runners:
+        if ours and row != OURS:
+            result["rows"][row]["ours_speedup"] = result["rows"][row]["median_ms"] / ours
+    return result
+
+
+class _Remote:
+    def __init__(self, worker: Worker, key: str, save: Path):
+        self.worker, self.key, self.save = worker, key, save
+
+    def first(self):
+        answer = self.worker.ask(op="time", key=self.key, calls=1, save=str(self.save))
+        if not answer["ok"]:
+            raise RuntimeError(answer["error"])
+        return np.load(self.save)
+
+    def times(self, calls: int) -> list[float]:
+        answer = self.worker.ask(op="time", key=self.key, calls=calls)
+        if not answer["ok"]:
+            raise RuntimeError(answer["error"])
+        return answer["seconds"]
+
+
+def load_line(before, after, threads: int) -> str:
+    """mha_deploy.bench.timing.load_line's words, without importing mha_deploy.bench (which imports torch)."""
+    if before is None or after is None:
+        return "load average: unknown on this OS"
+    text = [" ".join(f"{v:.2f}" for v in load) for load in (before, after)]
+    return (f"load average {text[0]} before, {text[1]} after (1/5/15 min; above {threads} means the cores were "
+            "shared)")
+
+
+def load_average():
+    try:
+        return os.getloadavg()
+    except OSError:
+        return None
+
+
+def print_report(report: dict) -> None:
+    print(f"\nthreads {report['threads']}{' (quick: tiny configs)' if report['quick'] else ''}; "
+          f"Optimum's environment: {report['optimum_env']}")
+    for workload, result in report["workloads"].items():
+        batch, new = result["shape"]
+        unit = f"call ({batch} rows x {new} new tokens)" if workload.startswith("whisper") else "call"
+        print(f"\n{workload}: shape {result['shape']}, sizes {result['sizes']}; median ms per {unit}")
+        for row in ROWS:
+            entry = result["rows"].get(row, {})
+            if "median_ms" not in entry:
+                print(f"  {row:<12} FAILED: {entry.get('error', 'not run')}")
+                continue
+            check = ("tokens = torch's" if entry.get("tokens_equal_torch") else "TOKENS DIFFER from torch's"
+                     ) if "tokens_equal_torch" in entry else (
+                f"max |diff| vs torch {entry['max_abs_diff_torch']:.1e}" if "max_abs_diff_torch" in entry else "")
+            speedup = f"ours {entry['ours_speedup']:.2f}x" if "ours_speedup" in entry else ""
+            target = TARGETS[workload].get(row)
+            verdict = "" if target is None or "ours_speedup" not in entry else (
+                f" (target >= {target}x: {'met' if entry['ours_speedup'] >= target else 'NOT met'})")
+            print(f"  {row:<12} {entry['median_ms']:9.1f} ms  {speedup:<11}{verdict:<24} {check}")
+        for row in (OURS, OPTIMUM, OPTIMUM_O2):
+            if "attention_ops" in result["rows"].get(row, {}):
+                print(f"  {row} attention ops: {result['rows'][row]['attention_ops']}")
+    print("\n" + load_line(report["load_before"], report["load_after"], report["threads"]))
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="tiny configs and shapes: proves the script runs")
+    parser.add_argument("--workloads", nargs="+", choices=WORKLOADS, default=list(WORKLOADS))
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=None, help="interleaved rounds (default 5, quick 2)")
+    parser.add_argument("--calls", type=int, default=None, help="calls per row per round (default 2, quick 1)")
+    parser.add_argument("--workdir", type=Path, default=None, help="keep the folders and files here")
+    parser.add_argument("--json", type=Path, default=None, help="also write the figures as JSON")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker:
+        worker()
+        return
+    args.rounds = args.rounds or (2 if args.quick else 5)
+    args.calls = args.calls or (1 if args.quick else 2)
+    import tempfile
+
+    started = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="hf-vs-optimum-") as tmp:
+        workdir = args.workdir or Path(tmp)
+        workdir.mkdir(parents=True, exist_ok=True)
+        report = measure(args, workdir)
+    report["seconds"] = time.perf_counter() - started
+    print_report(report)
+    print(f"took {report['seconds']:.0f} s")
+    if args.json is not None:
+        args.json.write_text(json.dumps(report, indent=2, default=str))
+
+
+if __name__ == "__main__":
+    main()
