@@ -375,6 +375,10 @@ def test_a_rotary_decoder_exports_with_the_defaults_and_takes_each_rows_position
 
     genai = genai_config(session.metadata, path.name)["model"]  # `genai-config` with no --max-length
     assert (genai["context_length"], genai["eos_token_id"]) == (256, 2)
+    # its cache at the 2 KV heads under 4 query heads (GroupQueryAttention's kv_num_heads): genai allocates by them
+    decoder = genai["decoder"]
+    assert (decoder["num_attention_heads"], decoder["num_key_value_heads"], decoder["head_size"]) == (4, 2, 16)
+    assert session.signature.tensors["past_key_values.0.key"].axes[1] == 2
     assert session.metadata.parity.passed and any(shape.startswith("3x") for shape in session.metadata.parity.shapes)
 
 
@@ -410,15 +414,20 @@ def _positions_from_columns(model: onnx.ModelProto) -> onnx.ModelProto:
     return columns
 
 
-def test_the_positions_probe_sees_a_rotary_models_holes(llama):
-    """The file given each row's own positions is padding-proof ("input"). Counting them over the padded batch's
-    columns instead, as the module does without position_ids, a right-padded prompt's next token sits past a hole:
-    rotary sees the farther distance, so the probe must record "padded-width". (Padding before a row alone shifts
-    every position by the same amount, which rotary cannot see: the probe of earlier versions recorded "none".)"""
+def test_the_positions_probe_sees_a_rotary_models_holes(lm_cache):
+    """The holes file (the layout the probe runs on: a ragged file takes right padding only) given each row's own
+    positions is padding-proof ("input"). Counting them over the padded batch's columns instead, as the module does
+    without position_ids, a right-padded prompt's next token sits past a hole: rotary sees the farther distance, so
+    the probe must record "padded-width". (Padding before a row alone shifts every position by the same amount, which
+    rotary cannot see: the probe of earlier versions recorded "none".) Its cache is at the 2 KV heads as the ragged
+    file's is: the repeat reads past ++ new, the cache never holds a head twice."""
     from mha_deploy.exporters.own_kv_cache import positions_kind
 
-    path, _ = llama
+    path, _ = lm_cache("hf_llama", *HOLES)
     model = onnx.load(str(path))
+    caches = [value for value in model.graph.input if value.name.startswith("past_key_values.")]
+    assert {value.type.tensor_type.shape.dim[1].dim_value for value in caches} == {2}
+    assert "MultiHeadAttention" in {node.op_type for node in model.graph.node}
     signature = MHASession(path, provider="cpu").signature
     assert positions_kind(model, signature) == "input"
     own_positions = replace(signature, custom_inputs=tuple(spec for spec in signature.custom_inputs

@@ -342,9 +342,9 @@ def test_a_model_with_its_own_positions_batches_only_aligned_rows_and_each_equal
 
 
 def test_a_rotary_decoders_requests_of_any_length_share_the_loop_each_equal_to_transformers_alone(lm_cache):
-    """The tiny Llama's `--kv-cache` export with the defaults takes position_ids: requests of different lengths share
-    one cohort (a shorter row joins with holes, a long prompt prefills in chunks while others step), and each gets
-    transformers' greedy generate on its prompt alone."""
+    """The tiny Llama's `--kv-cache` export with the defaults takes position_ids and is ragged (GroupQueryAttention
+    over its 2 KV heads' cache): requests of different lengths share one cohort (each row at its own length, a long
+    prompt prefilled in chunks), and each gets transformers' greedy generate on its prompt alone."""
     torch = pytest.importorskip("torch")
     pytest.importorskip("transformers")
     from tests.conftest import user_module
@@ -352,7 +352,7 @@ def test_a_rotary_decoders_requests_of_any_length_share_the_loop_each_equal_to_t
     llama = user_module("hf_llama")
     path = lm_cache("hf_llama")[0]
     engine = GenerationEngine(KVCacheStepper(path), prefill_chunk=7)
-    assert engine.mix_lengths and "positions from position_ids" in engine.batching
+    assert engine.mix_lengths and "continuous batching over a ragged cache" in engine.batching
     rng = np.random.default_rng(37)
     given = [rng.integers(3, llama.VOCAB, n) for n in (4, 9, 2, 12, 6, 1)]
     config = GenerationConfig(max_new_tokens=10, eos_token_id=llama.EOS_ID)
