@@ -7,6 +7,10 @@ A script, not a test:
     .venv/bin/python benchmarks/llm_builder.py --only fp32    # or int4: one precision's two files
     .venv/bin/python benchmarks/llm_builder.py --quick        # a tiny Llama, short prompts: checks it runs
     .venv/bin/python benchmarks/llm_builder.py --json figures.json
+    .venv/bin/python benchmarks/llm_builder.py --workdir DIR  # keeps the folder and files: a rerun measures them
+
+Most of a run is the four exports (mha-deploy's, with its parity checks, take the longest; --quick too): a rerun
+with the same ``--workdir`` skips them.
 
 The model: ``LlamaForCausalLM`` from a ``LlamaConfig`` (hidden 512, 6 layers, 8 heads, 2 KV heads, intermediate
 1376, 32k vocabulary, 2048 positions; bos 1, eos 2, pad 0), random weights from a fixed seed, written with
@@ -46,6 +50,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shlex
 import subprocess
 import sys
@@ -92,6 +97,7 @@ class Tool:
     probe: str  # ours | genai | transformers
     precision: str  # fp32 | int4
     model: Path  # the .onnx file, or the Hugging Face folder for transformers
+    options: str = ""  # export options beyond the defaults, and why
 
 
 def main() -> None:
@@ -99,7 +105,9 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="a tiny Llama, short prompts: checks it runs")
     parser.add_argument("--only", choices=("fp32", "int4"), help="one precision's files (default: both)")
     parser.add_argument("--json", type=Path, help="also write the figures here")
-    parser.add_argument("--workdir", type=Path, help="where the folder and files go (default: a temporary one)")
+    parser.add_argument("--workdir", type=Path,
+                        help="where the folder and files go, kept (default: a temporary one); a later run with the "
+                             "same --workdir measures the files already there instead of exporting again")
     parser.add_argument("--probe", choices=("ours", "genai", "transformers"), help=argparse.SUPPRESS)
     parser.add_argument("--request", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -112,8 +120,9 @@ def main() -> None:
     sizes = QUICK if args.quick else TARGET
     precisions = [args.only] if args.only else ["fp32", "int4"]
     if args.workdir is not None:
-        args.workdir.mkdir(parents=True, exist_ok=True)
-        figures = run(sizes, args.workdir, precisions)
+        workdir = args.workdir / ("quick" if args.quick else "target")
+        workdir.mkdir(parents=True, exist_ok=True)
+        figures = run(sizes, workdir, precisions)
     else:
         with tempfile.TemporaryDirectory(prefix="mha-llm-builder-bench-") as workdir:
             figures = run(sizes, Path(workdir), precisions)
@@ -133,16 +142,20 @@ def run(sizes: Sizes, workdir: Path, precisions: list[str]) -> dict:
     builder = builder_python()
     tools = []
     for precision in precisions:
-        tools.append(Tool(f"mha-deploy {precision}", "ours", precision, export_ours(folder, workdir, precision)))
+        path, options = export_ours(folder, workdir, precision)
+        tools.append(Tool(f"mha-deploy {precision}", "ours", precision, path, options))
         tools.append(Tool(f"builder {precision}", "genai", precision, export_builder(builder, folder, workdir,
                                                                                         precision)))
     tools.append(Tool("transformers sdpa", "transformers", "fp32", folder))
 
     print("files (op counts, subgraphs included):")
-    files = {tool.label: describe_file(tool.model) for tool in tools if tool.probe != "transformers"}
+    files = {tool.label: {**describe_file(tool.model), "export_options": tool.options}
+             for tool in tools if tool.probe != "transformers"}
     for label, file in files.items():
         print(f"  {label:<16} {file['size_mb']:7.1f} MB, {file['nodes']} nodes: "
               + ", ".join(f"{op} {count}" for op, count in file["ops"].items()))
+        if file["export_options"]:
+            print(f"  {'':<16} {file['export_options']}")
     bandwidth = memory_bandwidth_gb_s()
     print(f"memory bandwidth: {bandwidth:.1f} GB/s (numpy sum over 256 MB, one core, best of 5)", flush=True)
 
@@ -270,7 +283,11 @@ def check_targets(rows: dict, files: dict, ratios: dict, batch1: str, batchn: st
 
 
 def write_llama(sizes: Sizes, folder: Path) -> Path:
-    """The benchmark's Llama and a word-level tokenizer of its vocabulary, saved as Hugging Face saves them."""
+    """The benchmark's Llama and a word-level tokenizer of its vocabulary, saved as Hugging Face saves them (kept
+    when ``folder`` holds them from an earlier run)."""
+    if (folder / "tokenizer_config.json").exists():
+        print(f"reusing the Llama in {folder} (written by an earlier run)", flush=True)
+        return folder
     import torch
     import transformers
     from tokenizers import Tokenizer
@@ -294,21 +311,65 @@ def write_llama(sizes: Sizes, folder: Path) -> Path:
     return folder
 
 
-def export_ours(folder: Path, workdir: Path, precision: str) -> Path:
-    """``mha-deploy export --hf`` as a user runs it, with ``--quantize int4`` for int4."""
+def export_ours(folder: Path, workdir: Path, precision: str) -> tuple[Path, str]:
+    """``mha-deploy export --hf`` as a user runs it, with ``--quantize int4`` for int4; and, when the file is not
+    that command's, why, in words ("" when it is).
+
+    The export refuses a quantized file whose error against the fp32 module passes its budget; random weights are
+    not a trained model's, so then the file measured is the fp32 export quantized the way ``--quantize`` quantizes
+    (``Quantization.apply``: the same MatMulNBits, block 32, accuracy_level 4), the refusal printed beside it."""
     path = workdir / f"mha-deploy-{precision}" / "model.onnx"
-    command = [str(Path(sys.executable).with_name("mha-deploy")), "export", "--hf", str(folder), "--kv-cache",
-               "-o", str(path)]
-    if precision != "fp32":
-        command[-2:-2] = ["--quantize", precision]
-    _run_tool(command, f"mha-deploy export ({precision})")
-    return path
+    record = path.with_name("bench-export.txt")  # how it was made, for a rerun that reuses the file
+    if _reused(path):
+        return path, record.read_text() if record.exists() else ""
+    command = [str(Path(sys.executable).with_name("mha-deploy")), "export", "--hf", str(folder), "--kv-cache"]
+    if precision == "fp32":
+        _run_tool([*command, "-o", str(path)], "mha-deploy export (fp32)")
+        return path, ""
+    done = _run_tool([*command, "--quantize", precision, "-o", str(path)], f"mha-deploy export ({precision})",
+                     check=False)
+    if done.returncode == 0:
+        return path, ""
+    refused = re.search(r"parity FAILED.*?(relative error [\d.]+% \(budget [\d.]+%)[^)]*\).*?(top-1 agreement [\d.]+%)",
+                        done.stdout + done.stderr)
+    if refused is None:
+        raise SystemExit(f"mha-deploy export ({precision}) failed:\n{(done.stdout + done.stderr)[-3000:]}")
+    words = (f"the fp32 export quantized by Quantization({precision!r}).apply: --quantize {precision} refused its "
+             f"{refused.group(1)}), {refused.group(2)} against the fp32 module")
+    print(f"  {words}", flush=True)
+    fp32, _ = export_ours(folder, workdir, "fp32")
+    _quantize_file(fp32, path, precision)
+    record.write_text(words)
+    return path, words
+
+
+def _quantize_file(fp32: Path, path: Path, precision: str) -> None:
+    """``fp32`` quantized as ``--quantize precision`` quantizes, with the metadata's weight-only record that the
+    export would have written (the load check's cache probe allows int8 activations' rounding then)."""
+    from dataclasses import replace
+
+    import onnx
+
+    from mha_deploy.exporters.quantize import Quantization
+    from mha_deploy.metadata import METADATA_KEY, ModelMetadata
+
+    quantization = Quantization(precision)
+    model = quantization.apply(onnx.load(str(fp32)))
+    props = {prop.key: prop.value for prop in model.metadata_props}
+    metadata = replace(ModelMetadata.from_props(props, str(fp32)), quantization=precision,
+                       weight_only=quantization.record(model))
+    for prop in model.metadata_props:
+        if prop.key == METADATA_KEY:
+            prop.value = metadata.to_json()
+    onnx.save(model, str(path))
 
 
 def export_builder(python: Path, folder: Path, workdir: Path, precision: str) -> Path:
     """onnxruntime-genai's model builder for the CPU, then ``THREADS`` intra-op threads in its genai_config.json
     (the builder writes none: ORT would take every core)."""
     out = workdir / f"builder-{precision}"
+    if _reused(out / "genai_config.json"):
+        return out / "model.onnx"
     command = [str(python), "-m", "onnxruntime_genai.models.builder", "-i", str(folder), "-o", str(out),
                "-p", precision, "-e", "cpu", "-c", str(workdir / "builder-cache")]
     _run_tool(command, f"onnxruntime-genai builder ({precision})")
@@ -319,14 +380,22 @@ def export_builder(python: Path, folder: Path, workdir: Path, precision: str) ->
     return out / "model.onnx"
 
 
-def _run_tool(command: list[str], name: str) -> None:
+def _reused(path: Path) -> bool:
+    """Whether ``path`` is there from an earlier run with the same --workdir (then it is measured as it is)."""
+    if path.exists():
+        print(f"reusing {path.parent} (written by an earlier run: delete it to export again)", flush=True)
+    return path.exists()
+
+
+def _run_tool(command: list[str], name: str, check: bool = True) -> subprocess.CompletedProcess:
     print(f"$ {shlex.join(command)}", flush=True)
     started = time.perf_counter()
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPOSITORY), os.environ.get("PYTHONPATH")]))}
     done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=1800)
-    if done.returncode != 0:
+    if done.returncode != 0 and check:
         raise SystemExit(f"{name} failed:\n{(done.stdout + done.stderr)[-3000:]}")
-    print(f"  {name}: {time.perf_counter() - started:.0f} s", flush=True)
+    print(f"  {name}: {'failed' if done.returncode else 'done'} in {time.perf_counter() - started:.0f} s", flush=True)
+    return done
 
 
 def builder_python() -> Path:
