@@ -119,7 +119,8 @@ quantize_options = option_group(
                       "fp32; its error reaches the logits undamped."),
     click.option("--quant-method", type=click.Choice(QUANT_METHODS), default="rtn", show_default=True,
                  help="With --quantize int4/int8: rtn rounds each block to nearest; hqq fits scale and zero "
-                      "point (int4 only)."),
+                      "point (int4 only); gptq corrects each layer's rounding against the activations of "
+                      "--calibration prompts (int4 only)."),
 )
 
 
