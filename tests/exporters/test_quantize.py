@@ -482,3 +482,27 @@ def test_a_hugging_face_bart_pair_at_int4_quantizes_both_files_and_generates(tmp
     assert attentions and set(attentions) == {"MultiHeadAttention"}
     out = generate(KVCacheStepper(path), [[5, 9, 2], [3, 4, 8, 8, 1]], max_new_tokens=4, eos_token_id=[])
     assert [len(t) for t in out.tokens] == [4, 4]
+
+
+def test_eval_and_calibration_prompts_read_as_generate_reads_them(tmp_path):
+    """Token ids as they are, texts through a tokenizer.json; a text without a tokenizer is refused naming where one
+    is looked for."""
+    import json
+
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import Whitespace
+
+    from mha_deploy.errors import InputError
+    from mha_deploy.exporters.quantize import read_text_data
+
+    tokenizer = Tokenizer(WordLevel({"[UNK]": 0, "the": 1, "cat": 2, "sat": 3}, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = Whitespace()
+    tokenizer.save(str(tmp_path / "tokenizer.json"))
+    path = tmp_path / "prompts.jsonl"
+    lines = [{"id": 0, "input_ids": [4, 5, 6]}, {"id": 1, "prompt": "the cat sat"}]
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    data = read_text_data(path, tmp_path / "tokenizer.json", new_tokens=3)
+    assert (data.source, data.prompts, data.new_tokens) == ("prompts.jsonl", ((4, 5, 6), (1, 2, 3)), 3)
+    with pytest.raises(InputError, match=r"texts need a tokenizer.json: beside the model, in the --hf folder"):
+        read_text_data(path)
