@@ -427,7 +427,14 @@ def test_the_positions_probe_sees_a_rotary_models_holes(lm_cache):
     model = onnx.load(str(path))
     caches = [value for value in model.graph.input if value.name.startswith("past_key_values.")]
     assert {value.type.tensor_type.shape.dim[1].dim_value for value in caches} == {2}
-    assert "MultiHeadAttention" in {node.op_type for node in model.graph.node}
+    # each MultiHeadAttention reads the repeated cache as it is ([batch, heads, total, d_k], fusion.cache_heads), not
+    # through a Transpose and Reshape of it per layer and step
+    producers = {output: node for node in model.graph.node for output in node.output}
+    attentions = [node for node in model.graph.node if node.op_type == "MultiHeadAttention"]
+    assert len(attentions) == 2
+    for node in attentions:
+        for name in node.input[1:3]:
+            assert producers[name].op_type == "Reshape" and producers[producers[name].input[0]].op_type == "Expand"
     signature = MHASession(path, provider="cpu").signature
     assert positions_kind(model, signature) == "input"
     own_positions = replace(signature, custom_inputs=tuple(spec for spec in signature.custom_inputs

@@ -20,6 +20,7 @@ import onnx_ir as ir
 from onnxscript.rewriter import pattern
 
 from mha_deploy.exporters.fusion.contrib_mha import BIAS, KEY_PADDING_MASK, PAST_KEY, has_inputs_from, optional_input
+from mha_deploy.exporters.fusion.repeat_kv import repeated_heads
 
 
 class CacheHeads(pattern.RewriteRuleClassBase):
@@ -48,6 +49,9 @@ class CacheHeads(pattern.RewriteRuleClassBase):
             if shape is None or shape.rank() != 4 or shape[1] != heads or not isinstance(shape[3], int):
                 return result.fail(f"{role} are not [batch, {heads} heads, kv_len, head_dim]", value)
             grown = value.producer()
+            repeat = repeated_heads(value)
+            if repeat is not None:  # a grouped-query model's KV-head cache, repeated to the heads (fusion.repeat_kv)
+                grown = repeat.source.producer()
             if grown is None or grown.op_type != "Concat" or grown.attributes.get_int("axis", 0) != 2 or \
                     not grown.inputs[0].is_graph_input():
                 return result.fail(f"{role} are not a cache grown from a graph input", value)
