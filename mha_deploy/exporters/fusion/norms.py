@@ -26,6 +26,11 @@ expanded into the elementwise ops (it fails on a scale of another type than the 
 (runtimes without contrib ops, opset >= 23) the norms become ``RMSNormalization`` instead, only where input and
 scale share a type, and no skip op is written.
 
+Measured (ORT 1.31 CPU, 1 thread, ORT's profiler, the Llama of issue 37: hidden 512, 6 layers, 32k vocabulary;
+one decode step over 191 cached positions, host shared): the 13 norms and their residual Adds take 103 kernels and
+1.4-1.6 ms per step at batch 1 (1.8-2.5 ms at batch 16); fused, 13 kernels and 0.4 ms (0.8-1.1 ms). Whole steps
+and generate calls moved by less than that host's noise (±5-30%) either way.
+
 Run after the attention fusion, so that the attention patterns see the graph as torch wrote it (a Qwen3-style
 q/k norm sits inside the attention's subgraph); epsilon is read from the graph's Add, never assumed.
 """
