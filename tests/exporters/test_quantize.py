@@ -429,16 +429,26 @@ def test_a_perplexity_past_its_budget_is_refused_and_eval_data_needs_a_kv_cache_
 
 
 @pytest.mark.slow
-def test_a_hugging_face_llama_at_int4_keeps_its_attentions_and_records_its_quality_on_text(lm_cache, eval_prompts):
-    """tests/user_models/hf_llama.py (rotary, 4 query heads over 2 KV heads) with --kv-cache --quantize int4
-    --eval-data: its 15 projections (7 per layer and the head) as 4-bit MatMulNBits in blocks of 32, read from the
-    file; the attention ops and the I/O those of the fp32 export; generate runs it; the perplexity and greedy
-    agreement against the module recorded."""
+def test_a_hugging_face_llama_at_int4_keeps_its_attentions_and_records_its_quality_on_text(
+        lm_cache, eval_prompts, tmp_path):
+    """tests/user_models/hf_llama.py's Llama (rotary, 4 query heads over 2 KV heads) at its initial weights with
+    --kv-cache --quantize int4 --eval-data: its 15 projections (7 per layer and the head) as 4-bit MatMulNBits in
+    blocks of 32, read from the file; the attention ops and the I/O those of the fp32 export; generate runs it; the
+    perplexity and greedy agreement against the module recorded. (The test file's Llama has its weights x4 for
+    position-sensitive greedy tokens; such sharp random weights put int4's logits 22-25% off, at the budget:
+    measured, docs/precision.md.)"""
+    from transformers import LlamaForCausalLM
+
+    from mha_deploy.exporters.quantize import read_text_data
     from mha_deploy.runtime.generation import generate
     from mha_deploy.runtime.kv_stepper import KVCacheStepper
 
-    path, output = lm_cache("hf_llama", "--quantize", "int4", "--eval-data", str(eval_prompts), "--eval-tokens", "4")
-    fp32, _ = lm_cache("hf_llama")
+    llama = user_module("hf_llama")
+    model = user_module("hf_models").from_config(LlamaForCausalLM, llama.config(), "sdpa", seed=37)
+    path = tmp_path / "llama-int4.onnx"
+    result = export_model(model, path, llama.INPUTS, kv_cache=True,
+                          quantize=Quantization("int4", evaluation=read_text_data(eval_prompts, new_tokens=4)))
+    fp32, _ = lm_cache("hf_llama")  # the same graph at other weights: its ops and I/O are what int4 must keep
     quantized, before = onnx.load(path), onnx.load(fp32)
     assert [(a["bits"], a["block_size"]) for a in _nbits(quantized)] == [(4, 32)] * 15
     assert not constant_weight_matmuls(quantized)
@@ -449,8 +459,8 @@ def test_a_hugging_face_llama_at_int4_keeps_its_attentions_and_records_its_quali
     metadata = MHASession(path, provider="cpu").metadata
     assert metadata.parity.passed and metadata.parity.rel_err <= REL_ERR_BUDGETS["int4"]
     evaluation = metadata.weight_only.evaluation
-    assert evaluation.new_tokens == 4 and evaluation.ratio <= evaluation.ratio_budget
-    assert f"quality {evaluation.describe()}" in output
+    assert evaluation == result.metadata.weight_only.evaluation and evaluation.new_tokens == 4
+    assert evaluation.ratio <= evaluation.ratio_budget and 0 <= evaluation.greedy_agreement <= 1
     out = generate(KVCacheStepper(path), [[5, 9, 2, 7], [3, 4]], max_new_tokens=4, eos_token_id=[])
     assert [len(t) for t in out.tokens] == [4, 4]
 
