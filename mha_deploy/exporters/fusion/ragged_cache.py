@@ -181,6 +181,8 @@ def _plan(node: ir.Node, mask: ir.Value) -> _Plan:
         raise RaggedRefused(f"{name}: keys of {key_dim} and values of {value_dim} per head")
     if key_heads != value_heads:
         raise RaggedRefused(f"{name}: keys of {key_heads} and values of {value_heads} KV heads")
+    if key_dim % 8:  # ORT 1.31 CPU refuses it when the op runs ("head_size must be a multiple of 8")
+        raise RaggedRefused(f"{name}: a head size of {key_dim}, which GroupQueryAttention takes only in multiples of 8")
     bias = optional_input(node, ATTENTION_BIAS)
     if bias is not None:
         _check_bias_sources(bias, mask, name)
