@@ -324,6 +324,31 @@ def _attention_ops(folder: Path) -> dict[str, dict[str, int]]:
     return counts
 
 
+def export_rows(model: str, sizes: dict, where: Path) -> tuple[Path, dict]:
+    """The folder of ``model`` at ``sizes`` and each row's export of it, under ``where``: (folder, row -> {"path"
+    | "error", ...}). A ``--workdir`` that holds them from a run at the same sizes (``exports.json``) is reused:
+    the exports are most of a run's time."""
+    folder, record = where / "hf", where / "exports.json"
+    if record.is_file():
+        kept = json.loads(record.read_text())
+        if kept["sizes"] == sizes and all(Path(row["path"]).exists() for row in kept["rows"].values() if "path" in row):
+            print(f"{model}: the folder and exports of {where} reused (same sizes)", flush=True)
+            return folder, {row: {**entry, "reused": True} for row, entry in kept["rows"].items()}
+    save_folder(model, sizes, folder)
+    rows = {}
+    for row, make in ((OURS, lambda: export_ours(folder, model, where / "ours")),
+                      (OPTIMUM, lambda: export_optimum(folder, model, where / "optimum", False)),
+                      (OPTIMUM_O2, lambda: export_optimum(folder, model, where / "optimum-O2", True))):
+        try:
+            rows[row] = make()
+        except Exception as exc:
+            rows[row] = {"error": f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:300]}"}
+        print(f"{model} {row}: " + (f"exported in {rows[row]['seconds']:.0f} s" if "path" in rows[row]
+                                     else f"FAILED {rows[row]['error']}"), flush=True)
+    record.write_text(json.dumps({"sizes": sizes, "rows": rows}, indent=2))
+    return folder, rows
+
+
 def measure(args, workdir: Path) -> dict:
     sizes_of, shapes = (QUICK_SIZES, QUICK_SHAPES) if args.quick else (SIZES, SHAPES)
     report = {"threads": args.threads, "quick": args.quick, "load_before": load_average(), "workloads": {},
@@ -331,26 +356,14 @@ def measure(args, workdir: Path) -> dict:
     models = sorted({MODEL_OF[w] for w in args.workloads}, key=list(SIZES).index)
     exports = {}
     for model in models:
-        folder = workdir / model / "hf"
-        save_folder(model, sizes_of[model], folder)
-        rows = {}
-        for row, make in ((OURS, lambda f=folder, m=model: export_ours(f, m, workdir / m / "ours")),
-                          (OPTIMUM, lambda f=folder, m=model: export_optimum(f, m, workdir / m / "optimum", False)),
-                          (OPTIMUM_O2, lambda f=folder, m=model: export_optimum(f, m, workdir / m / "optimum-O2",
-                                                                                True))):
-            try:
-                rows[row] = make()
-            except Exception as exc:
-                rows[row] = {"error": f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:300]}"}
-            print(f"{model} {row}: " + (f"exported in {rows[row]['seconds']:.0f} s" if "path" in rows[row]
-                                         else f"FAILED {rows[row]['error']}"), flush=True)
-        exports[model] = (folder, rows)
+        exports[model] = export_rows(model, sizes_of[model], workdir / model)
     workers = {row: Worker(OPTIMUM_VENV / "bin" / "python" if row in (OPTIMUM, OPTIMUM_O2) else Path(sys.executable),
                            workdir / f"worker-{row.replace(' ', '')}.log") for row in ROWS}
     try:
         for workload in args.workloads:
             report["workloads"][workload] = run_workload(args, workload, sizes_of, shapes, exports, workers,
                                                          workdir)
+            print_workload(workload, report["workloads"][workload])  # as it comes: a killed run keeps these
     finally:
         for worker in workers.values():
             worker.close()
@@ -385,9 +398,10 @@ def run_workload(args, workload, sizes_of, shapes, exports, workers, workdir) ->
         except RuntimeError as exc:
             result["rows"][row]["error"] = str(exc)
             del runners[row], seconds[row]
+    calls = 1 if model == "whisper" else args.calls  # a Whisper call is seconds: one per round is enough
     for _ in range(args.rounds):
         for row, runner in runners.items():
-            seconds[row].extend(runner.times(args.calls))
+            seconds[row].extend(runner.times(calls))
     reference = outputs.get(TORCH)
     for row in runners:
         entry = result["rows"][row]
@@ -442,26 +456,30 @@ def print_report(report: dict) -> None:
     print(f"\nthreads {report['threads']}{' (quick: tiny configs)' if report['quick'] else ''}; "
           f"Optimum's environment: {report['optimum_env']}")
     for workload, result in report["workloads"].items():
-        batch, new = result["shape"]
-        unit = f"call ({batch} rows x {new} new tokens)" if workload.startswith("whisper") else "call"
-        print(f"\n{workload}: shape {result['shape']}, sizes {result['sizes']}; median ms per {unit}")
-        for row in ROWS:
-            entry = result["rows"].get(row, {})
-            if "median_ms" not in entry:
-                print(f"  {row:<12} FAILED: {entry.get('error', 'not run')}")
-                continue
-            check = ("tokens = torch's" if entry.get("tokens_equal_torch") else "TOKENS DIFFER from torch's"
-                     ) if "tokens_equal_torch" in entry else (
-                f"max |diff| vs torch {entry['max_abs_diff_torch']:.1e}" if "max_abs_diff_torch" in entry else "")
-            speedup = f"ours {entry['ours_speedup']:.2f}x" if "ours_speedup" in entry else ""
-            target = TARGETS[workload].get(row)
-            verdict = "" if target is None or "ours_speedup" not in entry else (
-                f" (target >= {target}x: {'met' if entry['ours_speedup'] >= target else 'NOT met'})")
-            print(f"  {row:<12} {entry['median_ms']:9.1f} ms  {speedup:<11}{verdict:<24} {check}")
-        for row in (OURS, OPTIMUM, OPTIMUM_O2):
-            if "attention_ops" in result["rows"].get(row, {}):
-                print(f"  {row} attention ops: {result['rows'][row]['attention_ops']}")
+        print_workload(workload, result)
     print("\n" + load_line(report["load_before"], report["load_after"], report["threads"]))
+
+
+def print_workload(workload: str, result: dict) -> None:
+    batch, new = result["shape"]
+    unit = f"call ({batch} rows x {new} new tokens)" if workload.startswith("whisper") else "call"
+    print(f"\n{workload}: shape {result['shape']}, sizes {result['sizes']}; median ms per {unit}")
+    for row in ROWS:
+        entry = result["rows"].get(row, {})
+        if "median_ms" not in entry:
+            print(f"  {row:<12} FAILED: {entry.get('error', 'not run')}")
+            continue
+        check = ("tokens = torch's" if entry.get("tokens_equal_torch") else "TOKENS DIFFER from torch's"
+                 ) if "tokens_equal_torch" in entry else (
+            f"max |diff| vs torch {entry['max_abs_diff_torch']:.1e}" if "max_abs_diff_torch" in entry else "")
+        speedup = f"ours {entry['ours_speedup']:.2f}x" if "ours_speedup" in entry else ""
+        target = TARGETS[workload].get(row)
+        verdict = "" if target is None or "ours_speedup" not in entry else (
+            f" (target >= {target}x: {'met' if entry['ours_speedup'] >= target else 'NOT met'})")
+        print(f"  {row:<12} {entry['median_ms']:9.1f} ms  {speedup:<11}{verdict:<24} {check}")
+    for row in (OURS, OPTIMUM, OPTIMUM_O2):
+        if "attention_ops" in result["rows"].get(row, {}):
+            print(f"  {row} attention ops: {result['rows'][row]['attention_ops']}", flush=True)
 
 
 def main(argv=None) -> None:
@@ -470,7 +488,8 @@ def main(argv=None) -> None:
     parser.add_argument("--workloads", nargs="+", choices=WORKLOADS, default=list(WORKLOADS))
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=None, help="interleaved rounds (default 5, quick 2)")
-    parser.add_argument("--calls", type=int, default=None, help="calls per row per round (default 2, quick 1)")
+    parser.add_argument("--calls", type=int, default=None,
+                        help="calls per row per round (default 2, quick 1; Whisper 1)")
     parser.add_argument("--workdir", type=Path, default=None, help="keep the folders and files here")
     parser.add_argument("--json", type=Path, default=None, help="also write the figures as JSON")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
