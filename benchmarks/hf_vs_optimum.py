@@ -4,8 +4,11 @@ classes, and against torch (transformers, sdpa) on the same weights.
 
 A script, not a test:
 
-    .venv/bin/python benchmarks/hf_vs_optimum.py                 # the target (about 10 minutes here)
-    .venv/bin/python benchmarks/hf_vs_optimum.py --quick         # tiny configs: proves it runs (about 2 minutes)
+    .venv/bin/python benchmarks/hf_vs_optimum.py --workdir runs/  # the target: ~5 min of timing after the exports
+    .venv/bin/python benchmarks/hf_vs_optimum.py --quick         # tiny configs: proves it runs (~6 min, shared CPU)
+
+The exports take 4 (quiet) to 13 (load 11 on 2 cores) minutes; a ``--workdir`` keeps them, and the next run at the
+same sizes reuses them (``exports.json``).
     .venv/bin/python benchmarks/hf_vs_optimum.py --workloads bert-8x128 --json figures.json
 
 Workloads (random weights, saved with ``save_pretrained``, nothing downloaded; sizes between the models' tiny and
