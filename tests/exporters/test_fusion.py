@@ -611,3 +611,40 @@ def test_ort_onnx_attention_needs_the_mask_q_axis_explicit():
     feeds = {**_probe_qkv(3, 3), "mask": np.zeros((1, 1, 1, 3), np.float32)}
     with pytest.raises(Exception, match="inconsistent q_sequence_length"):
         _run_single_op(attention, feeds)
+
+
+def _soft_capped_softmax(classifier: bool) -> onnx.ModelProto:
+    """Softmax(tanh(MatMul(q, k^T) / 50) * 50) @ v over [batch, seq, 16] inputs: an attention with Gemma-2's
+    soft-capped scores; ``classifier``: soft-capped logits of a weight, the Softmax the graph's output."""
+    from onnx import TensorProto, helper
+
+    def tensor(name, dims):
+        return helper.make_tensor_value_info(name, TensorProto.FLOAT, dims)
+
+    cap = helper.make_tensor("cap", TensorProto.FLOAT, [], [50.0])
+    nodes = [helper.make_node("MatMul", ["q", "kt"], ["scores"]), helper.make_node("Div", ["scores", "cap"], ["s"]),
+             helper.make_node("Tanh", ["s"], ["t"]), helper.make_node("Mul", ["t", "cap"], ["capped"]),
+             helper.make_node("Softmax", ["capped"], ["probs"], axis=-1, name="the_softmax")]
+    if classifier:
+        weight = helper.make_tensor("kt", TensorProto.FLOAT, [16, 16], np.ones(256, np.float32))
+        graph = helper.make_graph(nodes, "g", [tensor("q", ["batch", "seq", 16])],
+                                  [tensor("probs", ["batch", "seq", 16])], [cap, weight])
+    else:
+        nodes.append(helper.make_node("MatMul", ["probs", "v"], ["o"]))
+        inputs = [tensor("q", ["batch", "seq", 16]), tensor("kt", ["batch", 16, "seq"]),
+                  tensor("v", ["batch", "seq", 16])]
+        graph = helper.make_graph(nodes, "g", inputs, [tensor("o", ["batch", "seq", 16])], [cap])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 22)])
+
+
+@pytest.mark.parametrize("classifier", [False, True], ids=["soft-capped-attention", "soft-capped-classifier"])
+def test_an_attention_no_rule_knows_is_named_in_a_warning(classifier):
+    """Gemma-2's soft-capped scores exported with 0 attentions found and no word: now a warning names each
+    Softmax and the ops between its scores and it. A softmax over a classifier's logits is not one."""
+    _, report = fuse_attention(_soft_capped_softmax(classifier), "mha")
+    assert report.found == 0
+    if not classifier:
+        assert report.unrecognised == ["the_softmax (between scores and Softmax: Div, Tanh, Mul)"]
+        assert "match no fusion rule, so they run unfused as exported: the_softmax" in report.warning
+    else:
+        assert report.unrecognised == [] and report.warning is None

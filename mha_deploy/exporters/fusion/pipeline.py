@@ -158,6 +158,9 @@ class FusionReport:
     # The fused norm ops in the output model by ``domain.Op`` (fusion.norms), e.g.
     # {"SimplifiedLayerNormalization": 1, "com.microsoft.SkipSimplifiedLayerNormalization": 4}.
     norms: dict[str, int] = field(default_factory=dict)
+    # Softmaxes over the product of two activations whose probabilities meet a third, that no rule reads as an
+    # attention (``unrecognised_attentions``): "node_softmax (between scores and Softmax: Div, Tanh, Mul, Add)".
+    unrecognised: list[str] = field(default_factory=list)
 
     @property
     def fused(self) -> int:
@@ -188,6 +191,17 @@ class FusionReport:
             f"{f'; {windows} with a {WINDOW_MASK} as attention_bias ({_WINDOW_WHY})' if windows else ''}"
             f"{'; RMSNorm fused into ' + ', '.join(f'{n} {op}' for op, n in self.norms.items()) if self.norms else ''}"
         )
+
+    @property
+    def warning(self) -> str | None:
+        """What the export says when the graph looks like it holds attentions no rule recognised (Gemma-2's
+        soft-capped scores: a Tanh between the scores and the Softmax), or None: the file is exact, but runs them
+        as plain ops."""
+        if not self.unrecognised:
+            return None
+        return (f"{len(self.unrecognised)} softmax(es) over a product of activations look like attention but "
+                f"match no fusion rule, so they run unfused as exported: {'; '.join(self.unrecognised[:3])}"
+                f"{' ...' if len(self.unrecognised) > 3 else ''}")
 
     @property
     def unrecognised_masks(self) -> list[str]:
@@ -223,6 +237,42 @@ def _is_attention_softmax(node: ir.Node) -> bool:
         c.op_type in ("Where", "Reshape") and any(u.node.op_type == "MatMul" for u in c.outputs[0].uses())
         for c in consumers
     )
+
+
+# Between the scores and the Softmax of attentions no rule knows: soft-capping (Gemma-2: /cap, tanh, *cap).
+_LOOSE_SCORE_OPS = _SCORE_OPS | {"Tanh", "Transpose"}
+
+
+def _activation(value: ir.Value | None) -> bool:
+    """Computed from the graph's inputs, not a weight: neither a constant nor an initializer."""
+    if value is None or value.const_value is not None:
+        return False
+    producer = value.producer()
+    return producer is None or producer.op_type != "Constant"
+
+
+def unrecognised_attentions(model: ir.Model) -> list[str]:
+    """Softmaxes that look like an attention's, the ops between their scores and them, where no rule reads an
+    attention: the Softmax reads (through elementwise ops) a MatMul of two activations, and its probabilities feed
+    a MatMul. A classifier's softmax over logits (a MatMul with a weight) is not one."""
+    found = []
+    for node in model.graph.all_nodes():
+        if node.op_type != "Softmax" or node.domain not in ("", "ai.onnx") or _is_attention_softmax(node):
+            continue
+        between, value = [], node.inputs[0]
+        for _ in range(8):
+            producer = value.producer() if value is not None else None
+            if producer is None or producer.op_type not in _LOOSE_SCORE_OPS | {"MatMul"}:
+                break
+            if producer.op_type == "MatMul":
+                readers = {use.node.op_type for use in node.outputs[0].uses()}
+                if all(_activation(x) for x in producer.inputs) and readers & {"MatMul", "Cast", "Where"}:
+                    found.append(f"{node.name or '(unnamed)'} (between scores and Softmax: "
+                                 f"{', '.join(reversed(between)) or 'nothing'})")
+                break
+            between.append(producer.op_type)
+            value = producer.inputs[2] if producer.op_type == "Where" else producer.inputs[0]
+    return found
 
 
 def attention_softmaxes(model: ir.Model) -> list[ir.Node]:
@@ -443,7 +493,7 @@ def fuse_attention(
     ir_model = ir.serde.deserialize_model(model)
     found = len(unfused_attentions(ir_model))
     if target == "none" or found == 0:
-        return model, FusionReport(target, found, remaining=found)
+        return model, FusionReport(target, found, remaining=found, unrecognised=unrecognised_attentions(ir_model))
     if target == "onnx" and ir_model.opset_imports.get("", 0) < MIN_ONNX_ATTENTION_OPSET:
         raise ExportError(
             f"--fuse onnx needs opset >= {MIN_ONNX_ATTENTION_OPSET} (standard Attention), the model has "
@@ -458,6 +508,7 @@ def fuse_attention(
     report = FusionReport(target, found, len(unfused), _fused_ops(fused, unfused), counts,
                           norms=norm_ops(fused.graph.node))
     report.unfused_names = [f"{node.name or '(unnamed)'} ({node.op_type})" for node in unfused]
+    report.unrecognised = unrecognised_attentions(ir_model)
     if report.remaining:
         # After serializing: the tracing pass is told to change nothing, but it still runs
         # the rewriter's constant propagation over the graph.
