@@ -361,6 +361,7 @@ def _quantize_file(fp32: Path, path: Path, precision: str) -> None:
     for prop in model.metadata_props:
         if prop.key == METADATA_KEY:
             prop.value = metadata.to_json()
+    path.parent.mkdir(parents=True, exist_ok=True)  # the refused export left no folder behind
     onnx.save(model, str(path))
 
 
