@@ -344,7 +344,8 @@ def echo_export(result) -> None:
     """What export and optimize print: warnings, the fusion, token packing, parity, the file."""
     for warning in result.warnings:
         click.echo(f"warning: {warning}", err=True)
-    if result.fusion.warning:
+    # An encoder-decoder pair's fusion (own_seq2seq_cache.PairFusion) is checked whole: it has no such warning.
+    if getattr(result.fusion, "warning", None):
         click.echo(f"warning: {result.fusion.warning}", err=True)
     click.echo(result.fusion.summary())
     if result.packing is not None:

@@ -74,6 +74,13 @@ def cuda_graph_unsupported(proto: onnx.ModelProto) -> str | None:
             "ORT cannot capture in a CUDA graph; export it with --fuse onnx (or mask-free, with --dtype fp16) "
             "for cuda_graph"
         )
+    # An fp16 causal --fuse mha file is GroupQueryAttention with no If (exporters.fusion.causal_gqa: the form CUDA's
+    # kernel runs). The op reads total_sequence_length on the host, which a replayed graph does not recompute;
+    # capturing it has not been run on a GPU, so it is refused rather than trusted.
+    if any(node.op_type == "GroupQueryAttention" for node in proto.graph.node):
+        return ("the model's causal attention is GroupQueryAttention (--fuse mha/auto), whose host-side lengths a "
+                "CUDA graph would not refresh (not yet run captured on a GPU); export it with --fuse onnx for "
+                "cuda_graph")
     if any(node.op_type == "NonZero" for node in proto.graph.node):
         return ("the model packs its tokens (NonZero: shapes that depend on the padding), which a CUDA graph cannot "
                 "replay; export it with --no-pack-tokens or --fuse onnx for cuda_graph")
