@@ -38,8 +38,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -48,6 +46,7 @@ from pathlib import Path
 
 import numpy as np
 from _decode_limits import memory_bandwidth_gb_s, peak_rss_mb, weight_bytes_per_token
+from _probe import run_probe, time_our_decoding, time_transformers_decoding
 
 REPOSITORY = Path(__file__).resolve().parents[1]
 THREADS, PAD = 2, 0
@@ -249,29 +248,12 @@ def per_token_latency(path: Path, sizes: Sizes, gate) -> tuple[float, float]:
 
 def _probe(name: str, request: dict, workdir: Path) -> dict:
     """One backend measured in a fresh process (this script with --probe), so that its peak RSS is its own."""
-    path = workdir / f"{name}-request.json"
-    path.write_text(json.dumps(request))
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPOSITORY), os.environ.get("PYTHONPATH")]))}
-    done = subprocess.run([sys.executable, __file__, "--probe", name, "--request", str(path)], capture_output=True,
-                          text=True, env=env, timeout=3600)
-    if done.returncode != 0:
-        raise SystemExit(f"the {name} probe failed:\n{done.stderr[-3000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return run_probe(sys.executable, __file__, name, request, workdir)
 
 
 def _ours(request: dict) -> dict:
     """runtime.generation over the file: torch-free, as users run it."""
-    from mha_deploy.runtime.generation import generate
-    from mha_deploy.runtime.kv_stepper import KVCacheStepper
-
-    stepper = KVCacheStepper(request["model"], threads=request["threads"])
-    prompts = np.asarray(request["prompts"], np.int64)
-    generate(stepper, prompts, max_new_tokens=2, eos_token_id=[])  # untimed: first-run allocations
-    seconds = []
-    for _ in range(request["repeats"]):
-        started = time.perf_counter()
-        out = generate(stepper, prompts, max_new_tokens=request["new"], eos_token_id=[])
-        seconds.append(time.perf_counter() - started)
+    seconds, out, stepper = time_our_decoding(request)
     # The cache as the last step left it (every row ran to the end, so none was freed).
     # A ragged file's cache is its buffers (sized once from prompt + new tokens), a holes file's the last present.
     cache_bytes = sum(array.nbytes for array in (stepper.buffers if stepper.ragged else stepper.past).values())
@@ -291,18 +273,7 @@ def _transformers(request: dict) -> dict:
                         eos_token_id=None, pad_token_id=PAD)
     torch.manual_seed(0)
     model = GPT2LMHeadModel._from_config(config, attn_implementation="sdpa").eval()
-    prompts = torch.tensor(request["prompts"])
-    mask = torch.ones_like(prompts)
-    options = {"do_sample": False, "use_cache": True, "pad_token_id": PAD, "eos_token_id": None}
-    with torch.inference_mode():
-        model.generate(prompts, attention_mask=mask, max_new_tokens=2, **options)
-        seconds = []
-        for _ in range(request["repeats"]):
-            started = time.perf_counter()
-            out = model.generate(prompts, attention_mask=mask, max_new_tokens=request["new"],
-                                 min_new_tokens=request["new"], **options)
-            seconds.append(time.perf_counter() - started)
-    assert out.shape[1] == prompts.shape[1] + request["new"]
+    seconds, _ = time_transformers_decoding(model, request, PAD, None)
     return {"seconds": seconds, "peak_rss_mb": peak_rss_mb()}
 
 

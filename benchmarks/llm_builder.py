@@ -62,6 +62,7 @@ from pathlib import Path
 
 import numpy as np
 from _decode_limits import memory_bandwidth_gb_s, peak_rss_mb, weight_bytes_per_token
+from _probe import run_probe, time_our_decoding, time_transformers_decoding
 
 REPOSITORY = Path(__file__).resolve().parents[1]
 THREADS, PAD, BOS, EOS = 2, 0, 1, 2
@@ -437,29 +438,12 @@ def describe_file(path: Path) -> dict:
 
 def _probe(python: Path, name: str, request: dict, workdir: Path) -> dict:
     """One tool on one case in a fresh process (this script with --probe), so that its peak RSS is its own."""
-    path = workdir / f"{name}-request.json"
-    path.write_text(json.dumps(request))
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPOSITORY), os.environ.get("PYTHONPATH")]))}
-    done = subprocess.run([str(python), __file__, "--probe", name, "--request", str(path)], capture_output=True,
-                          text=True, env=env, timeout=3600)
-    if done.returncode != 0:
-        raise SystemExit(f"the {name} probe failed on {request['model']}:\n{done.stderr[-3000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return run_probe(python, __file__, name, request, workdir)
 
 
 def _ours(request: dict) -> dict:
     """runtime.generation over the file: torch-free, as users run it; no eos, so every row runs to the end."""
-    from mha_deploy.runtime.generation import generate
-    from mha_deploy.runtime.kv_stepper import KVCacheStepper
-
-    stepper = KVCacheStepper(request["model"], threads=request["threads"])
-    prompts = np.asarray(request["prompts"], np.int64)
-    generate(stepper, prompts, max_new_tokens=2, eos_token_id=[])  # untimed: first-run allocations
-    seconds = []
-    for _ in range(request["repeats"]):
-        started = time.perf_counter()
-        out = generate(stepper, prompts, max_new_tokens=request["new"], eos_token_id=[])
-        seconds.append(time.perf_counter() - started)
+    seconds, out, _ = time_our_decoding(request)
     return {"seconds": seconds, "peak_rss_mb": peak_rss_mb(), "tokens": [t.tolist() for t in out.tokens]}
 
 
@@ -499,19 +483,8 @@ def _transformers(request: dict) -> dict:
     torch.set_num_threads(request["threads"])
     model = LlamaForCausalLM.from_pretrained(request["model"], attn_implementation="sdpa", dtype=torch.float32)
     model.eval()
-    prompts = torch.tensor(request["prompts"])
-    mask = torch.ones_like(prompts)
-    options = {"do_sample": False, "use_cache": True, "pad_token_id": PAD, "eos_token_id": EOS}
-    with torch.inference_mode():
-        model.generate(prompts, attention_mask=mask, max_new_tokens=2, min_new_tokens=2, **options)
-        seconds = []
-        for _ in range(request["repeats"]):
-            started = time.perf_counter()
-            out = model.generate(prompts, attention_mask=mask, max_new_tokens=request["new"],
-                                 min_new_tokens=request["new"], **options)
-            seconds.append(time.perf_counter() - started)
-    assert out.shape[1] == prompts.shape[1] + request["new"]
-    return {"seconds": seconds, "peak_rss_mb": peak_rss_mb(), "tokens": out[:, prompts.shape[1]:].tolist()}
+    seconds, tokens = time_transformers_decoding(model, request, PAD, EOS)
+    return {"seconds": seconds, "peak_rss_mb": peak_rss_mb(), "tokens": tokens.tolist()}
 
 
 _PROBES = {"ours": _ours, "genai": _genai, "transformers": _transformers}
