@@ -199,7 +199,9 @@ def refuse_other_sources(ctx: click.Context, source: str) -> None:
                    "and gives its outputs under the output's field names (logits, last_hidden_state, ...). With "
                    "--kv-cache (a causal LM or an encoder-decoder) the eos, pad and decoder start ids are read from "
                    "generation_config.json or config.json. The tokenizer files, chat template and generation / "
-                   "preprocessor configs are copied beside the file, where generate and serve find them.")
+                   "preprocessor configs are copied beside the file, where generate and serve find them. A "
+                   "sentence-transformers folder (modules.json) gives its pooled, optionally normalised vector as "
+                   "one output, sentence_embedding, which serve's /v1/embeddings takes.")
 @pack_tokens_option
 @click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path), required=True,
               help="Where to write the .onnx file (written only if parity passes).")
