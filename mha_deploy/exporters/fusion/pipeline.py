@@ -210,18 +210,19 @@ class FusionReport:
         return [op.name for op in self.ops if MASK_NOT_RECOGNISED in op.kernel]
 
 
-def _score_nodes(softmax: ir.Node) -> list[ir.Node] | None:
-    """The nodes from ``softmax``'s input back to the scores MatMul (included); None without such a MatMul."""
+def _score_nodes(softmax: ir.Node, ops: frozenset[str] | set[str] = _SCORE_OPS, steps: int = 6) -> list[ir.Node] | None:
+    """The nodes from ``softmax``'s input back to the scores MatMul (included), through at most ``steps`` nodes of
+    ``ops``; None without such a MatMul."""
     nodes: list[ir.Node] = []
     value = softmax.inputs[0]
-    for _ in range(6):
+    for _ in range(steps):
         producer = value.producer() if value is not None else None
         if producer is None:
             return None
         nodes.append(producer)
         if producer.op_type == "MatMul":
             return nodes
-        if producer.op_type not in _SCORE_OPS:
+        if producer.op_type not in ops:
             return None
         # Walk towards the scores: the operand that is not a constant/mask.
         value = producer.inputs[2] if producer.op_type == "Where" else producer.inputs[0]
@@ -259,19 +260,12 @@ def unrecognised_attentions(model: ir.Model) -> list[str]:
     for node in model.graph.all_nodes():
         if node.op_type != "Softmax" or node.domain not in ("", "ai.onnx") or _is_attention_softmax(node):
             continue
-        between, value = [], node.inputs[0]
-        for _ in range(8):
-            producer = value.producer() if value is not None else None
-            if producer is None or producer.op_type not in _LOOSE_SCORE_OPS | {"MatMul"}:
-                break
-            if producer.op_type == "MatMul":
-                readers = {use.node.op_type for use in node.outputs[0].uses()}
-                if all(_activation(x) for x in producer.inputs) and readers & {"MatMul", "Cast", "Where"}:
-                    found.append(f"{node.name or '(unnamed)'} (between scores and Softmax: "
-                                 f"{', '.join(reversed(between)) or 'nothing'})")
-                break
-            between.append(producer.op_type)
-            value = producer.inputs[2] if producer.op_type == "Where" else producer.inputs[0]
+        scores = _score_nodes(node, _LOOSE_SCORE_OPS, steps=8)
+        if scores is None or not all(_activation(x) for x in scores[-1].inputs):
+            continue
+        if {use.node.op_type for use in node.outputs[0].uses()} & {"MatMul", "Cast", "Where"}:
+            between = ", ".join(n.op_type for n in reversed(scores[:-1])) or "nothing"
+            found.append(f"{node.name or '(unnamed)'} (between scores and Softmax: {between})")
     return found
 
 
