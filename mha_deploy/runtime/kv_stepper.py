@@ -59,6 +59,7 @@ from mha_deploy.errors import InputError, ModelFileError, OptionError
 from mha_deploy.inputs import right_padding_mask
 from mha_deploy.metadata import CACHE_HOLES, CACHE_RAGGED, ENCODER_DECODER_KEY, METADATA_KEY, EncoderDecoderRecord
 from mha_deploy.runtime.cache_layout import SELF_CACHE, read_cache_layout
+from mha_deploy.runtime.session_file import read_graph
 from mha_deploy.signature import AUDIO, IMAGE, TensorSpec
 
 CROSS_CACHE = re.compile(r"^past_key_values\.(\d+)\.encoder\.(key|value)$")
@@ -106,7 +107,7 @@ class _Graph:
                                      for p in ports} for ports in (model.get_inputs(), model.get_outputs()))
         elif hasattr(model, "run") and hasattr(model, "source") and hasattr(model, "output_names"):
             self._run = model.run  # an MHASession: validated on its signature
-            graph = onnx.load(model.source, load_external_data=False).graph
+            graph = read_graph(model.source).graph
             self.inputs, outputs = _ports(graph.input), _ports(graph.output)
         else:
             raise OptionError(
@@ -141,7 +142,7 @@ def open_decoder(path, threads: int | None = None, provider: str = "cpu", sessio
     from mha_deploy.runtime.session import MHASession
 
     try:
-        props = {p.key: p.value for p in onnx.load(str(path), load_external_data=False).metadata_props}
+        props = {p.key: p.value for p in read_graph(path).metadata_props}
     except Exception as exc:  # a missing file, or not ONNX: say which
         raise ModelFileError(f"{path}: not a readable ONNX file: {exc}") from exc
     if METADATA_KEY in props:
@@ -165,7 +166,7 @@ def encoder_companion(decoder) -> tuple[str, int | None] | None:
     encoder-decoder pair (``export --kv-cache``: ``mt.onnx`` and ``mt.encoder.onnx``); None for any other file.
     ``ModelFileError`` when the file is the pair's encoder, or its encoder is missing."""
     try:
-        props = {p.key: p.value for p in onnx.load(str(decoder), load_external_data=False).metadata_props}
+        props = {p.key: p.value for p in read_graph(decoder).metadata_props}
     except Exception:  # not readable here: whoever opens it says why
         return None
     if ENCODER_DECODER_KEY not in props:

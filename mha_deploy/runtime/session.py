@@ -15,7 +15,7 @@ import onnxruntime as ort
 from mha_deploy.atomic import atomic_path, same_file
 from mha_deploy.errors import InputError, ModelFileError, OptionError, OutputError, ProviderUnavailableError
 from mha_deploy.inputs import placeholder_inputs
-from mha_deploy.metadata import CACHE_RAGGED, ModelMetadata
+from mha_deploy.metadata import CACHE_RAGGED, METADATA_KEY, ModelMetadata
 from mha_deploy.runtime.cuda_support import cuda_graph_unsupported, cuda_unsupported
 from mha_deploy.runtime.decoding import IncrementalDecoder
 from mha_deploy.runtime.denormals import ORT_CONFIG_ENTRY, flushing_denormals
@@ -31,6 +31,7 @@ from mha_deploy.runtime.model_check import (
     with_graph_vocabularies,
 )
 from mha_deploy.runtime.providers import CUDA_EP, check_providers, plan_providers, without_cuda
+from mha_deploy.runtime.session_file import graph_bytes, read_graph
 from mha_deploy.runtime.validation import output_shape_problem, validate_inputs
 
 # metadata_props entry of an optimized-model cache: what it was built from (see ``_cache_key``).
@@ -127,6 +128,13 @@ class MHASession:
             )
         self.flush_denormals = flush_denormals
         options = _session_options(threads, inter_op_threads, optimization, session_config, flush_denormals)
+        # The file's graph without its weights' bytes, read once: what ORT loads, what the load check reads.
+        graph = None if isinstance(model, bytes) else _graph_of(Path(model))
+        if graph is not None and _shapes_change_every_call(graph[0]):
+            # ORT's memory pattern plans one block per input shape set; a decoder's past grows every call, so
+            # each step plans anew and the arena keeps every block it ever gave: 894 against 638 MB peak for
+            # a 189 MB Llama decoding 16 rows (prompt 128, 128 new tokens), measured.
+            options.enable_mem_pattern = False
         plan = plan_providers(provider)
         if CUDA_EP in plan.ort_providers:
             reason = _cuda_refusal(model, cuda_graph is not None)
@@ -135,7 +143,7 @@ class MHASession:
         providers = plan.session_providers(**({"enable_cuda_graph": "1"} if cuda_graph is not None else {}))
         # ORT sets the loading thread's denormal mode for good on the process's first load: scoped here too.
         with flushing_denormals(flush_denormals):
-            self._session = self._load(model, options, providers, optimized_model_path)
+            self._session = self._load(model, options, providers, optimized_model_path, graph)
         self.provider = check_providers(plan, self._session)
         self.provider_note = plan.note
         self.metadata = ModelMetadata.from_props(self._session.get_modelmeta().custom_metadata_map, self.source)
@@ -143,19 +151,20 @@ class MHASession:
             raise OptionError("cuda_graph replays fixed shapes; a KV-cache model's cache grows every call")
         self._check_io_names()
         if not isinstance(model, bytes):
-            self._check_against_graph(Path(model), probe=cuda_graph is None)
+            self._check_against_graph(Path(model), graph, probe=cuda_graph is None)
         self._io_binding = io_binding
         self._graph = _CudaGraph(self._session, self.metadata, cuda_graph) if cuda_graph is not None else None
         if warmup:
             self.warmup()
 
-    def _load(self, model, options: ort.SessionOptions, providers: list, optimized_model_path) -> ort.InferenceSession:
-        """The ORT session, through the optimized-model cache when there is one."""
+    def _load(self, model, options: ort.SessionOptions, providers: list, optimized_model_path,
+              graph: tuple[bytes, int] | None) -> ort.InferenceSession:
+        """The ORT session, through the optimized-model cache when there is one; ``graph``: ``_graph_of`` the file."""
         source = model if isinstance(model, bytes) else str(model)
         self.loaded_from = self.source
         try:
             if optimized_model_path is None:
-                return ort.InferenceSession(source, options, providers=providers)
+                return ort.InferenceSession(_weights_apart(source, graph, options), options, providers=providers)
             cache = Path(optimized_model_path)
             if not isinstance(model, bytes) and same_file(cache, Path(model)):
                 raise OptionError(
@@ -184,10 +193,11 @@ class MHASession:
         except Exception as exc:  # ORT raises its own Fail/InvalidProtobuf/... types
             raise ModelFileError(f"{self.loaded_from}: ONNX Runtime cannot load it: {exc}") from exc
 
-    def _check_against_graph(self, path: Path, probe: bool) -> None:
+    def _check_against_graph(self, path: Path, graph: tuple[bytes, int] | None, probe: bool) -> None:
         """Refuse a file whose metadata does not describe its graph (see ``mha_deploy.runtime.model_check``)."""
         try:
-            proto = onnx.load(str(path), load_external_data=False)
+            # Not onnx.load: the weights' bytes twice beside the session's copy (session_file).
+            proto = onnx.load_from_string(graph[0]) if graph is not None else read_graph(path)
         except Exception as exc:  # DecodeError and friends; ORT read it, so this is a race with a writer
             raise ModelFileError(f"{path}: not a readable ONNX file: {exc}") from exc
         self._check_against_proto(proto, probe)
@@ -487,6 +497,34 @@ def _session_options(
     for key, value in (session_config or {}).items():
         options.add_session_config_entry(key, str(value))
     return options
+
+
+def _graph_of(path: Path) -> tuple[bytes, int] | None:
+    """``session_file.graph_bytes`` of ``path``; None when it cannot be read here (ORT then says why)."""
+    try:
+        return graph_bytes(path)
+    except OSError:
+        return None
+
+
+def _shapes_change_every_call(graph: bytes) -> bool:
+    """Whether the file's metadata says it is a KV-cache decoder (its past input grows every call)."""
+    try:
+        props = {p.key: p.value for p in onnx.ModelProto.FromString(graph).metadata_props}
+        return METADATA_KEY in props and ModelMetadata.from_props(props).signature.kv_cache
+    except Exception:  # not ONNX, or not an mha-deploy file: the load and its check say what is wrong
+        return False
+
+
+def _weights_apart(source: str | bytes, graph: tuple[bytes, int] | None, options: ort.SessionOptions) -> str | bytes:
+    """What ORT loads for ``source``: a file with large inline weights as its graph alone, the weights read from the
+    file as external data (``session_file``: ORT keeps an inline weight's bytes longer; 253 against 181 MB resident
+    after loading a 189 MB Llama, measured); bytes, and any other file by its path, as they are."""
+    if isinstance(source, bytes) or graph is None or not graph[1]:
+        return source
+    options.add_session_config_entry("session.model_external_initializers_file_folder_path",
+                                     str(Path(source).resolve().parent))
+    return graph[0]
 
 
 def _cache_key(model: str | os.PathLike | bytes, options: ort.SessionOptions, providers: list) -> str:
