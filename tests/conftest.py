@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import hashlib
 import importlib
 import importlib.util
+import json
+import os
 import re
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -48,6 +52,39 @@ def randomise_parameters(module, seed: int):
     return module.eval()
 
 
+def exported_once(tmp_path_factory, key: tuple, export: Callable[[Path], dict]) -> tuple[Path, dict]:
+    """``(folder, record)``: ``export(folder)`` run once per test run for ``key``, the JSON-able record it returned
+    (what the fixture needs besides the files it wrote in ``folder``).
+
+    Under xdist (scripts/test.sh) each worker is its own session, and the session fixtures below would export a model
+    once per worker that runs a file using it; the same code with the same arguments writes the same file, so the
+    first worker to need ``key`` exports it under a lock in the folder both workers' basetemps share, and the other
+    waits for it and reads it. One process alone keeps the folder in its own basetemp.
+    """
+    try:
+        import fcntl
+    except ImportError:  # not POSIX: one export per worker, as without the shared folder
+        fcntl = None
+    base = tmp_path_factory.getbasetemp()
+    shared = fcntl is not None and os.environ.get("PYTEST_XDIST_WORKER") is not None
+    root = (base.parent if shared else base) / "exported-once"
+    folder = root / hashlib.sha256(repr(key).encode()).hexdigest()[:16]
+    folder.mkdir(parents=True, exist_ok=True)
+    record = folder / "record.json"
+    with open(folder / "lock", "w") as lock:
+        if fcntl is not None:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, also if this process dies
+        if not record.exists():  # an export that raised wrote no record: the next one to ask tries again
+            record.write_text(json.dumps(export(folder)))
+        return folder, json.loads(record.read_text())
+
+
+def parameter_sum(module) -> float:
+    """The sum of every parameter of ``module``: a worker that rebuilds a seeded module beside a file another worker
+    exported checks with it that it built the same weights."""
+    return float(sum(parameter.detach().double().sum() for parameter in module.parameters()))
+
+
 def signature_id(signature: Signature) -> str:
     prefix = f"{signature.model}-" if signature.model != "mha" else f"{signature.attention}-"
     return prefix + signature.mask + ("-weights" if signature.return_weights else "") + (
@@ -82,21 +119,36 @@ def export_model(tmp_path_factory):
             from mha_deploy.exporters.graphs import attention_graph
             from mha_deploy.models import MultiHeadAttention
 
+            # Built from the seed in every worker (the reference module), exported once per run (exported_once).
             torch.manual_seed(1234)
-            path = tmp_path_factory.mktemp("models") / f"{signature_id(signature)}-{fuse}-{dtype}.onnx"
+            name = f"{signature_id(signature)}-{fuse}-{dtype}.onnx"
             if signature.model != "mha":
                 from mha_deploy.exporters import export_stack
                 from mha_deploy.exporters.stack_graphs import stack_graph
                 from mha_deploy.models import Decoder, Encoder
 
                 stack_type = Decoder if signature.model == "decoder" else Encoder
-                stack = stack_type(signature.layers, TEST_D_MODEL, TEST_HEADS, 2 * TEST_D_MODEL).eval()
-                export_stack(stack, path, signature.mask, signature.kv_cache, fuse=fuse, dtype=dtype)
-                cache[signature, fuse, dtype] = (path, stack_graph(stack, signature.mask))
+                module = stack_type(signature.layers, TEST_D_MODEL, TEST_HEADS, 2 * TEST_D_MODEL).eval()
+
+                def reference():
+                    return stack_graph(module, signature.mask)
+
+                def write(folder: Path) -> dict:
+                    export_stack(module, folder / name, signature.mask, signature.kv_cache, fuse=fuse, dtype=dtype)
+                    return {"parameter_sum": parameter_sum(module)}
             else:
-                mha = MultiHeadAttention(TEST_D_MODEL, TEST_HEADS).eval()
-                export_mha(mha, path, signature, fuse=fuse, dtype=dtype)
-                cache[signature, fuse, dtype] = (path, attention_graph(mha, signature))
+                module = MultiHeadAttention(TEST_D_MODEL, TEST_HEADS).eval()
+
+                def reference():
+                    return attention_graph(module, signature)
+
+                def write(folder: Path) -> dict:
+                    export_mha(module, folder / name, signature, fuse=fuse, dtype=dtype)
+                    return {"parameter_sum": parameter_sum(module)}
+
+            folder, record = exported_once(tmp_path_factory, ("export_model", repr(signature), fuse, dtype), write)
+            assert record["parameter_sum"] == parameter_sum(module), "the seed built other weights in this worker"
+            cache[signature, fuse, dtype] = (folder / name, reference())
         return cache[signature, fuse, dtype]
 
     return export
@@ -222,16 +274,22 @@ def own_model(tmp_path_factory):
 
     def export(name: str, factory: str = "build"):
         if (name, factory) not in cache:
-            path = tmp_path_factory.mktemp("own") / (f"{name}.onnx" if factory == "build" else f"{name}-{factory}.onnx")
-            inputs = [arg for spec in user_module(name).INPUTS for arg in ("--input", spec)]
-            result = CliRunner().invoke(
-                main, ["export", "--module", f"{USER_MODELS / name}.py:{factory}", *inputs, "-o", str(path)]
-            )
+            file_name = f"{name}.onnx" if factory == "build" else f"{name}-{factory}.onnx"
+
+            def write(folder: Path) -> dict:
+                inputs = [arg for spec in user_module(name).INPUTS for arg in ("--input", spec)]
+                result = CliRunner().invoke(
+                    main, ["export", "--module", f"{USER_MODELS / name}.py:{factory}", *inputs, "-o",
+                           str(folder / file_name)]
+                )
+                return {"exit_code": result.exit_code, "output": result.output}
+
             # a failure is cached too: every test of that model then fails at once, with the export's words
-            cache[name, factory] = path, result
-        path, result = cache[name, factory]
-        assert result.exit_code == 0, result.output
-        return path, result.output
+            folder, record = exported_once(tmp_path_factory, ("own_model", name, factory), write)
+            cache[name, factory] = folder / file_name, record
+        path, record = cache[name, factory]
+        assert record["exit_code"] == 0, record["output"]
+        return path, record["output"]
 
     return export
 
@@ -301,14 +359,17 @@ def lm_cache(tmp_path_factory):
 
     def export(name: str, *flags: str):
         if (name, flags) not in cache:
-            path = tmp_path_factory.mktemp("own-kv") / f"{name}.onnx"
-            inputs = [arg for spec in user_module(name).INPUTS for arg in ("--input", spec)]
-            result = CliRunner().invoke(
-                main, ["export", "--module", f"{USER_MODELS / name}.py:build", *inputs, "--kv-cache", *flags,
-                       "-o", str(path)]
-            )
-            assert result.exit_code == 0, result.output
-            cache[name, flags] = path, result.output
+            def write(folder: Path) -> dict:
+                inputs = [arg for spec in user_module(name).INPUTS for arg in ("--input", spec)]
+                result = CliRunner().invoke(
+                    main, ["export", "--module", f"{USER_MODELS / name}.py:build", *inputs, "--kv-cache", *flags,
+                           "-o", str(folder / f"{name}.onnx")]
+                )
+                assert result.exit_code == 0, result.output
+                return {"output": result.output}
+
+            folder, record = exported_once(tmp_path_factory, ("lm_cache", name, flags), write)
+            cache[name, flags] = folder / f"{name}.onnx", record["output"]
         return cache[name, flags]
 
     return export
@@ -324,10 +385,13 @@ def ragged_lm(tmp_path_factory):
 
     def export(name: str):
         if name not in cache:
-            module = user_module(name)
-            path = tmp_path_factory.mktemp("ragged") / f"{name}.onnx"
-            export_model(module.build(), path, module.INPUTS, kv_cache=True, position_ids=True)
-            cache[name] = path
+            def write(folder: Path) -> dict:
+                module = user_module(name)
+                export_model(module.build(), folder / f"{name}.onnx", module.INPUTS, kv_cache=True,
+                             position_ids=True)
+                return {}
+
+            cache[name] = exported_once(tmp_path_factory, ("ragged_lm", name), write)[0] / f"{name}.onnx"
         return cache[name]
 
     return export
