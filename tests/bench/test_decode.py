@@ -27,3 +27,15 @@ def test_decode_bench_reports_every_figure(tmp_path):
     text = report.table()
     assert "recompute/step" in text and "prefill" in text and "growth" in text
     assert not report.verdicts() or "target" in report.verdicts()[0]
+
+
+def test_the_bench_packages_timing_helpers_come_without_torch():
+    """A benchmark's measuring process imports mha_deploy.bench's quiet gate and load line: torch (a few hundred MB
+    of resident memory) must not come with them, or every peak RSS it reports carries torch's."""
+    import subprocess
+    import sys
+
+    code = ("import sys\nfrom mha_deploy.bench import QuietGate\nfrom mha_deploy.bench.timing import load_line\n"
+            "import mha_deploy.bench as bench\nassert 'run_bench' in dir(bench)\nprint('torch' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "False"
