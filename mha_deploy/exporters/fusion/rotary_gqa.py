@@ -1,0 +1,353 @@
+"""A ragged-layout file's rotary positions moved into its ``GroupQueryAttention`` ops (``do_rotary=1``).
+
+Why: after ``fusion.ragged_cache`` each attention is one op, but the module's rotary stays around it as the
+module's own ops: per query and key a Slice, Neg, Concat, two Muls and an Add on the [batch, heads, seq, head_dim]
+heads, which were split out of the projection (Reshape, Transpose) only to be rotated and merged back (Transpose,
+Reshape), and cos/sin gathered from ``position_ids`` each call. ``GroupQueryAttention`` rotates its query and new
+keys itself from ``cos_cache``/``sin_cache`` tables [max_length, head_dim / 2], at the positions each row's
+``seqlens_k`` gives (the ragged contract's ``position_ids``: n_r - seq + arange(seq), arange in a first call).
+
+What is rewritten, found structurally: a ``GroupQueryAttention`` without rotary whose query and key inputs are
+each the [batch, seq, hidden] merge (Transpose(0, 2, 1, 3), Reshape) of ``x * cos + rotate_half(x) * sin`` with
+``rotate_half(x) = Concat(-x[..., h:], x[..., :h])`` over the whole head (h = head_dim / 2, the form Hugging Face
+decoders use, not interleaved), cos and sin [.., 1, seq, head_dim] computed from ``position_ids`` and constants
+only. The tables are not re-derived from a config: the module's own cos/sin subgraph is cut out and run
+(``mask_probe.cut_out``) on positions arange(max_length), so a rope scaling (llama3, linear, yarn's attention
+factor) and a base per layer are what the module computes. The rewrite is refused, the attention left as it is,
+with one line saying why, unless: the query and the keys read the same tables, each table's two halves are equal
+(the non-interleaved form the op computes), a batch of other positions gives each row the table's rows at its
+positions (nothing but the position itself reaches cos/sin), and the head size is a multiple of 16 (ONNX Runtime's
+rotary takes halves in multiples of 8). Partial rotary (a head's first dims only) and the interleaved form are not
+matched. Per-step parity under the ragged layout (``own_kv_cache.check_own_cache_parity``) then checks the
+positions the op computes against the module's on first calls with right-padded rows, chunks and one-token steps.
+
+The rotary's Slices, Muls and the cos/sin subgraph are then dead and removed; ``position_ids`` stays an input of
+the file (its signature and every runtime feed it; it is n_r - seq + arange(seq), which the op derives itself).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+from onnx_ir.passes.common import RemoveUnusedNodesPass
+
+from mha_deploy.exporters.fusion.constant_values import constant_array
+from mha_deploy.exporters.fusion.mask_probe import cut_out
+
+_PREFIX = "rotary."
+_DOMAIN = "com.microsoft"
+_COS_CACHE, _SIN_CACHE = 7, 8  # GroupQueryAttention's inputs
+POSITIONS = "position_ids"
+# The most a table's two halves may differ and still be one table (their values are equal in the module's
+# Concat(freqs, freqs) form; a different tail would be another rotary), and a row of cos/sin evaluated in a batch of
+# other positions from the table's row (ORT's vectorised Cos/Sin may round the last bit by the tensor's length).
+HALVES_ATOL = 1e-6
+
+
+@dataclass
+class RotaryReport:
+    """What ``fuse_rotary_into_gqa`` did: the attentions rotated inside the op, and why each other one was not."""
+
+    attentions: int = 0
+    fused: int = 0
+    refused: list[str] = field(default_factory=list)
+
+    def summary(self) -> str:
+        """One line, e.g. ``rotary fused into 2 of 2 GroupQueryAttention (do_rotary)``, with the first reason an
+        attention was left as it is."""
+        line = f"rotary fused into {self.fused} of {self.attentions} GroupQueryAttention (do_rotary)"
+        return line + (f"; not fused: {self.refused[0]}" if self.refused else "")
+
+
+class _Refused(Exception):
+    """Why one attention keeps the module's rotary (one line)."""
+
+
+def fuse_rotary_into_gqa(model: onnx.ModelProto, max_length: int | None) -> tuple[onnx.ModelProto, RotaryReport]:
+    """``model`` (a ragged-layout file, ``fusion.ragged_cache``) with each attention's rotary computed by its
+    ``GroupQueryAttention`` (the module docstring), and what was done; ``model`` itself where nothing was.
+    ``max_length``: the longest sequence the file takes, the tables' length (None: nothing is fused, the tables
+    would bound the file)."""
+    ir_model = ir.serde.deserialize_model(model)
+    graph = ir_model.graph
+    # An attention no cos/sin reaches has no rotary to move (GPT-2's learned positions): not a refusal.
+    attentions = [node for node in graph if node.op_type == "GroupQueryAttention" and node.domain == _DOMAIN
+                  and not node.attributes.get_int("do_rotary", 0) and _reads_trig(node.inputs[0])]
+    report = RotaryReport(attentions=len(attentions))
+    if not attentions:
+        return model, report
+    positions = next((value for value in graph.inputs if value.name == POSITIONS), None)
+    plans = []
+    tables = _Tables(positions, max_length)
+    for node in attentions:
+        try:
+            plans.append(_plan(node, tables))
+        except _Refused as exc:
+            report.refused.append(f"{node.name}: {exc}")
+    if not plans:
+        return model, report
+    for plan in plans:
+        plan.apply(graph, tables)
+    report.fused = len(plans)
+    RemoveUnusedNodesPass()(ir_model)
+    graph.sort()
+    return ir.serde.serialize_model(ir_model), report
+
+
+@dataclass
+class _Rotated:
+    """One rotated input: ``x`` the [batch, heads, seq, head_dim] heads before the rotary, ``cos``/``sin`` the
+    values it is multiplied by."""
+
+    x: ir.Value
+    cos: ir.Value
+    sin: ir.Value
+
+
+@dataclass
+class _Plan:
+    node: ir.Node
+    query: _Rotated
+    key: _Rotated
+    heads: int
+    kv_heads: int
+    head_dim: int
+
+    def apply(self, graph: ir.Graph, tables: _Tables) -> None:
+        node = self.node
+        name = node.name or "GroupQueryAttention"
+        node.replace_input_with(0, _merged(graph, self.query.x, self.heads * self.head_dim, f"{name}.query"))
+        node.replace_input_with(1, _merged(graph, self.key.x, self.kv_heads * self.head_dim, f"{name}.key"))
+        cos, sin = tables.initializers(graph, self.query)
+        node.resize_inputs(max(len(node.inputs), _SIN_CACHE + 1))
+        node.replace_input_with(_COS_CACHE, cos)
+        node.replace_input_with(_SIN_CACHE, sin)
+        node.attributes["do_rotary"] = ir.AttrInt64("do_rotary", 1)
+        node.attributes["rotary_interleaved"] = ir.AttrInt64("rotary_interleaved", 0)
+
+
+def _plan(node: ir.Node, tables: _Tables) -> _Plan:
+    heads = node.attributes.get_int("num_heads", 0)
+    kv_heads = node.attributes.get_int("kv_num_heads", 0)
+    past = node.inputs[3] if len(node.inputs) > 3 else None
+    if past is None or past.shape is None or past.shape.rank() != 4 or not isinstance(past.shape[3], int):
+        raise _Refused("its past keys are not [batch, kv_heads, past, head_dim] with a static head_dim")
+    head_dim = past.shape[3]
+    if head_dim % 16:
+        raise _Refused(f"a head size of {head_dim}, where GroupQueryAttention's rotary takes multiples of 16")
+    if len(node.inputs) > _COS_CACHE and any(value is not None for value in node.inputs[_COS_CACHE:]):
+        raise _Refused("it takes inputs after total_sequence_length already")
+    rotated = []
+    for index, role in ((0, "query"), (1, "key")):
+        value = node.inputs[index] if len(node.inputs) > index else None
+        rotated.append(_rotated(_heads_of(value, role), head_dim, role))
+    query, key = rotated
+    cos, sin = tables.read(query), tables.read(key)
+    if not (np.array_equal(cos[0], sin[0]) and np.array_equal(cos[1], sin[1])):
+        raise _Refused("its query and its keys are rotated by different tables")
+    return _Plan(node, query, key, heads, kv_heads, head_dim)
+
+
+def _reads_trig(value: ir.Value | None, limit: int = 64) -> bool:
+    """Whether a Cos or Sin computes ``value`` (within ``limit`` nodes back, not through a projection)."""
+    stack, seen = [value], set()
+    while stack and len(seen) < limit:
+        node = stack.pop().producer() if stack[-1] is not None else stack.pop()
+        if node is None or id(node) in seen or node.op_type in ("MatMul", "Gemm", "MatMulNBits"):
+            continue
+        seen.add(id(node))
+        if node.op_type in ("Cos", "Sin"):
+            return True
+        stack.extend(node.inputs)
+    return False
+
+
+def _heads_of(value: ir.Value | None, role: str) -> ir.Value:
+    """The [batch, heads, seq, head_dim] tensor ``value`` [batch, seq, hidden] merges (Transpose(0, 2, 1, 3),
+    Reshape)."""
+    reshape = value.producer() if value is not None else None
+    transpose = reshape.inputs[0].producer() if reshape is not None and reshape.op_type == "Reshape" else None
+    if transpose is None or transpose.op_type != "Transpose" \
+            or list(transpose.attributes.get_ints("perm", [])) != [0, 2, 1, 3]:
+        raise _Refused(f"its {role} is not merged from [batch, heads, seq, head_dim] heads (no rotary on them)")
+    return transpose.inputs[0]
+
+
+def _rotated(value: ir.Value, head_dim: int, role: str) -> _Rotated:
+    """``value`` read as ``x * cos + rotate_half(x) * sin`` (the module docstring's form), any operand order."""
+    add = value.producer()
+    if add is None or add.op_type != "Add" or len(add.inputs) != 2:
+        raise _Refused(f"its {role} is not x * cos + rotate_half(x) * sin")
+    products = [v.producer() for v in add.inputs]
+    if any(p is None or p.op_type != "Mul" or len(p.inputs) != 2 for p in products):
+        raise _Refused(f"its {role} is not x * cos + rotate_half(x) * sin")
+    if value.shape is None or value.shape.rank() != 4 or value.shape[3] != head_dim:
+        raise _Refused(f"its {role} heads are not [batch, heads, seq, {head_dim}]")
+    for straight, turned in (products, products[::-1]):
+        for x, cos in (straight.inputs, straight.inputs[::-1]):
+            for half, sin in (turned.inputs, turned.inputs[::-1]):
+                if _is_rotate_half(half, x, head_dim):
+                    return _Rotated(x, cos, sin)
+    raise _Refused(f"its {role}'s rotary is not rotate_half over the whole head of {head_dim} (partial or "
+                   "interleaved rotary is not fused)")
+
+
+def _is_rotate_half(value: ir.Value, x: ir.Value, head_dim: int) -> bool:
+    """Whether ``value`` is Concat(Neg(x[..., h:]), x[..., :h]) along the last axis, h = head_dim / 2."""
+    concat = value.producer()
+    if concat is None or concat.op_type != "Concat" or len(concat.inputs) != 2 \
+            or concat.attributes.get_int("axis", 0) not in (-1, 3):
+        return False
+    neg = concat.inputs[0].producer()
+    if neg is None or neg.op_type != "Neg":
+        return False
+    half = head_dim // 2
+    return _is_slice(neg.inputs[0], x, half, head_dim) and _is_slice(concat.inputs[1], x, 0, half)
+
+
+def _is_slice(value: ir.Value, x: ir.Value, start: int, end: int) -> bool:
+    """Whether ``value`` is x[..., start:end] along x's last axis (an end past the head, the head's end)."""
+    node = value.producer()
+    if node is None or node.op_type != "Slice" or node.inputs[0] is not x or len(node.inputs) < 4:
+        return False
+    starts, ends, axes = (constant_array(node.inputs[i]) for i in (1, 2, 3))
+    steps = constant_array(node.inputs[4]) if len(node.inputs) > 4 and node.inputs[4] is not None else np.ones(1)
+    if any(array is None or array.size != 1 for array in (starts, ends, axes, steps)):
+        return False
+    head_dim = x.shape[3]
+    first, last = int(starts.item()), int(ends.item())
+    return int(axes.item()) in (-1, 3) and int(steps.item()) == 1 and first == start \
+        and (last == end or (end == head_dim and last > head_dim))
+
+
+class _Tables:
+    """cos and sin as the module computes them, per pair of values read (a base per layer: one pair each), run
+    once: (cos [max_length, head_dim], sin) where they read positions only, else ``_Refused``."""
+
+    def __init__(self, positions: ir.Value | None, max_length: int | None):
+        self.positions, self.max_length = positions, max_length
+        self.evaluated: dict[tuple[str, str], tuple[np.ndarray, np.ndarray] | str] = {}
+        self.made: dict[tuple[str, str], tuple[ir.Value, ir.Value]] = {}
+
+    def read(self, rotated: _Rotated) -> tuple[np.ndarray, np.ndarray]:
+        key = (rotated.cos.name, rotated.sin.name)
+        if key not in self.evaluated:
+            try:
+                self.evaluated[key] = self._evaluate(rotated)
+            except _Refused as exc:
+                self.evaluated[key] = str(exc)
+        found = self.evaluated[key]
+        if isinstance(found, str):
+            raise _Refused(found)
+        return found
+
+    def initializers(self, graph: ir.Graph, rotated: _Rotated) -> tuple[ir.Value, ir.Value]:
+        """The op's cos_cache and sin_cache [max_length, head_dim / 2] for ``rotated``'s tables, registered once."""
+        key = (rotated.cos.name, rotated.sin.name)
+        if key not in self.made:
+            cos, sin = self.read(rotated)
+            half = cos.shape[1] // 2
+            made = []
+            for what, table in (("cos_cache", cos), ("sin_cache", sin)):
+                name = f"{_PREFIX}{what}.{len(self.made)}"
+                tensor = ir.tensor(np.ascontiguousarray(table[:, :half]), name=name)
+                value = ir.Value(name=name, const_value=tensor, shape=tensor.shape, type=ir.TensorType(tensor.dtype))
+                graph.register_initializer(value)
+                made.append(value)
+            self.made[key] = (made[0], made[1])
+        return self.made[key]
+
+    def _evaluate(self, rotated: _Rotated) -> tuple[np.ndarray, np.ndarray]:
+        if self.max_length is None:
+            raise _Refused("the file records no max length, which the op's cos/sin tables need")
+        if self.positions is None:
+            raise _Refused(f"the file takes no {POSITIONS}, which cos/sin would be computed from")
+        head_dim = rotated.x.shape[3]
+        if rotated.cos.dtype != rotated.x.dtype or rotated.sin.dtype != rotated.x.dtype:
+            raise _Refused("its cos/sin are not of the heads' type")
+        runner = cut_out([rotated.cos, rotated.sin])
+        if runner is None:
+            raise _Refused("its cos/sin cannot be cut out of the graph and run (they read an activation?)")
+        session, inputs = runner
+        read = sorted(value.name for value in inputs)
+        if read != [POSITIONS]:
+            raise _Refused(f"its cos/sin read {', '.join(read)}, not only {POSITIONS} and constants")
+        dtype = self.positions.dtype.numpy()
+        whole = np.arange(self.max_length, dtype=dtype)[None]
+        cos, sin = (self._rows(value, head_dim, 1, self.max_length)[0] for value in self._run(session, whole))
+        # Other rows at other positions must read the same tables at theirs: nothing but each position (not
+        # the batch's longest, not the number of tokens) reaches cos/sin.
+        mixed = np.stack([np.arange(3, 8), np.array([self.max_length - 1, 0, 2, 1, 4])]).astype(dtype)
+        for value, table in zip(self._run(session, mixed), (cos, sin), strict=True):
+            if not np.allclose(self._rows(value, head_dim, *mixed.shape), table[mixed], rtol=0, atol=HALVES_ATOL):
+                raise _Refused("its cos/sin at a batch of other positions are not the table's rows at them (they "
+                               "depend on more than each position)")
+        half = head_dim // 2
+        for what, table in (("cos", cos), ("sin", sin)):
+            if not np.allclose(table[:, :half], table[:, half:], rtol=0, atol=HALVES_ATOL):
+                raise _Refused(f"its {what} table's two halves differ (not the rotate_half form of one table)")
+        return cos, sin
+
+    @staticmethod
+    def _run(session, positions: np.ndarray) -> list[np.ndarray]:
+        try:
+            return session.run(None, {POSITIONS: positions})
+        except Exception as error:  # ORT's errors have no common type
+            raise _Refused(f"its cos/sin do not run on positions alone: {str(error).splitlines()[0]}") from error
+
+    @staticmethod
+    def _rows(value: np.ndarray, head_dim: int, batch: int, seq: int) -> np.ndarray:
+        """``value`` [batch, 1, seq, head_dim] (its batch may broadcast) as [batch, seq, head_dim]."""
+        if value.ndim != 4 or value.shape[1] != 1 or value.shape[2:] != (seq, head_dim) \
+                or value.shape[0] not in (1, batch):
+            raise _Refused(f"its cos/sin are {list(value.shape)}, not [batch, 1, seq, {head_dim}]")
+        return np.broadcast_to(value[:, 0], (batch, seq, head_dim))
+
+
+def _merged(graph: ir.Graph, x: ir.Value, hidden: int, name: str) -> ir.Value:
+    """``x`` [batch, heads, seq, head_dim] as the op's [batch, seq, hidden]: the projection its heads were split
+    from (Reshape, then Transposes that make [batch, heads, seq, d]), else a Reshape of the [batch, seq, heads,
+    head_dim] it was transposed from (a norm per head between: Qwen3), else ``x`` transposed and reshaped."""
+    value, perm = x, list(range(4))
+    while (producer := value.producer()) is not None and producer.op_type == "Transpose":
+        step = list(producer.attributes.get_ints("perm", [3, 2, 1, 0]))
+        perm = [step[axis] for axis in perm]
+        value = producer.inputs[0]
+    if perm == [0, 2, 1, 3]:
+        if producer is not None and producer.op_type == "Reshape":
+            projection = producer.inputs[0]
+            if projection.shape is not None and projection.shape.rank() == 3 and projection.shape[2] == hidden:
+                return projection
+        source = value  # [batch, seq, heads, head_dim]
+    else:
+        transpose = ir.Node("", "Transpose", [x], [ir.AttrInt64s("perm", [0, 2, 1, 3])],
+                            outputs=[ir.Value(name=_PREFIX + name + ".bsnh")], graph=graph,
+                            name=_PREFIX + name + ".bsnh")
+        source = transpose.outputs[0]
+        source.type = x.type
+    shape = ir.tensor(np.array([0, 0, hidden], np.int64), name=_PREFIX + name + ".shape")
+    shape_value = ir.Value(name=shape.name, const_value=shape, shape=shape.shape, type=ir.TensorType(shape.dtype))
+    graph.register_initializer(shape_value)
+    merged = ir.Node("", "Reshape", [source, shape_value], outputs=[ir.Value(name=_PREFIX + name + ".merged")],
+                     graph=graph, name=_PREFIX + name + ".merged")
+    out = merged.outputs[0]
+    out.type = x.type
+    if x.shape is not None:
+        out.shape = ir.Shape([x.shape[0], x.shape[2], hidden])
+    return out
+
+
+def fuse_into_gqa(model: onnx.ModelProto, max_length: int | None) -> tuple[onnx.ModelProto, list[str]]:
+    """A ragged-layout file with each attention's rotary inside its ``GroupQueryAttention`` (``fuse_rotary_into_gqa``)
+    and then its q/k/v on one packed projection (``fusion.qkv_packing``); one note per pass that left an
+    attention as it was, saying why."""
+    from mha_deploy.exporters.fusion.qkv_packing import pack_qkv
+
+    model, rotary = fuse_rotary_into_gqa(model, max_length)
+    model, packing = pack_qkv(model)
+    # Packing's notes only for rotary decoders: another model's attention (GPT-2's one projection split three
+    # ways) not packed is no news.
+    return model, [report.summary() for report in (rotary, packing) if report.refused and rotary.attentions]

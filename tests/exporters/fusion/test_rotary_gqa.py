@@ -1,0 +1,292 @@
+"""fusion.rotary_gqa and fusion.qkv_packing: a rotary decoder's ragged file rotates inside GroupQueryAttention
+(do_rotary, cos/sin tables evaluated from the module's own ops) and feeds it one packed q/k/v projection.
+
+The hand-built graphs pin the op's positions (from seqlens_k) against the module's own rotary (from position_ids)
+on the ragged contract's calls; the exported Hugging Face decoders pin whole generations against transformers'."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper
+
+from mha_deploy.exporters.fusion.qkv_packing import pack_qkv
+from mha_deploy.exporters.fusion.rotary_gqa import fuse_into_gqa, fuse_rotary_into_gqa
+from mha_deploy.metadata import ModelMetadata
+from tests.conftest import user_module
+
+HIDDEN, HEADS, KV_HEADS, HEAD_DIM = 64, 4, 2, 16
+MAX_LENGTH = 64
+# fp32 GroupQueryAttention rotating inside vs the same op fed pre-rotated heads: the same products in another
+# order (observed 1e-6).
+ATOL = 1e-5
+
+
+def _ops(model: onnx.ModelProto) -> list[str]:
+    return [node.op_type for node in model.graph.node]
+
+
+def _attribute(node: onnx.NodeProto, name: str, default=0):
+    return next((helper.get_attribute_value(a) for a in node.attribute if a.name == name), default)
+
+
+# --- a hand-built attention: the module's rotary around GroupQueryAttention, as ragged_cache leaves it ----------
+
+
+def _rotary_graph(cos_reads: str | None = None) -> onnx.ModelProto:
+    """x [batch, seq, 64] -> q/k/v projections, heads split, q and k rotated (x * cos + rotate_half(x) * sin,
+    cos/sin from position_ids), merged back -> GroupQueryAttention over a cache. ``cos_reads``: an input whose
+    value also scales the angles (cos/sin then depend on more than positions)."""
+    rng = np.random.default_rng(0)
+    inits = [
+        helper.make_tensor(name, TensorProto.FLOAT, array.shape, array.ravel())
+        for name, array in (("wq", rng.standard_normal((HIDDEN, HEADS * HEAD_DIM)).astype(np.float32) * 0.3),
+                            ("wk", rng.standard_normal((HIDDEN, KV_HEADS * HEAD_DIM)).astype(np.float32) * 0.3),
+                            ("wv", rng.standard_normal((HIDDEN, KV_HEADS * HEAD_DIM)).astype(np.float32) * 0.3),
+                            ("inv_freq", (1.0 / 100.0 ** (np.arange(0, HEAD_DIM, 2) / HEAD_DIM)).astype(np.float32)))
+    ]
+    ints = {"q_split": [0, 0, HEADS, HEAD_DIM], "kv_split": [0, 0, KV_HEADS, HEAD_DIM],
+            "q_merge": [0, 0, HEADS * HEAD_DIM], "kv_merge": [0, 0, KV_HEADS * HEAD_DIM], "zero": [0],
+            "half": [HEAD_DIM // 2], "end": [HEAD_DIM], "last": [3], "one": [1], "two": [2]}
+    inits += [helper.make_tensor(name, TensorProto.INT64, [len(v)], v) for name, v in ints.items()]
+    nodes = [
+        helper.make_node("Cast", ["position_ids"], ["posf"], to=TensorProto.FLOAT),
+        helper.make_node("Unsqueeze", ["posf", "two"], ["posf3"]),
+        helper.make_node("Mul", ["posf3", "inv_freq"], ["freqs"]),
+    ]
+    angles = "freqs"
+    if cos_reads:
+        nodes.append(helper.make_node("Mul", ["freqs", cos_reads], ["freqs_scaled"]))
+        angles = "freqs_scaled"
+    nodes += [
+        helper.make_node("Concat", [angles, angles], ["emb"], axis=-1),
+        helper.make_node("Cos", ["emb"], ["cos3"]), helper.make_node("Sin", ["emb"], ["sin3"]),
+        helper.make_node("Unsqueeze", ["cos3", "one"], ["cos"]),
+        helper.make_node("Unsqueeze", ["sin3", "one"], ["sin"]),
+    ]
+    for role, split, merge in (("q", "q_split", "q_merge"), ("k", "kv_split", "kv_merge")):
+        nodes += [
+            helper.make_node("MatMul", ["x", f"w{role}"], [f"{role}_proj"]),
+            helper.make_node("Reshape", [f"{role}_proj", split], [f"{role}_bsnh"]),
+            helper.make_node("Transpose", [f"{role}_bsnh"], [f"{role}_h"], perm=[0, 2, 1, 3]),
+            helper.make_node("Slice", [f"{role}_h", "half", "end", "last"], [f"{role}_x2"]),
+            helper.make_node("Neg", [f"{role}_x2"], [f"{role}_neg"]),
+            helper.make_node("Slice", [f"{role}_h", "zero", "half", "last"], [f"{role}_x1"]),
+            helper.make_node("Concat", [f"{role}_neg", f"{role}_x1"], [f"{role}_half"], axis=-1),
+            helper.make_node("Mul", [f"{role}_h", "cos"], [f"{role}_c"]),
+            helper.make_node("Mul", ["sin", f"{role}_half"], [f"{role}_s"]),  # operands in either order
+            helper.make_node("Add", [f"{role}_s", f"{role}_c"], [f"{role}_rot"]),
+            helper.make_node("Transpose", [f"{role}_rot"], [f"{role}_back"], perm=[0, 2, 1, 3]),
+            helper.make_node("Reshape", [f"{role}_back", merge], [f"{role}_in"]),
+        ]
+    nodes += [
+        helper.make_node("MatMul", ["x", "wv"], ["v_in"]),
+        helper.make_node("GroupQueryAttention", ["q_in", "k_in", "v_in", "past_key", "past_value", "seqlens_k",
+                                                 "total_sequence_length"],
+                         ["out", "present_key", "present_value"], domain="com.microsoft", num_heads=HEADS,
+                         kv_num_heads=KV_HEADS, name="attention"),
+    ]
+    cache = ["batch", KV_HEADS, "past", HEAD_DIM]
+    inputs = [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", "seq", HIDDEN]),
+              helper.make_tensor_value_info("position_ids", TensorProto.INT64, ["batch", "seq"]),
+              helper.make_tensor_value_info("past_key", TensorProto.FLOAT, cache),
+              helper.make_tensor_value_info("past_value", TensorProto.FLOAT, cache),
+              helper.make_tensor_value_info("seqlens_k", TensorProto.INT32, ["batch"]),
+              helper.make_tensor_value_info("total_sequence_length", TensorProto.INT32, [])]
+    if cos_reads:
+        inputs.append(helper.make_tensor_value_info(cos_reads, TensorProto.FLOAT, [1]))
+    outputs = [helper.make_tensor_value_info("out", TensorProto.FLOAT, ["batch", "seq", HIDDEN]),
+               helper.make_tensor_value_info("present_key", TensorProto.FLOAT, cache),
+               helper.make_tensor_value_info("present_value", TensorProto.FLOAT, cache)]
+    graph = helper.make_graph(nodes, "rotary", inputs, outputs, inits)
+    opsets = [helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)]
+    model = helper.make_model(graph, opset_imports=opsets)
+    model.ir_version = 10
+    return onnx.shape_inference.infer_shapes(model)
+
+
+def _session(model: onnx.ModelProto) -> ort.InferenceSession:
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+
+
+def _contract_calls(session: ort.InferenceSession, rng) -> list[np.ndarray]:
+    """The ragged contract's calls, each fed position_ids = n_r - seq + arange(seq): a first call of rows 7, 3
+    and 5 tokens right-padded, three one-token steps of those rows; then batch 1: a first call of 4 tokens and a
+    chunk of 5 more. Every output of every call (padded queries' rows dropped)."""
+    results = []
+    for first, steps in (((7, 3, 5), (1, 1, 1)), ((4,), (5,))):
+        batch = len(first)
+        n = np.zeros(batch, np.int64)
+        past = [np.zeros((batch, KV_HEADS, 0, HEAD_DIM), np.float32)] * 2
+        for call, real in enumerate([np.array(first), *(np.full(batch, seq) for seq in steps)]):
+            seq = int(real.max())
+            total = n + real
+            feeds = {"x": rng.standard_normal((batch, seq, HIDDEN)).astype(np.float32),
+                     "position_ids": (n[:, None] + np.arange(seq)[None]).astype(np.int64),
+                     "past_key": past[0], "past_value": past[1],
+                     "seqlens_k": (total - 1).astype(np.int32),
+                     # the mask's width: a first call's padded length, later the longest row's tokens so far
+                     "total_sequence_length": np.array(seq if call == 0 else total.max(), np.int32)}
+            out, key, value = session.run(None, feeds)
+            results += [out[row, :count] for row, count in enumerate(real)]
+            results += [key[row, :, :total[row]] for row in range(batch)]
+            past, n = [key, value], total
+    return results
+
+
+def test_rotary_moves_into_group_query_attention_with_the_same_outputs_on_the_ragged_contracts_calls():
+    """The op's rotary, at the positions it derives from seqlens_k, equals the module's at position_ids = n_r - seq +
+    arange(seq): a right-padded first call, one-token steps of ragged rows, a chunk after a past (outputs and the
+    rotated keys written to the cache, atol 1e-5); no Cos, Sin, Neg or Slice is left."""
+    model = _rotary_graph()
+    fused, report = fuse_rotary_into_gqa(model, MAX_LENGTH)
+    assert (report.fused, report.refused) == (1, [])
+    attention = next(node for node in fused.graph.node if node.op_type == "GroupQueryAttention")
+    assert _attribute(attention, "do_rotary") == 1 and _attribute(attention, "rotary_interleaved") == 0
+    assert not {"Cos", "Sin", "Neg", "Slice", "Transpose", "Reshape"} & set(_ops(fused))
+    expected = _contract_calls(_session(model), np.random.default_rng(1))
+    got = _contract_calls(_session(fused), np.random.default_rng(1))
+    for want, have in zip(expected, got, strict=True):
+        np.testing.assert_allclose(have, want, rtol=0, atol=ATOL)
+
+
+def test_packing_gives_one_projection_and_the_same_outputs():
+    """After the rotary moved in, q/k/v are three MatMuls of x: one MatMul with the weights side by side feeds the
+    op's packed query, key and value inputs empty; same outputs (atol 1e-5)."""
+    model, _ = fuse_rotary_into_gqa(_rotary_graph(), MAX_LENGTH)
+    packed, report = pack_qkv(model)
+    assert (report.packed, report.refused) == (1, [])
+    assert _ops(packed).count("MatMul") == 1
+    attention = next(node for node in packed.graph.node if node.op_type == "GroupQueryAttention")
+    assert list(attention.input[1:3]) == ["", ""]
+    expected = _contract_calls(_session(model), np.random.default_rng(2))
+    got = _contract_calls(_session(packed), np.random.default_rng(2))
+    for want, have in zip(expected, got, strict=True):
+        np.testing.assert_allclose(have, want, rtol=0, atol=ATOL)
+
+
+def test_cos_sin_reading_more_than_positions_keep_the_modules_rotary_and_say_why():
+    """Angles scaled by another input: the tables cannot be evaluated from positions alone; the graph is returned
+    as it was, the reason naming the input, and nothing is packed (the query is still rotated outside)."""
+    model = _rotary_graph(cos_reads="temperature")
+    fused, notes = fuse_into_gqa(model, MAX_LENGTH)
+    assert fused is model
+    assert len(notes) == 2
+    assert "rotary fused into 0 of 1" in notes[0] and "temperature" in notes[0]
+    assert "not packed" in notes[1]
+
+
+def test_no_max_length_keeps_the_modules_rotary():
+    """The op's tables need the longest sequence the file takes: without one nothing is fused, and it says so."""
+    model = _rotary_graph()
+    fused, report = fuse_rotary_into_gqa(model, None)
+    assert fused is model and "max length" in report.refused[0]
+
+
+# --- exported Hugging Face decoders ------------------------------------------------------------------------------
+
+
+def test_the_tiny_llamas_default_file_rotates_in_the_op_and_packs_qkv(lm_cache):
+    """hf_llama's default --kv-cache file: each layer one GroupQueryAttention with do_rotary, fed one packed MatMul
+    (key and value empty); no Cos, Sin or Neg left; 5 MatMuls a layer (qkv, o, gate, up, down) + the LM head."""
+    llama = user_module("hf_llama")
+    path, output = lm_cache("hf_llama")
+    model = onnx.load(path)
+    assert ModelMetadata.from_props({p.key: p.value for p in model.metadata_props}).cache_layout == "ragged"
+    attentions = [node for node in model.graph.node if node.op_type == "GroupQueryAttention"]
+    assert len(attentions) == llama.LAYERS
+    assert all(_attribute(node, "do_rotary") == 1 for node in attentions)
+    assert all(list(node.input[1:3]) == ["", ""] for node in attentions)
+    ops = _ops(model)
+    assert not {"Cos", "Sin", "Neg"} & set(ops)
+    assert ops.count("MatMul") == 5 * llama.LAYERS + 1
+    assert "rotary fused into" not in output  # nothing refused: no note
+
+
+def _hf_decoder(kind: str):
+    """A small Qwen2 (q/k/v biases), Qwen3 (q/k norms per head) or Llama with llama3 rope scaling, its weights
+    scaled as hf_llama's (so a position counted wrong shows in the greedy tokens)."""
+    import torch
+    import transformers
+    from hf_models import from_config  # tests/user_models, on the path while user_module imports hf_llama
+
+    common = dict(vocab_size=96, hidden_size=HIDDEN, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, max_position_embeddings=64,
+                  bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
+    if kind == "qwen2":
+        config, cls = transformers.Qwen2Config(**common), transformers.Qwen2ForCausalLM
+    elif kind == "qwen3":
+        config, cls = transformers.Qwen3Config(head_dim=HEAD_DIM, **common), transformers.Qwen3ForCausalLM
+    else:
+        rope = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 32, "rope_theta": 10000.0}
+        config, cls = transformers.LlamaConfig(rope_scaling=rope, **common), transformers.LlamaForCausalLM
+    model = from_config(cls, config, "sdpa", seed=41)
+    with torch.no_grad():
+        for weight in model.parameters():
+            if weight.dim() > 1:
+                weight.mul_(4.0)
+    return model
+
+
+@pytest.fixture(scope="module")
+def hf_decoders(tmp_path_factory):
+    from mha_deploy.exporters import export_model
+
+    user_module("hf_llama")  # puts tests/user_models' hf_models on sys.modules
+    made = {}
+
+    def export(kind: str):
+        if kind not in made:
+            model = _hf_decoder(kind)
+            path = tmp_path_factory.mktemp("rotary") / f"{kind}.onnx"
+            export_model(model, path, ("input_ids:tokens", "attention_mask:padding-mask"), kv_cache=True)
+            made[kind] = model, path
+        return made[kind]
+
+    return export
+
+
+@pytest.mark.parametrize("kind, packed", [("qwen2", True), ("qwen3", False), ("llama3-rope", True)])
+def test_rotary_decoders_generate_as_transformers_on_a_mixed_length_batch(hf_decoders, kind, packed):
+    """Qwen2 (biases packed with the weights), Qwen3 (norms between projection and op: rotary inside, q/k/v kept
+    apart) and a Llama whose rope is llama3-scaled (its tables as the module computes them, not re-derived): the
+    default file rotates in the op, and a right-padded batch of four lengths gives each prompt transformers' greedy
+    tokens for it alone (12 tokens)."""
+    from mha_deploy.runtime.generation import generate
+    from mha_deploy.runtime.kv_stepper import KVCacheStepper
+    from tests.runtime.test_generation import prompts, right_padded, transformers_generate
+
+    model, path = hf_decoders(kind)
+    graph = onnx.load(path)
+    attentions = [node for node in graph.graph.node if node.op_type == "GroupQueryAttention"]
+    assert len(attentions) == 2 and all(_attribute(node, "do_rotary") == 1 for node in attentions)
+    assert all((list(node.input[1:3]) == ["", ""]) == packed for node in attentions)
+    assert not {"Cos", "Sin", "Neg"} & set(_ops(graph))
+    ids, mask = right_padded(*prompts([3, 9, 1, 6], 96, seed=43))
+    out = generate(KVCacheStepper(path), ids, mask, max_new_tokens=12, eos_token_id=2)
+    for row, tokens in enumerate(out.tokens):
+        prompt = ids[row][mask[row] == 1][None]
+        alone = transformers_generate(model, prompt, np.ones_like(prompt), eos_token_id=2)[0]
+        assert tokens.tolist() == alone.tolist(), f"row {row}"
+
+
+def test_quantized_projections_pack_into_one_matmulnbits_with_the_same_outputs():
+    """--quantize int4 quantizes before the ragged rewrite: the three MatMulNBits (blocks along K, a row of blocks
+    per output column) stack into one of N = 128, the same numbers (atol 1e-5: the same blocks, scales and zero
+    points, each activation block quantized the same)."""
+    from mha_deploy.exporters.quantize import Quantization
+
+    quantized = Quantization.of("int4").apply(_rotary_graph())
+    fused, notes = fuse_into_gqa(quantized, MAX_LENGTH)
+    assert notes == []
+    nbits = [node for node in fused.graph.node if node.op_type == "MatMulNBits"]
+    assert len(nbits) == 1 and _attribute(nbits[0], "N") == (HEADS + 2 * KV_HEADS) * HEAD_DIM
+    expected = _contract_calls(_session(quantized), np.random.default_rng(3))
+    got = _contract_calls(_session(fused), np.random.default_rng(3))
+    for want, have in zip(expected, got, strict=True):
+        np.testing.assert_allclose(have, want, rtol=0, atol=ATOL)
