@@ -74,12 +74,15 @@ def main() -> None:
     parser.add_argument("--shapes", default="8x128,1x512", help="BATCHxSEQ list (default 8x128,1x512)")
     parser.add_argument("--threads", type=int, default=2, help="ORT intra-op threads (2)")
     parser.add_argument("--budget-s", type=float, default=3.0, help="timing budget per row and case (3)")
+    parser.add_argument("--gemm-sizes", default=",".join(map(str, GEMM_SIZES)),
+                        help="square MatMul sizes of the yardstick (default 512,...,4096; a smoke test: 256)")
     parser.add_argument("--json", type=Path, help="write the figures to this file")
     args = parser.parse_args()
     widths = [int(width) for width in args.widths.split(",")]
     shapes = parse_shapes(args.shapes)
     load_before = load_average()
-    gemm_gflops, gemm_size = peak_gemm_gflops(args.threads, CPU_FP32, GEMM_SIZES)
+    gemm_sizes = tuple(int(n) for n in args.gemm_sizes.split(","))
+    gemm_gflops, gemm_size = peak_gemm_gflops(args.threads, CPU_FP32, gemm_sizes)
     figures = {"model": args.model, "layers": args.layers, "threads": args.threads, "gemm_gflops": gemm_gflops,
                "rows": []}
     model = "classifier of tests/user_models" if args.model == "classifier" else "built-in encoder stack"

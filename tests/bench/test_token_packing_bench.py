@@ -19,8 +19,10 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_tiny_run_reports_every_case(tmp_path, model):
     figures_path = tmp_path / "packing.json"
     command = [sys.executable, str(ROOT / "benchmarks" / "token_packing.py"), "--model", model, "--widths", "32",
-               "--layers", "1", "--shapes", "2x8", "--budget-s", "0.01", "--threads", "1", "--json",
-               str(figures_path)]
+               "--layers", "1", "--shapes", "2x8", "--budget-s", "0.01", "--threads", "1",
+               # the yardstick at one small size: 512 to 4096 cubed cost ~10 s of this test, and its rate is
+               # only printed
+               "--gemm-sizes", "256", "--json", str(figures_path)]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     run = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
     assert run.returncode == 0, run.stderr[-2000:]
