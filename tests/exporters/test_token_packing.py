@@ -165,11 +165,12 @@ def test_the_cli_says_what_was_packed(tmp_path, pack_any_size, fuse, packed):
 @pytest.mark.parametrize("model", ["encoder", "decoder"])
 def test_the_built_in_stacks_are_packed_like_a_users_model(tmp_path, model):
     """The stacks are wide enough by default (d_model 256 here): packed, and equal to their unpacked export on
-    the real rows of a padded batch."""
+    the real rows of a padded batch. One layer: at d_model 256 its runs of per-token ops already pay for their
+    copies, and a second layer would add to these four exports' tracing without a new kind of op to pack."""
     paths = {}
     for flag in ("--pack-tokens", "--no-pack-tokens"):
         paths[flag] = tmp_path / f"{model}{flag}.onnx"
-        result = CliRunner().invoke(main, ["export", "--model", model, "--layers", "2", "--d-model", "256",
+        result = CliRunner().invoke(main, ["export", "--model", model, "--layers", "1", "--d-model", "256",
                                            "--heads", "4", "--mask", "padding", flag, "-o", str(paths[flag])])
         assert result.exit_code == 0, result.output
         assert ("run on the real tokens of key_padding_mask" in result.output) == (flag == "--pack-tokens")
