@@ -8,6 +8,7 @@ A script, not a test:
     .venv/bin/python benchmarks/llm_builder.py --quick        # a tiny Llama, short prompts: checks it runs
     .venv/bin/python benchmarks/llm_builder.py --json figures.json
     .venv/bin/python benchmarks/llm_builder.py --workdir DIR  # keeps the folder and files: a rerun measures them
+    .venv/bin/python benchmarks/llm_builder.py --llama-cpp    # also llama.cpp Q4_0 (builds llama-cpp-python once)
 
 Most of a run is the four exports (mha-deploy's, with its parity checks, take the longest; --quick too): a rerun
 with the same ``--workdir`` skips them.
@@ -19,10 +20,19 @@ The model: ``LlamaForCausalLM`` from a ``LlamaConfig`` (hidden 512, 6 layers, 8 
 weights:
 
 - mha-deploy: ``mha-deploy export --hf DIR --kv-cache -o F`` (the defaults users get), and with ``--quantize
-  int4`` (weight-only MatMulNBits), decoded by ``mha_deploy.runtime.generation.generate``;
+  int4 --quantize-embeddings`` (weight-only MatMulNBits, the token table as GatherBlockQuantized), decoded by
+  ``mha_deploy.runtime.generation.generate``;
 - onnxruntime-genai's model builder: ``python -m onnxruntime_genai.models.builder -i DIR -o OUT -p fp32|int4
   -e cpu``, run by onnxruntime-genai (``og.Generator``; the batch through ``GeneratorParams``' batch_size);
-- transformers: ``LlamaForCausalLM.from_pretrained(DIR, attn_implementation="sdpa")`` and its ``generate``.
+- transformers: ``LlamaForCausalLM.from_pretrained(DIR, attn_implementation="sdpa")`` and its ``generate``;
+- with ``--llama-cpp``: llama.cpp Q4_0 through llama-cpp-python (``.venv-llamacpp``, built from source for this
+  CPU on first use), the GGUF written from the same safetensors with the ``gguf`` package and quantized by
+  llama.cpp's own ``llama_model_quantize``; batch 1 and the first token only (its ``Llama`` decodes one sequence).
+
+int4 quality is not judged on the random weights (their logits are nearly flat: a relative error measures noise
+against almost no signal there): a tiny Llama (``TRAINED``) is trained for under a minute on text from a fixed
+random source (each word followed by one of 4 words), and its int4 exports with ``--eval-data`` on held-out text
+of the same source report the perplexity of the file and of the fp32 module (``--no-trained`` skips it).
 
 The builder needs torch, transformers and onnx-ir beside onnxruntime-genai: it runs in ``.venv-builder`` (or
 ``$MHA_DEPLOY_BUILDER_PYTHON``), which the first run creates (a few minutes, ~1.3 GB: python -m venv, then
@@ -36,7 +46,8 @@ then timed runs, median), the cases in turn so that a noisy moment hits every to
   none, onnxruntime-genai and transformers a minimum length), over the whole generate call, prompt included;
 - time to the first token of a 1024-token prompt (batch 1): generating one token, the cache's allocation
   included;
-- each process's peak RSS (VmHWM), the files' sizes and their op counts;
+- each process's peak RSS (VmHWM, read from /proc/self/status the same way in every tool's probe), the files'
+  sizes and their op counts;
 - the weight bytes a decoded token reads (every stored weight, an embedding table counted as one row) against
   this machine's memory bandwidth (a numpy sum over 256 MB, one core): at batch 1 their ratio is the limit;
 - whether each file's greedy tokens on the first prompt equal transformers' (fp32 should: int4 drifts).
@@ -109,11 +120,21 @@ def main() -> None:
     parser.add_argument("--workdir", type=Path,
                         help="where the folder and files go, kept (default: a temporary one); a later run with the "
                              "same --workdir measures the files already there instead of exporting again")
-    parser.add_argument("--probe", choices=("ours", "genai", "transformers"), help=argparse.SUPPRESS)
+    parser.add_argument("--llama-cpp", action="store_true",
+                        help="also llama.cpp Q4_0 (llama-cpp-python, built from source into .venv-llamacpp on first "
+                             "use: about 6 minutes on a quiet 2-core machine, more on a shared one) on the same "
+                             "weights, batch 1 and first token")
+    parser.add_argument("--no-trained", action="store_true",
+                        help="skip the tiny trained Llama whose int4 perplexity on held-out text is reported")
+    parser.add_argument("--probe", choices=tuple(_PROBES), help=argparse.SUPPRESS)
+    parser.add_argument("--gguf", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--request", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.probe:  # a fresh process measuring one tool on one case (see _probe)
         print(json.dumps(_PROBES[args.probe](json.loads(args.request.read_text()))))
+        return
+    if args.gguf:  # in llama-cpp-python's environment (see export_gguf)
+        write_gguf(**json.loads(args.request.read_text()))
         return
     python = Path(sys.executable)
     shown = os.path.relpath(python) if python.is_relative_to(Path.cwd()) else str(python)
@@ -123,16 +144,16 @@ def main() -> None:
     if args.workdir is not None:
         workdir = args.workdir / ("quick" if args.quick else "target")
         workdir.mkdir(parents=True, exist_ok=True)
-        figures = run(sizes, workdir, precisions)
+        figures = run(sizes, workdir, precisions, args.llama_cpp, not args.no_trained)
     else:
         with tempfile.TemporaryDirectory(prefix="mha-llm-builder-bench-") as workdir:
-            figures = run(sizes, Path(workdir), precisions)
+            figures = run(sizes, Path(workdir), precisions, args.llama_cpp, not args.no_trained)
     if args.json is not None:
         args.json.write_text(json.dumps(figures, indent=1))
         print(f"figures written to {args.json}")
 
 
-def run(sizes: Sizes, workdir: Path, precisions: list[str]) -> dict:
+def run(sizes: Sizes, workdir: Path, precisions: list[str], llama_cpp: bool = False, trained: bool = True) -> dict:
     from mha_deploy.bench import QuietGate
     from mha_deploy.bench.timing import load_average, load_line
 
@@ -147,13 +168,20 @@ def run(sizes: Sizes, workdir: Path, precisions: list[str]) -> dict:
         tools.append(Tool(f"mha-deploy {precision}", "ours", precision, path, options))
         tools.append(Tool(f"builder {precision}", "genai", precision, export_builder(builder, folder, workdir,
                                                                                         precision)))
+    pythons = {"genai": builder, "ours": Path(sys.executable), "transformers": Path(sys.executable)}
+    if llama_cpp and "int4" in precisions:
+        pythons["llamacpp"] = llamacpp_python()
+        tools.append(Tool("llama.cpp Q4_0", "llamacpp", "int4", export_gguf(pythons["llamacpp"], folder, workdir)))
     tools.append(Tool("transformers sdpa", "transformers", "fp32", folder))
+    quality = trained_quality(workdir, sizes is QUICK) if trained and "int4" in precisions else None
 
     print("files (op counts, subgraphs included):")
     files = {tool.label: {**describe_file(tool.model), "export_options": tool.options}
-             for tool in tools if tool.probe != "transformers"}
+             for tool in tools if tool.probe in ("ours", "genai")}
+    files.update({tool.label: {"size_mb": _size_mb(tool.model), "nodes": 0, "ops": {}, "export_options": ""}
+                  for tool in tools if tool.probe == "llamacpp"})
     for label, file in files.items():
-        print(f"  {label:<16} {file['size_mb']:7.1f} MB, {file['nodes']} nodes: "
+        print(f"  {label:<16} {file['size_mb']:7.1f} MB" + (f", {file['nodes']} nodes: " if file["nodes"] else "")
               + ", ".join(f"{op} {count}" for op, count in file["ops"].items()))
         if file["export_options"]:
             print(f"  {'':<16} {file['export_options']}")
@@ -169,13 +197,17 @@ def run(sizes: Sizes, workdir: Path, precisions: list[str]) -> dict:
     results: dict[str, dict[str, dict]] = {tool.label: {} for tool in tools}
     for case, (rows, new, repeats) in cases.items():
         for tool in tools:
+            if tool.probe == "llamacpp" and len(rows) > 1:
+                continue  # llama-cpp-python's Llama decodes one sequence
             gate.wait()
             request = {"model": str(tool.model), "prompts": rows, "new": new, "repeats": repeats, "threads": THREADS}
-            python = builder if tool.probe == "genai" else Path(sys.executable)
-            results[tool.label][case] = _probe(python, tool.probe, request, workdir)
+            results[tool.label][case] = _probe(pythons[tool.probe], tool.probe, request, workdir)
         print(f"measured {case}", flush=True)
 
     figures = report(sizes, tools, files, results, bandwidth, list(cases))
+    if quality is not None:
+        figures["trained"] = quality
+        print_quality(quality)
     print(gate.summary())
     after = load_average()
     print(load_line(before, after, THREADS))
@@ -188,13 +220,14 @@ def report(sizes: Sizes, tools: list[Tool], files: dict, results: dict, bandwidt
     """The table, the ratios ours / builder, the targets and the tokens' agreement; returns the figures."""
     batch1, batchn, first = cases
     rows = {}
-    for tool in tools:
+    for tool in tools:  # a case a tool does not run (llama.cpp's batch) is left out of its row
         measured = results[tool.label]
         rows[tool.label] = {
             "tokens_s": {case: len(measured[case]["tokens"]) * len(measured[case]["tokens"][0])
-                         / float(np.median(measured[case]["seconds"])) for case in (batch1, batchn)},
+                         / float(np.median(measured[case]["seconds"])) for case in (batch1, batchn)
+                         if case in measured},
             "first_token_s": float(np.median(measured[first]["seconds"])),
-            "peak_rss_mb": {case: measured[case]["peak_rss_mb"] for case in cases},
+            "peak_rss_mb": {case: measured[case]["peak_rss_mb"] for case in cases if case in measured},
         }
     print(f"\nLlama hidden {sizes.hidden}, {sizes.layers} layers, {sizes.heads} heads, {sizes.kv_heads} KV heads, "
           f"intermediate {sizes.intermediate}, vocabulary {sizes.vocab}; {THREADS} threads, greedy; prompts of "
@@ -207,32 +240,50 @@ def report(sizes: Sizes, tools: list[Tool], files: dict, results: dict, bandwidt
         row = rows[tool.label]
         rss = row["peak_rss_mb"]
         rate = row["tokens_s"][batch1]
-        line = (f"{tool.label:<18}{rate:8.0f} {row['tokens_s'][batchn]:8.0f}  {row['first_token_s']:7.3f}  "
-                f"{rss[batch1]:5.0f} {rss[batchn]:5.0f} {rss[first]:6.0f}")
-        if tool.label in files:
+        line = (f"{tool.label:<18}{rate:8.0f} {_figure(row['tokens_s'].get(batchn), 8, '.0f')}  "
+                f"{row['first_token_s']:7.3f}  {rss[batch1]:5.0f} {_figure(rss.get(batchn), 5, '.0f')} "
+                f"{rss[first]:6.0f}")
+        if tool.label in files and "weight_bytes_per_token" in files[tool.label]:
             read = files[tool.label]["weight_bytes_per_token"]
             limit = bandwidth * 1e9 / read
             row["batch1_limit_tokens_s"] = limit
             line += (f"  {files[tool.label]['size_mb']:6.1f}  {read / 2**20:8.1f}  {limit:6.0f} ({rate / limit:4.0%})")
+        elif tool.label in files:
+            line += f"  {files[tool.label]['size_mb']:6.1f}"
         print(line)
     print(f"(batch-1 limit: {bandwidth:.1f} GB/s of memory bandwidth over the weight bytes a decoded token reads; "
           "the share is the batch-1 rate's fraction of it)")
 
     ratios = {}
-    print("ours / builder (tokens/s: above 1 is faster; first token, RSS and file: below 1 is less):")
+    print("ours / builder (tokens/s: above 1 is faster; first token, RSS and file: below 1 is less; peak RSS: the "
+          "largest of a tool's cases):")
     for precision in sorted({tool.precision for tool in tools if tool.probe == "ours"}):
         ours, theirs = rows[f"mha-deploy {precision}"], rows[f"builder {precision}"]
         ratio = {"batch 1": ours["tokens_s"][batch1] / theirs["tokens_s"][batch1],
                  batchn: ours["tokens_s"][batchn] / theirs["tokens_s"][batchn],
                  "first token": ours["first_token_s"] / theirs["first_token_s"],
-                 "peak RSS": ours["peak_rss_mb"][batchn] / theirs["peak_rss_mb"][batchn],
+                 "peak RSS b1": ours["peak_rss_mb"][batch1] / theirs["peak_rss_mb"][batch1],
+                 "peak RSS": max(ours["peak_rss_mb"].values()) / max(theirs["peak_rss_mb"].values()),
                  "file": files[f"mha-deploy {precision}"]["size_mb"] / files[f"builder {precision}"]["size_mb"]}
         ratios[precision] = ratio
         print(f"  {precision}: " + "; ".join(f"{name} {value:.2f}x" for name, value in ratio.items()))
+    if "llama.cpp Q4_0" in rows and "mha-deploy int4" in rows:
+        ours, theirs = rows["mha-deploy int4"], rows["llama.cpp Q4_0"]
+        ratios["llama.cpp"] = {"batch 1": ours["tokens_s"][batch1] / theirs["tokens_s"][batch1],
+                               "first token": ours["first_token_s"] / theirs["first_token_s"],
+                               "peak RSS b1": ours["peak_rss_mb"][batch1] / theirs["peak_rss_mb"][batch1],
+                               "file": files["mha-deploy int4"]["size_mb"] / files["llama.cpp Q4_0"]["size_mb"]}
+        print("  int4 / llama.cpp Q4_0: " + "; ".join(f"{name} {value:.2f}x"
+                                                     for name, value in ratios["llama.cpp"].items()))
 
     agreement = tokens_agreement(tools, results, batch1)
     targets = check_targets(rows, files, ratios, batch1, batchn)
     return {"rows": rows, "ratios": ratios, "agreement": agreement, "targets": targets}
+
+
+def _figure(value: float | None, width: int, spec: str) -> str:
+    """``value`` formatted in ``width`` columns, or "-" there when the tool did not run that case."""
+    return f"{value:{width}{spec}}" if value is not None else f"{'-':>{width}}"
 
 
 def tokens_agreement(tools: list[Tool], results: dict, case: str) -> dict:
@@ -274,6 +325,8 @@ def check_targets(rows: dict, files: dict, ratios: dict, batch1: str, batchn: st
                         row["tokens_s"][batch1] / rows["mha-deploy fp32"]["tokens_s"][batch1], ">=", 3.0),
                        ("39: int4 file <= 0.3x our fp32 file",
                         files["mha-deploy int4"]["size_mb"] / files["mha-deploy fp32"]["size_mb"], "<=", 0.3)]
+    if "llama.cpp" in ratios:
+        checks.append(("39: int4 batch 1 >= 0.9x llama.cpp Q4_0", ratios["llama.cpp"]["batch 1"], ">=", 0.9))
     print("targets (this run's own figures):")
     targets = {}
     for words, value, sense, bound in checks:
@@ -291,9 +344,6 @@ def write_llama(sizes: Sizes, folder: Path) -> Path:
         return folder
     import torch
     import transformers
-    from tokenizers import Tokenizer
-    from tokenizers.models import WordLevel
-    from tokenizers.pre_tokenizers import Whitespace
 
     config = transformers.LlamaConfig(
         vocab_size=sizes.vocab, hidden_size=sizes.hidden, num_hidden_layers=sizes.layers,
@@ -301,15 +351,164 @@ def write_llama(sizes: Sizes, folder: Path) -> Path:
         max_position_embeddings=sizes.positions, bos_token_id=BOS, eos_token_id=EOS, pad_token_id=PAD)
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(config).eval()
+    _save_with_tokenizer(model, folder, sizes.vocab)
+    print(f"wrote the Llama ({sum(p.numel() for p in model.parameters()) / 1e6:.1f}M weights, seed 0) and its "
+          f"tokenizer to {folder}", flush=True)
+    return folder
+
+
+# The trained Llama: small enough to learn its text in well under a minute on 2 shared cores; head size 32 (the
+# ragged cache takes multiples of 8), every K a multiple of the int4 blocks of 32.
+TRAINED = Sizes(512, 128, 2, 4, 2, 256, 256, prompt=64, new=16, batch=32, long_prompt=0, repeats=0)
+TRAIN_SECONDS, TRAIN_STEPS, HELD_OUT_PROMPTS = 45.0, 1500, 16
+
+
+def markov_text(rows: int, length: int, seed: int, vocab: int) -> tuple[np.ndarray, float]:
+    """``rows`` sequences of ``length`` ids of a fixed random text source (each word followed by one of 4 words,
+    with probabilities of its own: the same source whatever ``seed``, which draws the sequences), and the source's
+    own perplexity on them (the best any model can reach)."""
+    source = np.random.default_rng(7)
+    successors = source.integers(3, vocab, (vocab, 4))
+    probabilities = source.dirichlet(np.ones(4) * 0.5, vocab)
+    rng = np.random.default_rng(seed)
+    ids = np.empty((rows, length), np.int64)
+    ids[:, 0] = rng.integers(3, vocab, rows)
+    log_likelihood = 0.0
+    for column in range(1, length):
+        previous = ids[:, column - 1]
+        choice = (rng.random(rows)[:, None] > np.cumsum(probabilities[previous], axis=1)).sum(axis=1).clip(0, 3)
+        ids[:, column] = successors[previous, choice]
+        log_likelihood += np.log(probabilities[previous, choice]).sum()
+    return ids, float(np.exp(-log_likelihood / (rows * (length - 1))))
+
+
+def write_trained_llama(folder: Path, seconds: float = TRAIN_SECONDS) -> dict:
+    """A tiny Llama (``TRAINED``) trained for ``seconds`` on ``markov_text``, saved as ``write_llama`` saves, with a
+    held-out text (other sequences of the same source) as ``held-out.jsonl`` (``export --eval-data``'s input_ids);
+    how the training went (kept in ``training.json`` for a rerun)."""
+    record_path = folder / "training.json"
+    if record_path.exists():
+        print(f"reusing the trained Llama in {folder} (written by an earlier run)", flush=True)
+        return json.loads(record_path.read_text())
+    import torch
+    import transformers
+
+    sizes = TRAINED
+    config = transformers.LlamaConfig(
+        vocab_size=sizes.vocab, hidden_size=sizes.hidden, num_hidden_layers=sizes.layers,
+        num_attention_heads=sizes.heads, num_key_value_heads=sizes.kv_heads, intermediate_size=sizes.intermediate,
+        max_position_embeddings=sizes.positions, bos_token_id=BOS, eos_token_id=EOS, pad_token_id=PAD)
+    torch.manual_seed(0)
+    # One thread: torch's training at 2 threads ran 10x slower per step than at one on a shared 2-core machine.
+    torch.set_num_threads(1)
+    model = transformers.LlamaForCausalLM(config)
+    train, _ = markov_text(4096, sizes.prompt + 1, seed=1, vocab=sizes.vocab)
+    held_out, source_perplexity = markov_text(HELD_OUT_PROMPTS, sizes.prompt + 1, seed=2, vocab=sizes.vocab)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=5e-3, weight_decay=0.0)
+    rng = np.random.default_rng(3)
+    started, steps, loss = time.perf_counter(), 0, float("nan")
+    while time.perf_counter() - started < seconds and steps < TRAIN_STEPS:
+        batch = torch.from_numpy(train[rng.integers(0, len(train), sizes.batch)])
+        out = model(input_ids=batch, labels=batch)
+        optimizer.zero_grad()
+        out.loss.backward()
+        optimizer.step()
+        steps, loss = steps + 1, float(out.loss.detach())
+    model.eval()
+    with torch.no_grad():
+        held = torch.from_numpy(held_out)
+        held_loss = float(model(input_ids=held, labels=held).loss)
+    _save_with_tokenizer(model, folder, sizes.vocab)
+    with open(folder / "held-out.jsonl", "w") as out:
+        for index, row in enumerate(held_out):
+            out.write(json.dumps({"id": f"held-out-{index}", "input_ids": row.tolist()}) + "\n")
+    record = {"steps": steps, "seconds": time.perf_counter() - started, "train_loss": loss,
+              "held_out_perplexity_torch": float(np.exp(held_loss)), "source_perplexity": source_perplexity,
+              "weights_m": sum(p.numel() for p in model.parameters()) / 1e6}
+    record_path.write_text(json.dumps(record, indent=1))
+    print(f"trained the tiny Llama ({record['weights_m']:.2f}M weights) for {steps} steps in {record['seconds']:.0f} "
+          f"s: held-out perplexity {record['held_out_perplexity_torch']:.3f} (the source's own "
+          f"{source_perplexity:.3f}, a uniform guess {sizes.vocab})", flush=True)
+    return record
+
+
+# The int4 exports judged on the trained Llama's held-out text: the weights alone, then the token table too (as
+# the timed int4 file is made).
+QUALITY_FLAGS = ((), ("--quantize-embeddings",))
+
+
+def trained_quality(workdir: Path, quick: bool) -> dict:
+    """The tiny trained Llama, and each of its ``QUALITY_FLAGS`` int4 exports judged on its held-out text."""
+    folder = workdir / "trained" / "llama"
+    training = write_trained_llama(folder, seconds=10.0 if quick else TRAIN_SECONDS)
+    return {"training": training,
+            "exports": [quantized_quality(folder, workdir / "trained", flags) for flags in QUALITY_FLAGS]}
+
+
+def print_quality(quality: dict) -> None:
+    training = quality["training"]
+    print(f"the tiny trained Llama (hidden {TRAINED.hidden}, {TRAINED.layers} layers, {TRAINED.heads} heads, "
+          f"{TRAINED.kv_heads} KV heads, vocabulary {TRAINED.vocab}; {training['steps']} steps in "
+          f"{training['seconds']:.0f} s): held-out perplexity {training['held_out_perplexity_torch']:.3f} in torch, "
+          f"the text source's own {training['source_perplexity']:.3f}")
+    for export in quality["exports"]:
+        flags = " ".join(["--quantize int4", *export["flags"]])
+        parity = (f"parity {export['parity']}: relative error {export['rel_err']:.1%}, top-1 {export['top1']:.1%}"
+                  if "rel_err" in export else "no parity line")
+        if export["written"]:
+            print(f"  {flags}: {parity}; perplexity {export['perplexity']:.3f} against the fp32 module's "
+                  f"{export['perplexity_fp32']:.3f} ({export['perplexity'] / export['perplexity_fp32']:.3f}x), "
+                  f"greedy agreement {export['greedy_agreement']:.0%}")
+        else:
+            print(f"  {flags}: {parity}; refused: {export['refusal']}")
+
+
+def quantized_quality(folder: Path, workdir: Path, flags: tuple[str, ...]) -> dict:
+    """``mha-deploy export --hf folder --kv-cache --quantize int4 --eval-data held-out.jsonl`` plus ``flags``: the
+    export's parity figures (printed) and the perplexities it recorded (the file's and the fp32 module's), or its
+    refusal."""
+    name = "-".join(["int4", *(flag.lstrip("-") for flag in flags)])
+    path = workdir / f"mha-deploy-{name}" / "model.onnx"
+    log = path.with_name("export.log")
+    if not _reused(log):
+        command = [str(Path(sys.executable).with_name("mha-deploy")), "export", "--hf", str(folder), "--kv-cache",
+                   "--quantize", "int4", *flags, "--eval-data", str(folder / "held-out.jsonl"), "-o", str(path)]
+        done = _run_tool(command, f"mha-deploy export ({name})", check=False)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        log.write_text(f"exit {done.returncode}\n{done.stdout}{done.stderr}")
+    text = log.read_text()
+    parity = re.search(r"parity (PASSED|FAILED).*?relative error ([\d.]+)% \(budget ([\d.]+)%.*?top-1 agreement "
+                       r"([\d.]+)%", text)
+    result = {"flags": list(flags), "written": text.startswith("exit 0") and path.exists()}
+    if parity:
+        result.update(parity=parity.group(1), rel_err=float(parity.group(2)) / 100, top1=float(parity.group(4)) / 100)
+    if result["written"]:
+        from mha_deploy.metadata import METADATA_KEY, ModelMetadata
+        from mha_deploy.runtime.session_file import read_graph
+
+        props = {p.key: p.value for p in read_graph(path).metadata_props}
+        evaluation = ModelMetadata.from_props(props, str(path)).weight_only.evaluation
+        result.update(perplexity=evaluation.perplexity, perplexity_fp32=evaluation.perplexity_fp32,
+                      greedy_agreement=evaluation.greedy_agreement, size_mb=_size_mb(path))
+        assert METADATA_KEY in props
+    else:
+        result["refusal"] = text.strip().splitlines()[-1][:300]
+    return result
+
+
+def _save_with_tokenizer(model, folder: Path, vocab: int) -> None:
+    """``save_pretrained`` and a word-level tokenizer of ``vocab`` words (w3, w4, ...; pad, bos, eos first)."""
+    import transformers
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import Whitespace
+
     model.save_pretrained(folder)
-    words = {"<pad>": PAD, "<s>": BOS, "</s>": EOS, **{f"w{i}": i for i in range(3, sizes.vocab)}}
+    words = {"<pad>": PAD, "<s>": BOS, "</s>": EOS, **{f"w{i}": i for i in range(3, vocab)}}
     word_level = Tokenizer(WordLevel(words, unk_token="<pad>"))
     word_level.pre_tokenizer = Whitespace()
     transformers.PreTrainedTokenizerFast(tokenizer_object=word_level, pad_token="<pad>", bos_token="<s>",
                                          eos_token="</s>", unk_token="<pad>").save_pretrained(folder)
-    print(f"wrote the Llama ({sum(p.numel() for p in model.parameters()) / 1e6:.1f}M weights, seed 0) and its "
-          f"tokenizer to {folder}", flush=True)
-    return folder
 
 
 def export_ours(folder: Path, workdir: Path, precision: str) -> tuple[Path, str]:
@@ -324,6 +523,8 @@ def export_ours(folder: Path, workdir: Path, precision: str) -> tuple[Path, str]
     if _reused(path):
         return path, record.read_text() if record.exists() else ""
     command = [str(Path(sys.executable).with_name("mha-deploy")), "export", "--hf", str(folder), "--kv-cache"]
+    if precision == "int4":
+        command.append("--quantize-embeddings")  # the 32k x 512 table is most of what int4 leaves fp32
     if precision == "fp32":
         _run_tool([*command, "-o", str(path)], "mha-deploy export (fp32)")
         return path, ""
@@ -335,7 +536,8 @@ def export_ours(folder: Path, workdir: Path, precision: str) -> tuple[Path, str]
                         done.stdout + done.stderr)
     if refused is None:
         raise SystemExit(f"mha-deploy export ({precision}) failed:\n{(done.stdout + done.stderr)[-3000:]}")
-    words = (f"the fp32 export quantized by Quantization({precision!r}).apply: --quantize {precision} refused its "
+    words = (f"the fp32 export quantized by Quantization({precision!r}, embeddings=True).apply: --quantize {precision} "
+             f"--quantize-embeddings refused its "
              f"{refused.group(1)}), {refused.group(2)} against the fp32 module")
     print(f"  {words}", flush=True)
     fp32, _ = export_ours(folder, workdir, "fp32")
@@ -354,7 +556,7 @@ def _quantize_file(fp32: Path, path: Path, precision: str) -> None:
     from mha_deploy.exporters.quantize import Quantization
     from mha_deploy.metadata import METADATA_KEY, ModelMetadata
 
-    quantization = Quantization(precision)
+    quantization = Quantization(precision, embeddings=precision == "int4")
     model = quantization.apply(onnx.load(str(fp32)))
     props = {prop.key: prop.value for prop in model.metadata_props}
     metadata = replace(ModelMetadata.from_props(props, str(fp32)), quantization=precision,
@@ -422,18 +624,136 @@ def builder_python() -> Path:
     return python
 
 
+LLAMA_CPP_PYTHON, GGUF = "0.3.36", "0.19.0"
+
+
+def llamacpp_python() -> Path:
+    """The python of ``.venv-llamacpp`` (or ``$MHA_DEPLOY_LLAMACPP_PYTHON``): llama-cpp-python built from source for
+    this CPU, and the ``gguf`` writer; created here on first use (about 6 minutes on a quiet 2-core machine; the
+    compiler runs at the lowest priority, so a shared machine makes it longer, not the others slower)."""
+    given = os.environ.get("MHA_DEPLOY_LLAMACPP_PYTHON")
+    if given:
+        return Path(given)
+    env = REPOSITORY / ".venv-llamacpp"
+    python = env / "bin" / "python"
+    if python.exists():
+        return python
+    packages = [f"llama-cpp-python=={LLAMA_CPP_PYTHON}", f"gguf=={GGUF}", "numpy", "safetensors"]
+    print(f"creating {env} for llama.cpp ({', '.join(packages)}, built from source): about 6 minutes, once",
+          flush=True)
+    base = getattr(sys, "_base_executable", sys.executable)
+    _run_tool([base, "-m", "venv", str(env)], "python -m venv")
+    (env / ".gitignore").write_text("*\n")
+    os.environ.setdefault("CMAKE_ARGS", "-DGGML_NATIVE=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF "
+                                        "-DLLAMA_CURL=OFF")
+    os.environ.setdefault("CMAKE_BUILD_PARALLEL_LEVEL", str(os.cpu_count() or 1))
+    _run_tool(["nice", "-n", "19", str(python), "-m", "pip", "install", "--quiet", "--no-binary", "llama-cpp-python",
+               *packages], "pip install (llama-cpp-python from source)")
+    return python
+
+
+def export_gguf(python: Path, folder: Path, workdir: Path) -> Path:
+    """The Llama's weights as llama.cpp reads them: an f32 GGUF written from the safetensors (the ``gguf`` package),
+    then llama.cpp's own quantizer to Q4_0 (its default mix for that type: the output matrix in Q6_K)."""
+    out = workdir / "llama-cpp" / "model-q4_0.gguf"
+    if _reused(out):
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    request = out.with_name("gguf-request.json")
+    request.write_text(json.dumps({"folder": str(folder), "out": str(out)}))
+    _run_tool([str(python), __file__, "--gguf", "--request", str(request)], "GGUF f32 and llama.cpp's Q4_0")
+    return out
+
+
+def write_gguf(folder: str, out: str) -> None:
+    """(In llama-cpp-python's environment.) ``folder``'s LlamaForCausalLM as an f32 GGUF of llama.cpp's "llama"
+    architecture beside ``out``, then ``out`` quantized to Q4_0 by llama.cpp. A placeholder SentencePiece vocabulary
+    of the model's size names the ids: every tool is fed ids, never text."""
+    import ctypes
+
+    import gguf
+    import llama_cpp
+    from safetensors.numpy import load_file
+
+    config = json.loads((Path(folder) / "config.json").read_text())
+    weights = load_file(str(Path(folder) / "model.safetensors"))
+    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    hidden, vocab = config["hidden_size"], config["vocab_size"]
+    rope = config.get("rope_parameters") or {}
+    theta = float(rope.get("rope_theta", config.get("rope_theta", 10000.0)))
+    f32 = Path(out).with_name("model-f32.gguf")
+    writer = gguf.GGUFWriter(str(f32), "llama")
+    writer.add_context_length(config["max_position_embeddings"])
+    writer.add_embedding_length(hidden)
+    writer.add_block_count(config["num_hidden_layers"])
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_rope_dimension_count(hidden // heads)
+    writer.add_rope_freq_base(theta)
+    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    writer.add_vocab_size(vocab)
+    writer.add_file_type(gguf.LlamaFileType.ALL_F32)
+    specials = {config["pad_token_id"]: "<pad>", config["bos_token_id"]: "<s>", config["eos_token_id"]: "</s>"}
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list([specials.get(i, f"w{i}") for i in range(vocab)])
+    writer.add_token_scores([0.0] * vocab)
+    writer.add_token_types([gguf.TokenType.CONTROL if i in specials else gguf.TokenType.NORMAL for i in range(vocab)])
+    writer.add_bos_token_id(config["bos_token_id"])
+    writer.add_eos_token_id(config["eos_token_id"])
+    writer.add_pad_token_id(config["pad_token_id"])
+
+    def rotary_rows(weight: np.ndarray, n_heads: int) -> np.ndarray:
+        # transformers rotates the two halves of each head (rotate_half); llama.cpp's "llama" rope rotates
+        # adjacent pairs: each head's rows are reordered so that both compute the same products.
+        return weight.reshape(n_heads, 2, weight.shape[0] // n_heads // 2, -1).swapaxes(1, 2).reshape(weight.shape)
+
+    names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+             "lm_head.weight": "output.weight"}
+    per_layer = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+                 "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+                 "post_attention_layernorm": "ffn_norm",
+                 "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+    for name, weight in weights.items():
+        weight = weight.astype(np.float32)
+        if name.startswith("model.layers."):
+            layer, rest = name[len("model.layers."):].split(".", 1)
+            module = rest.rsplit(".", 1)[0]
+            if module == "self_attn.q_proj":
+                weight = rotary_rows(weight, heads)
+            elif module == "self_attn.k_proj":
+                weight = rotary_rows(weight, kv_heads)
+            writer.add_tensor(f"blk.{layer}.{per_layer[module]}.weight", weight)
+        else:
+            writer.add_tensor(names[name], weight)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_0
+    params.nthread = THREADS
+    if llama_cpp.llama_model_quantize(str(f32).encode(), str(out).encode(), ctypes.byref(params)) != 0:
+        raise SystemExit(f"llama.cpp could not quantize {f32} to Q4_0")
+    f32.unlink()
+
+
 def describe_file(path: Path) -> dict:
     """Size on disk (external data included), op counts over every graph, and the weight bytes a token reads."""
     import onnx
 
     from mha_deploy.onnx_nodes import all_nodes
 
-    size = sum(file.stat().st_size for file in path.parent.iterdir()
-               if file.name == path.name or file.name.startswith(path.name + ".") or file.suffix == ".data")
     model = onnx.load(str(path), load_external_data=False)
     ops = Counter(node.op_type for node in all_nodes(model.graph))
-    return {"size_mb": size / 2**20, "nodes": sum(ops.values()), "ops": dict(ops.most_common()),
+    return {"size_mb": _size_mb(path), "nodes": sum(ops.values()), "ops": dict(ops.most_common()),
             "weight_bytes_per_token": weight_bytes_per_token(path)}
+
+
+def _size_mb(path: Path) -> float:
+    """The file's size on disk, its external data included."""
+    return sum(file.stat().st_size for file in path.parent.iterdir()
+               if file.name == path.name or file.name.startswith(path.name + ".") or file.suffix == ".data") / 2**20
 
 
 def _probe(python: Path, name: str, request: dict, workdir: Path) -> dict:
@@ -487,7 +807,34 @@ def _transformers(request: dict) -> dict:
     return {"seconds": seconds, "peak_rss_mb": peak_rss_mb(), "tokens": tokens.tolist()}
 
 
-_PROBES = {"ours": _ours, "genai": _genai, "transformers": _transformers}
+def _llamacpp(request: dict) -> dict:
+    """llama-cpp-python on the Q4_0 GGUF (in its own environment), one sequence, greedy (temperature 0), its own
+    defaults otherwise (the file memory-mapped, batches of 512 prompt tokens); the cache cleared before each run."""
+    from llama_cpp import Llama
+
+    (prompt,) = request["prompts"]
+    model = Llama(model_path=request["model"], n_ctx=len(prompt) + request["new"] + 8, n_threads=request["threads"],
+                  n_threads_batch=request["threads"], verbose=False)
+
+    def greedy(new: int) -> list[int]:
+        model.reset()  # else generate reuses the cached prompt: no prefill to time
+        tokens = []
+        for token in model.generate(prompt, temp=0.0, reset=True):
+            tokens.append(int(token))
+            if len(tokens) == new:
+                return tokens
+        return tokens
+
+    greedy(2)  # untimed: first-run allocations
+    seconds = []
+    for _ in range(request["repeats"]):
+        started = time.perf_counter()
+        tokens = greedy(request["new"])
+        seconds.append(time.perf_counter() - started)
+    return {"seconds": seconds, "peak_rss_mb": peak_rss_mb(), "tokens": [tokens]}
+
+
+_PROBES = {"ours": _ours, "genai": _genai, "transformers": _transformers, "llamacpp": _llamacpp}
 
 
 if __name__ == "__main__":
