@@ -196,7 +196,7 @@ def _optimised(
             f"{report.summary()}: --fuse {target} needs every attention subgraph fused; "
             "use --fuse none (or auto) to export the unfused graph"
         )
-    if target != "none" and report.fused != attention_ops:
+    if target != "none" and report.fused + len(report.softcapped) != attention_ops:
         raise ExportError(f"{report.summary()}, expected {attention_ops}: the graph holds attentions no rule knows")
     packing = None
     if pack_by and target == "mha":
@@ -834,7 +834,7 @@ def _finish(
             report = _checked(module, model, atol, rtol, ragged.cases, options.quantize, declared, CACHE_RAGGED)
             if report.passed:
                 metadata.cache_layout = CACHE_RAGGED
-                return model, fusion, None, report
+                return model, fusion.in_ragged_layout(model), None, report
             why = f"its parity failed: {'; '.join(report.failures[:2]) or report.summary()}"
         if ragged.required:
             raise RaggedLayoutError(f"--cache-layout ragged: {why}; nothing written")

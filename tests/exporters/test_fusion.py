@@ -638,13 +638,31 @@ def _soft_capped_softmax(classifier: bool) -> onnx.ModelProto:
 
 
 @pytest.mark.parametrize("classifier", [False, True], ids=["soft-capped-attention", "soft-capped-classifier"])
-def test_an_attention_no_rule_knows_is_named_in_a_warning(classifier):
-    """Gemma-2's soft-capped scores exported with 0 attentions found and no word: now a warning names each
-    Softmax and the ops between its scores and it. A softmax over a classifier's logits is not one."""
+def test_a_soft_capped_attention_is_found_left_unfused_and_named_in_a_warning(classifier):
+    """Gemma-2's soft-capped scores exported with 0 attentions found and no word: now the attention is found, left
+    as exported (no MultiHeadAttention caps scores; the ragged cache layout puts it on GroupQueryAttention's
+    softcap) and named with its cap in the warning, the fusion complete otherwise. A softmax over a classifier's
+    logits is not one."""
     _, report = fuse_attention(_soft_capped_softmax(classifier), "mha")
-    assert report.found == 0
     if not classifier:
-        assert report.unrecognised == ["the_softmax (between scores and Softmax: Div, Tanh, Mul)"]
-        assert "match no fusion rule, so they run unfused as exported: the_softmax" in report.warning
+        assert (report.found, report.remaining, report.fused) == (1, 1, 0)
+        assert report.softcapped == ["the_softmax (cap 50)"] and report.complete
+        assert "1 soft-capped attention(s) left unfused, as exported" in report.warning
+        assert "the_softmax (cap 50)" in report.warning and "soft-capped: MultiHeadAttention has no softcap" in \
+            report.summary()
     else:
-        assert report.unrecognised == [] and report.warning is None
+        assert report.found == 0 and report.softcapped == [] and report.warning is None
+
+
+def test_an_attention_no_rule_knows_is_named_in_a_warning():
+    """A Softmax over Q·Kᵀ scores that pass a Transpose no rule reads is named with the ops between its scores and
+    it, not exported as '0 attention subgraph(s) found' and no word."""
+    model = _soft_capped_softmax(False)
+    nodes = [node for node in model.graph.node if node.op_type not in ("Div", "Tanh", "Mul")]
+    nodes.insert(1, onnx.helper.make_node("Transpose", ["scores"], ["capped"], perm=[0, 2, 1]))
+    del model.graph.node[:]
+    model.graph.node.extend(nodes)
+    _, report = fuse_attention(model, "mha")
+    assert report.found == 0
+    assert report.unrecognised == ["the_softmax (between scores and Softmax: Transpose)"]
+    assert "match no fusion rule, so they run unfused as exported: the_softmax" in report.warning

@@ -40,6 +40,10 @@ The chain, per target (own rules marked *, the rest is upstream
     onnx:
     * onnx_attention          MHA -> standard Attention (float attn_mask, is_causal)
     then, on either target, after the attentions (their patterns see the graph as torch wrote it):
+    * (softcap)               a soft-capped attention (Gemma-2: tanh(scores / cap) * cap) stays as
+                              the module wrote it, named in the report: no op of either target
+                              caps scores, save GroupQueryAttention in the ragged cache layout
+                              (fusion.softcap, fusion.ragged_cache)
     * norms                   RMSNorm -> SimplifiedLayerNormalization, with its residual Add ->
                               com.microsoft.SkipSimplifiedLayerNormalization (mha); -> ONNX
                               RMSNormalization (onnx)
@@ -58,7 +62,7 @@ attentions go into the report (``FusionReport.unfused_reasons``).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import onnx
 import onnx_ir as ir
@@ -96,6 +100,7 @@ from mha_deploy.exporters.fusion.sdpa_from_attention import (
 )
 from mha_deploy.exporters.fusion.shared_heads import unshare_head_transposes
 from mha_deploy.exporters.fusion.short_sequence import fuse_short_sequence
+from mha_deploy.exporters.fusion.softcap import softcapped_attention
 from mha_deploy.model_report import MASK_NOT_RECOGNISED, attention_ops
 from mha_deploy.onnx_nodes import WINDOW_MASK
 
@@ -111,8 +116,9 @@ _WINDOW_WHY = "materialised: MultiHeadAttention takes no window, GroupQueryAtten
 # roles are the ones `mha-deploy inspect` knows (model_report).
 _MASK_ROLES = {"key_padding_mask", "attention_bias", "mask_index", "attn_mask", "seqlens_k"}
 # Ops that sit between the scores MatMul and the Softmax in an attention subgraph (Reshape: DeBERTa's
-# [batch * heads, q, kv] scores viewed as [batch, heads, q, kv]).
-_SCORE_OPS = {"Add", "Sub", "Mul", "Div", "Where", "Cast", "Reshape"}
+# [batch * heads, q, kv] scores viewed as [batch, heads, q, kv]; Tanh: Gemma-2's soft-capped scores, which no rule
+# fuses but a cache is attached to like any other, fusion.softcap).
+_SCORE_OPS = {"Add", "Sub", "Mul", "Div", "Where", "Cast", "Reshape", "Tanh"}
 
 
 @dataclass
@@ -161,6 +167,9 @@ class FusionReport:
     # Softmaxes over the product of two activations whose probabilities meet a third, that no rule reads as an
     # attention (``unrecognised_attentions``): "node_softmax (between scores and Softmax: Div, Tanh, Mul, Add)".
     unrecognised: list[str] = field(default_factory=list)
+    # The attentions left unfused because their scores are soft-capped (fusion.softcap), which no op of the target
+    # does: "node_softmax (cap 50)". Counted in ``remaining``; the file is exact, and the report's warning says so.
+    softcapped: list[str] = field(default_factory=list)
 
     @property
     def fused(self) -> int:
@@ -168,8 +177,19 @@ class FusionReport:
 
     @property
     def complete(self) -> bool:
-        """True when every attention subgraph became one attention op (or the target is "none")."""
-        return self.target == "none" or (self.remaining == 0 and self.fused == self.found)
+        """True when every attention subgraph became one attention op, save soft-capped ones, which no op of the
+        target can take (or the target is "none")."""
+        capped = len(self.softcapped)
+        return self.target == "none" or (self.remaining == capped and self.fused + capped == self.found)
+
+    def in_ragged_layout(self, model: onnx.ModelProto) -> FusionReport:
+        """This report for ``model``, the ragged cache layout written from the file it describes, where that layout
+        fused what this one could not (soft-capped attentions onto GroupQueryAttention's softcap); itself otherwise
+        (the ragged rewrite changes only which op each fused attention is)."""
+        if not self.softcapped:
+            return self
+        return replace(self, remaining=0, ops=_fused_ops(model, []), unfused_names=[], unfused_reasons={},
+                       softcapped=[])
 
     def summary(self) -> str:
         """One line, e.g. ``fusion mha: 1 attention subgraph(s) found, 0 fused, 1 left unfused
@@ -186,6 +206,7 @@ class FusionReport:
             f"{' into ' + ', '.join(kinds) if kinds else ''}, "
             f"{'not fused: ' + ', '.join(self.unfused_names) + '; ' if self.unfused_names else ''}"
             f"{self.remaining} left unfused"
+            f"{f' ({len(self.softcapped)} soft-capped: {_SOFTCAP_WHY})' if self.softcapped else ''}"
             f"{f' ({reasons})' if reasons else ''}"
             f"{f'; {unread} with a {MASK_NOT_RECOGNISED} (materialised)' if unread else ''}"
             f"{f'; {windows} with a {WINDOW_MASK} as attention_bias ({_WINDOW_WHY})' if windows else ''}"
@@ -194,14 +215,19 @@ class FusionReport:
 
     @property
     def warning(self) -> str | None:
-        """What the export says when the graph looks like it holds attentions no rule recognised (Gemma-2's
-        soft-capped scores: a Tanh between the scores and the Softmax), or None: the file is exact, but runs them
-        as plain ops."""
-        if not self.unrecognised:
-            return None
-        return (f"{len(self.unrecognised)} softmax(es) over a product of activations look like attention but "
-                f"match no fusion rule, so they run unfused as exported: {'; '.join(self.unrecognised[:3])}"
-                f"{' ...' if len(self.unrecognised) > 3 else ''}")
+        """What the export says when the graph holds attentions it runs as plain ops though they are attentions:
+        soft-capped ones (``softcapped``), and ones no rule recognised (``unrecognised``); None when neither. The
+        file is exact either way."""
+        lines = []
+        if self.softcapped:
+            more = " ..." if len(self.softcapped) > 3 else ""
+            lines.append(f"{len(self.softcapped)} soft-capped attention(s) left unfused, as exported "
+                         f"({_SOFTCAP_WHY}): {'; '.join(self.softcapped[:3])}{more}")
+        if self.unrecognised:
+            lines.append(f"{len(self.unrecognised)} softmax(es) over a product of activations look like attention but "
+                         f"match no fusion rule, so they run unfused as exported: {'; '.join(self.unrecognised[:3])}"
+                         f"{' ...' if len(self.unrecognised) > 3 else ''}")
+        return "; ".join(lines) or None
 
     @property
     def unrecognised_masks(self) -> list[str]:
@@ -240,8 +266,11 @@ def _is_attention_softmax(node: ir.Node) -> bool:
     )
 
 
-# Between the scores and the Softmax of attentions no rule knows: soft-capping (Gemma-2: /cap, tanh, *cap).
-_LOOSE_SCORE_OPS = _SCORE_OPS | {"Tanh", "Transpose"}
+# Between the scores and the Softmax of attentions no rule knows (a Transpose of the scores).
+_LOOSE_SCORE_OPS = _SCORE_OPS | {"Transpose"}
+# Why a soft-capped attention stays unfused outside the ragged cache layout.
+_SOFTCAP_WHY = ("MultiHeadAttention has no softcap; the ragged cache layout of --kv-cache puts them on "
+                "GroupQueryAttention's")
 
 
 def _activation(value: ir.Value | None) -> bool:
@@ -503,7 +532,9 @@ def fuse_attention(
                           norms=norm_ops(fused.graph.node))
     report.unfused_names = [f"{node.name or '(unnamed)'} ({node.op_type})" for node in unfused]
     report.unrecognised = unrecognised_attentions(ir_model)
-    if report.remaining:
+    report.softcapped = [f"{node.name or '(unnamed)'} (cap {found.cap:g})" for node in unfused
+                         if (found := softcapped_attention(node)) is not None]
+    if report.remaining > len(report.softcapped):
         # After serializing: the tracing pass is told to change nothing, but it still runs
         # the rewriter's constant propagation over the graph.
         report.unfused_reasons = _unfused_reasons(ir_model, target)

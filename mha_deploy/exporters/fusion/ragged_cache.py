@@ -45,6 +45,11 @@ row), and the keys shown must match key by key. Per-step parity under this layou
 which alone would miss a pattern that departs from causal only later. The bias's subgraph, the Concats and the
 Identities are then dead and removed. ``to_ragged_cache`` says in one line why it refuses, and the export keeps the
 holes layout.
+
+A soft-capped attention (Gemma-2: ``tanh(scores / cap) * cap`` before the mask), which the fusion pipeline leaves
+unfused because ``MultiHeadAttention`` cannot cap scores, is first written as one over the same query, keys, values
+and mask (``fusion.softcap.as_capped_mha``, in this function's copy of the graph only), then rewritten like the
+others with the cap as ``GroupQueryAttention``'s ``softcap``. Refused, the holes file keeps it unfused and exact.
 """
 
 from __future__ import annotations
@@ -59,6 +64,7 @@ from onnx_ir.passes.common import RemoveUnusedNodesPass
 from mha_deploy.exporters.fusion.contrib_mha import ATTENTION_BIAS, BIAS, KEY_PADDING_MASK, PAST_KEY, optional_input
 from mha_deploy.exporters.fusion.mask_probe import MIN_FILL_MAGNITUDE, cut_out
 from mha_deploy.exporters.fusion.repeat_kv import repeated_heads
+from mha_deploy.exporters.fusion.softcap import as_capped_mha
 from mha_deploy.inputs import right_padding_mask
 
 _PREFIX = "ragged."
@@ -82,11 +88,14 @@ def to_ragged_cache(model: onnx.ModelProto, mask: str = "attention_mask", max_le
     inputs = {value.name: value for value in graph.inputs}
     if mask not in inputs:
         raise RaggedRefused(f"the file takes no {mask}")
+    caps = as_capped_mha(graph)
+    if caps:  # the soft-capped attentions' old nodes still read their keys and values: gone before they are traced
+        RemoveUnusedNodesPass()(ir_model)
     attentions = [node for node in graph if node.op_type == "MultiHeadAttention" and node.domain == _DOMAIN]
     caches = [name for name in inputs if name.startswith("past_key_values.")]
     if not attentions:
         raise RaggedRefused("no attention is fused into contrib MultiHeadAttention (GroupQueryAttention replaces it)")
-    plans = [_plan(node, inputs[mask]) for node in attentions]
+    plans = [_plan(node, inputs[mask], caps.get(node)) for node in attentions]
     if 2 * len(plans) != len(caches):
         raise RaggedRefused(f"{len(plans)} attention(s) read a cache, the file takes {len(caches)} cache inputs")
     windows = check_masks_are_causal(graph, attentions, inputs[mask], max_length or PROBE_LENGTH)
@@ -101,10 +110,10 @@ def to_ragged_cache(model: onnx.ModelProto, mask: str = "attention_mask", max_le
 class _Plan:
     """One MultiHeadAttention's rewrite, checked before any is applied."""
 
-    def __init__(self, node, query, keys, values, heads, kv_heads, head_dim, presents, concats):
+    def __init__(self, node, query, keys, values, heads, kv_heads, head_dim, presents, concats, softcap=None):
         self.node, self.query, self.keys, self.values = node, query, keys, values
         self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
-        self.presents, self.concats = presents, concats
+        self.presents, self.concats, self.softcap = presents, concats, softcap
 
     def apply(self, graph: ir.Graph, lengths: ir.Value, total: ir.Value, window: int | None = None) -> None:
         node = self.node
@@ -114,6 +123,8 @@ class _Plan:
         scale = node.attributes.get("scale")
         if scale is not None:
             attributes.append(ir.AttrFloat32("scale", scale.as_float()))
+        if self.softcap is not None:  # the op caps the scaled scores of the keys it shows, window or not
+            attributes.append(ir.AttrFloat32("softcap", self.softcap))
         past_key, past_value = (concat.inputs[0] for concat in self.concats)
         keys, values = (_projection(graph, new, self.kv_heads * self.head_dim, f"{node.name}.{role}")
                         for new, role in ((self.keys, "keys"), (self.values, "values")))
@@ -163,7 +174,7 @@ def _swap_output(graph: ir.Graph, old: ir.Value, new: ir.Value) -> None:
     graph.outputs[index] = new
 
 
-def _plan(node: ir.Node, mask: ir.Value) -> _Plan:
+def _plan(node: ir.Node, mask: ir.Value, softcap: float | None = None) -> _Plan:
     name = node.name or "a MultiHeadAttention"
     if len(node.outputs) != 1 or any(o is not None and o.uses() for o in node.outputs[1:]):
         raise RaggedRefused(f"{name} returns more than its output")
@@ -187,7 +198,7 @@ def _plan(node: ir.Node, mask: ir.Value) -> _Plan:
     if bias is not None:
         _check_bias_sources(bias, mask, name)
     presents = [_present_of(concat, name) for concat in (key_concat, value_concat)]
-    return _Plan(node, query, keys, values, heads, key_heads, key_dim, presents, (key_concat, value_concat))
+    return _Plan(node, query, keys, values, heads, key_heads, key_dim, presents, (key_concat, value_concat), softcap)
 
 
 def _cache_and_new(node: ir.Node, index: int, heads: int, name: str, role: str
