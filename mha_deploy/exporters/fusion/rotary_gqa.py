@@ -341,13 +341,15 @@ def _merged(graph: ir.Graph, x: ir.Value, hidden: int, name: str) -> ir.Value:
 
 
 def fuse_into_gqa(model: onnx.ModelProto, max_length: int | None) -> tuple[onnx.ModelProto, list[str]]:
-    """A ragged-layout file with each attention's rotary inside its ``GroupQueryAttention`` (``fuse_rotary_into_gqa``)
-    and then its q/k/v on one packed projection (``fusion.qkv_packing``); one note per pass that left an
-    attention as it was, saying why."""
+    """A ragged-layout file with each attention's rotary inside its ``GroupQueryAttention`` (``fuse_rotary_into_gqa``),
+    then its q/k/v on one packed projection (``fusion.qkv_packing``) and its output's split into heads and merge
+    back removed (``fusion.head_round_trip``); one note per pass that left an attention as it was, saying why."""
+    from mha_deploy.exporters.fusion.head_round_trip import drop_head_round_trips
     from mha_deploy.exporters.fusion.qkv_packing import pack_qkv
 
     model, rotary = fuse_rotary_into_gqa(model, max_length)
     model, packing = pack_qkv(model)
+    model, _ = drop_head_round_trips(model)
     # Packing's notes only for rotary decoders: another model's attention (GPT-2's one projection split three
     # ways) not packed is no news.
     return model, [report.summary() for report in (rotary, packing) if report.refused and rotary.attentions]

@@ -35,10 +35,11 @@ def _attribute(node: onnx.NodeProto, name: str, default=0):
 # --- a hand-built attention: the module's rotary around GroupQueryAttention, as ragged_cache leaves it ----------
 
 
-def _rotary_graph(cos_reads: str | None = None) -> onnx.ModelProto:
+def _rotary_graph(cos_reads: str | None = None, round_trip: bool = False) -> onnx.ModelProto:
     """x [batch, seq, 64] -> q/k/v projections, heads split, q and k rotated (x * cos + rotate_half(x) * sin,
     cos/sin from position_ids), merged back -> GroupQueryAttention over a cache. ``cos_reads``: an input whose
-    value also scales the angles (cos/sin then depend on more than positions)."""
+    value also scales the angles (cos/sin then depend on more than positions). ``round_trip``: the op's output
+    split into heads and merged back (as the module's graph around upstream's fusion leaves it), then projected."""
     rng = np.random.default_rng(0)
     inits = [
         helper.make_tensor(name, TensorProto.FLOAT, array.shape, array.ravel())
@@ -49,7 +50,8 @@ def _rotary_graph(cos_reads: str | None = None) -> onnx.ModelProto:
     ]
     ints = {"q_split": [0, 0, HEADS, HEAD_DIM], "kv_split": [0, 0, KV_HEADS, HEAD_DIM],
             "q_merge": [0, 0, HEADS * HEAD_DIM], "kv_merge": [0, 0, KV_HEADS * HEAD_DIM], "zero": [0],
-            "half": [HEAD_DIM // 2], "end": [HEAD_DIM], "last": [3], "one": [1], "two": [2]}
+            "half": [HEAD_DIM // 2], "end": [HEAD_DIM], "last": [3], "one": [1], "two": [2],
+            "split": [0, 0, HEADS, -1], "same": [0, 0, 0, 0]}
     inits += [helper.make_tensor(name, TensorProto.INT64, [len(v)], v) for name, v in ints.items()]
     nodes = [
         helper.make_node("Cast", ["position_ids"], ["posf"], to=TensorProto.FLOAT),
@@ -88,6 +90,22 @@ def _rotary_graph(cos_reads: str | None = None) -> onnx.ModelProto:
                          ["out", "present_key", "present_value"], domain="com.microsoft", num_heads=HEADS,
                          kv_num_heads=KV_HEADS, name="attention"),
     ]
+    value_info = []
+    if round_trip:
+        inits.append(helper.make_tensor("wo", TensorProto.FLOAT, [HIDDEN, HIDDEN],
+                                        rng.standard_normal((HIDDEN, HIDDEN)).astype(np.float32).ravel() * 0.3))
+        nodes += [
+            helper.make_node("Reshape", ["out", "split"], ["o_split"]),
+            helper.make_node("Transpose", ["o_split"], ["o_heads"], perm=[0, 2, 1, 3]),
+            helper.make_node("Reshape", ["o_heads", "same"], ["o_view"]),
+            helper.make_node("Transpose", ["o_view"], ["o_back"], perm=[0, 2, 1, 3]),
+            helper.make_node("Reshape", ["o_back", "q_merge"], ["o_merged"]),
+            helper.make_node("MatMul", ["o_merged", "wo"], ["y"]),
+        ]
+        # The module's shapes, as torch's export records them (the contrib op's output has none).
+        value_info = [helper.make_tensor_value_info(name, TensorProto.FLOAT, dims) for name, dims in (
+            ("o_heads", ["batch", HEADS, "seq", HEAD_DIM]), ("o_view", ["batch", HEADS, "seq", HEAD_DIM]),
+            ("o_back", ["batch", "seq", HEADS, HEAD_DIM]), ("o_merged", ["batch", "seq", HIDDEN]))]
     cache = ["batch", KV_HEADS, "past", HEAD_DIM]
     inputs = [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", "seq", HIDDEN]),
               helper.make_tensor_value_info("position_ids", TensorProto.INT64, ["batch", "seq"]),
@@ -97,10 +115,11 @@ def _rotary_graph(cos_reads: str | None = None) -> onnx.ModelProto:
               helper.make_tensor_value_info("total_sequence_length", TensorProto.INT32, [])]
     if cos_reads:
         inputs.append(helper.make_tensor_value_info(cos_reads, TensorProto.FLOAT, [1]))
-    outputs = [helper.make_tensor_value_info("out", TensorProto.FLOAT, ["batch", "seq", HIDDEN]),
+    outputs = [helper.make_tensor_value_info("y" if round_trip else "out", TensorProto.FLOAT,
+                                             ["batch", "seq", HIDDEN]),
                helper.make_tensor_value_info("present_key", TensorProto.FLOAT, cache),
                helper.make_tensor_value_info("present_value", TensorProto.FLOAT, cache)]
-    graph = helper.make_graph(nodes, "rotary", inputs, outputs, inits)
+    graph = helper.make_graph(nodes, "rotary", inputs, outputs, inits, value_info=value_info)
     opsets = [helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)]
     model = helper.make_model(graph, opset_imports=opsets)
     model.ir_version = 10
@@ -165,6 +184,22 @@ def test_packing_gives_one_projection_and_the_same_outputs():
     assert list(attention.input[1:3]) == ["", ""]
     expected = _contract_calls(_session(model), np.random.default_rng(2))
     got = _contract_calls(_session(packed), np.random.default_rng(2))
+    for want, have in zip(expected, got, strict=True):
+        np.testing.assert_allclose(have, want, rtol=0, atol=ATOL)
+
+
+def test_the_ops_output_split_into_heads_and_merged_back_is_the_ops_output():
+    """Reshape to heads, Transpose, a Reshape to the same shape, Transpose back, Reshape to [batch, seq, hidden]:
+    removed, the output projection reads the op's output; same outputs (atol 1e-5)."""
+    model = _rotary_graph(round_trip=True)
+    fused, notes = fuse_into_gqa(model, MAX_LENGTH)
+    assert notes == []
+    assert _ops(fused).count("Reshape") == 0 and _ops(fused).count("Transpose") == 0
+    attention = next(node for node in fused.graph.node if node.op_type == "GroupQueryAttention")
+    projection = next(node for node in fused.graph.node if node.output[0] == "y")
+    assert projection.input[0] == attention.output[0]
+    expected = _contract_calls(_session(model), np.random.default_rng(4))
+    got = _contract_calls(_session(fused), np.random.default_rng(4))
     for want, have in zip(expected, got, strict=True):
         np.testing.assert_allclose(have, want, rtol=0, atol=ATOL)
 
