@@ -636,14 +636,16 @@ def llamacpp_python() -> Path:
         return Path(given)
     env = REPOSITORY / ".venv-llamacpp"
     python = env / "bin" / "python"
-    if python.exists():
+    if python.exists() and subprocess.run([str(python), "-c", "import llama_cpp, gguf, safetensors"],
+                                          capture_output=True).returncode == 0:
         return python
     packages = [f"llama-cpp-python=={LLAMA_CPP_PYTHON}", f"gguf=={GGUF}", "numpy", "safetensors"]
-    print(f"creating {env} for llama.cpp ({', '.join(packages)}, built from source): about 6 minutes, once",
+    print(f"installing llama.cpp into {env} ({', '.join(packages)}, built from source): about 6 minutes, once",
           flush=True)
-    base = getattr(sys, "_base_executable", sys.executable)
-    _run_tool([base, "-m", "venv", str(env)], "python -m venv")
-    (env / ".gitignore").write_text("*\n")
+    if not python.exists():  # else an interrupted build: its environment is kept, the install tried again
+        base = getattr(sys, "_base_executable", sys.executable)
+        _run_tool([base, "-m", "venv", str(env)], "python -m venv")
+        (env / ".gitignore").write_text("*\n")
     os.environ.setdefault("CMAKE_ARGS", "-DGGML_NATIVE=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF "
                                         "-DLLAMA_CURL=OFF")
     os.environ.setdefault("CMAKE_BUILD_PARALLEL_LEVEL", str(os.cpu_count() or 1))
