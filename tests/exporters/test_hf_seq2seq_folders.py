@@ -210,6 +210,22 @@ def test_whisper_as_it_comes_exports_fused_on_its_audio_features(whisper):
     assert f"{len(SUPPRESS)} suppressed id(s), {len(BEGIN_SUPPRESS)} never first" in output
 
 
+def test_whisper_decoder_reads_the_cross_caches_as_they_are(whisper):
+    """Each decoding step reads the encoder's cross keys/values in their [batch, heads, source, head_dim] layout
+    (no Transpose of the whole source per layer and step) and makes no [batch, mel, frames] zeros for the features'
+    batch: both were per-step copies of the source's size (1500 positions, 3000 frames at Whisper's sizes)."""
+    import onnx
+
+    _, path, _ = whisper
+    graph = onnx.load(str(path), load_external_data=False).graph
+    inputs = {value.name for value in graph.input}
+    cross = [node for node in graph.node if node.op_type == "MultiHeadAttention" and node.input[1] in inputs]
+    assert len(cross) == LAYERS
+    assert all(node.input[1].endswith(".encoder.key") and node.input[2].endswith(".encoder.value") for node in cross)
+    # own_seq2seq_cache names the features' stand-in "<prefix>source_ids"; only their shape is made now
+    assert not [node for node in graph.node if node.op_type == "ConstantOfShape" and "source_ids" in node.output[0]]
+
+
 @pytest.mark.parametrize("num_beams", [1, 3])
 def test_whisper_generates_as_transformers_from_features_and_decoder_prompts(whisper, num_beams):
     """Four items of different features in one call: two from the start id alone, two from Whisper's prompt; the

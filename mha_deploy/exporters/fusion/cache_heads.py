@@ -8,10 +8,12 @@ also takes keys and values in that [batch, heads, kv_len, head_dim] layout (its 
 as for a cross-attention's cached keys), so the op reads the cache directly. Measured on ORT 1.31 CPU: the
 same output bit for bit with an attention_bias (tests/exporters/fusion/test_cache_heads.py).
 
-Only a cache is rewritten (the 4-D keys and values grown by a ``Concat`` along their length axis from a
-graph input): on a cache-free graph the 3-D keys are the projection's own output, and the op's mask-free
-flash path is not risked for them. The op must take no projection bias, key padding mask or past state
-(each has its own layout rules with 4-D keys).
+Only a cache is rewritten: the 4-D keys and values grown by a ``Concat`` along their length axis from a
+graph input, or a graph input themselves (an encoder-decoder's cross-attention cache, computed once by the
+encoder file and fed back unchanged, ``exporters.own_seq2seq_cache``: there the Transposes copied the whole
+source's keys and values per layer and step, 1500 positions for Whisper). On a cache-free graph the 3-D keys
+are the projection's own output, and the op's mask-free flash path is not risked for them. The op must take
+no projection bias, key padding mask or past state (each has its own layout rules with 4-D keys).
 """
 
 from __future__ import annotations
@@ -48,13 +50,15 @@ class CacheHeads(pattern.RewriteRuleClassBase):
             shape = value.shape
             if shape is None or shape.rank() != 4 or shape[1] != heads or not isinstance(shape[3], int):
                 return result.fail(f"{role} are not [batch, {heads} heads, kv_len, head_dim]", value)
+            if value.is_graph_input():  # a cross-attention's cache, fed as it is on every step
+                continue
             grown = value.producer()
             repeat = repeated_heads(value)
             if repeat is not None:  # a grouped-query model's KV-head cache, repeated to the heads (fusion.repeat_kv)
                 grown = repeat.source.producer()
             if grown is None or grown.op_type != "Concat" or grown.attributes.get_int("axis", 0) != 2 or \
                     not grown.inputs[0].is_graph_input():
-                return result.fail(f"{role} are not a cache grown from a graph input", value)
+                return result.fail(f"{role} are not a cache grown from a graph input, nor a graph input", value)
         return result
 
     def rewrite(self, op, keys, values, attention, **_):
