@@ -11,6 +11,11 @@ The exports take 4 (quiet) to 13 (load 11 on 2 cores) minutes; a ``--workdir`` k
 same sizes reuses them (``exports.json``).
     .venv/bin/python benchmarks/hf_vs_optimum.py --workloads bert-8x128 --json figures.json
 
+Where Whisper's time goes, from a workdir's exports: each file of ours' pair and Optimum's timed apart (encoder;
+decoder calls, Optimum's first decoder apart since it computes the cross keys/values), on this environment's
+onnxruntime, and with ``--profile`` ORT's kernel time per op type of each file:
+    .venv/bin/python benchmarks/hf_vs_optimum.py --workdir runs/ --split --profile --rounds 3
+
 Workloads (random weights, saved with ``save_pretrained``, nothing downloaded; sizes between the models' tiny and
 base configs, ``SIZES``):
 
@@ -485,6 +490,129 @@ def print_workload(workload: str, result: dict) -> None:
             print(f"  {row} attention ops: {result['rows'][row]['attention_ops']}", flush=True)
 
 
+# --- where Whisper's time goes (--split): each file of ours and Optimum's pair timed apart ----------------------
+
+
+def split_whisper(workdir: Path, threads: int, rounds: int, profile: bool = False) -> dict:
+    """Ours' encoder file and decoder calls, and Optimum's encoder, first decoder (which computes the cross
+    keys/values) and with-past decoder calls, timed apart in interleaved rounds on this environment's onnxruntime
+    (one ORT for both, so that the difference is the files'), greedy from the start id on the workload's features;
+    with ``profile``, ORT's per-op-type kernel time of one more round per file (``profile_by_op``)."""
+    import onnxruntime as ort
+
+    where = workdir / "whisper"
+    kept = json.loads((where / "exports.json").read_text())
+    exported, sizes = kept["rows"], kept["sizes"]
+    shape = (QUICK_SHAPES if sizes == QUICK_SIZES["whisper"] else SHAPES)["whisper-8x32"]
+    features = make_inputs("whisper-8x32", shape, sizes)["input_features"]
+    new_tokens, start = shape[1], _id(START, sizes)
+    ours_dir = Path(exported[OURS]["path"]).parent
+    optimum_dir = Path(exported[OPTIMUM]["path"])
+    files = {"ours encoder": ours_dir / "model.encoder.onnx", "ours decoder": ours_dir / "model.onnx",
+             "optimum encoder": optimum_dir / "encoder_model.onnx",
+             "optimum first decoder": optimum_dir / "decoder_model.onnx",
+             "optimum decoder with past": optimum_dir / "decoder_with_past_model.onnx"}
+
+    def session(path: Path, prefix: str | None = None):
+        options = ort.SessionOptions()
+        options.intra_op_num_threads, options.inter_op_num_threads = threads, 1
+        options.log_severity_level = 3
+        if prefix:
+            options.enable_profiling, options.profile_file_prefix = True, prefix
+        return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+
+    def outputs(sess, feeds: dict) -> dict[str, np.ndarray]:
+        return dict(zip([o.name for o in sess.get_outputs()], sess.run(None, feeds), strict=True))
+
+    def runs(sessions) -> dict[str, float]:
+        """One greedy generation per system: seconds per part, and whether both made the same tokens."""
+        seconds, rows = {}, len(features)
+        encoder, decoder = sessions["ours encoder"], sessions["ours decoder"]
+        started = time.perf_counter()
+        cross = {name.replace("present.", "past_key_values.", 1): value
+                 for name, value in outputs(encoder, {"input_features": features}).items()}
+        seconds["ours encoder"] = time.perf_counter() - started
+        past = {port.name: np.zeros((rows, port.shape[1], 0, port.shape[3]), np.float32)
+                for port in decoder.get_inputs() if port.name.startswith("past_") and ".encoder." not in port.name}
+        ids, ours = np.full((rows, 1), start, np.int64), []
+        started = time.perf_counter()
+        for step in range(new_tokens):
+            out = outputs(decoder, {"input_ids": ids, "attention_mask": np.ones((rows, step + 1), np.int64),
+                                    **past, **cross})
+            past = {name: out[name.replace("past_key_values.", "present.", 1)] for name in past}
+            ids = out["logits"][:, -1].argmax(-1)[:, None].astype(np.int64)
+            ours.append(ids)
+        seconds["ours decoder"] = time.perf_counter() - started
+        started = time.perf_counter()
+        hidden = sessions["optimum encoder"].run(None, {"input_features": features})[0]
+        seconds["optimum encoder"] = time.perf_counter() - started
+        started = time.perf_counter()
+        out = outputs(sessions["optimum first decoder"], {"input_ids": np.full((rows, 1), start, np.int64),
+                                                          "encoder_hidden_states": hidden})
+        seconds["optimum first decoder"] = time.perf_counter() - started
+        past = {name.replace("present.", "past_key_values.", 1): value for name, value in out.items()
+                if name.startswith("present.")}
+        ids = out["logits"][:, -1].argmax(-1)[:, None].astype(np.int64)
+        theirs = [ids]
+        started = time.perf_counter()
+        for _ in range(new_tokens - 1):
+            out = outputs(sessions["optimum decoder with past"], {"input_ids": ids, **past})
+            past.update({name.replace("present.", "past_key_values.", 1): value for name, value in out.items()
+                         if ".decoder." in name})
+            ids = out["logits"][:, -1].argmax(-1)[:, None].astype(np.int64)
+            theirs.append(ids)
+        seconds["optimum decoder with past"] = time.perf_counter() - started
+        seconds["tokens equal"] = bool(np.array_equal(np.concatenate(ours, 1), np.concatenate(theirs, 1)))
+        return seconds
+
+    sessions = {name: session(path) for name, path in files.items()}
+    first = runs(sessions)  # the warm-up, and the tokens compared
+    timed = [runs(sessions) for _ in range(rounds)]
+    result = {"tokens_equal": first["tokens equal"], "median_ms": {
+        name: float(np.median([t[name] for t in timed]) * 1e3) for name in files}}
+    if profile:
+        prefix = str(workdir / "profile")
+        profiled = {name: session(path, f"{prefix}-{name.replace(' ', '-')}") for name, path in files.items()}
+        runs(profiled)
+        result["profile_ms_per_call"] = {}
+        for name, sess in profiled.items():
+            events = json.loads(Path(sess.end_profiling()).read_text())
+            result["profile_ms_per_call"][name] = profile_by_op(events)
+    return result
+
+
+def profile_by_op(events: list[dict], top: int = 6) -> dict[str, float]:
+    """ORT's profile (``SessionOptions.enable_profiling``'s JSON events) as kernel milliseconds per call by op
+    type, the ``top`` largest, then "other" and "calls" (the model runs it covers, warm-up included)."""
+    calls = sum(1 for e in events if e.get("cat") == "Session" and e.get("name") == "model_run") or 1
+    by_op: dict[str, float] = {}
+    for event in events:
+        if event.get("cat") == "Node" and event.get("name", "").endswith("_kernel_time"):
+            op = event["args"]["op_name"]
+            by_op[op] = by_op.get(op, 0.0) + event["dur"] / 1e3 / calls
+    ranked = sorted(by_op.items(), key=lambda item: -item[1])
+    result = {op: round(ms, 2) for op, ms in ranked[:top]}
+    if ranked[top:]:
+        result["other"] = round(sum(ms for _, ms in ranked[top:]), 2)
+    result["calls"] = calls
+    return result
+
+
+def print_split(split: dict) -> None:
+    print("\nwhisper-8x32 split (this environment's onnxruntime for every file; median ms per part of one "
+          f"generation; tokens {'equal' if split['tokens_equal'] else 'DIFFER'} between the two pairs)")
+    ms = split["median_ms"]
+    for name, value in ms.items():
+        print(f"  {name:<27} {value:9.1f} ms")
+    ours = ms["ours encoder"] + ms["ours decoder"]
+    theirs = sum(value for name, value in ms.items() if name.startswith("optimum"))
+    print(f"  ours {ours:.0f} ms, optimum {theirs:.0f} ms: ours {theirs / ours:.2f}x; encoders alone "
+          f"{ms['optimum encoder'] / ms['ours encoder']:.2f}x, decoding (optimum's first decoder included, which "
+          f"computes the cross keys/values) {(theirs - ms['optimum encoder']) / ms['ours decoder']:.2f}x")
+    for name, ops in split.get("profile_ms_per_call", {}).items():
+        print(f"  profile {name} (kernel ms per call): {ops}")
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="tiny configs and shapes: proves the script runs")
@@ -495,6 +623,11 @@ def main(argv=None) -> None:
                         help="calls per row per round (default 2, quick 1; Whisper 1)")
     parser.add_argument("--workdir", type=Path, default=None, help="keep the folders and files here")
     parser.add_argument("--json", type=Path, default=None, help="also write the figures as JSON")
+    parser.add_argument("--split", action="store_true",
+                        help="whisper-8x32 only, from a --workdir's exports: time each file of ours' and Optimum's "
+                             "pair apart (encoder, decoder calls) instead of the rows")
+    parser.add_argument("--profile", action="store_true",
+                        help="with --split: also ORT's kernel time per op type of each file")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
@@ -502,6 +635,16 @@ def main(argv=None) -> None:
         return
     args.rounds = args.rounds or (2 if args.quick else 5)
     args.calls = args.calls or (1 if args.quick else 2)
+    if args.split:
+        if args.workdir is None or not (args.workdir / "whisper" / "exports.json").is_file():
+            parser.error("--split reads the Whisper exports of a --workdir that a run (--workloads whisper-8x32) left")
+        before = load_average()
+        split = split_whisper(args.workdir, args.threads, args.rounds, profile=args.profile)
+        print_split(split)
+        print("\n" + load_line(before, load_average(), args.threads))
+        if args.json is not None:
+            args.json.write_text(json.dumps(split, indent=2))
+        return
     import tempfile
 
     started = time.perf_counter()

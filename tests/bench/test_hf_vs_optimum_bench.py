@@ -53,3 +53,24 @@ def test_the_report_says_which_targets_are_met_and_why_a_row_failed(capsys):
     assert "(target >= 1.5x: NOT met)" in out and "(target >= 3.0x: met)" in out  # Whisper's two targets
     assert "TOKENS DIFFER from torch's" in out and "ours attention ops: {'model': {'MultiHeadAttention': 6}}" in out
     assert "per call (8 rows x 32 new tokens)" in out and "load average 1.00 1.00 1.00 before" in out
+
+
+def test_a_profile_is_summed_per_op_type_and_call():
+    bench = _bench()
+    node = lambda op, us: {"cat": "Node", "name": f"n_{op}_kernel_time", "dur": us, "args": {"op_name": op}}  # noqa: E731
+    events = [{"cat": "Session", "name": "model_run"}] * 2 + [
+        node("MatMul", 3000), node("MatMul", 1000), node("MultiHeadAttention", 2000), node("Add", 400),
+        node("Reshape", 200), {"cat": "Node", "name": "n_fence_before", "dur": 9999, "args": {"op_name": "MatMul"}}]
+    assert bench.profile_by_op(events, top=2) == {"MatMul": 2.0, "MultiHeadAttention": 1.0, "other": 0.3, "calls": 2}
+
+
+def test_the_split_says_where_each_pairs_time_goes(capsys):
+    bench = _bench()
+    ms = {"ours encoder": 3000.0, "ours decoder": 1000.0, "optimum encoder": 3300.0, "optimum first decoder": 500.0,
+          "optimum decoder with past": 2200.0}
+    bench.print_split({"tokens_equal": True, "median_ms": ms, "profile_ms_per_call": {"ours decoder": {"MatMul": 9.0}}})
+    out = capsys.readouterr().out
+    assert "tokens equal between the two pairs" in out
+    # 6000 / 4000 in all; the encoders 3300 / 3000; decoding 2700 / 1000 (Optimum's first call included)
+    assert "ours 1.50x; encoders alone 1.10x" in out and "first decoder included" in out and "2.70x" in out
+    assert "profile ours decoder (kernel ms per call): {'MatMul': 9.0}" in out
