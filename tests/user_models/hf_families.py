@@ -1,0 +1,86 @@
+"""Hugging Face causal-LM families from tiny configs, as ``save_pretrained`` writes them (random weights, nothing
+downloaded): what each family adds to a Llama-style grouped-query decoder, at 64 hidden units, 2 layers, 4 query
+heads over 2 key/value heads of 16, a 256-token vocabulary.
+
+- llama: rotary with llama3 scaling (low/high frequency bands of inv_freq rescaled).
+- qwen2: biases on the q/k/v projections.
+- qwen3: q/k RMSNorms per head before the rotary.
+- mistral: a sliding window of ``WINDOW`` keys, shorter than the prompts and generations the tests run.
+- phi3: one fused qkv_proj and one gate_up_proj, split in the module.
+- gemma2: soft-capped attention scores (tanh(s / 50) * 50), sliding-window and global layers alternating,
+  query_pre_attn_scalar scaling, RMSNorm by (1 + weight), embeddings scaled by sqrt(hidden), soft-capped logits.
+  Eager attention: transformers' sdpa path has no soft-capping.
+- gemma3: q/k norms, sliding and global layers with two rotary bases (10k local, 1M global).
+"""
+
+import torch
+import transformers
+
+HIDDEN, FFN, LAYERS, HEADS, KV_HEADS, HEAD_DIM = 64, 128, 2, 4, 2, 16
+VOCAB = 256
+# Short enough that the export's parity cases and mask probe (up to the recorded max length) stay fast; long
+# enough for the tests' prompts and generations.
+MAX_POSITIONS = 64
+WINDOW = 8
+PAD_ID, EOS_ID, BOS_ID = 0, 1, 2
+SOFTCAP, FINAL_SOFTCAP = 50.0, 30.0
+# As tests/user_models/hf_llama.py: initial weights (std 0.02) give attention so flat that greedy tokens barely
+# depend on positions; four times them make a position counted wrong show in the tokens.
+WEIGHT_SCALE = 4.0
+
+_COMMON = dict(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=FFN, num_hidden_layers=LAYERS,
+               num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, max_position_embeddings=MAX_POSITIONS,
+               pad_token_id=PAD_ID, bos_token_id=BOS_ID, eos_token_id=EOS_ID)
+_ALTERNATING = ["sliding_attention", "full_attention"]
+
+
+def _configs():
+    return {
+        "llama": (transformers.LlamaForCausalLM, transformers.LlamaConfig(
+            **_COMMON, rope_parameters={"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0,
+                                        "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                        "original_max_position_embeddings": 16})),
+        "qwen2": (transformers.Qwen2ForCausalLM, transformers.Qwen2Config(**_COMMON)),
+        "qwen3": (transformers.Qwen3ForCausalLM, transformers.Qwen3Config(**_COMMON, head_dim=HEAD_DIM)),
+        "mistral": (transformers.MistralForCausalLM, transformers.MistralConfig(**_COMMON, sliding_window=WINDOW)),
+        "phi3": (transformers.Phi3ForCausalLM, transformers.Phi3Config(**_COMMON)),
+        "gemma2": (transformers.Gemma2ForCausalLM, transformers.Gemma2Config(
+            **_COMMON, head_dim=HEAD_DIM, sliding_window=WINDOW, layer_types=_ALTERNATING, query_pre_attn_scalar=8,
+            attn_logit_softcapping=SOFTCAP, final_logit_softcapping=FINAL_SOFTCAP)),
+        "gemma3": (transformers.Gemma3ForCausalLM, transformers.Gemma3TextConfig(
+            **_COMMON, head_dim=HEAD_DIM, sliding_window=WINDOW, layer_types=_ALTERNATING, query_pre_attn_scalar=8)),
+    }
+
+
+FAMILIES = tuple(_configs())
+
+
+def config(family: str):
+    return _configs()[family][1]
+
+
+def windows(family: str) -> list[int | None]:
+    """Each layer's sliding window in keys (None: global), as the config states it."""
+    if family == "mistral":  # every layer windowed
+        return [WINDOW] * LAYERS
+    types = getattr(config(family), "layer_types", None) or ["full_attention"] * LAYERS
+    return [WINDOW if kind == "sliding_attention" else None for kind in types]
+
+
+def build(family: str):
+    """The family's model at random weights (seeded), scaled as ``WEIGHT_SCALE`` says, in eval mode."""
+    cls, found = _configs()[family]
+    torch.manual_seed(37)
+    model = cls._from_config(found, attn_implementation="eager" if family == "gemma2" else "sdpa")
+    with torch.no_grad():
+        for weight in model.parameters():
+            if weight.dim() > 1:  # the projections and embeddings; the norms' scales stay as initialised
+                weight.mul_(WEIGHT_SCALE)
+    return model.eval()
+
+
+def save(family: str, folder) -> torch.nn.Module:
+    """``build(family)`` written to ``folder`` with ``save_pretrained``; the model returned."""
+    model = build(family)
+    model.save_pretrained(folder)
+    return model
