@@ -86,9 +86,10 @@ def test_exports_with_the_defaults_and_loads(own_model, file, factory):
 @pytest.mark.parametrize(("file", "factory"), FAMILIES)
 def test_outputs_equal_the_module_on_real_rows_at_unseen_lengths(own_model, file, factory, side):
     path, _ = own_model(file, factory)
-    signature = MHASession(path, provider="cpu").signature
+    session = MHASession(path, provider="cpu")  # its signature and the feeds' specs (plain ORT runs the file)
+    signature = session.signature
     lengths = dict(zip(signature.sequence_axes, UNSEEN, strict=False))
-    feeds = module_feeds(MHASession(path, provider="cpu"), 3, lengths, side, seed=5)
+    feeds = module_feeds(session, 3, lengths, side, seed=5)
     plain = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
     got = dict(zip(signature.output_names, plain.run(list(signature.output_names), feeds), strict=True))
     # As parity runs it: torch's fast path gives NaN on a left-padded causal row with no visible key, which
