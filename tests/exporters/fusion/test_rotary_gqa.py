@@ -325,3 +325,32 @@ def test_quantized_projections_pack_into_one_matmulnbits_with_the_same_outputs()
     got = _contract_calls(_session(fused), np.random.default_rng(3))
     for want, have in zip(expected, got, strict=True):
         np.testing.assert_allclose(have, want, rtol=0, atol=ATOL)
+
+
+def test_onnxruntime_genai_generates_our_tokens_from_the_rotary_packed_file(lm_cache, tmp_path):
+    """onnxruntime-genai (an oracle written elsewhere, .venv-genai) runs the tiny Llama's default file as it is
+    (GroupQueryAttention rotating from its tables, packed q/k/v, position_ids fed but read by no node): its greedy
+    tokens for two right-padded prompts of different lengths equal ours (12 each)."""
+    import shutil
+
+    from mha_deploy.bench.genai import genai_python, run_genai_greedy
+    from mha_deploy.runtime.genai_config import write_genai_config
+    from mha_deploy.runtime.generation import generate
+    from mha_deploy.runtime.kv_stepper import KVCacheStepper
+
+    if genai_python() is None:
+        pytest.skip("no .venv-genai: scripts/setup.sh installs onnxruntime-genai there")
+    source, _ = lm_cache("hf_llama")
+    path = tmp_path / "model.onnx"
+    shutil.copy(source, path)
+    write_genai_config(path)
+    prompts = [[15, 27, 9, 41, 33, 8], [44, 12]]  # neither reaches eos within 12 tokens (asserted)
+    width, new = 6, 12
+    ids = np.array([p + [0] * (width - len(p)) for p in prompts], np.int64)
+    mask = (np.arange(width) < np.array([[len(p)] for p in prompts])).astype(np.int64)
+    ours = generate(KVCacheStepper(path), ids, mask, max_new_tokens=new).tokens
+    theirs = run_genai_greedy(tmp_path, ids.tolist(), width + new).new_tokens(width)
+    for row, (mine, genai) in enumerate(zip(ours, theirs, strict=True)):
+        mine = mine.tolist()
+        assert len(mine) == new, f"row {row} ended at eos: choose prompts that do not"
+        assert genai == mine, f"row {row}: onnxruntime-genai {genai}, ours {mine}"
