@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import importlib
 import importlib.util
@@ -181,25 +180,11 @@ def defective_export(monkeypatch):
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "auto_provider: tests provider 'auto' itself (exempt from the pinning check)")
-    _list_torchlib_ops_once()
+    # Tests that call torch.onnx.export themselves share the exporter's once-made torchlib list too.
+    if importlib.util.find_spec("torch") is not None and importlib.util.find_spec("onnxscript") is not None:
+        from mha_deploy.exporters.torch_export import list_torchlib_ops_once
 
-
-def _list_torchlib_ops_once() -> None:
-    """torch.onnx.export builds its op registry afresh on every call, and most of that (0.8-1.8 s here, more than a
-    tenth of a small model's export) is onnxscript parsing the source of each torchlib function for its signature
-    (``get_torchlib_ops``): the same list on every call in one process. The suite exports hundreds of models, so a
-    test process lists them once; the registry is still built from the list per export (what an export registers
-    stays its own), and every graph is the same."""
-    if importlib.util.find_spec("torch") is None or importlib.util.find_spec("onnxscript") is None:
-        return
-    try:
-        from torch.onnx._internal import _lazy_import
-
-        apis = importlib.import_module(_lazy_import.onnxscript_apis._name)  # the module torch's registry asks
-        listed_once = functools.cache(apis.get_torchlib_ops)
-    except (ImportError, AttributeError):  # another torch's layout: each export lists them, as before
-        return
-    apis.get_torchlib_ops = lambda: list(listed_once())
+        list_torchlib_ops_once()
 
 
 @pytest.fixture(autouse=True)

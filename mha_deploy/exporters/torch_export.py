@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import functools
+import importlib
 import io
 import logging
 import warnings
@@ -142,6 +144,32 @@ def _check_dynamic(program, signature: Signature, max_length: int | None = None)
                 )
 
 
+
+def list_torchlib_ops_once() -> None:
+    """torch.onnx.export builds its op registry afresh on every call, and most of that (0.8-1.8 s here, a tenth of
+    a small model's export) is onnxscript parsing the source of every torchlib function for its signature: the same
+    list on every call in one process, while a ``--kv-cache`` export traces two or three times and an
+    encoder-decoder pair more. The list is made once per process; the registry is still built from it per export
+    (what an export registers stays its own), and the graphs are the same. Another torch's layout: each export
+    lists them, as before."""
+    try:
+        from torch.onnx._internal import _lazy_import
+
+        apis = importlib.import_module(_lazy_import.onnxscript_apis._name)  # the module torch's registry asks
+        listing = apis.get_torchlib_ops
+    except (ImportError, AttributeError):
+        return
+    if getattr(listing, "listed_once", False):
+        return
+    cached = functools.cache(listing)
+
+    def listed_once():
+        return list(cached())
+
+    listed_once.listed_once = True
+    apis.get_torchlib_ops = listed_once
+
+
 def export_onnx(
     module: torch.nn.Module,
     signature: Signature,
@@ -172,6 +200,7 @@ def export_onnx(
         shapes = (*shapes[:variadic_from], shapes[variadic_from:])
     names = {"input_names": list(signature.input_names), "output_names": list(output_names or signature.output_names)}
     samples = sample_inputs(signature, d_model, heads)
+    list_torchlib_ops_once()
     try:
         with _quiet_exporter(), torch.no_grad():
             program = torch.onnx.export(module, samples, dynamo=True, dynamic_shapes=shapes, opset_version=opset,
