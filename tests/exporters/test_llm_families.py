@@ -53,6 +53,11 @@ def _attentions(path) -> list[dict[str, object]]:
             if node.op_type == "GroupQueryAttention" and node.domain == "com.microsoft"]
 
 
+def _attention_inputs(path) -> list[list[str]]:
+    model = onnx.load(str(path), load_external_data=False)
+    return [list(node.input) for node in model.graph.node if node.op_type == "GroupQueryAttention"]
+
+
 def _cache_heads(path) -> set[int]:
     model = onnx.load(str(path), load_external_data=False)
     return {value.type.tensor_type.shape.dim[1].dim_value for value in model.graph.input
@@ -62,8 +67,8 @@ def _cache_heads(path) -> set[int]:
 @pytest.mark.parametrize("family", families.FAMILIES)
 def test_each_family_fuses_every_attention_into_group_query_attention_at_its_kv_heads(exported, family):
     """One GroupQueryAttention per layer with the config's KV heads, the cache at those heads, the rotary inside the
-    op (``do_rotary``), a sliding layer's window as ``local_window_size`` (a global layer without one), Gemma-2's
-    score cap as ``softcap``; no warning that an attention was left unfused."""
+    op (``do_rotary``), q/k/v packed where the module allows, a sliding layer's window as ``local_window_size`` (a
+    global layer without one), Gemma-2's score cap as ``softcap``; no warning that an attention was left unfused."""
     path, output, _ = exported(family)
     ops = _attentions(path)
     assert len(ops) == families.LAYERS, output
@@ -73,6 +78,10 @@ def test_each_family_fuses_every_attention_into_group_query_attention_at_its_kv_
     assert [op.get("local_window_size") for op in ops] == families.windows(family)
     # The rotary inside the op (fusion.rotary_gqa): every family here rotates whole heads, not interleaved.
     assert [op.get("do_rotary") for op in ops] == [1] * families.LAYERS, output
+    # q/k/v as one projection into the op's packed query (fusion.qkv_packing), where no per-head q/k norm sits
+    # between the projections and the op, and the module has three projections to pack (Phi-3 slices its one).
+    packed = family not in {"qwen3", "gemma3", "phi3"}
+    assert [op_inputs[1:3] == ["", ""] for op_inputs in _attention_inputs(path)] == [packed] * families.LAYERS
     caps = [op.get("softcap") for op in ops]
     assert caps == ([pytest.approx(families.SOFTCAP)] * families.LAYERS if family == "gemma2" else [None] * 2)
     assert "cache layout ragged" in output and "left unfused, as exported" not in output, output
