@@ -49,6 +49,7 @@ from __future__ import annotations
 import copy
 import os
 import re
+import threading
 from dataclasses import dataclass
 
 import numpy as np
@@ -92,6 +93,7 @@ class _Graph:
             model = open_decoder(model, threads, provider)
         self.session = model
         self.source = getattr(model, "source", None) or "<onnxruntime session>"
+        self._kept = threading.local()  # each thread's binding for run_in_place
         metadata = getattr(model, "metadata", None)
         # One file of an encoder-decoder pair that mha-deploy exported (its part, its companion, its ids).
         self.pair: EncoderDecoderRecord | None = getattr(model, "pair", None)
@@ -126,12 +128,16 @@ class _Graph:
         return self._run(feeds)
 
     def run_in_place(self, feeds: dict[str, np.ndarray], in_place: dict[str, str]) -> np.ndarray:
-        """The logits of one call whose outputs in ``in_place`` (present -> past) are written into the past arrays."""
-        from mha_deploy.runtime.session import run_in_place
+        """The logits of one call whose outputs in ``in_place`` (present -> past) are written into the past arrays,
+        through a binding this thread keeps (the cache buffers are bound once, not every step)."""
+        from mha_deploy.runtime.session import KeptBinding, run_in_place
 
+        kept = getattr(self._kept, "binding", None)
         if isinstance(self.session, ort.InferenceSession):
-            return run_in_place(self.session, feeds, in_place, ("logits",))["logits"]
-        return self.session.run_in_place(feeds, in_place, ("logits",))["logits"]
+            kept = self._kept.binding = kept or KeptBinding(self.session)
+            return run_in_place(self.session, feeds, in_place, ("logits",), kept)["logits"]
+        kept = self._kept.binding = kept or self.session.kept_binding()
+        return self.session.run_in_place(feeds, in_place, ("logits",), kept)["logits"]
 
 
 def open_decoder(path, threads: int | None = None, provider: str = "cpu", session_config: dict | None = None):
@@ -278,6 +284,9 @@ class KVCacheStepper:
         # rows are the contiguous view buffer[:rows]).
         self.lengths = np.zeros(rows, np.int64)
         self.buffers: dict[str, np.ndarray] = {}
+        # Per cache input, the view of its buffer the last call fed: the same view object step after step, so that
+        # the kept binding (session.KeptBinding) sees at once that nothing moved.
+        self._views: dict[str, tuple[np.ndarray, tuple[int, int], np.ndarray]] = {}
 
     @property
     def ragged(self) -> bool:
@@ -562,7 +571,11 @@ class KVCacheStepper:
             start = np.zeros_like(lengths) if first else lengths - seq
             feeds["position_ids"] = (start[:, None] + np.arange(seq)[None, :]).astype(inputs["position_ids"].dtype)
         for name in self.self_caches:
-            feeds[name] = self.buffers[name][rows]  # [n, heads, capacity, head_dim], a contiguous view
+            buffer, span = self.buffers[name], (rows.start, rows.stop)
+            view = self._views.get(name)
+            if view is None or view[0] is not buffer or view[1] != span:
+                view = self._views[name] = (buffer, span, buffer[rows])  # [n, heads, capacity, head_dim], contiguous
+            feeds[name] = view[2]
         logits = self.graph.run_in_place(feeds, {present: name for name, present in self.self_caches.items()})
         self.lengths[rows] = lengths
         if every_position:

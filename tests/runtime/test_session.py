@@ -8,6 +8,7 @@ import textwrap
 
 import numpy as np
 import onnx
+import onnxruntime as ort
 import pytest
 
 from mha_deploy.errors import InputError, ModelFileError, ProviderUnavailableError
@@ -200,3 +201,43 @@ def test_a_cache_that_does_not_concatenate_is_refused(kv_session):
     with pytest.raises(ModelFileError, match=r"present_key differs.*not the KV cache"):
         check_cache_behaviour(forgetful, kv_session.metadata, "kv.onnx")
 
+
+
+# --- run_in_place through a binding kept across calls (session.KeptBinding) ---------------------------------------
+
+
+def _accumulator() -> ort.InferenceSession:
+    """cache_out = cache + x (written into the cache in place by run_in_place), y = x * 2: a KV cache's step in
+    miniature."""
+    from onnx import TensorProto, helper
+
+    nodes = [helper.make_node("Add", ["cache", "x"], ["cache_out"]), helper.make_node("Add", ["x", "x"], ["y"])]
+    graph = helper.make_graph(
+        nodes, "accumulator",
+        [helper.make_tensor_value_info(name, TensorProto.FLOAT, ["n", 4]) for name in ("cache", "x")],
+        [helper.make_tensor_value_info(name, TensorProto.FLOAT, ["n", 4]) for name in ("cache_out", "y")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 10
+    return ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+
+
+def test_a_kept_binding_rebinds_what_moved_and_reads_what_changed_in_place():
+    """Across calls of one binding: an array changed in place is read as it is now, a new array (another address or
+    shape) is bound anew, and every call's outputs equal a fresh binding's (exactly)."""
+    from mha_deploy.runtime.session import KeptBinding, run_in_place
+
+    session = _accumulator()
+    kept = KeptBinding(session)
+    rng = np.random.default_rng(0)
+    cache = np.zeros((2, 4), np.float32)
+    for call in range(6):
+        if call == 3:
+            cache = np.concatenate([cache, np.ones((1, 4), np.float32)])  # the buffer grows: a new array
+        x = rng.standard_normal(cache.shape).astype(np.float32)  # a new array every call
+        expected_cache, expected_y = cache + x, x * 2
+        out = run_in_place(session, {"cache": cache, "x": x}, {"cache_out": "cache"}, ("y",), kept)
+        np.testing.assert_array_equal(out["y"], expected_y)
+        np.testing.assert_array_equal(cache, expected_cache)  # written in place, into the array bound now
+        fresh = cache.copy()
+        again = run_in_place(session, {"cache": fresh, "x": x}, {"cache_out": "cache"}, ("y",))
+        np.testing.assert_array_equal(again["y"], out["y"])
