@@ -55,7 +55,9 @@ def read_graph(path: str | os.PathLike) -> onnx.ModelProto:
 def graph_bytes(path: str | os.PathLike) -> tuple[bytes, int]:
     """``read_graph``'s message serialized (what ORT loads with ``path``'s folder as its external-data folder), and
     the bytes of weights it left in the file: 0 when there were none (loading the file by its path is the same)."""
-    path = Path(path)
+    # Resolved: a link's own name is no file in its target's folder, where ORT reads the weights (a Hugging Face
+    # cache holds its files as links to blobs).
+    path = Path(path).resolve()
     with open(path, "rb") as file:
         if os.fstat(file.fileno()).st_size == 0:
             return b"", 0

@@ -77,3 +77,16 @@ def test_not_onnx_is_returned_for_onnx_to_refuse(tmp_path, content):
     path.write_bytes(content)
     data, left = graph_bytes(path)
     assert left == 0 and data == content
+
+
+def test_a_file_reached_through_a_link_loads_with_its_weights(tmp_path, export_model):
+    """A link to the file (a Hugging Face cache keeps its files as links to blobs, under other names) loads: the
+    weights are read from the target's folder under the target's name, and its outputs equal the file's (exactly)."""
+    path = export_model(Signature("self", "padding"))[0]
+    link = tmp_path / "linked.onnx"
+    link.symlink_to(path)
+    feeds = {"x": np.random.default_rng(1).standard_normal((2, 3, TEST_D_MODEL)).astype(np.float32),
+             "key_padding_mask": np.array([[1, 1, 1], [1, 1, 0]], bool)}
+    linked, direct = MHASession(link, provider="cpu").run(feeds), MHASession(path, provider="cpu").run(feeds)
+    for name, value in direct.items():
+        np.testing.assert_array_equal(linked[name], value, err_msg=name)
