@@ -787,13 +787,20 @@ def _genai(request: dict) -> dict:
             generator.generate_next_token()
         return [list(map(int, generator.get_sequence(row)[prompts.shape[1]:])) for row in range(len(prompts))]
 
-    greedy(2)  # untimed: first-run allocations
-    seconds = []
+    seconds, tokens = _timed_runs(greedy, request)
+    return {"seconds": seconds, "peak_rss_mb": peak_rss_mb(), "tokens": tokens}
+
+
+def _timed_runs(greedy, request: dict):
+    """``greedy(new)`` timed ``request["repeats"]`` times after an untimed run (first-run allocations): the seconds
+    of each, and the last run's tokens."""
+    greedy(2)
+    seconds, tokens = [], None
     for _ in range(request["repeats"]):
         started = time.perf_counter()
         tokens = greedy(request["new"])
         seconds.append(time.perf_counter() - started)
-    return {"seconds": seconds, "peak_rss_mb": peak_rss_mb(), "tokens": tokens}
+    return seconds, tokens
 
 
 def _transformers(request: dict) -> dict:
@@ -827,12 +834,7 @@ def _llamacpp(request: dict) -> dict:
                 return tokens
         return tokens
 
-    greedy(2)  # untimed: first-run allocations
-    seconds = []
-    for _ in range(request["repeats"]):
-        started = time.perf_counter()
-        tokens = greedy(request["new"])
-        seconds.append(time.perf_counter() - started)
+    seconds, tokens = _timed_runs(greedy, request)
     return {"seconds": seconds, "peak_rss_mb": peak_rss_mb(), "tokens": [tokens]}
 
 
