@@ -16,34 +16,30 @@ from __future__ import annotations
 
 import onnx
 import onnx_ir as ir
-from onnx_ir.passes.common import RemoveUnusedNodesPass
 
+from mha_deploy.exporters.fusion.attention_rewrite import AttentionRewriteReport, rewritten
 from mha_deploy.exporters.fusion.constant_values import constant_array
 
 _DOMAIN = "com.microsoft"
+REWRITE = "heads split and merged back after the op removed"  # how a line names this pass
 
 
-def drop_head_round_trips(model: onnx.ModelProto) -> tuple[onnx.ModelProto, int]:
+def drop_head_round_trips(model: onnx.ModelProto) -> tuple[onnx.ModelProto, AttentionRewriteReport]:
     """``model`` with each ``GroupQueryAttention`` output's split-and-merge removed (the module docstring), and how
-    many were; ``model`` itself where none was."""
+    many were (an output with no such chain is not a refusal: nothing to remove); ``model`` itself where none was."""
     ir_model = ir.serde.deserialize_model(model)
     graph = ir_model.graph
-    dropped = 0
-    for node in graph:
-        if node.op_type != "GroupQueryAttention" or node.domain != _DOMAIN:
-            continue
+    attentions = [node for node in graph if node.op_type == "GroupQueryAttention" and node.domain == _DOMAIN]
+    report = AttentionRewriteReport(REWRITE, attentions=len(attentions))
+    for node in attentions:
         merged = _round_trip_end(node.outputs[0], node.attributes.get_int("num_heads", 0))
         if merged is None or merged.is_graph_output():
             continue
         merged.replace_all_uses_with(node.outputs[0])
         if merged.shape is not None and node.outputs[0].shape is None:
             node.outputs[0].shape = merged.shape
-        dropped += 1
-    if not dropped:
-        return model, 0
-    RemoveUnusedNodesPass()(ir_model)
-    graph.sort()
-    return ir.serde.serialize_model(ir_model), dropped
+        report.done += 1
+    return rewritten(model, ir_model, report)
 
 
 def _only_reader(value: ir.Value) -> ir.Node | None:

@@ -14,32 +14,18 @@ inputs, with one line saying why. The same products, summed in the same order, s
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import onnx
 import onnx_ir as ir
-from onnx_ir.passes.common import RemoveUnusedNodesPass
 
+from mha_deploy.exporters.fusion.attention_rewrite import AttentionRewriteReport, rewritten
 from mha_deploy.exporters.fusion.constant_values import constant_array
 
 _PREFIX = "qkv."
 _DOMAIN = "com.microsoft"
-
-
-@dataclass
-class QkvPackingReport:
-    """What ``pack_qkv`` did: the attentions fed one packed projection, and why each other one was not."""
-
-    attentions: int = 0
-    packed: int = 0
-    refused: list[str] = field(default_factory=list)
-
-    def summary(self) -> str:
-        """One line, e.g. ``q/k/v packed into one MatMul for 2 of 2 GroupQueryAttention``, with the first reason
-        an attention kept three."""
-        line = f"q/k/v packed into one MatMul for {self.packed} of {self.attentions} GroupQueryAttention"
-        return line + (f"; not packed: {self.refused[0]}" if self.refused else "")
+REWRITE = "q/k/v packed into one MatMul"  # how a line names this pass
 
 
 class _Refused(Exception):
@@ -57,13 +43,13 @@ class _Projection:
     width: int
 
 
-def pack_qkv(model: onnx.ModelProto) -> tuple[onnx.ModelProto, QkvPackingReport]:
+def pack_qkv(model: onnx.ModelProto) -> tuple[onnx.ModelProto, AttentionRewriteReport]:
     """``model`` with each ``GroupQueryAttention``'s three projections packed into one (the module docstring), and
     what was done; ``model`` itself where nothing was."""
     ir_model = ir.serde.deserialize_model(model)
     graph = ir_model.graph
     attentions = [node for node in graph if node.op_type == "GroupQueryAttention" and node.domain == _DOMAIN]
-    report = QkvPackingReport(attentions=len(attentions))
+    report = AttentionRewriteReport(REWRITE, attentions=len(attentions))
     for node in attentions:
         try:
             projections = _projections(node)
@@ -71,12 +57,8 @@ def pack_qkv(model: onnx.ModelProto) -> tuple[onnx.ModelProto, QkvPackingReport]
             report.refused.append(f"{node.name}: {exc}")
             continue
         _pack(graph, node, projections)
-        report.packed += 1
-    if not report.packed:
-        return model, report
-    RemoveUnusedNodesPass()(ir_model)
-    graph.sort()
-    return ir.serde.serialize_model(ir_model), report
+        report.done += 1
+    return rewritten(model, ir_model, report)
 
 
 def _projections(node: ir.Node) -> list[_Projection]:

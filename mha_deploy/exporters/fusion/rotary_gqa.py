@@ -27,46 +27,38 @@ the file (its signature and every runtime feed it; it is n_r - seq + arange(seq)
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Callable, Collection
+from dataclasses import dataclass
 
 import numpy as np
 import onnx
 import onnx_ir as ir
-from onnx_ir.passes.common import RemoveUnusedNodesPass
 
+from mha_deploy.exporters.fusion import head_round_trip, qkv_packing
+from mha_deploy.exporters.fusion.attention_rewrite import AttentionRewriteReport, rewritten
 from mha_deploy.exporters.fusion.constant_values import constant_array
 from mha_deploy.exporters.fusion.mask_probe import cut_out
+from mha_deploy.metadata import ParityReport
 
 _PREFIX = "rotary."
 _DOMAIN = "com.microsoft"
 _COS_CACHE, _SIN_CACHE = 7, 8  # GroupQueryAttention's inputs
 POSITIONS = "position_ids"
+REWRITE = "rotary in the op (do_rotary)"  # how a line names this pass
+# ``fuse_into_gqa``'s passes by name, in the order it applies them (packing reads what the rotary's removal leaves).
+GQA_REWRITES = (REWRITE, qkv_packing.REWRITE, head_round_trip.REWRITE)
 # The most a table's two halves may differ and still be one table (their values are equal in the module's
 # Concat(freqs, freqs) form; a different tail would be another rotary), and a row of cos/sin evaluated in a batch of
 # other positions from the table's row (ORT's vectorised Cos/Sin may round the last bit by the tensor's length).
 HALVES_ATOL = 1e-6
 
 
-@dataclass
-class RotaryReport:
-    """What ``fuse_rotary_into_gqa`` did: the attentions rotated inside the op, and why each other one was not."""
-
-    attentions: int = 0
-    fused: int = 0
-    refused: list[str] = field(default_factory=list)
-
-    def summary(self) -> str:
-        """One line, e.g. ``rotary fused into 2 of 2 GroupQueryAttention (do_rotary)``, with the first reason an
-        attention was left as it is."""
-        line = f"rotary fused into {self.fused} of {self.attentions} GroupQueryAttention (do_rotary)"
-        return line + (f"; not fused: {self.refused[0]}" if self.refused else "")
-
-
 class _Refused(Exception):
     """Why one attention keeps the module's rotary (one line)."""
 
 
-def fuse_rotary_into_gqa(model: onnx.ModelProto, max_length: int | None) -> tuple[onnx.ModelProto, RotaryReport]:
+def fuse_rotary_into_gqa(model: onnx.ModelProto,
+                         max_length: int | None) -> tuple[onnx.ModelProto, AttentionRewriteReport]:
     """``model`` (a ragged-layout file, ``fusion.ragged_cache``) with each attention's rotary computed by its
     ``GroupQueryAttention`` (the module docstring), and what was done; ``model`` itself where nothing was.
     ``max_length``: the longest sequence the file takes, the tables' length (None: nothing is fused, the tables
@@ -76,7 +68,7 @@ def fuse_rotary_into_gqa(model: onnx.ModelProto, max_length: int | None) -> tupl
     # An attention no cos/sin reaches has no rotary to move (GPT-2's learned positions): not a refusal.
     attentions = [node for node in graph if node.op_type == "GroupQueryAttention" and node.domain == _DOMAIN
                   and not node.attributes.get_int("do_rotary", 0) and _reads_trig(node.inputs[0])]
-    report = RotaryReport(attentions=len(attentions))
+    report = AttentionRewriteReport(REWRITE, attentions=len(attentions))
     if not attentions:
         return model, report
     positions = next((value for value in graph.inputs if value.name == POSITIONS), None)
@@ -87,14 +79,10 @@ def fuse_rotary_into_gqa(model: onnx.ModelProto, max_length: int | None) -> tupl
             plans.append(_plan(node, tables))
         except _Refused as exc:
             report.refused.append(f"{node.name}: {exc}")
-    if not plans:
-        return model, report
     for plan in plans:
         plan.apply(graph, tables)
-    report.fused = len(plans)
-    RemoveUnusedNodesPass()(ir_model)
-    graph.sort()
-    return ir.serde.serialize_model(ir_model), report
+    report.done = len(plans)
+    return rewritten(model, ir_model, report)
 
 
 @dataclass
@@ -340,16 +328,70 @@ def _merged(graph: ir.Graph, x: ir.Value, hidden: int, name: str) -> ir.Value:
     return out
 
 
-def fuse_into_gqa(model: onnx.ModelProto, max_length: int | None) -> tuple[onnx.ModelProto, list[str]]:
+def fuse_into_gqa(model: onnx.ModelProto, max_length: int | None,
+                  rewrites: Collection[str] | None = None) -> tuple[onnx.ModelProto, list[AttentionRewriteReport]]:
     """A ragged-layout file with each attention's rotary inside its ``GroupQueryAttention`` (``fuse_rotary_into_gqa``),
     then its q/k/v on one packed projection (``fusion.qkv_packing``) and its output's split into heads and merge
-    back removed (``fusion.head_round_trip``); one note per pass that left an attention as it was, saying why."""
-    from mha_deploy.exporters.fusion.head_round_trip import drop_head_round_trips
-    from mha_deploy.exporters.fusion.qkv_packing import pack_qkv
+    back removed (``fusion.head_round_trip``), in that order; ``rewrites``: the passes to apply, by their names
+    (``GQA_REWRITES``; all by default). Returns what each applied pass did (``gqa_notes`` says it)."""
+    passes = ((REWRITE, lambda m: fuse_rotary_into_gqa(m, max_length)), (qkv_packing.REWRITE, qkv_packing.pack_qkv),
+              (head_round_trip.REWRITE, head_round_trip.drop_head_round_trips))
+    reports = []
+    for name, rewrite in passes:
+        if rewrites is None or name in rewrites:
+            model, report = rewrite(model)
+            reports.append(report)
+    return model, reports
 
-    model, rotary = fuse_rotary_into_gqa(model, max_length)
-    model, packing = pack_qkv(model)
-    model, _ = drop_head_round_trips(model)
-    # Packing's notes only for rotary decoders: another model's attention (GPT-2's one projection split three
-    # ways) not packed is no news.
-    return model, [report.summary() for report in (rotary, packing) if report.refused and rotary.attentions]
+
+def gqa_notes(reports: list[AttentionRewriteReport]) -> list[str]:
+    """One line per pass of ``fuse_into_gqa`` that left an attention as it was, saying why, where the file's
+    attentions have a rotary: another model's attention (GPT-2's one projection split three ways) not packed is no
+    news."""
+    rotary = next((report for report in reports if report.rewrite == REWRITE), None)
+    if rotary is None or not rotary.attentions:
+        return []
+    return [report.summary() for report in reports if report.refused]
+
+
+def fuse_into_gqa_checked(model: onnx.ModelProto, max_length: int | None,
+                          check: Callable[[onnx.ModelProto], ParityReport]
+                          ) -> tuple[onnx.ModelProto, ParityReport, list[str]]:
+    """``fuse_into_gqa`` kept only as far as ``check`` (parity of a ragged file) passes: one check where the file
+    passes with every pass applied. Where it fails, ``model`` (the ragged file without any) is checked; passing, the
+    passes that did something are added back one at a time in order, each kept where the file still passes, and one
+    note names those left out: the ones that failed, then any that did nothing once an earlier one was left out
+    (packing reads the projections the rotary's removal leaves bare). A broken pass costs the file that pass, not
+    the ragged layout.
+
+    Returns (the file, its parity report, notes); the report failed only where ``model`` failed too (returned as it
+    is, the caller keeping the holes layout)."""
+    fused, reports = fuse_into_gqa(model, max_length)
+    report = check(fused)
+    applied = [found.rewrite for found in reports if found.done]
+    if report.passed or not applied:
+        return fused, report, gqa_notes(reports)
+    why = report.failures[0] if report.failures else report.summary()  # the first call that differed: one line
+    best, best_report, best_reports = model, check(model), []
+    if not best_report.passed:
+        return model, best_report, []
+    kept, failed, idle = [], [], []
+    for name in applied:
+        candidate, tried = fuse_into_gqa(model, max_length, [*kept, name])
+        if not next(found for found in tried if found.rewrite == name).done:
+            idle.append(name)
+            continue
+        candidate_report = check(candidate)
+        if candidate_report.passed:
+            kept.append(name)
+            best, best_report, best_reports = candidate, candidate_report, tried
+        else:
+            failed.append(name)
+    notes = gqa_notes(best_reports)
+    if failed:
+        note = (f"ragged layout without {' nor '.join(failed)}: the file failed parity with "
+                f"{'it' if len(failed) == 1 else 'them'} ({why})")
+        if idle:
+            note += f"; nor {' nor '.join(idle)}, which then applied to no attention"
+        notes.append(note)
+    return best, best_report, notes

@@ -12,9 +12,15 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper
 
+from mha_deploy.exporters.fusion import qkv_packing, rotary_gqa
 from mha_deploy.exporters.fusion.qkv_packing import pack_qkv
-from mha_deploy.exporters.fusion.rotary_gqa import fuse_into_gqa, fuse_rotary_into_gqa
-from mha_deploy.metadata import ModelMetadata
+from mha_deploy.exporters.fusion.rotary_gqa import (
+    fuse_into_gqa,
+    fuse_into_gqa_checked,
+    fuse_rotary_into_gqa,
+    gqa_notes,
+)
+from mha_deploy.metadata import ModelMetadata, ParityReport
 from tests.conftest import user_module
 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM = 64, 4, 2, 16
@@ -163,7 +169,7 @@ def test_rotary_moves_into_group_query_attention_with_the_same_outputs_on_the_ra
     rotated keys written to the cache, atol 1e-5); no Cos, Sin, Neg or Slice is left."""
     model = _rotary_graph()
     fused, report = fuse_rotary_into_gqa(model, MAX_LENGTH)
-    assert (report.fused, report.refused) == (1, [])
+    assert (report.done, report.refused) == (1, [])
     attention = next(node for node in fused.graph.node if node.op_type == "GroupQueryAttention")
     assert _attribute(attention, "do_rotary") == 1 and _attribute(attention, "rotary_interleaved") == 0
     assert not {"Cos", "Sin", "Neg", "Slice", "Transpose", "Reshape"} & set(_ops(fused))
@@ -178,7 +184,7 @@ def test_packing_gives_one_projection_and_the_same_outputs():
     op's packed query, key and value inputs empty; same outputs (atol 1e-5)."""
     model, _ = fuse_rotary_into_gqa(_rotary_graph(), MAX_LENGTH)
     packed, report = pack_qkv(model)
-    assert (report.packed, report.refused) == (1, [])
+    assert (report.done, report.refused) == (1, [])
     assert _ops(packed).count("MatMul") == 1
     attention = next(node for node in packed.graph.node if node.op_type == "GroupQueryAttention")
     assert list(attention.input[1:3]) == ["", ""]
@@ -192,8 +198,8 @@ def test_the_ops_output_split_into_heads_and_merged_back_is_the_ops_output():
     """Reshape to heads, Transpose, a Reshape to the same shape, Transpose back, Reshape to [batch, seq, hidden]:
     removed, the output projection reads the op's output; same outputs (atol 1e-5)."""
     model = _rotary_graph(round_trip=True)
-    fused, notes = fuse_into_gqa(model, MAX_LENGTH)
-    assert notes == []
+    fused, reports = fuse_into_gqa(model, MAX_LENGTH)
+    assert [(report.done, report.refused) for report in reports] == [(1, [])] * 3 and gqa_notes(reports) == []
     assert _ops(fused).count("Reshape") == 0 and _ops(fused).count("Transpose") == 0
     attention = next(node for node in fused.graph.node if node.op_type == "GroupQueryAttention")
     projection = next(node for node in fused.graph.node if node.output[0] == "y")
@@ -208,11 +214,12 @@ def test_cos_sin_reading_more_than_positions_keep_the_modules_rotary_and_say_why
     """Angles scaled by another input: the tables cannot be evaluated from positions alone; the graph is returned
     as it was, the reason naming the input, and nothing is packed (the query is still rotated outside)."""
     model = _rotary_graph(cos_reads="temperature")
-    fused, notes = fuse_into_gqa(model, MAX_LENGTH)
+    fused, reports = fuse_into_gqa(model, MAX_LENGTH)
     assert fused is model
+    notes = gqa_notes(reports)
     assert len(notes) == 2
-    assert "rotary fused into 0 of 1" in notes[0] and "temperature" in notes[0]
-    assert "not packed" in notes[1]
+    assert "rotary in the op (do_rotary): 0 of 1 GroupQueryAttention" in notes[0] and "temperature" in notes[0]
+    assert "q/k/v packed into one MatMul: 0 of 1 GroupQueryAttention; left as it was" in notes[1]
 
 
 def test_no_max_length_keeps_the_modules_rotary():
@@ -220,6 +227,67 @@ def test_no_max_length_keeps_the_modules_rotary():
     model = _rotary_graph()
     fused, report = fuse_rotary_into_gqa(model, None)
     assert fused is model and "max length" in report.refused[0]
+
+
+def _shifted_tables(monkeypatch) -> None:
+    """A broken rotary pass: its cos/sin tables one position late (each half still equal, so nothing refuses)."""
+    read = rotary_gqa._Tables.read
+    monkeypatch.setattr(rotary_gqa._Tables, "read",
+                        lambda self, rotated: tuple(np.roll(table, 1, axis=0) for table in read(self, rotated)))
+
+
+def _key_and_value_swapped(monkeypatch) -> None:
+    """A broken packing pass: the key's and the value's weights packed in each other's place."""
+    projections = qkv_packing._projections
+    monkeypatch.setattr(qkv_packing, "_projections",
+                        lambda node: (lambda found: [found[0], found[2], found[1]])(projections(node)))
+
+
+@pytest.mark.parametrize(("breaks", "left_out", "kept"), [
+    (_shifted_tables, "rotary in the op (do_rotary): the file failed parity with it",
+     "; nor q/k/v packed into one MatMul, which then applied to no attention"),
+    (_key_and_value_swapped, "q/k/v packed into one MatMul: the file failed parity with it", ""),
+], ids=["rotary", "packing"])
+def test_a_pass_that_breaks_parity_is_left_out_and_the_others_kept(monkeypatch, breaks, left_out, kept):
+    """fuse_into_gqa_checked with one pass broken: the file with every pass fails the check (outputs of the
+    ragged contract's calls against the file before the passes, atol 1e-5), the file without any passes it; each
+    pass is then added back in order and kept where the check still passes: the broken one is left out (the
+    packing, which needs the rotary inside the op, with it), the rest kept, and one note names what was left out.
+    Four checks with the rotary broken (all, none, + rotary, + round trips), five with the packing."""
+    model = _rotary_graph(round_trip=True)
+    expected = _contract_calls(_session(model), np.random.default_rng(5))
+    checked = []
+
+    def check(candidate: onnx.ModelProto) -> ParityReport:
+        got = _contract_calls(_session(candidate), np.random.default_rng(5))
+        error = max(float(np.abs(have - want).max()) for want, have in zip(expected, got, strict=True))
+        checked.append(error <= ATOL)
+        return ParityReport(passed=error <= ATOL, atol=ATOL, rtol=0.0, max_abs_err=error, required_atol=error,
+                            required_rtol=0.0, failures=[] if error <= ATOL else [f"max abs err {error:.3g}"])
+
+    breaks(monkeypatch)
+    fused, report, notes = fuse_into_gqa_checked(model, MAX_LENGTH, check)
+    assert report.passed and checked[:2] == [False, True] and len(checked) == (4 if kept else 5)
+    assert len(notes) == 1 and notes[0].startswith(f"ragged layout without {left_out} (max abs err ")
+    assert notes[0].endswith(f"){kept}")
+    attention = next(node for node in fused.graph.node if node.op_type == "GroupQueryAttention")
+    rotated = breaks is _key_and_value_swapped
+    assert _attribute(attention, "do_rotary") == rotated and list(attention.input[1:3]) != ["", ""]
+    assert ("Cos" in _ops(fused)) != rotated
+    projection = next(node for node in fused.graph.node if node.output[0] == "y")
+    assert projection.input[0] == attention.output[0]  # the round trip, removed either way
+
+
+def test_a_ragged_file_that_fails_without_any_pass_is_returned_as_it_is():
+    """The ragged rewrite itself wrong (the check fails whatever): two checks, the file without the passes and its
+    failed report returned, no note (the caller keeps the holes layout and says why)."""
+    model = _rotary_graph()
+    failed = ParityReport(passed=False, atol=ATOL, rtol=0.0, max_abs_err=1.0, required_atol=1.0, required_rtol=0.0,
+                          failures=["wrong"])
+    checked = []
+    fused, report, notes = fuse_into_gqa_checked(model, MAX_LENGTH, lambda candidate: checked.append(candidate)
+                                                 or failed)
+    assert (fused, report, notes) == (model, failed, []) and len(checked) == 2 and checked[1] is model
 
 
 # --- exported Hugging Face decoders ------------------------------------------------------------------------------
@@ -239,7 +307,7 @@ def test_the_tiny_llamas_default_file_rotates_in_the_op_and_packs_qkv(lm_cache):
     ops = _ops(model)
     assert not {"Cos", "Sin", "Neg"} & set(ops)
     assert ops.count("MatMul") == 5 * llama.LAYERS + 1
-    assert "rotary fused into" not in output  # nothing refused: no note
+    assert "rotary in the op" not in output  # nothing refused: no note
 
 
 def test_quantized_projections_pack_into_one_matmulnbits_with_the_same_outputs():
@@ -249,8 +317,8 @@ def test_quantized_projections_pack_into_one_matmulnbits_with_the_same_outputs()
     from mha_deploy.exporters.quantize import Quantization
 
     quantized = Quantization.of("int4").apply(_rotary_graph())
-    fused, notes = fuse_into_gqa(quantized, MAX_LENGTH)
-    assert notes == []
+    fused, reports = fuse_into_gqa(quantized, MAX_LENGTH)
+    assert gqa_notes(reports) == []
     nbits = [node for node in fused.graph.node if node.op_type == "MatMulNBits"]
     assert len(nbits) == 1 and _attribute(nbits[0], "N") == (HEADS + 2 * KV_HEADS) * HEAD_DIM
     expected = _contract_calls(_session(quantized), np.random.default_rng(3))
