@@ -24,7 +24,7 @@ from mha_deploy.errors import (
 )
 from mha_deploy.exporters.fusion import FusionReport, fuse_attention
 from mha_deploy.exporters.fusion.ragged_cache import RaggedRefused, to_ragged_cache
-from mha_deploy.exporters.fusion.rotary_gqa import fuse_into_gqa
+from mha_deploy.exporters.fusion.rotary_gqa import fuse_into_gqa_checked
 from mha_deploy.exporters.graphs import attention_graph
 from mha_deploy.exporters.kv_cache import CacheProjection, attach_caches, decode_on_mha, prefill_or_decode
 from mha_deploy.exporters.own_kv_cache import (
@@ -826,12 +826,15 @@ def _finish(
             if fuse_target != "mha":
                 raise RaggedRefused(f"--fuse {fuse_target}: GroupQueryAttention is a contrib op of the mha target")
             model = to_ragged_cache(fused, max_length=metadata.max_length)
-            model, notes = fuse_into_gqa(model, metadata.max_length)  # rotary in the op, q/k/v packed
-            ragged_notes.extend(f"--kv-cache: {note}" for note in notes)
         except RaggedRefused as exc:
             why = str(exc)
         else:
-            report = _checked(module, model, atol, rtol, ragged.cases, options.quantize, declared, CACHE_RAGGED)
+            # Rotary in the op, q/k/v packed, checked: a pass that breaks parity is left out, not the layout.
+            model, report, notes = fuse_into_gqa_checked(
+                model, metadata.max_length,
+                lambda candidate: _checked(module, candidate, atol, rtol, ragged.cases, options.quantize, declared,
+                                           CACHE_RAGGED))
+            ragged_notes.extend(f"--kv-cache: {note}" for note in notes)
             if report.passed:
                 metadata.cache_layout = CACHE_RAGGED
                 return model, fusion.in_ragged_layout(model), None, report

@@ -318,6 +318,36 @@ def test_without_position_ids_a_padded_width_model_keeps_holes_and_says_why(lm_c
     assert not (tmp_path / "lm.onnx").exists()
 
 
+def test_a_rotary_pass_that_breaks_parity_costs_the_file_that_pass_not_the_ragged_layout(tmp_path, monkeypatch):
+    """The tiny Llama exported with fusion.rotary_gqa's cos/sin tables made one position late (a deliberately broken
+    pass, nothing in it refuses): per-step parity (the export's tolerance) fails with the rotary in the op, so the
+    file is written ragged without it (the module's own rotary ops around GroupQueryAttention, no do_rotary, q/k/v
+    not packed since they are rotated outside), its parity passed, and one warning line names the pass left out."""
+    from mha_deploy.exporters.fusion import rotary_gqa
+
+    read = rotary_gqa._Tables.read
+    monkeypatch.setattr(rotary_gqa._Tables, "read",
+                        lambda self, rotated: tuple(np.roll(table, 1, axis=0) for table in read(self, rotated)))
+    llama = user_module("hf_llama")
+    path = tmp_path / "lm.onnx"
+    result = _export("hf_llama", path)
+    assert result.exit_code == 0, result.output
+    left_out = [line for line in result.output.splitlines() if "ragged layout without" in line]
+    assert len(left_out) == 1 and left_out[0].startswith(
+        "warning: --kv-cache: ragged layout without rotary in the op (do_rotary): the file failed parity with it ("
+    ), result.output
+    assert left_out[0].endswith("; nor q/k/v packed into one MatMul, which then applied to no attention")
+    assert "holes cache layout" not in result.output and "cache layout ragged" in result.output
+    session = MHASession(path, provider="cpu")
+    assert session.metadata.cache_layout == CACHE_RAGGED and session.metadata.parity.passed
+    assert_ragged_file(path, llama.LAYERS)
+    graph = onnx.load(str(path)).graph
+    attentions = [node for node in graph.node if node.op_type == "GroupQueryAttention"]
+    assert all({a.name: a.i for a in node.attribute}.get("do_rotary", 0) == 0 for node in attentions)
+    assert all(list(node.input[1:3]) != ["", ""] for node in attentions)
+    assert {"Cos", "Sin"} <= {node.op_type for node in graph.node}
+
+
 def test_cache_layout_holes_keeps_past_plus_new(lm_cache):
     path, output = lm_cache("causal_lm", *HOLES)
     graph = onnx.load(str(path)).graph
