@@ -1,36 +1,45 @@
 """``mha-deploy export --hf DIR --kv-cache`` and nothing else, for each causal-LM family the export claims
 (tests/user_models/hf_families.py: tiny configs written with ``save_pretrained``): what the file fuses, counted from
-the file itself, and that greedy generation through ``mha_deploy.runtime.generation`` gives every prompt of a
-mixed-length batch, left- or right-padded, the tokens transformers' ``generate`` gives it alone. One export per
-family per session."""
+the file itself, and that greedy generation gives every prompt of a mixed-length batch the tokens transformers'
+``generate`` gives it alone, through each way the file is run: ``mha_deploy.runtime.generation`` (left- or
+right-padded), ``mha-deploy generate`` over a JSONL dataset, ``mha-deploy serve`` answering concurrent requests of
+OpenAI's client, and onnxruntime-genai (in .venv-genai) from the config ``mha-deploy genai-config`` writes with no
+flags. One export per family per session."""
 
 from __future__ import annotations
+
+import json
+import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import onnx
 import pytest
+from click.testing import CliRunner
 from onnx import helper
 
+from mha_deploy.bench.genai import genai_python, run_genai_greedy
+from mha_deploy.cli import main
 from mha_deploy.runtime.generation import generate, prompt_batch
 from mha_deploy.runtime.kv_stepper import KVCacheStepper
 from tests.conftest import user_module
+from tests.serving.helpers import Server, openai_client
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 families = user_module("hf_families")
 MAX_NEW = 8
-# Prompts around and past the sliding window (8 keys): a window's edge moves within each row's generation.
+# Prompts around and past the sliding window (8 keys): a window's edge moves within each row's generation. No id
+# below 3 (pad, eos, bos): onnxruntime-genai finds a prompt's end by the pad id.
 LENGTHS = [3, 12, 1, 7]
+_draw = np.random.default_rng(37)
+PROMPTS = [_draw.integers(3, families.VOCAB, n).tolist() for n in LENGTHS]
 
 
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory):
     """``exported(family) -> (file, CLI output, model)``: the family's folder exported once per session."""
-    from click.testing import CliRunner
-
-    from mha_deploy.cli import main
-
     cache = {}
 
     def export(family: str):
@@ -44,6 +53,30 @@ def exported(tmp_path_factory):
         return cache[family]
 
     return export
+
+
+@pytest.fixture(scope="module")
+def alone(exported):
+    """``alone(family) -> [new tokens per prompt]``: transformers' greedy ``generate`` on each of ``PROMPTS`` alone,
+    ``MAX_NEW`` new tokens or fewer where the folder's eos id comes (as the file recorded it: every path below ends
+    a row there, its eos kept)."""
+    cache = {}
+
+    def tokens(family: str) -> list[list[int]]:
+        if family not in cache:
+            model = exported(family)[2]
+            greedy = transformers.GenerationConfig(do_sample=False, max_new_tokens=MAX_NEW,
+                                                   eos_token_id=families.EOS_ID, pad_token_id=families.PAD_ID)
+            rows = []
+            for prompt in PROMPTS:
+                ids = torch.tensor([prompt])
+                with torch.no_grad():
+                    out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), generation_config=greedy)
+                rows.append(out[0, len(prompt):].tolist())
+            cache[family] = rows
+        return cache[family]
+
+    return tokens
 
 
 def _attentions(path) -> list[dict[str, object]]:
@@ -89,23 +122,87 @@ def test_each_family_fuses_every_attention_into_group_query_attention_at_its_kv_
 
 @pytest.mark.parametrize("padding", ["left", "right"])
 @pytest.mark.parametrize("family", families.FAMILIES)
-def test_each_family_generates_each_prompts_greedy_tokens_alone(exported, family, padding):
-    """Prompts of four lengths in one batch, left- or right-padded: each row's first ``MAX_NEW`` greedy tokens equal
-    transformers' ``generate`` on that prompt alone (exact token ids; the logits match within the export's own
-    parity tolerance, atol 1e-5 scaled by each row's magnitude, rtol 1e-4)."""
-    path, _, model = exported(family)
-    rng = np.random.default_rng(37)
-    ids, mask = prompt_batch([rng.integers(3, families.VOCAB, n) for n in LENGTHS])
+def test_each_family_generates_each_prompts_greedy_tokens_alone(exported, alone, family, padding):
+    """Prompts of four lengths in one batch, left- or right-padded: each row's greedy tokens (``MAX_NEW``, or up to
+    the recorded eos id) equal transformers' ``generate`` on that prompt alone (exact token ids; the logits match
+    within the export's own parity tolerance, atol 1e-5 scaled by each row's magnitude, rtol 1e-4)."""
+    path = exported(family)[0]
+    ids, mask = prompt_batch([np.array(prompt) for prompt in PROMPTS])
     ids = np.where(mask == 1, ids, families.PAD_ID)
     if padding == "right":
         order = np.argsort(mask == 0, axis=1, kind="stable")
         ids, mask = np.take_along_axis(ids, order, axis=1), np.take_along_axis(mask, order, axis=1)
-    out = generate(KVCacheStepper(path), ids, mask, max_new_tokens=MAX_NEW, eos_token_id=[])
-    # No end id on either side: every row runs its MAX_NEW tokens.
-    greedy = transformers.GenerationConfig(do_sample=False, max_new_tokens=MAX_NEW, pad_token_id=families.PAD_ID)
-    for row, tokens in enumerate(out.tokens):
-        prompt = torch.from_numpy(ids[row][mask[row] == 1][None])
-        with torch.no_grad():
-            alone = model.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt), generation_config=greedy)
-        assert len(tokens) == MAX_NEW
-        assert tokens.tolist() == alone[0, prompt.shape[1]:].tolist(), f"row {row} ({LENGTHS[row]} tokens)"
+    out = generate(KVCacheStepper(path), ids, mask, max_new_tokens=MAX_NEW)  # the eos id the file recorded
+    assert [tokens.tolist() for tokens in out.tokens] == alone(family)
+
+
+@pytest.mark.parametrize("family", families.FAMILIES)
+def test_each_family_through_generate_over_a_dataset_mixes_lengths_in_one_batch(exported, alone, family, tmp_path):
+    """``mha-deploy generate`` over a JSONL file of the four prompts, with no flag but the new tokens: the file takes
+    position_ids, so the four lengths share one batch (left-padded), and each prompt's output ids equal
+    transformers' greedy tokens alone (exact ids)."""
+    path = exported(family)[0]
+    source = tmp_path / "prompts.jsonl"
+    source.write_text("".join(json.dumps({"id": n, "input_ids": p}) + "\n" for n, p in enumerate(PROMPTS)))
+    result = CliRunner().invoke(main, ["generate", str(path), "--input", str(source), "--output",
+                                       str(tmp_path / "out.jsonl"), "--max-new-tokens", str(MAX_NEW), "--no-progress"])
+    assert result.exit_code == 0, result.output
+    assert "4 prompts" in result.output and "1 batches" in result.output, result.output
+    lines = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
+    assert [line["output_ids"] for line in lines] == alone(family)
+
+
+@pytest.mark.parametrize("family", families.FAMILIES)
+def test_each_family_served_to_concurrent_openai_requests_gives_each_prompt_its_tokens_alone(exported, alone, family,
+                                                                                             tmp_path):
+    """``mha-deploy serve`` of the file (no flag but the port, provider and threads the tests pin): the four prompts
+    sent at once as four requests by OpenAI's client, continuous batching mixing their lengths in one cache, and
+    then as one request of four prompts; every completion's token ids equal transformers' greedy tokens for its
+    prompt alone (exact ids), ending at the recorded eos id where it comes."""
+    pytest.importorskip("openai")
+    path = exported(family)[0]
+    server = Server(path, tmp_path / "server.log", "--threads", "1", "--name", family)
+    try:
+        api = openai_client(server.wait_ready()).completions
+        assert "requests of any length share one cache" in server.log()
+        start = threading.Barrier(len(PROMPTS))  # the four sent together, as far as threads can
+
+        def complete(prompt):
+            start.wait(timeout=30)
+            return api.create(model=family, prompt=prompt, max_tokens=MAX_NEW, temperature=0).choices[0].token_ids
+
+        with ThreadPoolExecutor(len(PROMPTS)) as pool:
+            concurrent = list(pool.map(complete, PROMPTS))
+        together = api.create(model=family, prompt=PROMPTS, max_tokens=MAX_NEW, temperature=0).choices
+    finally:
+        server.stop()
+    assert concurrent == alone(family), server.log()
+    assert [choice.token_ids for choice in sorted(together, key=lambda c: c.index)] == alone(family)
+
+
+@pytest.mark.skipif(genai_python() is None, reason="no .venv-genai: scripts/setup.sh installs onnxruntime-genai there")
+@pytest.mark.parametrize("family", families.FAMILIES)
+def test_each_family_in_onnxruntime_genai_from_the_config_written_with_no_flags(exported, alone, family):
+    """``mha-deploy genai-config FILE`` with no flag: the context length and the eos and pad ids come from the
+    folder's config (max_position_embeddings, eos_token_id, pad_token_id, as the export recorded them);
+    onnxruntime-genai (its own environment, its own onnxruntime) then generates the four prompts as one batch,
+    right-padded with the pad id as it pads, and each row's tokens equal transformers' greedy tokens alone (exact
+    ids)."""
+    path = exported(family)[0]
+    result = CliRunner().invoke(main, ["genai-config", str(path)])
+    assert result.exit_code == 0, result.output
+    config = json.loads((path.parent / "genai_config.json").read_text())["model"]
+    assert (config["context_length"], config["eos_token_id"], config["pad_token_id"]) == (
+        families.MAX_POSITIONS, families.EOS_ID, families.PAD_ID)
+    width = max(LENGTHS)
+    padded = [prompt + [families.PAD_ID] * (width - len(prompt)) for prompt in PROMPTS]
+    rows = run_genai_greedy(path.parent, padded, width + MAX_NEW).new_tokens(width)
+    for row, (theirs, want) in enumerate(zip(rows, alone(family), strict=True)):
+        # A row that reaches the eos id (as test_genai.py reads onnxruntime-genai 0.18): its eos kept unless that step
+        # ended the whole batch (the last step's tokens left out), then the pad id until the batch ends.
+        ended = want[-1] == families.EOS_ID
+        before_eos = want[:-1] if ended else want
+        rest = theirs[len(before_eos):]
+        assert theirs[:len(before_eos)] == before_eos and (
+            rest[:1] in ([], [families.EOS_ID]) and set(rest[1:]) <= {families.PAD_ID} if ended else not rest), (
+            f"row {row} ({LENGTHS[row]} tokens): onnxruntime-genai {theirs}, transformers {want}")

@@ -136,6 +136,13 @@ class Server:
         self._log.close()
 
 
+def openai_client(server: Server):
+    """OpenAI's official client on ``server``'s /v1 routes (imported here: only the generation tests need it)."""
+    import openai
+
+    return openai.OpenAI(base_url=f"http://{server.url}/v1", api_key="unused", max_retries=0, timeout=60)
+
+
 def self_signed_certificate(directory: Path) -> tuple[Path, Path]:
     """A certificate for 127.0.0.1 and localhost and its key, as PEM files (cryptography, else the openssl CLI)."""
     cert, key = directory / "cert.pem", directory / "key.pem"

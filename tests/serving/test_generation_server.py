@@ -18,6 +18,7 @@ import pytest
 from mha_deploy.runtime.generation import generate
 from mha_deploy.runtime.kv_stepper import KVCacheStepper
 from tests.serving.helpers import Server
+from tests.serving.helpers import openai_client as client
 
 pytest.importorskip("torch")
 openai = pytest.importorskip("openai")
@@ -67,10 +68,6 @@ def served(lm_cache, tmp_path_factory):
     yield start
     for server in servers:
         server.stop()
-
-
-def client(server: Server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"http://{server.url}/v1", api_key="unused", max_retries=0, timeout=60)
 
 
 def alone(path, ids, max_new_tokens: int) -> list[int]:
