@@ -19,6 +19,7 @@ refuses them (see ``GenerationConfig``).
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -308,13 +309,31 @@ def _generate(
     """``generate`` of a prompt batch; ``decoder_ids`` [rows, length]: the rows' decoder prompts (one length)."""
     if _positions_by_column(stepper) and not mask.all():
         return _generate_by_length(stepper, ids, mask, config)
-    if config.num_beams > 1:
-        return _beam_search(stepper, ids, mask, config, decoder_ids)
-    tokens: list[list[int]] = [[] for _ in range(len(ids))]
-    for step in _sample(stepper, ids, mask, config, decoder_ids):
-        for prompt, token in zip(step.prompts, step.tokens, strict=True):
-            tokens[prompt].append(int(token))
+    with _flushing(stepper):
+        if config.num_beams > 1:
+            return _beam_search(stepper, ids, mask, config, decoder_ids)
+        tokens: list[list[int]] = [[] for _ in range(len(ids))]
+        for step in _sample(stepper, ids, mask, config, decoder_ids):
+            for prompt, token in zip(step.prompts.tolist(), step.tokens.tolist(), strict=True):
+                tokens[prompt].append(token)
     return GenerationOutput([np.asarray(t, np.int64) for t in tokens], _pad_id(config))
+
+
+def _flushing(stepper: TokenStepper):
+    """One denormal scope for a whole generation on this thread (``KVCacheStepper.flushing``,
+    ``MHASession.flushing``) instead of one per model call, each about 5-15 us of a step's host time.
+
+    Safe because: the scope is entered and left on this thread within one ``generate`` call, whose loop never hands
+    control back to the caller in between (``stream`` does, so it keeps a scope per call, never one across its
+    yields): the caller's own arithmetic keeps its denormals. What runs flushed in between is the search's numpy over
+    the logits, and flushing changes none of its results: the logits come from ORT already flushed, so none is a
+    denormal; ``log_softmax`` and the softmax of sampling add terms below 1.2e-38 (what flushing zeroes in float32)
+    to sums of at least 1, where they are below rounding; ``draw_tokens`` works in float64 on probabilities of at
+    least exp(-104) (the least float32 log-probability), far from float64's denormals; top-p compares cumulative
+    masses with 1 - top_p, at least 1e-16; argmax, top-k, penalties and biases compare or scale scores that are not
+    denormal. A stepper without ``flushing`` (any other ``TokenStepper``): nothing."""
+    flushing = getattr(stepper, "flushing", None)
+    return flushing() if flushing is not None else contextlib.nullcontext()
 
 
 def _positions_by_column(stepper: TokenStepper) -> bool:
@@ -473,21 +492,27 @@ def _sample(
     """Greedy or sampled tokens, one ``StepTokens`` per step; a row leaves the stepper when it is finished."""
     processors, criteria = config.logits_processors(), config.stopping_criteria()
     rng = np.random.default_rng(config.seed)
-    history = _prompt_history(stepper, ids, mask, decoder_ids)
+    prompt_history = _prompt_history(stepper, ids, mask, decoder_ids)
+    # Every token a row can reach, allocated once (no copy of the history per step): the rules see the columns so
+    # far, a view.
+    width = prompt_history.shape[1]
+    history = np.empty((len(ids), width + config.max_new_tokens), np.int64)
+    history[:, :width] = prompt_history
     prompts = np.arange(len(ids))  # the prompt each current row generates for
     _reserve(stepper, ids, config, len(ids))
     logits = _prefill(stepper, ids, mask, decoder_ids)
     generated = 0
     while True:
-        scores = processors(TokenHistory(history, generated), logits.astype(np.float32, copy=False))
+        scores = processors(TokenHistory(history[:, :width], generated), logits.astype(np.float32, copy=False))
         next_ids = draw_tokens(scores, rng) if config.do_sample else np.argmax(scores, axis=-1)
-        history = np.concatenate([history, next_ids[:, None]], axis=1)
+        history[:, width] = next_ids
+        width += 1
         generated += 1
-        finished = criteria(TokenHistory(history, generated))
+        finished = criteria(TokenHistory(history[:, :width], generated))
         yield StepTokens(prompts.copy(), next_ids.copy(), finished.copy())
-        if finished.all():
-            return
         if finished.any():
+            if finished.all():
+                return
             staying = np.flatnonzero(~finished)
             stepper.keep(staying)  # the finished rows' caches are freed here
             prompts, history, next_ids = prompts[staying], history[staying], next_ids[staying]

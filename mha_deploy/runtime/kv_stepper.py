@@ -46,6 +46,7 @@ tests/exporters/test_own_seq2seq_cache.py.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 import re
@@ -60,7 +61,7 @@ from mha_deploy.errors import InputError, ModelFileError, OptionError
 from mha_deploy.inputs import right_padding_mask
 from mha_deploy.metadata import CACHE_HOLES, CACHE_RAGGED, ENCODER_DECODER_KEY, METADATA_KEY, EncoderDecoderRecord
 from mha_deploy.runtime.cache_layout import SELF_CACHE, read_cache_layout
-from mha_deploy.runtime.session_file import read_graph
+from mha_deploy.runtime.session_file import FileGraph, read_file_graph, read_graph
 from mha_deploy.signature import AUDIO, IMAGE, TensorSpec
 
 CROSS_CACHE = re.compile(r"^past_key_values\.(\d+)\.encoder\.(key|value)$")
@@ -88,9 +89,9 @@ class _Graph:
     ``InferenceSession``, or a file path (an mha-deploy file opens as an MHASession, any other as an ORT session,
     both on ``provider``)."""
 
-    def __init__(self, model, threads: int | None, provider: str = "cpu"):
+    def __init__(self, model, threads: int | None, provider: str = "cpu", graph: FileGraph | None = None):
         if isinstance(model, str | os.PathLike):
-            model = open_decoder(model, threads, provider)
+            model = open_decoder(model, threads, provider, graph=graph)
         self.session = model
         self.source = getattr(model, "source", None) or "<onnxruntime session>"
         self._kept = threading.local()  # each thread's binding for run_in_place
@@ -104,12 +105,16 @@ class _Graph:
         self.positions: str | None = getattr(metadata, "positions", None)
         graph = None
         if isinstance(model, ort.InferenceSession):
+            # open_decoder's session keeps the graph it read (no mha-deploy metadata, so the layout is read off it).
+            graph = getattr(getattr(model, "graph_proto", None), "graph", None)
             self._run = lambda feeds: dict(zip(self.outputs, model.run(list(self.outputs), feeds), strict=True))
             self.inputs, outputs = ({p.name: _Port(p.name, np.dtype(ORT_TYPES.get(p.type, np.float32)), tuple(p.shape))
                                      for p in ports} for ports in (model.get_inputs(), model.get_outputs()))
         elif hasattr(model, "run") and hasattr(model, "source") and hasattr(model, "output_names"):
             self._run = model.run  # an MHASession: validated on its signature
-            graph = read_graph(model.source).graph
+            # The graph the session read on load (weights left in the file), else read here.
+            proto = getattr(model, "graph_proto", None) or read_graph(model.source)
+            graph = proto.graph
             self.inputs, outputs = _ports(graph.input), _ports(graph.output)
         else:
             raise OptionError(
@@ -121,38 +126,49 @@ class _Graph:
         # An InferenceSession that does not say where it came from has no graph to read: holes (give cache_layout=).
         self.cache_layout = read_cache_layout(metadata, self.source if graph is None else graph)
         logits = outputs.get("logits")
+        self.logits_dtype = logits.dtype if logits is not None else np.dtype(np.float32)
         vocab = logits.shape[-1] if logits is not None and logits.shape else None
         self.vocab_size = vocab if isinstance(vocab, int) and vocab > 0 else None  # None: the file leaves it open
 
     def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         return self._run(feeds)
 
-    def run_in_place(self, feeds: dict[str, np.ndarray], in_place: dict[str, str]) -> np.ndarray:
+    def run_in_place(self, feeds: dict[str, np.ndarray], in_place: dict[str, str],
+                     logits: np.ndarray | None = None) -> np.ndarray:
         """The logits of one call whose outputs in ``in_place`` (present -> past) are written into the past arrays,
-        through a binding this thread keeps (the cache buffers are bound once, not every step)."""
+        through a binding this thread keeps (the cache buffers are bound once, not every step); written into
+        ``logits`` when given (exactly the output's shape and type), else allocated by ORT."""
         from mha_deploy.runtime.session import KeptBinding, run_in_place
 
         kept = getattr(self._kept, "binding", None)
+        wanted, into = ((), {"logits": logits}) if logits is not None else (("logits",), None)
         if isinstance(self.session, ort.InferenceSession):
             kept = self._kept.binding = kept or KeptBinding(self.session)
-            return run_in_place(self.session, feeds, in_place, ("logits",), kept)["logits"]
+            return run_in_place(self.session, feeds, in_place, wanted, kept, into)["logits"]
         kept = self._kept.binding = kept or self.session.kept_binding()
-        return self.session.run_in_place(feeds, in_place, ("logits",), kept)["logits"]
+        return self.session.run_in_place(feeds, in_place, wanted, kept, into)["logits"]
+
+    def flushing(self):
+        """One denormal scope for many calls of this thread (``MHASession.flushing``); nothing for an ORT session,
+        which runs with ORT's own setting."""
+        flushing = getattr(self.session, "flushing", None)
+        return flushing() if flushing is not None else contextlib.nullcontext()
 
 
-def open_decoder(path, threads: int | None = None, provider: str = "cpu", session_config: dict | None = None):
+def open_decoder(path, threads: int | None = None, provider: str = "cpu", session_config: dict | None = None, *,
+                 graph: FileGraph | None = None):
     """An mha-deploy file as an ``MHASession`` (its metadata checked), any other ONNX file as an ORT session; both on
     ``provider`` (``providers.PROVIDER_CHOICES``; "cuda" fails loudly where CUDA cannot run, never falls back).
-    ``session_config``: ORT session config entries (the server turns thread spinning off)."""
+    ``session_config``: ORT session config entries (the server turns thread spinning off). ``graph``: the file's
+    graph as ``session_file.read_file_graph`` read it, else read here. The session keeps it (``graph_proto``), where
+    a stepper reads its ports: the file's graph is read once."""
     from mha_deploy.runtime.providers import check_providers, plan_providers
     from mha_deploy.runtime.session import MHASession
 
-    try:
-        props = {p.key: p.value for p in read_graph(path).metadata_props}
-    except Exception as exc:  # a missing file, or not ONNX: say which
-        raise ModelFileError(f"{path}: not a readable ONNX file: {exc}") from exc
+    graph = graph if graph is not None else _file_graph(path)
+    props = {p.key: p.value for p in graph.proto.metadata_props}
     if METADATA_KEY in props:
-        return MHASession(path, provider=provider, threads=threads, session_config=session_config)
+        return MHASession(path, provider=provider, threads=threads, session_config=session_config, graph=graph)
     pair = EncoderDecoderRecord.from_json(props[ENCODER_DECODER_KEY], str(path)) if ENCODER_DECODER_KEY in props \
         else None
     plan = plan_providers(provider)
@@ -164,15 +180,17 @@ def open_decoder(path, threads: int | None = None, provider: str = "cpu", sessio
     session = ort.InferenceSession(str(path), options, providers=plan.session_providers())
     check_providers(plan, session)
     session.source, session.provider_note, session.pair = str(path), plan.note, pair
+    session.graph_proto = graph.proto
     return session
 
 
-def encoder_companion(decoder) -> tuple[str, int | None] | None:
+def encoder_companion(decoder, graph: onnx.ModelProto | None = None) -> tuple[str, int | None] | None:
     """(the encoder file, the recorded decoder start id) of a decoder that mha-deploy exported as one of an
     encoder-decoder pair (``export --kv-cache``: ``mt.onnx`` and ``mt.encoder.onnx``); None for any other file.
-    ``ModelFileError`` when the file is the pair's encoder, or its encoder is missing."""
+    ``ModelFileError`` when the file is the pair's encoder, or its encoder is missing. ``graph``: the file's graph
+    as read already (its metadata is what is read), else read here."""
     try:
-        props = {p.key: p.value for p in read_graph(decoder).metadata_props}
+        props = {p.key: p.value for p in (graph if graph is not None else read_graph(decoder)).metadata_props}
     except Exception:  # not readable here: whoever opens it says why
         return None
     if ENCODER_DECODER_KEY not in props:
@@ -185,6 +203,17 @@ def encoder_companion(decoder) -> tuple[str, int | None] | None:
         raise ModelFileError(f"{decoder}: its encoder {companion} (written beside it at export) is missing")
     start = record.generation.decoder_start_token_id if record.generation is not None else None
     return companion, start
+
+
+def _file_graph(path) -> FileGraph:
+    """``session_file.read_file_graph`` of ``path``, or ``ModelFileError`` naming what is wrong (missing, not ONNX)."""
+    try:
+        graph = read_file_graph(path)
+        if graph.proto is None:
+            onnx.load_from_string(graph.data)  # onnx's own words for what is wrong
+    except Exception as exc:  # a missing file, or not ONNX: say which
+        raise ModelFileError(f"{path}: not a readable ONNX file: {exc}") from exc
+    return graph
 
 
 def _ports(values) -> dict[str, _Port]:
@@ -222,13 +251,17 @@ class KVCacheStepper:
         provider: str = "cpu",
         cache_layout: str | None = None,
     ):
-        if encoder is None and isinstance(model, str | os.PathLike):
+        file_graph = None
+        if isinstance(model, str | os.PathLike):
+            # Read once: the companion's record, then the session's load and check, the ports, the cache layout.
+            file_graph = _file_graph(model)
+        if encoder is None and file_graph is not None:
             # A decoder exported with its encoder beside it (own_seq2seq_cache) names it, and its start id.
-            found = encoder_companion(model)
+            found = encoder_companion(model, file_graph.proto)
             if found is not None:
                 encoder = found[0]
                 decoder_start_token_id = found[1] if decoder_start_token_id is None else decoder_start_token_id
-        self.graph = _Graph(model, threads, provider)
+        self.graph = _Graph(model, threads, provider, file_graph)
         self.encoder = _Graph(encoder, threads, provider) if encoder is not None else None
         self.generation_ids = self.graph.generation_ids
         if (encoder is None) != (decoder_start_token_id is None):
@@ -273,6 +306,12 @@ class KVCacheStepper:
         self.source_features = _features_input(self.encoder) if self.encoder is not None else None
         # Positions and rows the next allocation holds at least (``reserve``).
         self._reserved = (0, 0)
+        # A ragged call's present outputs, each written into its past input's buffer.
+        self._in_place = {present: name for name, present in self.self_caches.items()}
+        # The logits' last axis, for the array a decode step's logits are written into: the file's, else the first
+        # call's (a prefill's logits are allocated by ORT).
+        self._logits_width = self.graph.vocab_size
+        self._columns = np.arange(0)  # 0, 1, 2, ...: a decode step's mask is a row's first n columns
         self._reset(0)
 
     def _reset(self, rows: int) -> None:
@@ -287,6 +326,8 @@ class KVCacheStepper:
         # Per cache input, the view of its buffer the last call fed: the same view object step after step, so that
         # the kept binding (session.KeptBinding) sees at once that nothing moved.
         self._views: dict[str, tuple[np.ndarray, tuple[int, int], np.ndarray]] = {}
+        # A decode step's input_ids and position_ids [rows, 1], kept while the row count stays (_token_feeds).
+        self._step_inputs: dict[str, np.ndarray] | None = None
 
     @property
     def ragged(self) -> bool:
@@ -332,6 +373,11 @@ class KVCacheStepper:
             # Reallocated (when short) at exactly what is asked, which may be fewer positions than held now.
             self._ensure(max(self.rows, self._reserved[1]), max(int(positions), int(self.lengths.max(initial=0))),
                          grow=False)
+
+    def flushing(self):
+        """One denormal scope for many calls of this thread (``MHASession.flushing``): what ``generate`` enters once
+        for a whole generation."""
+        return self.graph.flushing()
 
     # --- the TokenStepper protocol -------------------------------------------------------------
 
@@ -558,31 +604,66 @@ class KVCacheStepper:
         """One call on ``rows`` of the buffers: ``input_ids`` [n, seq] are each row's next tokens (a first call's
         rows right-padded), ``lengths`` [n] each row's tokens after it. Present is written into past's buffer."""
         inputs = self.graph.inputs
-        seq = input_ids.shape[1]
-        self._ensure(max(self.rows, rows.stop), int(lengths.max()))
+        count, seq = input_ids.shape
         total = int(lengths.max())
-        feeds = {
-            "input_ids": np.ascontiguousarray(input_ids, inputs["input_ids"].dtype),
-            "attention_mask": right_padding_mask(lengths, total).astype(inputs["attention_mask"].dtype),
-        }
-        if "position_ids" in inputs:
-            # A first call numbers every column from 0 (a row's padding after its tokens is never read); later
-            # calls continue each row from its own length.
-            start = np.zeros_like(lengths) if first else lengths - seq
-            feeds["position_ids"] = (start[:, None] + np.arange(seq)[None, :]).astype(inputs["position_ids"].dtype)
+        self._ensure(max(self.rows, rows.stop), total)
+        logits_out = None
+        if seq == 1 and not every_position and self._logits_width:
+            feeds = self._token_feeds(input_ids, lengths, total)
+            # The logits written into an array of ours, so that ORT's outputs are never read back (session.
+            # run_in_place); a new one each step, the caller's to keep (a kept one would need a copy returned).
+            logits_out = np.empty((count, 1, self._logits_width), self.graph.logits_dtype)
+        else:
+            feeds = {
+                "input_ids": np.ascontiguousarray(input_ids, inputs["input_ids"].dtype),
+                "attention_mask": right_padding_mask(lengths, total).astype(inputs["attention_mask"].dtype),
+            }
+            if "position_ids" in inputs:
+                # A first call numbers every column from 0 (a row's padding after its tokens is never read); later
+                # calls continue each row from its own length.
+                start = np.zeros_like(lengths) if first else lengths - seq
+                feeds["position_ids"] = (start[:, None] + np.arange(seq)[None, :]).astype(inputs["position_ids"].dtype)
+        views, span = self._views, (rows.start, rows.stop)
         for name in self.self_caches:
-            buffer, span = self.buffers[name], (rows.start, rows.stop)
-            view = self._views.get(name)
+            buffer = self.buffers[name]
+            view = views.get(name)
             if view is None or view[0] is not buffer or view[1] != span:
-                view = self._views[name] = (buffer, span, buffer[rows])  # [n, heads, capacity, head_dim], contiguous
+                view = views[name] = (buffer, span, buffer[rows])  # [n, heads, capacity, head_dim], contiguous
             feeds[name] = view[2]
-        logits = self.graph.run_in_place(feeds, {present: name for name, present in self.self_caches.items()})
+        if logits_out is None:
+            logits = self.graph.run_in_place(feeds, self._in_place)
+            self._logits_width = logits.shape[-1]
+        else:
+            logits = self.graph.run_in_place(feeds, self._in_place, logits_out)
         self.lengths[rows] = lengths
         if every_position:
             return np.asarray(logits, np.float32)
+        if seq == 1:
+            return np.asarray(logits[:, 0, :], np.float32)  # a view of the array written (fp32): nothing copied
         # Each row's last real token: a first call's row ends at its length, a later call's at its last column.
         last = lengths - 1 if first else np.full(len(lengths), seq - 1)
         return np.asarray(logits[np.arange(len(last)), last, :], np.float32)
+
+    def _token_feeds(self, input_ids: np.ndarray, lengths: np.ndarray, total: int) -> dict[str, np.ndarray]:
+        """The inputs of a one-token call (a decode step), in arrays kept from step to step while the row count
+        stays: the same arrays are bound once (session.KeptBinding) and written in place here; only the mask, one
+        column wider every step, is a new array."""
+        inputs = self.graph.inputs
+        count = len(input_ids)
+        kept = self._step_inputs
+        if kept is None or len(kept["input_ids"]) != count:
+            kept = self._step_inputs = {name: np.empty((count, 1), inputs[name].dtype)
+                                        for name in ("input_ids", "position_ids") if name in inputs}
+        np.copyto(kept["input_ids"], input_ids, casting="unsafe")
+        feeds = dict(kept)
+        if "position_ids" in kept:
+            np.subtract(lengths[:, None], 1, out=kept["position_ids"], casting="unsafe")  # the token's position
+        if len(self._columns) < total:
+            self._columns = np.arange(max(total, 2 * len(self._columns)))
+        mask = np.empty((count, total), inputs["attention_mask"].dtype)
+        np.less(self._columns[:total], lengths[:, None], out=mask, casting="unsafe")  # a row's first n columns
+        feeds["attention_mask"] = mask
+        return feeds
 
     def _keep_ragged(self, rows: np.ndarray) -> None:
         """Rows ``rows`` of the buffers, in that order, written in place: only the rows that change place are copied

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Mapping
+import threading
+from collections.abc import Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -31,8 +33,11 @@ from mha_deploy.runtime.model_check import (
     with_graph_vocabularies,
 )
 from mha_deploy.runtime.providers import CUDA_EP, check_providers, plan_providers, without_cuda
-from mha_deploy.runtime.session_file import graph_bytes, read_graph
+from mha_deploy.runtime.session_file import FileGraph, read_file_graph, read_graph
 from mha_deploy.runtime.validation import output_shape_problem, validate_inputs
+
+# Per thread: inside ``MHASession.flushing`` (depth 1), where this thread already flushes denormals.
+_FLUSHED = threading.local()
 
 # metadata_props entry of an optimized-model cache: what it was built from (see ``_cache_key``).
 CACHE_KEY_PROP = "mha_deploy.optimized_from"
@@ -81,6 +86,10 @@ class MHASession:
       on its pool threads and on the calling thread for the extent of each call (its
       floating-point state is restored after): masked attention ops run 1.4-1.8x
       faster (``mha_deploy.runtime.denormals``). False leaves ORT's default, which keeps them.
+    - ``graph``: the file's graph as ``session_file.read_file_graph`` read it, for a caller that read it already
+      (``kv_stepper.open_decoder`` reads the metadata first): the file's graph is then read once. The graph the
+      load check read, weights left in the file, stays as ``graph_proto`` (None for in-memory models) for what
+      reads the graph after the load (a stepper's ports and cache layout).
     - ``cuda_graph``: the fixed input shape, ``(batch, seq)`` for self-attention or
       ``(batch, q_seq, kv_seq)`` for cross-attention, to capture a CUDA graph for
       (ORT's ``enable_cuda_graph``). Needs ``provider="cuda"``. The graph replays
@@ -116,6 +125,7 @@ class MHASession:
         io_binding: bool = False,
         cuda_graph: tuple[int, ...] | None = None,
         flush_denormals: bool = True,
+        graph: FileGraph | None = None,
     ):
         self.source = "<in-memory model>" if isinstance(model, bytes) else str(model)
         if not isinstance(model, bytes):
@@ -128,9 +138,12 @@ class MHASession:
             )
         self.flush_denormals = flush_denormals
         options = _session_options(threads, inter_op_threads, optimization, session_config, flush_denormals)
-        # The file's graph without its weights' bytes, read once: what ORT loads, what the load check reads.
-        graph = None if isinstance(model, bytes) else _graph_of(Path(model))
-        if graph is not None and _shapes_change_every_call(graph[0]):
+        # The file's graph without its weights' bytes, read and parsed once (or as the caller read it, ``graph``):
+        # what ORT loads, what the load check reads, what is kept as ``graph_proto``.
+        if graph is None and not isinstance(model, bytes):
+            graph = _graph_of(Path(model))
+        self.graph_proto: onnx.ModelProto | None = None
+        if graph is not None and _shapes_change_every_call(graph.proto):
             # ORT's memory pattern plans one block per input shape set; a decoder's past grows every call, so
             # each step plans anew and the arena keeps every block it ever gave: 894 against 638 MB peak for
             # a 189 MB Llama decoding 16 rows (prompt 128, 128 new tokens), measured.
@@ -158,7 +171,7 @@ class MHASession:
             self.warmup()
 
     def _load(self, model, options: ort.SessionOptions, providers: list, optimized_model_path,
-              graph: tuple[bytes, int] | None) -> ort.InferenceSession:
+              graph: FileGraph | None) -> ort.InferenceSession:
         """The ORT session, through the optimized-model cache when there is one; ``graph``: ``_graph_of`` the file."""
         source = model if isinstance(model, bytes) else str(model)
         self.loaded_from = self.source
@@ -193,13 +206,17 @@ class MHASession:
         except Exception as exc:  # ORT raises its own Fail/InvalidProtobuf/... types
             raise ModelFileError(f"{self.loaded_from}: ONNX Runtime cannot load it: {exc}") from exc
 
-    def _check_against_graph(self, path: Path, graph: tuple[bytes, int] | None, probe: bool) -> None:
-        """Refuse a file whose metadata does not describe its graph (see ``mha_deploy.runtime.model_check``)."""
-        try:
-            # Not onnx.load: the weights' bytes twice beside the session's copy (session_file).
-            proto = onnx.load_from_string(graph[0]) if graph is not None else read_graph(path)
-        except Exception as exc:  # DecodeError and friends; ORT read it, so this is a race with a writer
-            raise ModelFileError(f"{path}: not a readable ONNX file: {exc}") from exc
+    def _check_against_graph(self, path: Path, graph: FileGraph | None, probe: bool) -> None:
+        """Refuse a file whose metadata does not describe its graph (see ``mha_deploy.runtime.model_check``); keep the
+        graph checked as ``graph_proto``."""
+        proto = graph.proto if graph is not None else None
+        if proto is None:
+            try:
+                # Not onnx.load: the weights' bytes twice beside the session's copy (session_file).
+                proto = read_graph(path)
+            except Exception as exc:  # DecodeError and friends; ORT read it, so this is a race with a writer
+                raise ModelFileError(f"{path}: not a readable ONNX file: {exc}") from exc
+        self.graph_proto = proto
         self._check_against_proto(proto, probe)
 
     def _check_against_proto(self, proto: onnx.ModelProto, probe: bool) -> None:
@@ -241,7 +258,8 @@ class MHASession:
         feeds = validate_inputs(self.metadata, inputs)
         if self._graph is not None:
             return self._graph.run(feeds)
-        with flushing_denormals(self.flush_denormals):
+        # Within ``flushing`` this thread flushes already: not set and restored again.
+        with flushing_denormals(self.flush_denormals and not getattr(_FLUSHED, "depth", 0)):
             if self._io_binding:
                 outputs = self._run_with_binding(feeds)
             else:
@@ -287,18 +305,38 @@ class MHASession:
 
     def run_in_place(
         self, inputs: Mapping[str, np.ndarray], in_place: Mapping[str, str], wanted: tuple[str, ...],
-        kept: KeptBinding | None = None,
+        kept: KeptBinding | None = None, into: Mapping[str, np.ndarray] | None = None,
     ) -> dict[str, np.ndarray]:
         """Run with every output in ``in_place`` (output name -> input name) written by ORT into the very array that
         input reads (a KV cache updated in place, ``run_in_place``); returns the ``wanted`` outputs, allocated by
-        ORT. The inputs are bound as given, not validated on the signature: the caller checks them (a ragged cache
-        is wider than the tokens it holds, which ``validate_inputs`` would refuse). CPU provider only. ``kept``: a
-        binding of this session kept across one thread's calls (``KeptBinding``)."""
+        ORT, and the ``into`` ones, written into the caller's arrays. The inputs are bound as given, not validated on
+        the signature: the caller checks them (a ragged cache is wider than the tokens it holds, which
+        ``validate_inputs`` would refuse). CPU provider only. ``kept``: a binding of this session kept across one
+        thread's calls (``KeptBinding``)."""
         if self.provider != "cpu" or self._graph is not None:
             raise OptionError(f"run_in_place writes host arrays: it needs the CPU provider (this session: "
                               f"{self.provider})")
+        if self.flush_denormals and getattr(_FLUSHED, "depth", 0):
+            return run_in_place(self._session, inputs, in_place, wanted, kept, into)  # flushed by ``flushing``
         with flushing_denormals(self.flush_denormals):
-            return run_in_place(self._session, inputs, in_place, wanted, kept)
+            return run_in_place(self._session, inputs, in_place, wanted, kept, into)
+
+    @contextmanager
+    def flushing(self) -> Iterator[None]:
+        """One denormal scope (``flush_denormals``) for every ``run_in_place`` this thread makes within the block,
+        instead of one per call (about 5-15 us each: two ``fesetenv`` calls through ctypes and a context manager).
+        A caller that runs numpy between calls (a generation loop choosing tokens) runs it flushed too: see
+        ``generation.generate`` for why that changes no token. The thread's floating-point state is restored when
+        the block ends; nested blocks are one scope."""
+        if not self.flush_denormals or getattr(_FLUSHED, "depth", 0):
+            yield
+            return
+        with flushing_denormals(True):
+            _FLUSHED.depth = 1
+            try:
+                yield
+            finally:
+                _FLUSHED.depth = 0
 
     def kept_binding(self) -> KeptBinding:
         """A binding for ``run_in_place`` to keep across one thread's calls."""
@@ -344,27 +382,33 @@ class MHASession:
 
 def run_in_place(
     session: ort.InferenceSession, inputs: Mapping[str, np.ndarray], in_place: Mapping[str, str],
-    wanted: tuple[str, ...], kept: KeptBinding | None = None,
+    wanted: tuple[str, ...], kept: KeptBinding | None = None, into: Mapping[str, np.ndarray] | None = None,
 ) -> dict[str, np.ndarray]:
     """One call through an IOBinding: each output named in ``in_place`` is bound to the memory of the input it names
-    (same pointer, same shape), so ORT writes it there and nothing is allocated or copied for it; the ``wanted``
-    outputs are allocated by ORT and returned by name. The arrays must be C-contiguous host arrays. ``kept``: a
-    binding kept across one thread's calls (``KeptBinding``), else a binding for this call."""
+    (same pointer, same shape), so ORT writes it there and nothing is allocated or copied for it; each output named
+    in ``into`` is written into the caller's array given (exactly the output's shape and type; returned as it is);
+    the ``wanted`` outputs are allocated by ORT and returned by name. The arrays must be C-contiguous host arrays.
+    ``kept``: a binding kept across one thread's calls (``KeptBinding``), else a binding for this call.
+
+    With every output bound to the caller's memory, no output is read back at all: ``get_outputs`` wraps every
+    output of the binding in an OrtValue (13 for a 6-layer decoder), 0.1 ms of a decoding step's host time."""
     kept = kept or KeptBinding(session)
     for name, array in inputs.items():
-        if not array.flags.c_contiguous:
-            raise InputError(f"{name}: run_in_place binds memory as it is and needs a C-contiguous array")
         kept.bind(name, array, output=False)
     for output, source in in_place.items():
         kept.bind(output, inputs[source], output=True)
+    if into:
+        for name, array in into.items():
+            kept.bind(name, array, output=True)
     for name in wanted:
-        # Rebound every call: an output ORT allocated is kept by the binding, and reused (its shape then fixed)
-        # unless bound anew.
-        kept.binding.bind_output(name, "cpu")
-        kept.outputs.setdefault(name, len(kept.outputs))
+        kept.allocate(name)
     session.run_with_iobinding(kept.binding)
-    values = kept.binding.get_outputs()
-    return {name: values[kept.outputs[name]].numpy() for name in wanted}
+    result = dict(into) if into else {}
+    if wanted:
+        values = kept.binding.get_outputs()
+        for name in wanted:
+            result[name] = values[kept.outputs[name]].numpy()
+    return result
 
 
 class KeptBinding:
@@ -384,9 +428,18 @@ class KeptBinding:
 
     def bind(self, name: str, array: np.ndarray, output: bool) -> None:
         key = (name, output)
-        if self._held.get(key) is array:
-            return
+        held = self._held.get(key)
+        if held is array:
+            return  # checked when it was bound; the binding reads its memory as it is now
+        if not array.flags.c_contiguous:
+            raise InputError(f"{name}: run_in_place binds memory as it is and needs a C-contiguous array")
         self._held[key] = array
+        if not output and held is not None and held.shape != array.shape:
+            # Another shape is bound anew wherever it lies (a ragged decoder's mask grows a column every step):
+            # ORT's own numpy binding wraps the array's memory as the pointer binding does, at half its cost.
+            self.binding.bind_cpu_input(name, array)
+            self._bound.pop(key, None)
+            return
         where = (array.ctypes.data, array.shape, array.dtype)
         if self._bound.get(key) == where:
             return  # another array over the same memory: it holds this call's values all the same
@@ -395,6 +448,15 @@ class KeptBinding:
         self._bound[key] = where
         if output:
             self.outputs.setdefault(name, len(self.outputs))
+
+    def allocate(self, name: str) -> None:
+        """Output ``name`` allocated by ORT on the next call. Bound anew every call: ORT keeps an output it
+        allocated in the binding and reuses it (its shape then fixed) unless bound again."""
+        self.binding.bind_output(name, "cpu")
+        key = (name, True)
+        self._held.pop(key, None)  # no longer bound to that array: binding it again must bind it
+        self._bound.pop(key, None)
+        self.outputs.setdefault(name, len(self.outputs))
 
 
 def check_model_file(path: str | os.PathLike) -> ModelMetadata:
@@ -538,24 +600,26 @@ def _session_options(
     return options
 
 
-def _graph_of(path: Path) -> tuple[bytes, int] | None:
-    """``session_file.graph_bytes`` of ``path``; None when it cannot be read here (ORT then says why)."""
+def _graph_of(path: Path) -> FileGraph | None:
+    """``session_file.read_file_graph`` of ``path``; None when it cannot be read here (ORT then says why)."""
     try:
-        return graph_bytes(path)
+        return read_file_graph(path)
     except OSError:
         return None
 
 
-def _shapes_change_every_call(graph: bytes) -> bool:
+def _shapes_change_every_call(graph: onnx.ModelProto | None) -> bool:
     """Whether the file's metadata says it is a KV-cache decoder (its past input grows every call)."""
+    if graph is None:
+        return False
     try:
-        props = {p.key: p.value for p in onnx.ModelProto.FromString(graph).metadata_props}
+        props = {p.key: p.value for p in graph.metadata_props}
         return METADATA_KEY in props and ModelMetadata.from_props(props).signature.kv_cache
     except Exception:  # not ONNX, or not an mha-deploy file: the load and its check say what is wrong
         return False
 
 
-def _weights_apart(source: str | bytes, graph: tuple[bytes, int] | None, options: ort.SessionOptions) -> str | bytes:
+def _weights_apart(source: str | bytes, graph: FileGraph | None, options: ort.SessionOptions) -> str | bytes:
     """What ORT loads for ``source``: a file with large inline weights as its graph alone, the weights read from the
     file as external data (``session_file``: ORT keeps an inline weight's bytes longer; 253 against 181 MB resident
     after loading a 189 MB Llama, measured); bytes, and any other file by its path, as they are."""

@@ -20,6 +20,7 @@ from __future__ import annotations
 import mmap
 import os
 from pathlib import Path
+from typing import NamedTuple
 
 import onnx
 
@@ -50,6 +51,27 @@ def read_graph(path: str | os.PathLike) -> onnx.ModelProto:
     reference to its own bytes there): graph, metadata, small constants and weights' names, types and shapes as
     ``onnx.load`` gives them. ``onnx.load``'s own errors for a file that is not ONNX."""
     return onnx.load_from_string(graph_bytes(path)[0])
+
+
+class FileGraph(NamedTuple):
+    """A file's graph as ``graph_bytes`` reads it, parsed once: what a session loads (``data``, the weights read from
+    the file by ORT when ``weights_left``), checks and keeps (``proto``), and what a stepper reads its ports and a
+    loader the file's metadata from, so that opening a decoder reads its graph once."""
+
+    data: bytes
+    weights_left: int
+    proto: onnx.ModelProto | None  # None: not ONNX (ORT's load says what is wrong with it)
+
+
+def read_file_graph(path: str | os.PathLike) -> FileGraph:
+    """``graph_bytes`` of ``path`` and the message they hold (None when they are not ONNX). ``OSError`` when the file
+    cannot be read."""
+    data, left = graph_bytes(path)
+    try:
+        proto = onnx.load_from_string(data)
+    except Exception:  # DecodeError and friends: the caller's load reports the file
+        proto = None
+    return FileGraph(data, left, proto)
 
 
 def graph_bytes(path: str | os.PathLike) -> tuple[bytes, int]:
