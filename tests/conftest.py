@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import hashlib
 import importlib
 import importlib.util
@@ -77,6 +79,72 @@ def exported_once(tmp_path_factory, key: tuple, export: Callable[[Path], dict]) 
         if not record.exists():  # an export that raised wrote no record: the next one to ask tries again
             record.write_text(json.dumps(export(folder)))
         return folder, json.loads(record.read_text())
+
+
+def _trace_inputs_digest(module) -> str:
+    """What a trace of ``module`` depends on beyond its code: its weights and buffers, its config (a Hugging Face
+    model's), and a declared wrapper's mask dtypes and binding (own_model.DeclaredModule)."""
+    import torch
+
+    digest = hashlib.sha256()
+    for name, tensor in module.state_dict().items():
+        digest.update(name.encode())
+        digest.update(repr((tensor.dtype, tuple(tensor.shape))).encode())
+        digest.update(tensor.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy())
+    configs = [repr(sub.config) for sub in module.modules() if hasattr(sub, "config")][:1]
+    extra = (getattr(module, "mask_dtypes", None), getattr(module, "binding", None), configs)
+    digest.update(repr(extra).encode())
+    return digest.hexdigest()
+
+
+@contextlib.contextmanager
+def traces_shared(tmp_path_factory, file: str, factory: str):
+    """Within it, ``export_model``'s trace (torch.onnx.export of the declared module: most of an export's time,
+    15-30 s for an encoder-decoder here) of tests/user_models/<file>.py's ``factory`` runs once per test run; yields
+    the tracing function, for tests that trace the plain graph themselves.
+
+    The default export, the packed one, the --kv-cache ones and the fusion tests' plain graph of one model all
+    start from the same trace: packing, the cache and fusion are rewrites of the graph it returns, which every
+    caller still runs. The key holds every argument of the trace and the module's weights, config and declared
+    mask dtypes, so a test that changes the module (scaled weights) or the call (another max length) traces anew;
+    the trace itself stays tested by whichever test asks first.
+    """
+    import inspect
+
+    import onnx
+
+    from mha_deploy.exporters import export as export_module
+    from mha_deploy.exporters import torch_export
+
+    real = torch_export.export_onnx
+    parameters = inspect.signature(real)
+
+    def trace(*args, **kwargs) -> onnx.ModelProto:
+        bound = parameters.bind(*args, **kwargs)
+        bound.apply_defaults()
+        module = bound.arguments.pop("module")
+        key = ("trace", file, factory, _trace_inputs_digest(module), repr(sorted(bound.arguments.items())))
+
+        def write(folder: Path) -> dict:
+            onnx.save(real(*args, **kwargs), folder / "plain.onnx")
+            return {}
+
+        folder, _ = exported_once(tmp_path_factory, key, write)
+        return onnx.load(str(folder / "plain.onnx"))
+
+    saved = export_module.export_onnx
+    export_module.export_onnx = trace
+    try:
+        yield trace
+    finally:
+        export_module.export_onnx = saved
+
+
+@pytest.fixture(scope="session")
+def shared_trace(tmp_path_factory):
+    """``with shared_trace(file, factory): export_model(...)``: conftest.traces_shared, for tests that export
+    tests/user_models/<file>.py's ``factory()`` themselves (unchanged: the key reads weights and config, not code)."""
+    return functools.partial(traces_shared, tmp_path_factory)
 
 
 def parameter_sum(module) -> float:
@@ -283,10 +351,11 @@ def own_model(tmp_path_factory):
 
             def write(folder: Path) -> dict:
                 inputs = [arg for spec in user_module(name).INPUTS for arg in ("--input", spec)]
-                result = CliRunner().invoke(
-                    main, ["export", "--module", f"{USER_MODELS / name}.py:{factory}", *inputs, "-o",
-                           str(folder / file_name)]
-                )
+                with traces_shared(tmp_path_factory, name, factory):
+                    result = CliRunner().invoke(
+                        main, ["export", "--module", f"{USER_MODELS / name}.py:{factory}", *inputs, "-o",
+                               str(folder / file_name)]
+                    )
                 return {"exit_code": result.exit_code, "output": result.output}
 
             # a failure is cached too: every test of that model then fails at once, with the export's words
@@ -366,10 +435,11 @@ def lm_cache(tmp_path_factory):
         if (name, flags) not in cache:
             def write(folder: Path) -> dict:
                 inputs = [arg for spec in user_module(name).INPUTS for arg in ("--input", spec)]
-                result = CliRunner().invoke(
-                    main, ["export", "--module", f"{USER_MODELS / name}.py:build", *inputs, "--kv-cache", *flags,
-                           "-o", str(folder / f"{name}.onnx")]
-                )
+                with traces_shared(tmp_path_factory, name, "build"):
+                    result = CliRunner().invoke(
+                        main, ["export", "--module", f"{USER_MODELS / name}.py:build", *inputs, "--kv-cache",
+                               *flags, "-o", str(folder / f"{name}.onnx")]
+                    )
                 assert result.exit_code == 0, result.output
                 return {"output": result.output}
 
@@ -392,8 +462,9 @@ def ragged_lm(tmp_path_factory):
         if name not in cache:
             def write(folder: Path) -> dict:
                 module = user_module(name)
-                export_model(module.build(), folder / f"{name}.onnx", module.INPUTS, kv_cache=True,
-                             position_ids=True)
+                with traces_shared(tmp_path_factory, name, "build"):
+                    export_model(module.build(), folder / f"{name}.onnx", module.INPUTS, kv_cache=True,
+                                 position_ids=True)
                 return {}
 
             cache[name] = exported_once(tmp_path_factory, ("ragged_lm", name), write)[0] / f"{name}.onnx"

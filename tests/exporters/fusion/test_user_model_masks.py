@@ -3,13 +3,13 @@ them: every attention fused on every execution path, no Softmax left, each paddi
 kernel the reference form gets (none materialised: T5's position bias is reported as a bias), and the fused
 graph equal to the module on real rows on both padding sides.
 
-Fusion is checked on the plain graph ``export --module`` traces (declare_model + export_onnx), so that it
-is tested apart from what the rest of the export does; one model goes through the CLI and ``inspect``.
+Fusion is checked on the plain graph ``export --module`` traces (declare_model + export_onnx, the trace the
+other files' exports of each model share), so that it is tested apart from what the rest of the export does;
+one model goes through the CLI and ``inspect``.
 """
 
 from __future__ import annotations
 
-import functools
 from collections import Counter
 
 import numpy as np
@@ -21,13 +21,13 @@ pytest.importorskip("transformers")
 import onnxruntime as ort  # noqa: E402
 
 from mha_deploy.exporters.fusion import fuse_attention  # noqa: E402
-from mha_deploy.exporters.own_model import declare_model  # noqa: E402
+from mha_deploy.exporters.own_model import declare_model, position_tables  # noqa: E402
 from mha_deploy.exporters.reference_form import reference_attention, without_fast_path  # noqa: E402
-from mha_deploy.exporters.torch_export import DEFAULT_OPSET, export_onnx  # noqa: E402
+from mha_deploy.exporters.torch_export import DEFAULT_OPSET  # noqa: E402
 from mha_deploy.inputs import padding_mask  # noqa: E402
 from mha_deploy.model_report import describe_model  # noqa: E402
 from mha_deploy.onnx_nodes import all_nodes  # noqa: E402
-from tests.conftest import OWN_MODEL_ATOL, OWN_MODEL_RTOL, user_module  # noqa: E402
+from tests.conftest import OWN_MODEL_ATOL, OWN_MODEL_RTOL, traces_shared, user_module  # noqa: E402
 
 ENCODER = {"MultiHeadAttention+key_padding_mask": 2}
 ENCODER_DECODER = {"MultiHeadAttention+key_padding_mask": 4, "GroupQueryAttention+seqlens_k": 2}
@@ -57,19 +57,27 @@ IDS = [f"{name}:{factory}" for name, factory in MODELS]
 MIN_VOCAB = 60
 
 
-@functools.cache
-def _plain(name: str, factory: str):
-    """(the declared module, its plain graph as ``export --module`` traces it)."""
-    module_file = user_module(name)
-    declared = declare_model(getattr(module_file, factory)(), module_file.INPUTS)
-    with reference_attention():
-        plain = export_onnx(declared.traced, declared.signature, declared.d_model, DEFAULT_OPSET)
-    return declared, plain
+@pytest.fixture(scope="module")
+def fused_plain(tmp_path_factory):
+    """``fused_plain(name, factory) -> (the declared module, its plain graph fused, the fusion report)``: the plain
+    graph as ``export --module`` traces it (the same call and arguments: the trace other files' exports of the
+    model share, conftest.traces_shared), fused apart from the rest of the export."""
+    cache = {}
 
+    def get(name: str, factory: str):
+        if (name, factory) not in cache:
+            module_file = user_module(name)
+            with without_fast_path():  # as export_model declares the module and reads its position tables
+                declared = declare_model(getattr(module_file, factory)(), module_file.INPUTS)
+                tables = position_tables(declared.wrapper, declared.signature)
+            max_length = min((table.max_length for table in tables), default=None)
+            with traces_shared(tmp_path_factory, name, factory) as trace, reference_attention():
+                plain = trace(declared.traced, declared.signature, declared.d_model, DEFAULT_OPSET,
+                              plain_rotary=True, max_length=max_length)
+            cache[name, factory] = (declared, *fuse_attention(plain, "mha"))
+        return cache[name, factory]
 
-@functools.cache
-def _fused(name: str, factory: str):
-    return fuse_attention(_plain(name, factory)[1], "mha")
+    return get
 
 
 def _kinds(report) -> dict[str, int]:
@@ -82,8 +90,8 @@ def _kinds(report) -> dict[str, int]:
 
 
 @pytest.mark.parametrize(("name", "factory"), list(MODELS), ids=IDS)
-def test_every_mask_lands_on_its_kernel(name, factory):
-    fused, report = _fused(name, factory)
+def test_every_mask_lands_on_its_kernel(fused_plain, name, factory):
+    _, fused, report = fused_plain(name, factory)
     assert report.complete, report.summary()
     assert not [node.name for node in all_nodes(fused.graph) if node.op_type == "Softmax"]
     assert _kinds(report) == MODELS[name, factory], report.summary()
@@ -95,9 +103,8 @@ def test_every_mask_lands_on_its_kernel(name, factory):
 
 @pytest.mark.parametrize("side", ["right", "left"])
 @pytest.mark.parametrize(("name", "factory"), list(MODELS), ids=IDS)
-def test_fused_graph_equals_the_module(name, factory, side):
-    declared, _ = _plain(name, factory)
-    fused, _ = _fused(name, factory)
+def test_fused_graph_equals_the_module(fused_plain, name, factory, side):
+    declared, fused, _ = fused_plain(name, factory)
     signature = declared.signature
     rng = np.random.default_rng(5)
     lengths = {axis: 11 + 2 * i for i, axis in enumerate(signature.sequence_axes)}  # not the traced lengths
