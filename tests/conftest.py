@@ -476,12 +476,16 @@ def ragged_lm(tmp_path_factory):
 @pytest.fixture(scope="session")
 def seq2seq(tmp_path_factory):
     """(decoder, encoder, start id, vocabulary): a hand-written cache-aware encoder-decoder exported by torch as two
-    files (tests/runtime/cached_seq2seq.py), shared by the serving and batch tests; its decoder takes
-    encoder_attention_mask but no attention_mask of its own, and counts positions over its cache."""
+    files (tests/runtime/cached_seq2seq.py, ``build(seed=1)``), shared by the generation, serving and batch tests;
+    its decoder takes encoder_attention_mask but no attention_mask of its own, and counts positions over its cache."""
     pytest.importorskip("torch")
     from tests.runtime import cached_seq2seq
 
-    encoder, decoder = cached_seq2seq.build(seed=1)
-    folder = tmp_path_factory.mktemp("seq2seq")
-    cached_seq2seq.export(encoder, decoder, folder / "encoder.onnx", folder / "decoder.onnx")
+    def write(folder: Path) -> dict:
+        encoder, decoder = cached_seq2seq.build(seed=1)
+        cached_seq2seq.export(encoder, decoder, folder / "encoder.onnx", folder / "decoder.onnx")
+        return {}
+
+    # once per run (tests/runtime/test_generation.py reads the same files beside the modules they came from)
+    folder, _ = exported_once(tmp_path_factory, ("seq2seq", "cached_seq2seq", 1), write)
     return folder / "decoder.onnx", folder / "encoder.onnx", cached_seq2seq.START_ID, cached_seq2seq.VOCAB

@@ -278,12 +278,12 @@ def test_onnx_cache_equals_the_torch_loop(cached_gpt, search):
 
 
 @pytest.fixture(scope="module")
-def cached_seq2seq(tmp_path_factory):
+def cached_seq2seq(seq2seq):
     from tests.runtime import cached_seq2seq
 
+    # the modules conftest's seq2seq exported (build(seed=1)), its files exported once per run
     encoder, decoder = cached_seq2seq.build(seed=1)
-    folder = tmp_path_factory.mktemp("generation-seq2seq")
-    cached_seq2seq.export(encoder, decoder, folder / "encoder.onnx", folder / "decoder.onnx")
+    folder = seq2seq[0].parent
     empty = torch.zeros(1, cached_seq2seq.HEADS, 0, cached_seq2seq.HEAD_DIM)
 
     def logits_of(source, mask, target):
