@@ -35,24 +35,25 @@ def pack_any_size(monkeypatch):
     monkeypatch.setattr(token_packing, "MIN_WORK_PER_COPIED_ELEMENT", 0)
 
 
-def _export(tmp_path, name: str, *args: str):
+def _export(shared_trace, tmp_path, name: str, *args: str):
     path = tmp_path / f"{name}{''.join(args)}.onnx"
     inputs = [arg for spec in user_module(name).INPUTS for arg in ("--input", spec)]
-    result = CliRunner().invoke(
-        main, ["export", "--module", f"{USER_MODELS / name}.py:build", *inputs, *args, "-o", str(path)])
+    with shared_trace(name, "build"):  # one trace of the model for every export of it (the flags act after it)
+        result = CliRunner().invoke(
+            main, ["export", "--module", f"{USER_MODELS / name}.py:build", *inputs, *args, "-o", str(path)])
     assert result.exit_code == 0, result.output
     return path, result.output
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", MODELS)
-def test_packed_models_equal_the_module_and_their_unpacked_export(tmp_path, pack_any_size, name):
-    path, output = _export(tmp_path, name)
+def test_packed_models_equal_the_module_and_their_unpacked_export(shared_trace, tmp_path, pack_any_size, name):
+    path, output = _export(shared_trace, tmp_path, name)
     assert "warning" not in output, output
     # every dense layer runs packed: each MatMul of the model's graph (the attentions' own are in their ops)
     matmuls = sum(node.op_type == "MatMul" for node in onnx.load(str(path)).graph.node)
     assert f"token packing: {matmuls} MatMul(s) and " in output, output
-    unpacked_path, unpacked_output = _export(tmp_path, name, "--no-pack-tokens")
+    unpacked_path, unpacked_output = _export(shared_trace, tmp_path, name, "--no-pack-tokens")
     assert "token packing" not in unpacked_output
     packed, unpacked = MHASession(path, provider="cpu"), MHASession(unpacked_path, provider="cpu")
     module = user_module(name).build()
@@ -71,11 +72,12 @@ def test_packed_models_equal_the_module_and_their_unpacked_export(tmp_path, pack
             np.testing.assert_allclose(have, expected, atol=1e-5, rtol=1e-4, err_msg=f"{name} {side}")
 
 
-def test_a_wide_model_is_packed_by_default_and_a_narrow_one_says_why(tmp_path):
+def test_a_wide_model_is_packed_by_default_and_a_narrow_one_says_why(shared_trace, tmp_path):
     classifier = user_module("classifier")
     torch.manual_seed(0)
     wide = classifier.TextClassifier(d_model=256, num_heads=4, num_layers=1)
-    result = export_model(wide, tmp_path / "wide.onnx", classifier.INPUTS)
+    with shared_trace("classifier", "build_wide"):  # the same seed and sizes
+        result = export_model(wide, tmp_path / "wide.onnx", classifier.INPUTS)
     assert result.packing is not None and result.packing.runs == 1, result.packing
     # q, k, v, the output projection and two feed-forward layers; the attention itself stays in place
     assert result.packing.matmuls == 6 and result.packing.masks == ["attention_mask"]
@@ -83,7 +85,8 @@ def test_a_wide_model_is_packed_by_default_and_a_narrow_one_says_why(tmp_path):
     text = describe_model(tmp_path / "wide.onnx").text()
     assert "  packed 6 MatMul(s)" in text and "attention_mask" in text
 
-    narrow = export_model(classifier.build(), tmp_path / "narrow.onnx", classifier.INPUTS)
+    with shared_trace("classifier", "build"):
+        narrow = export_model(classifier.build(), tmp_path / "narrow.onnx", classifier.INPUTS)
     assert narrow.packing is not None and narrow.packing.runs == 0
     assert "too small" in narrow.packing.describe() and "below 500" in narrow.packing.describe()
     assert "\n  packed " not in describe_model(tmp_path / "narrow.onnx").text()
@@ -105,20 +108,22 @@ def test_only_axes_the_model_may_be_padded_on_are_packed(tmp_path, pack_any_size
     assert result.packing is None
 
 
-def test_int8_packs_and_passes_its_parity_budget(tmp_path, pack_any_size):
+def test_int8_packs_and_passes_its_parity_budget(shared_trace, tmp_path, pack_any_size):
     classifier = user_module("classifier")
     # int8's dynamic quantization scales each MatMul input over its rows: packed, over the real ones only, so
     # packed and unpacked int8 differ within the int8 budget, not bit for bit.
-    result = export_model(classifier.build(), tmp_path / "m.onnx", classifier.INPUTS, quantize="int8-dynamic")
+    with shared_trace("classifier", "build"):
+        result = export_model(classifier.build(), tmp_path / "m.onnx", classifier.INPUTS, quantize="int8-dynamic")
     assert result.packing.runs == 1 and result.parity.passed and not result.warnings
     assert result.parity.rel_budget is not None
 
 
-def test_edge_batches_run_packed(tmp_path, pack_any_size):
+def test_edge_batches_run_packed(shared_trace, tmp_path, pack_any_size):
     classifier = user_module("classifier")
-    result = export_model(classifier.build(), tmp_path / "m.onnx", classifier.INPUTS)
+    with shared_trace("classifier", "build"):
+        result = export_model(classifier.build(), tmp_path / "m.onnx", classifier.INPUTS)
+        unpacked = export_model(classifier.build(), tmp_path / "u.onnx", classifier.INPUTS, pack_tokens=False)
     assert result.packing.runs == 1 and result.parity.passed and not result.warnings
-    unpacked = export_model(classifier.build(), tmp_path / "u.onnx", classifier.INPUTS, pack_tokens=False)
     assert unpacked.packing is None
     # ONNX Runtime itself, as a user of the bare file would: MHASession refuses rows without a real token.
     packed, plain = (ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
@@ -131,7 +136,7 @@ def test_edge_batches_run_packed(tmp_path, pack_any_size):
         np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-4, err_msg=str(mask))
 
 
-def test_a_pack_that_fails_parity_is_dropped_with_a_warning(tmp_path, pack_any_size, monkeypatch):
+def test_a_pack_that_fails_parity_is_dropped_with_a_warning(shared_trace, tmp_path, pack_any_size, monkeypatch):
     def broken(model, masks, rows_only=None):
         packed, report = token_packing.pack_model(model, masks, rows_only)
         # a wrong graph: the first output doubled
@@ -144,7 +149,8 @@ def test_a_pack_that_fails_parity_is_dropped_with_a_warning(tmp_path, pack_any_s
 
     monkeypatch.setattr(export, "pack_model", broken)
     classifier = user_module("classifier")
-    result = export_model(classifier.build(), tmp_path / "m.onnx", classifier.INPUTS)
+    with shared_trace("classifier", "build"):
+        result = export_model(classifier.build(), tmp_path / "m.onnx", classifier.INPUTS)
     assert result.parity.passed and result.metadata.fusion == "mha"
     assert result.packing is None
     assert any(w.startswith("token packing not used (parity FAILED") for w in result.warnings), result.warnings
@@ -152,8 +158,8 @@ def test_a_pack_that_fails_parity_is_dropped_with_a_warning(tmp_path, pack_any_s
 
 # --fuse onnx is the target for CUDA graphs, which replay fixed shapes: it is never packed.
 @pytest.mark.parametrize(("fuse", "packed"), [("auto", True), ("onnx", False)])
-def test_the_cli_says_what_was_packed(tmp_path, pack_any_size, fuse, packed):
-    path, output = _export(tmp_path, "classifier", "--fuse", fuse)
+def test_the_cli_says_what_was_packed(shared_trace, tmp_path, pack_any_size, fuse, packed):
+    path, output = _export(shared_trace, tmp_path, "classifier", "--fuse", fuse)
     assert ("token packing: 12 MatMul(s)" in output) == packed, output
     assert "parity PASSED" in output and "warning" not in output
     session = MHASession(path, provider="cpu")
@@ -211,12 +217,13 @@ def test_norms_written_out_run_packed(tmp_path, pack_any_size):
     assert reductions and all(first_dims.get(node.input[0]) == "attention_mask_packed" for node in reductions)
 
 
-def test_the_pass_names_nothing_as_the_model_already_does(tmp_path, pack_any_size):
+def test_the_pass_names_nothing_as_the_model_already_does(shared_trace, tmp_path, pack_any_size):
     """A graph from elsewhere may hold values named as the pass names its own (packing_0, ...)."""
     import onnx_ir as ir
 
     classifier = user_module("classifier")
-    fused = export_model(classifier.build(), tmp_path / "fused.onnx", classifier.INPUTS, pack_tokens=False)
+    with shared_trace("classifier", "build"):
+        fused = export_model(classifier.build(), tmp_path / "fused.onnx", classifier.INPUTS, pack_tokens=False)
     model = ir.load(str(fused.path))
     for number, node in enumerate(list(model.graph)[:60]):
         for value in node.outputs:
@@ -259,9 +266,9 @@ PEOPLES_MODELS = [
 
 
 @pytest.fixture(scope="session")
-def peoples_export(tmp_path_factory):
+def peoples_export(tmp_path_factory, shared_trace):
     """``peoples_export(file, factory)`` -> the ExportResult of tests/user_models/<file>.py's factory, packed at
-    any size, once per session."""
+    any size, once per session (its trace shared with the model's other exports: conftest.traces_shared)."""
     cache = {}
 
     def export_(name: str, factory: str):
@@ -272,7 +279,8 @@ def peoples_export(tmp_path_factory):
             saved = token_packing.MIN_WORK_PER_COPIED_ELEMENT
             token_packing.MIN_WORK_PER_COPIED_ELEMENT = 0
             try:
-                cache[name, factory] = export_model(model, path, module.INPUTS)
+                with shared_trace(name, factory):
+                    cache[name, factory] = export_model(model, path, module.INPUTS)
             except ParityError as error:
                 cache[name, factory] = error
             finally:
