@@ -229,3 +229,77 @@ def test_mha_session_refuses_what_the_ragged_contract_does_not_allow(gpt, mask, 
              **{name: np.zeros((2, heads, width, head_dim), np.float32) for name in caches}}
     with pytest.raises(InputError, match=message):
         session.run(feeds)
+
+
+# --- the host path of a decode step: nothing read back, one rebind, one denormal scope, one read of the file -------
+
+
+def test_a_decode_step_reads_no_output_back_and_hands_the_caller_its_own_logits(gpt, monkeypatch):
+    """Steps write the logits into an array of the stepper's (no ``get_outputs``); each step's logits stay as they
+    were after later steps (the caller's to keep), also when another stepper on this thread prefills between steps
+    (ORT allocates its logits, and the kept binding must bind ours again); every step equals the prompt alone
+    (atol 1e-5: a cache of another capacity)."""
+    import onnxruntime as ort
+
+    prompt, steps = mixed_prompts(60)[2], [7, 3, 11, 5]
+    stepper, _ = start(gpt, [prompt])
+    reads = []
+    real = ort.IOBinding.get_outputs
+    monkeypatch.setattr(ort.IOBinding, "get_outputs", lambda self: reads.append(1) or real(self))
+    kept = []
+    for index, token in enumerate(steps):
+        logits = stepper.step(np.array([token]))
+        kept.append((logits, logits.copy()))
+        if index == 1:
+            other = stepper.fork()
+            other.prefill(np.array([prompt[:3]]), np.ones((1, 3), np.int64))  # ORT allocates its logits
+    assert len(reads) == 1  # the fork's prefill only
+    for index, (logits, copy) in enumerate(kept):
+        np.testing.assert_array_equal(logits, copy)  # not overwritten by a later step
+        np.testing.assert_allclose(logits[0], alone_logits(gpt, prompt, steps[: index + 1]), atol=1e-5, rtol=1e-5)
+
+
+def test_generate_flushes_denormals_once_and_stream_once_a_call(gpt, monkeypatch):
+    """generate enters one denormal scope for the whole generation (not one per model call) and leaves this
+    thread's floating-point state as it was; stream, which returns to its caller between steps, keeps one per
+    call; both give the same tokens."""
+    from mha_deploy.runtime import session as session_module
+    from mha_deploy.runtime.generation import stream
+
+    stepper = KVCacheStepper(gpt)
+    prompts = mixed_prompts(60)
+    entered = []
+    real = session_module.flushing_denormals
+
+    def counting(enabled=True):
+        entered.append(enabled)
+        return real(enabled)
+
+    monkeypatch.setattr(session_module, "flushing_denormals", counting)
+    tokens = generate(stepper, prompts, max_new_tokens=6, eos_token_id=[]).tokens
+    assert entered == [True]
+    assert float(np.float32(1e-38) / np.float32(10)) != 0.0  # this thread keeps its denormals after it
+    entered.clear()
+    streamed = [[] for _ in prompts]
+    for step in stream(stepper, prompts, max_new_tokens=6, eos_token_id=[]):
+        for prompt, token in zip(step.prompts, step.tokens, strict=True):
+            streamed[prompt].append(int(token))
+    assert entered == [True] * 6  # the prefill and five steps
+    assert streamed == [t.tolist() for t in tokens]
+
+
+def test_a_decoders_file_is_read_once_on_opening(gpt, monkeypatch):
+    """KVCacheStepper on a path reads the file's graph once (weights left in the file): its metadata, the session's
+    load and check, the stepper's ports and layout all take the graph read then (MHASession.graph_proto)."""
+    import onnx
+
+    from mha_deploy.runtime import session_file
+
+    reads = []
+    real_bytes, real_load = session_file.graph_bytes, onnx.load
+    monkeypatch.setattr(session_file, "graph_bytes", lambda path: reads.append(path) or real_bytes(path))
+    monkeypatch.setattr(onnx, "load", lambda *args, **kwargs: reads.append(args) or real_load(*args, **kwargs))
+    stepper = KVCacheStepper(gpt)
+    assert len(reads) == 1
+    assert stepper.graph.session.graph_proto is not None and stepper.cache_layout == CACHE_RAGGED
+    assert set(stepper.graph.inputs) == {i.name for i in stepper.graph.session.graph_proto.graph.input}

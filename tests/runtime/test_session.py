@@ -241,3 +241,24 @@ def test_a_kept_binding_rebinds_what_moved_and_reads_what_changed_in_place():
         fresh = cache.copy()
         again = run_in_place(session, {"cache": fresh, "x": x}, {"cache_out": "cache"}, ("y",))
         np.testing.assert_array_equal(again["y"], out["y"])
+
+
+def test_a_kept_binding_writes_outputs_into_the_callers_arrays_and_goes_back_to_allocated_ones():
+    """An output given in ``into`` is written into the caller's array (returned as it is); asked for as ``wanted``
+    on a later call, ORT allocates it and the caller's array stays as it was; given again as the same array, it is
+    bound again (exactly a fresh binding's values each time)."""
+    from mha_deploy.runtime.session import KeptBinding, run_in_place
+
+    session = _accumulator()
+    kept = KeptBinding(session)
+    rng = np.random.default_rng(1)
+    cache, mine = np.zeros((2, 4), np.float32), np.empty((2, 4), np.float32)
+    for call, into in enumerate([True, False, True, True, False]):
+        x = rng.standard_normal(cache.shape).astype(np.float32)
+        before = mine.copy()
+        out = run_in_place(session, {"cache": cache, "x": x}, {"cache_out": "cache"}, () if into else ("y",), kept,
+                           {"y": mine} if into else None)
+        np.testing.assert_array_equal(out["y"], x * 2)
+        assert (out["y"] is mine) == into, call
+        if not into:
+            np.testing.assert_array_equal(mine, before)  # ORT wrote elsewhere
