@@ -9,6 +9,7 @@ A script, not a test:
     .venv/bin/python benchmarks/llm_builder.py --json figures.json
     .venv/bin/python benchmarks/llm_builder.py --workdir DIR  # keeps the folder and files: a rerun measures them
     .venv/bin/python benchmarks/llm_builder.py --llama-cpp    # also llama.cpp Q4_0 (builds llama-cpp-python once)
+    .venv/bin/python benchmarks/llm_builder.py --ort-cpu-row  # also our files and loop on onnxruntime 1.32
 
 Most of a run is the four exports (mha-deploy's, with its parity checks, take the longest; --quick too): a rerun
 with the same ``--workdir`` skips them.
@@ -25,6 +26,11 @@ weights:
 - onnxruntime-genai's model builder: ``python -m onnxruntime_genai.models.builder -i DIR -o OUT -p fp32|int4
   -e cpu``, run by onnxruntime-genai (``og.Generator``; the batch through ``GeneratorParams``' batch_size);
 - transformers: ``LlamaForCausalLM.from_pretrained(DIR, attn_implementation="sdpa")`` and its ``generate``;
+- with ``--ort-cpu-row``: our files decoded by our runtime as above, but on onnxruntime 1.32.0 (the CPU package, the
+  version onnxruntime-genai 0.18.0 runs on) in ``.venv-ort132`` (or ``$MHA_DEPLOY_ORT132_PYTHON``), made on first use
+  with mha-deploy's runtime dependencies only (onnxruntime, onnx, numpy: the runtime imports no torch). Beside the
+  row of the same files on onnxruntime-gpu 1.31.1 (our pinned runtime), it separates what our loop costs from what
+  the onnxruntime version does: same file, same loop, another onnxruntime;
 - with ``--llama-cpp``: llama.cpp Q4_0 through llama-cpp-python (``.venv-llamacpp``, built from source for this
   CPU on first use), the GGUF written from the same safetensors with the ``gguf`` package and quantized by
   llama.cpp's own ``llama_model_quantize``; batch 1 and the first token only (its ``Llama`` decodes one sequence).
@@ -78,6 +84,8 @@ from _probe import run_probe, time_our_decoding, time_transformers_decoding
 REPOSITORY = Path(__file__).resolve().parents[1]
 THREADS, PAD, BOS, EOS = 2, 0, 1, 2
 BUILDER_GENAI, BUILDER_TORCH = "0.18.0", "2.13.0"
+# The onnxruntime that onnxruntime-genai 0.18.0 installs (its dependency), for the --ort-cpu-row environment.
+ORT_CPU = "1.32.0"
 
 
 @dataclass(frozen=True)
@@ -124,6 +132,10 @@ def main() -> None:
                         help="also llama.cpp Q4_0 (llama-cpp-python, built from source into .venv-llamacpp on first "
                              "use: about 6 minutes on a quiet 2-core machine, more on a shared one) on the same "
                              "weights, batch 1 and first token")
+    parser.add_argument("--ort-cpu-row", action="store_true",
+                        help=f"also our files and loop on onnxruntime {ORT_CPU} (the CPU package, the version "
+                             "onnxruntime-genai's builder runs on), in .venv-ort132 made on first use: separates our "
+                             "loop's cost from the onnxruntime version's")
     parser.add_argument("--no-trained", action="store_true",
                         help="skip the tiny trained Llama whose int4 perplexity on held-out text is reported")
     parser.add_argument("--probe", choices=tuple(_PROBES), help=argparse.SUPPRESS)
@@ -144,16 +156,17 @@ def main() -> None:
     if args.workdir is not None:
         workdir = args.workdir / ("quick" if args.quick else "target")
         workdir.mkdir(parents=True, exist_ok=True)
-        figures = run(sizes, workdir, precisions, args.llama_cpp, not args.no_trained)
+        figures = run(sizes, workdir, precisions, args.llama_cpp, not args.no_trained, args.ort_cpu_row)
     else:
         with tempfile.TemporaryDirectory(prefix="mha-llm-builder-bench-") as workdir:
-            figures = run(sizes, Path(workdir), precisions, args.llama_cpp, not args.no_trained)
+            figures = run(sizes, Path(workdir), precisions, args.llama_cpp, not args.no_trained, args.ort_cpu_row)
     if args.json is not None:
         args.json.write_text(json.dumps(figures, indent=1))
         print(f"figures written to {args.json}")
 
 
-def run(sizes: Sizes, workdir: Path, precisions: list[str], llama_cpp: bool = False, trained: bool = True) -> dict:
+def run(sizes: Sizes, workdir: Path, precisions: list[str], llama_cpp: bool = False, trained: bool = True,
+        ort_cpu_row: bool = False) -> dict:
     from mha_deploy.bench import QuietGate
     from mha_deploy.bench.timing import load_average, load_line
 
@@ -166,9 +179,13 @@ def run(sizes: Sizes, workdir: Path, precisions: list[str], llama_cpp: bool = Fa
     for precision in precisions:
         path, options = export_ours(folder, workdir, precision)
         tools.append(Tool(f"mha-deploy {precision}", "ours", precision, path, options))
+        if ort_cpu_row:
+            tools.append(Tool(ort_cpu_label(precision), "ours-ort-cpu", precision, path, options))
         tools.append(Tool(f"builder {precision}", "genai", precision, export_builder(builder, folder, workdir,
                                                                                         precision)))
     pythons = {"genai": builder, "ours": Path(sys.executable), "transformers": Path(sys.executable)}
+    if ort_cpu_row:
+        pythons["ours-ort-cpu"] = ort_cpu_python()
     if llama_cpp and "int4" in precisions:
         pythons["llamacpp"] = llamacpp_python()
         tools.append(Tool("llama.cpp Q4_0", "llamacpp", "int4", export_gguf(pythons["llamacpp"], folder, workdir)))
@@ -178,6 +195,9 @@ def run(sizes: Sizes, workdir: Path, precisions: list[str], llama_cpp: bool = Fa
     print("files (op counts, subgraphs included):")
     files = {tool.label: {**describe_file(tool.model), "export_options": tool.options}
              for tool in tools if tool.probe in ("ours", "genai")}
+    files.update({tool.label: {**files[f"mha-deploy {tool.precision}"],
+                               "export_options": f"the mha-deploy {tool.precision} file, on onnxruntime {ORT_CPU}"}
+                  for tool in tools if tool.probe == "ours-ort-cpu"})
     files.update({tool.label: {"size_mb": _size_mb(tool.model), "nodes": 0, "ops": {}, "export_options": ""}
                   for tool in tools if tool.probe == "llamacpp"})
     for label, file in files.items():
@@ -229,6 +249,8 @@ def report(sizes: Sizes, tools: list[Tool], files: dict, results: dict, bandwidt
             "first_token_s": float(np.median(measured[first]["seconds"])),
             "peak_rss_mb": {case: measured[case]["peak_rss_mb"] for case in cases if case in measured},
         }
+        if "onnxruntime" in measured[batch1]:  # ours: which onnxruntime ran the file
+            rows[tool.label]["onnxruntime"] = measured[batch1]["onnxruntime"]
     print(f"\nLlama hidden {sizes.hidden}, {sizes.layers} layers, {sizes.heads} heads, {sizes.kv_heads} KV heads, "
           f"intermediate {sizes.intermediate}, vocabulary {sizes.vocab}; {THREADS} threads, greedy; prompts of "
           f"{sizes.prompt}, {sizes.new} new tokens; first token at a {sizes.long_prompt}-token prompt")
@@ -267,6 +289,18 @@ def report(sizes: Sizes, tools: list[Tool], files: dict, results: dict, bandwidt
                  "file": files[f"mha-deploy {precision}"]["size_mb"] / files[f"builder {precision}"]["size_mb"]}
         ratios[precision] = ratio
         print(f"  {precision}: " + "; ".join(f"{name} {value:.2f}x" for name, value in ratio.items()))
+    for precision in sorted({tool.precision for tool in tools if tool.probe == "ours-ort-cpu"}):
+        # Same file, same loop: what onnxruntime's version changes; and the rest of the gap to the builder.
+        newer, ours, theirs = (rows[ort_cpu_label(precision)], rows[f"mha-deploy {precision}"],
+                               rows[f"builder {precision}"])
+        ratio = {f"{case} / ours on onnxruntime-gpu {_ort_version()}": newer["tokens_s"][case] / ours["tokens_s"][case]
+                 for case in (batch1, batchn)}
+        ratio.update({f"{case} / builder": newer["tokens_s"][case] / theirs["tokens_s"][case]
+                      for case in (batch1, batchn)})
+        ratio["first token / builder"] = newer["first_token_s"] / theirs["first_token_s"]
+        ratios[f"{precision} on onnxruntime {ORT_CPU}"] = ratio
+        print(f"  ours {precision} on onnxruntime {newer.get('onnxruntime')}: "
+              + "; ".join(f"{name} {value:.2f}x" for name, value in ratio.items()))
     if "llama.cpp Q4_0" in rows and "mha-deploy int4" in rows:
         ours, theirs = rows["mha-deploy int4"], rows["llama.cpp Q4_0"]
         ratios["llama.cpp"] = {"batch 1": ours["tokens_s"][batch1] / theirs["tokens_s"][batch1],
@@ -624,6 +658,42 @@ def builder_python() -> Path:
     return python
 
 
+def ort_cpu_label(precision: str) -> str:
+    return f"ours {precision} ort{ORT_CPU.rsplit('.', 1)[0]}"
+
+
+def _ort_version() -> str:
+    from importlib.metadata import version
+
+    return version("onnxruntime-gpu")
+
+
+def ort_cpu_python() -> Path:
+    """The python that decodes our files on onnxruntime ``ORT_CPU`` (the CPU package): ``$MHA_DEPLOY_ORT132_PYTHON``,
+    else ``.venv-ort132``, created here on first use with mha-deploy's runtime dependencies alone (onnxruntime, onnx,
+    numpy: the runtime imports no torch; the probe imports the repository through PYTHONPATH). onnxruntime and
+    onnxruntime-gpu are one module: they cannot share .venv."""
+    given = os.environ.get("MHA_DEPLOY_ORT132_PYTHON")
+    if given:
+        return Path(given)
+    env = REPOSITORY / ".venv-ort132"
+    python = env / "bin" / "python"
+    check = [str(python), "-c", f"import onnxruntime, onnx; assert onnxruntime.__version__ == {ORT_CPU!r}"]
+    if python.exists() and subprocess.run(check, capture_output=True).returncode == 0:
+        return python
+    from importlib.metadata import version
+
+    packages = [f"onnxruntime=={ORT_CPU}", f"onnx=={version('onnx')}", f"numpy=={version('numpy')}"]
+    print(f"creating {env} for our runtime on onnxruntime {ORT_CPU} ({', '.join(packages)}): a minute, once",
+          flush=True)
+    if not python.exists():
+        base = getattr(sys, "_base_executable", sys.executable)
+        _run_tool([base, "-m", "venv", str(env)], "python -m venv")
+        (env / ".gitignore").write_text("*\n")
+    _run_tool([str(python), "-m", "pip", "install", "--quiet", *packages], "pip install")
+    return python
+
+
 LLAMA_CPP_PYTHON, GGUF = "0.3.36", "0.19.0"
 
 
@@ -765,8 +835,11 @@ def _probe(python: Path, name: str, request: dict, workdir: Path) -> dict:
 
 def _ours(request: dict) -> dict:
     """runtime.generation over the file: torch-free, as users run it; no eos, so every row runs to the end."""
+    import onnxruntime
+
     seconds, out, _ = time_our_decoding(request)
-    return {"seconds": seconds, "peak_rss_mb": peak_rss_mb(), "tokens": [t.tolist() for t in out.tokens]}
+    return {"seconds": seconds, "peak_rss_mb": peak_rss_mb(), "tokens": [t.tolist() for t in out.tokens],
+            "onnxruntime": onnxruntime.__version__}
 
 
 def _genai(request: dict) -> dict:
@@ -838,7 +911,9 @@ def _llamacpp(request: dict) -> dict:
     return {"seconds": seconds, "peak_rss_mb": peak_rss_mb(), "tokens": [tokens]}
 
 
-_PROBES = {"ours": _ours, "genai": _genai, "transformers": _transformers, "llamacpp": _llamacpp}
+# "ours-ort-cpu": the same probe as ours, run by .venv-ort132's python (ort_cpu_python).
+_PROBES = {"ours": _ours, "ours-ort-cpu": _ours, "genai": _genai, "transformers": _transformers,
+           "llamacpp": _llamacpp}
 
 
 if __name__ == "__main__":
