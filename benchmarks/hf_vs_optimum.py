@@ -321,13 +321,12 @@ def export_optimum(folder: Path, model: str, out: Path, optimize: bool) -> dict:
 
 def _attention_ops(folder: Path) -> dict[str, dict[str, int]]:
     """Per file of ``folder``: how many attention ops and Softmax it holds (inside If branches too)."""
-    import onnx
-
     from mha_deploy.onnx_nodes import all_nodes
+    from mha_deploy.runtime.session_file import read_graph
 
     counts = {}
     for file in sorted(folder.glob("*.onnx")):
-        ops = [node.op_type for node in all_nodes(onnx.load(str(file), load_external_data=False).graph)]
+        ops = [node.op_type for node in all_nodes(read_graph(file).graph)]  # op types only: weights left in the file
         counts[file.stem] = {op: ops.count(op) for op in ATTENTION_OPS if op in ops}
     return counts
 

@@ -364,12 +364,16 @@ def attention_ops(
 
 
 def load_model_file(path: str | os.PathLike) -> onnx.ModelProto:
-    """The ONNX file at ``path`` (external weights not read); ``ModelFileError`` if there is none."""
+    """The ONNX file at ``path``, its weights' bytes not read (``session_file.read_graph``: names, types, shapes
+    and small constants are what the report and the metadata readers use); ``ModelFileError`` if there is none."""
+    # Imported here: mha_deploy.runtime's package loads onnxruntime, which importing this module should not.
+    from mha_deploy.runtime.session_file import read_graph
+
     path = Path(path)
     if not path.is_file():
         raise ModelFileError(f"model file not found: {path}")
     try:
-        model = onnx.load(str(path), load_external_data=False)
+        model = read_graph(path)
     except Exception as exc:  # onnx raises DecodeError and friends
         raise ModelFileError(f"{path}: not a readable ONNX model ({exc})") from exc
     if not model.graph.node and not model.graph.input:

@@ -48,6 +48,7 @@ from mha_deploy.runtime.generation import (
     prompt_batch,
     vocab_size,
 )
+from mha_deploy.runtime.kv_stepper import mixes_lengths_exactly
 from mha_deploy.seeds import offset_seed
 from mha_deploy.signature import PADDING_MASK, TOKENS, Signature, TensorSpec
 
@@ -340,15 +341,14 @@ class PromptLimits:
 
 def pads_exactly(stepper) -> bool:
     """Whether a ``KVCacheStepper``'s prompts of different lengths can share a batch and still give each the tokens it
-    gets alone. A decoder-only file must take ``position_ids`` (the stepper counts them over each row's real tokens):
-    a module's own position source (``arange`` over the cache, as ``export --module --kv-cache`` keeps it) sees the
-    padding, so a padded prompt's positions shift. An encoder takes its source padded on the right, so its
-    ``attention_mask`` suffices; the decoder's rows all start from the start id."""
+    gets alone. A decoder-only file: by the rule ``serve`` mixes lengths by (``mixes_lengths_exactly``: a ragged
+    cache, or holes with ``position_ids`` or positions measured as none; not a module's own positions over the
+    cache, which see the padding). An encoder takes its source padded on the right, so its ``attention_mask``
+    suffices; the decoder's rows all start from the start id."""
     encoder = getattr(stepper, "encoder", None)
     if encoder is not None:
         return "attention_mask" in encoder.inputs
-    inputs = stepper.graph.inputs
-    return "attention_mask" in inputs and "position_ids" in inputs
+    return mixes_lengths_exactly(stepper)
 
 
 def prompt_limits(stepper, max_length: int | None = None) -> PromptLimits:
@@ -368,13 +368,13 @@ def prompt_limits(stepper, max_length: int | None = None) -> PromptLimits:
         {"max_length": recorded, "length_from": "the file's max_length"})
     if encoder is None:
         return PromptLimits(graph.vocab_size, **length)
-    import onnx
-
+    from mha_deploy.runtime.session_file import read_graph
     from mha_deploy.token_tables import vocabulary
 
     # An encoder given as a session (not a file) leaves the vocabulary unknown: ORT then names the bad id itself.
+    # The table's rows are its shape: the graph without the weights' bytes says them.
     path = Path(encoder.source)
-    source = vocabulary(onnx.load(str(path), load_external_data=False), "input_ids") if path.is_file() else None
+    source = vocabulary(read_graph(path), "input_ids") if path.is_file() else None
     pair = getattr(stepper.graph, "pair", None)  # export --kv-cache's decoder records the module's max length
     target = pair.max_length if pair is not None else None
     return PromptLimits(source, with_new_tokens=False, target_max_length=target, target_vocab=vocab_size(stepper),

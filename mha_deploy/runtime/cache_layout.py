@@ -13,6 +13,7 @@ import re
 import onnx
 
 from mha_deploy.metadata import CACHE_HOLES, CACHE_RAGGED, ModelMetadata
+from mha_deploy.runtime.session_file import read_graph
 
 # A self-attention cache input in Optimum's names (``.decoder.`` in an encoder-decoder's decoder).
 SELF_CACHE = re.compile(r"^past_key_values\.(\d+)\.(?:decoder\.)?(key|value)$")
@@ -20,7 +21,7 @@ SELF_CACHE = re.compile(r"^past_key_values\.(\d+)\.(?:decoder\.)?(key|value)$")
 
 def read_cache_layout(metadata: ModelMetadata | None, graph: onnx.GraphProto | str | os.PathLike | None) -> str:
     """How the file keeps its cache: what its metadata records (``metadata.cache_layout``), else read off the graph
-    (given, or loaded from its path without external data): ragged when a contrib GroupQueryAttention reads its past
+    (given, or read from its path without its weights): ragged when a contrib GroupQueryAttention reads its past
     straight from a ``past_key_values.*`` input (it then writes present at each row's own length, in the past's
     buffer when bound to it), holes otherwise, and holes when there is no graph to read."""
     recorded = getattr(metadata, "cache_layout", None)
@@ -29,7 +30,7 @@ def read_cache_layout(metadata: ModelMetadata | None, graph: onnx.GraphProto | s
     if isinstance(graph, str | os.PathLike):
         if not os.path.isfile(graph):
             return CACHE_HOLES
-        graph = onnx.load(graph, load_external_data=False).graph
+        graph = read_graph(graph).graph  # the graph only: its weights' bytes stay in the file (session_file)
     if graph is None:
         return CACHE_HOLES
     inputs = {value.name for value in graph.input}

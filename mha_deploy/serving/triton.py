@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import onnx
+import onnx.external_data_helper
 
 from mha_deploy.batch.lock import OutputLock, lock_path
 from mha_deploy.errors import MHADeployError, ModelFileError
@@ -128,6 +129,9 @@ def _write_entry(model: Path, bounded: onnx.ModelProto | None, target: Path, tex
             if bounded is None:
                 shutil.copyfile(model, staging / version / "model.onnx")
             else:
+                # The weights read here, and only here: Triton's copy is one file, its weights inline as the
+                # source's were (read_graph left them in the source, which this entry must not depend on).
+                onnx.external_data_helper.load_external_data_for_model(bounded, str(model.resolve().parent))
                 (staging / version / "model.onnx").write_bytes(bounded.SerializeToString())
             (staging / CONFIG_NAME).write_text(text)
             _replace_dir(staging, target)
@@ -293,15 +297,25 @@ def _check_runs_on_cuda(proto: onnx.ModelProto, model: Path) -> None:
 
 
 def _load(model: Path) -> onnx.ModelProto:
+    """``model``'s graph, its weights' bytes left in the file (``session_file.read_graph``: each large weight an
+    external-data reference to its own bytes there); what the config, the checks and the bounds read."""
+    # Imported here: mha_deploy.runtime's package loads onnxruntime, which importing this writer should not.
+    from mha_deploy.runtime.session_file import read_graph
+
     if not model.is_file():
         raise ModelFileError(f"model file not found: {model}")
     try:
-        proto = onnx.load(model, load_external_data=False)
+        proto = read_graph(model)
     except Exception as exc:  # onnx raises DecodeError and friends
         raise ModelFileError(f"{model}: not a readable ONNX file: {exc}") from exc
-    if any(t.data_location == onnx.TensorProto.EXTERNAL for t in proto.graph.initializer):
+    own = model.resolve().name  # where read_graph points the weights it leaves in the file
+    if any(t.data_location == onnx.TensorProto.EXTERNAL and _location(t) != own for t in proto.graph.initializer):
         raise TritonExportError(f"{model} keeps weights in external data files; only single-file models are copied")
     return proto
+
+
+def _location(tensor: onnx.TensorProto) -> str | None:
+    return next((entry.value for entry in tensor.external_data if entry.key == "location"), None)
 
 
 def _replace_dir(staging: Path, target: Path) -> None:

@@ -102,7 +102,7 @@ class GenerationOptions:
     prefill_chunk: int = 512
     # Ids that end every sequence.
     eos_token_ids: tuple[int, ...] = ()
-    # Let requests of different lengths share one cache; None: when the file takes position_ids (pads_exactly).
+    # Let requests of different lengths share one cache; None: when that is exact (mixes_lengths_exactly).
     mix_lengths: bool | None = None
     # Sequences (n x prompts) one request may ask for.
     max_choices: int = 16
@@ -229,10 +229,10 @@ def is_generator(model: str | os.PathLike) -> bool:
     """Whether the file is a KV-cache decoder over token ids (input_ids and past_key_values.* inputs, Optimum's
     names): served as a generator. A decoder over float sequences (``export --model decoder --kv-cache``) is not: it
     generates no tokens. A file that cannot be read is left to the model's loader, which says why."""
-    import onnx
+    from mha_deploy.runtime.session_file import read_graph
 
     try:
-        graph = onnx.load(str(model), load_external_data=False).graph
+        graph = read_graph(model).graph  # input names only: the weights' bytes stay in the file
     except Exception:
         return False
     names = {value.name for value in graph.input}
