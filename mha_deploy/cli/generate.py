@@ -74,9 +74,11 @@ from mha_deploy.seeds import SEED_LIMIT
               help="At most this many cache positions per batch: prompts x (longest prompt + --max-new-tokens).")
 @click.option("--pad-prompts/--no-pad-prompts", default=None,
               help="Let prompts of different lengths share a batch (padded). Default: when that gives each prompt "
-                   "the tokens it gets alone: an encoder-decoder whose encoder takes attention_mask, a decoder that "
-                   "takes position_ids; otherwise a batch holds prompts of one length (a module's own positions "
-                   "would see the padding). --pad-prompts for a model whose tokens do not depend on positions.")
+                   "the tokens it gets alone, as serve mixes lengths: an encoder-decoder whose encoder takes "
+                   "attention_mask, a decoder in the ragged cache layout, one that takes position_ids or whose "
+                   "export measured no positions; otherwise a batch holds prompts of one length (a module's own "
+                   "positions would see the padding). --pad-prompts for a model whose tokens do not depend on "
+                   "positions.")
 @click.option("--bucket-window", type=click.IntRange(min=0), default=RunnerOptions.bucket_window, show_default=True,
               help="Prompts read ahead and sorted by length before batching; 0 keeps input order.")
 @click.option("--on-error", type=click.Choice(ON_ERROR_CHOICES), default="stop", show_default=True,

@@ -59,7 +59,15 @@ import onnxruntime as ort
 
 from mha_deploy.errors import InputError, ModelFileError, OptionError
 from mha_deploy.inputs import right_padding_mask
-from mha_deploy.metadata import CACHE_HOLES, CACHE_RAGGED, ENCODER_DECODER_KEY, METADATA_KEY, EncoderDecoderRecord
+from mha_deploy.metadata import (
+    CACHE_HOLES,
+    CACHE_RAGGED,
+    ENCODER_DECODER_KEY,
+    METADATA_KEY,
+    POSITIONS_NONE,
+    POSITIONS_PADDED_WIDTH,
+    EncoderDecoderRecord,
+)
 from mha_deploy.runtime.cache_layout import SELF_CACHE, read_cache_layout
 from mha_deploy.runtime.session_file import FileGraph, read_file_graph, read_graph
 from mha_deploy.signature import AUDIO, IMAGE, TensorSpec
@@ -483,7 +491,7 @@ class KVCacheStepper:
         The self-attention caches share one width: the narrower side gets masked holes on the left, zero keys and
         values that no token attends to; positions come from each row's count of real tokens (``position_ids``), so
         a file that takes them continues every row as it would alone. A file with its own positions over the cache
-        width does not (see ``pads_exactly``), and a file without ``attention_mask`` cannot mask holes at all: join
+        width does not (``mixes_lengths_exactly``), and a file without ``attention_mask`` cannot mask holes at all: join
         only rows of one width there. An encoder-decoder's sources (encoder states, cross-attention caches) are
         padded on the right to the longest, masked by ``encoder_attention_mask``; a decoder without that input takes
         only rows of one source length."""
@@ -809,3 +817,21 @@ def _head_shape(inputs: dict[str, _Port], caches: list[str], num_heads, head_dim
             f"{source}: {caches[0]} declares its shape as {shape}; give num_heads= and head_dim= to size an empty cache"
         )
     return heads, size
+
+
+def mixes_lengths_exactly(stepper: KVCacheStepper) -> bool:
+    """Whether rows of different lengths can share the stepper's cache (``serve``'s cohorts, ``generate``'s padded
+    prompt batches) and still get the tokens they get alone. A ragged cache: always, each row at its own length with
+    its own positions, no hole anywhere (the export writes that layout only for a file taking position_ids or whose
+    positions it measured as none). Holes: the file masks them (``attention_mask``; an encoder-decoder's shorter
+    sources too, ``encoder_attention_mask``) and takes ``position_ids``, which the stepper counts over each row's real
+    tokens (a file's own positions over the cache width would shift by the holes), or its export measured that
+    padding does not change a row (metadata positions "none": a model without positions). A file whose export
+    measured that its rows move with their padding even given their own positions (metadata positions
+    "padded-width") mixes only rows of one length."""
+    if stepper.ragged:
+        return True
+    inputs = stepper.graph.inputs
+    masks = "attention_mask" in inputs and (stepper.encoder is None or "encoder_attention_mask" in inputs)
+    positions = stepper.graph.positions
+    return masks and (("position_ids" in inputs and positions != POSITIONS_PADDED_WIDTH) or positions == POSITIONS_NONE)

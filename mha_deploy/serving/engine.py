@@ -25,8 +25,10 @@ Each turn of the loop:
 (``mix_lengths``). A file whose own positions count over the cache's width (``export --module --kv-cache`` of a model
 with absolute positions exported without ``--position-ids``) would shift a row's positions by its holes: there a row
 joins only a cohort of exactly its length (no holes ever), and cohorts of different lengths take one call each per
-turn; two cohorts that become aligned merge. ``joins_exactly`` decides: a file whose export measured that its
-positions do not matter (metadata positions "none", TinyLM) mixes lengths too; ``mix_lengths`` overrides it. An
+turn; two cohorts that become aligned merge. ``runtime.kv_stepper.mixes_lengths_exactly`` decides, the rule
+``generate``'s prompt batches follow too: a ragged cache mixes lengths (each row at its own length, no holes), and
+so does a file whose export measured that its positions do not matter (metadata positions "none", TinyLM);
+``mix_lengths`` overrides it. An
 encoder-decoder is served the same way: its source is encoded whole at prefill, and rows of different source lengths
 share a cohort when the decoder takes ``encoder_attention_mask`` (shorter sources padded and masked), else only rows
 of one source length do. Within a cohort the decoder's arithmetic per row does not depend on the other rows except
@@ -59,9 +61,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from mha_deploy.errors import InputError, MHADeployError
-from mha_deploy.metadata import POSITIONS_NONE, POSITIONS_PADDED_WIDTH
+from mha_deploy.metadata import POSITIONS_NONE
 from mha_deploy.runtime.generation import GenerationConfig, draw_tokens
-from mha_deploy.runtime.kv_stepper import KVCacheStepper
+from mha_deploy.runtime.kv_stepper import KVCacheStepper, mixes_lengths_exactly
 from mha_deploy.runtime.logits import LogitBiasLogitsProcessor, TokenHistory, log_softmax
 from mha_deploy.serving.scheduler import AlignmentKey, KVBudget, Prefilling, Scheduler
 
@@ -136,21 +138,6 @@ class TokenEvent:
     top_logprobs: dict[int, float] | None = None
     error: str | None = None
     prompt_logprobs: tuple[TokenLogprob, ...] | None = None
-
-
-def joins_exactly(stepper: KVCacheStepper) -> bool:
-    """Whether rows of any length can share the stepper's cache and still get the tokens they get alone: the file
-    masks holes (``attention_mask``; an encoder-decoder's shorter sources too, ``encoder_attention_mask``) and takes
-    ``position_ids``, which the stepper counts over each row's real tokens (a file's own positions over the cache
-    width would shift by the holes), or its export measured that padding does not change a row (metadata positions
-    "none": a model without positions). A file whose export measured that its rows move with their padding even given
-    their own positions (metadata positions "padded-width") joins only rows of one length."""
-    if stepper.ragged:
-        return True  # each row at its own length, its own positions: no hole anywhere
-    inputs = stepper.graph.inputs
-    masks = "attention_mask" in inputs and (stepper.encoder is None or "encoder_attention_mask" in inputs)
-    positions = stepper.graph.positions
-    return masks and (("position_ids" in inputs and positions != POSITIONS_PADDED_WIDTH) or positions == POSITIONS_NONE)
 
 
 class GenerationObserver:
@@ -247,7 +234,7 @@ class GenerationEngine:
         self.stepper = stepper
         # What a prompt may hold: ids below the (encoder's) vocabulary, and the length the file records.
         self.limits = prompt_limits(stepper)
-        self.mix_lengths = joins_exactly(stepper) if mix_lengths is None else mix_lengths
+        self.mix_lengths = mixes_lengths_exactly(stepper) if mix_lengths is None else mix_lengths
         inputs = stepper.graph.inputs
         if self.mix_lengths and ("attention_mask" not in inputs or (
                 stepper.encoder is not None and "encoder_attention_mask" not in inputs)):
