@@ -149,7 +149,9 @@ class GenerationIds:
     ``forced_bos_token_id`` the token an encoder-decoder's first generated token is forced to by default (a Hugging
     Face generation config's: M2M100's and MBart-50's target language; ``generate --forced-bos-id`` overrides it);
     ``suppress_tokens`` and ``begin_suppress_tokens`` ids generation never picks (first), a generation config's
-    (Whisper's)."""
+    (Whisper's); ``bos_token_id`` a decoder-only model's beginning-of-sequence id (its config's), kept for
+    onnxruntime-genai's config only: a causal LM's prompt is the tokens given (the tokenizer adds any bos), so
+    nothing that batches or generates reads it, unlike ``decoder_start_token_id``."""
 
     eos_token_ids: list[int] = field(default_factory=list)
     pad_token_id: int | None = None
@@ -157,6 +159,7 @@ class GenerationIds:
     forced_bos_token_id: int | None = None
     suppress_tokens: list[int] = field(default_factory=list)
     begin_suppress_tokens: list[int] = field(default_factory=list)
+    bos_token_id: int | None = None
 
     def __post_init__(self):
         self.eos_token_ids = list(self.eos_token_ids)
@@ -166,7 +169,7 @@ class GenerationIds:
         """As recorded: the forced first id only when set, so that a file without one stays readable by earlier
         mha-deploy."""
         raw = asdict(self)
-        for name in ("forced_bos_token_id", "suppress_tokens", "begin_suppress_tokens"):
+        for name in ("forced_bos_token_id", "suppress_tokens", "begin_suppress_tokens", "bos_token_id"):
             if raw[name] in (None, []):
                 del raw[name]
         return raw
@@ -177,7 +180,7 @@ class GenerationIds:
         eos = self.eos_token_ids
         named = {("eos id" if len(eos) == 1 else f"eos id #{i + 1}"): token for i, token in enumerate(eos)}
         for name, token in (("pad id", self.pad_token_id), ("start id", self.decoder_start_token_id),
-                            ("forced first id", self.forced_bos_token_id)):
+                            ("forced first id", self.forced_bos_token_id), ("bos id", self.bos_token_id)):
             if token is not None:
                 named[name] = token
         return named
@@ -206,6 +209,8 @@ class GenerationIds:
             parts.append(f"decoder start {self.decoder_start_token_id}")
         if self.forced_bos_token_id is not None:
             parts.append(f"forced first token {self.forced_bos_token_id}")
+        if self.bos_token_id is not None:
+            parts.append(f"bos {self.bos_token_id} (not added to prompts)")
         if self.suppress_tokens or self.begin_suppress_tokens:
             parts.append(f"{len(self.suppress_tokens)} suppressed id(s), {len(self.begin_suppress_tokens)} never first")
         return ", ".join(parts)

@@ -67,6 +67,11 @@ def test_generation_ids_survive_the_files_metadata_in_format_5_and_a_file_withou
     raw = ModelMetadata(32, 4, Signature.custom((IDS,), (POOLED,)), generation=ids).to_json()
     assert '"format": 5' in raw
     assert ModelMetadata.from_json(raw).generation == ids
+    # A decoder-only model's bos id (for onnxruntime-genai's config): kept, and written only when there is one.
+    assert '"bos_token_id"' not in raw
+    with_bos = GenerationIds([2], bos_token_id=3)
+    raw_bos = ModelMetadata(32, 4, Signature.custom((IDS,), (POOLED,)), generation=with_bos).to_json()
+    assert ModelMetadata.from_json(raw_bos).generation == with_bos
     plain = ModelMetadata(32, 4, Signature.custom((IDS,), (POOLED,))).to_json()
     assert '"generation"' not in plain and '"format": 2' in plain  # readable by the mha-deploy before it
     assert ModelMetadata.from_json(plain).generation is None

@@ -706,24 +706,43 @@ def _check_generation_ids(generation: GenerationIds | None, signature: Signature
 def _from_module_config(module, max_length: int | None, generation: GenerationIds | None,
                         notes: list[str]) -> tuple[int | None, GenerationIds | None]:
     """A causal LM's max length and generation ids where neither the caller nor a position table gave them, from its
-    Hugging Face config: ``max_position_embeddings`` (a rotary model's context, which no table states), and the eos
-    and pad ids of its generation config, else of its config (onnxruntime-genai stops at the pad id when no eos is
-    recorded); a line in ``notes`` for each taken."""
+    Hugging Face config: ``max_position_embeddings`` (a rotary model's context, which no table states), and the eos,
+    pad and bos ids of its generation config, else of its config, each one not given (onnxruntime-genai stops at the
+    pad id when no eos is recorded; the bos goes to its config only); a line in ``notes`` for each taken."""
     config = getattr(module, "config", None)
     context = getattr(config, "max_position_embeddings", None)
     if max_length is None and type(context) is int and context > 0:
         max_length = context
         notes.append(f"max length {context} recorded from the module's config (max_position_embeddings; --max-length "
                      "to record another)")
-    if generation is None:
-        sources = [getattr(module, "generation_config", None), config]
-        eos = next((ids for source in sources if (ids := _token_ids(getattr(source, "eos_token_id", None)))), [])
-        pad = next((ids[0] for source in sources if (ids := _token_ids(getattr(source, "pad_token_id", None)))), None)
-        if eos or pad is not None:
-            generation = GenerationIds(eos, pad)
-            notes.append(f"{generation.describe()} recorded from the module's config (--eos-id, --pad-id to record "
-                         "others)")
+    sources = [getattr(module, "generation_config", None), config]
+    given = generation if generation is not None else GenerationIds()
+    eos = [] if given.eos_token_ids else _first_ids(sources, "eos_token_id")
+    pad = [] if given.pad_token_id is not None else _first_ids(sources, "pad_token_id")[:1]
+    bos = config_bos_id(sources) if given.bos_token_id is None else None
+    if eos or pad or bos is not None:
+        generation = replace(given, eos_token_ids=eos or given.eos_token_ids,
+                             pad_token_id=pad[0] if pad else given.pad_token_id,
+                             bos_token_id=bos if bos is not None else given.bos_token_id)
+        taken = GenerationIds(eos, pad[0] if pad else None, bos_token_id=bos).describe()
+        if not eos:
+            taken = taken.removeprefix("no eos, ")
+        notes.append(f"{taken} recorded from the module's config (--eos-id, --pad-id, --start-id to record others)")
     return max_length, generation
+
+
+def config_bos_id(sources) -> int | None:
+    """A decoder-only model's bos id from the first of ``sources`` (a generation config, a config) naming one, where
+    it is inside the config's vocabulary: only onnxruntime-genai's config takes it, so an id a config names by
+    default past a small vocabulary is left out rather than refusing the export."""
+    ids = _first_ids(sources, "bos_token_id")
+    vocab = next((size for source in sources if type(size := getattr(source, "vocab_size", None)) is int), None)
+    return ids[0] if ids and (vocab is None or ids[0] < vocab) else None
+
+
+def _first_ids(sources, name: str) -> list[int]:
+    """The token ids ``name`` holds in the first of ``sources`` that names any."""
+    return next((ids for source in sources if (ids := _token_ids(getattr(source, name, None)))), [])
 
 
 def _token_ids(value) -> list[int]:

@@ -130,7 +130,10 @@ class HFModel:
     def generation_ids(self) -> GenerationIds | None:
         """The eos, pad and (an encoder-decoder's) decoder start ids of the folder's generation config, else of its
         config, and an encoder-decoder's forced first token (``forced_bos_token_id``: M2M100's and MBart-50's
-        target language) and the ids its generation config suppresses (Whisper's); None when it names none."""
+        target language) and the ids its generation config suppresses (Whisper's), or a causal LM's bos id (for
+        onnxruntime-genai's config); None when it names none."""
+        from mha_deploy.exporters.export import config_bos_id
+
         sources = [getattr(self.module, "generation_config", None), self.module.config]
 
         def first(name: str) -> list[int]:
@@ -140,14 +143,16 @@ class HFModel:
         # A causal LM starts from its prompt: its bos id is the tokenizer's business, not the generator's.
         start = first("decoder_start_token_id") if self.encoder_decoder else []
         forced = first("forced_bos_token_id") if self.encoder_decoder else []
+        # ... and is kept apart from a start id, which would make the library's prompt batches start from it.
+        bos = None if self.encoder_decoder else config_bos_id(sources)
         # Whisper's: ids its generation never picks (first); only a generation config names them.
         config = sources[0] if self.encoder_decoder else None
         suppress, begin = (_token_ids(getattr(config, name, None)) for name in ("suppress_tokens",
                                                                                 "begin_suppress_tokens"))
-        if not (eos or pad or start or forced or suppress or begin):
+        if not (eos or pad or start or forced or suppress or begin) and bos is None:
             return None
         return GenerationIds(eos, pad[0] if pad else None, start[0] if start else None,
-                             forced[0] if forced else None, suppress, begin)
+                             forced[0] if forced else None, suppress, begin, bos_token_id=bos)
 
     def context_length(self) -> int | None:
         """The config's ``max_position_embeddings``: the longest sequence the model takes, where no position table

@@ -77,8 +77,10 @@ def genai_config(metadata: ModelMetadata, filename: str, max_length: int | None 
             model["eos_token_id"] = ids.eos_token_ids[0] if len(ids.eos_token_ids) == 1 else ids.eos_token_ids
         if ids.pad_token_id is not None:
             model["pad_token_id"] = ids.pad_token_id
-        if ids.decoder_start_token_id is not None:
-            model["bos_token_id"] = ids.decoder_start_token_id
+        # A start id given at export (--start-id) is the one asked for; else the model's own bos, from its config.
+        bos = ids.decoder_start_token_id if ids.decoder_start_token_id is not None else ids.bos_token_id
+        if bos is not None:
+            model["bos_token_id"] = bos
     session_options = {"log_id": "mha-deploy", "provider_options": []}
     if threads is not None:
         session_options["intra_op_num_threads"] = threads

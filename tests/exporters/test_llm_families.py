@@ -183,8 +183,8 @@ def test_each_family_served_to_concurrent_openai_requests_gives_each_prompt_its_
 @pytest.mark.skipif(genai_python() is None, reason="no .venv-genai: scripts/setup.sh installs onnxruntime-genai there")
 @pytest.mark.parametrize("family", families.FAMILIES)
 def test_each_family_in_onnxruntime_genai_from_the_config_written_with_no_flags(exported, alone, family):
-    """``mha-deploy genai-config FILE`` with no flag: the context length and the eos and pad ids come from the
-    folder's config (max_position_embeddings, eos_token_id, pad_token_id, as the export recorded them);
+    """``mha-deploy genai-config FILE`` with no flag: the context length and the eos, pad and bos ids come from the
+    folder's config (max_position_embeddings, eos_token_id, pad_token_id, bos_token_id, as the export recorded them);
     onnxruntime-genai (its own environment, its own onnxruntime) then generates the four prompts as one batch,
     right-padded with the pad id as it pads, and each row's tokens equal transformers' greedy tokens alone (exact
     ids)."""
@@ -192,8 +192,11 @@ def test_each_family_in_onnxruntime_genai_from_the_config_written_with_no_flags(
     result = CliRunner().invoke(main, ["genai-config", str(path)])
     assert result.exit_code == 0, result.output
     config = json.loads((path.parent / "genai_config.json").read_text())["model"]
-    assert (config["context_length"], config["eos_token_id"], config["pad_token_id"]) == (
-        families.MAX_POSITIONS, families.EOS_ID, families.PAD_ID)
+    assert (config["context_length"], config["eos_token_id"], config["pad_token_id"], config["bos_token_id"]) == (
+        families.MAX_POSITIONS, families.EOS_ID, families.PAD_ID, families.BOS_ID)
+    # inspect shows the bos id beside the others; prompts stay as given (the generate and serve tests above)
+    shown = CliRunner().invoke(main, ["inspect", str(path)]).output
+    assert f"eos {families.EOS_ID}, pad {families.PAD_ID}, bos {families.BOS_ID} (not added to prompts)" in shown
     width = max(LENGTHS)
     padded = [prompt + [families.PAD_ID] * (width - len(prompt)) for prompt in PROMPTS]
     rows = run_genai_greedy(path.parent, padded, width + MAX_NEW).new_tokens(width)

@@ -143,10 +143,12 @@ def test_torch_hugging_face_and_tutorial_decoders_get_a_narrowed_fused_cache(tmp
     module = user_module(name)
     result = export_model(getattr(module, factory)(), tmp_path / "lm.onnx", module.INPUTS, kv_cache=True)
     assert result.parity.passed
-    # GPT-2's config names its eos (0 in this small one), which the file records for generate and onnxruntime-genai
-    from_config = ["eos 0 recorded from the module's config (--eos-id, --pad-id to record others)"]
+    # GPT-2's config names its eos and bos (0 in this small one): the file records the eos for generate and
+    # onnxruntime-genai, the bos for onnxruntime-genai only (prompts stay as given)
+    from_config = ["eos 0, bos 0 (not added to prompts) recorded from the module's config (--eos-id, --pad-id, "
+                   "--start-id to record others)"]
     assert result.warnings == (from_config if name.startswith("hf_") else []), result.warnings
-    assert result.metadata.generation == (GenerationIds([0]) if name.startswith("hf_") else None)
+    assert result.metadata.generation == (GenerationIds([0], bos_token_id=0) if name.startswith("hf_") else None)
     layers = 4 if name == "torch_decoder" else 2  # nn.TransformerDecoder: self- and cross-attention per layer
     assert MHASession(result.path, provider="cpu").signature.layers == layers
     assert result.fusion.fused == layers and result.fusion.complete
@@ -374,7 +376,7 @@ def test_a_rotary_decoder_exports_with_the_defaults_and_takes_each_rows_position
     from mha_deploy.runtime.genai_config import genai_config
 
     genai = genai_config(session.metadata, path.name)["model"]  # `genai-config` with no --max-length
-    assert (genai["context_length"], genai["eos_token_id"]) == (256, 2)
+    assert (genai["context_length"], genai["eos_token_id"], genai["bos_token_id"]) == (256, 2, 1)  # bos: its config's
     # its cache at the 2 KV heads under 4 query heads (GroupQueryAttention's kv_num_heads): genai allocates by them
     decoder = genai["decoder"]
     assert (decoder["num_attention_heads"], decoder["num_key_value_heads"], decoder["head_size"]) == (4, 2, 16)

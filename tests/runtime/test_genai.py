@@ -8,6 +8,7 @@ onnxruntime-genai runs in ``.venv-genai`` (scripts/setup.sh), in a subprocess: i
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -89,6 +90,22 @@ def test_the_config_names_the_files_interface_and_its_recorded_ids(genai_model, 
     assert decoder["outputs"]["present_key_names"] == "present.%d.key"
     assert config["search"]["past_present_share_buffer"] is shared  # ragged: GroupQueryAttention writes in place
     assert config["search"]["max_length"] == MAX_LENGTH and config["search"]["do_sample"] is False
+
+
+def test_the_models_bos_id_comes_from_its_config_and_a_recorded_start_id_wins(genai_model):
+    """GPT-2's config names bos 0 (the export was given eos and pad only): recorded as the model's bos, apart from a
+    start id (so prompts stay as given), and written as onnxruntime-genai's bos_token_id; a start id recorded at
+    export (``--start-id``) is the one asked for, and wins."""
+    from mha_deploy.model_report import read_metadata
+    from mha_deploy.runtime.genai_config import genai_config
+
+    path = genai_model("hf_gpt2")
+    model = json.loads((path.parent / "genai_config.json").read_text())["model"]
+    assert (model["eos_token_id"], model["pad_token_id"], model["bos_token_id"]) == (EOS["hf_gpt2"], PAD, 0)
+    metadata = read_metadata(path)
+    assert (metadata.generation.bos_token_id, metadata.generation.decoder_start_token_id) == (0, None)
+    started = replace(metadata, generation=replace(metadata.generation, decoder_start_token_id=5))
+    assert genai_config(started, path.name)["model"]["bos_token_id"] == 5
 
 
 @pytest.mark.parametrize("prompts", PROMPTS.values(), ids=PROMPTS.keys())
