@@ -134,14 +134,15 @@ def test_export_records_per_step_parity(lm_cache, flags, sides):
 
 @pytest.mark.parametrize(("name", "factory"), [("torch_decoder", "build"), ("hf_gpt2", "build"),
                                                ("hf_gpt2", "build_eager"), ("tutorial_gpt", "build")])
-def test_torch_hugging_face_and_tutorial_decoders_get_a_narrowed_fused_cache(tmp_path, name, factory):
+def test_torch_hugging_face_and_tutorial_decoders_get_a_narrowed_fused_cache(shared_trace, tmp_path, name, factory):
     """Learned positions by arange (tutorial, torch, GPT-2), GPT-2's flattened Conv1D rows, torch's nested
     masked_fills: each step narrowed to its new tokens, every attention fused, parity per step; by default the
     file takes position_ids and its cache is ragged."""
     if name.startswith("hf_"):
         pytest.importorskip("transformers")
     module = user_module(name)
-    result = export_model(getattr(module, factory)(), tmp_path / "lm.onnx", module.INPUTS, kv_cache=True)
+    with shared_trace(name, factory):  # the trace the model's other exports start from (conftest.traces_shared)
+        result = export_model(getattr(module, factory)(), tmp_path / "lm.onnx", module.INPUTS, kv_cache=True)
     assert result.parity.passed
     # GPT-2's config names its eos and bos (0 in this small one): the file records the eos for generate and
     # onnxruntime-genai, the bos for onnxruntime-genai only (prompts stay as given)
@@ -158,14 +159,15 @@ def test_torch_hugging_face_and_tutorial_decoders_get_a_narrowed_fused_cache(tmp
     assert_ragged_file(result.path, layers)
 
 
-def test_per_row_positions_give_each_left_padded_row_what_it_gets_alone(tmp_path):
+def test_per_row_positions_give_each_left_padded_row_what_it_gets_alone(shared_trace, tmp_path):
     """--position-ids: the tutorial GPT's learned positions come from the input, so with each row's count of real
     tokens as its positions (what KVCacheStepper and onnxruntime-genai feed), every row of a left-padded batch
     decodes, call by call, to the logits it gets alone."""
     path = tmp_path / "lm.onnx"
     inputs = [arg for spec in user_module("tutorial_gpt").INPUTS for arg in ("--input", spec)]
-    result = CliRunner().invoke(main, ["export", "--module", f"{USER_MODELS / 'tutorial_gpt'}.py:build", *inputs,
-                                       "--kv-cache", "--position-ids", *HOLES, "-o", str(path)])
+    with shared_trace("tutorial_gpt", "build"):
+        result = CliRunner().invoke(main, ["export", "--module", f"{USER_MODELS / 'tutorial_gpt'}.py:build", *inputs,
+                                           "--kv-cache", "--position-ids", *HOLES, "-o", str(path)])
     assert result.exit_code == 0, result.output
     session = MHASession(path, provider="cpu")
     assert session.signature.input_names[:3] == ("input_ids", "position_ids", "attention_mask")

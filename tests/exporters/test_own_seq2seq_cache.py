@@ -35,12 +35,13 @@ LONG = 64
 
 
 @pytest.fixture(scope="session")
-def tutorial_pair(tmp_path_factory):
+def tutorial_pair(tmp_path_factory, shared_trace):
     """The tutorial encoder-decoder exported with --kv-cache, its start id recorded; and its full forward."""
     module = user_module("seq2seq")
     path = tmp_path_factory.mktemp("own-seq2seq") / "mt.onnx"
-    result = export_model(module.build(), path, module.INPUTS, kv_cache=True,
-                          generation=GenerationIds([], None, START))
+    with shared_trace("seq2seq", "build"):  # the trace its other exports start from (conftest.traces_shared)
+        result = export_model(module.build(), path, module.INPUTS, kv_cache=True,
+                              generation=GenerationIds([], None, START))
     model = module.build().eval()
 
     def logits_of(source, mask, target):
@@ -105,10 +106,10 @@ def test_generate_command_finds_the_encoder(tutorial_pair, tmp_path):
         assert tokens == alone.tolist()
 
 
-def test_a_failed_parity_writes_neither_file(tmp_path):
+def test_a_failed_parity_writes_neither_file(shared_trace, tmp_path):
     module = user_module("seq2seq")
     path = tmp_path / "mt.onnx"
-    with pytest.raises(ParityError, match=r"call \d+ of \d+.*nothing written"):
+    with shared_trace("seq2seq", "build"), pytest.raises(ParityError, match=r"call \d+ of \d+.*nothing written"):
         export_model(module.build(), path, module.INPUTS, kv_cache=True, atol=0.0, rtol=0.0, fuse="none")
     assert sorted(p.name for p in tmp_path.iterdir()) == []
 
@@ -147,10 +148,11 @@ def test_bart_equals_transformers_generate(bart_pair, search, ends):
 
 
 @pytest.mark.parametrize("factory", ["build_marian", "build_t5"])
-def test_hf_encoder_decoders_pass_per_step_parity(tmp_path, factory):
+def test_hf_encoder_decoders_pass_per_step_parity(shared_trace, tmp_path, factory):
     module = user_module("hf_seq2seq")
     path = tmp_path / "mt.onnx"
-    result = export_model(getattr(module, factory)(), path, module.INPUTS, kv_cache=True)
+    with shared_trace("hf_seq2seq", factory):  # the trace the model's other exports start from
+        result = export_model(getattr(module, factory)(), path, module.INPUTS, kv_cache=True)
     assert result.parity.passed and result.fusion.target == "mha"
     encoder_self, decoder_self, cross = result.fusion.attentions
     assert encoder_self == decoder_self == cross == 2
@@ -196,14 +198,15 @@ def test_the_position_table_bounds_the_source_generate_takes(bart_pair):
     assert "decoder takes at most 512 target tokens" in limits.problem(short, max_new_tokens=limits.max_length + 1)
 
 
-def test_an_int8_pair_quantizes_both_files_and_records_its_quality(tmp_path):
+def test_an_int8_pair_quantizes_both_files_and_records_its_quality(shared_trace, tmp_path):
     """--kv-cache --quantize int8 on the tutorial encoder-decoder: the encoder's and the decoder's MatMuls as
     MatMulNBits, each call's logits within int8's budget of the module's (top-1 agreement recorded), both files
     saying so; generate runs the pair as it runs the fp32 one."""
     module = user_module("seq2seq")
     path = tmp_path / "mt.onnx"
-    result = export_model(module.build(), path, module.INPUTS, kv_cache=True, quantize="int8",
-                          generation=GenerationIds([], None, START))
+    with shared_trace("seq2seq", "build"):
+        result = export_model(module.build(), path, module.INPUTS, kv_cache=True, quantize="int8",
+                              generation=GenerationIds([], None, START))
     assert result.parity.passed and 0 < result.parity.rel_err <= 0.05 and result.parity.top1_agreement > 0.9
     for file in (result.path, result.encoder_path):
         assert any(node.op_type == "MatMulNBits" for node in onnx.load(file).graph.node), file
