@@ -30,7 +30,7 @@ METADATA_KEY = "mha_deploy"
 # model's positions work (6), a KV-cache model's cache layout (7), weight-only quantization with its measured
 # quality (8), inputs of the roles segments, image or audio (9) and a weight-only file's quantized embedding tables
 # or its quality on text (10), which earlier mha-deploy cannot read: it then says to upgrade.
-METADATA_FORMAT = 10
+METADATA_FORMAT = 11
 _CUSTOM_FORMAT = 2
 _MAX_LENGTH_FORMAT = 3
 _ROW_ATOL_FORMAT = 4
@@ -40,6 +40,8 @@ _CACHE_LAYOUT_FORMAT = 7
 _WEIGHT_ONLY_FORMAT = 8
 _INPUT_ROLES_FORMAT = 9
 _QUANTIZED_TEXT_FORMAT = 10
+# A decoder-only model's bos id: an older reader would refuse the unknown field as unreadable, not as newer.
+_BOS_FORMAT = 11
 # How a KV-cache model over token ids numbers its tokens (ModelMetadata.positions): from its position_ids input
 # (each row its own), not at all (a row's logits do not depend on padding before it), or by column of the padded
 # batch (rows of different lengths do not get what they get alone).
@@ -413,6 +415,8 @@ class ModelMetadata:
         else:
             raw["generation"] = self.generation.to_dict()
             raw["format"] = max(raw["format"], _GENERATION_FORMAT)
+            if self.generation.bos_token_id is not None:
+                raw["format"] = max(raw["format"], _BOS_FORMAT)
         if self.positions is None:
             del raw["positions"]
         else:

@@ -72,6 +72,7 @@ def test_generation_ids_survive_the_files_metadata_in_format_5_and_a_file_withou
     with_bos = GenerationIds([2], bos_token_id=3)
     raw_bos = ModelMetadata(32, 4, Signature.custom((IDS,), (POOLED,)), generation=with_bos).to_json()
     assert ModelMetadata.from_json(raw_bos).generation == with_bos
+    assert '"format": 11' in raw_bos  # an older reader is told to upgrade, not that the metadata is unreadable
     plain = ModelMetadata(32, 4, Signature.custom((IDS,), (POOLED,))).to_json()
     assert '"generation"' not in plain and '"format": 2' in plain  # readable by the mha-deploy before it
     assert ModelMetadata.from_json(plain).generation is None
