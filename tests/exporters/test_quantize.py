@@ -457,7 +457,11 @@ def test_a_hugging_face_llama_at_int4_keeps_its_attentions_and_records_its_quali
         (op.op, op.kernel) for op in describe_model(fp32).attention_ops]
     assert [(v.name, v.type) for v in quantized.graph.input] == [(v.name, v.type) for v in before.graph.input]
     assert [(v.name, v.type) for v in quantized.graph.output] == [(v.name, v.type) for v in before.graph.output]
+    # the default: a zero point per block beside each scale (MatMulNBits' fourth input), recorded so
+    assert all(len(node.input) > 3 and node.input[3] for node in all_nodes(quantized.graph)
+               if node.op_type == "MatMulNBits")
     metadata = MHASession(path, provider="cpu").metadata
+    assert not metadata.weight_only.symmetric and metadata.weight_only.matmuls == 11
     assert metadata.parity.passed and metadata.parity.rel_err <= REL_ERR_BUDGETS["int4"]
     evaluation = metadata.weight_only.evaluation
     assert evaluation == result.metadata.weight_only.evaluation and evaluation.new_tokens == 4
@@ -469,8 +473,9 @@ def test_a_hugging_face_llama_at_int4_keeps_its_attentions_and_records_its_quali
 @pytest.mark.slow
 def test_a_hugging_face_bart_pair_at_int4_quantizes_both_files_and_generates(tmp_path):
     """BART (tests/user_models/hf_seq2seq.py) with --kv-cache --quantize int4: both files' projections as 4-bit
-    MatMulNBits, the 2 + 2 + 2 fused attentions the fp32 pair has (test_own_seq2seq_cache), per-step parity
-    within int4's budget, and generate runs the pair."""
+    MatMulNBits (every one: no MatMul with a constant weight left; the decoder's count as recorded), the 2 + 2 + 2
+    fused attentions the fp32 pair has (test_own_seq2seq_cache), per-step parity within int4's budget with the
+    logits' top-1 agreement, recorded in both files, and generate runs the pair."""
     import json
 
     from mha_deploy.metadata import ENCODER_DECODER_KEY, GenerationIds
@@ -484,11 +489,17 @@ def test_a_hugging_face_bart_pair_at_int4_quantizes_both_files_and_generates(tmp
                           generation=GenerationIds([], None, model.config.decoder_start_token_id))
     assert result.parity.passed and 0 < result.parity.rel_err <= REL_ERR_BUDGETS["int4"]
     assert result.fusion.target == "mha" and result.fusion.attentions == (2, 2, 2)
+    assert result.parity.top1_agreement is not None and result.parity.top1_rows > 0
     for file in (result.path, result.encoder_path):
         graph = onnx.load(file)
         assert {(a["bits"], a["block_size"]) for a in _nbits(graph)} == {(4, 32)}, file
+        assert not constant_weight_matmuls(graph), file
         record = json.loads({p.key: p.value for p in graph.metadata_props}[ENCODER_DECODER_KEY])
         assert record["quantization"] == "int4" and record["weight_only"]["bits"] == 4
+        assert record["parity"] == result.parity.summary() and "budget 25.0%" in record["parity"]
+        assert "top-1 agreement" in record["parity"]
+    # both files carry the decoder's weight-only record
+    assert record["weight_only"]["matmuls"] == len(_nbits(onnx.load(result.path)))
     attentions = [n.op_type for n in all_nodes(onnx.load(path).graph) if "Attention" in n.op_type]
     assert attentions and set(attentions) == {"MultiHeadAttention"}
     out = generate(KVCacheStepper(path), [[5, 9, 2], [3, 4, 8, 8, 1]], max_new_tokens=4, eos_token_id=[])
