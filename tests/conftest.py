@@ -248,6 +248,13 @@ def defective_export(monkeypatch):
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "auto_provider: tests provider 'auto' itself (exempt from the pinning check)")
+    # Two xdist workers on two cores: torch's intra-op threads of one worker wait on each other while the other
+    # worker holds a core (one Marian export from its trace, on a busy machine: 35 s at two threads, 13-18 s at one).
+    # One thread per worker; tests that measure threads set their own.
+    if os.environ.get("PYTEST_XDIST_WORKER") and importlib.util.find_spec("torch") is not None:
+        import torch
+
+        torch.set_num_threads(1)
     # Tests that call torch.onnx.export themselves share the exporter's once-made torchlib list too.
     if importlib.util.find_spec("torch") is not None and importlib.util.find_spec("onnxscript") is not None:
         from mha_deploy.exporters.torch_export import list_torchlib_ops_once
