@@ -623,8 +623,9 @@ def _export_own_cache(
         notes.append(f"--kv-cache: the file takes position_ids, yet a row's logits move with its padding given its own "
                      f"(positions: {metadata.positions}): rows share a batch only with rows of their length")
     elif position_ids and metadata.positions != POSITIONS_INPUT:
-        notes.append(f"--position-ids: not offered, the module's positions are not a Range over the sequence "
-                     f"indexing a table or computed from it (positions: {metadata.positions})")
+        notes.append(f"--position-ids: not offered, the module's positions are not a Range over the sequence or a "
+                     f"count of the mask's tokens indexing a table or computed from it (positions: "
+                     f"{metadata.positions})")
     ragged = None
     if cache_layout != CACHE_HOLES:
         why_not = _why_not_ragged(metadata.positions, refused)

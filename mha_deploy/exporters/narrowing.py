@@ -155,7 +155,7 @@ def narrow_to_new_positions(
                     raise NarrowingRefused(f"graph input {name} is read merged with another axis")
                 sources.add(name)
     narrowed = _rewrite(model, names, demands, plans, sources, roots, shapes, heavy)
-    taken = position_ids is not None and take_position_ids(narrowed, shapes, names.tokens, position_ids)
+    taken = position_ids is not None and take_position_ids(narrowed, shapes, names.tokens, position_ids, names)
     return narrowed, taken
 
 
@@ -535,10 +535,12 @@ def _check_no_whole_length_weights(model: onnx.ModelProto, heavy: set[str], root
         raise NarrowingRefused(f"{node.op_type} {node.name} still runs over every position{via}")
 
 
-def take_position_ids(model: onnx.ModelProto, shapes, tokens: str, name: str) -> bool:
+def take_position_ids(model: onnx.ModelProto, shapes, tokens: str, name: str, lengths: LengthNames | None = None
+                      ) -> bool:
     """Rewire ``model`` (narrowed) so that the module's positions come from a new input ``name`` (int64 [batch, seq],
-    each row's own positions) instead of the new rows of a ``Range(0, total, 1)``; False (and ``model`` untouched)
-    unless every use of the positions it rewires is one it can replace exactly.
+    each row's own positions) instead of the new rows of a ``Range(0, total, 1)``, or of a count of the mask's real
+    tokens (``_counted_positions``, OPT's ``cumsum(mask) * mask - 1``, found by ``lengths``, the cuts' names); False
+    (and ``model`` untouched) unless every use of the positions it rewires is one it can replace exactly.
 
     Two uses are replaced. A table lookup: ``Gather(table, r)`` or ``Gather(table, Unsqueeze(r, 0))`` where ``r``
     is the Range's new rows and the table a weight; the lookup ([seq, d] or [1, seq, d]) then becomes
@@ -576,10 +578,13 @@ def take_position_ids(model: onnx.ModelProto, shapes, tokens: str, name: str) ->
                     original[0][0] != _PROBE_BATCH:
                 return False
     rotary = _computed_position_chains(graph, computed, readers, shapes)
-    if rotary is None or not (lookups or rotary):
+    counted = _counted_positions(graph, producers, readers, tables, lengths) if lengths is not None else None
+    if rotary is None or not (lookups or rotary or counted):
         return False
     for gather, _ in lookups:
         gather.input[1] = name
+    if counted:
+        _take_counted_positions(graph, counted, name)
     looked_up = {gather.output[0] for gather, _ in lookups}
     looked_up.update(value for chain in rotary for value in chain.values)
     infos = [info for info in graph.value_info if info.name not in looked_up]
@@ -709,6 +714,110 @@ def _take_computed_positions(graph: onnx.GraphProto, chains: list[_PositionChain
         ordered += [*before.get(node.output[0], []), node]
     graph.ClearField("node")
     graph.node.extend(_dedupe(ordered))
+
+
+# Ops between a count of the mask's real tokens and the table it indexes (OPT: Mul by the mask, Sub 1, Add its
+# offset 2): elementwise, so that each row's index is a function of that row's count and mask alone.
+_COUNT_OPS = {"Cast", "Identity", "Add", "Sub", "Mul"}
+
+
+@dataclass(frozen=True)
+class _CountedPositions:
+    """Positions counted from the mask: ``count`` (the new rows of ``CumSum(mask, axis 1)``, of type ``dtype``), the
+    ops from it to table lookups, and where they read the mask's new rows (node, input index, its type)."""
+
+    count: str
+    dtype: int
+    mask_reads: tuple[tuple[onnx.NodeProto, int, int], ...]
+
+
+def _counted_positions(graph, producers, readers, tables: set[str], lengths: LengthNames
+                       ) -> list[_CountedPositions] | None:
+    """Each new-rows cut (``Slice(x, past, end, axis 1)``) of ``CumSum(mask, axis 1)`` (inclusive, forward) whose
+    every reader, through ``_COUNT_OPS`` whose other operands are constants or the mask's same cut, ends in a lookup
+    of a position table: OPT's ``(cumsum(mask) * mask - 1) + 2`` into its learned positions. None where a count
+    reaches anything else (a mask's comparisons, an output), which then keeps the module's columns."""
+    outputs = {value.name for value in graph.output}
+    constants = {init.name for init in graph.initializer}
+    constants.update(node.output[0] for node in graph.node if node.op_type == "Constant")
+    mask = next((value for value in graph.input if value.name == lengths.mask), None)
+    if mask is None:
+        return []
+    mask_type = mask.type.tensor_type.elem_type
+    found = []
+    for node in graph.node:
+        cut = _cut_axis(node, lengths, graph)
+        cumsum = producers.get(node.input[0]) if cut is not None else None
+        if cumsum is None or cumsum.op_type != "CumSum" or \
+                _from_mask(producers, cumsum.input[0], lengths, mask_type) is None:
+            continue
+        axis = _constant(graph, cumsum.input[1])
+        flags = {a.name: helper.get_attribute_value(a) for a in cumsum.attribute}
+        if axis is None or axis.size != 1 or int(axis.reshape(-1)[0]) not in (1, -1) or any(flags.values()) or \
+                cut not in (1, -1):
+            return None
+        mask_reads, pending, seen = [], [node.output[0]], set()
+        while pending:
+            value = pending.pop()
+            for reader in readers.get(value, []):
+                if _is_table_lookup(reader, value, tables) or id(reader) in seen:
+                    continue
+                if reader.op_type not in _COUNT_OPS or set(reader.output) & outputs:
+                    return None
+                seen.add(id(reader))
+                for index, operand in enumerate(reader.input):
+                    if operand == value or operand in constants:
+                        continue
+                    cut_mask = _from_mask(producers, operand, lengths, mask_type, cut_rows=True)
+                    if cut_mask is None:
+                        return None
+                    mask_reads.append((reader, index, cut_mask))
+                pending.extend(reader.output)
+        found.append(_CountedPositions(node.output[0], _from_mask(producers, cumsum.input[0], lengths, mask_type),
+                                       tuple(mask_reads)))
+    return found
+
+
+def _from_mask(producers, value: str, lengths: LengthNames, mask_type: int, cut_rows: bool = False) -> int | None:
+    """The element type of ``value`` where it is the mask through Casts and Identities (``cut_rows``: its new rows,
+    through one cut along its tokens); None where it is anything else."""
+    dtype, sliced = None, False
+    while True:
+        node = producers.get(value)
+        if node is None:
+            if value != lengths.mask or sliced != cut_rows:
+                return None
+            return dtype if dtype is not None else mask_type
+        if node.op_type == "Cast":
+            dtype = dtype if dtype is not None else helper.get_attribute_value(node.attribute[0])
+        elif node.op_type == "Slice" and cut_rows and not sliced and list(node.input[1:3]) == [lengths.past,
+                                                                                                lengths.end]:
+            sliced = True
+        elif node.op_type != "Identity":
+            return None
+        value = node.input[0]
+
+
+def _take_counted_positions(graph: onnx.GraphProto, counted: list[_CountedPositions], name: str) -> None:
+    """Feed each count ``name + 1`` and its mask reads a 1: at a real token the mask is 1 and the count of real
+    tokens up to it is its position + 1, so the module's index is the same there; a padded token's (OPT's -1)
+    becomes its fed position's, which no real token reads (the mask hides its key)."""
+    first = []
+    for index, found in enumerate(counted):
+        one, count = f"{_PREFIX}{name}.one{index}", f"{_PREFIX}{name}.count{index}"
+        first += [helper.make_node("Constant", [], [one], value=helper.make_tensor(one, TensorProto.INT64, [], [1])),
+                  helper.make_node("Add", [name, one], [count + ".int64"]),
+                  helper.make_node("Cast", [count + ".int64"], [count], to=found.dtype)]
+        for reader in graph.node:
+            reader.input[:] = [count if value == found.count else value for value in reader.input]
+        for reader, position, dtype in found.mask_reads:
+            real = f"{_PREFIX}{name}.real{index}.{position}.{reader.output[0]}"
+            first.append(helper.make_node("Constant", [], [real], value=helper.make_tensor(
+                real, dtype, [], [1])))
+            reader.input[position] = real
+    nodes = list(graph.node)
+    graph.ClearField("node")
+    graph.node.extend(first + nodes)
 
 
 def _is_position_range(graph: onnx.GraphProto, node: onnx.NodeProto | None) -> bool:

@@ -325,7 +325,8 @@ def narrowed_own_caches(
     (``narrowing``), its signature, and None; or ``cached_model`` as it is and the reason narrowing was refused
     (the op that stopped it), for the export to warn with. ``max_length``: the longest sequence the module
     takes. ``position_ids``: take each row's positions from a ``position_ids`` input where the module's are
-    a Range indexing a table or computing one (rotary cos/sin; the signature then has it)."""
+    a Range or a count of the mask's tokens indexing a table or computing one (rotary cos/sin; the signature then
+    has it)."""
     from mha_deploy.exporters.narrowing import LengthNames, NarrowingRefused, narrow_to_new_positions
 
     def feeds(batch: int, past: int, seq: int) -> dict[str, np.ndarray]:
