@@ -99,24 +99,28 @@ def _cache_heads(path) -> set[int]:
 
 @pytest.mark.parametrize("family", families.FAMILIES)
 def test_each_family_fuses_every_attention_into_group_query_attention_at_its_kv_heads(exported, family):
-    """One GroupQueryAttention per layer with the config's KV heads, the cache at those heads, the rotary inside the
-    op (``do_rotary``), q/k/v packed where the module allows, a sliding layer's window as ``local_window_size`` (a
-    global layer without one), Gemma-2's score cap as ``softcap``; no warning that an attention was left unfused."""
+    """One GroupQueryAttention per layer with the config's KV heads (OPT: every head), the cache at those heads, the
+    rotary inside the op (``do_rotary``) where the family has one, q/k/v packed where the module allows, a sliding
+    layer's window as ``local_window_size`` (a global layer without one), Gemma-2's score cap as ``softcap``; no
+    warning that an attention was left unfused. ``families.FUSED`` states each family's expectation."""
     path, output, _ = exported(family)
+    want = families.FUSED[family]
     ops = _attentions(path)
     assert len(ops) == families.LAYERS, output
-    assert [op["kv_num_heads"] for op in ops] == [families.KV_HEADS] * families.LAYERS
+    assert [op["kv_num_heads"] for op in ops] == [want.kv_heads] * families.LAYERS
     assert [op["num_heads"] for op in ops] == [families.HEADS] * families.LAYERS
-    assert _cache_heads(path) == {families.KV_HEADS}
+    assert _cache_heads(path) == {want.kv_heads}
     assert [op.get("local_window_size") for op in ops] == families.windows(family)
-    # The rotary inside the op (fusion.rotary_gqa): every family here rotates whole heads, not interleaved.
-    assert [op.get("do_rotary") for op in ops] == [1] * families.LAYERS, output
+    # The rotary inside the op (fusion.rotary_gqa): every rotary family here rotates whole heads, not interleaved.
+    # OPT's learned positions are added to the embeddings: no rotary, and no cos/sin tables in the op.
+    assert [op.get("do_rotary") for op in ops] == [1 if want.rotary else None] * families.LAYERS, output
+    tables = [[name for name in op_inputs[7:9] if name] for op_inputs in _attention_inputs(path)]  # cos/sin caches
+    assert [len(names) for names in tables] == [2 if want.rotary else 0] * families.LAYERS
     # q/k/v as one projection into the op's packed query (fusion.qkv_packing), where no per-head q/k norm sits
     # between the projections and the op, and the module has three projections to pack (Phi-3 slices its one).
-    packed = family not in {"qwen3", "gemma3", "phi3"}
-    assert [op_inputs[1:3] == ["", ""] for op_inputs in _attention_inputs(path)] == [packed] * families.LAYERS
+    assert [op_inputs[1:3] == ["", ""] for op_inputs in _attention_inputs(path)] == [want.packed] * families.LAYERS
     caps = [op.get("softcap") for op in ops]
-    assert caps == ([pytest.approx(families.SOFTCAP)] * families.LAYERS if family == "gemma2" else [None] * 2)
+    assert caps == [None if want.softcap is None else pytest.approx(want.softcap)] * families.LAYERS
     assert "cache layout ragged" in output and "left unfused, as exported" not in output, output
 
 

@@ -1,8 +1,12 @@
 """Hugging Face causal-LM families from tiny configs, as ``save_pretrained`` writes them (random weights, nothing
 downloaded): what each family adds to a Llama-style grouped-query decoder, at 64 hidden units, 2 layers, 4 query
-heads over 2 key/value heads of 16, a 256-token vocabulary.
+heads over 2 key/value heads of 16, a 256-token vocabulary (OPT: 4 heads of 16, each its own key/value head).
+``FUSED`` says what each family's ``export --hf DIR --kv-cache`` file fuses into.
 
 - llama: rotary with llama3 scaling (low/high frequency bands of inv_freq rescaled).
+- smollm: SmolLM's shape of Llama: the lm_head tied to the token embeddings, default rotary; built with eager
+  attention (the reference ``generate`` runs it; ``--hf`` loads the folder with sdpa, which the folder cannot
+  record).
 - qwen2: biases on the q/k/v projections.
 - qwen3: q/k RMSNorms per head before the rotary.
 - mistral: a sliding window of ``WINDOW`` keys, shorter than the prompts and generations the tests run.
@@ -11,7 +15,12 @@ heads over 2 key/value heads of 16, a 256-token vocabulary.
   query_pre_attn_scalar scaling, RMSNorm by (1 + weight), embeddings scaled by sqrt(hidden), soft-capped logits.
   Eager attention: transformers' sdpa path has no soft-capping.
 - gemma3: q/k norms, sliding and global layers with two rotary bases (10k local, 1M global).
+- opt: no rotary: learned positions (a table indexed by position + 2, the positions counted from the attention
+  mask), as many key/value heads as heads, biases on every projection, the query scaled before the scores,
+  pre-norm LayerNorm (with a bias), ReLU MLP, lm_head tied to the token embeddings.
 """
+
+from dataclasses import dataclass
 
 import torch
 import transformers
@@ -40,6 +49,7 @@ def _configs():
             **_COMMON, rope_parameters={"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0,
                                         "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                                         "original_max_position_embeddings": 16})),
+        "smollm": (transformers.LlamaForCausalLM, transformers.LlamaConfig(**_COMMON, tie_word_embeddings=True)),
         "qwen2": (transformers.Qwen2ForCausalLM, transformers.Qwen2Config(**_COMMON)),
         "qwen3": (transformers.Qwen3ForCausalLM, transformers.Qwen3Config(**_COMMON, head_dim=HEAD_DIM)),
         "mistral": (transformers.MistralForCausalLM, transformers.MistralConfig(**_COMMON, sliding_window=WINDOW)),
@@ -49,10 +59,45 @@ def _configs():
             attn_logit_softcapping=SOFTCAP, final_logit_softcapping=FINAL_SOFTCAP)),
         "gemma3": (transformers.Gemma3ForCausalLM, transformers.Gemma3TextConfig(
             **_COMMON, head_dim=HEAD_DIM, sliding_window=WINDOW, layer_types=_ALTERNATING, query_pre_attn_scalar=8)),
+        "opt": (transformers.OPTForCausalLM, transformers.OPTConfig(
+            vocab_size=VOCAB, hidden_size=HIDDEN, word_embed_proj_dim=HIDDEN, ffn_dim=FFN, num_hidden_layers=LAYERS,
+            num_attention_heads=HEADS, max_position_embeddings=MAX_POSITIONS, dropout=0.0,
+            pad_token_id=PAD_ID, bos_token_id=BOS_ID, eos_token_id=EOS_ID)),
     }
 
 
 FAMILIES = tuple(_configs())
+# The families transformers runs with eager attention: Gemma-2's sdpa path has no soft-capping; SmolLM's stands for
+# Llama's eager path (the reference generate runs it).
+EAGER = {"gemma2", "smollm"}
+
+
+@dataclass(frozen=True)
+class Fused:
+    """What a family's ``--kv-cache`` file holds, per layer: ``GroupQueryAttention`` at ``kv_heads`` (the cache
+    too), the rotary inside the op (``do_rotary``) or none to move, q/k/v packed into the op's query input or left
+    three, ``softcap`` on the scores or none."""
+
+    kv_heads: int = KV_HEADS
+    rotary: bool = True
+    packed: bool = True
+    softcap: float | None = None
+
+
+FUSED = {
+    "llama": Fused(),
+    "smollm": Fused(),
+    "qwen2": Fused(),
+    # a per-head q/k norm sits between the projections and the op
+    "qwen3": Fused(packed=False),
+    "mistral": Fused(),
+    # one qkv_proj sliced: no three projections to pack
+    "phi3": Fused(packed=False),
+    "gemma2": Fused(softcap=SOFTCAP),
+    "gemma3": Fused(packed=False),
+    # every head its own key/value head, learned positions; the query is scaled (a Mul) after its projection
+    "opt": Fused(kv_heads=HEADS, rotary=False, packed=False),
+}
 
 
 def config(family: str):
@@ -71,7 +116,7 @@ def build(family: str):
     """The family's model at random weights (seeded), scaled as ``WEIGHT_SCALE`` says, in eval mode."""
     cls, found = _configs()[family]
     torch.manual_seed(37)
-    model = cls._from_config(found, attn_implementation="eager" if family == "gemma2" else "sdpa")
+    model = cls._from_config(found, attn_implementation="eager" if family in EAGER else "sdpa")
     with torch.no_grad():
         for weight in model.parameters():
             if weight.dim() > 1:  # the projections and embeddings; the norms' scales stay as initialised
