@@ -319,7 +319,6 @@ class KVCacheStepper:
         # The logits' last axis, for the array a decode step's logits are written into: the file's, else the first
         # call's (a prefill's logits are allocated by ORT).
         self._logits_width = self.graph.vocab_size
-        self._columns = np.arange(0)  # 0, 1, 2, ...: a decode step's mask is a row's first n columns
         self._reset(0)
 
     def _reset(self, rows: int) -> None:
@@ -666,11 +665,7 @@ class KVCacheStepper:
         feeds = dict(kept)
         if "position_ids" in kept:
             np.subtract(lengths[:, None], 1, out=kept["position_ids"], casting="unsafe")  # the token's position
-        if len(self._columns) < total:
-            self._columns = np.arange(max(total, 2 * len(self._columns)))
-        mask = np.empty((count, total), inputs["attention_mask"].dtype)
-        np.less(self._columns[:total], lengths[:, None], out=mask, casting="unsafe")  # a row's first n columns
-        feeds["attention_mask"] = mask
+        feeds["attention_mask"] = right_padding_mask(lengths, total).astype(inputs["attention_mask"].dtype)
         return feeds
 
     def _keep_ragged(self, rows: np.ndarray) -> None:
