@@ -30,7 +30,7 @@ METADATA_KEY = "mha_deploy"
 # model's positions work (6), a KV-cache model's cache layout (7), weight-only quantization with its measured
 # quality (8), inputs of the roles segments, image or audio (9) and a weight-only file's quantized embedding tables
 # or its quality on text (10), which earlier mha-deploy cannot read: it then says to upgrade.
-METADATA_FORMAT = 11
+METADATA_FORMAT = 12
 _CUSTOM_FORMAT = 2
 _MAX_LENGTH_FORMAT = 3
 _ROW_ATOL_FORMAT = 4
@@ -42,6 +42,9 @@ _INPUT_ROLES_FORMAT = 9
 _QUANTIZED_TEXT_FORMAT = 10
 # A decoder-only model's bos id: an older reader would refuse the unknown field as unreadable, not as newer.
 _BOS_FORMAT = 11
+# A causal LM's logits at each row's last token only (--logits last, role LAST_TOKEN): an older reader would take
+# [batch, 1, vocab] for every position's.
+_LAST_TOKEN_FORMAT = 12
 # How a KV-cache model over token ids numbers its tokens (ModelMetadata.positions): from its position_ids input
 # (each row its own), not at all (a row's logits do not depend on padding before it), or by column of the padded
 # batch (rows of different lengths do not get what they get alone).
@@ -406,6 +409,8 @@ class ModelMetadata:
             raw["format"] = max(self.format, _CUSTOM_FORMAT)
             if any(spec.role in (SEGMENTS, *FIXED_SHAPE_ROLES) for spec in self.signature.custom_inputs):
                 raw["format"] = max(raw["format"], _INPUT_ROLES_FORMAT)
+            if self.signature.last_token_outputs:
+                raw["format"] = max(raw["format"], _LAST_TOKEN_FORMAT)
         if self.max_length is None:
             del raw["max_length"]
         else:

@@ -33,7 +33,7 @@ from mha_deploy.onnx_nodes import (
     kernel_tag,
     packing_tags,
 )
-from mha_deploy.signature import ID_ROLES, Signature
+from mha_deploy.signature import ID_ROLES, LAST_TOKEN, Signature
 from mha_deploy.token_tables import vocabulary
 
 # Ops that carry a whole attention, with their input roles (from the ops' schemas),
@@ -168,6 +168,10 @@ class ModelReport:
             lines.append(f"  cache layout {layout}: {CACHE_LAYOUT_WORDS.get(layout, 'unknown')}")
         if meta.get("positions") is not None:
             lines.append(f"  positions {meta['positions']}: {POSITIONS_WORDS.get(meta['positions'], 'unknown')}")
+        last = [spec["name"] for spec in sig.get("custom_outputs", []) if spec.get("role") == LAST_TOKEN]
+        if last:
+            lines.append(f"  last token {', '.join(last)}: each row's last real token of the call only (--logits last: "
+                         "what generation reads; scoring a prompt's own tokens needs --logits all)")
         if meta.get("generation") is not None:
             ids = GenerationIds(**meta["generation"])
             lines.append(f"  generate {ids.describe()} (recorded at export: generate's defaults)")

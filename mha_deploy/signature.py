@@ -26,7 +26,10 @@ MASK_MODES = ("none", "padding", "causal", "padding-causal")
 # Roles of a tensor in the contract.
 SEQUENCE = "sequence"  # float [batch, <sequence axis>, d_model] (a custom model's: [batch, <axis>, features])
 TOKENS = "tokens"  # int64 [batch, <sequence axis>]: token ids (custom models)
-PADDING_MASK = "padding_mask"  # bool [batch, <sequence axis>], True = real token
+# bool [batch, <sequence axis>], True = real token; or int64 1/0 (a Hugging Face tokenizer's attention_mask: what the
+# files ``export --hf`` writes take, and a causal LM's with a cache), cast inside the graph.
+PADDING_MASK = "padding_mask"
+MASK_DTYPES = ("bool", "int64")
 # Segment ids (BERT's token_type_ids): int64 [batch, <a tokens input's axis>], indexing a table of their own.
 SEGMENTS = "segments"
 # Whole-item inputs, every size but the batch fixed by the model: no length axis, so nothing to pad or mask.
@@ -113,6 +116,15 @@ class TensorSpec:
     def describe(self) -> str:
         """``[batch, seq, 80]``: the axes as the docs and errors write them."""
         return "[" + ", ".join(map(str, self.axes)) + "]"
+
+    @property
+    def spans_batch(self) -> bool:
+        """An output with the batch on a later axis too (CLIP's logits_per_image [batch, batch]: every image
+        against every text of the call): what it holds for an item depends on the other items of its call, so
+        nothing may split it into items, pad it or batch other items with it."""
+        return BATCH_AXIS in self.axes[1:]
+
+
 
 
 @dataclass(frozen=True)
@@ -217,6 +229,8 @@ class Signature:
         for spec in inputs:
             if spec.role != PADDING_MASK:
                 continue
+            if spec.dtype not in MASK_DTYPES:
+                raise SignatureError(f"{spec.name}: a padding mask is {' or '.join(MASK_DTYPES)}, got {spec.dtype}")
             # With a cache, the mask covers the cached tokens too: [batch, total_seq].
             axis = spec.axes[1] if not (self.kv_cache and spec.axes[1] == TOTAL_AXIS) else sequences.get(spec.marks)
             if spec.marks not in sequences or sequences[spec.marks] != axis:
@@ -230,6 +244,33 @@ class Signature:
         axes = set(sequences.values())
         if unknown := [axis for axis in self.custom_paddable if axis not in axes]:
             raise SignatureError(f"paddable axes {unknown} are not length axes of the inputs ({sorted(axes)})")
+
+    def with_mask_dtype(self, dtype: str) -> Signature:
+        """A custom model's signature with its padding masks taking ``dtype`` ("bool" or "int64": Hugging Face's
+        1/0 attention_mask)."""
+        if dtype not in MASK_DTYPES:
+            raise SignatureError(f"a padding mask is {' or '.join(MASK_DTYPES)}, got {dtype!r}")
+        if self.model != "custom":
+            raise SignatureError("only a custom model's padding masks take another dtype (a built-in one's are bool)")
+        inputs = tuple(replace(spec, dtype=dtype) if spec.role == PADDING_MASK else spec for spec in self.custom_inputs)
+        return replace(self, custom_inputs=inputs)
+
+    @property
+    def item_outputs(self) -> tuple[TensorSpec, ...]:
+        """The outputs each item has its own share of (every one but those that span the batch)."""
+        return tuple(spec for spec in self.outputs if not spec.spans_batch)
+
+    @property
+    def batch_outputs(self) -> tuple[str, ...]:
+        """Outputs that span the whole batch (``TensorSpec.spans_batch``): a call's, returned for its batch as
+        it was given, never cut into items or computed over a batch formed from several callers' items."""
+        return tuple(spec.name for spec in self.outputs if spec.spans_batch)
+
+    @property
+    def per_token_outputs(self) -> tuple[str, ...]:
+        """Outputs with a row per position of a length axis (axis 1); the others have one row per item."""
+        lengths = set(self.sequence_axes)
+        return tuple(spec.name for spec in self.outputs if len(spec.axes) > 1 and spec.axes[1] in lengths)
 
     @property
     def per_token_outputs(self) -> tuple[str, ...]:

@@ -41,8 +41,8 @@ FLAG_SOURCES: dict[str, tuple[str, ...]] = {
     "checkpoint": (BUILTIN, MODULE),
     **dict.fromkeys(("module_spec", "inputs", "output_names"), (MODULE,)),
     "hf": (HF,),
-    **dict.fromkeys(("max_length", "eos_ids", "pad_id", "start_id", "position_ids", "cache_layout", "genai"),
-                    (MODULE, HF)),
+    **dict.fromkeys(("max_length", "eos_ids", "pad_id", "start_id", "position_ids", "cache_layout", "genai",
+                     "logits"), (MODULE, HF)),
     # Token prompts: a model over token ids (the built-in block takes float inputs).
     **dict.fromkeys(("calibration", "eval_data", "eval_tokens"), (MODULE, HF)),
 }
@@ -186,6 +186,11 @@ def refuse_other_sources(ctx: click.Context, source: str) -> None:
                    "updating the cache in place (prompts right-padded, each row's cache from position 0); holes = "
                    "each step returns past ++ new (padding on either side); auto = ragged where the module's "
                    "positions and mask allow it (checked call by call), else holes with a warning saying why.")
+@click.option("--logits", type=click.Choice(("last", "all")), default="all", show_default=True,
+              help="With --module or --hf and --kv-cache (a causal LM): last = the LM head runs on each row's last "
+                   "real token of the call only (logits [batch, 1, vocab]: what generation reads; a prompt's "
+                   "first token sooner, its logits memory gone); all = on every position ([batch, seq, vocab]: "
+                   "what scoring a prompt's own tokens, e.g. serve's echo with logprobs, needs).")
 @click.option("--genai", is_flag=True,
               help="With --module or --hf and --kv-cache (a causal LM), also write genai_config.json beside the "
                    "file so that "
@@ -210,7 +215,7 @@ def export(ctx, checkpoint, prefix, d_model, heads, model_kind, layers, d_ff, at
            fuse, quantize, block_size, symmetric, keep_head_fp32, quant_method, quantize_embeddings, calibration,
            eval_data, eval_tokens, seed, opset, dtype, atol, rtol,
            module_spec, inputs, output_names, max_length, eos_ids, pad_id, start_id, position_ids, cache_layout,
-           hf, genai, pack_tokens, output):
+           hf, genai, pack_tokens, output, logits="all"):
     """Export a model to ONNX with dynamic batch and sequence axes, checked against torch: the reference MHA or a
     stack of it (built from the flags), your own module (--module), or a Hugging Face folder (--hf).
 
@@ -255,6 +260,10 @@ def export(ctx, checkpoint, prefix, d_model, heads, model_kind, layers, d_ff, at
         raise click.UsageError("--position-ids is an input of a KV-cache decoder: give --kv-cache")
     if _given(ctx, "cache_layout") and not kv_cache:
         raise click.UsageError("--cache-layout is how a KV-cache decoder keeps its cache: give --kv-cache")
+    if _given(ctx, "logits") and not kv_cache:
+        raise click.UsageError("--logits is which positions a KV-cache decoder computes logits at: give --kv-cache")
+    if source != BUILTIN:
+        options["logits"] = logits
     if genai and not kv_cache:
         raise click.UsageError("--genai writes onnxruntime-genai's config for a KV-cache decoder: give --kv-cache")
     if hf is not None:

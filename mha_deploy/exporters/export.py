@@ -27,6 +27,7 @@ from mha_deploy.exporters.fusion.ragged_cache import RaggedRefused, to_ragged_ca
 from mha_deploy.exporters.fusion.rotary_gqa import fuse_into_gqa_checked
 from mha_deploy.exporters.graphs import attention_graph
 from mha_deploy.exporters.kv_cache import CacheProjection, attach_caches, decode_on_mha, prefill_or_decode
+from mha_deploy.exporters.mask_inputs import masks_as_declared
 from mha_deploy.exporters.own_kv_cache import (
     OWN_CACHE_CASES,
     POSITION_IDS,
@@ -452,6 +453,7 @@ def export_model(
     generation: GenerationIds | None = None,
     cache_layout: str = CACHE_LAYOUT_AUTO,
     context_length: int | None = None,
+    mask_dtype: str = "bool",
     **options,
 ) -> ExportResult:
     """Export a user's own ``module`` (built around the reference attention) whose forward takes ``inputs``.
@@ -493,6 +495,9 @@ def export_model(
     ``context_length``: the longest sequence the module takes by its own account (a Hugging Face config's
     ``max_position_embeddings``), recorded as the max length where neither ``max_length`` nor a position table
     gives one: the trace then accepts a length guard that reaches it (M2M100's sinusoidal table, rebuilt past it).
+
+    ``mask_dtype``: what the file's padding masks take without ``kv_cache``: "bool" (the default), or "int64" 1/0 as
+    a Hugging Face tokenizer gives them (``export --hf``), cast to bool inside the fused graph (``mask_inputs``).
     """
     export_options = ExportOptions(**options)
     export_options.check()
@@ -515,7 +520,7 @@ def export_model(
     kept = ModuleState(module, copy=True)
     try:
         return _export_model(module, output, inputs, output_names, max_length, export_options, kv_cache, generation,
-                             position_ids, cache_layout, context_length)
+                             position_ids, cache_layout, context_length, mask_dtype)
     except SystemExit as exc:  # the module's own code: it must not end the caller's process with its status
         raise ExportError(f"{type(module).__name__} called sys.exit({exc.code!r}) (SystemExit) while it ran for the "
                           "export: a forward must return its outputs") from exc
@@ -525,7 +530,7 @@ def export_model(
 
 def _export_model(
     module, output, inputs, output_names, max_length, export_options, kv_cache, generation=None, position_ids=None,
-    cache_layout=CACHE_LAYOUT_AUTO, context_length=None,
+    cache_layout=CACHE_LAYOUT_AUTO, context_length=None, mask_dtype="bool",
 ) -> ExportResult:
     # The probes run the module as parity does: with torch's fast path off (reference_form.without_fast_path).
     with without_fast_path():
@@ -589,6 +594,8 @@ def _export_model(
         result.warnings[:0] = [*declared.warnings, *vocabulary_warnings]
         return result
     d_model, heads = widest_attention(plain, declared.d_model)
+    if mask_dtype != "bool":
+        signature = signature.with_mask_dtype(mask_dtype)
     metadata = ModelMetadata(d_model=d_model, num_heads=heads, signature=signature, layers=max(attention_ops, 1),
                              max_length=max_length)
     cases = export_options.parity_cases or capped_cases(default_cases(signature), max_length)
@@ -832,6 +839,7 @@ def _finish(
             model, fusion, packing = _optimised(
                 plain, fuse_target, options.quantize, metadata.dtype, attention_ops, pack,
                 metadata.signature.per_token_outputs)
+            model = masks_as_declared(model, metadata.signature)
         if ragged is not None:
             tried = build_ragged(model, fusion, fuse_target)
             if tried is not None:

@@ -522,9 +522,12 @@ def check_own_cache_parity(
             if POSITION_IDS in session.signature.tensors:
                 feeds[POSITION_IDS] = columns
             result = session.run(feeds)
-            want = expected[rows, np.minimum(columns, calls.width - 1)]
+            want, shown = expected[rows, np.minimum(columns, calls.width - 1)], real[rows, columns] & given
+            if LOGITS in session.signature.last_token_outputs:  # --logits last: each row's last real token's
+                last = shown.shape[1] - 1 - np.argmax(shown[:, ::-1], axis=1)
+                want = want[np.arange(len(last)), last][:, None]
             for comparison in compare_outputs(
-                session.signature, {LOGITS: result[LOGITS]}, {LOGITS: want}, real[rows, columns] & given,
+                session.signature, {LOGITS: result[LOGITS]}, {LOGITS: want}, shown,
                 atol, rtol, rel_budget, names=[LOGITS], atol_per_row=True,
             ):
                 comparisons.append(comparison)

@@ -15,7 +15,9 @@ runtime read too, so that an mha-deploy KV-cache export and an Optimum-style dec
 
 Outputs: ``logits`` [batch, seq, vocab] and ``present.{i}.key|value`` = past ++ the new tokens' keys
 and values (``present.{i}.encoder.key|value``: the encoder's keys and values, read from the first
-call and passed back unchanged after it).
+call and passed back unchanged after it). A file whose logits are [batch, 1, vocab] (``export --kv-cache --logits
+last``; onnxruntime-genai's builder with ``prune_lm_head``) computes them at each row's last real token of the call
+only: that column is every call's answer, and what needs every position's logits (``every_position``) is refused.
 
 Two cache layouts (``cache_layout``, from the file's metadata or read off its graph, or given):
 
@@ -137,6 +139,8 @@ class _Graph:
         self.logits_dtype = logits.dtype if logits is not None else np.dtype(np.float32)
         vocab = logits.shape[-1] if logits is not None and logits.shape else None
         self.vocab_size = vocab if isinstance(vocab, int) and vocab > 0 else None  # None: the file leaves it open
+        # [batch, 1, vocab]: each row's last real token's logits only (exporters.last_token_logits)
+        self.last_token_only = logits is not None and len(logits.shape) == 3 and logits.shape[1] == 1
 
     def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         return self._run(feeds)
@@ -396,6 +400,7 @@ class KVCacheStepper:
         row's tokens to the front first), and an encoder-decoder's one column is its start token's.
         ``decoder_input_ids`` int64 [rows, length] (an encoder-decoder's): the decoder starts from these instead
         of the start id alone (its decoder prompt, start id included), unpadded."""
+        self._check_every_position(every_position)
         if self.source_features is not None:  # the encoder's features, every item of one size: no mask to read
             features = check_features(self.source_features, input_ids)
             attention_mask = np.ones((len(features), 1), np.int64)
@@ -432,6 +437,19 @@ class KVCacheStepper:
             attention_mask = np.ones_like(input_ids)
         return self._call(input_ids, attention_mask, first=True, every_position=every_position)
 
+    @property
+    def last_token_only(self) -> bool:
+        """Whether the file computes each row's last real token's logits only ([batch, 1, vocab]): ``every_position``
+        is then refused."""
+        return self.graph.last_token_only
+
+    def _check_every_position(self, every_position: bool) -> None:
+        if every_position and self.graph.last_token_only:
+            raise ModelFileError(
+                f"{self.graph.source} computes each row's last token's logits only (logits [batch, 1, vocab], exported "
+                "with --logits last): scoring every position of a prompt needs them all; export the model again with "
+                "--logits all")
+
     def _check_vocabulary(self, input_ids: np.ndarray, attention_mask: np.ndarray) -> None:
         """Refuse prompts with ids the embedding has no row for (ORT would fail in a Gather, naming no prompt).
         The logits say how large a decoder-only model's vocabulary is (an encoder's may differ)."""
@@ -459,6 +477,7 @@ class KVCacheStepper:
         """Append several real tokens to every row (int64 [rows, seq]), as a long prompt prefilled in chunks does
         after ``prefill`` of its first chunk; returns the logits of each row's last token [rows, vocab], or with
         ``every_position`` of each token [rows, seq, vocab]."""
+        self._check_every_position(every_position)
         input_ids = np.asarray(input_ids, np.int64)
         if input_ids.ndim != 2 or input_ids.shape[0] != self.rows or self.rows == 0 or input_ids.shape[1] == 0:
             raise InputError(f"extend takes [rows={self.rows}, seq >= 1] token ids, got shape {input_ids.shape}")
@@ -645,7 +664,7 @@ class KVCacheStepper:
         self.lengths[rows] = lengths
         if every_position:
             return np.asarray(logits, np.float32)
-        if seq == 1:
+        if seq == 1 or self.graph.last_token_only:
             return np.asarray(logits[:, 0, :], np.float32)  # a view of the array written (fp32): nothing copied
         # Each row's last real token: a first call's row ends at its length, a later call's at its last column.
         last = lengths - 1 if first else np.full(len(lengths), seq - 1)
@@ -742,6 +761,8 @@ class KVCacheStepper:
             self._zero_holes()
         if every_position:
             return np.asarray(outputs["logits"], np.float32)
+        if self.graph.last_token_only:  # the file computed each row's last real token's only
+            return np.asarray(outputs["logits"][:, 0, :], np.float32)
         # Each row's last real new token: a right-padded prompt's last column is padding.
         last = new_mask.shape[1] - 1 - np.argmax(new_mask[:, ::-1] != 0, axis=1)
         return np.asarray(outputs["logits"][np.arange(len(last)), last, :], np.float32)

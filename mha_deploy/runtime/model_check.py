@@ -266,7 +266,7 @@ def batching_change(
     together = run(_padded_batch([probe, longer], signature))
     for row, (one, lengths) in enumerate(((probe, short), (longer, long))):
         alone = run(_padded_batch([one], signature))
-        for spec in signature.outputs:
+        for spec in signature.item_outputs:  # one spanning the batch is the call's, not an item's
             cut = (row, *(slice(0, lengths[axis]) if axis in lengths else slice(None) for axis in spec.axes[1:]))
             batched, expected = together[spec.name][cut].astype(np.float64), alone[spec.name][0].astype(np.float64)
             error = np.linalg.norm(batched - expected) / max(float(np.linalg.norm(expected)), 1e-30)
@@ -383,7 +383,8 @@ def _padded_batch(items: list[dict[str, np.ndarray]], signature: Signature) -> d
             lengths[spec.name] = [len(a) for a in arrays]
     for spec in signature.inputs:
         if spec.role == PADDING_MASK:
-            feeds[spec.name] = right_padding_mask(lengths[spec.marks], feeds[spec.marks].shape[1])
+            # in the mask's own dtype: bool, or a Hugging Face file's int64 1/0
+            feeds[spec.name] = right_padding_mask(lengths[spec.marks], feeds[spec.marks].shape[1]).astype(spec.dtype)
     return feeds
 
 

@@ -324,6 +324,10 @@ class GenerationEngine:
         if request.prompt_logprobs and (request.logprobs is None or self.stepper.encoder is not None):
             raise InputError("prompt_logprobs needs logprobs set, and a decoder-only model (an encoder-decoder's "
                              "prompt is its source, which no logits score)")
+        if request.prompt_logprobs and self.stepper.last_token_only:
+            raise InputError("prompt_logprobs (echo with logprobs) scores every prompt token, and this model computes "
+                             "each row's last token's logits only (exported with --logits last): export it again "
+                             "with --logits all to serve them")
         bias = request.config.logit_bias
         if bias and self.stepper.graph.vocab_size is not None:
             # Checked here, not at the row's first step: a failure inside the loop would fail every running row.

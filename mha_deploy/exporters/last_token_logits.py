@@ -1,0 +1,170 @@
+"""A KV-cache causal LM's LM head run for one token per row: the row's last real token of the call
+(``export --kv-cache --logits last``). The logits output becomes [batch, 1, vocab].
+
+Why: a generator reads the logits of each row's last token only, yet the exported graph runs the LM head (the
+[hidden, vocab] MatMul) on every position of the call. At a prompt that is the largest MatMul of the model times
+the prompt's length: on the benchmark Llama (hidden 512, vocabulary 32k, 6 layers) about half of a prefill's
+FLOPs, and the logits of a batch of 16 prompts of 1024 tokens are 2 GB of fp32 that nobody reads.
+
+What is rewritten, in one place (``logits_at_last_token``): the LM head is found walking back from the logits
+output through ops that act on each position alone (a bias, a cast, Gemma-2's final soft-cap), to the MatMul with
+a constant weight (MatMulNBits once quantized) whose data input is the hidden states [batch, seq, hidden]. Before
+it, each row's hidden state at its last real token of the call is gathered; everything from there to the output
+then runs on [batch, 1, ...]. The final norm stays where it was (per token, [batch, seq, hidden]: cheap, and
+fused with the last residual add).
+
+Which position is a row's last real token comes from the graph's own inputs, so that it holds for every call a
+runtime makes under either cache layout: the last 1 of ``attention_mask``'s last ``seq`` columns (the mask covers
+past + this call, 1 = real). Holes layout: those columns are this call's (a left- or right-padded prompt, then
+steps of real tokens). Ragged layout (``fusion.ragged_cache``): a first call's mask is [batch, seq] with each row's
+tokens first (right padding), later calls have ``seq`` real tokens per row, the row's last ``seq`` mask columns all
+1 for batch 1 and the one column a step reads otherwise. A row with no real token in the call (padding only, which
+no runtime sends) gets its last column. A file that takes no mask: the last column.
+
+``logits_at_every_position`` undoes it (the graph as it was before), for what needs every position's logits at
+export (``--eval-data``'s perplexity over a prompt).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import onnx
+from onnx import TensorProto, helper
+
+from mha_deploy.errors import ExportError
+from mha_deploy.onnx_nodes import producers_and_readers
+from mha_deploy.signature import LAST_TOKEN, Signature
+
+PREFIX = "last_token_logits/"
+LOGITS, INPUT_IDS, ATTENTION_MASK = "logits", "input_ids", "attention_mask"
+LOGITS_CHOICES = ("last", "all")
+LOGITS_ALL_HINT = "export with --logits all (every position's logits, [batch, seq, vocab])"
+# The LM head: a MatMul with a constant weight, or its weight-only quantized form.
+_HEADS = {("", "MatMul"), ("", "Gemm"), ("com.microsoft", "MatMulNBits")}
+# Ops between the LM head and the logits output that act on each position alone (their other operands constants):
+# a bias, a cast, a scale, Gemma-2's final soft-cap (tanh(x / cap) * cap).
+_PER_POSITION = {"Identity", "Cast", "Add", "Sub", "Mul", "Div", "Tanh"}
+_INT64_MAX = 2**63 - 1
+
+
+def logits_at_last_token(model: onnx.ModelProto, output: str = LOGITS) -> onnx.ModelProto:
+    """``model`` with its ``output`` computed at each row's last real token of the call only: [batch, 1, vocab].
+    Raises ``ExportError`` (naming ``--logits all``) when the LM head is not found as the module description says."""
+    if any(node.name == PREFIX + "gather" for node in model.graph.node):
+        return model  # already rewritten
+    model_copy = onnx.ModelProto()
+    model_copy.CopyFrom(model)
+    graph = model_copy.graph
+    head, hidden = _lm_head(graph, output)
+    inputs = {value.name for value in graph.input}
+    picked = PREFIX + "hidden"
+
+    def name(part: str) -> str:
+        return PREFIX + part
+
+    def constant(part: str, values: list[int]) -> onnx.NodeProto:
+        tensor = helper.make_tensor(name(part), TensorProto.INT64, [len(values)], values)
+        return helper.make_node("Constant", [], [name(part)], value=tensor, name=name(part))
+
+    if ATTENTION_MASK in inputs and INPUT_IDS in inputs:
+        nodes = [
+            # This call's columns of the mask over past + seq: the last seq.
+            helper.make_node("Shape", [INPUT_IDS], [name("seq")], start=1, end=2, name=name("seq")),
+            helper.make_node("Neg", [name("seq")], [name("minus_seq")], name=name("minus_seq")),
+            constant("end", [_INT64_MAX]),
+            constant("axis", [1]),
+            helper.make_node("Slice", [ATTENTION_MASK, name("minus_seq"), name("end"), name("axis")],
+                             [name("call_mask")], name=name("call_mask")),
+            # ArgMax takes numbers (a bool mask too, cast); the last 1 of a row wins (select_last_index).
+            helper.make_node("Cast", [name("call_mask")], [name("real")], to=TensorProto.FLOAT, name=name("real")),
+            helper.make_node("ArgMax", [name("real")], [name("last")], axis=1, keepdims=1, select_last_index=1,
+                             name=name("last")),  # [batch, 1]
+            constant("axis_2", [2]),
+            helper.make_node("Unsqueeze", [name("last"), name("axis_2")], [name("last_3d")], name=name("last_3d")),
+            helper.make_node("Shape", [hidden], [name("width")], start=2, end=3, name=name("width")),
+            constant("one_one", [1, 1]),
+            helper.make_node("Concat", [name("one_one"), name("width")], [name("index_shape")], axis=0,
+                             name=name("index_shape")),
+            helper.make_node("Expand", [name("last_3d"), name("index_shape")], [name("index")],
+                             name=name("index")),  # [batch, 1, hidden]
+            helper.make_node("GatherElements", [hidden, name("index")], [picked], axis=1, name=name("gather")),
+        ]
+    else:  # every column is a real token: the last one
+        nodes = [
+            constant("start", [-1]),
+            constant("end", [_INT64_MAX]),
+            constant("axis", [1]),
+            helper.make_node("Slice", [hidden, name("start"), name("end"), name("axis")], [picked],
+                             name=name("gather")),
+        ]
+    head.input[0] = picked
+    # Right before the head: what they read (the graph's inputs, the hidden states) is produced before it.
+    position = list(graph.node).index(head)
+    for offset, node in enumerate(nodes):
+        graph.node.insert(position + offset, node)
+    for value in graph.output:
+        if value.name == output and value.type.tensor_type.HasField("shape"):
+            dims = value.type.tensor_type.shape.dim
+            if len(dims) >= 2:
+                dims[1].Clear()
+                dims[1].dim_value = 1
+    return model_copy
+
+
+def last_token_signature(signature: Signature, output: str = LOGITS) -> Signature:
+    """A causal LM's cache ``signature`` with ``output`` [batch, 1, vocab] at each row's last real token of the call
+    (role ``LAST_TOKEN``)."""
+    outputs = tuple(replace(spec, role=LAST_TOKEN, axes=(spec.axes[0], 1, *spec.axes[2:])) if spec.name == output
+                    else spec for spec in signature.custom_outputs)
+    return replace(signature, custom_outputs=outputs)
+
+
+def logits_at_every_position(model: onnx.ModelProto, output: str = LOGITS, seq_axis: str = "seq") -> onnx.ModelProto:
+    """``model`` as it was before ``logits_at_last_token``: the LM head on every position, ``output`` [batch,
+    ``seq_axis``, vocab]. ``model`` itself when it was not rewritten."""
+    gathers = [node for node in model.graph.node if node.name == PREFIX + "gather"]
+    if not gathers:
+        return model
+    model_copy = onnx.ModelProto()
+    model_copy.CopyFrom(model)
+    graph = model_copy.graph
+    picked, hidden = gathers[0].output[0], gathers[0].input[0]
+    kept = [node for node in graph.node if not node.name.startswith(PREFIX)]
+    for node in kept:
+        node.input[:] = [hidden if value == picked else value for value in node.input]
+    del graph.node[:]
+    graph.node.extend(kept)
+    for value in graph.output:
+        if value.name == output and value.type.tensor_type.HasField("shape"):
+            dims = value.type.tensor_type.shape.dim
+            if len(dims) >= 2:
+                dims[1].Clear()
+                dims[1].dim_param = seq_axis
+    return model_copy
+
+
+def _lm_head(graph: onnx.GraphProto, output: str) -> tuple[onnx.NodeProto, str]:
+    """The LM head node producing ``output`` and its data input (the hidden states)."""
+    producer, readers = producers_and_readers(graph)
+    constants = {tensor.name for tensor in graph.initializer}
+    constants |= {node.output[0] for node in graph.node if node.op_type == "Constant"}
+    if output not in {value.name for value in graph.output}:
+        raise ExportError(f"--logits last: the file has no {output} output; {LOGITS_ALL_HINT}")
+    name, seen = output, []
+    while True:
+        node = producer.get(name)
+        if node is None or (name != output and len(readers.get(name, [])) > 1):
+            break  # a graph input, or a value something else reads at every position
+        seen.append(node.op_type)
+        if (node.domain, node.op_type) in _HEADS and len(node.input) > 1 and node.input[1] in constants:
+            if node.op_type == "Gemm":
+                break  # a 2-D product: the positions are not an axis of its own to gather along
+            return node, node.input[0]
+        data = [value for value in node.input if value and value not in constants]
+        if node.op_type not in _PER_POSITION or len(data) != 1:
+            break
+        name = data[0]
+    raise ExportError(
+        f"--logits last: no LM head found behind {output} (a MatMul with a constant weight reached through per-token "
+        f"ops; walked through {' <- '.join(seen) or 'nothing'}); {LOGITS_ALL_HINT}")

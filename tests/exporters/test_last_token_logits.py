@@ -1,0 +1,192 @@
+"""``export --kv-cache --logits last`` (exporters.last_token_logits): the LM head runs on each row's last real token of
+the call only, counted from the file; every way a generator runs the file (runtime.generation left- or right-padded,
+onnxruntime-genai from ``genai-config``) gives each prompt the greedy tokens transformers' ``generate`` gives it alone;
+what needs every position's logits is refused naming ``--logits all``. One export: tests/user_models/hf_families.py's
+Llama (rotary, grouped-query, the ragged cache) with ``--logits last``; the holes layout is the session's holes export
+of tests/user_models/causal_lm.py rewritten by the same pass."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from click.testing import CliRunner
+from onnx import helper
+
+from mha_deploy.bench.genai import genai_python, run_genai_greedy
+from mha_deploy.cli import main
+from mha_deploy.errors import InputError, ModelFileError
+from mha_deploy.exporters.last_token_logits import PREFIX, logits_at_every_position, logits_at_last_token
+from mha_deploy.model_report import read_metadata
+from mha_deploy.runtime.generation import GenerationConfig, generate, prompt_batch
+from mha_deploy.runtime.kv_stepper import KVCacheStepper
+from mha_deploy.serving.engine import GenerationEngine, GenerationRequest
+from tests.conftest import exported_once, user_module
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+families = user_module("hf_families")
+MAX_NEW = 8
+LENGTHS = [3, 12, 1, 7]
+_draw = np.random.default_rng(37)
+# No id below 3 (pad, eos, bos): onnxruntime-genai finds a prompt's end by the pad id.
+PROMPTS = [_draw.integers(3, families.VOCAB, n).tolist() for n in LENGTHS]
+
+
+@pytest.fixture(scope="module")
+def last_llama(tmp_path_factory):
+    """(file, model): the family Llama's folder exported with ``--kv-cache --logits last``, once per session."""
+    def write(folder):
+        families.save("llama", folder / "hf")
+        result = CliRunner().invoke(main, ["export", "--hf", str(folder / "hf"), "--kv-cache", "--logits", "last",
+                                           "-o", str(folder / "model.onnx")])
+        assert result.exit_code == 0, result.output
+        return {"output": result.output}
+
+    folder, record = exported_once(tmp_path_factory, ("last_token_logits", "llama"), write)
+    assert "cache layout ragged" in record["output"], record["output"]
+    return folder / "model.onnx", transformers.AutoModelForCausalLM.from_pretrained(folder / "hf").eval()
+
+
+@pytest.fixture(scope="module")
+def alone(last_llama):
+    """transformers' greedy ``generate`` on each of ``PROMPTS`` alone (``MAX_NEW`` tokens, or up to the eos id)."""
+    model = last_llama[1]
+    greedy = transformers.GenerationConfig(do_sample=False, max_new_tokens=MAX_NEW, eos_token_id=families.EOS_ID,
+                                           pad_token_id=families.PAD_ID)
+    rows = []
+    for prompt in PROMPTS:
+        ids = torch.tensor([prompt])
+        with torch.no_grad():
+            out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), generation_config=greedy)
+        rows.append(out[0, len(prompt):].tolist())
+    return rows
+
+
+@pytest.fixture(scope="module")
+def holes_pair(lm_cache):
+    """(every position's file, the same rewritten by ``logits_at_last_token``): the session's holes export of
+    causal_lm (tests/runtime/test_cuda_decisions.py's), in memory."""
+    model = onnx.load(str(lm_cache("causal_lm", "--cache-layout", "holes")[0]))
+    return model, logits_at_last_token(model)
+
+
+def _padded(padding: str, vocab: int, seed: int = 5) -> tuple[np.ndarray, np.ndarray]:
+    """Prompts of four lengths in one batch, padded on ``padding``'s side with the pad id (masked)."""
+    rng = np.random.default_rng(seed)
+    ids, mask = prompt_batch([rng.integers(3, vocab, n) for n in LENGTHS])
+    ids = np.where(mask == 1, ids, families.PAD_ID)
+    if padding == "right":
+        order = np.argsort(mask == 0, axis=1, kind="stable")
+        ids, mask = np.take_along_axis(ids, order, axis=1), np.take_along_axis(mask, order, axis=1)
+    return ids, mask
+
+
+def _session(model: onnx.ModelProto) -> ort.InferenceSession:
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+
+
+@pytest.mark.parametrize("layout", ["ragged", "holes"])
+def test_the_lm_head_runs_on_one_token_per_row(last_llama, holes_pair, layout):
+    """The MatMul producing the logits reads [batch, 1, hidden] (its input made an output and run on a right-padded
+    prompt batch of 4 x 12), the logits come back [batch, 1, vocab], and nothing else reads the gathered row."""
+    model = onnx.load(str(last_llama[0])) if layout == "ragged" else holes_pair[1]
+    heads = [node for node in model.graph.node if PREFIX + "hidden" in node.input]
+    assert [node.op_type for node in heads] == ["MatMul"]
+    probe = onnx.ModelProto()
+    probe.CopyFrom(model)
+    probe.graph.output.append(helper.make_empty_tensor_value_info(PREFIX + "hidden"))
+    session = _session(probe)
+    ids, mask = _padded("right", 50)
+    feeds = {"input_ids": ids, "attention_mask": mask}
+    for port in session.get_inputs():
+        if port.name.startswith("past_key_values."):
+            feeds[port.name] = np.zeros((len(ids), port.shape[1], 0, port.shape[3]), np.float32)
+        elif port.name == "position_ids":
+            feeds[port.name] = np.broadcast_to(np.arange(ids.shape[1]), ids.shape).copy()
+    hidden, logits = session.run([PREFIX + "hidden", "logits"], feeds)
+    assert hidden.shape[:2] == (len(ids), 1) and logits.shape[:2] == (len(ids), 1)
+
+
+@pytest.mark.parametrize("padding", ["left", "right"])
+def test_a_last_token_file_gives_each_prompt_its_greedy_tokens_alone(last_llama, alone, padding):
+    """The ragged file (prompts of four lengths in one batch, either side padded: the stepper moves a row's tokens
+    to the front): each row's greedy tokens equal transformers' ``generate`` on its prompt alone (exact ids; the
+    export checked the logits at atol 1e-5 scaled by each row's magnitude, rtol 1e-4, call by call)."""
+    ids, mask = prompt_batch([np.array(prompt) for prompt in PROMPTS])
+    ids = np.where(mask == 1, ids, families.PAD_ID)
+    if padding == "right":
+        order = np.argsort(mask == 0, axis=1, kind="stable")
+        ids, mask = np.take_along_axis(ids, order, axis=1), np.take_along_axis(mask, order, axis=1)
+    stepper = KVCacheStepper(last_llama[0])
+    assert stepper.last_token_only
+    out = generate(stepper, ids, mask, max_new_tokens=MAX_NEW)  # the eos id the file recorded
+    assert [tokens.tolist() for tokens in out.tokens] == alone
+
+
+@pytest.mark.parametrize("padding", ["left", "right"])
+def test_a_holes_layout_file_rewritten_generates_what_every_positions_file_does(holes_pair, padding):
+    """The holes layout (a padded prompt's columns stay in the cache as holes): the last real token of each row is
+    read off the mask's last ``seq`` columns, on either side; greedy tokens of the batch equal the every-position
+    file's (exact ids), and ``logits_at_every_position`` gives back the graph as it was."""
+    every, last = holes_pair
+    ids, mask = _padded(padding, 50)
+    tokens = [generate(KVCacheStepper(_session(model), cache_layout="holes"), ids, mask, max_new_tokens=MAX_NEW,
+                       eos_token_id=[]).tokens for model in (every, last)]
+    assert [t.tolist() for t in tokens[1]] == [t.tolist() for t in tokens[0]]
+    assert logits_at_every_position(last).graph.node == every.graph.node
+
+
+def test_what_needs_every_position_is_refused_naming_logits_all(last_llama):
+    """A prompt's own log probabilities (``every_position``; serve's ``echo`` with ``logprobs``) need every position's
+    logits: the stepper and the serving engine refuse them, naming ``--logits all``; ``inspect`` and the metadata say
+    the logits are the last token's."""
+    path = last_llama[0]
+    stepper = KVCacheStepper(path)
+    with pytest.raises(ModelFileError, match="--logits all"):
+        stepper.prefill(np.array([PROMPTS[0]]), np.ones((1, LENGTHS[0]), np.int64), every_position=True)
+    engine = GenerationEngine(stepper)
+    with pytest.raises(InputError, match="--logits all"):
+        engine.submit(GenerationRequest(PROMPTS[0], GenerationConfig(max_new_tokens=2), logprobs=0,
+                                        prompt_logprobs=True), lambda event: None)
+    assert read_metadata(path).signature.last_token_outputs == ("logits",)
+    shown = CliRunner().invoke(main, ["inspect", str(path)]).output
+    assert "logits             float32  [batch, 1, 256]" in shown and "last token logits: each row's last" in shown
+
+
+def test_logits_is_a_kv_cache_decoders_flag(tmp_path):
+    """``--logits`` without ``--kv-cache`` is refused before anything is exported; with the built-in block, as another
+    source's flag."""
+    refused = CliRunner().invoke(main, ["export", "--hf", str(tmp_path), "--logits", "last", "-o",
+                                        str(tmp_path / "m.onnx")])
+    assert refused.exit_code != 0 and "give --kv-cache" in refused.output, refused.output
+    builtin = CliRunner().invoke(main, ["export", "--kv-cache", "--mask", "causal", "--logits", "last", "-o",
+                                        str(tmp_path / "m.onnx")])
+    assert builtin.exit_code != 0 and "--logits" in builtin.output, builtin.output
+
+
+@pytest.mark.skipif(genai_python() is None, reason="no .venv-genai: scripts/setup.sh installs onnxruntime-genai there")
+def test_onnxruntime_genai_generates_from_a_last_token_file(last_llama, alone):
+    """``mha-deploy genai-config FILE``, then onnxruntime-genai (its own environment) generates the four prompts as one
+    batch right-padded with the pad id: each row's tokens equal transformers' greedy tokens alone (exact ids, up to
+    the eos id as tests/exporters/test_llm_families.py reads onnxruntime-genai 0.18)."""
+    path = last_llama[0]
+    result = CliRunner().invoke(main, ["genai-config", str(path)])
+    assert result.exit_code == 0, result.output
+    assert json.loads((path.parent / "genai_config.json").read_text())["model"]["pad_token_id"] == families.PAD_ID
+    width = max(LENGTHS)
+    padded = [prompt + [families.PAD_ID] * (width - len(prompt)) for prompt in PROMPTS]
+    rows = run_genai_greedy(path.parent, padded, width + MAX_NEW).new_tokens(width)
+    for row, (theirs, want) in enumerate(zip(rows, alone, strict=True)):
+        ended = want[-1] == families.EOS_ID
+        before_eos = want[:-1] if ended else want
+        rest = theirs[len(before_eos):]
+        assert theirs[:len(before_eos)] == before_eos and (
+            rest[:1] in ([], [families.EOS_ID]) and set(rest[1:]) <= {families.PAD_ID} if ended else not rest), (
+            f"row {row} ({LENGTHS[row]} tokens): onnxruntime-genai {theirs}, transformers {want}")
