@@ -36,6 +36,9 @@ SEGMENTS = "segments"
 IMAGE = "image"  # float [batch, channels, height, width] (pixel_values)
 AUDIO = "audio"  # float [batch, mel, frames] (Whisper's input_features)
 OUTPUT = "output"  # float [batch, <query axis>, d_model]; a custom model's per token or per item (see ``per_token``)
+# A per-token output computed at one position per row: [batch, 1, ...], the row's last real token of the call (a
+# KV-cache LM's logits exported with --logits last, exporters.last_token_logits: what a generator reads).
+LAST_TOKEN = "last_token"
 WEIGHTS = "weights"  # float [batch, heads, <query axis>, <key axis>]: the softmax probabilities
 # A KV-cache model's keys/values of earlier calls, in and out: float [batch, heads, <length axis>, d_k].
 PAST = "past"  # past_key / past_value: the cache so far (length past_seq, 0 on the first call)
@@ -123,8 +126,6 @@ class TensorSpec:
         against every text of the call): what it holds for an item depends on the other items of its call, so
         nothing may split it into items, pad it or batch other items with it."""
         return BATCH_AXIS in self.axes[1:]
-
-
 
 
 @dataclass(frozen=True)
@@ -273,10 +274,9 @@ class Signature:
         return tuple(spec.name for spec in self.outputs if len(spec.axes) > 1 and spec.axes[1] in lengths)
 
     @property
-    def per_token_outputs(self) -> tuple[str, ...]:
-        """Outputs with a row per position of a length axis (axis 1); the others have one row per item."""
-        lengths = set(self.sequence_axes)
-        return tuple(spec.name for spec in self.outputs if len(spec.axes) > 1 and spec.axes[1] in lengths)
+    def last_token_outputs(self) -> tuple[str, ...]:
+        """Outputs holding each row's last real token of the call only ([batch, 1, ...]), not every position's."""
+        return tuple(spec.name for spec in self.outputs if spec.role == LAST_TOKEN)
 
     def _check_stack(self) -> None:
         attention = "self" if self.model == "encoder" else "cross"

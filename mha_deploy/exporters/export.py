@@ -27,6 +27,12 @@ from mha_deploy.exporters.fusion.ragged_cache import RaggedRefused, to_ragged_ca
 from mha_deploy.exporters.fusion.rotary_gqa import fuse_into_gqa_checked
 from mha_deploy.exporters.graphs import attention_graph
 from mha_deploy.exporters.kv_cache import CacheProjection, attach_caches, decode_on_mha, prefill_or_decode
+from mha_deploy.exporters.last_token_logits import (
+    LOGITS_CHOICES,
+    last_token_signature,
+    logits_at_every_position,
+    logits_at_last_token,
+)
 from mha_deploy.exporters.mask_inputs import masks_as_declared
 from mha_deploy.exporters.own_kv_cache import (
     OWN_CACHE_CASES,
@@ -284,6 +290,9 @@ class ExportOptions:
     dtype: str = "fp32"
     # Per-token ops on real tokens only (token_packing), where the padding allows it and it pays
     pack_tokens: bool = True
+    # A causal LM's --kv-cache file: "last" computes the LM head at each row's last real token only
+    # (exporters.last_token_logits), "all" at every position
+    logits: str = "all"
 
     def __post_init__(self):
         object.__setattr__(self, "quantize", Quantization.of(self.quantize))
@@ -292,6 +301,8 @@ class ExportOptions:
         if self.fuse not in FUSE_CHOICES:
             raise ExportError(f"fuse must be one of {', '.join(FUSE_CHOICES)}, got {self.fuse!r}")
         self.quantize.check()
+        if self.logits not in LOGITS_CHOICES:
+            raise ExportError(f"logits must be one of {', '.join(LOGITS_CHOICES)}, got {self.logits!r}")
         if self.dtype not in DTYPES:
             raise ExportError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if not MIN_OPSET <= self.opset <= MAX_OPSET:
@@ -543,6 +554,10 @@ def _export_model(
                                  "max_position_embeddings or max_target_positions: no position table states it; "
                                  "--max-length to record another)")
     seq2seq = seq2seq_tensors(signature) if kv_cache else None
+    if export_options.logits == "last" and (not kv_cache or seq2seq is not None):
+        raise ExportError("--logits last is a causal LM's --kv-cache file's (a generator's: the LM head at each row's "
+                          "last token only); " + ("an encoder-decoder's decoder keeps every position's" if kv_cache
+                                                  else "export with --kv-cache") + ", or drop --logits")
     if export_options.quantize.evaluation is not None and not kv_cache:
         raise ExportError(EVAL_NEEDS_CAUSAL_LM)
     if kv_cache:
@@ -623,6 +638,8 @@ def _export_own_cache(
         attach_own_caches(plain, declared.signature, signature, layers), signature, max_length,
         position_ids is not False)
     heads, head_dim = layers[0].heads, layers[0].head_dim
+    if options.logits == "last":  # rewritten after fusion (_finish), so that every fusion sees the module's graph
+        signature = last_token_signature(signature)
     metadata = ModelMetadata(d_model=heads * head_dim, num_heads=heads, signature=signature, layers=len(layers),
                              max_length=max_length, generation=generation,
                              positions=positions_kind(cached, signature, max_length))
@@ -817,6 +834,8 @@ def _finish(
     ``module`` its cache-free forward taking ``declared``'s inputs; ``ragged``: its fused graph tried in the
     ragged layout first (``fusion.ragged_cache``), checked under that layout's convention.
     """
+    if options.logits == "last" and not metadata.signature.last_token_outputs:
+        raise ExportError("--logits last is a causal LM's --kv-cache file's (export --module or --hf with --kv-cache)")
     metadata.dtype = DTYPES[options.dtype]
     metadata.opset = options.opset
     metadata.versions = package_versions()
@@ -839,6 +858,8 @@ def _finish(
             model, fusion, packing = _optimised(
                 plain, fuse_target, options.quantize, metadata.dtype, attention_ops, pack,
                 metadata.signature.per_token_outputs)
+            if metadata.signature.last_token_outputs:
+                model = logits_at_last_token(model)
             model = masks_as_declared(model, metadata.signature)
         if ragged is not None:
             tried = build_ragged(model, fusion, fuse_target)
@@ -905,7 +926,9 @@ def _finish(
     metadata.quantization = options.quantize.kind
     metadata.weight_only = options.quantize.record(model)
     if options.quantize.evaluation is not None:
-        metadata.weight_only = options.quantize.evaluate(metadata.weight_only, module, declared, model, metadata)
+        # The perplexity reads every position's logits: the file's graph with the LM head on all of them.
+        metadata.weight_only = options.quantize.evaluate(metadata.weight_only, module, declared,
+                                                         logits_at_every_position(model), metadata)
     metadata.parity = report
     if metadata.signature.model == "custom":
         # A user's model: the most heads one of its attentions splits into, as the written graph states them

@@ -351,7 +351,9 @@ def check_cache_behaviour(run: RunFn, metadata: ModelMetadata, source: str) -> N
     first = call(x[:, :3], empty)
     second = call(x[:, 3:], {past: first[present] for past, present in signature.cache_pairs.items()})
     pieces = {
-        output: np.concatenate([first[output], second[output]], axis=1),
+        # A last-token output (--logits last) holds the last token's only: the second call's.
+        output: second[output] if output in signature.last_token_outputs else
+        np.concatenate([first[output], second[output]], axis=1),
         **{present: second[present] for present in signature.cache_pairs.values()},
     }
     for name, got in pieces.items():
