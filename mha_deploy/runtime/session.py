@@ -150,7 +150,8 @@ class MHASession:
             options.enable_mem_pattern = False
         plan = plan_providers(provider)
         if CUDA_EP in plan.ort_providers:
-            reason = _cuda_refusal(model, cuda_graph is not None)
+            reason = _cuda_refusal(graph.proto if graph is not None and graph.proto is not None else model,
+                                   cuda_graph is not None)
             if reason:
                 plan = without_cuda(plan, f"{self.source}: {reason}")
         providers = plan.session_providers(**({"enable_cuda_graph": "1"} if cuda_graph is not None else {}))
@@ -478,13 +479,16 @@ def check_model_before_writing(model: onnx.ModelProto, destination: str | os.Pat
     session._check_against_proto(model, probe=True)
 
 
-def _cuda_refusal(model: str | os.PathLike | bytes, cuda_graph: bool) -> str | None:
+def _cuda_refusal(model: str | os.PathLike | bytes | onnx.ModelProto, cuda_graph: bool) -> str | None:
     """Why ORT's CUDA provider (in a CUDA graph if ``cuda_graph``) cannot run ``model`` as deployed, or None.
 
-    None too when the model cannot be parsed: ORT's own load then says why, with the file name.
+    ``model`` is best the graph the session already read (ops and shapes, no weights' bytes); a path or bytes are
+    parsed here. None too when the model cannot be parsed: ORT's own load then says why, with the file name.
     """
     try:
-        if isinstance(model, bytes):
+        if isinstance(model, onnx.ModelProto):
+            proto = model
+        elif isinstance(model, bytes):
             proto = onnx.load_from_string(model)
         else:
             proto = onnx.load(str(model), load_external_data=False)
