@@ -103,10 +103,11 @@ def placeholder_inputs(
     kv_len: int | None = None,
     heads: int = 1,
 ) -> dict[str, np.ndarray]:
-    """Zeros of the given shape with masks that hide nothing: for warm-up runs and device buffers."""
+    """Zeros of the given shape with masks that hide nothing (in each mask's dtype: bool, or int64 1/0): for warm-up
+    runs and device buffers, which ORT is handed as they are."""
     sizes = signature.axis_sizes(batch, q_len, kv_len, d_model=d_model, heads=heads)
     return {
-        spec.name: np.ones(spec.shape(sizes), bool)
+        spec.name: np.ones(spec.shape(sizes), spec.dtype)
         if spec.role == PADDING_MASK
         else np.zeros(spec.shape(sizes), np.dtype(spec.numpy_dtype(dtype)))
         for spec in signature.inputs
@@ -131,7 +132,7 @@ def real_rows(signature: Signature, feeds: dict[str, np.ndarray]) -> dict[str, n
         length = shapes[axis][1]
         # A KV cache's mask covers the cached tokens first: the sequence is its last positions.
         masks.setdefault(axis, []).extend(
-            feeds[mask][:, feeds[mask].shape[1] - length:]
+            feeds[mask][:, feeds[mask].shape[1] - length:].astype(bool, copy=False)  # int64 1/0 masks too
             for mask, marks in signature.padding_masks.items() if marks == name)
     return {axis: np.logical_or.reduce(masks[axis]) if masks[axis] else np.ones(shape, dtype=bool)
             for axis, shape in shapes.items()}

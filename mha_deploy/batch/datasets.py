@@ -315,7 +315,7 @@ def output_keys(item_id: str, signature: Signature, suffix: str) -> tuple[str, .
     """What an item's results are stored under in an output of ``suffix``: its keys, or its Parquet id."""
     if suffix == PARQUET_SUFFIX:
         return (item_id,)
-    return tuple(output_key(item_id, name) for name in signature.output_names)
+    return tuple(output_key(item_id, spec.name) for spec in signature.item_outputs)
 
 
 def item_arrays(item_id: str, result: dict[str, np.ndarray]) -> Iterator[tuple[str, np.ndarray]]:

@@ -199,12 +199,26 @@ def collate(items: Sequence[Item], signature: Signature) -> Batch:
 
 
 def split_outputs(outputs: dict[str, np.ndarray], batch: Batch, signature: Signature) -> list[Result]:
-    """Per item, each output cut to the item's real lengths on every length axis."""
+    """Per item, each output cut to the item's real lengths on every length axis. An output spanning the batch
+    (``Signature.batch_outputs``: CLIP's logits_per_image) is no item's: an item's row of it would depend on which
+    items the planner put beside it, so it is left out (``left_out_note`` says so)."""
     results = []
     for row, lengths in enumerate(batch.lengths):
         result = {}
-        for spec in signature.outputs:
+        for spec in signature.item_outputs:
             cut = tuple(slice(0, lengths[axis]) if axis in lengths else slice(None) for axis in spec.axes[1:])
             result[spec.name] = outputs[spec.name][row][cut]
         results.append(result)
     return results
+
+
+def left_out_note(signature: Signature) -> str | None:
+    """What a run over items (``infer``, the batch runner) does not write, and why; None when it writes every
+    output."""
+    spanning = signature.batch_outputs
+    if not spanning:
+        return None
+    return (f"{', '.join(spanning)} not written: each spans the whole batch of a call (every item against every "
+            "other), and items here are batched by length as the runner chooses, so an item's row would depend on "
+            "its batch-mates; the per-item outputs are written (compute the cross terms from them, e.g. "
+            "exp(logit_scale) * image_embeds @ text_embeds.T), or run the batch you mean with MHASession or serve")

@@ -44,6 +44,7 @@ _COMMON = textwrap.dedent("""
         for name in signature.padding_masks:
             length = feeds[name].shape[1]
             feeds[name][:, max(1, length - round(length * padded_pct / 100)):] = False
+            feeds[name] = feeds[name].astype(signature.tensors[name].dtype)  # ORT as is: bool, or int64 1/0
         return feeds
 
     def report(before, after, signature, padded_pct):

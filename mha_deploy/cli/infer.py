@@ -60,6 +60,7 @@ def infer(model, input_path, output_path, batch_size, max_batch_tokens, bucket_w
     """
     from mha_deploy.batch import BatchRunner
     from mha_deploy.batch.job import DatasetJob, run_dataset
+    from mha_deploy.batch.planner import left_out_note
     from mha_deploy.runtime import MHASession
 
     if output_path.resolve() == input_path.resolve():
@@ -82,6 +83,8 @@ def infer(model, input_path, output_path, batch_size, max_batch_tokens, bucket_w
             session = MHASession(model, provider=provider, threads=threads)
             if session.provider_note:
                 click.echo(session.provider_note, err=True)
+            if note := left_out_note(session.signature):
+                click.echo(f"note: {note}", err=True)
             runner = BatchRunner(session, options)
             stats = run_with_progress(
                 lambda on_start, on_batch: run_dataset(job, runner, on_start, on_batch), progress)

@@ -5,7 +5,9 @@ transformers class (and with it the task: ``BertForSequenceClassification``, ``G
 weights load into it, and the inputs are the forward's parameters under Hugging Face's names, each with the role
 and length axis ``HF_INPUTS`` gives it. The outputs keep the model's output field names (``logits``,
 ``last_hidden_state``, ``pooler_output``: ``own_model.named_outputs`` names a ``ModelOutput``'s tensors by their
-keys). With ``kv_cache`` the special ids come from ``generation_config.json`` and the config, recorded as
+keys; CLIP's ``logits_per_image`` [batch, batch] among them, an output spanning the call's batch:
+``TensorSpec.spans_batch``). The ``attention_mask`` is int64 1/0, as a tokenizer gives it (``HF_MASK_DTYPE``).
+With ``kv_cache`` the special ids come from ``generation_config.json`` and the config, recorded as
 ``--eos-id``, ``--pad-id`` and ``--start-id`` would record them. The tokenizer, its chat template and the generation
 and preprocessor configs are copied beside the file (``beside_model``), so that ``generate`` and ``serve`` find
 them there. Nothing is downloaded: the folder is read with ``local_files_only``.
@@ -70,38 +72,10 @@ HF_INPUTS: dict[str, HFInput] = {
     "pixel_values": HFInput("image"),
     "input_features": HFInput("audio"),
 }
-
-
-# Outputs that compare every item of a batch with every other (CLIP's image-text similarities, [batch, batch]):
-# not an item's own, so a file that batches items as it likes cannot return them. The embeddings they are
-# computed from are the file's outputs (logits_per_image = exp(logit_scale) * image_embeds @ text_embeds.T).
-CROSS_BATCH_OUTPUTS = ("logits_per_image", "logits_per_text")
-
-
-class ItemOutputs:
-    """A dual encoder's module (a config with text and vision configs: CLIP) whose forward leaves out the
-    ``CROSS_BATCH_OUTPUTS``; it takes the same parameters (its signature is the module's)."""
-
-    @staticmethod
-    def wrap(module):
-        import torch
-
-        class _ItemOutputs(torch.nn.Module):
-            def __init__(self, inner):
-                super().__init__()
-                self.module = inner
-                self.config = inner.config
-
-            def forward(self, **inputs):
-                result = self.module(**inputs)
-                return {name: value for name, value in result.items() if name not in CROSS_BATCH_OUTPUTS}
-
-        return forward_like(_ItemOutputs(module).eval(), module)
-
-    @staticmethod
-    def needed(module) -> bool:
-        config = module.config
-        return getattr(config, "text_config", None) is not None and getattr(config, "vision_config", None) is not None
+# What the file's attention_mask takes: int64 1/0, as a Hugging Face tokenizer returns it (return_tensors="np"),
+# so that its output feeds a plain onnxruntime session as it is (Optimum's files take the same). A --kv-cache
+# causal LM's mask is int64 already; an encoder-decoder's --kv-cache pair keeps its own (``own_seq2seq_cache``).
+HF_MASK_DTYPE = "int64"
 
 
 def forward_like(wrapper, module):
@@ -120,7 +94,7 @@ def forward_like(wrapper, module):
 class HFModel:
     """A folder's model, loaded for export: the module (eval, fp32, caches off) and the inputs to declare."""
 
-    module: object  # a transformers PreTrainedModel (or a module over it: ItemOutputs, sentence_module)
+    module: object  # a transformers PreTrainedModel (or a module over it: sentence_module)
     architecture: str
     inputs: tuple[str, ...]  # NAME:ROLE[:AXIS], as ``--input`` takes them
     encoder_decoder: bool
@@ -234,8 +208,6 @@ def load_hf_model(folder: str | os.PathLike) -> HFModel:
     inputs = forward_inputs(module, encoder_decoder)
     if sentence is not None:
         return _sentence_model(folder, sentence, module, inputs, encoder_decoder)
-    if ItemOutputs.needed(module):
-        module = ItemOutputs.wrap(module)
     return HFModel(module, cls.__name__, inputs, encoder_decoder, source)
 
 
@@ -414,11 +386,7 @@ def export_hf_folder(
         max_length = min(model.sentence.max_seq_length, model.context_length() or model.sentence.max_seq_length)
     result = export_model(model.module, output, model.inputs, max_length=max_length, kv_cache=kv_cache,
                           position_ids=position_ids, generation=ids, cache_layout=cache_layout,
-                          context_length=model.context_length(), **options)
-    if ItemOutputs.needed(model.module):
-        result.warnings.append(f"{', '.join(CROSS_BATCH_OUTPUTS)} left out: they compare each item with every other "
-                               "of the batch, which the file batches as it likes; compute them from image_embeds "
-                               "and text_embeds (exp(logit_scale) * image_embeds @ text_embeds.T)")
+                          context_length=model.context_length(), mask_dtype=HF_MASK_DTYPE, **options)
     written = [Path(result.path)] + ([Path(result.encoder_path)] if getattr(result, "encoder_path", None) else [])
     try:
         copied = beside.write(Path(result.path).parent, model.source)

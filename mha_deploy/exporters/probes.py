@@ -46,7 +46,8 @@ def output_axes(
     name: str, first_shape: Sequence[int], second_shape: Sequence[int], first: ProbeSizes, second: ProbeSizes
 ) -> tuple[str | int, ...]:
     """An output's axes from its shapes at two sizes: batch first, then a declared length axis where the size
-    follows one from ``first`` to ``second``, fixed sizes where it does not change."""
+    follows one from ``first`` to ``second`` (the batch where it follows the batch: an output spanning it,
+    ``TensorSpec.spans_batch``), fixed sizes where it does not change."""
     first_shape, second_shape = tuple(map(int, first_shape)), tuple(map(int, second_shape))
     if not first_shape or first_shape[0] != first.batch or second_shape[0] != second.batch:
         raise ExportError(
@@ -61,6 +62,8 @@ def output_axes(
             axes.append(size_a)
             continue
         axis = next((ax for ax, n in first.lengths.items() if n == size_a and second.lengths[ax] == size_b), None)
+        if axis is None and (size_a, size_b) == (first.batch, second.batch):
+            axis = BATCH_AXIS  # every item against every other of the call (CLIP's logits_per_image)
         if axis is None:
             raise ExportError(
                 f"output {name}'s axis {position} is {size_a} for lengths {dict(first.lengths)} and {size_b} for "

@@ -395,7 +395,7 @@ def padding_by_axis(signature: Signature, feeds: Mapping[str, np.ndarray]) -> di
         masks[axis] = mask | masks[axis] if axis in masks else mask
 
     for mask_name, marks in signature.padding_masks.items():
-        mask = feeds[mask_name]
+        mask = feeds[mask_name].astype(bool, copy=False)  # an int64 1/0 mask (a Hugging Face file's) as bool
         axis = signature.axis_of(mask_name)
         if axis == TOTAL_AXIS:
             past = mask.shape[1] - feeds[marks].shape[1]

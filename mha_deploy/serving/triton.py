@@ -34,7 +34,7 @@ import os
 import re
 import secrets
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import onnx
@@ -201,8 +201,15 @@ def config_pbtxt(proto: onnx.ModelProto, metadata: ModelMetadata, config: Triton
     """The text of config.pbtxt (protobuf text format of Triton's ModelConfig)."""
     if metadata.signature.kv_cache:
         return _kv_cache_config(proto, metadata, config, name)
-    inputs, outputs = tensor_specs(proto, metadata, config.max_batch_size)
     sig = metadata.signature
+    spanning = []
+    if sig.batch_outputs and config.max_batch_size > 0:
+        # Triton's dynamic batcher would concatenate requests and hand each its rows of an output that spans the
+        # batch, every one computed against the other clients' items: no batching, each request its own batch.
+        config = replace(config, max_batch_size=0)
+        spanning = [f"# max_batch_size 0: {', '.join(sig.batch_outputs)} span the request's whole batch, so Triton "
+                    "must not batch requests together (each request is one batch; the batch axis is in dims)."]
+    inputs, outputs = tensor_specs(proto, metadata, config.max_batch_size)
     described = (
         f"your own model ({', '.join(sig.input_names)} -> {', '.join(sig.output_names)})"
         if sig.model == "custom" else f"{sig.attention}-attention, mask {sig.mask}"
@@ -210,6 +217,7 @@ def config_pbtxt(proto: onnx.ModelProto, metadata: ModelMetadata, config: Triton
     lines = [
         f"# Written by mha-deploy: d_model {metadata.d_model}, {metadata.num_heads} heads, {described}.",
         "# Triton batches only requests of equal shape (same sequence lengths); see mha_deploy/serving/triton.py.",
+        *spanning,
         f'name: "{name}"',
         'backend: "onnxruntime"',
         f"max_batch_size: {config.max_batch_size}",

@@ -185,17 +185,98 @@ def test_a_bert_classifier_exports_fused_under_hugging_faces_names(exported):
     assert f"max length {MAX_POSITIONS} recorded" in output
 
 
-def test_a_bert_classifier_equals_the_module_in_plain_onnxruntime(exported):
+def _tokenized(folder, lengths=(UNSEEN_SEQ, 9, 4), pairs: bool = True) -> dict[str, np.ndarray]:
+    """What the folder's own tokenizer returns for texts of ``lengths`` words (sentence pairs: the second half of
+    each text its second segment), padded on the right, as numpy: int64 ids, attention_mask, token_type_ids."""
+    tokenizer = transformers.AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    rng = np.random.default_rng(0)
+    texts = [[f"w{i}" for i in rng.integers(3, VOCAB, n)] for n in lengths]
+    halves = ([" ".join(t[: len(t) // 2 or 1]) for t in texts], [" ".join(t[len(t) // 2 or 1:]) for t in texts])
+    encoded = (tokenizer(*halves, padding=True, return_token_type_ids=True, return_tensors="np") if pairs
+               else tokenizer([" ".join(t) for t in texts], padding=True, return_tensors="np"))
+    return dict(encoded)
+
+
+def test_a_bert_classifier_takes_its_tokenizers_output_as_it_is_in_plain_onnxruntime(exported):
+    """The tokenizer's dict (int64 ids, 1/0 attention_mask, token_type_ids of a sentence pair), right-padded at a
+    batch and length the export never saw, fed to plain ONNX Runtime unchanged: equal to the module."""
     folder, path, _ = exported("bert")
-    ids, mask = _right_padded(np.random.default_rng(0), UNSEEN_BATCH, UNSEEN_SEQ)
-    # the file's padding masks are bool (True = real token), as every mha-deploy file's: a tokenizer's 0/1 as bool
-    segments = (np.arange(UNSEEN_SEQ) >= UNSEEN_SEQ // 2).astype(np.int64) * mask  # a sentence pair's second half
-    (logits,) = _plain(path).run(["logits"], {"input_ids": ids, "attention_mask": mask.astype(bool),
-                                              "token_type_ids": segments})
+    feeds = _tokenized(folder)
+    assert feeds["attention_mask"].dtype == np.int64 and feeds["token_type_ids"].any()
+    session = _plain(path)
+    assert {i.name: i.type for i in session.get_inputs()}["attention_mask"] == "tensor(int64)"
+    (logits,) = session.run(["logits"], feeds)
     with torch.no_grad():
-        want = _module(folder)(input_ids=torch.from_numpy(ids), attention_mask=torch.from_numpy(mask),
-                               token_type_ids=torch.from_numpy(segments)).logits
+        want = _module(folder)(**{name: torch.from_numpy(value) for name, value in feeds.items()}).logits
     np.testing.assert_allclose(logits, want.numpy(), atol=OWN_MODEL_ATOL, rtol=OWN_MODEL_RTOL)
+
+
+def _bert_logits(folder, feeds: dict[str, np.ndarray]) -> np.ndarray:
+    with torch.no_grad():
+        return _module(folder)(**{name: torch.from_numpy(value) for name, value in feeds.items()}).logits.numpy()
+
+
+@pytest.mark.parametrize("mask_dtype", [np.int64, np.bool_])
+def test_a_bert_files_int64_mask_takes_a_bool_one_through_mha_session(exported, mask_dtype):
+    """MHASession (and with it infer, serve and bench) takes the file's int64 1/0 mask, and a bool one as its earlier
+    files took it, converted: the same logits either way, equal to the module."""
+    from mha_deploy.runtime import MHASession
+
+    folder, path, _ = exported("bert")
+    feeds = _tokenized(folder)
+    got = MHASession(path, provider="cpu").run({**feeds, "attention_mask": feeds["attention_mask"].astype(mask_dtype)})
+    np.testing.assert_allclose(got["logits"], _bert_logits(folder, feeds), atol=OWN_MODEL_ATOL, rtol=OWN_MODEL_RTOL)
+
+
+def test_infer_runs_a_bert_file_with_its_int64_mask_over_jsonl_items(exported, tmp_path):
+    """infer builds each batch's mask itself, in the file's dtype: every item's logits equal to the module's on that
+    item alone."""
+    folder, path, _ = exported("bert")
+    feeds = _tokenized(folder)
+    lengths = feeds["attention_mask"].sum(axis=1)
+    items = tmp_path / "items.jsonl"
+    items.write_text("".join(json.dumps({"id": f"t{row}", "input_ids": feeds["input_ids"][row, :n].tolist(),
+                                         "token_type_ids": feeds["token_type_ids"][row, :n].tolist()}) + "\n"
+                             for row, n in enumerate(lengths)))
+    out = tmp_path / "logits.npz"
+    result = CliRunner().invoke(main, ["infer", str(path), "--input", str(items), "--output", str(out),
+                                       "--provider", "cpu", "--no-progress"])
+    assert result.exit_code == 0, result.output
+    written = np.load(out)
+    for row, n in enumerate(lengths):
+        alone = {name: value[row : row + 1, :n] for name, value in feeds.items()}
+        np.testing.assert_allclose(written[f"t{row}.logits"], _bert_logits(folder, alone)[0], atol=OWN_MODEL_ATOL,
+                                   rtol=OWN_MODEL_RTOL)
+
+
+def test_serve_describes_a_bert_files_mask_as_int64_and_takes_bool_too(exported):
+    """OIP: the metadata says INT64 (what Triton's config says too: TYPE_INT64), an INT64 mask is answered with the
+    module's logits, and a BOOL one (a client of a bool-mask file) the same."""
+    from mha_deploy.runtime import MHASession
+    from mha_deploy.serving.http.app import create_app
+    from tests.serving.helpers import app_on_loopback, connect, http_request
+
+    folder, path, _ = exported("bert")
+    feeds = _tokenized(folder)
+    want = _bert_logits(folder, feeds)
+    app = create_app(lambda: MHASession(path, provider="cpu"), model_name="bert")
+    with app_on_loopback(app, timeout_s=60) as port:
+        status, _, body = http_request(connect(port), "GET", "/v2/models/bert")
+        assert status == 200
+        assert {t["name"]: t["datatype"] for t in json.loads(body)["inputs"]}["attention_mask"] == "INT64"
+        for datatype, mask in (("INT64", feeds["attention_mask"].tolist()),
+                               ("BOOL", feeds["attention_mask"].astype(bool).tolist())):
+            tensors = [{"name": name, "shape": list(value.shape), "datatype": "INT64", "data": value.tolist()}
+                       for name, value in feeds.items() if name != "attention_mask"]
+            tensors.append({"name": "attention_mask", "shape": list(feeds["attention_mask"].shape),
+                            "datatype": datatype, "data": mask})
+            status, _, body = http_request(connect(port), "POST", "/v2/models/bert/infer",
+                                           json.dumps({"inputs": tensors}).encode(),
+                                           {"Content-Type": "application/json"})
+            assert status == 200, body
+            (logits,) = [t for t in json.loads(body)["outputs"] if t["name"] == "logits"]
+            got = np.array(logits["data"], np.float32).reshape(logits["shape"])
+            np.testing.assert_allclose(got, want, atol=OWN_MODEL_ATOL, rtol=OWN_MODEL_RTOL, err_msg=datatype)
 
 
 @pytest.mark.parametrize("family", SENTENCE_POOLING)
@@ -233,7 +314,7 @@ def test_a_sentence_transformers_folder_equals_its_encode(exported, family, side
     for row, real in enumerate(rows):
         at = slice(0, len(real)) if side == "right" else slice(UNSEEN_SEQ - len(real), UNSEEN_SEQ)
         ids[row, at], mask[row, at] = real, True
-    (got,) = _plain(path).run(["sentence_embedding"], {"input_ids": ids, "attention_mask": mask})
+    (got,) = _plain(path).run(["sentence_embedding"], {"input_ids": ids, "attention_mask": mask.astype(np.int64)})
     if side == "right":
         want = model.encode([" ".join(f"w{i}" for i in real) for real in rows], batch_size=len(rows))
     else:

@@ -43,7 +43,7 @@ from mha_deploy.runtime.validation import (
 )
 from mha_deploy.serving.http.batcher import MicroBatcher
 from mha_deploy.serving.http.parsing import RequestError, holds_json_boolean
-from mha_deploy.signature import BATCH_AXIS, TensorSpec
+from mha_deploy.signature import BATCH_AXIS, PADDING_MASK, TensorSpec
 
 SERVER_NAME = "mha-deploy"
 MODEL_VERSION = "1"
@@ -96,6 +96,8 @@ def check_declared(
         raise bad_request("unknown_input", f"unknown input {name!r}: this model takes {', '.join(specs)}")
     spec = specs[name]
     expected = datatype(spec, metadata)
+    if spec.role == PADDING_MASK and dtype_name == "BOOL" and expected == "INT64":
+        expected = "BOOL"  # True/False means what 1/0 does: a client of a bool-mask file keeps working (validated)
     if dtype_name != expected:
         raise bad_request("wrong_datatype", f"input {name} has datatype {dtype_name!r}, this model takes {expected}")
     if not isinstance(shape, list | tuple) or not all(type(n) is int and n >= 0 for n in shape):
@@ -111,7 +113,7 @@ def check_declared(
             raise bad_request(problem.kind, f"input {problem.message} (shape {list(shape)}, expected {dims})")
     elif any(d != -1 and n != d for n, d in zip(shape, dims, strict=True)):
         raise bad_request("wrong_shape", f"input {name} has shape {list(shape)}, this model takes {dims} (-1: any)")
-    return np.dtype(spec.numpy_dtype(metadata.dtype))
+    return np.dtype(bool) if expected == "BOOL" else np.dtype(spec.numpy_dtype(metadata.dtype))
 
 
 def array_from_bytes(name: str, dtype: np.dtype, shape: list[int], raw: bytes | memoryview) -> np.ndarray:
@@ -213,6 +215,13 @@ def plan_request(metadata: ModelMetadata, inputs: Mapping[str, np.ndarray], max_
 async def run_plan(plan: RequestPlan, batcher: MicroBatcher, metadata: ModelMetadata) -> dict[str, np.ndarray]:
     """Every output, shaped as the request's batch, zero at padded positions."""
     signature = metadata.signature
+    if signature.batch_outputs:
+        # An output spanning the batch (CLIP's logits_per_image) is the request's own batch's: it runs as given, in
+        # one run, never cut by the token budget nor batched with another client's items (which would mix theirs
+        # into it).
+        outputs = await batcher.run_formed(plan.feeds)
+        return {spec.name: outputs[spec.name] if spec.spans_batch
+                else zero_padding(outputs[spec.name], spec, plan.masks) for spec in signature.outputs}
     if plan.right_padded:
         results = await batcher.submit_many(plan.items)
         return {spec.name: _assemble(spec, results, plan, metadata) for spec in signature.outputs}

@@ -1,0 +1,81 @@
+"""Padding masks taken in the dtype the Signature declares: int64 1/0 where a file takes a Hugging Face
+tokenizer's ``attention_mask`` as it comes (``export --hf``), bool elsewhere.
+
+The trace, the fusions and token packing all run on the bool mask the module was traced with (each rule reads
+a bool graph input: ``fusion.mask_analysis``, ``token_packing``), so the dtype is changed last, on the fused
+graph: the input becomes int64 and one ``Cast(to=BOOL)`` feeds everything that read it. The fused attentions are
+the same nodes, and a fused op that takes an int32 ``key_padding_mask`` still casts from that bool. The one
+validator admits only 0 and 1 in such a mask (``runtime.validation``), so the Cast's "nonzero is True" never
+has to decide anything else.
+"""
+
+from __future__ import annotations
+
+import onnx
+from onnx import TensorProto, helper
+
+from mha_deploy.errors import ExportError
+from mha_deploy.signature import PADDING_MASK, Signature
+
+_TYPES = {"int64": TensorProto.INT64, "bool": TensorProto.BOOL}
+
+
+def masks_as_declared(model: onnx.ModelProto, signature: Signature) -> onnx.ModelProto:
+    """``model`` with each bool padding-mask input that ``signature`` declares int64 taking int64 (cast to bool
+    inside, once); ``model`` itself when there is none. A copy: the caller's model is left as it was."""
+    declared = {spec.name: _TYPES[spec.dtype] for spec in signature.inputs if spec.role == PADDING_MASK}
+    inputs = {value.name: value for value in model.graph.input}
+    changed = [name for name, dtype in declared.items()
+               if name in inputs and dtype == TensorProto.INT64
+               and inputs[name].type.tensor_type.elem_type == TensorProto.BOOL]
+    if not changed:
+        return model
+    model = onnx.ModelProto.FromString(model.SerializeToString())
+    graph = model.graph
+    taken = _names(graph)
+    casts = []
+    for name in changed:
+        inner = _unique(f"{name}.bool", taken)
+        _rename_uses(graph, name, inner)
+        next(value for value in graph.input if value.name == name).type.tensor_type.elem_type = TensorProto.INT64
+        casts.append(helper.make_node("Cast", [name], [inner], to=TensorProto.BOOL, name=f"{inner}.cast"))
+    nodes = [*casts, *graph.node]  # before every reader: the graph stays topologically sorted
+    graph.ClearField("node")
+    graph.node.extend(nodes)
+    return model
+
+
+def _names(graph: onnx.GraphProto) -> set[str]:
+    names = {value.name for value in (*graph.input, *graph.output, *graph.value_info, *graph.initializer)}
+    for node in graph.node:
+        names.update(node.input)
+        names.update(node.output)
+        for attribute in node.attribute:
+            if attribute.type == onnx.AttributeProto.GRAPH:
+                names |= _names(attribute.g)
+    return names
+
+
+def _unique(name: str, taken: set[str]) -> str:
+    candidate, index = name, 1
+    while candidate in taken:
+        candidate, index = f"{name}.{index}", index + 1
+    taken.add(candidate)
+    return candidate
+
+
+def _rename_uses(graph: onnx.GraphProto, old: str, new: str) -> None:
+    """Every node input reading ``old`` reads ``new``, in subgraphs too (an If's branches read outer values by
+    name)."""
+    for node in graph.node:
+        node.input[:] = [new if name == old else name for name in node.input]
+        for attribute in node.attribute:
+            if attribute.type == onnx.AttributeProto.GRAPH:
+                _rename_uses(attribute.g, old, new)
+            elif attribute.type == onnx.AttributeProto.GRAPHS:
+                for subgraph in attribute.graphs:
+                    _rename_uses(subgraph, old, new)
+    for output in graph.output:
+        if output.name == old:  # the mask returned as it came in: it would come back int64
+            raise ExportError(f"{old} is also an output of the graph: a padding mask taken as int64 cannot be "
+                              "returned as the bool it was traced as; return a copy of it (mask.clone())")
