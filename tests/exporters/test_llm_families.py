@@ -91,6 +91,18 @@ def _attention_inputs(path) -> list[list[str]]:
     return [list(node.input) for node in model.graph.node if node.op_type == "GroupQueryAttention"]
 
 
+def _initializer_shapes(path, names: list[str]) -> list[list[int]]:
+    model = onnx.load(str(path), load_external_data=False)
+    found = {init.name: list(init.dims) for init in model.graph.initializer}
+    return [found[name] for name in names]
+
+
+def _head_dim(path) -> int:
+    model = onnx.load(str(path), load_external_data=False)
+    return next(value.type.tensor_type.shape.dim[3].dim_value for value in model.graph.input
+                if value.name.startswith("past_key_values."))
+
+
 def _cache_heads(path) -> set[int]:
     model = onnx.load(str(path), load_external_data=False)
     return {value.type.tensor_type.shape.dim[1].dim_value for value in model.graph.input
@@ -111,11 +123,18 @@ def test_each_family_fuses_every_attention_into_group_query_attention_at_its_kv_
     assert [op["num_heads"] for op in ops] == [families.HEADS] * families.LAYERS
     assert _cache_heads(path) == {want.kv_heads}
     assert [op.get("local_window_size") for op in ops] == families.windows(family)
-    # The rotary inside the op (fusion.rotary_gqa): every rotary family here rotates whole heads, not interleaved.
-    # OPT's learned positions are added to the embeddings: no rotary, and no cos/sin tables in the op.
+    # The rotary inside the op (fusion.rotary_gqa): every rotary family here rotates pairs (i, i + d/2), not
+    # interleaved; the partial ones their heads' first rotary_dim dims only (the op's cos/sin caches [max length,
+    # rotary_dim / 2], the rest of each head passed through). OPT's learned positions are added to the embeddings:
+    # no rotary, and no cos/sin tables in the op.
     assert [op.get("do_rotary") for op in ops] == [1 if want.rotary else None] * families.LAYERS, output
+    assert [op.get("rotary_interleaved") for op in ops] == [0 if want.rotary else None] * families.LAYERS
     tables = [[name for name in op_inputs[7:9] if name] for op_inputs in _attention_inputs(path)]  # cos/sin caches
     assert [len(names) for names in tables] == [2 if want.rotary else 0] * families.LAYERS
+    if want.rotary:
+        head_dim = _head_dim(path)
+        widths = {tuple(shape) for shape in _initializer_shapes(path, [name for names in tables for name in names])}
+        assert widths == {(families.MAX_POSITIONS, (want.rotary_dim or head_dim) // 2)}, widths
     # q/k/v as one projection into the op's packed query (fusion.qkv_packing), where no per-head q/k norm sits
     # between the projections and the op, and the module has three projections to pack (Phi-3 slices its one).
     assert [op_inputs[1:3] == ["", ""] for op_inputs in _attention_inputs(path)] == [want.packed] * families.LAYERS

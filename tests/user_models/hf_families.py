@@ -15,6 +15,13 @@ heads over 2 key/value heads of 16, a 256-token vocabulary (OPT: 4 heads of 16, 
   query_pre_attn_scalar scaling, RMSNorm by (1 + weight), embeddings scaled by sqrt(hidden), soft-capped logits.
   Eager attention: transformers' sdpa path has no soft-capping.
 - gemma3: q/k norms, sliding and global layers with two rotary bases (10k local, 1M global).
+- phi3_partial: Phi-4-mini's shape of Phi-3: ``partial_rotary_factor`` 0.75, the rotary on each head's first
+  3/4 (48 of 64 dims, a head of 64 so that the rotated dims are a multiple of 16, as ONNX Runtime's rotary takes
+  them), the rest passed through.
+- gpt_neox: GPT-NeoX / Pythia: rotary on each head's first quarter (16 of 64 dims), q/k/v from one projection laid
+  out per head ([q k v] of each head side by side), every head its own key/value head, parallel residual
+  (attention and MLP both read the layer's input), LayerNorms with biases, GELU MLP, an untied ``embed_out``.
+  Hidden 256, 4 heads of 64: GPT-NeoX has no head size apart from hidden / heads.
 - opt: no rotary: learned positions (a table indexed by position + 2, the positions counted from the attention
   mask), as many key/value heads as heads, biases on every projection, the query scaled before the scores,
   pre-norm LayerNorm (with a bias), ReLU MLP, lm_head tied to the token embeddings.
@@ -26,6 +33,7 @@ import torch
 import transformers
 
 HIDDEN, FFN, LAYERS, HEADS, KV_HEADS, HEAD_DIM = 64, 128, 2, 4, 2, 16
+PARTIAL_HEAD_DIM = 64
 VOCAB = 256
 # Short enough that the export's parity cases and mask probe (up to the recorded max length) stay fast; long
 # enough for the tests' prompts and generations.
@@ -44,6 +52,8 @@ _ALTERNATING = ["sliding_attention", "full_attention"]
 
 
 def _configs():
+    # The partial-rotary families' heads are 64 wide (16 elsewhere): their rotated dims (48, 16) must be a multiple
+    # of 16 for GroupQueryAttention's rotary, as a real model's are (Phi-4-mini 96 of 128, Pythia 16 or 32 of 64/128).
     return {
         "llama": (transformers.LlamaForCausalLM, transformers.LlamaConfig(
             **_COMMON, rope_parameters={"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0,
@@ -59,6 +69,12 @@ def _configs():
             attn_logit_softcapping=SOFTCAP, final_logit_softcapping=FINAL_SOFTCAP)),
         "gemma3": (transformers.Gemma3ForCausalLM, transformers.Gemma3TextConfig(
             **_COMMON, head_dim=HEAD_DIM, sliding_window=WINDOW, layer_types=_ALTERNATING, query_pre_attn_scalar=8)),
+        "phi3_partial": (transformers.Phi3ForCausalLM, transformers.Phi3Config(
+            **_COMMON, head_dim=PARTIAL_HEAD_DIM, partial_rotary_factor=0.75)),
+        "gpt_neox": (transformers.GPTNeoXForCausalLM, transformers.GPTNeoXConfig(
+            vocab_size=VOCAB, hidden_size=HEADS * PARTIAL_HEAD_DIM, intermediate_size=FFN, num_hidden_layers=LAYERS,
+            num_attention_heads=HEADS, max_position_embeddings=MAX_POSITIONS, partial_rotary_factor=0.25,
+            pad_token_id=PAD_ID, bos_token_id=BOS_ID, eos_token_id=EOS_ID)),
         "opt": (transformers.OPTForCausalLM, transformers.OPTConfig(
             vocab_size=VOCAB, hidden_size=HIDDEN, word_embed_proj_dim=HIDDEN, ffn_dim=FFN, num_hidden_layers=LAYERS,
             num_attention_heads=HEADS, max_position_embeddings=MAX_POSITIONS, dropout=0.0,
@@ -75,11 +91,13 @@ EAGER = {"gemma2", "smollm"}
 @dataclass(frozen=True)
 class Fused:
     """What a family's ``--kv-cache`` file holds, per layer: ``GroupQueryAttention`` at ``kv_heads`` (the cache
-    too), the rotary inside the op (``do_rotary``) or none to move, q/k/v packed into the op's query input or left
-    three, ``softcap`` on the scores or none."""
+    too), the rotary inside the op (``do_rotary``) or none to move, over ``rotary_dim`` dims of each head (the op's
+    cos/sin caches half as wide; None: the whole head), q/k/v packed into the op's query input or left three,
+    ``softcap`` on the scores or none."""
 
     kv_heads: int = KV_HEADS
     rotary: bool = True
+    rotary_dim: int | None = None
     packed: bool = True
     softcap: float | None = None
 
@@ -95,6 +113,11 @@ FUSED = {
     "phi3": Fused(packed=False),
     "gemma2": Fused(softcap=SOFTCAP),
     "gemma3": Fused(packed=False),
+    # the rotary on 48 of each head's 64 dims, in the op; one qkv_proj sliced, as Phi-3
+    "phi3_partial": Fused(rotary_dim=48, packed=False),
+    # the rotary on 16 of 64 dims, in the op; every head its own key/value head; q/k/v sliced per head out of one
+    # projection (nothing to pack)
+    "gpt_neox": Fused(kv_heads=HEADS, rotary_dim=16, packed=False),
     # every head its own key/value head, learned positions; the query is scaled (a Mul) after its projection
     "opt": Fused(kv_heads=HEADS, rotary=False, packed=False),
 }

@@ -8,18 +8,22 @@ keys itself from ``cos_cache``/``sin_cache`` tables [max_length, head_dim / 2], 
 ``seqlens_k`` gives (the ragged contract's ``position_ids``: n_r - seq + arange(seq), arange in a first call).
 
 What is rewritten, found structurally: a ``GroupQueryAttention`` without rotary whose query and key inputs are
-each the [batch, seq, hidden] merge (Transpose(0, 2, 1, 3), Reshape) of ``x * cos + rotate_half(x) * sin`` with
-``rotate_half(x) = Concat(-x[..., h:], x[..., :h])`` over the whole head (h = head_dim / 2, the form Hugging Face
-decoders use, not interleaved), cos and sin [.., 1, seq, head_dim] computed from ``position_ids`` and constants
-only. The tables are not re-derived from a config: the module's own cos/sin subgraph is cut out and run
-(``mask_probe.cut_out``) on positions arange(max_length), so a rope scaling (llama3, linear, yarn's attention
-factor) and a base per layer are what the module computes. The rewrite is refused, the attention left as it is,
-with one line saying why, unless: the query and the keys read the same tables, each table's two halves are equal
-(the non-interleaved form the op computes), a batch of other positions gives each row the table's rows at its
-positions (nothing but the position itself reaches cos/sin), and the head size is a multiple of 16 (ONNX Runtime's
-rotary takes halves in multiples of 8). Partial rotary (a head's first dims only) and the interleaved form are not
-matched. Per-step parity under the ragged layout (``own_kv_cache.check_own_cache_parity``) then checks the
-positions the op computes against the module's on first calls with right-padded rows, chunks and one-token steps.
+each the [batch, seq, hidden] merge (Transposes making Transpose(0, 2, 1, 3), Reshape) of ``x * cos +
+rotate_half(x) * sin`` with ``rotate_half(x) = Concat(-x[..., h:], x[..., :h])`` (h = d / 2, the form Hugging
+Face decoders use, not interleaved) over the whole head (d = head_dim), or over its first d dims followed by the
+rest as it was, ``Concat(rotary(x[..., :d]), x[..., d:])`` (a partial rotary: Phi-4-mini's
+``partial_rotary_factor`` 0.75, GPT-NeoX's 0.25), cos and sin [.., 1, seq, d] computed from ``position_ids`` and
+constants only. The op's tables are [max_length, d / 2]: ONNX Runtime rotates the first 2 x their width of each
+head and passes the rest through (its CPU kernel, measured exact on 1.31). The tables are not re-derived from a
+config: the module's own cos/sin subgraph is cut out and run (``mask_probe.cut_out``) on positions
+arange(max_length), so a rope scaling (llama3, linear, yarn's attention factor) and a base per layer are what the
+module computes. The rewrite is refused, the attention left as it is, with one line saying why, unless: the query
+and the keys read the same tables, each table's two halves are equal (the non-interleaved form the op computes),
+a batch of other positions gives each row the table's rows at its positions (nothing but the position itself
+reaches cos/sin), and d is a multiple of 16 (ONNX Runtime's rotary takes tables of a multiple of 8 wide: a head
+of 16 with a partial rotary is refused). The interleaved form (GPT-J's pairs (2i, 2i + 1)) is not matched. Per-step
+parity under the ragged layout (``own_kv_cache.check_own_cache_parity``) then checks the positions the op computes
+against the module's on first calls with right-padded rows, chunks and one-token steps.
 
 The rotary's Slices, Muls and the cos/sin subgraph are then dead and removed; ``position_ids`` stays an input of
 the file (its signature and every runtime feed it; it is n_r - seq + arange(seq), which the op derives itself).
@@ -88,11 +92,12 @@ def fuse_rotary_into_gqa(model: onnx.ModelProto,
 @dataclass
 class _Rotated:
     """One rotated input: ``x`` the [batch, heads, seq, head_dim] heads before the rotary, ``cos``/``sin`` the
-    values it is multiplied by."""
+    values its first ``dim`` dims are multiplied by (``dim`` the head size, or less for a partial rotary)."""
 
     x: ir.Value
     cos: ir.Value
     sin: ir.Value
+    dim: int
 
 
 @dataclass
@@ -124,8 +129,6 @@ def _plan(node: ir.Node, tables: _Tables) -> _Plan:
     if past is None or past.shape is None or past.shape.rank() != 4 or not isinstance(past.shape[3], int):
         raise _Refused("its past keys are not [batch, kv_heads, past, head_dim] with a static head_dim")
     head_dim = past.shape[3]
-    if head_dim % 16:
-        raise _Refused(f"a head size of {head_dim}, where GroupQueryAttention's rotary takes multiples of 16")
     if len(node.inputs) > _COS_CACHE and any(value is not None for value in node.inputs[_COS_CACHE:]):
         raise _Refused("it takes inputs after total_sequence_length already")
     rotated = []
@@ -133,6 +136,13 @@ def _plan(node: ir.Node, tables: _Tables) -> _Plan:
         value = node.inputs[index] if len(node.inputs) > index else None
         rotated.append(_rotated(_heads_of(value, role), head_dim, role))
     query, key = rotated
+    if query.dim != key.dim:
+        raise _Refused(f"its query rotates {query.dim} dims of a head and its keys {key.dim}")
+    # ONNX Runtime's check (group_query_attention_helper): cos_cache's width, half the rotated dims, a multiple of 8
+    # (its vectorised rotary) and at most half the head; the dims after it pass through (measured, ORT 1.31 CPU).
+    if query.dim % 16:
+        raise _Refused(f"it rotates {query.dim} dims of each head{'' if query.dim == head_dim else ' (partial)'}, "
+                       "where GroupQueryAttention's rotary takes multiples of 16")
     cos, sin = tables.read(query), tables.read(key)
     if not (np.array_equal(cos[0], sin[0]) and np.array_equal(cos[1], sin[1])):
         raise _Refused("its query and its keys are rotated by different tables")
@@ -154,37 +164,65 @@ def _reads_trig(value: ir.Value | None, limit: int = 64) -> bool:
 
 
 def _heads_of(value: ir.Value | None, role: str) -> ir.Value:
-    """The [batch, heads, seq, head_dim] tensor ``value`` [batch, seq, hidden] merges (Transpose(0, 2, 1, 3),
-    Reshape)."""
+    """The [batch, heads, seq, head_dim] tensor ``value`` [batch, seq, hidden] merges (Reshape of Transposes that
+    make Transpose(0, 2, 1, 3) together: sdpa's keys come transposed for the scores and back, GPT-NeoX's)."""
     reshape = value.producer() if value is not None else None
-    transpose = reshape.inputs[0].producer() if reshape is not None and reshape.op_type == "Reshape" else None
-    if transpose is None or transpose.op_type != "Transpose" \
-            or list(transpose.attributes.get_ints("perm", [])) != [0, 2, 1, 3]:
+    if reshape is None or reshape.op_type != "Reshape":
         raise _Refused(f"its {role} is not merged from [batch, heads, seq, head_dim] heads (no rotary on them)")
-    return transpose.inputs[0]
+    heads, perm = reshape.inputs[0], list(range(4))
+    while (producer := heads.producer()) is not None and producer.op_type == "Transpose":
+        step = list(producer.attributes.get_ints("perm", [3, 2, 1, 0]))
+        if len(step) != 4:
+            break
+        perm = [step[axis] for axis in perm]
+        heads = producer.inputs[0]
+    if perm != [0, 2, 1, 3]:
+        raise _Refused(f"its {role} is not merged from [batch, heads, seq, head_dim] heads (no rotary on them)")
+    return heads
 
 
 def _rotated(value: ir.Value, head_dim: int, role: str) -> _Rotated:
-    """``value`` read as ``x * cos + rotate_half(x) * sin`` (the module docstring's form), any operand order."""
+    """``value`` read as ``x * cos + rotate_half(x) * sin`` over the whole head (the module docstring's form), or
+    as a partial rotary: Concat(that form over x[..., :d], x[..., d:]) along the head (Phi-4-mini, GPT-NeoX), the
+    dims after ``d`` passed through as they are."""
+    if value.shape is None or value.shape.rank() != 4 or value.shape[3] != head_dim:
+        raise _Refused(f"its {role} heads are not [batch, heads, seq, {head_dim}]")
+    concat = value.producer()
+    if concat is not None and concat.op_type == "Concat" and len(concat.inputs) == 2 \
+            and concat.attributes.get_int("axis", 0) in (-1, 3):
+        rotated, passed = concat.inputs
+        kept = passed.producer()
+        if kept is not None and kept.op_type == "Slice" and rotated.producer() is not None:
+            x = kept.inputs[0]
+            dim = _slice_start(passed)
+            if dim is not None and 0 < dim < head_dim and _is_slice(passed, x, dim, head_dim, head_dim):
+                found = _rotated_sum(rotated, dim, role)
+                if not _is_slice(found.x, x, 0, dim, head_dim):
+                    raise _Refused(f"its {role} rotates x[..., :{dim}] of one tensor and passes the rest of another")
+                return _Rotated(x, found.cos, found.sin, dim)
+    return _rotated_sum(value, head_dim, role)
+
+
+def _rotated_sum(value: ir.Value, dim: int, role: str) -> _Rotated:
+    """``value`` read as ``x * cos + rotate_half(x) * sin`` over the ``dim`` dims of ``x``, any operand order."""
     add = value.producer()
     if add is None or add.op_type != "Add" or len(add.inputs) != 2:
         raise _Refused(f"its {role} is not x * cos + rotate_half(x) * sin")
     products = [v.producer() for v in add.inputs]
     if any(p is None or p.op_type != "Mul" or len(p.inputs) != 2 for p in products):
         raise _Refused(f"its {role} is not x * cos + rotate_half(x) * sin")
-    if value.shape is None or value.shape.rank() != 4 or value.shape[3] != head_dim:
-        raise _Refused(f"its {role} heads are not [batch, heads, seq, {head_dim}]")
     for straight, turned in (products, products[::-1]):
         for x, cos in (straight.inputs, straight.inputs[::-1]):
             for half, sin in (turned.inputs, turned.inputs[::-1]):
-                if _is_rotate_half(half, x, head_dim):
-                    return _Rotated(x, cos, sin)
-    raise _Refused(f"its {role}'s rotary is not rotate_half over the whole head of {head_dim} (partial or "
-                   "interleaved rotary is not fused)")
+                if _is_rotate_half(half, x, dim):
+                    return _Rotated(x, cos, sin, dim)
+    raise _Refused(f"its {role}'s rotary is not rotate_half over its first {dim} dims (interleaved rotary is "
+                   "not fused)")
 
 
-def _is_rotate_half(value: ir.Value, x: ir.Value, head_dim: int) -> bool:
-    """Whether ``value`` is Concat(Neg(x[..., h:]), x[..., :h]) along the last axis, h = head_dim / 2."""
+def _is_rotate_half(value: ir.Value, x: ir.Value, dim: int) -> bool:
+    """Whether ``value`` is Concat(Neg(x[..., h:]), x[..., :h]) along the last axis of ``x`` (``dim`` wide),
+    h = dim / 2."""
     concat = value.producer()
     if concat is None or concat.op_type != "Concat" or len(concat.inputs) != 2 \
             or concat.attributes.get_int("axis", 0) not in (-1, 3):
@@ -192,23 +230,36 @@ def _is_rotate_half(value: ir.Value, x: ir.Value, head_dim: int) -> bool:
     neg = concat.inputs[0].producer()
     if neg is None or neg.op_type != "Neg":
         return False
-    half = head_dim // 2
-    return _is_slice(neg.inputs[0], x, half, head_dim) and _is_slice(concat.inputs[1], x, 0, half)
+    half = dim // 2
+    return _is_slice(neg.inputs[0], x, half, dim, dim) and _is_slice(concat.inputs[1], x, 0, half, dim)
 
 
-def _is_slice(value: ir.Value, x: ir.Value, start: int, end: int) -> bool:
-    """Whether ``value`` is x[..., start:end] along x's last axis (an end past the head, the head's end)."""
+def _slice_constants(value: ir.Value) -> tuple[int, int, int, int] | None:
+    """(start, end, axis, step) of the one-axis Slice computing ``value`` from constants, else None."""
     node = value.producer()
-    if node is None or node.op_type != "Slice" or node.inputs[0] is not x or len(node.inputs) < 4:
-        return False
+    if node is None or node.op_type != "Slice" or len(node.inputs) < 4:
+        return None
     starts, ends, axes = (constant_array(node.inputs[i]) for i in (1, 2, 3))
     steps = constant_array(node.inputs[4]) if len(node.inputs) > 4 and node.inputs[4] is not None else np.ones(1)
     if any(array is None or array.size != 1 for array in (starts, ends, axes, steps)):
+        return None
+    return int(starts.item()), int(ends.item()), int(axes.item()), int(steps.item())
+
+
+def _slice_start(value: ir.Value) -> int | None:
+    """Where the last-axis Slice computing ``value`` starts, else None."""
+    found = _slice_constants(value)
+    return found[0] if found is not None and found[2] in (-1, 3) and found[3] == 1 else None
+
+
+def _is_slice(value: ir.Value, x: ir.Value, start: int, end: int, width: int) -> bool:
+    """Whether ``value`` is x[..., start:end] along x's last axis, ``width`` wide (an end past it, its end)."""
+    node = value.producer()
+    found = _slice_constants(value)
+    if found is None or node.inputs[0] is not x:
         return False
-    head_dim = x.shape[3]
-    first, last = int(starts.item()), int(ends.item())
-    return int(axes.item()) in (-1, 3) and int(steps.item()) == 1 and first == start \
-        and (last == end or (end == head_dim and last > head_dim))
+    first, last, axis, step = found
+    return axis in (-1, 3) and step == 1 and first == start and (last == end or (end == width and last > width))
 
 
 class _Tables:
@@ -253,7 +304,7 @@ class _Tables:
             raise _Refused("the file records no max length, which the op's cos/sin tables need")
         if self.positions is None:
             raise _Refused(f"the file takes no {POSITIONS}, which cos/sin would be computed from")
-        head_dim = rotated.x.shape[3]
+        head_dim = rotated.dim  # the tables' width: the rotated dims
         if rotated.cos.dtype != rotated.x.dtype or rotated.sin.dtype != rotated.x.dtype:
             raise _Refused("its cos/sin are not of the heads' type")
         runner = cut_out([rotated.cos, rotated.sin])

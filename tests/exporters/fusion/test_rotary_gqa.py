@@ -41,22 +41,26 @@ def _attribute(node: onnx.NodeProto, name: str, default=0):
 # --- a hand-built attention: the module's rotary around GroupQueryAttention, as ragged_cache leaves it ----------
 
 
-def _rotary_graph(cos_reads: str | None = None, round_trip: bool = False) -> onnx.ModelProto:
+def _rotary_graph(cos_reads: str | None = None, round_trip: bool = False, head_dim: int = HEAD_DIM,
+                  rotary_dim: int | None = None) -> onnx.ModelProto:
     """x [batch, seq, 64] -> q/k/v projections, heads split, q and k rotated (x * cos + rotate_half(x) * sin,
     cos/sin from position_ids), merged back -> GroupQueryAttention over a cache. ``cos_reads``: an input whose
     value also scales the angles (cos/sin then depend on more than positions). ``round_trip``: the op's output
-    split into heads and merged back (as the module's graph around upstream's fusion leaves it), then projected."""
+    split into heads and merged back (as the module's graph around upstream's fusion leaves it), then projected.
+    ``rotary_dim``: a partial rotary, as Phi-4-mini's and GPT-NeoX's: only each head's first ``rotary_dim`` dims
+    rotated, Concat(rotated, x[..., rotary_dim:]) (None: the whole head)."""
+    rotary = rotary_dim or head_dim
     rng = np.random.default_rng(0)
     inits = [
         helper.make_tensor(name, TensorProto.FLOAT, array.shape, array.ravel())
-        for name, array in (("wq", rng.standard_normal((HIDDEN, HEADS * HEAD_DIM)).astype(np.float32) * 0.3),
-                            ("wk", rng.standard_normal((HIDDEN, KV_HEADS * HEAD_DIM)).astype(np.float32) * 0.3),
-                            ("wv", rng.standard_normal((HIDDEN, KV_HEADS * HEAD_DIM)).astype(np.float32) * 0.3),
-                            ("inv_freq", (1.0 / 100.0 ** (np.arange(0, HEAD_DIM, 2) / HEAD_DIM)).astype(np.float32)))
+        for name, array in (("wq", rng.standard_normal((HIDDEN, HEADS * head_dim)).astype(np.float32) * 0.3),
+                            ("wk", rng.standard_normal((HIDDEN, KV_HEADS * head_dim)).astype(np.float32) * 0.3),
+                            ("wv", rng.standard_normal((HIDDEN, KV_HEADS * head_dim)).astype(np.float32) * 0.3),
+                            ("inv_freq", (1.0 / 100.0 ** (np.arange(0, rotary, 2) / rotary)).astype(np.float32)))
     ]
-    ints = {"q_split": [0, 0, HEADS, HEAD_DIM], "kv_split": [0, 0, KV_HEADS, HEAD_DIM],
-            "q_merge": [0, 0, HEADS * HEAD_DIM], "kv_merge": [0, 0, KV_HEADS * HEAD_DIM], "zero": [0],
-            "half": [HEAD_DIM // 2], "end": [HEAD_DIM], "last": [3], "one": [1], "two": [2],
+    ints = {"q_split": [0, 0, HEADS, head_dim], "kv_split": [0, 0, KV_HEADS, head_dim],
+            "q_merge": [0, 0, HEADS * head_dim], "kv_merge": [0, 0, KV_HEADS * head_dim], "zero": [0],
+            "half": [rotary // 2], "end": [head_dim], "rotary": [rotary], "last": [3], "one": [1], "two": [2],
             "split": [0, 0, HEADS, -1], "same": [0, 0, 0, 0]}
     inits += [helper.make_tensor(name, TensorProto.INT64, [len(v)], v) for name, v in ints.items()]
     nodes = [
@@ -75,18 +79,30 @@ def _rotary_graph(cos_reads: str | None = None, round_trip: bool = False) -> onn
         helper.make_node("Unsqueeze", ["sin3", "one"], ["sin"]),
     ]
     for role, split, merge in (("q", "q_split", "q_merge"), ("k", "kv_split", "kv_merge")):
+        heads = f"{role}_h"
         nodes += [
             helper.make_node("MatMul", ["x", f"w{role}"], [f"{role}_proj"]),
             helper.make_node("Reshape", [f"{role}_proj", split], [f"{role}_bsnh"]),
-            helper.make_node("Transpose", [f"{role}_bsnh"], [f"{role}_h"], perm=[0, 2, 1, 3]),
-            helper.make_node("Slice", [f"{role}_h", "half", "end", "last"], [f"{role}_x2"]),
+            helper.make_node("Transpose", [f"{role}_bsnh"], [heads], perm=[0, 2, 1, 3]),
+        ]
+        if rotary_dim:  # the rotated part a Slice of the heads, the rest passed on by another
+            nodes += [helper.make_node("Slice", [heads, "zero", "rotary", "last"], [f"{role}_r"]),
+                      helper.make_node("Slice", [heads, "rotary", "end", "last"], [f"{role}_pass"])]
+            heads = f"{role}_r"
+        nodes += [
+            helper.make_node("Slice", [heads, "half", "rotary", "last"], [f"{role}_x2"]),
             helper.make_node("Neg", [f"{role}_x2"], [f"{role}_neg"]),
-            helper.make_node("Slice", [f"{role}_h", "zero", "half", "last"], [f"{role}_x1"]),
+            helper.make_node("Slice", [heads, "zero", "half", "last"], [f"{role}_x1"]),
             helper.make_node("Concat", [f"{role}_neg", f"{role}_x1"], [f"{role}_half"], axis=-1),
-            helper.make_node("Mul", [f"{role}_h", "cos"], [f"{role}_c"]),
+            helper.make_node("Mul", [heads, "cos"], [f"{role}_c"]),
             helper.make_node("Mul", ["sin", f"{role}_half"], [f"{role}_s"]),  # operands in either order
             helper.make_node("Add", [f"{role}_s", f"{role}_c"], [f"{role}_rot"]),
-            helper.make_node("Transpose", [f"{role}_rot"], [f"{role}_back"], perm=[0, 2, 1, 3]),
+        ]
+        if rotary_dim:
+            nodes.append(helper.make_node("Concat", [f"{role}_rot", f"{role}_pass"], [f"{role}_full"], axis=-1))
+        nodes += [
+            helper.make_node("Transpose", [f"{role}_full" if rotary_dim else f"{role}_rot"], [f"{role}_back"],
+                             perm=[0, 2, 1, 3]),
             helper.make_node("Reshape", [f"{role}_back", merge], [f"{role}_in"]),
         ]
     nodes += [
@@ -112,7 +128,7 @@ def _rotary_graph(cos_reads: str | None = None, round_trip: bool = False) -> onn
         value_info = [helper.make_tensor_value_info(name, TensorProto.FLOAT, dims) for name, dims in (
             ("o_heads", ["batch", HEADS, "seq", HEAD_DIM]), ("o_view", ["batch", HEADS, "seq", HEAD_DIM]),
             ("o_back", ["batch", "seq", HEADS, HEAD_DIM]), ("o_merged", ["batch", "seq", HIDDEN]))]
-    cache = ["batch", KV_HEADS, "past", HEAD_DIM]
+    cache = ["batch", KV_HEADS, "past", head_dim]
     inputs = [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", "seq", HIDDEN]),
               helper.make_tensor_value_info("position_ids", TensorProto.INT64, ["batch", "seq"]),
               helper.make_tensor_value_info("past_key", TensorProto.FLOAT, cache),
@@ -138,7 +154,7 @@ def _session(model: onnx.ModelProto) -> ort.InferenceSession:
     return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
 
 
-def _contract_calls(session: ort.InferenceSession, rng) -> list[np.ndarray]:
+def _contract_calls(session: ort.InferenceSession, rng, head_dim: int = HEAD_DIM) -> list[np.ndarray]:
     """The ragged contract's calls, each fed position_ids = n_r - seq + arange(seq): a first call of rows 7, 3
     and 5 tokens right-padded, three one-token steps of those rows; then batch 1: a first call of 4 tokens and a
     chunk of 5 more. Every output of every call (padded queries' rows dropped)."""
@@ -146,7 +162,7 @@ def _contract_calls(session: ort.InferenceSession, rng) -> list[np.ndarray]:
     for first, steps in (((7, 3, 5), (1, 1, 1)), ((4,), (5,))):
         batch = len(first)
         n = np.zeros(batch, np.int64)
-        past = [np.zeros((batch, KV_HEADS, 0, HEAD_DIM), np.float32)] * 2
+        past = [np.zeros((batch, KV_HEADS, 0, head_dim), np.float32)] * 2
         for call, real in enumerate([np.array(first), *(np.full(batch, seq) for seq in steps)]):
             seq = int(real.max())
             total = n + real
@@ -177,6 +193,35 @@ def test_rotary_moves_into_group_query_attention_with_the_same_outputs_on_the_ra
     got = _contract_calls(_session(fused), np.random.default_rng(1))
     for want, have in zip(expected, got, strict=True):
         np.testing.assert_allclose(have, want, rtol=0, atol=ATOL)
+
+
+def test_a_partial_rotary_moves_into_the_op_with_tables_as_wide_as_half_its_rotated_dims():
+    """Phi-4-mini's and GPT-NeoX's form: only each head's first 16 of 32 dims rotated, the rest concatenated after
+    as they were. The op's cos/sin caches are [max length, 8] (half the rotated dims: ONNX Runtime rotates the
+    first 2 x their width of each head and passes the rest through); the same outputs and cached keys on the
+    ragged contract's calls (atol 1e-5), no Cos, Sin, Neg, Slice or Concat left."""
+    model = _rotary_graph(head_dim=32, rotary_dim=16)
+    fused, report = fuse_rotary_into_gqa(model, MAX_LENGTH)
+    assert (report.done, report.refused) == (1, [])
+    attention = next(node for node in fused.graph.node if node.op_type == "GroupQueryAttention")
+    assert _attribute(attention, "do_rotary") == 1 and _attribute(attention, "rotary_interleaved") == 0
+    tables = {init.name: list(init.dims) for init in fused.graph.initializer}
+    assert [tables[name] for name in attention.input[7:9]] == [[MAX_LENGTH, 8]] * 2
+    assert not {"Cos", "Sin", "Neg", "Slice", "Concat"} & set(_ops(fused))
+    expected = _contract_calls(_session(model), np.random.default_rng(6), head_dim=32)
+    got = _contract_calls(_session(fused), np.random.default_rng(6), head_dim=32)
+    for want, have in zip(expected, got, strict=True):
+        np.testing.assert_allclose(have, want, rtol=0, atol=ATOL)
+
+
+def test_a_partial_rotary_the_op_cannot_take_keeps_the_modules_rotary_and_says_why():
+    """8 of 16 dims rotated: the op's rotary takes multiples of 16 (its cos/sin caches' width a multiple of 8,
+    ONNX Runtime's check), so the attention keeps the module's ops, and the line says so."""
+    model = _rotary_graph(rotary_dim=8)
+    fused, report = fuse_rotary_into_gqa(model, MAX_LENGTH)
+    assert fused is model and report.done == 0
+    assert len(report.refused) == 1 and "rotates 8 dims of each head (partial)" in report.refused[0]
+    assert "multiples of 16" in report.refused[0]
 
 
 def test_packing_gives_one_projection_and_the_same_outputs():
