@@ -41,7 +41,8 @@ class EosTokenCriteria(StoppingCriteria):
             raise OptionError("EosTokenCriteria needs at least one token id")
 
     def __call__(self, history: TokenHistory) -> np.ndarray:
-        return np.isin(history.tokens[:, -1], self.eos_token_ids)
+        # A broadcast compare, not np.isin: isin sorts and dispatches (~20 us), run once every decoded token.
+        return (history.tokens[:, -1, None] == self.eos_token_ids).any(axis=1)
 
 
 class MaxNewTokensCriteria(StoppingCriteria):
