@@ -7,23 +7,24 @@ Reshape), and cos/sin gathered from ``position_ids`` each call. ``GroupQueryAtte
 keys itself from ``cos_cache``/``sin_cache`` tables [max_length, head_dim / 2], at the positions each row's
 ``seqlens_k`` gives (the ragged contract's ``position_ids``: n_r - seq + arange(seq), arange in a first call).
 
-What is rewritten, found structurally: a ``GroupQueryAttention`` without rotary whose query and key inputs are
-each the [batch, seq, hidden] merge (Transposes making Transpose(0, 2, 1, 3), Reshape) of ``x * cos +
-rotate_half(x) * sin`` with ``rotate_half(x) = Concat(-x[..., h:], x[..., :h])`` (h = d / 2, the form Hugging
-Face decoders use, not interleaved) over the whole head (d = head_dim), or over its first d dims followed by the
-rest as it was, ``Concat(rotary(x[..., :d]), x[..., d:])`` (a partial rotary: Phi-4-mini's
-``partial_rotary_factor`` 0.75, GPT-NeoX's 0.25), cos and sin [.., 1, seq, d] computed from ``position_ids`` and
-constants only. The op's tables are [max_length, d / 2]: ONNX Runtime rotates the first 2 x their width of each
-head and passes the rest through (its CPU kernel, measured exact on 1.31). The tables are not re-derived from a
-config: the module's own cos/sin subgraph is cut out and run (``mask_probe.cut_out``) on positions
-arange(max_length), so a rope scaling (llama3, linear, yarn's attention factor) and a base per layer are what the
-module computes. The rewrite is refused, the attention left as it is, with one line saying why, unless: the query
-and the keys read the same tables, each table's two halves are equal (the non-interleaved form the op computes),
-a batch of other positions gives each row the table's rows at its positions (nothing but the position itself
-reaches cos/sin), and d is a multiple of 16 (ONNX Runtime's rotary takes tables of a multiple of 8 wide: a head
-of 16 with a partial rotary is refused). The interleaved form (GPT-J's pairs (2i, 2i + 1)) is not matched. Per-step
-parity under the ragged layout (``own_kv_cache.check_own_cache_parity``) then checks the positions the op computes
-against the module's on first calls with right-padded rows, chunks and one-token steps.
+What is rewritten, found structurally: a ``GroupQueryAttention`` without rotary whose query and key inputs are each
+the [batch, seq, hidden] merge (Transposes making Transpose(0, 2, 1, 3), Reshape) of ``x * cos + rotate_half(x) *
+sin`` with ``rotate_half(x) = Concat(-x[..., h:], x[..., :h])`` (h = d / 2, the form most Hugging Face decoders use)
+or its interleaved form ``stack((-x[..., 1::2], x[..., ::2]), -1).flatten(-2)`` (GLM's, GPT-J's pairs (2i, 2i + 1):
+``rotary_interleaved=1``) over the whole head (d = head_dim), or over its first d dims followed by the rest as it
+was, ``Concat(rotary(x[..., :d]), x[..., d:])`` (a partial rotary: Phi-4-mini's ``partial_rotary_factor`` 0.75,
+GPT-NeoX's 0.25), cos and sin [.., 1, seq, d] computed from ``position_ids`` and constants only. The op's tables are
+[max_length, d / 2]: ONNX Runtime rotates the first 2 x their width of each head and passes the rest through (its
+CPU kernel, measured exact on 1.31). The tables are not re-derived from a config: the module's own cos/sin subgraph
+is cut out and run (``mask_probe.cut_out``) on positions arange(max_length), so a rope scaling (llama3, linear,
+yarn's attention factor) and a base per layer are what the module computes. The rewrite is refused, the attention
+left as it is, with one line saying why, unless: the query and the keys read the same tables, each table gives both
+dims of a rotated pair one angle (its two halves equal, or its even and odd columns interleaved; the op's cache is
+one column per pair), a batch of other positions gives each row the table's rows at its positions (nothing but the
+position itself reaches cos/sin), and d is a multiple of 16 (ONNX Runtime's rotary takes tables of a multiple of 8
+wide: a head of 16 with a partial rotary is refused). Per-step parity under the ragged layout
+(``own_kv_cache.check_own_cache_parity``) then checks the positions the op computes against the module's on first
+calls with right-padded rows, chunks and one-token steps.
 
 The rotary's Slices, Muls and the cos/sin subgraph are then dead and removed; ``position_ids`` stays an input of
 the file (its signature and every runtime feed it; it is n_r - seq + arange(seq), which the op derives itself).
@@ -98,6 +99,7 @@ class _Rotated:
     cos: ir.Value
     sin: ir.Value
     dim: int
+    interleaved: bool = False  # pairs (2i, 2i + 1) rotated (GLM's, GPT-J's form), not (i, i + dim / 2)
 
 
 @dataclass
@@ -119,7 +121,7 @@ class _Plan:
         node.replace_input_with(_COS_CACHE, cos)
         node.replace_input_with(_SIN_CACHE, sin)
         node.attributes["do_rotary"] = ir.AttrInt64("do_rotary", 1)
-        node.attributes["rotary_interleaved"] = ir.AttrInt64("rotary_interleaved", 0)
+        node.attributes["rotary_interleaved"] = ir.AttrInt64("rotary_interleaved", int(self.query.interleaved))
 
 
 def _plan(node: ir.Node, tables: _Tables) -> _Plan:
@@ -138,6 +140,8 @@ def _plan(node: ir.Node, tables: _Tables) -> _Plan:
     query, key = rotated
     if query.dim != key.dim:
         raise _Refused(f"its query rotates {query.dim} dims of a head and its keys {key.dim}")
+    if query.interleaved != key.interleaved:
+        raise _Refused("its query and its keys rotate different pairs of dims (one interleaved)")
     # ONNX Runtime's check (group_query_attention_helper): cos_cache's width, half the rotated dims, a multiple of 8
     # (its vectorised rotary) and at most half the head; the dims after it pass through (measured, ORT 1.31 CPU).
     if query.dim % 16:
@@ -199,7 +203,7 @@ def _rotated(value: ir.Value, head_dim: int, role: str) -> _Rotated:
                 found = _rotated_sum(rotated, dim, role)
                 if not _is_slice(found.x, x, 0, dim, head_dim):
                     raise _Refused(f"its {role} rotates x[..., :{dim}] of one tensor and passes the rest of another")
-                return _Rotated(x, found.cos, found.sin, dim)
+                return _Rotated(x, found.cos, found.sin, dim, found.interleaved)
     return _rotated_sum(value, head_dim, role)
 
 
@@ -216,8 +220,10 @@ def _rotated_sum(value: ir.Value, dim: int, role: str) -> _Rotated:
             for half, sin in (turned.inputs, turned.inputs[::-1]):
                 if _is_rotate_half(half, x, dim):
                     return _Rotated(x, cos, sin, dim)
-    raise _Refused(f"its {role}'s rotary is not rotate_half over its first {dim} dims (interleaved rotary is "
-                   "not fused)")
+                if _is_rotate_pairs(half, x, dim):
+                    return _Rotated(x, cos, sin, dim, interleaved=True)
+    raise _Refused(f"its {role}'s rotary over its first {dim} dims is neither rotate_half nor its interleaved "
+                   "form")
 
 
 def _is_rotate_half(value: ir.Value, x: ir.Value, dim: int) -> bool:
@@ -232,6 +238,38 @@ def _is_rotate_half(value: ir.Value, x: ir.Value, dim: int) -> bool:
         return False
     half = dim // 2
     return _is_slice(neg.inputs[0], x, half, dim, dim) and _is_slice(concat.inputs[1], x, 0, half, dim)
+
+
+def _is_rotate_pairs(value: ir.Value, x: ir.Value, dim: int) -> bool:
+    """Whether ``value`` is the interleaved rotate_half, stack((-x[..., 1::2], x[..., ::2]), -1).flatten(-2) as
+    torch writes it: Reshape(Concat(Unsqueeze(Neg(odd)), Unsqueeze(even)) on a new last axis). The Reshape's
+    shape is computed from the input's in the graph and not read here: its output's last dim is checked where
+    known, and a wrong one fails the file's parity, which drops the rewrite."""
+    reshape = value.producer()
+    if reshape is None or reshape.op_type != "Reshape":
+        return False
+    if value.shape is not None and value.shape.rank() and value.shape[-1] != dim and isinstance(value.shape[-1], int):
+        return False
+    concat = reshape.inputs[0].producer()
+    if concat is None or concat.op_type != "Concat" or len(concat.inputs) != 2 \
+            or concat.attributes.get_int("axis", 0) not in (-1, 4):
+        return False
+    odd, even = (_new_last_axis(value) for value in concat.inputs)
+    if odd is None or even is None:
+        return False
+    neg = odd.producer()
+    if neg is None or neg.op_type != "Neg":
+        return False
+    return _is_slice(neg.inputs[0], x, 1, dim, dim, step=2) and _is_slice(even, x, 0, dim, dim, step=2)
+
+
+def _new_last_axis(value: ir.Value) -> ir.Value | None:
+    """``u`` where ``value`` is Unsqueeze(u) on a new last axis of a [batch, heads, seq, d] ``u``, else None."""
+    node = value.producer()
+    if node is None or node.op_type != "Unsqueeze" or len(node.inputs) != 2:
+        return None
+    axes = constant_array(node.inputs[1])
+    return node.inputs[0] if axes is not None and axes.size == 1 and int(axes.item()) in (-1, 4) else None
 
 
 def _slice_constants(value: ir.Value) -> tuple[int, int, int, int] | None:
@@ -252,14 +290,15 @@ def _slice_start(value: ir.Value) -> int | None:
     return found[0] if found is not None and found[2] in (-1, 3) and found[3] == 1 else None
 
 
-def _is_slice(value: ir.Value, x: ir.Value, start: int, end: int, width: int) -> bool:
-    """Whether ``value`` is x[..., start:end] along x's last axis, ``width`` wide (an end past it, its end)."""
+def _is_slice(value: ir.Value, x: ir.Value, start: int, end: int, width: int, step: int = 1) -> bool:
+    """Whether ``value`` is x[..., start:end:step] along x's last axis, ``width`` wide (an end past it, its end)."""
     node = value.producer()
     found = _slice_constants(value)
     if found is None or node.inputs[0] is not x:
         return False
-    first, last, axis, step = found
-    return axis in (-1, 3) and step == 1 and first == start and (last == end or (end == width and last > width))
+    first, last, axis, stride = found
+    return axis in (-1, 3) and stride == step and first == start \
+        and (last == end or (end == width and last > width))
 
 
 class _Tables:
@@ -272,7 +311,7 @@ class _Tables:
         self.made: dict[tuple[str, str], tuple[ir.Value, ir.Value]] = {}
 
     def read(self, rotated: _Rotated) -> tuple[np.ndarray, np.ndarray]:
-        key = (rotated.cos.name, rotated.sin.name)
+        key = (rotated.cos.name, rotated.sin.name, rotated.interleaved)
         if key not in self.evaluated:
             try:
                 self.evaluated[key] = self._evaluate(rotated)
@@ -285,14 +324,13 @@ class _Tables:
 
     def initializers(self, graph: ir.Graph, rotated: _Rotated) -> tuple[ir.Value, ir.Value]:
         """The op's cos_cache and sin_cache [max_length, head_dim / 2] for ``rotated``'s tables, registered once."""
-        key = (rotated.cos.name, rotated.sin.name)
+        key = (rotated.cos.name, rotated.sin.name, rotated.interleaved)
         if key not in self.made:
             cos, sin = self.read(rotated)
-            half = cos.shape[1] // 2
             made = []
             for what, table in (("cos_cache", cos), ("sin_cache", sin)):
                 name = f"{_PREFIX}{what}.{len(self.made)}"
-                tensor = ir.tensor(np.ascontiguousarray(table[:, :half]), name=name)
+                tensor = ir.tensor(np.ascontiguousarray(_pair_columns(table, rotated.interleaved)[0]), name=name)
                 value = ir.Value(name=name, const_value=tensor, shape=tensor.shape, type=ir.TensorType(tensor.dtype))
                 graph.register_initializer(value)
                 made.append(value)
@@ -324,10 +362,11 @@ class _Tables:
             if not np.allclose(self._rows(value, head_dim, *mixed.shape), table[mixed], rtol=0, atol=HALVES_ATOL):
                 raise _Refused("its cos/sin at a batch of other positions are not the table's rows at them (they "
                                "depend on more than each position)")
-        half = head_dim // 2
         for what, table in (("cos", cos), ("sin", sin)):
-            if not np.allclose(table[:, :half], table[:, half:], rtol=0, atol=HALVES_ATOL):
-                raise _Refused(f"its {what} table's two halves differ (not the rotate_half form of one table)")
+            first, second = _pair_columns(table, rotated.interleaved)
+            if not np.allclose(first, second, rtol=0, atol=HALVES_ATOL):
+                form = "even and odd columns" if rotated.interleaved else "two halves"
+                raise _Refused(f"its {what} table's {form} differ (not one angle per rotated pair)")
         return cos, sin
 
     @staticmethod
@@ -344,6 +383,15 @@ class _Tables:
                 or value.shape[0] not in (1, batch):
             raise _Refused(f"its cos/sin are {list(value.shape)}, not [batch, 1, seq, {head_dim}]")
         return np.broadcast_to(value[:, 0], (batch, seq, head_dim))
+
+
+def _pair_columns(table: np.ndarray, interleaved: bool) -> tuple[np.ndarray, np.ndarray]:
+    """A [rows, d] table's columns for the first and the second dim of each rotated pair: (i, i + d / 2), or
+    (2i, 2i + 1) interleaved. One angle per pair: they are equal, and the first is the op's cache."""
+    if interleaved:
+        return table[:, 0::2], table[:, 1::2]
+    half = table.shape[1] // 2
+    return table[:, :half], table[:, half:]
 
 
 def _merged(graph: ir.Graph, x: ir.Value, hidden: int, name: str) -> ir.Value:

@@ -42,13 +42,17 @@ def _attribute(node: onnx.NodeProto, name: str, default=0):
 
 
 def _rotary_graph(cos_reads: str | None = None, round_trip: bool = False, head_dim: int = HEAD_DIM,
-                  rotary_dim: int | None = None) -> onnx.ModelProto:
+                  rotary_dim: int | None = None, interleaved: bool = False,
+                  halves_tables: bool = False) -> onnx.ModelProto:
     """x [batch, seq, 64] -> q/k/v projections, heads split, q and k rotated (x * cos + rotate_half(x) * sin,
     cos/sin from position_ids), merged back -> GroupQueryAttention over a cache. ``cos_reads``: an input whose
     value also scales the angles (cos/sin then depend on more than positions). ``round_trip``: the op's output
     split into heads and merged back (as the module's graph around upstream's fusion leaves it), then projected.
     ``rotary_dim``: a partial rotary, as Phi-4-mini's and GPT-NeoX's: only each head's first ``rotary_dim`` dims
-    rotated, Concat(rotated, x[..., rotary_dim:]) (None: the whole head)."""
+    rotated, Concat(rotated, x[..., rotary_dim:]) (None: the whole head). ``interleaved``: GLM's and GPT-J's pairs
+    (2i, 2i + 1), as torch writes them: each angle repeated twice side by side (repeat_interleave), and
+    rotate_half(x) = stack((-x[..., 1::2], x[..., ::2]), -1).flatten(-2); ``halves_tables``: those pairs rotated by
+    tables laid out in halves nonetheless (no model's rotary: a negative case)."""
     rotary = rotary_dim or head_dim
     rng = np.random.default_rng(0)
     inits = [
@@ -61,7 +65,8 @@ def _rotary_graph(cos_reads: str | None = None, round_trip: bool = False, head_d
     ints = {"q_split": [0, 0, HEADS, head_dim], "kv_split": [0, 0, KV_HEADS, head_dim],
             "q_merge": [0, 0, HEADS * head_dim], "kv_merge": [0, 0, KV_HEADS * head_dim], "zero": [0],
             "half": [rotary // 2], "end": [head_dim], "rotary": [rotary], "last": [3], "one": [1], "two": [2],
-            "split": [0, 0, HEADS, -1], "same": [0, 0, 0, 0]}
+            "split": [0, 0, HEADS, -1], "same": [0, 0, 0, 0], "new_last": [-1], "step2": [2],
+            "rows": [0, 0, rotary], "heads_rows": [0, 0, 0, rotary]}
     inits += [helper.make_tensor(name, TensorProto.INT64, [len(v)], v) for name, v in ints.items()]
     nodes = [
         helper.make_node("Cast", ["position_ids"], ["posf"], to=TensorProto.FLOAT),
@@ -72,8 +77,13 @@ def _rotary_graph(cos_reads: str | None = None, round_trip: bool = False, head_d
     if cos_reads:
         nodes.append(helper.make_node("Mul", ["freqs", cos_reads], ["freqs_scaled"]))
         angles = "freqs_scaled"
+    if interleaved and not halves_tables:  # each angle twice, side by side: [b, s, r / 2, 2] flattened to [b, s, r]
+        nodes += [helper.make_node("Unsqueeze", [angles, "new_last"], ["angles4"]),
+                  helper.make_node("Concat", ["angles4", "angles4"], ["pairs"], axis=-1),
+                  helper.make_node("Reshape", ["pairs", "rows"], ["emb"])]
+    else:
+        nodes.append(helper.make_node("Concat", [angles, angles], ["emb"], axis=-1))
     nodes += [
-        helper.make_node("Concat", [angles, angles], ["emb"], axis=-1),
         helper.make_node("Cos", ["emb"], ["cos3"]), helper.make_node("Sin", ["emb"], ["sin3"]),
         helper.make_node("Unsqueeze", ["cos3", "one"], ["cos"]),
         helper.make_node("Unsqueeze", ["sin3", "one"], ["sin"]),
@@ -89,11 +99,24 @@ def _rotary_graph(cos_reads: str | None = None, round_trip: bool = False, head_d
             nodes += [helper.make_node("Slice", [heads, "zero", "rotary", "last"], [f"{role}_r"]),
                       helper.make_node("Slice", [heads, "rotary", "end", "last"], [f"{role}_pass"])]
             heads = f"{role}_r"
+        if interleaved:
+            nodes += [
+                helper.make_node("Slice", [heads, "one", "rotary", "last", "step2"], [f"{role}_odd"]),
+                helper.make_node("Neg", [f"{role}_odd"], [f"{role}_neg"]),
+                helper.make_node("Unsqueeze", [f"{role}_neg", "new_last"], [f"{role}_neg4"]),
+                helper.make_node("Slice", [heads, "zero", "rotary", "last", "step2"], [f"{role}_even"]),
+                helper.make_node("Unsqueeze", [f"{role}_even", "new_last"], [f"{role}_even4"]),
+                helper.make_node("Concat", [f"{role}_neg4", f"{role}_even4"], [f"{role}_stack"], axis=-1),
+                helper.make_node("Reshape", [f"{role}_stack", "heads_rows"], [f"{role}_half"]),
+            ]
+        else:
+            nodes += [
+                helper.make_node("Slice", [heads, "half", "rotary", "last"], [f"{role}_x2"]),
+                helper.make_node("Neg", [f"{role}_x2"], [f"{role}_neg"]),
+                helper.make_node("Slice", [heads, "zero", "half", "last"], [f"{role}_x1"]),
+                helper.make_node("Concat", [f"{role}_neg", f"{role}_x1"], [f"{role}_half"], axis=-1),
+            ]
         nodes += [
-            helper.make_node("Slice", [heads, "half", "rotary", "last"], [f"{role}_x2"]),
-            helper.make_node("Neg", [f"{role}_x2"], [f"{role}_neg"]),
-            helper.make_node("Slice", [heads, "zero", "half", "last"], [f"{role}_x1"]),
-            helper.make_node("Concat", [f"{role}_neg", f"{role}_x1"], [f"{role}_half"], axis=-1),
             helper.make_node("Mul", [heads, "cos"], [f"{role}_c"]),
             helper.make_node("Mul", ["sin", f"{role}_half"], [f"{role}_s"]),  # operands in either order
             helper.make_node("Add", [f"{role}_s", f"{role}_c"], [f"{role}_rot"]),
@@ -212,6 +235,35 @@ def test_a_partial_rotary_moves_into_the_op_with_tables_as_wide_as_half_its_rota
     got = _contract_calls(_session(fused), np.random.default_rng(6), head_dim=32)
     for want, have in zip(expected, got, strict=True):
         np.testing.assert_allclose(have, want, rtol=0, atol=ATOL)
+
+
+@pytest.mark.parametrize("rotary_dim", [None, 16], ids=["whole-head", "partial"])
+def test_an_interleaved_rotary_moves_into_the_op_as_rotary_interleaved(rotary_dim):
+    """GLM's form (GPT-J's too): pairs (2i, 2i + 1) rotated, over the whole head of 32 or its first 16 dims:
+    rotary_interleaved=1 and cos/sin caches one column per pair ([max length, 16] or [max length, 8]); the same
+    outputs and cached keys on the ragged contract's calls (atol 1e-5), no Cos, Sin or Neg left."""
+    model = _rotary_graph(head_dim=32, rotary_dim=rotary_dim, interleaved=True)
+    fused, report = fuse_rotary_into_gqa(model, MAX_LENGTH)
+    assert (report.done, report.refused) == (1, [])
+    attention = next(node for node in fused.graph.node if node.op_type == "GroupQueryAttention")
+    assert _attribute(attention, "do_rotary") == 1 and _attribute(attention, "rotary_interleaved") == 1
+    tables = {init.name: list(init.dims) for init in fused.graph.initializer}
+    assert [tables[name] for name in attention.input[7:9]] == [[MAX_LENGTH, (rotary_dim or 32) // 2]] * 2
+    assert not {"Cos", "Sin", "Neg"} & set(_ops(fused))
+    expected = _contract_calls(_session(model), np.random.default_rng(7), head_dim=32)
+    got = _contract_calls(_session(fused), np.random.default_rng(7), head_dim=32)
+    for want, have in zip(expected, got, strict=True):
+        np.testing.assert_allclose(have, want, rtol=0, atol=ATOL)
+
+
+def test_interleaved_pairs_rotated_by_a_halves_table_keep_the_modules_rotary():
+    """Pairs (2i, 2i + 1) rotated with tables laid out in halves (Concat(freqs, freqs)): a rotary the op does not
+    compute (pair i would take angle 2i mod d/2, not i); its tables' even and odd columns differ, so the attention
+    keeps the module's ops and the line says why."""
+    model = _rotary_graph(head_dim=32, interleaved=True, halves_tables=True)
+    fused, report = fuse_rotary_into_gqa(model, MAX_LENGTH)
+    assert fused is model and report.done == 0
+    assert len(report.refused) == 1 and "even and odd columns differ" in report.refused[0]
 
 
 def test_a_partial_rotary_the_op_cannot_take_keeps_the_modules_rotary_and_says_why():
