@@ -7,8 +7,9 @@ Each family: every attention fused (no Softmax left) and the fused ops as said (
 attention_bias with its 1/sqrt(d * 3) scale; ModernBERT's global layers on the key padding input, its local
 layers' two-sided window as a materialised attention_bias, which the export's report names: MultiHeadAttention
 takes no window and GroupQueryAttention's local_window_size is causal only); the file equal to the module in plain
-ONNX Runtime under Hugging Face's input names at a batch and length the export never saw (right-padded rows, masks
-bool in the file), within OWN_MODEL_ATOL/RTOL (2e-5 absolute, 1e-4 relative: fp32, a different summation order).
+ONNX Runtime under Hugging Face's input names at a batch and length the export never saw (right-padded rows, the
+attention_mask int64 1/0 as a tokenizer returns it; CLIP's logits_per_image and logits_per_text [batch, batch]
+too), within OWN_MODEL_ATOL/RTOL (2e-5 absolute, 1e-4 relative: fp32, a different summation order).
 One export per family per module."""
 
 from __future__ import annotations
@@ -148,18 +149,22 @@ def test_a_mask_free_encoder_takes_the_flash_kernel(exported):
     assert all(info.kernel == "MultiHeadAttention (flash)" for info in infos)
 
 
-def test_clips_cross_batch_logits_are_left_out_naming_how_to_compute_them(exported):
+def test_clips_cross_batch_logits_are_outputs_spanning_the_batch(exported):
+    """logits_per_image and logits_per_text are the file's, [batch, batch] in its metadata (the batch on a later
+    axis: ``TensorSpec.spans_batch``), beside the per-item embeddings."""
+    from mha_deploy.model_report import read_metadata
+
     _, path, output = exported("clip")
-    model, _, _ = _fused(path)
-    names = [o.name for o in model.graph.output]
-    assert "text_embeds" in names and "image_embeds" in names
-    assert "logits_per_image" not in names and "logits_per_text" not in names
-    assert "logits_per_image, logits_per_text left out" in output
+    signature = read_metadata(path).signature
+    assert signature.batch_outputs == ("logits_per_image", "logits_per_text")
+    assert signature.tensors["logits_per_image"].axes == ("batch", "batch")
+    assert {"text_embeds", "image_embeds"} <= {spec.name for spec in signature.item_outputs}
+    assert "left out" not in output
 
 
 def _feeds(family, rng):
     """Hugging Face's input names -> values at the unseen size: right-padded ids (pad id at the padded positions,
-    the first row whole), the mask bool, images random."""
+    the first row whole), the mask int64 1/0 as a tokenizer returns it, images random."""
     feeds = {}
     if family != "vit":
         lengths = rng.integers(2, UNSEEN_SEQ + 1, size=UNSEEN_BATCH)
@@ -167,7 +172,7 @@ def _feeds(family, rng):
         mask = np.arange(UNSEEN_SEQ)[None, :] < lengths[:, None]
         ids = rng.integers(3, VOCAB, size=(UNSEEN_BATCH, UNSEEN_SEQ))
         feeds["input_ids"] = np.where(mask, ids, PAD_ID).astype(np.int64)
-        feeds["attention_mask"] = mask
+        feeds["attention_mask"] = mask.astype(np.int64)
     if family in ("clip", "vit"):
         feeds["pixel_values"] = rng.standard_normal((UNSEEN_BATCH, 3, IMAGE_SIZE, IMAGE_SIZE)).astype(np.float32)
     return feeds
@@ -180,16 +185,112 @@ def test_the_file_equals_the_module_in_plain_onnxruntime(exported, family):
     module = cls.from_pretrained(folder).eval()
     feeds = _feeds(family, np.random.default_rng(3))
     session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
-    assert {i.name for i in session.get_inputs()} == set(feeds)
+    assert {i.name: i.type for i in session.get_inputs()} == {
+        name: "tensor(float)" if value.dtype == np.float32 else "tensor(int64)" for name, value in feeds.items()}
     got = dict(zip([o.name for o in session.get_outputs()], session.run(None, feeds), strict=True))
     with torch.no_grad():
-        want = module(**{name: torch.from_numpy(value.astype(np.int64) if value.dtype == bool else value)
-                         for name, value in feeds.items()})
-    compared = {"deberta": ["logits"], "modernbert": ["last_hidden_state"], "clip": ["text_embeds", "image_embeds"],
+        want = module(**{name: torch.from_numpy(value) for name, value in feeds.items()})
+    compared = {"deberta": ["logits"], "modernbert": ["last_hidden_state"],
+                "clip": ["text_embeds", "image_embeds", "logits_per_image", "logits_per_text"],
                 "vit": ["logits"]}[family]
     for name in compared:
         have, expected = got[name], want[name].numpy()
         if name == "last_hidden_state":  # the real tokens' rows: padded rows are padding
-            real = feeds["attention_mask"]
+            real = feeds["attention_mask"] == 1
             have, expected = have[real], expected[real]
         np.testing.assert_allclose(have, expected, atol=OWN_MODEL_ATOL, rtol=OWN_MODEL_RTOL, err_msg=name)
+
+
+# --- CLIP's logits spanning the batch through infer, serve and Triton --------------------------------------------
+
+
+def _clip_batch(rng, batch: int) -> dict[str, np.ndarray]:
+    """A tokenizer's right-padded ids and int64 mask (rows of different lengths) and images, ``batch`` of each."""
+    lengths = rng.integers(2, UNSEEN_SEQ + 1, size=batch)
+    mask = (np.arange(UNSEEN_SEQ)[None, :] < lengths[:, None]).astype(np.int64)
+    ids = np.where(mask == 1, rng.integers(3, VOCAB, size=mask.shape), PAD_ID).astype(np.int64)
+    pixels = rng.standard_normal((batch, 3, IMAGE_SIZE, IMAGE_SIZE)).astype(np.float32)
+    return {"input_ids": ids, "attention_mask": mask, "pixel_values": pixels}
+
+
+def _clip_module(folder, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    module = transformers.CLIPModel.from_pretrained(folder).eval()
+    with torch.no_grad():
+        result = module(**{name: torch.from_numpy(value) for name, value in feeds.items()})
+    return {name: result[name].numpy() for name in ("logits_per_image", "logits_per_text", "text_embeds")}
+
+
+def test_serve_answers_clips_logits_for_each_requests_own_batch(exported):
+    """Two clients' requests (batches of 2 and 3) arriving within one batching window: each gets logits_per_image
+    [its batch, its batch] equal to the module's on its own batch, never a batch merged with the other's (which
+    the server would otherwise form: 300 ms window)."""
+    import concurrent.futures
+    import json
+
+    from mha_deploy.batching import BatchingConfig
+    from mha_deploy.runtime import MHASession
+    from mha_deploy.serving.http.app import create_app
+    from tests.serving.helpers import app_on_loopback, connect, http_request
+
+    folder, path, _ = exported("clip")
+    rng = np.random.default_rng(11)
+    batches = [_clip_batch(rng, 2), _clip_batch(rng, 3)]
+    app = create_app(lambda: MHASession(path, provider="cpu"), BatchingConfig(max_wait_ms=300), model_name="clip")
+
+    def post(port, feeds):
+        tensors = [{"name": name, "shape": list(value.shape), "datatype": "FP32" if value.dtype == np.float32
+                    else "INT64", "data": value.ravel().tolist()} for name, value in feeds.items()]
+        status, _, body = http_request(connect(port), "POST", "/v2/models/clip/infer",
+                                       json.dumps({"inputs": tensors}).encode(), {"Content-Type": "application/json"})
+        assert status == 200, body
+        return {t["name"]: np.array(t["data"], np.float32).reshape(t["shape"]) for t in json.loads(body)["outputs"]}
+
+    with app_on_loopback(app, timeout_s=60) as port, concurrent.futures.ThreadPoolExecutor(2) as pool:
+        answers = list(pool.map(lambda feeds: post(port, feeds), batches))
+    for feeds, got in zip(batches, answers, strict=True):
+        want = _clip_module(folder, feeds)
+        batch = len(feeds["input_ids"])
+        assert got["logits_per_image"].shape == (batch, batch)
+        for name in want:
+            np.testing.assert_allclose(got[name], want[name], atol=OWN_MODEL_ATOL, rtol=OWN_MODEL_RTOL, err_msg=name)
+
+
+def test_infer_writes_clips_per_item_outputs_and_says_it_leaves_the_logits_out(exported, tmp_path):
+    """infer batches items as it chooses, so an item's row of logits_per_image would depend on its batch-mates: it
+    writes each item's embeddings (equal to the module's on the item alone) and names the outputs it leaves out."""
+    folder, path, _ = exported("clip")
+    feeds = _clip_batch(np.random.default_rng(12), 3)
+    lengths = feeds["attention_mask"].sum(axis=1)
+    items = tmp_path / "items.npz"
+    # npz keys as infer reads them: the ids under the item's id, its image under <id>.pixel_values
+    np.savez(items, **{key: value for row, n in enumerate(lengths)
+                       for key, value in ((f"i{row}", feeds["input_ids"][row, :n]),
+                                          (f"i{row}.pixel_values", feeds["pixel_values"][row]))})
+    out = tmp_path / "out.npz"
+    result = CliRunner().invoke(main, ["infer", str(path), "--input", str(items), "--output", str(out),
+                                       "--provider", "cpu", "--no-progress"])
+    assert result.exit_code == 0, result.output
+    assert "logits_per_image, logits_per_text not written: each spans the whole batch" in result.output
+    written = np.load(out)
+    assert not [key for key in written.files if "logits_per" in key]
+    for row, n in enumerate(lengths):
+        alone = {name: value[row : row + 1, :n] if value.ndim == 2 else value[row : row + 1]
+                 for name, value in feeds.items()}
+        np.testing.assert_allclose(written[f"i{row}.text_embeds"], _clip_module(folder, alone)["text_embeds"][0],
+                                   atol=OWN_MODEL_ATOL, rtol=OWN_MODEL_RTOL)
+
+
+def test_clips_triton_config_does_not_batch_requests_and_takes_an_int64_mask(exported):
+    """Triton's dynamic batcher would concatenate requests along the batch and hand each its rows of
+    logits_per_image: the config turns batching off (max_batch_size 0, the batch axis in dims) and says why."""
+    import onnx
+
+    from mha_deploy.model_report import read_metadata
+    from mha_deploy.serving.triton import TritonConfig, config_pbtxt
+
+    _, path, _ = exported("clip")
+    text = config_pbtxt(onnx.load(str(path)), read_metadata(path), TritonConfig(), "clip")
+    assert "max_batch_size: 0" in text and "dynamic_batching" not in text
+    assert "logits_per_image, logits_per_text span the request's whole batch" in text
+    assert 'name: "attention_mask"\n    data_type: TYPE_INT64\n    dims: [ -1, -1 ]' in text
+    assert 'name: "logits_per_image"\n    data_type: TYPE_FP32\n    dims: [ -1, -1 ]' in text
