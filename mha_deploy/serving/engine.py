@@ -29,11 +29,14 @@ turn; two cohorts that become aligned merge. ``runtime.kv_stepper.mixes_lengths_
 ``generate``'s prompt batches follow too: a ragged cache mixes lengths (each row at its own length, no holes), and
 so does a file whose export measured that its positions do not matter (metadata positions "none", TinyLM);
 ``mix_lengths`` overrides it. An
-encoder-decoder is served the same way: its source is encoded whole at prefill, and rows of different source lengths
-share a cohort when the decoder takes ``encoder_attention_mask`` (shorter sources padded and masked), else only rows
-of one source length do. Within a cohort the decoder's arithmetic per row does not depend on the other rows except
-through masked holes, whose keys get probability 0 exactly; greedy tokens are held equal to the request alone in the
-tests.
+encoder-decoder is served the same way: its source (token ids, or one item's features: Whisper's ``input_features``)
+is encoded whole at prefill, its decoder run over the request's own decoder prompt (the start id alone by default;
+a longer prompt is a longer target, aligned as any length is), and rows of different source lengths share a cohort
+when the decoder takes ``encoder_attention_mask`` (shorter sources padded and masked), else only rows of one source
+length do. Each row's logits processors see its own decoder tokens, so a forced first token (M2M100's target
+language) or Whisper's suppressed ids apply to that row alone. Within a cohort the decoder's arithmetic per row does
+not depend on the other rows except through masked holes, whose keys get probability 0 exactly; greedy tokens are
+held equal to the request alone in the tests.
 
 **Ragged files.** A file whose attentions keep a ragged cache (``KVCacheStepper.ragged``: GroupQueryAttention writes
 each row's keys and values at its own length, in place) mixes lengths exactly and has no holes: one cohort whose
@@ -56,14 +59,14 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
 from mha_deploy.errors import InputError, MHADeployError
 from mha_deploy.metadata import POSITIONS_NONE
-from mha_deploy.runtime.generation import GenerationConfig, draw_tokens
-from mha_deploy.runtime.kv_stepper import KVCacheStepper, mixes_lengths_exactly
+from mha_deploy.runtime.generation import GenerationConfig, decoder_prompt_rows, draw_tokens, with_recorded_ids
+from mha_deploy.runtime.kv_stepper import KVCacheStepper, check_features, mixes_lengths_exactly
 from mha_deploy.runtime.logits import LogitBiasLogitsProcessor, TokenHistory, log_softmax
 from mha_deploy.serving.scheduler import AlignmentKey, KVBudget, Prefilling, Scheduler
 
@@ -80,21 +83,43 @@ class RequestTooLarge(InputError):
 
 @dataclass(frozen=True)
 class GenerationRequest:
-    """One sequence to generate: ``prompt`` int64 [seq] (at least one token), ``config`` its settings (greedy or
-    sampled, ``max_new_tokens``, end ids, seed; ``num_beams`` must be 1), ``logprobs`` how many alternatives' log
-    probabilities to report per token (None: none; 0: the chosen token's only). ``prompt_logprobs``: score the
-    prompt's own tokens too, each under the logits of the position before it (OpenAI's ``echo`` with ``logprobs``;
-    needs ``logprobs``, and a decoder-only model: an encoder-decoder's prompt is a source that no logits score)."""
+    """One sequence to generate: ``prompt`` int64 [seq] (at least one token), or for an encoder-decoder whose encoder
+    takes features (Whisper's ``input_features``) one item's float features [<the sizes it takes>]; ``config`` its
+    settings (greedy or sampled, ``max_new_tokens``, end ids, seed, an encoder-decoder's ``forced_bos_token_id``;
+    ``num_beams`` must be 1), ``logprobs`` how many alternatives' log probabilities to report per token (None: none;
+    0: the chosen token's only). ``prompt_logprobs``: score the prompt's own tokens too, each under the logits of the
+    position before it (OpenAI's ``echo`` with ``logprobs``; needs ``logprobs``, and a decoder-only model: an
+    encoder-decoder's prompt is a source that no logits score). ``decoder_prompt`` (an encoder-decoder's): int64
+    ids its decoder starts from (Whisper's task and language tokens), the start id put in front where missing, as
+    ``runtime.generation.generate`` takes them; None: the start id alone. The config's ids the file recorded at
+    export (forced first token, suppressed ids) apply where the request leaves them unset, as ``generate``'s do."""
 
     prompt: np.ndarray
     config: GenerationConfig
     logprobs: int | None = None
     prompt_logprobs: bool = False
+    decoder_prompt: np.ndarray | None = None
+
+    @property
+    def features(self) -> bool:
+        """Whether the prompt is an encoder's features rather than token ids."""
+        return np.asarray(self.prompt).dtype.kind == "f"
+
+    @property
+    def prefill_length(self) -> int:
+        """What the prefill reads, as the scheduler's chunks count it: the prompt's tokens, or one features item's
+        last axis (Whisper's frames: what the encoder's cost grows with)."""
+        return int(np.shape(self.prompt)[-1]) if self.features else len(self.prompt)
 
     @property
     def kv_need(self) -> int:
-        """Cache positions its row can reach: the prompt and every new token."""
-        return len(self.prompt) + self.config.max_new_tokens
+        """Cache positions its row can reach: the prompt (an encoder-decoder's source, which its cross-attention
+        cache holds, and the decoder prompt beyond the start id) and every new token; features fill no position,
+        as ``generate``'s batches count them: the decoder prompt and the new tokens do."""
+        decoder = len(self.decoder_prompt) if self.decoder_prompt is not None else 1
+        if self.features:
+            return decoder + self.config.max_new_tokens
+        return len(self.prompt) + decoder - 1 + self.config.max_new_tokens
 
 
 @dataclass(frozen=True)
@@ -174,7 +199,10 @@ class _Sequence:
 
     def __post_init__(self):
         config = self.request.config
-        self.history = self.request.prompt.tolist()
+        # What the logits processors see as the row's tokens: an encoder-decoder's decoder prompt (its source went to
+        # the encoder), as transformers' processors see decoder_input_ids; else the prompt.
+        start = self.request.decoder_prompt
+        self.history = (start if start is not None else self.request.prompt).tolist()
         self.processors = config.logits_processors()
         self.criteria = config.stopping_criteria()
         self.end_ids = set(config.end_ids)
@@ -314,13 +342,8 @@ class GenerationEngine:
         ``RequestTooLarge`` for a request that could never run, ``EngineBusy`` when the queue is full."""
         if request.config.num_beams != 1:
             raise InputError("the engine searches no beams: num_beams must be 1")
-        prompt = np.asarray(request.prompt)
-        if prompt.ndim != 1 or prompt.size == 0 or prompt.dtype.kind not in "iu" or prompt.min() < 0:
-            raise InputError("a prompt is a non-empty list of non-negative token ids")
-        vocab = self.limits.vocab
-        if vocab is not None and prompt.max() >= vocab:
-            raise InputError(f"token id {int(prompt.max())} is past the model's vocabulary ({vocab} ids, 0 to "
-                             f"{vocab - 1})")
+        request = self._completed(request)
+        prompt = request.prompt
         if request.prompt_logprobs and (request.logprobs is None or self.stepper.encoder is not None):
             raise InputError("prompt_logprobs needs logprobs set, and a decoder-only model (an encoder-decoder's "
                              "prompt is its source, which no logits score)")
@@ -332,10 +355,15 @@ class GenerationEngine:
         if bias and self.stepper.graph.vocab_size is not None:
             # Checked here, not at the row's first step: a failure inside the loop would fail every running row.
             LogitBiasLogitsProcessor(bias).check_vocabulary(self.stepper.graph.vocab_size)
+        forced, vocab = request.config.forced_bos_token_id, self.stepper.graph.vocab_size
+        if forced is not None and vocab is not None and forced >= vocab:  # as logit_bias: before the loop sees it
+            raise InputError(f"forced_bos_token_id {forced} is past the model's vocabulary ({vocab} ids, 0 to "
+                             f"{vocab - 1})")
         if not self.scheduler.fits_alone(request.kv_need):
+            what = "features" if request.features else f"prompt's {len(prompt)} tokens"
             raise RequestTooLarge(
-                f"the prompt's {len(prompt)} tokens and max_tokens {request.config.max_new_tokens} need "
-                f"{request.kv_need} cache positions, past this server's --max-kv-tokens {self.budget.max_kv_tokens}")
+                f"the {what} and max_tokens {request.config.max_new_tokens} need {request.kv_need} cache positions, "
+                f"past this server's --max-kv-tokens {self.budget.max_kv_tokens}")
         sequence = _Sequence(request, notify, time.perf_counter(), next(self._ids))
         with self._lock:
             if self._stopping:
@@ -345,6 +373,34 @@ class GenerationEngine:
             self._waiting.append(sequence)
             self._lock.notify_all()
         return Ticket(self, sequence)
+
+    def _completed(self, request: GenerationRequest) -> GenerationRequest:
+        """``request`` checked against the model, as the loop will run it: its source (token ids below the
+        vocabulary, or features of the sizes the encoder takes: the one validator's check), an encoder-decoder's
+        decoder prompt beginning with the start id, and the ids recorded at export where its config leaves them
+        unset (``with_recorded_ids``: a forced first token, suppressed ids)."""
+        prompt = np.asarray(request.prompt)
+        features = getattr(self.stepper, "source_features", None)
+        if features is not None:
+            if prompt.dtype.kind != "f":
+                raise InputError(f"this model's encoder takes {features.name} features {list(features.axes[1:])} "
+                                 "(float), not token ids")
+            prompt = check_features(features, prompt[None])[0]
+        else:
+            if prompt.ndim != 1 or prompt.size == 0 or prompt.dtype.kind not in "iu" or prompt.min() < 0:
+                raise InputError("a prompt is a non-empty list of non-negative token ids")
+            vocab = self.limits.vocab
+            if vocab is not None and prompt.max() >= vocab:
+                raise InputError(f"token id {int(prompt.max())} is past the model's vocabulary ({vocab} ids, 0 to "
+                                 f"{vocab - 1})")
+        config = request.config
+        if self.stepper.encoder is None:
+            if request.decoder_prompt is not None or config.forced_bos_token_id is not None:
+                raise InputError("decoder_prompt and forced_bos_token_id are an encoder-decoder's: this model's "
+                                 "decoder starts from the prompt itself")
+            return replace(request, prompt=prompt)
+        decoder = decoder_prompt_rows(self.stepper, [request.decoder_prompt], 1)[0]
+        return replace(request, prompt=prompt, decoder_prompt=decoder, config=with_recorded_ids(config, self.stepper))
 
     def snapshot(self) -> dict[str, int]:
         """Running and waiting requests, and cache positions held (holes, or a ragged cache's spare rows and
@@ -428,20 +484,23 @@ class GenerationEngine:
         """This turn's prefill chunks (``Scheduler.prefill_chunks``), oldest request first; a prompt whose prefill
         is done gets its first token and joins a cohort."""
         prefilling = list(self._prefilling)
-        plan = self.scheduler.prefill_chunks([Prefilling(len(s.request.prompt), s.prefilled) for s in prefilling])
+        plan = self.scheduler.prefill_chunks([Prefilling(s.request.prefill_length, s.prefilled) for s in prefilling])
         for chunk in plan:
             sequence = prefilling[chunk.index]
-            prompt = sequence.request.prompt
-            start = chunk.start
-            ids = np.asarray(prompt[start : start + chunk.length], np.int64)[None, :]
-            stepper = sequence.stepper
-            scored = sequence.prompt_scores is not None
-            logits = stepper.prefill(ids, np.ones_like(ids), scored) if start == 0 else stepper.extend(ids, scored)
-            if scored:  # [1, chunk, vocab]: column j scores prompt token start + j + 1, the last one the next token
-                self._score_prompt(sequence, start, logits[0])
-                logits = logits[:, -1]
-            sequence.prefilled += ids.shape[1]
-            if sequence.prefilled < len(prompt):
+            if sequence.stepper.encoder is not None:  # the whole source (whole_prompts), its decoder from its prompt
+                logits = self._prefill_source(sequence)
+            else:
+                prompt = sequence.request.prompt
+                start = chunk.start
+                ids = np.asarray(prompt[start : start + chunk.length], np.int64)[None, :]
+                stepper = sequence.stepper
+                scored = sequence.prompt_scores is not None
+                logits = stepper.prefill(ids, np.ones_like(ids), scored) if start == 0 else stepper.extend(ids, scored)
+                if scored:  # [1, chunk, vocab]: column j scores prompt token start + j + 1, the last one the next token
+                    self._score_prompt(sequence, start, logits[0])
+                    logits = logits[:, -1]
+                sequence.prefilled += ids.shape[1]
+            if sequence.prefilled < sequence.request.prefill_length:
                 continue
             self._prefilling.remove(sequence)
             self.observer.tokens(1)
@@ -449,6 +508,16 @@ class GenerationEngine:
                 sequence.stepper = None
                 continue
             self._join(sequence)
+
+    def _prefill_source(self, sequence: _Sequence) -> np.ndarray:
+        """An encoder-decoder's prefill: its source (token ids, or one item's features) encoded whole, its decoder
+        run over its own decoder prompt (``_completed`` set it: the start id at least); the last logits [1, vocab]."""
+        request = sequence.request
+        source = np.asarray(request.prompt)[None]
+        mask = np.ones((1, 1 if request.features else source.shape[1]), np.int64)
+        logits = sequence.stepper.prefill(source, mask, decoder_input_ids=request.decoder_prompt[None, :])
+        sequence.prefilled = request.prefill_length
+        return logits
 
     def _score_prompt(self, sequence: _Sequence, start: int, logits: np.ndarray) -> None:
         prompt = sequence.request.prompt

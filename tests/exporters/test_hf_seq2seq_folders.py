@@ -24,7 +24,7 @@ from click.testing import CliRunner  # noqa: E402
 
 from mha_deploy.cli import main  # noqa: E402
 from mha_deploy.onnx_nodes import all_nodes  # noqa: E402
-from tests.conftest import USER_MODELS  # noqa: E402
+from tests.conftest import USER_MODELS, exported_once  # noqa: E402
 
 sys.path.insert(0, str(USER_MODELS))
 from hf_models import D_MODEL, FFN, HEADS, LAYERS, PAD_ID, VOCAB  # noqa: E402
@@ -59,15 +59,30 @@ def _save(cls, config, folder) -> None:
     model.save_pretrained(folder)
 
 
+def _exported(tmp_path_factory, name: str, save) -> tuple:
+    """(folder, decoder file, export's output): ``save(folder)`` then ``export --hf folder --kv-cache``, once per
+    test run (``exported_once``: the serving tests, tests/serving/test_seq2seq_requests.py, serve the same files)."""
+    def write(root) -> dict:
+        save(root / "hf")
+        (root / "onnx").mkdir(exist_ok=True)
+        result = CliRunner().invoke(main, ["export", "--hf", str(root / "hf"), "--kv-cache", "-o",
+                                           str(root / "onnx" / "model.onnx")])
+        assert result.exit_code == 0, result.output
+        return {"output": result.output}
+
+    root, record = exported_once(tmp_path_factory, ("hf_seq2seq_folders", name), write)
+    return root / "hf", root / "onnx" / "model.onnx", record["output"]
+
+
+def export_m2m100(tmp_path_factory) -> tuple:
+    return _exported(tmp_path_factory, "m2m100", lambda folder: _save(
+        transformers.M2M100ForConditionalGeneration, transformers.M2M100Config(**_config_kwargs()), folder))
+
+
 @pytest.fixture(scope="module")
 def m2m100(tmp_path_factory):
     """(folder, decoder file, export's output): M2M100 saved and exported once, with --hf DIR --kv-cache only."""
-    folder = tmp_path_factory.mktemp("hf-m2m100")
-    _save(transformers.M2M100ForConditionalGeneration, transformers.M2M100Config(**_config_kwargs()), folder)
-    path = tmp_path_factory.mktemp("onnx-m2m100") / "model.onnx"
-    result = CliRunner().invoke(main, ["export", "--hf", str(folder), "--kv-cache", "-o", str(path)])
-    assert result.exit_code == 0, result.output
-    return folder, path, result.output
+    return export_m2m100(tmp_path_factory)
 
 
 def _module(folder):
@@ -169,10 +184,7 @@ WHISPER_PROMPT = [TRANSCRIPT, 60, 70, 80]
 SUPPRESS, BEGIN_SUPPRESS = list(range(3, 40, 3)), [EOS_ID, 41, 42, 43]
 
 
-@pytest.fixture(scope="module")
-def whisper(tmp_path_factory):
-    """(folder, decoder file, export's output): Whisper saved and exported once, with --hf DIR --kv-cache only."""
-    folder = tmp_path_factory.mktemp("hf-whisper")
+def _save_whisper(folder) -> None:
     kwargs = {**_config_kwargs(), "decoder_start_token_id": TRANSCRIPT}
     del kwargs["max_position_embeddings"]
     config = transformers.WhisperConfig(num_mel_bins=MEL, max_source_positions=POSITIONS,
@@ -182,10 +194,16 @@ def whisper(tmp_path_factory):
     assert model.config.use_cache
     model.generation_config.suppress_tokens, model.generation_config.begin_suppress_tokens = SUPPRESS, BEGIN_SUPPRESS
     model.save_pretrained(folder)
-    path = tmp_path_factory.mktemp("onnx-whisper") / "model.onnx"
-    result = CliRunner().invoke(main, ["export", "--hf", str(folder), "--kv-cache", "-o", str(path)])
-    assert result.exit_code == 0, result.output
-    return folder, path, result.output
+
+
+def export_whisper(tmp_path_factory) -> tuple:
+    return _exported(tmp_path_factory, "whisper", _save_whisper)
+
+
+@pytest.fixture(scope="module")
+def whisper(tmp_path_factory):
+    """(folder, decoder file, export's output): Whisper saved and exported once, with --hf DIR --kv-cache only."""
+    return export_whisper(tmp_path_factory)
 
 
 def _features(rows: int, seed: int = 5) -> np.ndarray:

@@ -156,6 +156,14 @@ class GenerationService(TrackedService):
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(np.asarray(ids, np.int64)) if self.tokenizer is not None else ""
 
+    def check_target(self, max_new_tokens: int, param: str) -> None:
+        """A 400 when an encoder-decoder's decoder cannot take ``max_new_tokens`` (its recorded max length)."""
+        target = self.engine.limits.target_max_length if self.engine is not None else None
+        if target is not None and max_new_tokens > target:  # export --kv-cache's decoder: its position table
+            raise RequestError(400, "context_length_exceeded",
+                               f"{param}: max_tokens {max_new_tokens} is more target tokens than this "
+                               f"encoder-decoder's decoder takes ({target}, its recorded max length); lower max_tokens")
+
     def check_prompt(self, ids: np.ndarray, max_new_tokens: int, param: str) -> np.ndarray:
         ids = np.asarray(ids, np.int64)
         if ids.size == 0:
@@ -164,11 +172,7 @@ class GenerationService(TrackedService):
         outside = (ids < 0) | (ids >= vocab) if vocab is not None else ids < 0
         if outside.any():
             raise self._bad_id(int(ids[outside.argmax()]), param)
-        target = self.engine.limits.target_max_length if self.engine is not None else None
-        if target is not None and max_new_tokens > target:  # export --kv-cache's decoder: its position table
-            raise RequestError(400, "context_length_exceeded",
-                               f"{param}: max_tokens {max_new_tokens} is more target tokens than this "
-                               f"encoder-decoder's decoder takes ({target}, its recorded max length); lower max_tokens")
+        self.check_target(max_new_tokens, param)
         limit = self.settings.max_length
         source = self.engine is not None and not self.engine.limits.with_new_tokens  # an encoder's source
         if limit is not None and source and ids.size > limit:
@@ -195,6 +199,7 @@ class Sampling:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) pairs: OpenAI's object, hashable
+    forced_bos_token_id: int | None = None  # an encoder-decoder's forced first token (None: the recorded one)
 
     def config(self, settings: GenerationSettings, choice: int = 0) -> GenerationConfig:
         """The engine's config; choice ``i`` of a request with a seed samples with ``seed + i`` mod 2**64 (each choice
@@ -211,6 +216,7 @@ class Sampling:
                 logit_bias=dict(self.logit_bias) or None,
                 eos_token_id=list(settings.eos_token_ids) or None, stop_token_ids=self.stop_ids,
                 seed=None if self.seed is None else offset_seed(self.seed, choice),
+                forced_bos_token_id=self.forced_bos_token_id,
             )
         except (InputError, OptionError) as exc:
             raise RequestError(400, "bad_sampling", str(exc)) from None
@@ -235,8 +241,14 @@ class Choice:
         self.ticket = None
         self.queue: asyncio.Queue[TokenEvent] = asyncio.Queue()
 
+    @property
+    def prompt_tokens(self) -> int:
+        """The prompt's tokens, as usage counts them: none for an encoder's features (no token)."""
+        return 0 if self.prompt.dtype.kind == "f" else len(self.prompt)
+
     def submit(
-        self, engine: GenerationEngine, config: GenerationConfig, logprobs: int | None, prompt_logprobs: bool = False
+        self, engine: GenerationEngine, config: GenerationConfig, logprobs: int | None, prompt_logprobs: bool = False,
+        decoder_prompt: np.ndarray | None = None,
     ) -> None:
         loop = asyncio.get_running_loop()
 
@@ -244,7 +256,8 @@ class Choice:
             loop.call_soon_threadsafe(self.queue.put_nowait, event)
 
         try:
-            self.ticket = engine.submit(GenerationRequest(self.prompt, config, logprobs, prompt_logprobs), notify)
+            self.ticket = engine.submit(
+                GenerationRequest(self.prompt, config, logprobs, prompt_logprobs, decoder_prompt), notify)
         except RequestTooLarge as exc:
             raise RequestError(400, "context_length_exceeded", str(exc)) from None
         except EngineBusy as exc:

@@ -91,6 +91,7 @@ def create_generation_app(
         if not service.ready:
             return JSONResponse({"error": f"the server is {service.status}"}, 503, headers={"Retry-After": "1"})
         engine = service.engine
+        features = getattr(engine.stepper, "source_features", None)
         return JSONResponse({
             "name": service.model_name,
             "versions": [v2.MODEL_VERSION],
@@ -115,6 +116,11 @@ def create_generation_app(
                 "encoder": engine.stepper.encoder.source if engine.stepper.encoder is not None else None,
                 "decoder_start_token_id": engine.stepper.decoder_start_token_id,
                 "max_target_tokens": engine.limits.target_max_length,
+                # an encoder of features (Whisper): the source a request sends as input_features, not a prompt
+                "input_features": None if features is None else {
+                    "name": features.name, "shape": list(features.axes[1:]), "dtype": features.dtype},
+                # what an encoder-decoder's requests may add (seq2seq_fields); recorded default for the forced id
+                "forced_bos_token_id": getattr(engine.stepper.generation_ids, "forced_bos_token_id", None),
                 "tokenizer": service.tokenizer is not None,
                 "chat_template": service.chat_template is not None,
             },

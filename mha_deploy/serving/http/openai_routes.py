@@ -48,8 +48,14 @@ from mha_deploy.serving.http.generation import (
     Sampling,
     until_done_or_gone,
 )
-from mha_deploy.serving.http.parsing import RequestError
+from mha_deploy.serving.http.parsing import FieldError, RequestError
 from mha_deploy.serving.http.prompt_ids import prompt_list
+from mha_deploy.serving.http.seq2seq_fields import (
+    check_forced_bos,
+    decoder_prompt,
+    features_prompts,
+    forced_bos_token_id,
+)
 from mha_deploy.serving.http.token_texts import TextCursor
 
 logger = logging.getLogger("mha_deploy.serve")
@@ -65,12 +71,8 @@ ERROR_TYPES = {400: "invalid_request_error", 404: "invalid_request_error", 408: 
                503: "server_unavailable", 500: "server_error"}
 
 
-class OpenAIError(RequestError):
+class OpenAIError(FieldError):
     """A ``RequestError`` that names the request field at fault (OpenAI's ``param``)."""
-
-    def __init__(self, status: int, kind: str, message: str, param: str | None = None):
-        super().__init__(status, kind, message)
-        self.param = param
 
 
 def error_body(status: int, code: str, message: str, param: str | None = None) -> dict:
@@ -143,6 +145,8 @@ def parse_sampling(
     if strings and service.tokenizer is None:
         raise _bad("stop", "stop strings need a tokenizer (start the server with --tokenizer); give token ids")
     top_k = _integer(body, "top_k", None, -1)
+    forced = forced_bos_token_id(body)
+    check_forced_bos(forced, service)
     sampling = Sampling(
         max_tokens=max_tokens,
         temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
@@ -156,6 +160,7 @@ def parse_sampling(
         presence_penalty=_number(body, "presence_penalty", 0.0, -MAX_PENALTY, MAX_PENALTY),
         frequency_penalty=_number(body, "frequency_penalty", 0.0, -MAX_PENALTY, MAX_PENALTY),
         logit_bias=_logit_bias(body.get("logit_bias"), vocab),
+        forced_bos_token_id=forced,
     )
     return sampling, strings
 
@@ -260,7 +265,8 @@ def openai_routes(service: GenerationService) -> list[Route]:
         return JSONResponse({"object": "list", "data": [
             {"id": service.model_name, "object": "model", "created": service.created, "owned_by": "mha-deploy"}]})
 
-    def start(prompts, body: dict, sampling: Sampling, stops, logprobs, echo: bool = False) -> list[Choice]:
+    def start(prompts, body: dict, sampling: Sampling, stops, logprobs, echo: bool = False,
+              decoder: np.ndarray | None = None) -> list[Choice]:
         n = _integer(body, "n", 1, 1)
         if n * len(prompts) > service.settings.max_choices:
             raise _bad("n", f"{n} choices for {len(prompts)} prompts exceed this server's limit of "
@@ -278,15 +284,18 @@ def openai_routes(service: GenerationService) -> list[Route]:
         configs = [sampling.config(settings, j) for j in range(n)]
         try:
             for p, (prompt, text) in enumerate(prompts):
-                prompt = service.check_prompt(prompt, sampling.max_tokens, "prompt" if len(prompts) == 1
-                                              else f"prompt[{p}]")
+                param = "prompt" if len(prompts) == 1 else f"prompt[{p}]"
+                if prompt.dtype.kind == "f":  # an encoder's features, checked when read (seq2seq_fields)
+                    service.check_target(sampling.max_tokens, "input_features")
+                else:
+                    prompt = service.check_prompt(prompt, sampling.max_tokens, param)
                 for j in range(n):
                     choice = Choice(p * n + j, prompt, service, stops)
                     if echo:
                         choice.echo = text if text is not None else service.decode(prompt.tolist())
-                    choice.submit(engine, configs[j], logprobs, scored)
+                    choice.submit(engine, configs[j], logprobs, scored, decoder)
                     choices.append(choice)
-                    service.metrics.prompt_tokens.inc(len(prompt))
+                    service.metrics.prompt_tokens.inc(choice.prompt_tokens)
         except BaseException:
             for choice in choices:
                 choice.cancel()
@@ -294,7 +303,7 @@ def openai_routes(service: GenerationService) -> list[Route]:
         return choices
 
     def usage(choices: list[Choice]) -> dict:
-        prompt = sum(len(c.prompt) for c in choices)
+        prompt = sum(c.prompt_tokens for c in choices)
         completion = sum(len(c.tokens) for c in choices)
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
@@ -311,6 +320,9 @@ def openai_routes(service: GenerationService) -> list[Route]:
                 check_model(body, service.model_name)
                 echo = False
                 if chat:
+                    if body.get("input_features") is not None:
+                        raise _bad("input_features", "features are a source for /v1/completions, not chat messages",
+                                   "unsupported_parameter")
                     prompts = [(await _chat_prompt(body, service), None)]
                     logprobs = _chat_logprob_settings(body)
                     sampling, stops = parse_sampling(body, service, ("max_tokens", "max_completion_tokens"))
@@ -320,13 +332,19 @@ def openai_routes(service: GenerationService) -> list[Route]:
                     echo = body.get("echo", False)
                     if echo is not None and not isinstance(echo, bool):
                         raise _bad("echo", f"must be true or false, got {echo!r}")
-                    prompts = await _prompts(body.get("prompt"), service)
+                    features = features_prompts(body, service)
+                    if features is not None and echo:
+                        raise _bad("echo", "echoes a text or token prompt: input_features have none",
+                                   "unsupported_parameter")
+                    prompts = ([(item, None) for item in features] if features is not None
+                               else await _prompts(body.get("prompt"), service))
+                decoder = decoder_prompt(body, service, sampling.max_tokens)
                 stream = body.get("stream", False)
                 if not isinstance(stream, bool):
                     raise _bad("stream", "must be true or false")
                 options = body.get("stream_options") or {}
                 include_usage = isinstance(options, dict) and options.get("include_usage") is True
-                choices = start(prompts, body, sampling, stops, logprobs, bool(echo))
+                choices = start(prompts, body, sampling, stops, logprobs, bool(echo), decoder)
             except RequestError as exc:
                 service.metrics.errors.labels(exc.kind).inc()
                 service.metrics.responses.labels(str(exc.status)).inc()

@@ -65,6 +65,15 @@ class RequestError(InputError):
         return headers
 
 
+class FieldError(RequestError):
+    """A ``RequestError`` that names the request field at fault (OpenAI's ``param``; the message names it too, for
+    the protocols whose errors are a message only)."""
+
+    def __init__(self, status: int, kind: str, message: str, param: str | None = None):
+        super().__init__(status, kind, message)
+        self.param = param
+
+
 @dataclass(frozen=True)
 class RequestLimits:
     """What one request may hold."""

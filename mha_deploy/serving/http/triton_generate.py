@@ -8,8 +8,10 @@ object per server-sent event, each with the text since the last). Here the input
 names Triton's LLM backends use: ``max_tokens``, ``temperature`` (0 or absent: greedy, as those backends default),
 ``top_p``, ``top_k``, ``seed`` (or ``random_seed``), ``stop`` / ``stop_words`` (strings), ``end_id`` /
 ``stop_token_ids``, ``repetition_penalty``, and OpenAI's ``presence_penalty``, ``frequency_penalty`` and ``logit_bias``
-(checked as the OpenAI routes check them: the same parser). Each response also carries ``output_ids`` and, at the end,
-``finish_reason``. Errors are the v2 protocol's ``{"error": "..."}`` (the stream's: an ``error`` event).
+(checked as the OpenAI routes check them: the same parser). An encoder-decoder takes ``decoder_prompt`` and
+``forced_bos_token_id``, and an encoder of features (Whisper) ``input_features`` instead of ``text_input`` /
+``input_ids`` (one item; the fields and formats of ``seq2seq_fields``). Each response also carries ``output_ids`` and,
+at the end, ``finish_reason``. Errors are the v2 protocol's ``{"error": "..."}`` (the stream's: an ``error`` event).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from mha_deploy.serving.http.body import read_json
 from mha_deploy.serving.http.generation import Choice, EventStream, GenerationService, until_done_or_gone
 from mha_deploy.serving.http.openai_routes import parse_sampling
 from mha_deploy.serving.http.parsing import RequestError
+from mha_deploy.serving.http.seq2seq_fields import decoder_prompt, features_prompts
 
 logger = logging.getLogger("mha_deploy.serve")
 # Triton's LLM backends' names for OpenAI's, read from the top level or from parameters.
@@ -82,6 +85,16 @@ def triton_generate_routes(service: GenerationService) -> list[Route]:
             raise RequestError(400, "bad_request", "stream must be true or false")
         sampling, stops = parse_sampling(merged, service)
         text, ids = body.get("text_input"), body.get("input_ids")
+        features = features_prompts(merged, service, "text_input" if text is not None else "input_ids")
+        decoder = decoder_prompt(merged, service, sampling.max_tokens)
+        if features is not None:
+            if len(features) != 1:
+                raise RequestError(400, "bad_request", f"input_features: one item per request, got {len(features)}")
+            engine = service.require_ready()
+            service.check_target(sampling.max_tokens, "input_features")
+            choice = Choice(0, features[0], service, stops)
+            choice.submit(engine, sampling.config(service.settings), None, decoder_prompt=decoder)
+            return choice
         if (text is None) == (ids is None):
             raise RequestError(400, "bad_request", "give text_input (a string) or input_ids (token ids), one of them")
         if text is not None:
@@ -95,7 +108,7 @@ def triton_generate_routes(service: GenerationService) -> list[Route]:
         engine = service.require_ready()
         prompt = service.check_prompt(prompt, sampling.max_tokens, "text_input" if text is not None else "input_ids")
         choice = Choice(0, prompt, service, stops)
-        choice.submit(engine, sampling.config(service.settings), None)
+        choice.submit(engine, sampling.config(service.settings), None, decoder_prompt=decoder)
         service.metrics.prompt_tokens.inc(len(prompt))
         return choice
 
