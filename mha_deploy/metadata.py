@@ -13,7 +13,15 @@ from mha_deploy.compare import tolerance_words
 from mha_deploy.errors import ModelFileError, SignatureError
 
 # The I/O contract lives in its own module; re-exported here, where it was first defined.
-from mha_deploy.signature import ATTENTION_KINDS, FIXED_SHAPE_ROLES, MASK_MODES, MODEL_KINDS, SEGMENTS, Signature
+from mha_deploy.signature import (
+    ATTENTION_KINDS,
+    FIXED_SHAPE_ROLES,
+    MASK_MODES,
+    MODEL_KINDS,
+    PADDING_MASK,
+    SEGMENTS,
+    Signature,
+)
 
 __all__ = [
     "ATTENTION_KINDS", "CACHE_HOLES", "CACHE_LAYOUTS", "CACHE_LAYOUT_AUTO", "CACHE_LAYOUT_CHOICES", "CACHE_RAGGED",
@@ -30,7 +38,7 @@ METADATA_KEY = "mha_deploy"
 # model's positions work (6), a KV-cache model's cache layout (7), weight-only quantization with its measured
 # quality (8), inputs of the roles segments, image or audio (9) and a weight-only file's quantized embedding tables
 # or its quality on text (10), which earlier mha-deploy cannot read: it then says to upgrade.
-METADATA_FORMAT = 12
+METADATA_FORMAT = 13
 _CUSTOM_FORMAT = 2
 _MAX_LENGTH_FORMAT = 3
 _ROW_ATOL_FORMAT = 4
@@ -45,6 +53,10 @@ _BOS_FORMAT = 11
 # A causal LM's logits at each row's last token only (--logits last, role LAST_TOKEN): an older reader would take
 # [batch, 1, vocab] for every position's.
 _LAST_TOKEN_FORMAT = 12
+# An output spanning the batch (CLIP's logits_per_image [batch, batch]), or an int64 padding mask on a file without a
+# cache (export --hf): an older reader would cut the first into items, and feed its load check's bool masks to the
+# second.
+_BATCH_OUTPUTS_FORMAT = 13
 # How a KV-cache model over token ids numbers its tokens (ModelMetadata.positions): from its position_ids input
 # (each row its own), not at all (a row's logits do not depend on padding before it), or by column of the padded
 # batch (rows of different lengths do not get what they get alone).
@@ -411,6 +423,9 @@ class ModelMetadata:
                 raw["format"] = max(raw["format"], _INPUT_ROLES_FORMAT)
             if self.signature.last_token_outputs:
                 raw["format"] = max(raw["format"], _LAST_TOKEN_FORMAT)
+            if self.signature.batch_outputs or (not self.signature.kv_cache and any(
+                    spec.role == PADDING_MASK and spec.dtype != "bool" for spec in self.signature.custom_inputs)):
+                raw["format"] = max(raw["format"], _BATCH_OUTPUTS_FORMAT)
         if self.max_length is None:
             del raw["max_length"]
         else:
