@@ -8,7 +8,8 @@ FLOPs, and the logits of a batch of 16 prompts of 1024 tokens are 2 GB of fp32 t
 
 What is rewritten, in one place (``logits_at_last_token``): the LM head is found walking back from the logits
 output through ops that act on each position alone (a bias, a cast, Gemma-2's final soft-cap), to the MatMul with
-a constant weight (MatMulNBits once quantized) whose data input is the hidden states [batch, seq, hidden]. Before
+a constant weight (computed from initializers alone: a tied head's is the token table through a Transpose;
+MatMulNBits once quantized) whose data input is the hidden states [batch, seq, hidden]. Before
 it, each row's hidden state at its last real token of the call is gathered; everything from there to the output
 then runs on [batch, 1, ...]. The final norm stays where it was (per token, [batch, seq, hidden]: cheap, and
 fused with the last residual add).
@@ -46,6 +47,8 @@ _HEADS = {("", "MatMul"), ("", "Gemm"), ("com.microsoft", "MatMulNBits")}
 # a bias, a cast, a scale, Gemma-2's final soft-cap (tanh(x / cap) * cap).
 _PER_POSITION = {"Identity", "Cast", "Add", "Sub", "Mul", "Div", "Tanh"}
 _INT64_MAX = 2**63 - 1
+# Ops whose output is not fixed by their inputs alone.
+_NOT_CONSTANT = {"RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLike", "Multinomial", "Bernoulli"}
 
 
 def logits_at_last_token(model: onnx.ModelProto, output: str = LOGITS) -> onnx.ModelProto:
@@ -147,8 +150,11 @@ def logits_at_every_position(model: onnx.ModelProto, output: str = LOGITS, seq_a
 def _lm_head(graph: onnx.GraphProto, output: str) -> tuple[onnx.NodeProto, str]:
     """The LM head node producing ``output`` and its data input (the hidden states)."""
     producer, readers = producers_and_readers(graph)
+    # Values computed from weights alone: a tied head's weight is the token table through a Transpose.
     constants = {tensor.name for tensor in graph.initializer}
-    constants |= {node.output[0] for node in graph.node if node.op_type == "Constant"}
+    for node in graph.node:
+        if all(value in constants for value in node.input if value) and node.op_type not in _NOT_CONSTANT:
+            constants.update(node.output)
     if output not in {value.name for value in graph.output}:
         raise ExportError(f"--logits last: the file has no {output} output; {LOGITS_ALL_HINT}")
     name, seen = output, []

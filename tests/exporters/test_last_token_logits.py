@@ -190,3 +190,55 @@ def test_onnxruntime_genai_generates_from_a_last_token_file(last_llama, alone):
         assert theirs[:len(before_eos)] == before_eos and (
             rest[:1] in ([], [families.EOS_ID]) and set(rest[1:]) <= {families.PAD_ID} if ended else not rest), (
             f"row {row} ({LENGTHS[row]} tokens): onnxruntime-genai {theirs}, transformers {want}")
+
+
+def _lm(tied_softcap: bool, also_read: bool = False) -> onnx.ModelProto:
+    """A minimal LM graph: ids -> a token table's rows -> the LM head -> logits. ``tied_softcap``: the head's weight
+    is the table through a Transpose (a tied head) and the logits soft-capped (tanh(x / 30) * 30, Gemma-2's);
+    ``also_read``: another output reads the head's product at every position."""
+    rng = np.random.default_rng(3)
+    table = helper.make_tensor("table", onnx.TensorProto.FLOAT, [11, 8], rng.standard_normal(88).tolist())
+    weight = helper.make_tensor("weight", onnx.TensorProto.FLOAT, [8, 11], rng.standard_normal(88).tolist())
+    cap = helper.make_tensor("cap", onnx.TensorProto.FLOAT, [], [30.0])
+    nodes = [helper.make_node("Gather", ["table", "input_ids"], ["hidden"])]
+    if tied_softcap:
+        nodes += [helper.make_node("Transpose", ["table"], ["tied"], perm=[1, 0]),
+                  helper.make_node("MatMul", ["hidden", "tied"], ["product"]),
+                  helper.make_node("Div", ["product", "cap"], ["scaled"]),
+                  helper.make_node("Tanh", ["scaled"], ["capped"]),
+                  helper.make_node("Mul", ["capped", "cap"], ["logits"])]
+    else:
+        nodes += [helper.make_node("MatMul", ["hidden", "weight"], ["product"]),
+                  helper.make_node("Identity", ["product"], ["logits"])]
+    outputs = [helper.make_tensor_value_info("logits", onnx.TensorProto.FLOAT, ["batch", "seq", 11])]
+    if also_read:
+        nodes.append(helper.make_node("ReduceSum", ["product"], ["total"], keepdims=0))
+        outputs.append(helper.make_tensor_value_info("total", onnx.TensorProto.FLOAT, []))
+    inputs = [helper.make_tensor_value_info("input_ids", onnx.TensorProto.INT64, ["batch", "seq"]),
+              helper.make_tensor_value_info("attention_mask", onnx.TensorProto.INT64, ["batch", "total_seq"])]
+    graph = helper.make_graph(nodes, "lm", inputs, outputs, [table, weight, cap])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+
+
+@pytest.mark.parametrize("tied_softcap", [False, True], ids=["head", "tied-softcapped-head"])
+def test_the_pass_reads_each_rows_last_real_token_off_the_mask(tied_softcap):
+    """On a minimal graph (a tied head and Gemma-2's final soft-cap, or a plain head): the rewritten logits equal the
+    whole graph's at each row's last 1 of the mask's last seq columns (exactly: the same ops on the same rows), for a
+    left-padded, a right-padded, a full row and one after a past (the mask wider than the call)."""
+    model = _lm(tied_softcap)
+    every, last = _session(model), _session(logits_at_last_token(model))
+    ids = np.array([[0, 0, 4, 5], [6, 7, 0, 0], [1, 2, 3, 9], [5, 5, 5, 5]])
+    call = np.array([[0, 0, 1, 1], [1, 1, 0, 0], [1, 1, 1, 1], [1, 1, 1, 0]])
+    mask = np.concatenate([np.ones((4, 3), np.int64), call], axis=1)  # 3 cached tokens before this call's
+    feeds = {"input_ids": ids, "attention_mask": mask}
+    want = every.run(["logits"], feeds)[0][np.arange(4), [3, 1, 3, 2]][:, None]
+    np.testing.assert_array_equal(last.run(["logits"], feeds)[0], want)
+
+
+def test_the_pass_refuses_a_head_whose_product_is_read_elsewhere_naming_logits_all():
+    """A value on the way from the head to the logits that another node reads at every position: gathering before
+    the head would change what that node reads, so the pass refuses, naming --logits all."""
+    from mha_deploy.errors import ExportError
+
+    with pytest.raises(ExportError, match="--logits all"):
+        logits_at_last_token(_lm(False, also_read=True))
