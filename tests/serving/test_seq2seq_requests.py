@@ -131,6 +131,7 @@ def test_whisper_features_through_the_server_equal_transformers(whisper):
                 max_new_tokens=NEW, num_beams=1, do_sample=False)
         assert answer.choices[0].token_ids == want[0, len(decoder):].tolist(), row
         assert answer.usage.prompt_tokens == 0  # features are no tokens
+    assert len({tuple(answer.choices[0].token_ids) for answer in answers}) > 1  # the features and prompts matter
     # a batch of items in one request: a choice per item, as a list of prompts gives
     batch = openai.completions.create(model="whisper", prompt=None, max_tokens=NEW, temperature=0,
                                       extra_body={"input_features": _base64(features[:2])})
