@@ -26,7 +26,7 @@ from mha_deploy.model_report import describe_model
 from mha_deploy.models import MultiHeadAttention
 from mha_deploy.onnx_nodes import all_nodes
 from mha_deploy.runtime import MHASession
-from tests.conftest import TEST_D_MODEL, TEST_HEADS, user_module
+from tests.conftest import TEST_D_MODEL, TEST_HEADS, exported_once, user_module
 
 
 @pytest.mark.parametrize("signature", [Signature("self", "padding-causal"), Signature("cross", "padding")])
@@ -428,9 +428,58 @@ def test_a_perplexity_past_its_budget_is_refused_and_eval_data_needs_a_kv_cache_
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.fixture(scope="module")
+def int4_llama(tmp_path_factory, eval_prompts):
+    """``(path, record)``: tests/user_models/hf_llama.py's Llama at its initial weights (seed 37) exported with
+    --kv-cache --quantize int4 --eval-data --pad-id 0 (its config names eos and bos but no pad, which
+    onnxruntime-genai's batches need), once per run (conftest.exported_once), alone in its folder (genai-config
+    writes beside it); the record holds the export's own evaluation figures."""
+    from transformers import LlamaForCausalLM
+
+    from mha_deploy.exporters.quantize import read_text_data
+    from mha_deploy.metadata import GenerationIds
+
+    def write(folder) -> dict:
+        llama = user_module("hf_llama")
+        model = user_module("hf_models").from_config(LlamaForCausalLM, llama.config(), "sdpa", seed=37)
+        result = export_model(model, folder / "model.onnx", llama.INPUTS, kv_cache=True,
+                              quantize=Quantization("int4", evaluation=read_text_data(eval_prompts, new_tokens=4)),
+                              generation=GenerationIds([], 0))  # eos and bos from the config
+        return {"evaluation": repr(result.metadata.weight_only.evaluation)}
+
+    key = ("int4", "hf_llama", 37, "pad 0", tuple(map(tuple, EVAL_PROMPTS)))
+    folder, record = exported_once(tmp_path_factory, key, write)
+    return folder / "model.onnx", record
+
+
+@pytest.fixture(scope="module")
+def int4_bart(tmp_path_factory):
+    """``(decoder path, record)``: BART (tests/user_models/hf_seq2seq.py) with every parameter x5, as tests/runtime's
+    and test_own_seq2seq_cache's (at its initial weights, and at x3, every source decodes to its eos id 2 at every
+    step: nothing a wrong source or cache would change), exported with --kv-cache --quantize int4 and its decoder
+    start id, once per run: ``bart.onnx`` naming ``bart.encoder.onnx`` beside it; the record holds what the export
+    returned (parity, fusion). Its int4 logits measured 20.0% off fp32's (budget 25%), top-1 87.6%."""
+    from mha_deploy.metadata import GenerationIds
+
+    def write(folder) -> dict:
+        module = user_module("hf_seq2seq")
+        model = module.build_bart()
+        with torch.no_grad():
+            for parameter in model.parameters():
+                parameter.mul_(5.0)
+        result = export_model(model, folder / "bart.onnx", module.INPUTS, kv_cache=True, quantize="int4",
+                              generation=GenerationIds([], None, model.config.decoder_start_token_id))
+        parity = result.parity
+        return {"encoder": result.encoder_path.name, "passed": parity.passed, "rel_err": parity.rel_err,
+                "top1_agreement": parity.top1_agreement, "top1_rows": parity.top1_rows, "summary": parity.summary(),
+                "fusion": [result.fusion.target, list(result.fusion.attentions)]}
+
+    folder, record = exported_once(tmp_path_factory, ("int4", "hf_seq2seq", "build_bart", "x5"), write)
+    return folder / "bart.onnx", record
+
+
 @pytest.mark.slow
-def test_a_hugging_face_llama_at_int4_keeps_its_attentions_and_records_its_quality_on_text(
-        lm_cache, eval_prompts, tmp_path):
+def test_a_hugging_face_llama_at_int4_keeps_its_attentions_and_records_its_quality_on_text(lm_cache, int4_llama):
     """tests/user_models/hf_llama.py's Llama (rotary, 4 query heads over 2 KV heads) at its initial weights with
     --kv-cache --quantize int4 --eval-data: its 15 projections (7 per layer and the head, a layer's q/k/v packed
     into one: fusion.qkv_packing) as 11 4-bit MatMulNBits in blocks of 32, read from the file; the attention ops
@@ -438,17 +487,10 @@ def test_a_hugging_face_llama_at_int4_keeps_its_attentions_and_records_its_quali
     perplexity and greedy agreement against the module recorded. (The test file's Llama has its weights x4 for
     position-sensitive greedy tokens; such sharp random weights put int4's logits 22-25% off, at the budget:
     measured, docs/precision.md.)"""
-    from transformers import LlamaForCausalLM
-
-    from mha_deploy.exporters.quantize import read_text_data
     from mha_deploy.runtime.generation import generate
     from mha_deploy.runtime.kv_stepper import KVCacheStepper
 
-    llama = user_module("hf_llama")
-    model = user_module("hf_models").from_config(LlamaForCausalLM, llama.config(), "sdpa", seed=37)
-    path = tmp_path / "llama-int4.onnx"
-    result = export_model(model, path, llama.INPUTS, kv_cache=True,
-                          quantize=Quantization("int4", evaluation=read_text_data(eval_prompts, new_tokens=4)))
+    path, record = int4_llama
     fp32, _ = lm_cache("hf_llama")  # the same graph at other weights: its ops and I/O are what int4 must keep
     quantized, before = onnx.load(path), onnx.load(fp32)
     assert [(a["bits"], a["block_size"]) for a in _nbits(quantized)] == [(4, 32)] * 11
@@ -464,46 +506,173 @@ def test_a_hugging_face_llama_at_int4_keeps_its_attentions_and_records_its_quali
     assert not metadata.weight_only.symmetric and metadata.weight_only.matmuls == 11
     assert metadata.parity.passed and metadata.parity.rel_err <= REL_ERR_BUDGETS["int4"]
     evaluation = metadata.weight_only.evaluation
-    assert evaluation == result.metadata.weight_only.evaluation and evaluation.new_tokens == 4
+    assert repr(evaluation) == record["evaluation"] and evaluation.new_tokens == 4
     assert evaluation.ratio <= evaluation.ratio_budget and 0 <= evaluation.greedy_agreement <= 1
     out = generate(KVCacheStepper(path), [[5, 9, 2, 7], [3, 4]], max_new_tokens=4, eos_token_id=[])
     assert [len(t) for t in out.tokens] == [4, 4]
 
 
 @pytest.mark.slow
-def test_a_hugging_face_bart_pair_at_int4_quantizes_both_files_and_generates(tmp_path):
-    """BART (tests/user_models/hf_seq2seq.py) with --kv-cache --quantize int4: both files' projections as 4-bit
-    MatMulNBits (every one: no MatMul with a constant weight left; the decoder's count as recorded), the 2 + 2 + 2
-    fused attentions the fp32 pair has (test_own_seq2seq_cache), per-step parity within int4's budget with the
-    logits' top-1 agreement, recorded in both files, and generate runs the pair."""
+def test_a_hugging_face_bart_pair_at_int4_quantizes_both_files_and_generates(int4_bart):
+    """BART (tests/user_models/hf_seq2seq.py, weights x5: int4_bart) with --kv-cache --quantize int4: both files'
+    projections as 4-bit MatMulNBits (every one: no MatMul with a constant weight left; the decoder's count as
+    recorded), the 2 + 2 + 2 fused attentions the fp32 pair has (test_own_seq2seq_cache), per-step parity within
+    int4's budget with the logits' top-1 agreement, recorded in both files, and generate runs the pair."""
     import json
 
-    from mha_deploy.metadata import ENCODER_DECODER_KEY, GenerationIds
+    from mha_deploy.metadata import ENCODER_DECODER_KEY
     from mha_deploy.runtime.generation import generate
     from mha_deploy.runtime.kv_stepper import KVCacheStepper
 
-    module = user_module("hf_seq2seq")
-    model = module.build_bart()
-    path = tmp_path / "bart.onnx"
-    result = export_model(model, path, module.INPUTS, kv_cache=True, quantize="int4",
-                          generation=GenerationIds([], None, model.config.decoder_start_token_id))
-    assert result.parity.passed and 0 < result.parity.rel_err <= REL_ERR_BUDGETS["int4"]
-    assert result.fusion.target == "mha" and result.fusion.attentions == (2, 2, 2)
-    assert result.parity.top1_agreement is not None and result.parity.top1_rows > 0
-    for file in (result.path, result.encoder_path):
+    path, result = int4_bart
+    assert result["passed"] and 0 < result["rel_err"] <= REL_ERR_BUDGETS["int4"]
+    assert result["fusion"] == ["mha", [2, 2, 2]]
+    assert result["top1_agreement"] is not None and result["top1_rows"] > 0
+    for file in (path, path.parent / result["encoder"]):
         graph = onnx.load(file)
         assert {(a["bits"], a["block_size"]) for a in _nbits(graph)} == {(4, 32)}, file
         assert not constant_weight_matmuls(graph), file
         record = json.loads({p.key: p.value for p in graph.metadata_props}[ENCODER_DECODER_KEY])
         assert record["quantization"] == "int4" and record["weight_only"]["bits"] == 4
-        assert record["parity"] == result.parity.summary() and "budget 25.0%" in record["parity"]
+        assert record["parity"] == result["summary"] and "budget 25.0%" in record["parity"]
         assert "top-1 agreement" in record["parity"]
     # both files carry the decoder's weight-only record
-    assert record["weight_only"]["matmuls"] == len(_nbits(onnx.load(result.path)))
+    assert record["weight_only"]["matmuls"] == len(_nbits(onnx.load(path)))
     attentions = [n.op_type for n in all_nodes(onnx.load(path).graph) if "Attention" in n.op_type]
     assert attentions and set(attentions) == {"MultiHeadAttention"}
     out = generate(KVCacheStepper(path), [[5, 9, 2], [3, 4, 8, 8, 1]], max_new_tokens=4, eos_token_id=[])
     assert [len(t) for t in out.tokens] == [4, 4]
+
+
+# The int4 Llama and BART files through every way users run them. The reference is the same int4 file through
+# runtime.generation alone per prompt (int4 is not fp32: its agreement with fp32 is what the export records above);
+# prompts of four lengths, ids from 3 (0-2 are pad, bos and eos in the Llama's config), MAX_NEW new tokens or up to
+# the recorded eos id.
+PATH_PROMPTS = [[17, 5, 40], [9, 33, 12, 70, 8, 61, 24, 3, 55, 90, 41, 6], [48], [71, 20, 13, 88, 4, 36, 59]]
+PATH_NEW = 8
+# The fused ops each file holds, counted in every subgraph (BART's decoder holds attentions inside its If
+# branches): one GroupQueryAttention per Llama layer and its 11 MatMulNBits (q/k/v packed per layer), as the export
+# test above reads them; BART's decoder as its int4 export writes it. A path that rewrote a file would change them.
+FUSED = {"llama": {"GroupQueryAttention": 2, "MatMulNBits": 11}, "bart": {"MultiHeadAttention": 8, "MatMulNBits": 17}}
+
+
+def _fused(path) -> dict[str, int]:
+    counts = {}
+    for node in all_nodes(onnx.load(str(path), load_external_data=False).graph):
+        if node.op_type in ("GroupQueryAttention", "MultiHeadAttention", "MatMulNBits"):
+            counts[node.op_type] = counts.get(node.op_type, 0) + 1
+    return counts
+
+
+@pytest.fixture(scope="module")
+def int4_alone(request):
+    """``alone(name) -> [new tokens per prompt]``: runtime.generation on each of ``PATH_PROMPTS`` alone, through
+    the int4 file itself (its recorded eos id ends a row, kept)."""
+    from mha_deploy.runtime.generation import generate
+    from mha_deploy.runtime.kv_stepper import KVCacheStepper
+
+    cache = {}
+
+    def tokens(name: str) -> list[list[int]]:
+        if name not in cache:
+            stepper = KVCacheStepper(request.getfixturevalue(f"int4_{name}")[0])
+            cache[name] = [generate(stepper, [prompt], max_new_tokens=PATH_NEW).tokens[0].tolist()
+                           for prompt in PATH_PROMPTS]
+        return cache[name]
+
+    return tokens
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["llama", "bart"])
+def test_an_int4_file_through_generate_over_a_dataset_gives_each_prompt_its_tokens_alone(
+        request, int4_alone, name, tmp_path):
+    """``mha-deploy generate`` over a JSONL file of the four prompts (the Llama's, or BART's sources read by its
+    encoder): each output's ids equal the same int4 file's tokens for that prompt alone through runtime.generation
+    (exact ids), and the file still holds the fused attentions and MatMulNBits its export test counts."""
+    import json
+
+    from click.testing import CliRunner
+
+    from mha_deploy.cli import main
+
+    path = request.getfixturevalue(f"int4_{name}")[0]
+    assert _fused(path) == FUSED[name]
+    source = tmp_path / "prompts.jsonl"
+    source.write_text("".join(json.dumps({"id": n, "input_ids": p}) + "\n" for n, p in enumerate(PATH_PROMPTS)))
+    result = CliRunner().invoke(main, ["generate", str(path), "--input", str(source), "--output",
+                                       str(tmp_path / "out.jsonl"), "--max-new-tokens", str(PATH_NEW),
+                                       "--no-progress"])
+    assert result.exit_code == 0, result.output
+    lines = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
+    assert [line["id"] for line in lines] == list(range(len(PATH_PROMPTS)))
+    assert [line["output_ids"] for line in lines] == int4_alone(name)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["llama", "bart"])
+def test_an_int4_file_served_to_concurrent_openai_requests_gives_each_prompt_its_tokens_alone(
+        request, int4_alone, name, tmp_path):
+    """``mha-deploy serve`` of the int4 file (BART's decoder, its encoder found beside it) on a free loopback port:
+    the four prompts sent at once as four requests by OpenAI's client, then as one request of four prompts; every
+    completion's token ids equal the same file's tokens for its prompt alone through runtime.generation (exact ids)."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    pytest.importorskip("openai")
+    from tests.serving.helpers import Server, openai_client
+
+    path = request.getfixturevalue(f"int4_{name}")[0]
+    server = Server(path, tmp_path / "server.log", "--threads", "1", "--name", name)
+    try:
+        api = openai_client(server.wait_ready()).completions
+        start = threading.Barrier(len(PATH_PROMPTS))  # the four sent together, as far as threads can
+
+        def complete(prompt):
+            start.wait(timeout=30)
+            return api.create(model=name, prompt=prompt, max_tokens=PATH_NEW, temperature=0).choices[0].token_ids
+
+        with ThreadPoolExecutor(len(PATH_PROMPTS)) as pool:
+            concurrent = list(pool.map(complete, PATH_PROMPTS))
+        together = api.create(model=name, prompt=PATH_PROMPTS, max_tokens=PATH_NEW, temperature=0).choices
+    finally:
+        server.stop()
+    assert concurrent == int4_alone(name), server.log()
+    assert [choice.token_ids for choice in sorted(together, key=lambda c: c.index)] == int4_alone(name)
+
+
+@pytest.mark.slow
+def test_onnxruntime_genai_runs_the_int4_llama_from_the_config_written_with_no_flags(int4_llama, int4_alone):
+    """``mha-deploy genai-config FILE`` on the int4 Llama, then onnxruntime-genai (its own environment and
+    onnxruntime, .venv-genai) generating the four prompts as one batch right-padded with the pad id: each row's
+    tokens equal the same file's tokens for that prompt alone through runtime.generation (exact ids; a row ending at
+    the eos id read as tests/runtime/test_genai.py reads onnxruntime-genai 0.18)."""
+    import json
+
+    from click.testing import CliRunner
+
+    from mha_deploy.bench.genai import genai_python, run_genai_greedy
+    from mha_deploy.cli import main
+
+    if genai_python() is None:
+        pytest.skip("no .venv-genai: scripts/setup.sh installs onnxruntime-genai there")
+    path = int4_llama[0]
+    assert _fused(path) == FUSED["llama"]
+    result = CliRunner().invoke(main, ["genai-config", str(path)])
+    assert result.exit_code == 0, result.output
+    config = json.loads((path.parent / "genai_config.json").read_text())["model"]
+    eos, pad = config["eos_token_id"], config["pad_token_id"]
+    assert (eos, pad, config["bos_token_id"]) == (user_module("hf_llama").EOS_ID, 0, user_module("hf_llama").BOS_ID)
+    width = max(map(len, PATH_PROMPTS))
+    padded = [prompt + [pad] * (width - len(prompt)) for prompt in PATH_PROMPTS]
+    rows = run_genai_greedy(path.parent, padded, width + PATH_NEW).new_tokens(width)
+    for row, (theirs, want) in enumerate(zip(rows, int4_alone("llama"), strict=True)):
+        ended = want[-1] == eos
+        before_eos = want[:-1] if ended else want
+        rest = theirs[len(before_eos):]
+        assert theirs[:len(before_eos)] == before_eos and (
+            rest[:1] in ([], [eos]) and set(rest[1:]) <= {pad} if ended else not rest), (
+            f"row {row}: onnxruntime-genai {theirs}, runtime.generation {want}")
 
 
 def test_eval_and_calibration_prompts_read_as_generate_reads_them(tmp_path):
