@@ -33,6 +33,7 @@ from mha_deploy.atomic import atomic_path, stale_temporaries
 from mha_deploy.batch.base import RawItem
 from mha_deploy.batch.datasets import Shard, list_shards, open_reader, open_writer, output_keys
 from mha_deploy.batch.lock import OutputError, OutputInUseError, OutputLock, lock_path
+from mha_deploy.batch.planner import left_out_note
 from mha_deploy.batch.runner import BatchCallback, BatchRunner, RunStats
 from mha_deploy.batching import RunnerOptions
 from mha_deploy.errors import InputError, MHADeployError
@@ -95,6 +96,7 @@ class DatasetJob:
         self.options = options or RunnerOptions()
         self.redo_reasons: dict[str, str] = {}  # shard name -> why a shard recorded as done is redone
         self.unrecorded: list[str] = []  # shards whose input changed while they ran: redone next time
+        self.left_out: str | None = None  # the outputs no item's results hold, and why (planner.left_out_note)
         self._records: dict[str, dict] = {}
         self._planned: dict[str, dict[str, int]] = {}
 
@@ -362,6 +364,7 @@ def run_dataset(
 
     The output stays locked until the end (and after, when the caller holds ``job`` open itself).
     """
+    job.left_out = left_out_note(runner.session.signature)
     return run_shards(
         job, runner.options, runner.session.provider, lambda todo: count_items(todo, runner),
         lambda shard: run_shard(runner, shard, on_batch), on_start,

@@ -31,6 +31,7 @@ import numpy as np
 
 from mha_deploy.batch.datasets import Shard
 from mha_deploy.batch.job import DatasetJob, count_items, run_shard
+from mha_deploy.batch.planner import left_out_note
 from mha_deploy.batch.runner import BatchCallback, BatchRunner, ItemError, RunStats
 from mha_deploy.batching import RunnerOptions
 from mha_deploy.errors import InputError, MHADeployError, ProviderUnavailableError
@@ -132,6 +133,7 @@ def run_dataset_on_ray(
     # A CPU session on the driver checks the model and the options before any actor starts, and reads the metadata.
     local = BatchRunner(MHASession(model, provider="cpu", threads=1), options)
     job.options = local.options
+    job.left_out = left_out_note(local.session.signature)
     task = InferShards(str(Path(model).resolve()), provider, local.options)
     return run_shards_on_ray(job, task, lambda todo: count_items(todo, local), threads, ray, on_start, on_batch)
 

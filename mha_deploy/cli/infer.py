@@ -60,7 +60,6 @@ def infer(model, input_path, output_path, batch_size, max_batch_tokens, bucket_w
     """
     from mha_deploy.batch import BatchRunner
     from mha_deploy.batch.job import DatasetJob, run_dataset
-    from mha_deploy.batch.planner import left_out_note
     from mha_deploy.runtime import MHASession
 
     if output_path.resolve() == input_path.resolve():
@@ -83,12 +82,12 @@ def infer(model, input_path, output_path, batch_size, max_batch_tokens, bucket_w
             session = MHASession(model, provider=provider, threads=threads)
             if session.provider_note:
                 click.echo(session.provider_note, err=True)
-            if note := left_out_note(session.signature):
-                click.echo(f"note: {note}", err=True)
             runner = BatchRunner(session, options)
             stats = run_with_progress(
                 lambda on_start, on_batch: run_dataset(job, runner, on_start, on_batch), progress)
     echo_run_notes(job, stats.errors, "bad items")
+    if job.left_out:
+        click.echo(f"note: {job.left_out}", err=True)
     if as_json:
         click.echo(json.dumps({**stats.to_dict(), "output": str(output_path), "manifest": str(job.manifest_path)}))
         return

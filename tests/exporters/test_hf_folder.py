@@ -197,7 +197,7 @@ def _tokenized(folder, lengths=(UNSEEN_SEQ, 9, 4), pairs: bool = True) -> dict[s
     return dict(encoded)
 
 
-def test_a_bert_classifier_takes_its_tokenizers_output_as_it_is_in_plain_onnxruntime(exported):
+def test_a_bert_classifier_equals_the_module_in_plain_onnxruntime(exported):
     """The tokenizer's dict (int64 ids, 1/0 attention_mask, token_type_ids of a sentence pair), right-padded at a
     batch and length the export never saw, fed to plain ONNX Runtime unchanged: equal to the module."""
     folder, path, _ = exported("bert")
