@@ -72,15 +72,16 @@ def main() -> None:
         name, path = _named(spec)
         variants[f"{name} (onnxruntime-genai)"] = GenaiLoop(path)
     prompt = np.random.default_rng(0).integers(3, 1000, args.prompt).reshape(1, -1)
-    seconds, tokens = defaultdict(list), {}
+    seconds, prefills, tokens = defaultdict(list), defaultdict(list), {}
     for variant in variants.values():
         variant.decode(prompt, 2)  # untimed: first-run allocations
     names = list(variants)
     for round_ in range(args.rounds):
         shift = round_ % len(names)
         for name in names[shift:] + names[:shift]:
-            per_token, tokens[name] = variants[name].decode(prompt, args.new)
+            per_token, tokens[name], prefill = variants[name].decode(prompt, args.new)
             seconds[name].append(per_token)
+            prefills[name].append(prefill)
     print(f"ms per decoded token (median of {args.rounds}; ratio: {names[0]}'s time over the row's in the same round, "
           "the median over rounds: above 1 faster)")
     for name in names:
@@ -90,7 +91,10 @@ def main() -> None:
         # quantizes its own way)
         twins = [other for other in names if other != name and other.split(" (")[0] == name.split(" (")[0]]
         same = ", ".join(("same tokens as " if tokens[o] == tokens[name] else "OTHER tokens than ") + o for o in twins)
-        print(f"  {name:34} {median * 1e3:7.3f} ms  {ratio:5.2f}x  {same}")
+        prefill = statistics.median(prefills[name])
+        end_to_end = args.new / (prefill + median * (args.new - 1))  # new tokens/s as the LLM bench counts them
+        print(f"  {name:34} {median * 1e3:7.3f} ms  {ratio:5.2f}x  prefill {prefill * 1e3:6.1f} ms, "
+              f"{end_to_end:5.0f} new tokens/s with it  {same}")
     if args.profile:
         # Each file profiled in every round, interleaved like the timings: a step's op times are short enough for
         # one preemption to move them, so the median per op type over rounds is printed.
@@ -183,14 +187,17 @@ class PlainLoop:
         empty = [np.zeros((1, self.heads, 0, self.head_dim), self.float) for _ in self.pasts]
         return self.run(self.feeds(prompt, prompt.shape[1], empty))
 
-    def decode(self, prompt: np.ndarray, new: int) -> tuple[float, list[int]]:
-        """Seconds per decoded token after the prompt's (its first token comes from the prefill), and the tokens."""
+    def decode(self, prompt: np.ndarray, new: int) -> tuple[float, list[int], float]:
+        """Seconds per decoded token after the prompt's (its first token comes from the prefill), the tokens, and the
+        prefill's seconds."""
+        started = time.perf_counter()
         token, caches = self.prefill(prompt)
+        prefill = time.perf_counter() - started
         tokens, started = [token], time.perf_counter()
         for step in range(new - 1):
             token, caches = self.run(self.feeds(np.array([[token]], np.int64), prompt.shape[1] + step + 1, caches))
             tokens.append(token)
-        return (time.perf_counter() - started) / max(new - 1, 1), tokens
+        return (time.perf_counter() - started) / max(new - 1, 1), tokens, prefill
 
 
 class OurLoop:
@@ -213,13 +220,13 @@ class OurLoop:
 
         self.stepper.prefill = timed_prefill
 
-    def decode(self, prompt: np.ndarray, new: int) -> tuple[float, list[int]]:
+    def decode(self, prompt: np.ndarray, new: int) -> tuple[float, list[int], float]:
         from mha_deploy.runtime.generation import generate
 
         started = time.perf_counter()
         out = generate(self.stepper, prompt.astype(np.int64), max_new_tokens=new, eos_token_id=[])
         seconds = time.perf_counter() - started - self.prefill_seconds
-        return seconds / max(new - 1, 1), out.tokens[0].tolist()
+        return seconds / max(new - 1, 1), out.tokens[0].tolist(), self.prefill_seconds
 
 
 class GenaiLoop:
@@ -232,17 +239,19 @@ class GenaiLoop:
         self.og = onnxruntime_genai
         self.model = onnxruntime_genai.Model(str(folder))
 
-    def decode(self, prompt: np.ndarray, new: int) -> tuple[float, list[int]]:
+    def decode(self, prompt: np.ndarray, new: int) -> tuple[float, list[int], float]:
         length = prompt.shape[1] + new
         params = self.og.GeneratorParams(self.model)
         params.set_search_options(max_length=length, min_length=length, do_sample=False, batch_size=1)
         generator = self.og.Generator(self.model, params)
+        started = time.perf_counter()
         generator.append_tokens(prompt.astype(np.int32))
+        prefill = time.perf_counter() - started
         started = time.perf_counter()  # the first new token comes from the prompt's logits: new - 1 forwards follow
         while not generator.is_done():
             generator.generate_next_token()
         seconds = time.perf_counter() - started
-        return seconds / max(new - 1, 1), [int(t) for t in generator.get_sequence(0)[prompt.shape[1]:]]
+        return seconds / max(new - 1, 1), [int(t) for t in generator.get_sequence(0)[prompt.shape[1]:]], prefill
 
 
 def profile_step(path: Path, threads: int, prompt: np.ndarray, new: int, steps: int = 16) -> dict[str, float]:
