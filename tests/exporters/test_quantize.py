@@ -546,7 +546,7 @@ def test_a_hugging_face_bart_pair_at_int4_quantizes_both_files_and_generates(int
 
 # The int4 Llama and BART files through every way users run them. The reference is the same int4 file through
 # runtime.generation alone per prompt (int4 is not fp32: its agreement with fp32 is what the export records above);
-# prompts of four lengths, ids from 3 (0-2 are pad, bos and eos in the Llama's config), MAX_NEW new tokens or up to
+# prompts of four lengths, ids from 3 (0-2 are pad, bos and eos in the Llama's config), PATH_NEW new tokens or up to
 # the recorded eos id.
 PATH_PROMPTS = [[17, 5, 40], [9, 33, 12, 70, 8, 61, 24, 3, 55, 90, 41, 6], [48], [71, 20, 13, 88, 4, 36, 59]]
 PATH_NEW = 8
@@ -578,6 +578,8 @@ def int4_alone(request):
             stepper = KVCacheStepper(request.getfixturevalue(f"int4_{name}")[0])
             cache[name] = [generate(stepper, [prompt], max_new_tokens=PATH_NEW).tokens[0].tolist()
                            for prompt in PATH_PROMPTS]
+            # prompts that all decode alike would not tell one row's cache or source from another's
+            assert len({tuple(row) for row in cache[name]}) > 2, cache[name]
         return cache[name]
 
     return tokens
