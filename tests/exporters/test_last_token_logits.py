@@ -143,6 +143,17 @@ def test_a_holes_layout_file_rewritten_generates_what_every_positions_file_does(
     assert logits_at_every_position(last).graph.node == every.graph.node
 
 
+def test_the_serving_engine_prefilling_in_chunks_gives_each_prompt_its_tokens_alone(last_llama, alone):
+    """``serve``'s engine, its prefill cut into chunks of 5 tokens (the 12-token prompt's later chunks are several
+    tokens after a past: ``extend``), the four prompts joining one ragged cache: each request's tokens equal
+    transformers' greedy tokens for its prompt alone (exact ids)."""
+    from tests.serving.test_generation_engine import served
+
+    engine = GenerationEngine(KVCacheStepper(last_llama[0]), prefill_chunk=5)
+    requests = [GenerationRequest(prompt, GenerationConfig(max_new_tokens=MAX_NEW)) for prompt in PROMPTS]
+    assert served(engine, requests) == alone
+
+
 def test_what_needs_every_position_is_refused_naming_logits_all(last_llama):
     """A prompt's own log probabilities (``every_position``; serve's ``echo`` with ``logprobs``) need every position's
     logits: the stepper and the serving engine refuse them, naming ``--logits all``; ``inspect`` and the metadata say
