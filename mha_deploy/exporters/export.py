@@ -507,8 +507,9 @@ def export_model(
     ``max_position_embeddings``), recorded as the max length where neither ``max_length`` nor a position table
     gives one: the trace then accepts a length guard that reaches it (M2M100's sinusoidal table, rebuilt past it).
 
-    ``mask_dtype``: what the file's padding masks take without ``kv_cache``: "bool" (the default), or "int64" 1/0 as
-    a Hugging Face tokenizer gives them (``export --hf``), cast to bool inside the fused graph (``mask_inputs``).
+    ``mask_dtype``: what the file's padding masks take: "bool" (the default), or "int64" 1/0 as a Hugging Face
+    tokenizer gives them (``export --hf``), cast to bool inside the fused graph (``mask_inputs``); with ``kv_cache``
+    an encoder-decoder's source mask (its target's, and a causal LM's, are int64 either way).
     """
     export_options = ExportOptions(**options)
     export_options.check()
@@ -600,7 +601,7 @@ def _export_model(
     attention_ops = count_attentions(plain)
     if seq2seq is not None:
         result = _export_seq2seq_cache(replace(declared, signature=signature), plain, attention_ops, output,
-                                       export_options, max_length, generation)
+                                       export_options, max_length, generation, mask_dtype)
         result.warnings[:0] = [*declared.warnings, *vocabulary_warnings]
         return result
     if kv_cache:
@@ -697,7 +698,7 @@ def _why_not_ragged(positions: str | None, narrowing_refused: str | None) -> str
 
 def _export_seq2seq_cache(
     declared: Declared, plain: onnx.ModelProto, attention_ops: int, output: Path, options: ExportOptions,
-    max_length: int | None, generation: GenerationIds | None,
+    max_length: int | None, generation: GenerationIds | None, mask_dtype: str = "bool",
 ) -> Seq2SeqExportResult:
     """``export_model`` with ``kv_cache`` for an encoder-decoder: two files, the encoder beside ``output``."""
     if generation is not None:
@@ -708,7 +709,8 @@ def _export_seq2seq_cache(
     cases = options.parity_cases or None
     built = build_seq2seq_cache(declared.wrapper, declared.signature, plain, attention_ops, max_length, cases,
                                 *options.tolerance, fuse=options.fuse, quantize=options.quantize,
-                                pad_id=generation.pad_token_id if generation is not None else None)
+                                pad_id=generation.pad_token_id if generation is not None else None,
+                                source_mask_dtype=mask_dtype)
     return write_seq2seq_pair(built, output, generation, max_length)
 
 

@@ -24,10 +24,15 @@ def masks_as_declared(model: onnx.ModelProto, signature: Signature) -> onnx.Mode
     """``model`` with each bool padding-mask input that ``signature`` declares int64 taking int64 (cast to bool
     inside, once); ``model`` itself when there is none. A copy: the caller's model is left as it was."""
     declared = {spec.name: _TYPES[spec.dtype] for spec in signature.inputs if spec.role == PADDING_MASK}
+    return int64_masks(model, [name for name, dtype in declared.items() if dtype == TensorProto.INT64])
+
+
+def int64_masks(model: onnx.ModelProto, names) -> onnx.ModelProto:
+    """``model`` with each of its bool inputs among ``names`` taking int64 1/0 instead, cast to bool once before
+    every reader (``model`` itself when there is none to change; else a copy)."""
     inputs = {value.name: value for value in model.graph.input}
-    changed = [name for name, dtype in declared.items()
-               if name in inputs and dtype == TensorProto.INT64
-               and inputs[name].type.tensor_type.elem_type == TensorProto.BOOL]
+    changed = [name for name in names
+               if name in inputs and inputs[name].type.tensor_type.elem_type == TensorProto.BOOL]
     if not changed:
         return model
     model = onnx.ModelProto.FromString(model.SerializeToString())

@@ -45,6 +45,7 @@ from onnx import TensorProto, helper
 
 from mha_deploy.compare import compare_arrays
 from mha_deploy.errors import ExportError, ParityError
+from mha_deploy.exporters.mask_inputs import int64_masks
 from mha_deploy.exporters.narrowing import (
     LengthNames,
     NarrowingRefused,
@@ -525,6 +526,7 @@ def build_seq2seq_cache(
     reference: torch.nn.Module, declared: Signature, plain: onnx.ModelProto, attention_ops: int,
     max_length: int | None, cases: Sequence[Seq2SeqCase] | None = None, atol: float = DEFAULT_ATOL,
     rtol: float = DEFAULT_RTOL, fuse: str = "auto", quantize: Quantization | None = None, pad_id: int | None = None,
+    source_mask_dtype: str = "bool",
 ) -> Seq2SeqExport:
     """``plain`` (the cache-free export of ``declared``) as an encoder file and a decoder file with a cache, each
     attention fused (``fuse`` "auto" or "mha": the mha target, auto falling back to the unfused graph with a
@@ -551,7 +553,11 @@ def build_seq2seq_cache(
             result, report = fuse_attention(model, target)
             if target != "none" and (not report.complete or report.fused != expected):
                 raise ExportError(f"{report.summary()}, expected {expected} fused")
-            models.append(result)
+            # source_mask_dtype int64 (export --hf): the source's mask 1/0 as a tokenizer gives it (the encoder's
+            # attention_mask, the decoder's encoder_attention_mask), as the target's already is; cast to bool
+            # inside, after fusion, so the fused attentions are the bool mask's.
+            models.append(int64_masks(result, (ATTENTION_MASK, ENCODER_MASK)) if source_mask_dtype == "int64"
+                          else result)
         return encoder_quantize.apply(models[0]), quantize.apply(models[1])
 
     def checked(encoder_model: onnx.ModelProto, decoder_model: onnx.ModelProto) -> ParityReport:

@@ -419,7 +419,9 @@ def test_an_encoder_decoder_equals_the_module_in_plain_onnxruntime(exported):
     source, source_mask = _right_padded(rng, UNSEEN_BATCH, UNSEEN_SEQ)
     target = rng.integers(3, VOCAB, (UNSEEN_BATCH, UNSEEN_TARGET)).astype(np.int64)
     encoder = _plain(path.with_name("model.encoder.onnx"))
-    encoder_feeds = {"input_ids": source, "attention_mask": source_mask.astype(bool)}
+    # the source's mask as the tokenizer gives it (int64 1/0), to the encoder and to the decoder
+    assert {i.name: i.type for i in encoder.get_inputs()}["attention_mask"] == "tensor(int64)"
+    encoder_feeds = {"input_ids": source, "attention_mask": source_mask}
     cross = dict(zip([o.name for o in encoder.get_outputs()], encoder.run(None, encoder_feeds), strict=True))
     decoder = _plain(path)
     feeds = {"input_ids": target, "attention_mask": np.ones_like(target), "encoder_attention_mask": encoder_feeds[
