@@ -425,6 +425,10 @@ def assert_equals_module(session, module, feeds: dict, label: str) -> None:
 # by-length cohorts for a file that counts positions over the cache width); every other generation test runs the
 # default --kv-cache export, the ragged layout users get.
 HOLES_LM = ("--no-position-ids", "--cache-layout", "holes")
+# Logits at every position (a --kv-cache causal LM's default file computes them at each row's last token only): what
+# a test scoring a prompt's own tokens, or checking every position of a call, reads.
+EVERY_POSITION = ("--logits", "all")
+HOLES_EVERY_POSITION = ("--cache-layout", "holes", *EVERY_POSITION)
 
 
 @pytest.fixture(scope="session")

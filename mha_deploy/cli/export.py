@@ -186,11 +186,12 @@ def refuse_other_sources(ctx: click.Context, source: str) -> None:
                    "updating the cache in place (prompts right-padded, each row's cache from position 0); holes = "
                    "each step returns past ++ new (padding on either side); auto = ragged where the module's "
                    "positions and mask allow it (checked call by call), else holes with a warning saying why.")
-@click.option("--logits", type=click.Choice(("last", "all")), default="all", show_default=True,
-              help="With --module or --hf and --kv-cache (a causal LM): last = the LM head runs on each row's last "
-                   "real token of the call only (logits [batch, 1, vocab]: what generation reads; a prompt's "
-                   "first token sooner, its logits memory gone); all = on every position ([batch, seq, vocab]: "
-                   "what scoring a prompt's own tokens, e.g. serve's echo with logprobs, needs).")
+@click.option("--logits", type=click.Choice(("auto", "last", "all")), default="auto", show_default=True,
+              help="With --module or --hf and --kv-cache: last = the LM head runs on each row's last real token "
+                   "of the call only (logits [batch, 1, vocab]: what generation reads; a prompt's first token "
+                   "sooner, its logits memory gone); all = on every position ([batch, seq, vocab]: what scoring a "
+                   "prompt's own tokens, e.g. serve's echo with logprobs, needs); auto = last for a causal LM, all "
+                   "for an encoder-decoder's decoder.")
 @click.option("--genai", is_flag=True,
               help="With --module or --hf and --kv-cache (a causal LM), also write genai_config.json beside the "
                    "file so that "
@@ -215,7 +216,7 @@ def export(ctx, checkpoint, prefix, d_model, heads, model_kind, layers, d_ff, at
            fuse, quantize, block_size, symmetric, keep_head_fp32, quant_method, quantize_embeddings, calibration,
            eval_data, eval_tokens, seed, opset, dtype, atol, rtol,
            module_spec, inputs, output_names, max_length, eos_ids, pad_id, start_id, position_ids, cache_layout,
-           hf, genai, pack_tokens, output, logits="all"):
+           hf, genai, pack_tokens, output, logits="auto"):
     """Export a model to ONNX with dynamic batch and sequence axes, checked against torch: the reference MHA or a
     stack of it (built from the flags), your own module (--module), or a Hugging Face folder (--hf).
 

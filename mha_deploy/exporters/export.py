@@ -30,6 +30,7 @@ from mha_deploy.exporters.kv_cache import CacheProjection, attach_caches, decode
 from mha_deploy.exporters.last_token_logits import (
     LOGITS_CHOICES,
     last_token_signature,
+    lm_head_refusal,
     logits_at_every_position,
     logits_at_last_token,
 )
@@ -291,8 +292,9 @@ class ExportOptions:
     # Per-token ops on real tokens only (token_packing), where the padding allows it and it pays
     pack_tokens: bool = True
     # A causal LM's --kv-cache file: "last" computes the LM head at each row's last real token only
-    # (exporters.last_token_logits), "all" at every position
-    logits: str = "all"
+    # (exporters.last_token_logits), "all" at every position; "auto": last for a causal LM's --kv-cache file (a
+    # generator reads nothing else; its first token comes sooner and its logits memory goes), else all
+    logits: str = "auto"
 
     def __post_init__(self):
         object.__setattr__(self, "quantize", Quantization.of(self.quantize))
@@ -555,7 +557,9 @@ def _export_model(
                                  "max_position_embeddings or max_target_positions: no position table states it; "
                                  "--max-length to record another)")
     seq2seq = seq2seq_tensors(signature) if kv_cache else None
-    if export_options.logits == "last" and (not kv_cache or seq2seq is not None):
+    if export_options.logits == "auto" and (not kv_cache or seq2seq is not None):
+        export_options = replace(export_options, logits="all")  # a causal LM's cache file decides (_export_own_cache)
+    elif export_options.logits == "last" and (not kv_cache or seq2seq is not None):
         raise ExportError("--logits last is a causal LM's --kv-cache file's (a generator's: the LM head at each row's "
                           "last token only); " + ("an encoder-decoder's decoder keeps every position's" if kv_cache
                                                   else "export with --kv-cache") + ", or drop --logits")
@@ -639,6 +643,11 @@ def _export_own_cache(
         attach_own_caches(plain, declared.signature, signature, layers), signature, max_length,
         position_ids is not False)
     heads, head_dim = layers[0].heads, layers[0].head_dim
+    if options.logits == "auto":  # last where the pass finds the LM head, else every position, said in a note
+        why_not = lm_head_refusal(cached)
+        options = replace(options, logits="last" if why_not is None else "all")
+        if why_not is not None:
+            notes.append(f"--kv-cache: logits at every position, not each row's last token only ({why_not})")
     if options.logits == "last":  # rewritten after fusion (_finish), so that every fusion sees the module's graph
         signature = last_token_signature(signature)
     metadata = ModelMetadata(d_model=heads * head_dim, num_heads=heads, signature=signature, layers=len(layers),

@@ -39,7 +39,7 @@ from mha_deploy.signature import LAST_TOKEN, Signature
 
 PREFIX = "last_token_logits/"
 LOGITS, INPUT_IDS, ATTENTION_MASK = "logits", "input_ids", "attention_mask"
-LOGITS_CHOICES = ("last", "all")
+LOGITS_CHOICES = ("auto", "last", "all")
 LOGITS_ALL_HINT = "export with --logits all (every position's logits, [batch, seq, vocab])"
 # The LM head: a MatMul with a constant weight, or its weight-only quantized form.
 _HEADS = {("", "MatMul"), ("", "Gemm"), ("com.microsoft", "MatMulNBits")}
@@ -147,8 +147,23 @@ def logits_at_every_position(model: onnx.ModelProto, output: str = LOGITS, seq_a
     return model_copy
 
 
+def lm_head_refusal(model: onnx.ModelProto, output: str = LOGITS) -> str | None:
+    """Why ``logits_at_last_token`` cannot rewrite ``model`` (one line), or None when it can: what ``--logits auto``
+    asks before choosing it."""
+    found = _find_lm_head(model.graph, output)
+    return found if isinstance(found, str) else None
+
+
 def _lm_head(graph: onnx.GraphProto, output: str) -> tuple[onnx.NodeProto, str]:
     """The LM head node producing ``output`` and its data input (the hidden states)."""
+    found = _find_lm_head(graph, output)
+    if isinstance(found, str):
+        raise ExportError(f"--logits last: {found}; {LOGITS_ALL_HINT}")
+    return found
+
+
+def _find_lm_head(graph: onnx.GraphProto, output: str) -> tuple[onnx.NodeProto, str] | str:
+    """``_lm_head``'s node and hidden states, or why there is none."""
     producer, readers = producers_and_readers(graph)
     # Values computed from weights alone: a tied head's weight is the token table through a Transpose.
     constants = {tensor.name for tensor in graph.initializer}
@@ -156,7 +171,7 @@ def _lm_head(graph: onnx.GraphProto, output: str) -> tuple[onnx.NodeProto, str]:
         if all(value in constants for value in node.input if value) and node.op_type not in _NOT_CONSTANT:
             constants.update(node.output)
     if output not in {value.name for value in graph.output}:
-        raise ExportError(f"--logits last: the file has no {output} output; {LOGITS_ALL_HINT}")
+        return f"the file has no {output} output"
     name, seen = output, []
     while True:
         node = producer.get(name)
@@ -171,6 +186,5 @@ def _lm_head(graph: onnx.GraphProto, output: str) -> tuple[onnx.NodeProto, str]:
         if node.op_type not in _PER_POSITION or len(data) != 1:
             break
         name = data[0]
-    raise ExportError(
-        f"--logits last: no LM head found behind {output} (a MatMul with a constant weight reached through per-token "
-        f"ops; walked through {' <- '.join(seen) or 'nothing'}); {LOGITS_ALL_HINT}")
+    return (f"no LM head found behind {output} (a MatMul with a constant weight reached through per-token ops; "
+            f"walked through {' <- '.join(seen) or 'nothing'})")

@@ -14,6 +14,7 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
+from tests.conftest import EVERY_POSITION
 from tests.serving.helpers import Server
 
 pytest.importorskip("torch")
@@ -45,7 +46,9 @@ def keyed(lm_cache, tmp_path_factory):
     tokenizer = byte_level_tokenizer(folder / "tokenizer.json")
     (folder / "keys").write_text(KEY + "\n")
     (folder / "chat.jinja").write_text(TEMPLATE)
-    server = Server(lm_cache("causal_lm")[0], folder / "server.log", "--name", NAME, "--threads", "1",
+    # --logits all: the echo tests score the prompt's own tokens
+    server = Server(lm_cache("causal_lm", *EVERY_POSITION)[0], folder / "server.log", "--name", NAME,
+                    "--threads", "1",
                     "--tokenizer", str(folder / "tokenizer.json"), "--chat-template", str(folder / "chat.jinja"),
                     "--api-key-file", str(folder / "keys"), "--max-length", str(MAX_LENGTH),
                     "--max-new-tokens", "32")

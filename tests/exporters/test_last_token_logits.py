@@ -24,7 +24,7 @@ from mha_deploy.model_report import read_metadata
 from mha_deploy.runtime.generation import GenerationConfig, generate, prompt_batch
 from mha_deploy.runtime.kv_stepper import KVCacheStepper
 from mha_deploy.serving.engine import GenerationEngine, GenerationRequest
-from tests.conftest import exported_once, user_module
+from tests.conftest import HOLES_EVERY_POSITION, exported_once, user_module
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -70,8 +70,8 @@ def alone(last_llama):
 @pytest.fixture(scope="module")
 def holes_pair(lm_cache):
     """(every position's file, the same rewritten by ``logits_at_last_token``): the session's holes export of
-    causal_lm (tests/runtime/test_cuda_decisions.py's), in memory."""
-    model = onnx.load(str(lm_cache("causal_lm", "--cache-layout", "holes")[0]))
+    causal_lm with ``--logits all`` (tests/exporters/test_own_kv_cache.py's), in memory."""
+    model = onnx.load(str(lm_cache("causal_lm", *HOLES_EVERY_POSITION)[0]))
     return model, logits_at_last_token(model)
 
 

@@ -20,12 +20,12 @@ from mha_deploy.exporters.parity import CacheCase
 from mha_deploy.metadata import GenerationIds
 from mha_deploy.onnx_nodes import all_nodes
 from mha_deploy.runtime import MHASession
-from tests.conftest import OWN_MODEL_ATOL, OWN_MODEL_RTOL, USER_MODELS, user_module
+from tests.conftest import HOLES_EVERY_POSITION, OWN_MODEL_ATOL, OWN_MODEL_RTOL, USER_MODELS, user_module
 from tests.exporters.test_ragged_cache import assert_ragged_file
 
 # The layout these tests drive call by call with padding on either side (the default is ragged where the file
-# allows it: tests/exporters/test_ragged_cache.py).
-HOLES = ("--cache-layout", "holes")
+# allows it: tests/exporters/test_ragged_cache.py), with logits at every position of a call, each checked.
+HOLES = HOLES_EVERY_POSITION
 
 
 def test_the_file_takes_and_returns_a_cache_per_attention_in_optimums_names(lm_cache):
@@ -58,7 +58,8 @@ def test_every_attention_is_fused_as_in_a_cache_free_export(lm_cache):
 
 def test_a_step_applies_weights_to_its_new_tokens_only(lm_cache):
     """Every MatMul of the file, run on a 2-token step after 13 cached tokens, has rows for the 2 new tokens
-    and none for the 15 of the whole sequence (TinyLM's dims are 8, 32, 50 and 128)."""
+    and none for the 15 of the whole sequence (TinyLM's dims are 8, 32, 50 and 128); the LM head's, the default
+    file's last, has the one row of the call's last token."""
     path, _ = lm_cache("causal_lm")
     model = onnx.load(str(path))
     matmuls = [node.output[0] for node in model.graph.node if node.op_type in ("MatMul", "Gemm")]
@@ -70,6 +71,8 @@ def test_a_step_applies_weights_to_its_new_tokens_only(lm_cache):
     past = {i.name: np.zeros((1, 4, 13, 8), np.float32) for i in session.get_inputs() if i.name.startswith("past")}
     feeds = {"input_ids": np.array([[3, 4]]), "attention_mask": np.ones((1, 15), np.int64), **past}
     shapes = dict(zip(matmuls, (a.shape for a in session.run(matmuls, feeds)), strict=True))
+    head = shapes.pop(matmuls[-1])
+    assert head == (1, 1, 50), head
     assert all(15 not in shape and 2 in shape for shape in shapes.values()), shapes
 
 

@@ -19,7 +19,7 @@ from mha_deploy.serving.engine import (
     RequestTooLarge,
 )
 from mha_deploy.serving.scheduler import KVBudget
-from tests.conftest import HOLES_LM
+from tests.conftest import EVERY_POSITION, HOLES_EVERY_POSITION, HOLES_LM
 
 pytest.importorskip("torch")
 
@@ -34,6 +34,16 @@ def tiny(lm_cache):
 @pytest.fixture(scope="module")
 def tiny_holes(lm_cache):
     return lm_cache("causal_lm", *HOLES_LM)[0]  # `export --cache-layout holes`
+
+
+@pytest.fixture
+def tiny_scored(lm_cache):
+    return lm_cache("causal_lm", *EVERY_POSITION)[0]  # logits at every position: what scoring a prompt reads
+
+
+@pytest.fixture
+def tiny_holes_scored(lm_cache):
+    return lm_cache("causal_lm", *HOLES_EVERY_POSITION)[0]
 
 
 def alone(path, prompt, **options) -> list[int]:
@@ -239,7 +249,7 @@ def torch_log_probs(prompt: list[int]) -> np.ndarray:
         -1, keepdims=True)
 
 
-@pytest.mark.parametrize("model", ["tiny", "tiny_holes"])
+@pytest.mark.parametrize("model", ["tiny_scored", "tiny_holes_scored"])
 def test_prompt_logprobs_score_every_prompt_token_across_prefill_chunks(model, request):
     path = request.getfixturevalue(model)  # both cache layouts: the ragged and the holes stepper's calls
     prompt = [4, 9, 2, 33, 17, 8, 41, 5]

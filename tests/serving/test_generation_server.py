@@ -17,6 +17,7 @@ import pytest
 
 from mha_deploy.runtime.generation import generate
 from mha_deploy.runtime.kv_stepper import KVCacheStepper
+from tests.conftest import EVERY_POSITION
 from tests.serving.helpers import Server
 from tests.serving.helpers import openai_client as client
 
@@ -28,7 +29,9 @@ the hill . the dog ran to the cat and the cat ran up the tree . the bird flew ov
 TEMPLATE = ("{% for m in messages %}{{ m['role'] }} : {{ m['content'] }} . {% endfor %}"
             "{% if add_generation_prompt %}assistant : {% endif %}")
 # user model, vocabulary, export flags beyond --kv-cache (tiny-int4: a weight-only int4 file served as it is)
-MODELS = {"tiny": ("causal_lm", 50), "gpt2": ("hf_gpt2", 96), "tiny-int4": ("causal_lm", 50, "--quantize", "int4")}
+# "tiny-scored": echo with logprobs scores the prompt's own tokens, which needs logits at every position
+MODELS = {"tiny": ("causal_lm", 50), "gpt2": ("hf_gpt2", 96), "tiny-int4": ("causal_lm", 50, "--quantize", "int4"),
+          "tiny-scored": ("causal_lm", 50, *EVERY_POSITION)}
 
 
 def train_tokenizer(path, vocab: int):
@@ -214,11 +217,12 @@ def test_echo_starts_each_choice_with_its_prompt(served, stream):
 def test_echo_with_logprobs_scores_the_prompt_with_the_models_own_logits(served, stream):
     from tests.serving.test_generation_engine import torch_log_probs
 
-    server, _, tokenizer = served("tiny")
+    server, _, tokenizer = served("tiny-scored")
     api = client(server).completions
     prompt = [3, 4, 5, 9, 12]
-    plain = api.create(model="tiny", prompt=prompt, max_tokens=4, temperature=0, logprobs=3)
-    settings = {"model": "tiny", "prompt": prompt, "max_tokens": 4, "temperature": 0, "logprobs": 3, "echo": True}
+    plain = api.create(model="tiny-scored", prompt=prompt, max_tokens=4, temperature=0, logprobs=3)
+    settings = {"model": "tiny-scored", "prompt": prompt, "max_tokens": 4, "temperature": 0, "logprobs": 3,
+                "echo": True}
     if stream:
         chunks = [c.choices[0] for c in api.create(**settings, stream=True) if c.choices]
         fields = ("tokens", "token_logprobs", "top_logprobs", "text_offset")
