@@ -255,6 +255,9 @@ def test_an_op_narrowing_cannot_prove_keeps_the_whole_sequence_and_says_which(tm
                           parity_cases=(CacheCase(2, 4, 1, 2, "left"),))
     assert result.parity.passed
     assert [w for w in result.warnings if "each step runs the whole sequence's forward (CumSum" in w], result.warnings
+    # Its logits are a cumsum over the features of the projection's product: no LM head to run on the last token
+    # alone, so the default keeps every position and says why.
+    assert [w for w in result.warnings if "logits at every position" in w and "no LM head" in w], result.warnings
 
 
 class MeanCentred(CausalThen):
