@@ -365,7 +365,8 @@ def test_a_causal_lm_exports_its_cache_fused_with_the_folders_ids(exported):
 
 
 def test_a_causal_lms_prompt_call_equals_the_module_in_plain_onnxruntime(exported):
-    """The first call (an empty cache) at an unseen length, right-padded, on the real rows."""
+    """The first call (an empty cache) at an unseen length, right-padded: the default file's logits, each row's last
+    real token's ([batch, 1, vocab]), equal the module's there."""
     folder, path, _ = exported("gpt2")
     session = _plain(path)
     ids, mask = _right_padded(np.random.default_rng(1), UNSEEN_BATCH, UNSEEN_SEQ)
@@ -377,8 +378,10 @@ def test_a_causal_lms_prompt_call_equals_the_module_in_plain_onnxruntime(exporte
     logits = session.run(["logits"], feeds)[0]
     with torch.no_grad():
         want = _module(folder)(input_ids=torch.from_numpy(ids), attention_mask=torch.from_numpy(mask)).logits
-    real = mask == 1
-    np.testing.assert_allclose(logits[real], want.numpy()[real], atol=OWN_MODEL_ATOL, rtol=OWN_MODEL_RTOL)
+    assert logits.shape[1] == 1
+    last = mask.sum(axis=1) - 1  # right-padded: each row's last real column
+    np.testing.assert_allclose(logits[:, 0], want.numpy()[np.arange(len(last)), last], atol=OWN_MODEL_ATOL,
+                               rtol=OWN_MODEL_RTOL)
 
 
 def test_generate_finds_the_tokenizer_beside_the_file_and_equals_transformers(exported, tmp_path):

@@ -72,7 +72,8 @@ def ragged_greedy(path, prompts: list[list[int]], new_tokens: int) -> np.ndarray
         if "position_ids" in inputs:
             feeds["position_ids"] = np.ascontiguousarray(positions, np.int64)
         result = dict(zip(outputs, session.run(outputs, feeds), strict=True))
-        token = result["logits"][np.arange(batch), last].argmax(-1)
+        logits = result["logits"]  # the default file's: each row's last real token's only, [batch, 1, vocab]
+        token = (logits[:, 0] if logits.shape[1] == 1 else logits[np.arange(batch), last]).argmax(-1)
         tokens.append(token)
         past = {name: result[name.replace("past_key_values", "present")] for name in past}
         ids, positions, last = token[:, None].astype(np.int64), lengths[:, None], np.zeros(batch, np.int64)
