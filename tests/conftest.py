@@ -431,6 +431,24 @@ EVERY_POSITION = ("--logits", "all")
 HOLES_EVERY_POSITION = ("--cache-layout", "holes", *EVERY_POSITION)
 
 
+def hf_family_kv_export(tmp_path_factory, family: str) -> tuple[Path, str]:
+    """(file, CLI output): tests/user_models/hf_families.py's ``family`` written by ``save_pretrained`` beside the
+    file (``hf/``) and exported with ``export --hf DIR --kv-cache`` alone, the defaults; once per run."""
+    from click.testing import CliRunner
+
+    from mha_deploy.cli import main
+
+    def write(folder: Path) -> dict:
+        user_module("hf_families").save(family, folder / "hf")
+        result = CliRunner().invoke(main, ["export", "--hf", str(folder / "hf"), "--kv-cache", "-o",
+                                           str(folder / "model.onnx")])
+        assert result.exit_code == 0, result.output
+        return {"output": result.output}
+
+    folder, record = exported_once(tmp_path_factory, ("hf_family_kv", family), write)
+    return folder / "model.onnx", record["output"]
+
+
 @pytest.fixture(scope="session")
 def lm_cache(tmp_path_factory):
     """``lm_cache(name, *flags) -> (path, CLI output)``: tests/user_models/<name>.py exported once per session with

@@ -1,13 +1,12 @@
-"""``export --kv-cache --logits last`` (exporters.last_token_logits): the LM head runs on each row's last real token of
-the call only, counted from the file; every way a generator runs the file (runtime.generation left- or right-padded,
-onnxruntime-genai from ``genai-config``) gives each prompt the greedy tokens transformers' ``generate`` gives it alone;
-what needs every position's logits is refused naming ``--logits all``. One export: tests/user_models/hf_families.py's
-Llama (rotary, grouped-query, the ragged cache) with ``--logits last``; the holes layout is the session's holes export
-of tests/user_models/causal_lm.py rewritten by the same pass."""
+"""A causal LM's ``export --kv-cache`` file with ``--logits auto`` (the default: last) or ``last``
+(exporters.last_token_logits): the LM head runs on each row's last real token of the call only, counted from the
+file; runtime.generation left- or right-padded and the serving engine give each prompt the greedy tokens
+transformers' ``generate`` gives it alone (onnxruntime-genai, ``generate`` and ``serve`` on the same default file:
+tests/exporters/test_llm_families.py); what needs every position's logits is refused naming ``--logits all``. The
+ragged file is the family tests' default export of tests/user_models/hf_families.py's Llama; the holes layout is
+the session's ``--logits all`` holes export of tests/user_models/causal_lm.py rewritten by the same pass."""
 
 from __future__ import annotations
-
-import json
 
 import numpy as np
 import onnx
@@ -16,7 +15,6 @@ import pytest
 from click.testing import CliRunner
 from onnx import helper
 
-from mha_deploy.bench.genai import genai_python, run_genai_greedy
 from mha_deploy.cli import main
 from mha_deploy.errors import InputError, ModelFileError
 from mha_deploy.exporters.last_token_logits import PREFIX, logits_at_every_position, logits_at_last_token
@@ -24,47 +22,29 @@ from mha_deploy.model_report import read_metadata
 from mha_deploy.runtime.generation import GenerationConfig, generate, prompt_batch
 from mha_deploy.runtime.kv_stepper import KVCacheStepper
 from mha_deploy.serving.engine import GenerationEngine, GenerationRequest
-from tests.conftest import HOLES_EVERY_POSITION, exported_once, user_module
+from tests.conftest import HOLES_EVERY_POSITION, hf_family_kv_export, user_module
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 families = user_module("hf_families")
-MAX_NEW = 8
-LENGTHS = [3, 12, 1, 7]
-_draw = np.random.default_rng(37)
-# No id below 3 (pad, eos, bos): onnxruntime-genai finds a prompt's end by the pad id.
-PROMPTS = [_draw.integers(3, families.VOCAB, n).tolist() for n in LENGTHS]
+LENGTHS, PROMPTS, MAX_NEW = families.PROMPT_LENGTHS, families.PROMPTS, families.MAX_NEW
 
 
 @pytest.fixture(scope="module")
 def last_llama(tmp_path_factory):
-    """(file, model): the family Llama's folder exported with ``--kv-cache --logits last``, once per session."""
-    def write(folder):
-        families.save("llama", folder / "hf")
-        result = CliRunner().invoke(main, ["export", "--hf", str(folder / "hf"), "--kv-cache", "--logits", "last",
-                                           "-o", str(folder / "model.onnx")])
-        assert result.exit_code == 0, result.output
-        return {"output": result.output}
-
-    folder, record = exported_once(tmp_path_factory, ("last_token_logits", "llama"), write)
-    assert "cache layout ragged" in record["output"], record["output"]
-    return folder / "model.onnx", transformers.AutoModelForCausalLM.from_pretrained(folder / "hf").eval()
+    """(file, model): the family Llama's folder exported with ``--kv-cache`` and the defaults (``--logits auto``:
+    last for a causal LM), the family tests' own export (tests/exporters/test_llm_families.py), once per run."""
+    path, output = hf_family_kv_export(tmp_path_factory, "llama")
+    assert "cache layout ragged" in output, output
+    assert read_metadata(path).signature.last_token_outputs == ("logits",)
+    return path, families.build("llama")
 
 
 @pytest.fixture(scope="module")
 def alone(last_llama):
     """transformers' greedy ``generate`` on each of ``PROMPTS`` alone (``MAX_NEW`` tokens, or up to the eos id)."""
-    model = last_llama[1]
-    greedy = transformers.GenerationConfig(do_sample=False, max_new_tokens=MAX_NEW, eos_token_id=families.EOS_ID,
-                                           pad_token_id=families.PAD_ID)
-    rows = []
-    for prompt in PROMPTS:
-        ids = torch.tensor([prompt])
-        with torch.no_grad():
-            out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), generation_config=greedy)
-        rows.append(out[0, len(prompt):].tolist())
-    return rows
+    return families.greedy_alone(last_llama[1])
 
 
 @pytest.fixture(scope="module")
@@ -180,27 +160,6 @@ def test_logits_is_a_kv_cache_decoders_flag(tmp_path):
     builtin = CliRunner().invoke(main, ["export", "--kv-cache", "--mask", "causal", "--logits", "last", "-o",
                                         str(tmp_path / "m.onnx")])
     assert builtin.exit_code != 0 and "--logits" in builtin.output, builtin.output
-
-
-@pytest.mark.skipif(genai_python() is None, reason="no .venv-genai: scripts/setup.sh installs onnxruntime-genai there")
-def test_onnxruntime_genai_generates_from_a_last_token_file(last_llama, alone):
-    """``mha-deploy genai-config FILE``, then onnxruntime-genai (its own environment) generates the four prompts as one
-    batch right-padded with the pad id: each row's tokens equal transformers' greedy tokens alone (exact ids, up to
-    the eos id as tests/exporters/test_llm_families.py reads onnxruntime-genai 0.18)."""
-    path = last_llama[0]
-    result = CliRunner().invoke(main, ["genai-config", str(path)])
-    assert result.exit_code == 0, result.output
-    assert json.loads((path.parent / "genai_config.json").read_text())["model"]["pad_token_id"] == families.PAD_ID
-    width = max(LENGTHS)
-    padded = [prompt + [families.PAD_ID] * (width - len(prompt)) for prompt in PROMPTS]
-    rows = run_genai_greedy(path.parent, padded, width + MAX_NEW).new_tokens(width)
-    for row, (theirs, want) in enumerate(zip(rows, alone, strict=True)):
-        ended = want[-1] == families.EOS_ID
-        before_eos = want[:-1] if ended else want
-        rest = theirs[len(before_eos):]
-        assert theirs[:len(before_eos)] == before_eos and (
-            rest[:1] in ([], [families.EOS_ID]) and set(rest[1:]) <= {families.PAD_ID} if ended else not rest), (
-            f"row {row} ({LENGTHS[row]} tokens): onnxruntime-genai {theirs}, transformers {want}")
 
 
 def _lm(tied_softcap: bool, also_read: bool = False) -> onnx.ModelProto:

@@ -9,8 +9,6 @@ flags. One export per family per session."""
 from __future__ import annotations
 
 import json
-import threading
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import onnx
@@ -22,34 +20,25 @@ from mha_deploy.bench.genai import genai_python, run_genai_greedy
 from mha_deploy.cli import main
 from mha_deploy.runtime.generation import generate, prompt_batch
 from mha_deploy.runtime.kv_stepper import KVCacheStepper
-from tests.conftest import user_module
-from tests.serving.helpers import Server, openai_client
+from tests.conftest import hf_family_kv_export, user_module
+from tests.serving.helpers import Server, completions_concurrent_and_together
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 families = user_module("hf_families")
-MAX_NEW = 8
-# Prompts around and past the sliding window (8 keys): a window's edge moves within each row's generation. No id
-# below 3 (pad, eos, bos): onnxruntime-genai finds a prompt's end by the pad id.
-LENGTHS = [3, 12, 1, 7]
-_draw = np.random.default_rng(37)
-PROMPTS = [_draw.integers(3, families.VOCAB, n).tolist() for n in LENGTHS]
+LENGTHS, PROMPTS, MAX_NEW = families.PROMPT_LENGTHS, families.PROMPTS, families.MAX_NEW
 
 
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory):
-    """``exported(family) -> (file, CLI output, model)``: the family's folder exported once per session."""
+    """``exported(family) -> (file, CLI output, model)``: the family's folder exported once per run, and the model it
+    was saved from."""
     cache = {}
 
     def export(family: str):
         if family not in cache:
-            folder = tmp_path_factory.mktemp(family)
-            model = families.save(family, folder / "hf")
-            path = folder / "model.onnx"
-            result = CliRunner().invoke(main, ["export", "--hf", str(folder / "hf"), "--kv-cache", "-o", str(path)])
-            assert result.exit_code == 0, result.output
-            cache[family] = path, result.output, model
+            cache[family] = (*hf_family_kv_export(tmp_path_factory, family), families.build(family))
         return cache[family]
 
     return export
@@ -64,16 +53,7 @@ def alone(exported):
 
     def tokens(family: str) -> list[list[int]]:
         if family not in cache:
-            model = exported(family)[2]
-            greedy = transformers.GenerationConfig(do_sample=False, max_new_tokens=MAX_NEW,
-                                                   eos_token_id=families.EOS_ID, pad_token_id=families.PAD_ID)
-            rows = []
-            for prompt in PROMPTS:
-                ids = torch.tensor([prompt])
-                with torch.no_grad():
-                    out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), generation_config=greedy)
-                rows.append(out[0, len(prompt):].tolist())
-            cache[family] = rows
+            cache[family] = families.greedy_alone(exported(family)[2])
         return cache[family]
 
     return tokens
@@ -186,21 +166,13 @@ def test_each_family_served_to_concurrent_openai_requests_gives_each_prompt_its_
     path = exported(family)[0]
     server = Server(path, tmp_path / "server.log", "--threads", "1", "--name", family)
     try:
-        api = openai_client(server.wait_ready()).completions
+        server.wait_ready()
         assert "requests of any length share one cache" in server.log()
-        start = threading.Barrier(len(PROMPTS))  # the four sent together, as far as threads can
-
-        def complete(prompt):
-            start.wait(timeout=30)
-            return api.create(model=family, prompt=prompt, max_tokens=MAX_NEW, temperature=0).choices[0].token_ids
-
-        with ThreadPoolExecutor(len(PROMPTS)) as pool:
-            concurrent = list(pool.map(complete, PROMPTS))
-        together = api.create(model=family, prompt=PROMPTS, max_tokens=MAX_NEW, temperature=0).choices
+        concurrent, together = completions_concurrent_and_together(server, family, PROMPTS, MAX_NEW)
     finally:
         server.stop()
     assert concurrent == alone(family), server.log()
-    assert [choice.token_ids for choice in sorted(together, key=lambda c: c.index)] == alone(family)
+    assert together == alone(family)
 
 
 @pytest.mark.skipif(genai_python() is None, reason="no .venv-genai: scripts/setup.sh installs onnxruntime-genai there")

@@ -618,29 +618,18 @@ def test_an_int4_file_served_to_concurrent_openai_requests_gives_each_prompt_its
     """``mha-deploy serve`` of the int4 file (BART's decoder, its encoder found beside it) on a free loopback port:
     the four prompts sent at once as four requests by OpenAI's client, then as one request of four prompts; every
     completion's token ids equal the same file's tokens for its prompt alone through runtime.generation (exact ids)."""
-    import threading
-    from concurrent.futures import ThreadPoolExecutor
-
     pytest.importorskip("openai")
-    from tests.serving.helpers import Server, openai_client
+    from tests.serving.helpers import Server, completions_concurrent_and_together
 
     path = request.getfixturevalue(f"int4_{name}")[0]
     server = Server(path, tmp_path / "server.log", "--threads", "1", "--name", name)
     try:
-        api = openai_client(server.wait_ready()).completions
-        start = threading.Barrier(len(PATH_PROMPTS))  # the four sent together, as far as threads can
-
-        def complete(prompt):
-            start.wait(timeout=30)
-            return api.create(model=name, prompt=prompt, max_tokens=PATH_NEW, temperature=0).choices[0].token_ids
-
-        with ThreadPoolExecutor(len(PATH_PROMPTS)) as pool:
-            concurrent = list(pool.map(complete, PATH_PROMPTS))
-        together = api.create(model=name, prompt=PATH_PROMPTS, max_tokens=PATH_NEW, temperature=0).choices
+        server.wait_ready()
+        concurrent, together = completions_concurrent_and_together(server, name, PATH_PROMPTS, PATH_NEW)
     finally:
         server.stop()
     assert concurrent == int4_alone(name), server.log()
-    assert [choice.token_ids for choice in sorted(together, key=lambda c: c.index)] == int4_alone(name)
+    assert together == int4_alone(name)
 
 
 @pytest.mark.slow

@@ -143,6 +143,27 @@ def openai_client(server: Server):
     return openai.OpenAI(base_url=f"http://{server.url}/v1", api_key="unused", max_retries=0, timeout=60)
 
 
+def completions_concurrent_and_together(server: Server, model: str, prompts: list, max_tokens: int
+                                       ) -> tuple[list[list[int]], list[list[int]]]:
+    """Each prompt's greedy token ids from a served generator two ways: one request per prompt, all sent together
+    (threads released by one barrier, as far as threads can), and one request of every prompt; each in prompt
+    order."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    api = openai_client(server).completions
+    start = threading.Barrier(len(prompts))
+
+    def complete(prompt):
+        start.wait(timeout=30)
+        return api.create(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0).choices[0].token_ids
+
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        concurrent = list(pool.map(complete, prompts))
+    together = api.create(model=model, prompt=prompts, max_tokens=max_tokens, temperature=0).choices
+    return concurrent, [choice.token_ids for choice in sorted(together, key=lambda c: c.index)]
+
+
 def self_signed_certificate(directory: Path) -> tuple[Path, Path]:
     """A certificate for 127.0.0.1 and localhost and its key, as PEM files (cryptography, else the openssl CLI)."""
     cert, key = directory / "cert.pem", directory / "key.pem"

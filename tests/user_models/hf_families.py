@@ -155,3 +155,34 @@ def save(family: str, folder) -> torch.nn.Module:
     model = build(family)
     model.save_pretrained(folder)
     return model
+
+
+# The prompts the family tests generate from: around and past the sliding window (WINDOW keys), so a window's edge
+# moves within each row's generation. No id below 3 (pad, eos, bos): onnxruntime-genai finds a prompt's end by the
+# pad id.
+PROMPT_LENGTHS = (3, 12, 1, 7)
+MAX_NEW = 8
+
+
+def _prompts() -> list[list[int]]:
+    import numpy as np
+
+    draw = np.random.default_rng(37)
+    return [draw.integers(3, VOCAB, n).tolist() for n in PROMPT_LENGTHS]
+
+
+PROMPTS = _prompts()
+
+
+def greedy_alone(model, prompts=PROMPTS, max_new: int = MAX_NEW) -> list[list[int]]:
+    """transformers' greedy ``generate`` on each prompt alone: ``max_new`` new tokens, or fewer where the eos id comes
+    (kept)."""
+    greedy = transformers.GenerationConfig(do_sample=False, max_new_tokens=max_new, eos_token_id=EOS_ID,
+                                           pad_token_id=PAD_ID)
+    rows = []
+    for prompt in prompts:
+        ids = torch.tensor([prompt])
+        with torch.no_grad():
+            out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), generation_config=greedy)
+        rows.append(out[0, len(prompt):].tolist())
+    return rows
