@@ -74,3 +74,13 @@ def kernel_tag(node: onnx.NodeProto) -> str | None:
 def packing_tags(graph: onnx.GraphProto) -> list[str]:
     """What token packing wrote on ``graph``'s nodes: its report, one line, or nothing for a model not packed."""
     return [p.value for node in graph.node for p in node.metadata_props if p.key == PACKING_PROP]
+
+
+def fresh_name(name: str, taken: set[str]) -> str:
+    """``name``, or ``name_1``, ``name_2``, ... the first not in ``taken``, added to it: a value or node name a pass
+    writes without clashing with the graph's own."""
+    candidate, count = name, 1
+    while candidate in taken:
+        candidate, count = f"{name}_{count}", count + 1
+    taken.add(candidate)
+    return candidate

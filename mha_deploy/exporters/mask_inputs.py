@@ -15,6 +15,7 @@ import onnx
 from onnx import TensorProto, helper
 
 from mha_deploy.errors import ExportError
+from mha_deploy.onnx_nodes import fresh_name
 from mha_deploy.signature import PADDING_MASK, Signature
 
 _TYPES = {"int64": TensorProto.INT64, "bool": TensorProto.BOOL}
@@ -40,7 +41,7 @@ def int64_masks(model: onnx.ModelProto, names) -> onnx.ModelProto:
     taken = _names(graph)
     casts = []
     for name in changed:
-        inner = _unique(f"{name}.bool", taken)
+        inner = fresh_name(f"{name}.bool", taken)
         _rename_uses(graph, name, inner)
         next(value for value in graph.input if value.name == name).type.tensor_type.elem_type = TensorProto.INT64
         casts.append(helper.make_node("Cast", [name], [inner], to=TensorProto.BOOL, name=f"{inner}.cast"))
@@ -59,14 +60,6 @@ def _names(graph: onnx.GraphProto) -> set[str]:
             if attribute.type == onnx.AttributeProto.GRAPH:
                 names |= _names(attribute.g)
     return names
-
-
-def _unique(name: str, taken: set[str]) -> str:
-    candidate, index = name, 1
-    while candidate in taken:
-        candidate, index = f"{name}.{index}", index + 1
-    taken.add(candidate)
-    return candidate
 
 
 def _rename_uses(graph: onnx.GraphProto, old: str, new: str) -> None:

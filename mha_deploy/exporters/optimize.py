@@ -53,7 +53,7 @@ from mha_deploy.exporters.parity import ParityCase, default_cases
 from mha_deploy.exporters.probes import output_axes, paddable_axes, probe_feeds, unpadded_mask_warnings
 from mha_deploy.exporters.quantize import Quantization
 from mha_deploy.metadata import MAX_OPSET, MIN_OPSET, ModelMetadata
-from mha_deploy.onnx_nodes import default_opset
+from mha_deploy.onnx_nodes import default_opset, fresh_name
 from mha_deploy.runtime.model_check import check_branch_ranks
 from mha_deploy.signature import (
     BATCH_AXIS,
@@ -504,9 +504,9 @@ def _written_interface(
         if graph_inputs[value.name].elem_type == wanted:
             continue
         name = value.name
-        value.name = _fresh(f"{name}_{graph_inputs[name].type_name}", taken)
+        value.name = fresh_name(f"{name}_{graph_inputs[name].type_name}", taken)
         written = ir.Value(name=name, type=ir.TensorType(ir.DataType(wanted)), shape=value.shape)
-        cast = ir.node("Cast", [written], {"to": graph_inputs[name].elem_type}, name=_fresh(f"cast_{name}", taken))
+        cast = ir.node("Cast", [written], {"to": graph_inputs[name].elem_type}, name=fresh_name(f"cast_{name}", taken))
         value.replace_all_uses_with(cast.outputs[0])
         cast.outputs[0].name = value.name
         graph.inputs[index] = written
@@ -540,14 +540,6 @@ def _declare_shapes(model: onnx.ModelProto, signature: Signature) -> None:
                 dim.dim_value = axis
             else:
                 dim.dim_param = axis
-
-
-def _fresh(name: str, taken: set[str]) -> str:
-    candidate, count = name, 1
-    while candidate in taken:
-        candidate, count = f"{name}_{count}", count + 1
-    taken.add(candidate)
-    return candidate
 
 
 def _type_name(elem_type: int) -> str:
