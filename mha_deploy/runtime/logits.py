@@ -230,12 +230,14 @@ class ForcedBOSTokenLogitsProcessor(LogitsProcessor):
     def __init__(self, token_id: int):
         (self.token_id,) = token_ids(token_id)
 
+    def check_vocabulary(self, vocab: int) -> None:
+        """Raise ``InputError`` when a head of ``vocab`` scores cannot produce the forced id (``check_token_id``)."""
+        check_token_id(self.token_id, "forced_bos_token_id", vocab)
+
     def __call__(self, history: TokenHistory, scores: np.ndarray) -> np.ndarray:
         if history.tokens.shape[1] != 1:
             return scores
-        if self.token_id >= scores.shape[-1]:
-            raise OptionError(f"forced_bos_token_id {self.token_id} is past the model's vocabulary of "
-                              f"{scores.shape[-1]} ids")
+        self.check_vocabulary(scores.shape[-1])
         forced = np.full_like(scores, FILTERED)
         forced[:, self.token_id] = 0.0
         return forced
@@ -281,6 +283,24 @@ def token_ids(ids: int | Iterable[int] | None) -> tuple[int, ...]:
         if not isinstance(value, int | np.integer) or value < 0:
             raise OptionError(f"token ids must be non-negative integers, got {value!r}")
     return tuple(dict.fromkeys(int(value) for value in values))
+
+
+def check_token_id(token: object, name: str, vocab: int | None, hint: str = "") -> int:
+    """``token`` as an int when it is an id of a vocabulary of ``vocab`` ids: an integer in [0, vocab) (vocab None:
+    the size is not known, so any integer int64 holds, 0 or more); else ``InputError`` whose message names ``name``,
+    the id and the vocabulary's size, then ``hint``. The one check of a token id that a caller gives (a served
+    request's prompt, decoder prompt, stop ids, forced first id), so that every such refusal reads alike."""
+    ids = f"0 to {vocab - 1}, the model's vocabulary of {vocab} ids" if vocab is not None else "0 or more, in int64"
+    if isinstance(token, bool) or not isinstance(token, int | np.integer):
+        raise InputError(f"{name}: token ids are integers ({ids}), got {token!r}{hint}")
+    if token < 0:
+        raise InputError(f"{name}: token id {token} is negative: token ids are {ids}{hint}")
+    if vocab is not None and token >= vocab:
+        raise InputError(f"{name}: token id {token} is past the model's vocabulary of {vocab} ids (0 to "
+                         f"{vocab - 1}){hint}")
+    if token > np.iinfo(np.int64).max:  # no vocabulary reaches it, and int64 would wrap it negative
+        raise InputError(f"{name}: token id {token} is past int64, and past any vocabulary{hint}")
+    return int(token)
 
 
 def log_softmax(scores: np.ndarray) -> np.ndarray:

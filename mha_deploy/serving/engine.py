@@ -67,7 +67,13 @@ from mha_deploy.errors import InputError, MHADeployError
 from mha_deploy.metadata import POSITIONS_NONE
 from mha_deploy.runtime.generation import GenerationConfig, decoder_prompt_rows, draw_tokens, with_recorded_ids
 from mha_deploy.runtime.kv_stepper import KVCacheStepper, check_features, mixes_lengths_exactly
-from mha_deploy.runtime.logits import LogitBiasLogitsProcessor, TokenHistory, log_softmax
+from mha_deploy.runtime.logits import (
+    ForcedBOSTokenLogitsProcessor,
+    LogitBiasLogitsProcessor,
+    TokenHistory,
+    check_token_id,
+    log_softmax,
+)
 from mha_deploy.serving.scheduler import AlignmentKey, KVBudget, Prefilling, Scheduler
 
 logger = logging.getLogger("mha_deploy.serve")
@@ -355,10 +361,9 @@ class GenerationEngine:
         if bias and self.stepper.graph.vocab_size is not None:
             # Checked here, not at the row's first step: a failure inside the loop would fail every running row.
             LogitBiasLogitsProcessor(bias).check_vocabulary(self.stepper.graph.vocab_size)
-        forced, vocab = request.config.forced_bos_token_id, self.stepper.graph.vocab_size
-        if forced is not None and vocab is not None and forced >= vocab:  # as logit_bias: before the loop sees it
-            raise InputError(f"forced_bos_token_id {forced} is past the model's vocabulary ({vocab} ids, 0 to "
-                             f"{vocab - 1})")
+        forced = request.config.forced_bos_token_id
+        if forced is not None and self.stepper.graph.vocab_size is not None:  # as logit_bias: the processor's check
+            ForcedBOSTokenLogitsProcessor(forced).check_vocabulary(self.stepper.graph.vocab_size)
         if not self.scheduler.fits_alone(request.kv_need):
             what = "features" if request.features else f"prompt's {len(prompt)} tokens"
             raise RequestTooLarge(
@@ -389,10 +394,7 @@ class GenerationEngine:
         else:
             if prompt.ndim != 1 or prompt.size == 0 or prompt.dtype.kind not in "iu" or prompt.min() < 0:
                 raise InputError("a prompt is a non-empty list of non-negative token ids")
-            vocab = self.limits.vocab
-            if vocab is not None and prompt.max() >= vocab:
-                raise InputError(f"token id {int(prompt.max())} is past the model's vocabulary ({vocab} ids, 0 to "
-                                 f"{vocab - 1})")
+            check_token_id(int(prompt.max()), "prompt", self.limits.vocab)
         config = request.config
         if self.stepper.encoder is None:
             if request.decoder_prompt is not None or config.forced_bos_token_id is not None:

@@ -29,6 +29,7 @@ NEW = folders.NEW_TOKENS
 START, FORCED, OTHER, VOCAB = folders.START_ID, folders.FORCED_ID, folders.OTHER_LANGUAGE, folders.VOCAB
 SOURCES = folders.SOURCES
 WHISPER_PROMPT, TRANSCRIPT = folders.WHISPER_PROMPT, folders.TRANSCRIPT
+TINY_VOCAB = 50  # tests/user_models/causal_lm.py's TinyLM
 
 
 @pytest.fixture(scope="module")
@@ -150,10 +151,12 @@ FRAMES = 2 * folders.POSITIONS
 GOOD_FEATURES = _base64(np.zeros((folders.MEL, FRAMES), np.float32))
 # (server, request body beyond model and max_tokens, the field the 400 names, words its message holds)
 BAD = [
-    ("m2m", {"prompt": [5, 6], "forced_bos_token_id": VOCAB}, "forced_bos_token_id", f"[0, {VOCAB})"),
+    ("m2m", {"prompt": [5, 6], "forced_bos_token_id": VOCAB}, "forced_bos_token_id", f"vocabulary of {VOCAB} ids"),
     ("m2m", {"prompt": [5, 6], "forced_bos_token_id": "en"}, "forced_bos_token_id", "integer"),
     ("m2m", {"prompt": [5, 6], "forced_bos_token_id": True}, "forced_bos_token_id", "integer"),
-    ("m2m", {"prompt": [5, 6], "decoder_prompt": [START, VOCAB + 3]}, "decoder_prompt", f"[0, {VOCAB})"),
+    ("m2m", {"prompt": [5, 6], "decoder_prompt": [START, VOCAB + 3]}, "decoder_prompt",
+     f"token id {VOCAB + 3} is past the model's vocabulary of {VOCAB} ids (0 to {VOCAB - 1})"),
+    ("m2m", {"prompt": [5, 6], "decoder_prompt": [START, -2]}, "decoder_prompt", "token id -2 is negative"),
     ("m2m", {"prompt": [5, 6], "decoder_prompt": "en"}, "decoder_prompt", "list of token ids"),
     ("m2m", {"prompt": [5, 6], "decoder_prompt": [1.5]}, "decoder_prompt", "integers"),
     ("m2m", {"prompt": [5, 6], "decoder_prompt": [START] * 60, "max_tokens": 10}, "decoder_prompt",
@@ -174,6 +177,16 @@ BAD = [
      "list"),
     ("tiny", {"prompt": [5, 6], "forced_bos_token_id": 3}, "forced_bos_token_id", "decoder-only"),
     ("tiny", {"prompt": [5, 6], "decoder_prompt": [3]}, "decoder_prompt", "decoder-only"),
+    # every id a request gives is refused in the same words (runtime.logits.check_token_id), naming its own field
+    ("tiny", {"prompt": [5, TINY_VOCAB]}, "prompt", f"token id {TINY_VOCAB} is past the model's vocabulary of "
+                                                    f"{TINY_VOCAB} ids (0 to {TINY_VOCAB - 1}): was the prompt"),
+    ("tiny", {"prompt": [5, 2**64]}, "prompt", f"token id {2**64} is past the model's vocabulary of {TINY_VOCAB}"),
+    ("tiny", {"prompt": [[5, 6], [5, -1]]}, "prompt[1]", "token id -1 is negative"),
+    ("tiny", {"prompt": [5, 6], "stop": [7, TINY_VOCAB + 1]}, "stop",
+     f"token id {TINY_VOCAB + 1} is past the model's vocabulary of {TINY_VOCAB} ids"),
+    ("tiny", {"prompt": [5, 6], "stop_token_ids": [-3]}, "stop_token_ids", "token id -3 is negative"),
+    ("tiny", {"prompt": [5, 6], "logit_bias": {str(TINY_VOCAB): 1}}, "logit_bias",
+     f"token id {TINY_VOCAB} is past the model's vocabulary of {TINY_VOCAB} ids"),
 ]
 
 

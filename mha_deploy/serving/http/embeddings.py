@@ -133,8 +133,8 @@ def embedding_routes(service: InferenceService, options: EmbeddingOptions, token
     async def ids(items: list, param: str) -> np.ndarray:
         return await list_ids(items, param, limits.max_item_tokens, out_of_range)
 
-    def out_of_range(token: int, param: str) -> RequestError:
-        return RequestError(400, "id_out_of_range", f"{param}: token id {token} is past int64, and past any vocabulary")
+    def out_of_range(token: int, param: str) -> None:
+        raise RequestError(400, "id_out_of_range", f"{param}: token id {token} is past int64, and past any vocabulary")
 
     async def embeddings(request: Request) -> Response:
         with service.track("openai_embeddings"):

@@ -34,7 +34,7 @@ from mha_deploy.serving.engine import (
 )
 from mha_deploy.serving.http.metrics import GenerationMetrics
 from mha_deploy.serving.http.parsing import RequestError, RequestLimits
-from mha_deploy.serving.http.prompt_ids import list_ids, text_ids
+from mha_deploy.serving.http.prompt_ids import list_ids, text_ids, token_id
 from mha_deploy.serving.http.service import TrackedService
 from mha_deploy.serving.http.text_bound import chars_per_token
 from mha_deploy.serving.http.token_texts import TokenTexts
@@ -144,14 +144,16 @@ class GenerationService(TrackedService):
         """A prompt given as token ids (a JSON list of integers), as int64 (``prompt_ids.list_ids``)."""
         return await list_ids(items, param, self.longest_prompt, self._bad_id)
 
-    def _bad_id(self, token: int, param: str) -> RequestError:
+    @property
+    def vocabulary(self) -> int | None:
+        """How many ids the model generates from (its logits' last axis; a decoder prompt's, stop ids' and a forced
+        id's bound); None while it loads or where the file leaves it open."""
+        return self.engine.stepper.graph.vocab_size if self.engine is not None else None
+
+    def _bad_id(self, token: int, param: str) -> None:
+        """Refuse a prompt's ``token``, outside the ids a prompt may hold (an encoder-decoder's: its encoder's)."""
         vocab = self.engine.limits.vocab if self.engine is not None else None
-        if vocab is None:
-            return RequestError(400, "bad_token_id", f"{param}: token ids must be non-negative integers below "
-                                                     f"2^63, got {token}")
-        return RequestError(400, "bad_token_id", f"{param}: token ids must be in [0, {vocab}) (this model's "
-                                                 f"vocabulary), got {token}: was the prompt tokenized for another "
-                                                 "model?")
+        token_id(token, param, vocab, ": was the prompt tokenized for another model?" if vocab is not None else "")
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(np.asarray(ids, np.int64)) if self.tokenizer is not None else ""
@@ -171,7 +173,7 @@ class GenerationService(TrackedService):
         vocab = self.engine.limits.vocab if self.engine is not None else None
         outside = (ids < 0) | (ids >= vocab) if vocab is not None else ids < 0
         if outside.any():
-            raise self._bad_id(int(ids[outside.argmax()]), param)
+            self._bad_id(int(ids[outside.argmax()]), param)
         self.check_target(max_new_tokens, param)
         limit = self.settings.max_length
         source = self.engine is not None and not self.engine.limits.with_new_tokens  # an encoder's source

@@ -49,7 +49,7 @@ from mha_deploy.serving.http.generation import (
     until_done_or_gone,
 )
 from mha_deploy.serving.http.parsing import FieldError, RequestError
-from mha_deploy.serving.http.prompt_ids import prompt_list
+from mha_deploy.serving.http.prompt_ids import prompt_list, token_id
 from mha_deploy.serving.http.seq2seq_fields import (
     check_forced_bos,
     decoder_prompt,
@@ -138,10 +138,8 @@ def parse_sampling(
     if not isinstance(extra, list) or len(extra) > MAX_STOP_IDS or not all(
             isinstance(i, int) and not isinstance(i, bool) for i in extra):
         raise _bad("stop_token_ids", f"must be a list of at most {MAX_STOP_IDS} token ids")
-    stop_ids = tuple(ids + extra)
-    vocab = service.engine.stepper.graph.vocab_size if service.engine is not None else None
-    if any(i < 0 or (vocab is not None and i >= vocab) for i in stop_ids):
-        raise _bad("stop", f"token ids must be in [0, {vocab})")
+    vocab = service.vocabulary
+    stop_ids = tuple([token_id(i, "stop", vocab) for i in ids] + [token_id(i, "stop_token_ids", vocab) for i in extra])
     if strings and service.tokenizer is None:
         raise _bad("stop", "stop strings need a tokenizer (start the server with --tokenizer); give token ids")
     top_k = _integer(body, "top_k", None, -1)
@@ -182,8 +180,7 @@ def _logit_bias(value, vocab: int | None) -> tuple[tuple[int, float], ...]:
         token = int(key)
         if any(token == seen for seen, _ in pairs):
             raise _bad("logit_bias", f"token id {token} is given twice ({key!r})")
-        if vocab is not None and token >= vocab:
-            raise _bad("logit_bias", f"token id {token} is past the model's vocabulary ({vocab} ids, 0 to {vocab - 1})")
+        token_id(token, "logit_bias", vocab)
         if isinstance(bias, bool) or not isinstance(bias, int | float) or not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
             raise _bad("logit_bias", f"the bias of token {token} must be a number in "
                                      f"[-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], got {bias!r}")

@@ -14,7 +14,9 @@ from collections.abc import Awaitable, Callable
 
 import numpy as np
 
-from mha_deploy.serving.http.parsing import RequestError
+from mha_deploy.errors import InputError
+from mha_deploy.runtime.logits import check_token_id
+from mha_deploy.serving.http.parsing import FieldError, RequestError
 
 # Texts up to this long are tokenized, and id lists converted, on the event loop (well under a millisecond); longer
 # ones in a thread.
@@ -51,10 +53,20 @@ def _tokenize(tokenizer, text: str, param: str) -> np.ndarray:
     return tokenizer.encode(text)
 
 
+def token_id(token: object, param: str, vocab: int | None, hint: str = "") -> int:
+    """``token`` as an int when a vocabulary of ``vocab`` ids holds it (None: not known), else a 400 naming ``param``
+    in ``logits.check_token_id``'s words (the field, the id, the vocabulary's size): every generation route's check of
+    an id a request gives."""
+    try:
+        return check_token_id(token, param, vocab, hint)
+    except InputError as exc:
+        raise FieldError(400, "bad_token_id", str(exc), param) from None
+
+
 async def list_ids(items: object, param: str, longest: int | None,
-                   bad_id: Callable[[int, str], RequestError]) -> np.ndarray:
+                   bad_id: Callable[[int, str], None]) -> np.ndarray:
     """Token ids given as a JSON list of integers, as int64; a list longer than ``longest`` is refused before it is
-    converted, an id past int64 (which no vocabulary reaches) with ``bad_id(id, param)``."""
+    converted, an id past int64 (which no vocabulary reaches) by ``bad_id(id, param)``, which raises."""
     if not isinstance(items, list):
         raise RequestError(400, "bad_prompt", f"{param}: must be a list of token ids")
     if longest is not None and len(items) > longest:
@@ -66,14 +78,14 @@ async def list_ids(items: object, param: str, longest: int | None,
     return await asyncio.to_thread(_id_array, items, param, bad_id)
 
 
-def _id_array(items: list, param: str, bad_id: Callable[[int, str], RequestError]) -> np.ndarray:
+def _id_array(items: list, param: str, bad_id: Callable[[int, str], None]) -> np.ndarray:
     if not all(type(i) is int for i in items):  # bool is an int subclass: true is no token id
         raise RequestError(400, "bad_prompt", f"{param}: must be a list of token ids (integers)")
     try:
         return np.asarray(items, np.int64)
     except OverflowError:
-        huge = next(i for i in items if not -(2**63) <= i < 2**63)
-        raise bad_id(huge, param) from None
+        bad_id(next(i for i in items if not -(2**63) <= i < 2**63), param)
+        raise  # bad_id refuses every id beyond int64
 
 
 def is_id_list(value: object) -> bool:

@@ -29,6 +29,7 @@ import numpy as np
 from mha_deploy.errors import InputError
 from mha_deploy.runtime.kv_stepper import check_features
 from mha_deploy.serving.http.parsing import FieldError
+from mha_deploy.serving.http.prompt_ids import token_id
 
 FEATURE_DTYPES = {"float32": np.dtype("<f4"), "float16": np.dtype("<f2")}
 EMPTY_PROMPTS = (None, "", [])  # what a request with input_features may send as prompt (the openai client's None)
@@ -36,13 +37,6 @@ EMPTY_PROMPTS = (None, "", [])  # what a request with input_features may send as
 
 def _bad(param: str, message: str, code: str = "invalid_value") -> FieldError:
     return FieldError(400, code, f"{param}: {message}", param)
-
-
-def _token_id(value, param: str, vocab: int | None) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0 or (vocab is not None and value >= vocab):
-        bound = f"in [0, {vocab}) (this model's vocabulary)" if vocab is not None else "a non-negative integer"
-        raise _bad(param, f"token ids must be integers {bound}, got {value!r}")
-    return value
 
 
 def _encoder_decoder(service, param: str):
@@ -65,8 +59,8 @@ def forced_bos_token_id(body: dict) -> int | None:
 def check_forced_bos(value: int | None, service) -> None:
     if value is None:
         return
-    engine = _encoder_decoder(service, "forced_bos_token_id")
-    _token_id(value, "forced_bos_token_id", engine.stepper.graph.vocab_size)
+    _encoder_decoder(service, "forced_bos_token_id")
+    token_id(value, "forced_bos_token_id", service.vocabulary)
 
 
 def decoder_prompt(body: dict, service, max_tokens: int) -> np.ndarray | None:
@@ -79,8 +73,7 @@ def decoder_prompt(body: dict, service, max_tokens: int) -> np.ndarray | None:
     if not isinstance(value, list):
         raise _bad("decoder_prompt", f"must be a list of token ids (integers), got {value!r}")
     engine = _encoder_decoder(service, "decoder_prompt")
-    vocab = engine.stepper.graph.vocab_size
-    ids = [_token_id(token, "decoder_prompt", vocab) for token in value]
+    ids = [token_id(token, "decoder_prompt", service.vocabulary) for token in value]
     start = engine.stepper.decoder_start_token_id
     fed = len(ids) + (0 if ids[:1] == [start] else 1) - 1 + max_tokens  # the decoder's positions: prompt, new tokens
     target = engine.limits.target_max_length
