@@ -7,6 +7,8 @@ numpy at import and nothing else, so that a probe running in another environment
 from __future__ import annotations
 
 import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -19,7 +21,10 @@ def peak_rss_mb() -> float:
 
 
 def memory_bandwidth_gb_s() -> float:
-    """GB/s of a numpy sum over 256 MB of float32 (one core): what one decoding thread can read at best."""
+    """GB/s of a numpy sum over 256 MB of float32 (one core, best of 5): the figure the benchmarks printed first,
+    kept for comparison. It understates what even one core reads: numpy's float32 sum is pairwise and runs at about
+    the same 13-15 GB/s from cache as from memory on the 2-core EPYC host, so it is bound by its arithmetic, not by
+    memory. ``read_bandwidth`` measures what a decoder of ``threads`` threads can read."""
     data = np.ones(64 * 2**20, np.float32)
     best = float("inf")
     for _ in range(5):
@@ -27,6 +32,93 @@ def memory_bandwidth_gb_s() -> float:
         data.sum()
         best = min(best, time.perf_counter() - started)
     return data.nbytes / best / 1e9
+
+
+@dataclass(frozen=True)
+class Bandwidth:
+    """What ``threads`` threads read from memory: the best of several methods that each read every byte of a
+    256 MB float32 buffer once (far beyond the last-level cache), and each method's own best."""
+
+    gb_s: float  # the best method's: the batch-1 limit's bandwidth
+    method: str  # which method read it
+    threads: int
+    one_core_gb_s: float  # memory_bandwidth_gb_s(): the numpy sum on one core, for comparison
+    methods: dict[str, float] = field(default_factory=dict)  # GB/s per method, each its best of the rounds
+
+    def line(self) -> str:
+        others = "; ".join(f"{name} {value:.1f}" for name, value in self.methods.items())
+        return (f"memory bandwidth: {self.gb_s:.1f} GB/s read by {self.threads} threads ({self.method}; over 256 MB, "
+                f"best of each: {others}); one core's numpy sum: {self.one_core_gb_s:.1f} GB/s")
+
+    def as_json(self) -> dict:
+        return {"gb_s": self.gb_s, "method": self.method, "threads": self.threads,
+                "one_core_gb_s": self.one_core_gb_s, "one_core_method": "numpy sum, one core", "methods": self.methods}
+
+
+def read_bandwidth(threads: int, rounds: int = 9, megabytes: int = 256) -> Bandwidth:
+    """GB/s that ``threads`` threads read from memory, the way a decoder of that many threads reads its weights.
+
+    Two readers, each reading every byte once, the rounds interleaved so that a noisy moment hits both alike (best
+    of ``rounds`` each):
+
+    - numpy max over ``threads`` disjoint slices, one Python thread each (numpy releases the GIL in a reduction).
+      max, not sum: its vectorised loop reads 40-50 GB/s from cache on this host, so from memory it waits on memory;
+    - onnxruntime's ReduceSum over rows of the buffer with ``threads`` intra-op threads: what onnxruntime's own
+      kernels stream (skipped where onnxruntime or onnx does not import).
+
+    The limit takes the larger: each is a floor on what ``threads`` threads can read, and a slower one measures its
+    own overhead, not the memory.
+    """
+    data = np.ones(megabytes * 2**18, np.float32)  # written once here, so no first-touch page faults are timed
+    plural = "s" if threads > 1 else ""
+    readers = {f"numpy max, {threads} thread{plural}": _numpy_reader(data, threads)}
+    ort_reader = _onnxruntime_reader(data, threads)
+    if ort_reader is not None:
+        readers[f"onnxruntime ReduceSum, {threads} intra-op thread{plural}"] = ort_reader
+    best = dict.fromkeys(readers, float("inf"))
+    for _ in range(rounds):
+        for name, read in readers.items():
+            started = time.perf_counter()
+            read()
+            best[name] = min(best[name], time.perf_counter() - started)
+    methods = {name: data.nbytes / seconds / 1e9 for name, seconds in best.items()}
+    method = max(methods, key=methods.__getitem__)
+    return Bandwidth(methods[method], method, threads, memory_bandwidth_gb_s(), methods)
+
+
+def _numpy_reader(data: np.ndarray, threads: int):
+    parts = np.array_split(data, threads)
+    pool = ThreadPoolExecutor(threads)  # started once: the rounds time the reads, not the threads' creation
+
+    def read() -> None:
+        list(pool.map(np.max, parts))
+    return read
+
+
+def _onnxruntime_reader(data: np.ndarray, threads: int):
+    try:
+        import onnx
+        import onnxruntime
+    except ImportError:
+        return None
+    # Rows of 256 KB (each one thread's unit, in L2), summed along axis 1: onnxruntime splits the rows among its
+    # threads. The buffer is an input, not an initializer, so the session holds no copy of it.
+    rows = data.reshape(-1, 64 * 2**10)
+    graph = onnx.helper.make_graph(
+        [onnx.helper.make_node("ReduceSum", ["x", "axes"], ["y"], keepdims=0)], "read",
+        [onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, list(rows.shape))],
+        [onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [rows.shape[0]])],
+        [onnx.helper.make_tensor("axes", onnx.TensorProto.INT64, [1], [1])])
+    model = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 18)], ir_version=10)
+    options = onnxruntime.SessionOptions()
+    options.intra_op_num_threads, options.inter_op_num_threads = threads, 1
+    session = onnxruntime.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    value = onnxruntime.OrtValue.ortvalue_from_numpy(rows)  # shares the buffer's memory: no copy per run
+    session.run_with_ort_values(["y"], {"x": value})  # the first run allocates: untimed
+
+    def read() -> None:
+        session.run_with_ort_values(["y"], {"x": value})
+    return read
 
 
 # Where a table is only gathered from, a token reads one row of it: (op, input index) of such a read. ORT's
