@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 from collections import Counter
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import onnx
@@ -69,6 +69,13 @@ class TensorInfo:
     name: str
     dtype: str
     dims: list[str | int]
+    # An output with the batch on a later axis too (TensorSpec.spans_batch, as the metadata records it)
+    spans_batch: bool = False
+
+
+# What a spanning output's line adds: it is the call's, not an item's (see TensorSpec.spans_batch).
+SPANS_BATCH_WORDS = ("spans the batch: each item against every item of its call, so never split into items nor "
+                     "batched across requests (infer leaves it out, serve runs each request as a batch of its own)")
 
 
 @dataclass
@@ -115,7 +122,8 @@ class ModelReport:
             f"opsets {', '.join(f'{d} {v}' for d, v in self.opsets.items())})"
         ]
         for role, tensors in (("input", self.inputs), ("output", self.outputs)):
-            lines += [f"  {role:6} {t.name:18} {t.dtype:8} [{', '.join(str(d) for d in t.dims)}]" for t in tensors]
+            lines += [f"  {role:6} {t.name:18} {t.dtype:8} [{', '.join(str(d) for d in t.dims)}]"
+                      + (f"  {SPANS_BATCH_WORDS}" if t.spans_batch else "") for t in tensors]
         lines.append("  ops    " + ", ".join(f"{op} x{n}" for op, n in self.op_counts.items()))
         model_inputs = {t.name for t in self.inputs}
         for op in self.attention_ops:
@@ -405,13 +413,14 @@ def describe_model(path: str | os.PathLike) -> ModelReport:
         metadata = ModelMetadata.from_json(props[METADATA_KEY], str(path))
     pair = EncoderDecoderRecord.from_json(props[ENCODER_DECODER_KEY], str(path)) if ENCODER_DECODER_KEY in props \
         else None
+    spanning = set(metadata.signature.batch_outputs) if metadata else set()
     return ModelReport(
         path=str(path),
         size_bytes=path.stat().st_size,
         ir_version=model.ir_version,
         opsets={(o.domain or "ai.onnx"): o.version for o in model.opset_import},
         inputs=[_tensor_info(v) for v in model.graph.input],
-        outputs=[_tensor_info(v) for v in model.graph.output],
+        outputs=[replace(_tensor_info(v), spans_batch=v.name in spanning) for v in model.graph.output],
         op_counts=dict(Counter(_op_label(n) for n in nodes).most_common()),
         attention_ops=attention,
         packing=packing_tags(model.graph),

@@ -151,8 +151,11 @@ def test_a_mask_free_encoder_takes_the_flash_kernel(exported):
 
 def test_clips_cross_batch_logits_are_outputs_spanning_the_batch(exported):
     """logits_per_image and logits_per_text are the file's, [batch, batch] in its metadata (the batch on a later
-    axis: ``TensorSpec.spans_batch``), beside the per-item embeddings."""
-    from mha_deploy.model_report import read_metadata
+    axis: ``TensorSpec.spans_batch``), beside the per-item embeddings; inspect says which span the batch, in its
+    text and its --json."""
+    import json
+
+    from mha_deploy.model_report import SPANS_BATCH_WORDS, read_metadata
 
     _, path, output = exported("clip")
     signature = read_metadata(path).signature
@@ -160,6 +163,18 @@ def test_clips_cross_batch_logits_are_outputs_spanning_the_batch(exported):
     assert signature.tensors["logits_per_image"].axes == ("batch", "batch")
     assert {"text_embeds", "image_embeds"} <= {spec.name for spec in signature.item_outputs}
     assert "left out" not in output
+    shown = CliRunner().invoke(main, ["inspect", str(path)])
+    assert shown.exit_code == 0, shown.output
+    lines = {line.split()[1]: line for line in shown.output.splitlines() if line.startswith("  output ")}
+    assert {"text_embeds", "image_embeds", *signature.batch_outputs} <= set(lines)
+    for name, line in lines.items():
+        assert line.endswith(f"  {SPANS_BATCH_WORDS}") == (name in signature.batch_outputs), line
+    assert "spans the batch: each item against every item of its call" in SPANS_BATCH_WORDS
+    shown = CliRunner().invoke(main, ["inspect", str(path), "--json"])
+    assert shown.exit_code == 0, shown.output
+    report = json.loads(shown.output)
+    assert [t["name"] for t in report["outputs"] if t["spans_batch"]] == ["logits_per_image", "logits_per_text"]
+    assert len(report["outputs"]) == len(lines) > 2
 
 
 def _feeds(family, rng):
