@@ -84,3 +84,40 @@ def fresh_name(name: str, taken: set[str]) -> str:
         candidate, count = f"{name}_{count}", count + 1
     taken.add(candidate)
     return candidate
+
+
+def rename_readers(graph: onnx.GraphProto, old: str, new: str) -> None:
+    """Every node input reading ``old`` reads ``new``, in subgraphs too (an If's branches read outer values by
+    name, and a branch returning one reads it). What produces ``old`` and ``graph``'s own inputs and outputs keep
+    the name: for a pass that puts a node between a value and its readers (e.g. a Cast after an input)."""
+    for sub in _graphs(graph):
+        for node in sub.node:
+            node.input[:] = [new if name == old else name for name in node.input]
+        if sub is not graph:
+            for value in sub.output:
+                if value.name == old:
+                    value.name = new
+
+
+def rename_value(graph: onnx.GraphProto, old: str, new: str) -> None:
+    """The value ``old`` called ``new`` everywhere: its readers, its producer, and the graph inputs, outputs and
+    value_info that name it, in subgraphs too (names are unique across a graph and its subgraphs, so each is the
+    same value)."""
+    for sub in _graphs(graph):
+        for node in sub.node:
+            node.input[:] = [new if name == old else name for name in node.input]
+            node.output[:] = [new if name == old else name for name in node.output]
+        for value in (*sub.input, *sub.output, *sub.value_info):
+            if value.name == old:
+                value.name = new
+
+
+def _graphs(graph: onnx.GraphProto) -> Iterator[onnx.GraphProto]:
+    """``graph`` and every subgraph in it, at any depth."""
+    yield graph
+    for node in graph.node:
+        for attribute in node.attribute:
+            if attribute.type == onnx.AttributeProto.GRAPH:
+                yield from _graphs(attribute.g)
+            for subgraph in attribute.graphs:
+                yield from _graphs(subgraph)

@@ -15,7 +15,7 @@ import onnx
 from onnx import TensorProto, helper
 
 from mha_deploy.errors import ExportError
-from mha_deploy.onnx_nodes import fresh_name
+from mha_deploy.onnx_nodes import fresh_name, rename_readers
 from mha_deploy.signature import PADDING_MASK, Signature
 
 _TYPES = {"int64": TensorProto.INT64, "bool": TensorProto.BOOL}
@@ -42,7 +42,8 @@ def int64_masks(model: onnx.ModelProto, names) -> onnx.ModelProto:
     casts = []
     for name in changed:
         inner = fresh_name(f"{name}.bool", taken)
-        _rename_uses(graph, name, inner)
+        _refuse_mask_outputs(graph, name)
+        rename_readers(graph, name, inner)
         next(value for value in graph.input if value.name == name).type.tensor_type.elem_type = TensorProto.INT64
         casts.append(helper.make_node("Cast", [name], [inner], to=TensorProto.BOOL, name=f"{inner}.cast"))
     nodes = [*casts, *graph.node]  # before every reader: the graph stays topologically sorted
@@ -62,18 +63,8 @@ def _names(graph: onnx.GraphProto) -> set[str]:
     return names
 
 
-def _rename_uses(graph: onnx.GraphProto, old: str, new: str) -> None:
-    """Every node input reading ``old`` reads ``new``, in subgraphs too (an If's branches read outer values by
-    name)."""
-    for node in graph.node:
-        node.input[:] = [new if name == old else name for name in node.input]
-        for attribute in node.attribute:
-            if attribute.type == onnx.AttributeProto.GRAPH:
-                _rename_uses(attribute.g, old, new)
-            elif attribute.type == onnx.AttributeProto.GRAPHS:
-                for subgraph in attribute.graphs:
-                    _rename_uses(subgraph, old, new)
+def _refuse_mask_outputs(graph: onnx.GraphProto, name: str) -> None:
     for output in graph.output:
-        if output.name == old:  # the mask returned as it came in: it would come back int64
-            raise ExportError(f"{old} is also an output of the graph: a padding mask taken as int64 cannot be "
+        if output.name == name:  # the mask returned as it came in: it would come back int64
+            raise ExportError(f"{name} is also an output of the graph: a padding mask taken as int64 cannot be "
                               "returned as the bool it was traced as; return a copy of it (mask.clone())")

@@ -73,6 +73,7 @@ from mha_deploy.metadata import (
     POSITIONS_PADDED_WIDTH,
     ParityReport,
 )
+from mha_deploy.onnx_nodes import rename_value
 from mha_deploy.runtime.session import MHASession
 from mha_deploy.signature import (
     BATCH_AXIS,
@@ -248,7 +249,7 @@ def attach_own_caches(
     types = {value.name: value.type for value in (*graph.input, *graph.output, *graph.value_info)}
     float_type = types[output.name].tensor_type.elem_type
     for name in (tokens.name, mask.name, output.name):
-        _rename_value(graph, name, _PREFIX + name)
+        rename_value(graph, name, _PREFIX + name)
     past = _PREFIX + "past_seq"
     nodes = [
         helper.make_node("Shape", ["past_key_values.0.key"], [past], start=2, end=3),
@@ -406,18 +407,6 @@ def _grown(new: str, past_name: str, grown: str, past: str) -> list[onnx.NodePro
         helper.make_node("Slice", [new, past, _PREFIX + "end", _PREFIX + "seq_axis"], [cut]),
         helper.make_node("Concat", [past_name, cut], [grown], axis=2),
     ]
-
-
-def _rename_value(graph: onnx.GraphProto, old: str, new: str) -> None:
-    for node in graph.node:
-        node.input[:] = [new if name == old else name for name in node.input]
-        node.output[:] = [new if name == old else name for name in node.output]
-        for attribute in node.attribute:
-            if attribute.type == onnx.AttributeProto.GRAPH:
-                _rename_value(attribute.g, old, new)
-    for value in (*graph.input, *graph.output, *graph.value_info):
-        if value.name == old:
-            value.name = new
 
 
 def _set_interface(graph: onnx.GraphProto, cached: Signature, float_type: int) -> None:

@@ -74,6 +74,7 @@ from mha_deploy.metadata import (
     ParityReport,
     WeightOnlyRecord,
 )
+from mha_deploy.onnx_nodes import rename_value
 from mha_deploy.signature import FIXED_SHAPE_ROLES, PADDING_MASK, TOKENS, Signature, TensorSpec
 
 ENCODER_MASK = "encoder_attention_mask"
@@ -232,7 +233,7 @@ def encoder_model(plain: onnx.ModelProto, tensors: Seq2SeqTensors, cut: Cut) -> 
     for value in kept:
         # Token ids and their mask under Optimum's encoder names; features keep the model's name (input_features).
         name = (value.name if tensors.features else INPUT_IDS) if value.name == tensors.source.name else ATTENTION_MASK
-        _rename(model.graph, value.name, name)
+        rename_value(model.graph, value.name, name)
     model.graph.ClearField("input")
     model.graph.input.extend(kept)
     used = {name for node in model.graph.node for name in node.input}
@@ -262,10 +263,10 @@ def decoder_model(
         extra_inputs += [helper.make_tensor_value_info(name, float_type, dims) for name in (key, value)]
     # A private name: the source's own (input_ids, in Hugging Face's models) is the decoder's target now.
     source = CACHE_PREFIX + "source_ids"
-    _rename(graph, tensors.source.name, source)
+    rename_value(graph, tensors.source.name, source)
     if tensors.source_mask is not None:
         # The source's tokens are read for their shape only now (the check in cut_plain): zeros of the mask's shape.
-        _rename(graph, tensors.source_mask.name, ENCODER_MASK)
+        rename_value(graph, tensors.source_mask.name, ENCODER_MASK)
         nodes += [
             helper.make_node("Shape", [ENCODER_MASK], [source + ".shape"]),
             helper.make_node("ConstantOfShape", [source + ".shape"], [source],
@@ -362,15 +363,6 @@ def _shapes_without_zeros(model: onnx.ModelProto, source: str) -> onnx.ModelProt
 
 def _elem_types(graph: onnx.GraphProto) -> dict[str, int]:
     return {value.name: value.type.tensor_type.elem_type for value in (*graph.input, *graph.output, *graph.value_info)}
-
-
-def _rename(graph: onnx.GraphProto, old: str, new: str) -> None:
-    for node in graph.node:
-        node.input[:] = [new if name == old else name for name in node.input]
-        node.output[:] = [new if name == old else name for name in node.output]
-    for value in (*graph.input, *graph.output, *graph.value_info):
-        if value.name == old:
-            value.name = new
 
 
 def _sorted_model(model: onnx.ModelProto) -> onnx.ModelProto:
