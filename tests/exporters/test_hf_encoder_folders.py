@@ -270,10 +270,8 @@ def test_serve_answers_clips_logits_for_each_requests_own_batch(exported):
             np.testing.assert_allclose(got[name], want[name], atol=OWN_MODEL_ATOL, rtol=OWN_MODEL_RTOL, err_msg=name)
 
 
-def test_infer_writes_clips_per_item_outputs_and_says_it_leaves_the_logits_out(exported, tmp_path):
-    """infer batches items as it chooses, so an item's row of logits_per_image would depend on its batch-mates: it
-    writes each item's embeddings (equal to the module's on the item alone) and names the outputs it leaves out."""
-    folder, path, _ = exported("clip")
+def _infer_clip_items(path, tmp_path, *flags: str):
+    """(the feeds, the output, the CliRunner result) of ``infer`` over three CLIP items (an npz), with ``flags``."""
     feeds = _clip_batch(np.random.default_rng(12), 3)
     lengths = feeds["attention_mask"].sum(axis=1)
     items = tmp_path / "items.npz"
@@ -283,7 +281,16 @@ def test_infer_writes_clips_per_item_outputs_and_says_it_leaves_the_logits_out(e
                                           (f"i{row}.pixel_values", feeds["pixel_values"][row]))})
     out = tmp_path / "out.npz"
     result = CliRunner().invoke(main, ["infer", str(path), "--input", str(items), "--output", str(out),
-                                       "--provider", "cpu", "--no-progress"])
+                                       "--provider", "cpu", "--no-progress", *flags])
+    return feeds, out, result
+
+
+def test_infer_writes_clips_per_item_outputs_and_says_it_leaves_the_logits_out(exported, tmp_path):
+    """infer batches items as it chooses, so an item's row of logits_per_image would depend on its batch-mates: it
+    writes each item's embeddings (equal to the module's on the item alone) and names the outputs it leaves out."""
+    folder, path, _ = exported("clip")
+    feeds, out, result = _infer_clip_items(path, tmp_path)
+    lengths = feeds["attention_mask"].sum(axis=1)
     assert result.exit_code == 0, result.output
     assert "logits_per_image, logits_per_text not written: each spans the whole batch" in result.output
     written = np.load(out)
@@ -293,6 +300,26 @@ def test_infer_writes_clips_per_item_outputs_and_says_it_leaves_the_logits_out(e
                  for name, value in feeds.items()}
         np.testing.assert_allclose(written[f"i{row}.text_embeds"], _clip_module(folder, alone)["text_embeds"][0],
                                    atol=OWN_MODEL_ATOL, rtol=OWN_MODEL_RTOL)
+
+
+def test_infer_on_ray_says_it_leaves_clips_logits_out_too(exported, tmp_path, monkeypatch):
+    """``--engine ray`` reads the model on its driver before any actor (``run_dataset_on_ray``) and names the
+    outputs it leaves out as the local engine does. Run here on an output the local engine finished, whose shards
+    are all done: the engine's own code runs, its plan leaves nothing for an actor, and no Ray starts (ray.init is
+    refused, to keep it so)."""
+    ray = pytest.importorskip("ray")
+    _, path, _ = exported("clip")
+    _, _, local = _infer_clip_items(path, tmp_path)
+    assert local.exit_code == 0, local.output
+
+    def no_cluster(*args, **kwargs):
+        raise AssertionError("a rerun with every shard done starts no Ray")
+
+    monkeypatch.setattr(ray, "init", no_cluster)
+    _, _, again = _infer_clip_items(path, tmp_path, "--engine", "ray")
+    assert again.exit_code == 0, again.output
+    assert "nothing to do" in again.stdout, again.output
+    assert "note: logits_per_image, logits_per_text not written: each spans the whole batch" in again.stderr
 
 
 def test_clips_triton_config_does_not_batch_requests_and_takes_an_int64_mask(exported):
