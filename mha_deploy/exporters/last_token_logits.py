@@ -9,10 +9,11 @@ FLOPs, and the logits of a batch of 16 prompts of 1024 tokens are 2 GB of fp32 t
 What is rewritten, in one place (``logits_at_last_token``): the LM head is found walking back from the logits
 output through ops that act on each position alone (a bias, a cast, Gemma-2's final soft-cap), to the MatMul with
 a constant weight (computed from initializers alone: a tied head's is the token table through a Transpose;
-MatMulNBits once quantized) whose data input is the hidden states [batch, seq, hidden]. Before
-it, each row's hidden state at its last real token of the call is gathered; everything from there to the output
-then runs on [batch, 1, ...]. The final norm stays where it was (per token, [batch, seq, hidden]: cheap, and
-fused with the last residual add).
+MatMulNBits once quantized) whose data input is the hidden states [batch, seq, hidden]. Where the final norm
+produces them per token (``_FINAL_NORMS`` over the last axis, its other outputs unread: a Skip norm's residual sum
+included) and nothing but the head reads its output, each row's last real token of the call is gathered from the
+norm's inputs (a Skip norm's input and skip alike), so that the norm too runs on one token per row; else from the
+hidden states, right before the head. Everything from there to the output then runs on [batch, 1, ...].
 
 Which position is a row's last real token comes from the graph's own inputs, so that it holds for every call a
 runtime makes under either cache layout: the last 1 of ``attention_mask``'s last ``seq`` columns (the mask covers
@@ -47,6 +48,13 @@ _HEADS = {("", "MatMul"), ("", "Gemm"), ("com.microsoft", "MatMulNBits")}
 # a bias, a cast, a scale, Gemma-2's final soft-cap (tanh(x / cap) * cap).
 _PER_POSITION = {"Identity", "Cast", "Add", "Sub", "Mul", "Div", "Tanh"}
 _INT64_MAX = 2**63 - 1
+# Final norms that act on each position alone, over the last axis: (domain, op) -> the inputs read per position (the
+# rest are scales and biases over the hidden axis). The Skip norms also write the residual sum (output 3): they move
+# only where nothing reads it.
+_FINAL_NORMS = {
+    ("", "LayerNormalization"): 1, ("", "SimplifiedLayerNormalization"): 1, ("", "RMSNormalization"): 1,
+    ("com.microsoft", "SkipLayerNormalization"): 2, ("com.microsoft", "SkipSimplifiedLayerNormalization"): 2,
+}
 # Ops whose output is not fixed by their inputs alone.
 _NOT_CONSTANT = {"RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLike", "Multinomial", "Bernoulli"}
 
@@ -54,14 +62,20 @@ _NOT_CONSTANT = {"RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUni
 def logits_at_last_token(model: onnx.ModelProto, output: str = LOGITS) -> onnx.ModelProto:
     """``model`` with its ``output`` computed at each row's last real token of the call only: [batch, 1, vocab].
     Raises ``ExportError`` (naming ``--logits all``) when the LM head is not found as the module description says."""
-    if any(node.name == PREFIX + "gather" for node in model.graph.node):
+    if any(node.name == _gather(0) for node in model.graph.node):
         return model  # already rewritten
     model_copy = onnx.ModelProto()
     model_copy.CopyFrom(model)
     graph = model_copy.graph
     head, hidden = _lm_head(graph, output)
     inputs = {value.name for value in graph.input}
-    picked = PREFIX + "hidden"
+    norm = _final_norm(graph, head, hidden)
+    # What is gathered, and the node before which the gather goes (what it reads is produced before that node).
+    if norm is not None:
+        targets, before = [(name, norm) for name in norm.input[:_FINAL_NORMS[(norm.domain, norm.op_type)]]], norm
+    else:
+        targets, before = [(hidden, head)], head
+    data = targets[0][0]
 
     def name(part: str) -> str:
         return PREFIX + part
@@ -85,25 +99,30 @@ def logits_at_last_token(model: onnx.ModelProto, output: str = LOGITS) -> onnx.M
                              name=name("last")),  # [batch, 1]
             constant("axis_2", [2]),
             helper.make_node("Unsqueeze", [name("last"), name("axis_2")], [name("last_3d")], name=name("last_3d")),
-            helper.make_node("Shape", [hidden], [name("width")], start=2, end=3, name=name("width")),
+            helper.make_node("Shape", [data], [name("width")], start=2, end=3, name=name("width")),
             constant("one_one", [1, 1]),
             helper.make_node("Concat", [name("one_one"), name("width")], [name("index_shape")], axis=0,
                              name=name("index_shape")),
             helper.make_node("Expand", [name("last_3d"), name("index_shape")], [name("index")],
                              name=name("index")),  # [batch, 1, hidden]
-            helper.make_node("GatherElements", [hidden, name("index")], [picked], axis=1, name=name("gather")),
         ]
+        for index, (value, _) in enumerate(targets):
+            nodes.append(helper.make_node("GatherElements", [value, name("index")], [_picked(index)], axis=1,
+                                          name=_gather(index)))
     else:  # every column is a real token: the last one
         nodes = [
             constant("start", [-1]),
             constant("end", [_INT64_MAX]),
             constant("axis", [1]),
-            helper.make_node("Slice", [hidden, name("start"), name("end"), name("axis")], [picked],
-                             name=name("gather")),
         ]
-    head.input[0] = picked
-    # Right before the head: what they read (the graph's inputs, the hidden states) is produced before it.
-    position = list(graph.node).index(head)
+        for index, (value, _) in enumerate(targets):
+            nodes.append(helper.make_node("Slice", [value, name("start"), name("end"), name("axis")],
+                                          [_picked(index)], name=_gather(index)))
+    for index, (value, reader) in enumerate(targets):
+        reader.input[:] = [_picked(index) if read == value else read for read in reader.input]
+    # Right before the norm or the head: what they read (the graph's inputs, the gathered values) is produced
+    # before it.
+    position = list(graph.node).index(before)
     for offset, node in enumerate(nodes):
         graph.node.insert(position + offset, node)
     for value in graph.output:
@@ -126,16 +145,16 @@ def last_token_signature(signature: Signature, output: str = LOGITS) -> Signatur
 def logits_at_every_position(model: onnx.ModelProto, output: str = LOGITS, seq_axis: str = "seq") -> onnx.ModelProto:
     """``model`` as it was before ``logits_at_last_token``: the LM head on every position, ``output`` [batch,
     ``seq_axis``, vocab]. ``model`` itself when it was not rewritten."""
-    gathers = [node for node in model.graph.node if node.name == PREFIX + "gather"]
-    if not gathers:
+    if not any(node.name == _gather(0) for node in model.graph.node):
         return model
     model_copy = onnx.ModelProto()
     model_copy.CopyFrom(model)
     graph = model_copy.graph
-    picked, hidden = gathers[0].output[0], gathers[0].input[0]
+    # each gathered value back to what it was gathered from (the hidden states, or the final norm's inputs)
+    gathered = {node.output[0]: node.input[0] for node in graph.node if node.name.startswith(PREFIX + "gather")}
     kept = [node for node in graph.node if not node.name.startswith(PREFIX)]
     for node in kept:
-        node.input[:] = [hidden if value == picked else value for value in node.input]
+        node.input[:] = [gathered.get(value, value) for value in node.input]
     del graph.node[:]
     graph.node.extend(kept)
     for value in graph.output:
@@ -160,6 +179,39 @@ def _lm_head(graph: onnx.GraphProto, output: str) -> tuple[onnx.NodeProto, str]:
     if isinstance(found, str):
         raise ExportError(f"--logits last: {found}; {LOGITS_ALL_HINT}")
     return found
+
+
+def _picked(index: int) -> str:
+    """The value gathered from the ``index``-th input of the final norm (0: its input, 1: a Skip norm's skip), or
+    from the hidden states where no norm moves (0)."""
+    return PREFIX + ("hidden", "skip")[index]
+
+
+def _gather(index: int) -> str:
+    return PREFIX + ("gather", "gather_skip")[index]
+
+
+def _final_norm(graph: onnx.GraphProto, head: onnx.NodeProto, hidden: str) -> onnx.NodeProto | None:
+    """The per-token norm producing ``hidden`` that can run after the gather instead of before it: over the last
+    axis, only the head reading what it writes (its other outputs unread: a Skip norm's residual sum would be read at
+    every position), its per-position inputs of one known rank-3 shape (a Skip norm's skip broadcast over the batch
+    would not gather along with its input). None where there is none."""
+    producer, readers = producers_and_readers(graph)
+    norm = producer.get(hidden)
+    if norm is None or (norm.domain, norm.op_type) not in _FINAL_NORMS or norm.output[0] != hidden:
+        return None
+    outputs = {value.name for value in graph.output}
+    if hidden in outputs or readers.get(hidden, []) != [head] or any(
+            name and (name in outputs or readers.get(name)) for name in norm.output[1:]):
+        return None
+    shapes = {value.name: [dim.dim_param or (dim.dim_value if dim.HasField("dim_value") else None)
+                           for dim in value.type.tensor_type.shape.dim]
+              for value in (*graph.input, *graph.value_info) if value.type.tensor_type.HasField("shape")}
+    read = [shapes.get(name) for name in norm.input[:_FINAL_NORMS[(norm.domain, norm.op_type)]]]
+    if any(shape is None or len(shape) != 3 or None in shape[:2] or shape != read[0] for shape in read):
+        return None
+    axis = next((attribute.i for attribute in norm.attribute if attribute.name == "axis"), -1)
+    return norm if axis in (-1, 2) else None
 
 
 def _find_lm_head(graph: onnx.GraphProto, output: str) -> tuple[onnx.NodeProto, str] | str:

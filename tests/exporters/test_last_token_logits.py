@@ -75,13 +75,20 @@ def _session(model: onnx.ModelProto) -> ort.InferenceSession:
 @pytest.mark.parametrize("layout", ["ragged", "holes"])
 def test_the_lm_head_runs_on_one_token_per_row(last_llama, holes_pair, layout):
     """The MatMul producing the logits reads [batch, 1, hidden] (its input made an output and run on a right-padded
-    prompt batch of 4 x 12), the logits come back [batch, 1, vocab], and nothing else reads the gathered row."""
+    prompt batch of 4 x 12), the logits come back [batch, 1, vocab], and nothing else reads the gathered row. The
+    Llama's final norm (SkipSimplifiedLayerNormalization, its residual sum unread) runs after the gather, on the
+    gathered input and skip: one token per row too."""
     model = onnx.load(str(last_llama[0])) if layout == "ragged" else holes_pair[1]
-    heads = [node for node in model.graph.node if PREFIX + "hidden" in node.input]
-    assert [node.op_type for node in heads] == ["MatMul"]
+    readers = [node for node in model.graph.node if {PREFIX + "hidden", PREFIX + "skip"} & set(node.input)]
+    if layout == "ragged":
+        assert [node.op_type for node in readers] == ["SkipSimplifiedLayerNormalization"]
+        assert list(readers[0].input[:2]) == [PREFIX + "hidden", PREFIX + "skip"]
+    heads = readers if readers[0].op_type == "MatMul" else \
+        [node for node in model.graph.node if readers[0].output[0] in node.input]
+    assert [node.op_type for node in heads] == ["MatMul"] and len(readers) == 1
     probe = onnx.ModelProto()
     probe.CopyFrom(model)
-    probe.graph.output.append(helper.make_empty_tensor_value_info(PREFIX + "hidden"))
+    probe.graph.output.append(helper.make_empty_tensor_value_info(heads[0].input[0]))
     session = _session(probe)
     ids, mask = _padded("right", 50)
     feeds = {"input_ids": ids, "attention_mask": mask}
@@ -90,7 +97,7 @@ def test_the_lm_head_runs_on_one_token_per_row(last_llama, holes_pair, layout):
             feeds[port.name] = np.zeros((len(ids), port.shape[1], 0, port.shape[3]), np.float32)
         elif port.name == "position_ids":
             feeds[port.name] = np.broadcast_to(np.arange(ids.shape[1]), ids.shape).copy()
-    hidden, logits = session.run([PREFIX + "hidden", "logits"], feeds)
+    hidden, logits = session.run([heads[0].input[0], "logits"], feeds)
     assert hidden.shape[:2] == (len(ids), 1) and logits.shape[:2] == (len(ids), 1)
 
 
@@ -212,3 +219,54 @@ def test_the_pass_refuses_a_head_whose_product_is_read_elsewhere_naming_logits_a
 
     with pytest.raises(ExportError, match="--logits all"):
         logits_at_last_token(_lm(False, also_read=True))
+
+
+def _lm_with_final_norm(residual_read: bool) -> onnx.ModelProto:
+    """A minimal LM graph with a final SkipSimplifiedLayerNormalization before its head: the hidden states and the
+    residual two token tables' rows ([batch, seq, 8], as value_info says); ``residual_read``: the norm's residual sum
+    is also an output (read at every position)."""
+    rng = np.random.default_rng(4)
+    tables = [helper.make_tensor(name, onnx.TensorProto.FLOAT, [11, 8], rng.standard_normal(88).tolist())
+              for name in ("table", "residual_table")]
+    gamma = helper.make_tensor("gamma", onnx.TensorProto.FLOAT, [8], rng.standard_normal(8).tolist())
+    weight = helper.make_tensor("weight", onnx.TensorProto.FLOAT, [8, 11], rng.standard_normal(88).tolist())
+    nodes = [helper.make_node("Gather", ["table", "input_ids"], ["hidden"]),
+             helper.make_node("Gather", ["residual_table", "input_ids"], ["residual"]),
+             helper.make_node("SkipSimplifiedLayerNormalization", ["hidden", "residual", "gamma"],
+                              ["normed", "", "", "sum"] if residual_read else ["normed"], domain="com.microsoft",
+                              epsilon=1e-6),
+             helper.make_node("MatMul", ["normed", "weight"], ["logits"])]
+    outputs = [helper.make_tensor_value_info("logits", onnx.TensorProto.FLOAT, ["batch", "seq", 11])]
+    if residual_read:
+        outputs.append(helper.make_tensor_value_info("sum", onnx.TensorProto.FLOAT, ["batch", "seq", 8]))
+    inputs = [helper.make_tensor_value_info("input_ids", onnx.TensorProto.INT64, ["batch", "seq"]),
+              helper.make_tensor_value_info("attention_mask", onnx.TensorProto.INT64, ["batch", "total_seq"])]
+    graph = helper.make_graph(nodes, "lm", inputs, outputs, [*tables, gamma, weight], value_info=[
+        helper.make_tensor_value_info(name, onnx.TensorProto.FLOAT, ["batch", "seq", 8])
+        for name in ("hidden", "residual")])
+    opsets = [helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)]
+    return helper.make_model(graph, opset_imports=opsets, ir_version=8)
+
+
+@pytest.mark.parametrize("residual_read", [False, True], ids=["norm-after-gather", "residual-sum-read"])
+def test_the_final_norm_runs_after_the_gather_unless_its_residual_sum_is_read(residual_read):
+    """The final Skip norm's input and skip are gathered and the norm runs on one token per row; where its residual
+    sum is read at every position (here: an output) the norm stays before the gather, that output [batch, seq, 8].
+    Either way the logits equal the whole graph's at each row's last real token (atol 1e-6: a norm over one row is
+    the same arithmetic as over many), and logits_at_every_position gives the graph back."""
+    model = _lm_with_final_norm(residual_read)
+    last = logits_at_last_token(model)
+    norm = next(node for node in last.graph.node if node.op_type == "SkipSimplifiedLayerNormalization")
+    gathered = [PREFIX + "hidden", PREFIX + "skip"]
+    assert list(norm.input[:2]) == (["hidden", "residual"] if residual_read else gathered)
+    ids = np.array([[0, 0, 4, 5], [6, 7, 0, 0], [1, 2, 3, 9]])
+    mask = np.array([[0, 0, 1, 1], [1, 1, 0, 0], [1, 1, 1, 1]])
+    feeds = {"input_ids": ids, "attention_mask": mask}
+    want = _session(model).run(None, feeds)
+    got = _session(last).run(None, feeds)
+    np.testing.assert_allclose(got[0], want[0][np.arange(3), [3, 1, 3]][:, None], rtol=0, atol=1e-6)
+    if residual_read:
+        np.testing.assert_array_equal(got[1], want[1])
+    undone = logits_at_every_position(last)
+    assert [node.op_type for node in undone.graph.node] == [node.op_type for node in model.graph.node]
+    np.testing.assert_array_equal(_session(undone).run(None, feeds)[0], want[0])
