@@ -99,6 +99,12 @@ def test_m2m100_requests_with_their_own_target_language_share_the_batch_each_as_
         {"input_ids": SOURCES["b"], "parameters": {"max_tokens": NEW, "decoder_prompt": [OTHER]}}).encode())
     assert status == 200, raw
     assert json.loads(raw)["output_ids"] == _m2m_reference(folder, SOURCES["b"], [OTHER], FORCED)
+    # a list of prompts takes a list of decoder prompts, one each ([]: the start id alone, forced as recorded)
+    decoders = {"d": [OTHER], "e": [START, 30, 31], "a": []}
+    answer = openai.completions.create(model="m2m", prompt=[SOURCES[key] for key in decoders], max_tokens=NEW,
+                                       temperature=0, extra_body={"decoder_prompt": list(decoders.values())})
+    for choice, (key, decoder) in zip(answer.choices, decoders.items(), strict=True):
+        assert choice.token_ids == _m2m_reference(folder, SOURCES[key], decoder, FORCED), key
 
 
 def _base64(features: np.ndarray) -> dict:
@@ -157,6 +163,12 @@ BAD = [
     ("m2m", {"prompt": [5, 6], "decoder_prompt": [START, VOCAB + 3]}, "decoder_prompt",
      f"token id {VOCAB + 3} is past the model's vocabulary of {VOCAB} ids (0 to {VOCAB - 1})"),
     ("m2m", {"prompt": [5, 6], "decoder_prompt": [START, -2]}, "decoder_prompt", "token id -2 is negative"),
+    # one decoder prompt per prompt: as many as the prompts, each checked under its own index
+    ("m2m", {"prompt": [[5, 6], [7, 8]], "decoder_prompt": [[OTHER]]}, "decoder_prompt",
+     "1 decoder prompt for 2 prompts: give one list of token ids for every prompt, or one list per prompt"),
+    ("m2m", {"prompt": [[5, 6], [7, 8]], "decoder_prompt": [[OTHER], OTHER]}, "decoder_prompt", "not a mix"),
+    ("m2m", {"prompt": [[5, 6], [7, 8]], "decoder_prompt": [[OTHER], [START, VOCAB]]}, "decoder_prompt[1]",
+     f"token id {VOCAB} is past the model's vocabulary of {VOCAB} ids"),
     ("m2m", {"prompt": [5, 6], "decoder_prompt": "en"}, "decoder_prompt", "list of token ids"),
     ("m2m", {"prompt": [5, 6], "decoder_prompt": [1.5]}, "decoder_prompt", "integers"),
     ("m2m", {"prompt": [5, 6], "decoder_prompt": [START] * 60, "max_tokens": 10}, "decoder_prompt",

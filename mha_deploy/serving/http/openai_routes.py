@@ -52,7 +52,7 @@ from mha_deploy.serving.http.parsing import FieldError, RequestError
 from mha_deploy.serving.http.prompt_ids import prompt_list, token_id
 from mha_deploy.serving.http.seq2seq_fields import (
     check_forced_bos,
-    decoder_prompt,
+    decoder_prompts,
     features_prompts,
     forced_bos_token_id,
 )
@@ -263,7 +263,7 @@ def openai_routes(service: GenerationService) -> list[Route]:
             {"id": service.model_name, "object": "model", "created": service.created, "owned_by": "mha-deploy"}]})
 
     def start(prompts, body: dict, sampling: Sampling, stops, logprobs, echo: bool = False,
-              decoder: np.ndarray | None = None) -> list[Choice]:
+              decoders: list[np.ndarray | None] | None = None) -> list[Choice]:
         n = _integer(body, "n", 1, 1)
         if n * len(prompts) > service.settings.max_choices:
             raise _bad("n", f"{n} choices for {len(prompts)} prompts exceed this server's limit of "
@@ -290,7 +290,7 @@ def openai_routes(service: GenerationService) -> list[Route]:
                     choice = Choice(p * n + j, prompt, service, stops)
                     if echo:
                         choice.echo = text if text is not None else service.decode(prompt.tolist())
-                    choice.submit(engine, configs[j], logprobs, scored, decoder)
+                    choice.submit(engine, configs[j], logprobs, scored, decoders[p] if decoders else None)
                     choices.append(choice)
                     service.metrics.prompt_tokens.inc(choice.prompt_tokens)
         except BaseException:
@@ -335,13 +335,13 @@ def openai_routes(service: GenerationService) -> list[Route]:
                                    "unsupported_parameter")
                     prompts = ([(item, None) for item in features] if features is not None
                                else await _prompts(body.get("prompt"), service))
-                decoder = decoder_prompt(body, service, sampling.max_tokens)
+                decoders = decoder_prompts(body, service, sampling.max_tokens, len(prompts))
                 stream = body.get("stream", False)
                 if not isinstance(stream, bool):
                     raise _bad("stream", "must be true or false")
                 options = body.get("stream_options") or {}
                 include_usage = isinstance(options, dict) and options.get("include_usage") is True
-                choices = start(prompts, body, sampling, stops, logprobs, bool(echo), decoder)
+                choices = start(prompts, body, sampling, stops, logprobs, bool(echo), decoders)
             except RequestError as exc:
                 service.metrics.errors.labels(exc.kind).inc()
                 service.metrics.responses.labels(str(exc.status)).inc()

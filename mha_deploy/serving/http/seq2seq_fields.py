@@ -4,6 +4,8 @@ completions and chat, Triton's generate), each refused with a 400 that names the
 - ``decoder_prompt``: token ids the decoder starts from (Whisper's ``<|startoftranscript|><|lang|><|task|>
   <|notimestamps|>``; M2M100's start id then a target language), the start id put in front where missing: what
   ``mha-deploy generate`` takes per JSONL item under the same name. The new tokens follow it; it is not returned.
+  A request of several prompts (completions' list of prompts, features' items) may give a list of them instead,
+  one per prompt in order; one list of ids applies to every prompt.
 - ``forced_bos_token_id``: the first generated token, forced (M2M100's and MBart-50's target language id), for a
   request whose decoder starts from the start id alone; absent: the one recorded at export (the folder's generation
   config), if any, as ``generate --forced-bos-id`` defaults to it. A longer ``decoder_prompt`` is not forced.
@@ -63,29 +65,48 @@ def check_forced_bos(value: int | None, service) -> None:
     token_id(value, "forced_bos_token_id", service.vocabulary)
 
 
-def decoder_prompt(body: dict, service, max_tokens: int) -> np.ndarray | None:
-    """``decoder_prompt`` as int64 ids (the start id put in front by the engine where missing), or None; a 400
-    unless the model is an encoder-decoder, every id is in its vocabulary and the decoder's recorded max length
-    holds the prompt and ``max_tokens`` new tokens."""
+def decoder_prompts(body: dict, service, max_tokens: int, prompts: int = 1) -> list[np.ndarray | None]:
+    """``decoder_prompt`` for each of the request's ``prompts`` prompts, as int64 ids (the start id put in front by
+    the engine where missing): one list of ids for every prompt, or a list of ``prompts`` such lists, one each (a
+    completions request's list of prompts, or of feature items); Nones when the request gives none. A 400 naming
+    the field unless the model is an encoder-decoder, the counts match, every id is in its vocabulary and the
+    decoder's recorded max length holds each prompt and ``max_tokens`` new tokens."""
     value = body.get("decoder_prompt")
     if value is None:
-        return None
+        return [None] * prompts
     if not isinstance(value, list):
-        raise _bad("decoder_prompt", f"must be a list of token ids (integers), got {value!r}")
+        raise _bad("decoder_prompt", f"must be a list of token ids (integers), or a list of such lists (one per "
+                                     f"prompt), got {value!r}")
     engine = _encoder_decoder(service, "decoder_prompt")
-    ids = [token_id(token, "decoder_prompt", service.vocabulary) for token in value]
+    lists = [isinstance(item, list) for item in value]
+    if not any(lists):
+        return [_decoder_ids(value, "decoder_prompt", engine, service, max_tokens)] * prompts
+    if not all(lists):
+        raise _bad("decoder_prompt", "must be a list of token ids, or a list of such lists (one per prompt), not a "
+                                     "mix of ids and lists")
+    if len(value) != prompts:
+        raise _bad("decoder_prompt", f"{_count(len(value), 'decoder prompt')} for {_count(prompts, 'prompt')}: give "
+                                     "one list of token ids for every prompt, or one list per prompt")
+    return [_decoder_ids(item, f"decoder_prompt[{i}]", engine, service, max_tokens) for i, item in enumerate(value)]
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}{'s' * (n != 1)}"
+
+
+def _decoder_ids(value: list, param: str, engine, service, max_tokens: int) -> np.ndarray:
+    ids = [token_id(token, param, service.vocabulary) for token in value]
     start = engine.stepper.decoder_start_token_id
     fed = len(ids) + (0 if ids[:1] == [start] else 1) - 1 + max_tokens  # the decoder's positions: prompt, new tokens
     target = engine.limits.target_max_length
     if target is not None and fed > target:
         raise FieldError(400, "context_length_exceeded",
-                         f"decoder_prompt: its {len(ids)} ids (the start id {start} in front) and max_tokens "
+                         f"{param}: its {len(ids)} ids (the start id {start} in front) and max_tokens "
                          f"{max_tokens} need {fed} decoder positions, past this encoder-decoder's recorded max "
-                         f"length {target}; shorten it or lower max_tokens", "decoder_prompt")
+                         f"length {target}; shorten it or lower max_tokens", param)
     longest = service.longest_prompt
     if longest is not None and len(ids) > longest:
-        raise _bad("decoder_prompt", f"{len(ids)} ids, longer than this server takes ({longest})",
-                   "context_length_exceeded")
+        raise _bad(param, f"{len(ids)} ids, longer than this server takes ({longest})", "context_length_exceeded")
     return np.asarray(ids, np.int64)
 
 

@@ -28,7 +28,7 @@ from mha_deploy.serving.http.body import read_json
 from mha_deploy.serving.http.generation import Choice, EventStream, GenerationService, until_done_or_gone
 from mha_deploy.serving.http.openai_routes import parse_sampling
 from mha_deploy.serving.http.parsing import RequestError
-from mha_deploy.serving.http.seq2seq_fields import decoder_prompt, features_prompts
+from mha_deploy.serving.http.seq2seq_fields import decoder_prompts, features_prompts
 
 logger = logging.getLogger("mha_deploy.serve")
 # Triton's LLM backends' names for OpenAI's, read from the top level or from parameters.
@@ -86,7 +86,7 @@ def triton_generate_routes(service: GenerationService) -> list[Route]:
         sampling, stops = parse_sampling(merged, service)
         text, ids = body.get("text_input"), body.get("input_ids")
         features = features_prompts(merged, service, "text_input" if text is not None else "input_ids")
-        decoder = decoder_prompt(merged, service, sampling.max_tokens)
+        (decoder,) = decoder_prompts(merged, service, sampling.max_tokens)  # one prompt per request here
         if features is not None:
             if len(features) != 1:
                 raise RequestError(400, "bad_request", f"input_features: one item per request, got {len(features)}")
