@@ -118,9 +118,9 @@ FUSED = {
     "gemma3": Fused(packed=False),
     # the rotary on 48 of each head's 64 dims, in the op; one qkv_proj sliced, as Phi-3
     "phi3_partial": Fused(rotary_dim=48, packed=False),
-    # the rotary on 16 of 64 dims, in the op; every head its own key/value head; q/k/v sliced per head out of one
-    # projection (nothing to pack)
-    "gpt_neox": Fused(kv_heads=HEADS, rotary_dim=16, packed=False),
+    # the rotary on 16 of 64 dims, in the op; every head its own key/value head; q/k/v split per head out of one
+    # projection, packed by reordering its weight columns
+    "gpt_neox": Fused(kv_heads=HEADS, rotary_dim=16),
     # every head its own key/value head, learned positions; the query is scaled (a Mul) after its projection
     "opt": Fused(kv_heads=HEADS, rotary=False, packed=False),
 }

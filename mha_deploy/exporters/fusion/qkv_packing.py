@@ -10,6 +10,10 @@ constant 2-D ``W``, optionally + a constant 1-D bias (Qwen2's projections), each
 widths heads * head_dim, kv_heads * head_dim twice. Where one is not (a norm per head between the projection and
 the op, Qwen3's q/k norms; a rotary outside the op, ``fusion.rotary_gqa`` not applied) the op keeps its three
 inputs, with one line saying why. The same products, summed in the same order, so the numbers are the same.
+
+A projection laid out per head (GPT-NeoX's ``query_key_value``: [q k v] of each head side by side, split in the
+graph after a view into heads) packs too: its weight columns and bias are reordered once, at export, into
+[q heads | k heads | v heads], and the view, split and merges go (``_projection_per_head``).
 """
 
 from __future__ import annotations
@@ -66,8 +70,17 @@ def _projections(node: ir.Node) -> list[_Projection]:
     kv_heads = node.attributes.get_int("kv_num_heads", 0)
     if len(node.inputs) < 3 or any(value is None for value in node.inputs[:3]):
         raise _Refused("its query, key and value are not three inputs (packed already?)")
-    found = [_projection(value, role) for value, role in zip(node.inputs[:3], ("query", "key", "value"),
-                                                              strict=True)]
+    try:
+        found = [_projection(value, role) for value, role in zip(node.inputs[:3], ("query", "key", "value"),
+                                                                  strict=True)]
+    except _Refused:
+        per_head = _projection_per_head(node.inputs[:3])
+        if per_head is None:
+            raise
+        if heads != kv_heads:  # each head's q, k and v are one width: the op must read as many kv heads as heads
+            raise _Refused(f"its one projection holds q, k and v per head but it reads {kv_heads} of {heads} "
+                           "heads as key/value heads") from None
+        return [per_head]
     source = found[0].matmul.inputs[0]
     if any(p.matmul.inputs[0] is not source for p in found):
         raise _Refused("its query, key and value are projections of different inputs")
@@ -99,7 +112,9 @@ def _projection(value: ir.Value, role: str) -> _Projection:
         for product, addend in (producer.inputs, producer.inputs[::-1]):
             array = constant_array(addend)
             inner = product.producer()
-            if array is not None and array.ndim == 1 and inner is not None and inner.op_type == "MatMul" \
+            # the bias an Add after the product, quantized or not (GPT-NeoX's int4 query_key_value)
+            if array is not None and array.ndim == 1 and inner is not None \
+                    and (inner.op_type == "MatMul" or (inner.op_type == "MatMulNBits" and inner.domain == _DOMAIN)) \
                     and len(product.uses()) == 1 and not product.is_graph_output():
                 bias, producer = array, inner
                 break
@@ -111,6 +126,74 @@ def _projection(value: ir.Value, role: str) -> _Projection:
     if weight is None or weight.ndim != 2 or (bias is not None and bias.shape != (weight.shape[1],)):
         raise _Refused(f"its {role}'s projection weight is not a constant [hidden, width] (with a bias of width)")
     return _Projection(producer, weight, bias, weight.shape[1])
+
+
+def _projection_per_head(values: list[ir.Value]) -> _Projection | None:
+    """``values`` (query, key, value) read as one projection laid out per head, GPT-NeoX's ``query_key_value``
+    ([q k v] of each head side by side): proj [batch, seq, heads * 3 * head_dim] viewed as [batch, seq, heads,
+    3 * head_dim], transposed to [batch, heads, seq, 3 * head_dim], split in three equal parts on the last axis, each
+    transposed back and merged to [batch, seq, heads * head_dim]. Returns that projection with its weight columns
+    (and bias) reordered once into [q heads | k heads | v heads], the packed query's layout (each column the same
+    product as before, so the numbers are the same); None where ``values`` are not that."""
+    split = None
+    for index, value in enumerate(values):
+        merge = _single_reader_producer(value, "Reshape")
+        shape = constant_array(merge.inputs[1]) if merge is not None and len(merge.inputs) == 2 else None
+        # [0, 0, width]: batch and seq copied (allowzero 0), the last two axes merged
+        if shape is None or shape.tolist()[:2] != [0, 0] or len(shape) != 3 \
+                or merge.attributes.get_int("allowzero", 0) != 0:
+            return None
+        back = _single_reader_producer(merge.inputs[0], "Transpose")
+        if back is None or list(back.attributes.get_ints("perm", [])) != [0, 2, 1, 3]:
+            return None
+        part = back.inputs[0]
+        producer = _single_reader_producer(part, "Split")
+        if producer is None or part.index() != index or (split is not None and producer is not split):
+            return None
+        split = producer
+    sizes = constant_array(split.inputs[1]) if len(split.inputs) > 1 and split.inputs[1] is not None else None
+    equal = (sizes is not None and len(set(sizes.tolist())) == 1) or (
+        sizes is None and split.attributes.get_int("num_outputs", 0) == 3)
+    if len(split.outputs) != 3 or split.attributes.get_int("axis", 0) not in (3, -1) or not equal:
+        return None
+    heads_first = _single_reader_producer(split.inputs[0], "Transpose")
+    if heads_first is None or list(heads_first.attributes.get_ints("perm", [])) != [0, 2, 1, 3]:
+        return None
+    view = _single_reader_producer(heads_first.inputs[0], "Reshape")
+    if view is None:
+        return None
+    projected, viewed = view.inputs[0], view.outputs[0]
+    # [batch, seq, width] -> [batch, seq, heads, 3 * head_dim]: the two last axes known, the first two kept
+    if viewed.shape is None or projected.shape is None or viewed.shape.rank() != 4 or projected.shape.rank() != 3:
+        return None
+    heads, per_head = viewed.shape[2], viewed.shape[3]
+    if not isinstance(heads, int) or not isinstance(per_head, int) or per_head % 3 \
+            or list(viewed.shape[:2]) != list(projected.shape[:2]):
+        return None
+    try:
+        projection = _projection(projected, "query/key/value")
+    except _Refused:
+        return None
+    if projection.width != heads * per_head:
+        return None
+    # packed column j * heads * head_dim + h * head_dim + d (part j of head h) reads the projection's column
+    # h * 3 * head_dim + j * head_dim + d
+    order = np.arange(projection.width).reshape(heads, 3, per_head // 3).transpose(1, 0, 2).reshape(-1)
+    if isinstance(projection.weight, np.ndarray):
+        weight = projection.weight[:, order]
+    else:  # MatMulNBits: one row per output column
+        weight = [array[order] if array is not None else None for array in projection.weight]
+    bias = projection.bias[order] if projection.bias is not None else None
+    return _Projection(projection.matmul, weight, bias, projection.width)
+
+
+def _single_reader_producer(value: ir.Value, op_type: str) -> ir.Node | None:
+    """The ``op_type`` node (default domain) producing ``value``, where nothing but one node reads ``value``."""
+    producer = value.producer()
+    if producer is None or producer.op_type != op_type or producer.domain != "" or value.is_graph_output() \
+            or len(value.uses()) != 1:
+        return None
+    return producer
 
 
 def _quantized(node: ir.Node, bias: np.ndarray | None, role: str) -> _Projection:

@@ -292,6 +292,74 @@ def test_packing_gives_one_projection_and_the_same_outputs():
         np.testing.assert_allclose(have, want, rtol=0, atol=ATOL)
 
 
+def _per_head_graph(also_read: bool = False) -> onnx.ModelProto:
+    """GPT-NeoX's q/k/v as its export leaves them around GroupQueryAttention: one projection of x (+ a bias),
+    [batch, seq, 2 * 3 * 16], viewed as [batch, seq, 2 heads, q k v of 16 side by side], transposed heads first,
+    split in three on the last axis, each transposed back and merged to [batch, seq, 32]; the op at 2 heads, each
+    its own key/value head. ``also_read``: the projection is an output too (read at every position)."""
+    rng = np.random.default_rng(5)
+    width = 3 * KV_HEADS * HEAD_DIM
+    arrays = {"w": rng.standard_normal((HIDDEN, width)).astype(np.float32) * 0.3,
+              "b": rng.standard_normal(width).astype(np.float32)}
+    inits = [helper.make_tensor(name, TensorProto.FLOAT, array.shape, array.ravel()) for name, array in arrays.items()]
+    for name, values in (("view", [0, 0, KV_HEADS, 3 * HEAD_DIM]), ("merge", [0, 0, KV_HEADS * HEAD_DIM])):
+        inits.append(helper.make_tensor(name, TensorProto.INT64, [len(values)], values))
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["proj"]),
+             helper.make_node("Add", ["proj", "b"], ["linear"]),
+             helper.make_node("Reshape", ["linear", "view"], ["viewed"]),
+             helper.make_node("Transpose", ["viewed"], ["heads"], perm=[0, 2, 1, 3]),
+             helper.make_node("Split", ["heads"], ["q_h", "k_h", "v_h"], axis=3, num_outputs=3)]
+    for role in "qkv":
+        nodes += [helper.make_node("Transpose", [f"{role}_h"], [f"{role}_back"], perm=[0, 2, 1, 3]),
+                  helper.make_node("Reshape", [f"{role}_back", "merge"], [f"{role}_in"])]
+    nodes.append(helper.make_node("GroupQueryAttention", ["q_in", "k_in", "v_in", "past_key", "past_value",
+                                                          "seqlens_k", "total_sequence_length"],
+                                  ["out", "present_key", "present_value"], domain="com.microsoft",
+                                  num_heads=KV_HEADS, kv_num_heads=KV_HEADS, name="attention"))
+    cache = ["batch", KV_HEADS, "past", HEAD_DIM]
+    inputs = [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", "seq", HIDDEN]),
+              helper.make_tensor_value_info("position_ids", TensorProto.INT64, ["batch", "seq"]),
+              helper.make_tensor_value_info("past_key", TensorProto.FLOAT, cache),
+              helper.make_tensor_value_info("past_value", TensorProto.FLOAT, cache),
+              helper.make_tensor_value_info("seqlens_k", TensorProto.INT32, ["batch"]),
+              helper.make_tensor_value_info("total_sequence_length", TensorProto.INT32, [])]
+    outputs = [helper.make_tensor_value_info("out", TensorProto.FLOAT, ["batch", "seq", KV_HEADS * HEAD_DIM]),
+               helper.make_tensor_value_info("present_key", TensorProto.FLOAT, cache),
+               helper.make_tensor_value_info("present_value", TensorProto.FLOAT, cache)]
+    if also_read:
+        outputs.append(helper.make_tensor_value_info("linear", TensorProto.FLOAT, ["batch", "seq", width]))
+    graph = helper.make_graph(nodes, "per_head", inputs, outputs, inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18),
+                                                    helper.make_opsetid("com.microsoft", 1)])
+    model.ir_version = 10
+    return onnx.shape_inference.infer_shapes(model)  # the view's [batch, seq, 2, 48], as torch's export records it
+
+
+@pytest.mark.parametrize("quantized", [False, True], ids=["fp32", "int4"])
+def test_a_projection_laid_out_per_head_packs_with_its_columns_reordered(quantized):
+    """GPT-NeoX's one projection, q, k and v of each head side by side: its weight columns (int4: its rows of blocks,
+    scales and zero points) and bias reordered into [q heads | k heads | v heads] feed the op's packed query, the
+    view, split and merges gone; the same outputs over the ragged contract's calls (atol 1e-6; observed equal: each
+    column is the same product). Read at every position too, the projection is left as it was, saying why."""
+    from mha_deploy.exporters.quantize import Quantization
+
+    model = _per_head_graph()
+    if quantized:
+        model = Quantization.of("int4").apply(model)
+    packed, report = pack_qkv(model)
+    assert (report.done, report.refused) == (1, [])
+    assert {"Split", "Transpose", "Reshape"}.isdisjoint(_ops(packed))
+    attention = next(node for node in packed.graph.node if node.op_type == "GroupQueryAttention")
+    assert list(attention.input[1:3]) == ["", ""]
+    expected = _contract_calls(_session(model), np.random.default_rng(6))
+    got = _contract_calls(_session(packed), np.random.default_rng(6))
+    for want, have in zip(expected, got, strict=True):
+        np.testing.assert_allclose(have, want, rtol=0, atol=1e-6)
+    kept, refused = pack_qkv(_per_head_graph(also_read=True))
+    assert refused.done == 0 and "is not a projection" in refused.refused[0]
+    assert _ops(kept).count("Split") == 1
+
+
 def test_the_ops_output_split_into_heads_and_merged_back_is_the_ops_output():
     """Reshape to heads, Transpose, a Reshape to the same shape, Transpose back, Reshape to [batch, seq, hidden]:
     removed, the output projection reads the op's output; same outputs (atol 1e-5)."""
