@@ -61,7 +61,8 @@ class TokenStepper(Protocol):
       each row's next token [rows, vocab]. An encoder-decoder reads them as the encoder's input and
       starts its decoder from ``decoder_start_token_id``, or from ``decoder_input_ids=`` [rows, length]
       where ``generate`` was given decoder prompts (asked only then).
-    - ``step(next_ids)``: append one token per row (int64 [rows]); returns [rows, vocab].
+    - ``step(next_ids)``: append one token per row (int64 [rows]); returns [rows, vocab], which the stepper may
+      overwrite on its next call (the search reads them before it calls again).
     - ``keep(rows)``: the current rows that the next call continues, in their new order (int64 indices
       into the current rows; an index may repeat, a row left out is freed).
     - ``decoder_start_token_id``: None for a decoder-only model; an encoder-decoder's decoder start id,
@@ -309,17 +310,17 @@ def _generate(
     """``generate`` of a prompt batch; ``decoder_ids`` [rows, length]: the rows' decoder prompts (one length)."""
     if _positions_by_column(stepper) and not mask.all():
         return _generate_by_length(stepper, ids, mask, config)
-    with _flushing(stepper):
+    with flushing_scope(stepper):
         if config.num_beams > 1:
             return _beam_search(stepper, ids, mask, config, decoder_ids)
         tokens: list[list[int]] = [[] for _ in range(len(ids))]
-        for step in _sample(stepper, ids, mask, config, decoder_ids):
-            for prompt, token in zip(step.prompts.tolist(), step.tokens.tolist(), strict=True):
+        for prompts, next_ids, _ in _steps(stepper, ids, mask, config, decoder_ids):
+            for prompt, token in zip(prompts.tolist(), next_ids.tolist(), strict=True):
                 tokens[prompt].append(token)
     return GenerationOutput([np.asarray(t, np.int64) for t in tokens], _pad_id(config))
 
 
-def _flushing(stepper: TokenStepper):
+def flushing_scope(stepper: TokenStepper):
     """One denormal scope for a whole generation on this thread (``KVCacheStepper.flushing``,
     ``MHASession.flushing``) instead of one per model call, each about 5-15 us of a step's host time.
 
@@ -379,7 +380,8 @@ def stream(
     if _positions_by_column(stepper) and not mask.all():
         raise InputError("this file counts positions over the padded batch's columns, so a padded prompt would not get "
                          "what it gets alone: stream prompts of one length, unpadded (generate splits them itself)")
-    return _sample(stepper, ids, mask, config)
+    return (StepTokens(prompts.copy(), tokens.copy(), finished.copy())
+            for prompts, tokens, finished in _steps(stepper, ids, mask, config))
 
 
 def prompt_batch(input_ids, attention_mask=None, features: bool = False) -> tuple[np.ndarray, np.ndarray]:
@@ -485,11 +487,13 @@ def _prompt_history(
     return np.where(mask != 0, ids, -1)
 
 
-def _sample(
+def _steps(
     stepper: TokenStepper, ids: np.ndarray, mask: np.ndarray, config: GenerationConfig,
     decoder_ids: np.ndarray | None = None,
-) -> Iterator[StepTokens]:
-    """Greedy or sampled tokens, one ``StepTokens`` per step; a row leaves the stepper when it is finished."""
+) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """Greedy or sampled tokens, one (prompts, tokens, finished) per step as ``StepTokens`` has them: arrays of the
+    loop's, valid until the next step is asked for (``stream`` copies them; ``generate`` reads them at once); a
+    row leaves the stepper when it is finished."""
     processors, criteria = config.logits_processors(), config.stopping_criteria()
     rng = np.random.default_rng(config.seed)
     prompt_history = _prompt_history(stepper, ids, mask, decoder_ids)
@@ -503,13 +507,15 @@ def _sample(
     logits = _prefill(stepper, ids, mask, decoder_ids)
     generated = 0
     while True:
-        scores = processors(TokenHistory(history[:, :width], generated), logits.astype(np.float32, copy=False))
+        scores = logits.astype(np.float32, copy=False)
+        if processors:
+            scores = processors(TokenHistory(history[:, :width], generated), scores)
         next_ids = draw_tokens(scores, rng) if config.do_sample else np.argmax(scores, axis=-1)
         history[:, width] = next_ids
         width += 1
         generated += 1
         finished = criteria(TokenHistory(history[:, :width], generated))
-        yield StepTokens(prompts.copy(), next_ids.copy(), finished.copy())
+        yield prompts, next_ids, finished
         if finished.any():
             if finished.all():
                 return

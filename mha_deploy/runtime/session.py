@@ -322,6 +322,12 @@ class MHASession:
         with flushing_denormals(self.flush_denormals):
             return run_in_place(self._session, inputs, in_place, wanted, kept, into)
 
+    @property
+    def flushed_here(self) -> bool:
+        """Whether a call on this thread now runs as ``run_in_place`` would run it: inside a ``flushing`` block, or
+        with no denormal flushing asked for."""
+        return not self.flush_denormals or bool(getattr(_FLUSHED, "depth", 0))
+
     @contextmanager
     def flushing(self) -> Iterator[None]:
         """One denormal scope (``flush_denormals``) for every ``run_in_place`` this thread makes within the block,
@@ -394,6 +400,7 @@ def run_in_place(
     With every output bound to the caller's memory, no output is read back at all: ``get_outputs`` wraps every
     output of the binding in an OrtValue (13 for a 6-layer decoder), 0.1 ms of a decoding step's host time."""
     kept = kept or KeptBinding(session)
+    kept.owner = None
     for name, array in inputs.items():
         kept.bind(name, array, output=False)
     for output, source in in_place.items():
@@ -426,6 +433,12 @@ class KeptBinding:
         # the same memory, known without asking numpy for its address.
         self._held: dict[tuple[str, bool], np.ndarray] = {}
         self.outputs: dict[str, int] = {}  # output name -> its place in get_outputs(), in first-bound order
+        # What the caller said stands for the in-place arrays bound last (kv_stepper._Graph.run_in_place): the same
+        # token again means they are bound still. A caller binding other in-place arrays resets it.
+        self.caches_token: object | None = None
+        # The prepared decode step (kv_stepper._DecodeStep) whose arrays are all this binding holds, else None: any
+        # call through run_in_place binds others.
+        self.owner: object | None = None
 
     def bind(self, name: str, array: np.ndarray, output: bool) -> None:
         key = (name, output)
@@ -449,6 +462,12 @@ class KeptBinding:
         self._bound[key] = where
         if output:
             self.outputs.setdefault(name, len(self.outputs))
+
+    def forget(self, name: str) -> None:
+        """Input ``name`` is bound again by the next ``bind``, whatever it was bound to (someone else binds it in
+        between)."""
+        self._held.pop((name, False), None)
+        self._bound.pop((name, False), None)
 
     def allocate(self, name: str) -> None:
         """Output ``name`` allocated by ORT on the next call. Bound anew every call: ORT keeps an output it

@@ -26,10 +26,11 @@ class StoppingCriteriaList(list):
     """A row is finished when any criterion says so."""
 
     def __call__(self, history: TokenHistory) -> np.ndarray:
-        finished = np.zeros(history.tokens.shape[0], bool)
-        for criterion in self:
-            finished |= criterion(history)
-        return finished
+        finished = None
+        for criterion in self:  # run after every decoded token: no array is made that a criterion does not return
+            said = criterion(history)
+            finished = said if finished is None else finished | said
+        return np.zeros(history.tokens.shape[0], bool) if finished is None else finished
 
 
 class EosTokenCriteria(StoppingCriteria):

@@ -65,7 +65,13 @@ import numpy as np
 
 from mha_deploy.errors import InputError, MHADeployError
 from mha_deploy.metadata import POSITIONS_NONE
-from mha_deploy.runtime.generation import GenerationConfig, decoder_prompt_rows, draw_tokens, with_recorded_ids
+from mha_deploy.runtime.generation import (
+    GenerationConfig,
+    decoder_prompt_rows,
+    draw_tokens,
+    flushing_scope,
+    with_recorded_ids,
+)
 from mha_deploy.runtime.kv_stepper import KVCacheStepper, check_features, mixes_lengths_exactly
 from mha_deploy.runtime.logits import (
     ForcedBOSTokenLogitsProcessor,
@@ -441,7 +447,10 @@ class GenerationEngine:
                     self._drop_cancelled()
                     self._admit()
             try:
-                self._turn()
+                # One denormal scope a turn (this thread's own; generation.flushing_scope says why the search's
+                # numpy may run in it): the decode steps then take their prepared path (kv_stepper._DecodeStep).
+                with flushing_scope(self.stepper):
+                    self._turn()
             except Exception as exc:  # an ORT failure: fail every active request, keep serving the next ones
                 logger.exception("generation step failed")
                 self._fail_all(f"the model failed: {exc}")

@@ -235,29 +235,47 @@ def test_mha_session_refuses_what_the_ragged_contract_does_not_allow(gpt, mask, 
 # --- the host path of a decode step: nothing read back, one rebind, one denormal scope, one read of the file -------
 
 
-def test_a_decode_step_reads_no_output_back_and_hands_the_caller_its_own_logits(gpt, monkeypatch):
-    """Steps write the logits into an array of the stepper's (no ``get_outputs``); each step's logits stay as they
-    were after later steps (the caller's to keep), also when another stepper on this thread prefills between steps
-    (ORT allocates its logits, and the kept binding must bind ours again); every step equals the prompt alone
-    (atol 1e-5: a cache of another capacity)."""
+def test_a_decode_step_reads_no_output_back_and_writes_its_logits_into_the_steppers_array(gpt, monkeypatch):
+    """Steps write the logits into one array of the stepper's (no ``get_outputs``, the same array every step: the
+    next call overwrites it, as ``step`` says); each step's logits, read before the next call, equal the prompt
+    alone (atol 1e-5: a cache of another capacity), also when another stepper on this thread prefills between
+    steps (ORT allocates its logits and binds its own mask and caches: the prepared step must not run on them)."""
     import onnxruntime as ort
 
-    prompt, steps = mixed_prompts(60)[2], [7, 3, 11, 5]
+    prompt, steps = mixed_prompts(60)[2], [7, 3, 11, 5, 2]
     stepper, _ = start(gpt, [prompt])
     reads = []
     real = ort.IOBinding.get_outputs
     monkeypatch.setattr(ort.IOBinding, "get_outputs", lambda self: reads.append(1) or real(self))
-    kept = []
+    returned, read = [], []
     for index, token in enumerate(steps):
         logits = stepper.step(np.array([token]))
-        kept.append((logits, logits.copy()))
+        returned.append(logits)
+        read.append(logits.copy())  # as the caller reads them, before the next call
         if index == 1:
             other = stepper.fork()
             other.prefill(np.array([prompt[:3]]), np.ones((1, 3), np.int64))  # ORT allocates its logits
     assert len(reads) == 1  # the fork's prefill only
-    for index, (logits, copy) in enumerate(kept):
-        np.testing.assert_array_equal(logits, copy)  # not overwritten by a later step
+    assert all(np.shares_memory(logits, returned[0]) for logits in returned)
+    for index, logits in enumerate(read):
         np.testing.assert_allclose(logits[0], alone_logits(gpt, prompt, steps[: index + 1]), atol=1e-5, rtol=1e-5)
+
+
+def test_decode_steps_after_the_first_run_prepared_and_equal_the_general_step(gpt, monkeypatch):
+    """Once a batch's rows and buffers stay put, its decode steps run prepared (kv_stepper._DecodeStep: the kept
+    arrays written in place, only the mask bound anew), not through the general call; a mixed batch's greedy
+    tokens are then exactly those of the general step everywhere."""
+    from mha_deploy.runtime.kv_stepper import _DecodeStep
+
+    prompts = mixed_prompts(60)
+    stepper, calls = KVCacheStepper(gpt), []
+    general_call = stepper.graph.run_in_place
+    monkeypatch.setattr(stepper.graph, "run_in_place", lambda *a, **k: calls.append(1) or general_call(*a, **k))
+    prepared = generate(stepper, prompts, max_new_tokens=MAX_NEW, eos_token_id=[])
+    assert len(calls) == 2  # the prefill and the first step; the other MAX_NEW - 2 steps ran prepared
+    monkeypatch.setattr(_DecodeStep, "ready", lambda self, next_ids: False)
+    general = generate(KVCacheStepper(gpt), prompts, max_new_tokens=MAX_NEW, eos_token_id=[])
+    assert [t.tolist() for t in prepared.tokens] == [t.tolist() for t in general.tokens]
 
 
 def test_generate_flushes_denormals_once_and_stream_once_a_call(gpt, monkeypatch):

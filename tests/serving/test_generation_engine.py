@@ -381,11 +381,11 @@ def test_a_failing_model_call_fails_its_requests_and_the_engine_serves_the_next(
     calls = {"n": 0}
 
     def flaky(call):
-        def run(*args):
+        def run(*args, **kwargs):
             calls["n"] += 1
             if calls["n"] == 2:  # the first decode step
                 raise RuntimeError("device lost")
-            return call(*args)
+            return call(*args, **kwargs)
         return run
 
     # a holes file's calls go through run, a ragged file's through run_in_place
