@@ -394,8 +394,13 @@ def _rewrite(model, names: LengthNames, demands, plans, sources, roots, shapes, 
         helper.make_node("Shape", [names.tokens], [seq], start=1, end=2),
         helper.make_node("Shape", [names.mask], [total], start=1, end=2),
     ]
+    producers = {out: node for node in graph.node for out in node.output}
     for name in sources:
         axis = demands[name].axis
+        new_part = _after_past_padding(name, axis, names.past, producers)
+        if new_part is not None:
+            added.append(helper.make_node("Identity", [new_part], [narrow[name]]))  # ORT drops it on loading
+            continue
         axis_name = f"{_PREFIX}axis{axis}"
         added += [helper.make_node("Constant", [], [axis_name],
                                    value=helper.make_tensor(axis_name, TensorProto.INT64, [1], [axis])),
@@ -427,6 +432,22 @@ def _rewrite(model, names: LengthNames, demands, plans, sources, roots, shapes, 
     result = _without_dead_nodes(_sorted(model))
     _check_no_whole_length_weights(result, heavy, roots)
     return result
+
+
+def _after_past_padding(name: str, axis: int, past: str, producers: dict[str, onnx.NodeProto]) -> str | None:
+    """X where ``name`` is ``Concat(ConstantOfShape(Concat(batch, past)), X)`` along ``axis``: the whole sequence
+    made of a filler as long as the past and this call's X (own_kv_cache's token ids), whose cut from ``past`` on
+    is X itself; else None. Cutting it would cost a decode step six small ops for nothing."""
+    concat = producers.get(name)
+    if concat is None or concat.op_type != "Concat" or len(concat.input) != 2:
+        return None
+    if helper.get_attribute_value(next(a for a in concat.attribute if a.name == "axis")) != axis:
+        return None
+    filler = producers.get(concat.input[0])
+    shape = producers.get(filler.input[0]) if filler is not None and filler.op_type == "ConstantOfShape" else None
+    if shape is None or shape.op_type != "Concat" or len(shape.input) != 2 or shape.input[1] != past:
+        return None  # [batch, past]: the filler's dim 1 is the past's length
+    return concat.input[1] if axis == 1 else None
 
 
 def _type_narrowed(graph: onnx.GraphProto, names: LengthNames, demands, narrow: dict[str, str]) -> None:
