@@ -149,6 +149,18 @@ def test_a_mask_free_encoder_takes_the_flash_kernel(exported):
     assert all(info.kernel == "MultiHeadAttention (flash)" for info in infos)
 
 
+def test_vits_context_reaches_its_output_projection_without_a_copy(exported):
+    """ViT merges the heads with a permute, a view and a permute back: two Transposes a layer that ORT cannot
+    cancel across the view. The chain drops them (fusion.head_round_trip): each op's output is what its output
+    projection reads; the module parity test below checks the file."""
+    _, path, _ = exported("vit")
+    model, _, _ = _fused(path)
+    readers = {name: node for node in model.graph.node for name in node.input}
+    attentions = [node for node in model.graph.node if node.op_type == "MultiHeadAttention"]
+    assert len(attentions) == LAYERS
+    assert all(readers[node.output[0]].op_type == "MatMul" for node in attentions)
+
+
 def test_clips_cross_batch_logits_are_outputs_spanning_the_batch(exported):
     """logits_per_image and logits_per_text are the file's, [batch, batch] in its metadata (the batch on a later
     axis: ``TensorSpec.spans_batch``), beside the per-item embeddings; inspect says which span the batch, in its

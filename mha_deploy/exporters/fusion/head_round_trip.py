@@ -1,4 +1,5 @@
-"""A ``GroupQueryAttention``'s output split into heads and merged back before the output projection, removed.
+"""A ``GroupQueryAttention``'s or ``MultiHeadAttention``'s output split into heads and merged back before the
+output projection, removed.
 
 Why: the op returns [batch, seq, heads * head_dim], which the output projection reads; but the graph around it is
 the module's, whose attention returned [batch, heads, seq, head_dim]: upstream's fusion split the op's output into
@@ -28,9 +29,22 @@ def drop_head_round_trips(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Atte
     """``model`` with each ``GroupQueryAttention`` output's split-and-merge removed (the module docstring), and how
     many were (an output with no such chain is not a refusal: nothing to remove); ``model`` itself where none was."""
     ir_model = ir.serde.deserialize_model(model)
-    graph = ir_model.graph
-    attentions = [node for node in graph if node.op_type == "GroupQueryAttention" and node.domain == _DOMAIN]
-    report = AttentionRewriteReport(REWRITE, attentions=len(attentions))
+    attentions = [node for node in ir_model.graph if node.op_type == "GroupQueryAttention" and node.domain == _DOMAIN]
+    report = AttentionRewriteReport(REWRITE, attentions=len(attentions), done=_drop(attentions))
+    return rewritten(model, ir_model, report)
+
+
+def drop_mha_round_trips(model: ir.Model) -> int:
+    """``model``'s ``MultiHeadAttention`` outputs' split-and-merge removed in place (the module docstring: the op
+    returns [batch, seq, heads * head_dim] too), and how many were. The attention chain calls it on the mha target:
+    in ViT's layers the module's merge (a permute, a ``view``, a permute back) is two Transposes of the context a
+    layer, which ORT cannot cancel across the Reshape between them (~1% of a ViT-S call on 2 threads). The caller
+    removes the nodes left unread."""
+    return _drop([node for node in model.graph if node.op_type == "MultiHeadAttention" and node.domain == _DOMAIN])
+
+
+def _drop(attentions: list[ir.Node]) -> int:
+    done = 0
     for node in attentions:
         merged = _round_trip_end(node.outputs[0], node.attributes.get_int("num_heads", 0))
         if merged is None or merged.is_graph_output():
@@ -38,8 +52,8 @@ def drop_head_round_trips(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Atte
         merged.replace_all_uses_with(node.outputs[0])
         if merged.shape is not None and node.outputs[0].shape is None:
             node.outputs[0].shape = merged.shape
-        report.done += 1
-    return rewritten(model, ir_model, report)
+        done += 1
+    return done
 
 
 def _only_reader(value: ir.Value) -> ir.Node | None:

@@ -37,6 +37,8 @@ The chain, per target (own rules marked *, the rest is upstream
                               longest row: mask-free MHA if every row fills the cut, else
                               masked MHA; mask-free MHA: ORT's CPU flash path)
     * output_bias             a bias added before the output projection -> folded into its bias
+    * head_round_trip         the op's output split into heads and merged back (ViT's permute, view,
+                              permute) -> the op's output read as it is
     onnx:
     * onnx_attention          MHA -> standard Attention (float attn_mask, is_causal)
     then, on either target, after the attentions (their patterns see the graph as torch wrote it):
@@ -81,6 +83,7 @@ from mha_deploy.exporters.fusion.cache_heads import fuse_cache_heads
 from mha_deploy.exporters.fusion.causal_gqa import fuse_causal_gqa
 from mha_deploy.exporters.fusion.finite_bias import fuse_finite_bias
 from mha_deploy.exporters.fusion.head_merge_view import fuse_head_merge_view
+from mha_deploy.exporters.fusion.head_round_trip import drop_mha_round_trips
 from mha_deploy.exporters.fusion.masked_fill_bias import fuse_masked_fill_bias, masked_fill_bias_rules
 from mha_deploy.exporters.fusion.native_mask import fuse_native_mask
 from mha_deploy.exporters.fusion.norms import fuse_norms, norm_ops
@@ -375,6 +378,7 @@ def _run_chain(model: ir.Model, target: str, packed_qkv: bool, short_sequences: 
         counts["padding_flash"] = fuse_padding_flash(model)
         counts["output_bias"] = fuse_output_bias(model)
         counts["cache_heads"] = fuse_cache_heads(model)
+        counts["head_round_trip"] = drop_mha_round_trips(model)
     else:
         counts["onnx_attention"] = fuse_onnx_attention(model)
     # Last: the attention rules above match the norm-free subgraphs they were written for (a q/k norm inside one).
