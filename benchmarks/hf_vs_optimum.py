@@ -16,6 +16,11 @@ decoder calls, Optimum's first decoder apart since it computes the cross keys/va
 onnxruntime, and with ``--profile`` ORT's kernel time per op type of each file:
     .venv/bin/python benchmarks/hf_vs_optimum.py --workdir runs/ --split --profile --rounds 3
 
+Where BERT's and ViT's time goes, from a workdir's exports (``--ops``): our file and Optimum -O2's timed in
+interleaved rounds on this environment's onnxruntime (one ORT for both), and ORT's kernel milliseconds per call by op
+type of each (a profiled session apiece, beside the timed one):
+    .venv/bin/python benchmarks/hf_vs_optimum.py --workdir runs/ --ops --workloads bert-1x512 vit-8 --rounds 8
+
 Workloads (random weights, saved with ``save_pretrained``, nothing downloaded; sizes between the models' tiny and
 base configs, ``SIZES``):
 
@@ -597,6 +602,80 @@ def profile_by_op(events: list[dict], top: int = 6) -> dict[str, float]:
     return result
 
 
+def profile_encoders(workdir: Path, workloads, threads: int, rounds: int) -> dict:
+    """Per encoder workload of ``workloads`` whose exports ``workdir`` holds: our file and Optimum -O2's on this
+    environment's onnxruntime, with the session options each runs under in the rows (ours: ``MHASession``'s, denormals
+    flushed; Optimum's: ORTModel's defaults), timed in interleaved rounds (median ms per call), and ORT's kernel
+    milliseconds per call by op type (``profile_by_op`` over every op) from a profiled session of each run beside it.
+    An ``If``'s time holds its branch's nodes' (also listed): it is left out of ``kernel_ms``."""
+    import onnxruntime as ort
+
+    from mha_deploy.runtime.denormals import ORT_CONFIG_ENTRY
+
+    element = {"tensor(int64)": np.int64, "tensor(bool)": bool, "tensor(float)": np.float32}
+    result = {}
+    for workload in workloads:
+        model = MODEL_OF[workload]
+        record = workdir / model / "exports.json"
+        if model == "whisper" or not record.is_file():
+            continue
+        kept = json.loads(record.read_text())
+        shape = (QUICK_SHAPES if kept["sizes"] == QUICK_SIZES[model] else SHAPES)[workload]
+        inputs = make_inputs(workload, shape, kept["sizes"])
+        files = {OURS: Path(kept["rows"][OURS]["path"]), OPTIMUM_O2: Path(kept["rows"][OPTIMUM_O2]["path"]) /
+                 "model.onnx"}
+
+        def session(row: str, path: Path, prefix: str | None = None):
+            options = ort.SessionOptions()
+            options.intra_op_num_threads, options.inter_op_num_threads = threads, 1
+            options.log_severity_level = 3
+            if row == OURS:
+                options.add_session_config_entry(ORT_CONFIG_ENTRY, "1")
+            if prefix:
+                options.enable_profiling, options.profile_file_prefix = True, prefix
+            return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+
+        timed = {row: session(row, path) for row, path in files.items()}
+        profiled = {row: session(row, path, str(workdir / f"profile-{workload}-{row.replace(' ', '')}"))
+                    for row, path in files.items()}
+        feeds = {row: {port.name: inputs[port.name].astype(element[port.type]) for port in sess.get_inputs()}
+                 for row, sess in timed.items()}
+        outputs = {row: sess.run(None, feeds[row])[0] for row, sess in timed.items()}  # warm-up
+        for row, sess in profiled.items():
+            sess.run(None, feeds[row])
+        seconds = {row: [] for row in files}
+        for _ in range(rounds):
+            for row in files:
+                started = time.perf_counter()
+                timed[row].run(None, feeds[row])
+                seconds[row].append(time.perf_counter() - started)
+                profiled[row].run(None, feeds[row])
+        entry = {"max_abs_diff": float(np.abs(outputs[OURS] - outputs[OPTIMUM_O2]).max()), "rows": {}}
+        for row, sess in profiled.items():
+            ops = profile_by_op(json.loads(Path(sess.end_profiling()).read_text()), top=1000)
+            calls = ops.pop("calls")
+            ops.pop("If", None)
+            entry["rows"][row] = {"median_ms": float(np.median(seconds[row]) * 1e3), "kernel_ms": ops,
+                                  "profiled_calls": calls}
+        result[workload] = entry
+    return result
+
+
+def print_ops(profiles: dict) -> None:
+    for workload, entry in profiles.items():
+        ours, theirs = (entry["rows"][row] for row in (OURS, OPTIMUM_O2))
+        print(f"\n{workload} on this environment's onnxruntime: ours {ours['median_ms']:.1f} ms, Optimum -O2 "
+              f"{theirs['median_ms']:.1f} ms a call (ours {theirs['median_ms'] / ours['median_ms']:.2f}x); logits "
+              f"within {entry['max_abs_diff']:.1e}; kernel ms per call by op type (ours | Optimum -O2):")
+        kinds = sorted(set(ours["kernel_ms"]) | set(theirs["kernel_ms"]),
+                       key=lambda op: -max(ours["kernel_ms"].get(op, 0), theirs["kernel_ms"].get(op, 0)))
+        for op in kinds:
+            a, b = ours["kernel_ms"].get(op, 0.0), theirs["kernel_ms"].get(op, 0.0)
+            if max(a, b) >= 0.05:
+                print(f"  {op:<28} {a:9.2f} {b:9.2f}")
+        print(f"  {'all kernels':<28} {sum(ours['kernel_ms'].values()):9.2f} {sum(theirs['kernel_ms'].values()):9.2f}")
+
+
 def print_split(split: dict) -> None:
     print("\nwhisper-8x32 split (this environment's onnxruntime for every file; median ms per part of one "
           f"generation; tokens {'equal' if split['tokens_equal'] else 'DIFFER'} between the two pairs)")
@@ -627,6 +706,9 @@ def main(argv=None) -> None:
                              "pair apart (encoder, decoder calls) instead of the rows")
     parser.add_argument("--profile", action="store_true",
                         help="with --split: also ORT's kernel time per op type of each file")
+    parser.add_argument("--ops", action="store_true",
+                        help="BERT and ViT workloads, from a --workdir's exports: our file and Optimum -O2's timed "
+                             "on this environment's onnxruntime, and ORT's kernel time per op type of each")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
@@ -634,6 +716,18 @@ def main(argv=None) -> None:
         return
     args.rounds = args.rounds or (2 if args.quick else 5)
     args.calls = args.calls or (1 if args.quick else 2)
+    if args.ops:
+        if args.workdir is None:
+            parser.error("--ops reads the exports of a --workdir that a run left")
+        before = load_average()
+        profiles = profile_encoders(args.workdir, args.workloads, args.threads, args.rounds)
+        if not profiles:
+            parser.error(f"{args.workdir} holds no BERT or ViT exports of the workloads asked for")
+        print_ops(profiles)
+        print("\n" + load_line(before, load_average(), args.threads))
+        if args.json is not None:
+            args.json.write_text(json.dumps(profiles, indent=2))
+        return
     if args.split:
         if args.workdir is None or not (args.workdir / "whisper" / "exports.json").is_file():
             parser.error("--split reads the Whisper exports of a --workdir that a run (--workloads whisper-8x32) left")
