@@ -112,12 +112,12 @@ FUSED = {
     # a per-head q/k norm sits between the projections and the op
     "qwen3": Fused(packed=False),
     "mistral": Fused(),
-    # one qkv_proj sliced: no three projections to pack
-    "phi3": Fused(packed=False),
+    # one qkv_proj laid out [q | k | v], sliced: the op reads it whole as its packed query
+    "phi3": Fused(),
     "gemma2": Fused(softcap=SOFTCAP),
     "gemma3": Fused(packed=False),
-    # the rotary on 48 of each head's 64 dims, in the op; one qkv_proj sliced, as Phi-3
-    "phi3_partial": Fused(rotary_dim=48, packed=False),
+    # the rotary on 48 of each head's 64 dims, in the op; one qkv_proj read whole as the packed query, as Phi-3
+    "phi3_partial": Fused(rotary_dim=48),
     # the rotary on 16 of 64 dims, in the op; every head its own key/value head; q/k/v split per head out of one
     # projection, packed by reordering its weight columns
     "gpt_neox": Fused(kv_heads=HEADS, rotary_dim=16),

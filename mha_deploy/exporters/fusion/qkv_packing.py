@@ -14,6 +14,12 @@ inputs, with one line saying why. The same products, summed in the same order, s
 A projection laid out per head (GPT-NeoX's ``query_key_value``: [q k v] of each head side by side, split in the
 graph after a view into heads) packs too: its weight columns and bias are reordered once, at export, into
 [q heads | k heads | v heads], and the view, split and merges go (``_projection_per_head``).
+
+A projection already laid out [q heads | k heads | v heads] and cut into q, k and v in the graph (Phi-3's and
+Phi-4-mini's ``qkv_proj``: three Slices or one Split of its output on the last axis, contiguous, in that order,
+heads * head_dim, kv_heads * head_dim twice wide) is the packed query as it is: the op reads it whole and the cuts
+go, no weight touched (``_sliced_packed``). What produced it does not matter (a MatMul, + a bias, a MatMulNBits):
+the op splits those columns exactly where the cuts were.
 """
 
 from __future__ import annotations
@@ -56,6 +62,11 @@ def pack_qkv(model: onnx.ModelProto) -> tuple[onnx.ModelProto, AttentionRewriteR
     report = AttentionRewriteReport(REWRITE, attentions=len(attentions))
     for node in attentions:
         try:
+            packed = _sliced_packed(node)
+            if packed is not None:
+                _read_packed(node, packed)
+                report.done += 1
+                continue
             projections = _projections(node)
         except _Refused as exc:
             report.refused.append(f"{node.name}: {exc}")
@@ -187,6 +198,93 @@ def _projection_per_head(values: list[ir.Value]) -> _Projection | None:
     return _Projection(projection.matmul, weight, bias, projection.width)
 
 
+def _sliced_packed(node: ir.Node) -> ir.Value | None:
+    """The one tensor [batch, seq, width] the op's query, key and value are cut from, where they are its columns
+    [0, q), [q, q + kv), [q + kv, width) with q = heads * head_dim, kv = kv_heads * head_dim (three Slices or one
+    Split on its last axis): that tensor is the op's packed query as it is. None where they are not cuts of one
+    tensor; refused, saying why, where they are but not in that layout."""
+    if len(node.inputs) < 3 or any(value is None for value in node.inputs[:3]):
+        return None
+    cuts = [value.producer() for value in node.inputs[:3]]
+    if any(cut is None or cut.op_type not in ("Slice", "Split") or cut.domain != "" for cut in cuts):
+        return None
+    source = cuts[0].inputs[0]
+    if any(cut.inputs[0] is not source for cut in cuts):
+        return None
+    width = _last_axis_width(source)
+    rank = next((value.shape.rank() for value in (source, *node.inputs[:3]) if value.shape is not None), None)
+    if width is None or rank != 3:
+        raise _Refused("its query, key and value are cuts of one tensor whose width or rank is not known")
+    spans = [_span(cut, value, width, rank) for cut, value in zip(cuts, node.inputs[:3], strict=True)]
+    if None in spans:
+        raise _Refused("its query, key and value are cuts of one tensor, not all constant, step-1 cuts of its last "
+                       "axis")
+    heads = node.attributes.get_int("num_heads", 0)
+    kv_heads = node.attributes.get_int("kv_num_heads", 0)
+    head_dim, rest = divmod(width, heads + 2 * kv_heads) if heads > 0 and kv_heads > 0 else (0, 1)
+    q, kv = heads * head_dim, kv_heads * head_dim
+    if rest or spans != [(0, q), (q, q + kv), (q + kv, width)]:
+        raise _Refused(f"its query, key and value are columns {spans} of one tensor {width} wide, not [q | k | v] "
+                       f"of {heads} and {kv_heads} heads of one size")
+    return source
+
+
+def _span(cut: ir.Node, value: ir.Value, width: int, rank: int) -> tuple[int, int] | None:
+    """The columns [start, end) of the last axis that ``cut`` (a Slice, or the Split output ``value``) takes; None
+    where it cuts another axis, steps, or has bounds that are not constants."""
+    def last(axis: int) -> bool:
+        return axis in (-1, rank - 1)
+
+    if cut.op_type == "Slice":
+        bounds = [constant_array(v) if v is not None else None for v in list(cut.inputs[1:5]) + [None] * 4][:4]
+        starts, ends, axes, steps = bounds
+        if starts is None or ends is None or axes is None or starts.size != 1 or ends.size != 1 \
+                or axes.size != 1 or not last(int(axes[0])) or (steps is not None and steps.ravel().tolist() != [1]):
+            return None
+        # negative bounds count from the end; both clamp to [0, width] (Slice's own rule for step 1)
+        start, end = (min(max(int(b[0]) + width if int(b[0]) < 0 else int(b[0]), 0), width) for b in (starts, ends))
+        return start, end
+    if not last(cut.attributes.get_int("axis", 0)):
+        return None
+    given = constant_array(cut.inputs[1]) if len(cut.inputs) > 1 and cut.inputs[1] is not None else None
+    if given is not None:
+        sizes = given.ravel().tolist()
+    elif "split" in cut.attributes:  # before opset 13, the sizes an attribute
+        sizes = list(cut.attributes.get_ints("split"))
+    elif len(cut.inputs) > 1 and cut.inputs[1] is not None:
+        return None  # sizes computed in the graph
+    else:  # equal parts, the last one smaller where the width does not divide (opset 18's num_outputs)
+        parts = len(cut.outputs)
+        chunk = -(-width // parts)
+        sizes = [chunk] * (parts - 1) + [width - chunk * (parts - 1)]
+    if sum(sizes) != width or len(sizes) != len(cut.outputs):
+        return None
+    start = sum(sizes[:value.index()])
+    return start, start + sizes[value.index()]
+
+
+def _last_axis_width(value: ir.Value) -> int | None:
+    """``value``'s last axis, from its shape or, where the graph does not record it, from the projection producing
+    it (a MatMul's constant weight, a MatMulNBits' N, a bias added after either)."""
+    if value.shape is not None and value.shape.rank() and isinstance(value.shape[-1], int):
+        return value.shape[-1]
+    producer = value.producer()
+    if producer is None:
+        return None
+    if producer.op_type == "Add" and len(producer.inputs) == 2:
+        for addend in producer.inputs:
+            array = constant_array(addend)
+            if array is not None and array.ndim == 1 and array.size > 1:
+                return array.size
+        return None
+    if producer.op_type == "MatMulNBits" and producer.domain == _DOMAIN:
+        return producer.attributes.get_int("N", 0) or None
+    if producer.op_type == "MatMul":
+        weight = constant_array(producer.inputs[1])
+        return weight.shape[-1] if weight is not None and weight.ndim == 2 else None
+    return None
+
+
 def _single_reader_producer(value: ir.Value, op_type: str) -> ir.Node | None:
     """The ``op_type`` node (default domain) producing ``value``, where nothing but one node reads ``value``."""
     producer = value.producer()
@@ -265,6 +363,11 @@ def _pack(graph: ir.Graph, node: ir.Node, projections: list[_Projection]) -> Non
     packed.type = query.type
     if query.shape is not None and query.shape.rank() == 3:
         packed.shape = ir.Shape([query.shape[0], query.shape[1], width])
+    _read_packed(node, packed)
+
+
+def _read_packed(node: ir.Node, packed: ir.Value) -> None:
+    """``node`` reading ``packed`` [batch, seq, (heads + 2 kv_heads) * head_dim] as its query, key and value empty."""
     node.replace_input_with(0, packed)
     node.replace_input_with(1, None)
     node.replace_input_with(2, None)

@@ -522,3 +522,83 @@ def test_onnxruntime_genai_generates_our_tokens_from_the_rotary_packed_file(lm_c
         mine = mine.tolist()
         assert len(mine) == new, f"row {row} ended at eos: choose prompts that do not"
         assert genai == mine, f"row {row}: onnxruntime-genai {genai}, ours {mine}"
+
+
+def _sliced_graph(cut: str = "slice", bias: bool = False, order: str = "qkv") -> onnx.ModelProto:
+    """Phi-3's q/k/v as its export leaves them around GroupQueryAttention: one projection of x (+ a bias) laid out
+    [q heads | k heads | v heads], [batch, seq, (4 + 2 + 2) * 16], cut on its last axis into q [0, 64), k [64, 96),
+    v [96, end) by three Slices (as torch writes them: axis 2, the last one ending at INT64_MAX) or one Split of
+    sizes 64, 32, 32; the op at 4 heads over 2 key/value heads. ``order``: which part each of the op's query, key and
+    value inputs reads ("kqv": the query reads the key's columns and the key the query's, a negative case)."""
+    rng = np.random.default_rng(8)
+    q, kv = HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM
+    width = q + 2 * kv
+    arrays = {"w": rng.standard_normal((HIDDEN, width)).astype(np.float32) * 0.3}
+    if bias:
+        arrays["b"] = rng.standard_normal(width).astype(np.float32)
+    inits = [helper.make_tensor(name, TensorProto.FLOAT, array.shape, array.ravel()) for name, array in arrays.items()]
+    bounds = {"q": (0, q), "k": (q, q + kv), "v": (q + kv, np.iinfo(np.int64).max)}
+    ints = {"axis": [2], "step": [1], "sizes": [q, kv, kv], **{f"{part}_start": [bounds[part][0]] for part in "qkv"},
+            **{f"{part}_end": [bounds[part][1]] for part in "qkv"}}
+    inits += [helper.make_tensor(name, TensorProto.INT64, [len(v)], v) for name, v in ints.items()]
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["proj"])]
+    if bias:
+        nodes.append(helper.make_node("Add", ["proj", "b"], ["linear"]))
+    linear = "linear" if bias else "proj"
+    if cut == "split":
+        nodes.append(helper.make_node("Split", [linear, "sizes"], ["q", "k", "v"], axis=-1))
+    else:
+        nodes += [helper.make_node("Slice", [linear, f"{part}_start", f"{part}_end", "axis", "step"], [part])
+                  for part in "qkv"]
+    nodes.append(helper.make_node("GroupQueryAttention", [*order, "past_key", "past_value", "seqlens_k",
+                                                          "total_sequence_length"],
+                                  ["out", "present_key", "present_value"], domain="com.microsoft",
+                                  num_heads=HEADS, kv_num_heads=KV_HEADS, name="attention"))
+    cache = ["batch", KV_HEADS, "past", HEAD_DIM]
+    inputs = [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", "seq", HIDDEN]),
+              helper.make_tensor_value_info("position_ids", TensorProto.INT64, ["batch", "seq"]),
+              helper.make_tensor_value_info("past_key", TensorProto.FLOAT, cache),
+              helper.make_tensor_value_info("past_value", TensorProto.FLOAT, cache),
+              helper.make_tensor_value_info("seqlens_k", TensorProto.INT32, ["batch"]),
+              helper.make_tensor_value_info("total_sequence_length", TensorProto.INT32, [])]
+    outputs = [helper.make_tensor_value_info("out", TensorProto.FLOAT, ["batch", "seq", q]),
+               helper.make_tensor_value_info("present_key", TensorProto.FLOAT, cache),
+               helper.make_tensor_value_info("present_value", TensorProto.FLOAT, cache)]
+    graph = helper.make_graph(nodes, "sliced", inputs, outputs, inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18),
+                                                    helper.make_opsetid("com.microsoft", 1)])
+    model.ir_version = 10
+    return onnx.shape_inference.infer_shapes(model)  # the projection's [batch, seq, 128], as torch's export records
+
+
+@pytest.mark.parametrize(("cut", "bias", "quantized"), [("slice", True, False), ("split", False, False),
+                                                         ("slice", True, True)],
+                         ids=["slices-bias-fp32", "split-fp32", "slices-bias-int4"])
+def test_a_projection_laid_out_q_k_v_and_cut_in_the_graph_is_the_ops_packed_query_as_it_is(cut, bias, quantized):
+    """Phi-3's qkv_proj, [q heads | k heads | v heads] cut into q, k and v (three Slices or one Split): the op reads
+    the projection (its MatMul or MatMulNBits, + the bias) whole as its packed query, key and value empty, the cuts
+    gone and no weight added or changed; the same outputs over the ragged contract's calls (atol 1e-6; observed
+    equal: the op reads the same columns). Cut in another order, it is left as it was, saying why."""
+    from mha_deploy.exporters.quantize import Quantization
+
+    model = _sliced_graph(cut, bias)
+    if quantized:
+        model = Quantization.of("int4").apply(model)
+    packed, report = pack_qkv(model)
+    assert (report.done, report.refused) == (1, [])
+    assert {"Slice", "Split"}.isdisjoint(_ops(packed))
+    projection = next(node for node in packed.graph.node if node.op_type in ("MatMul", "MatMulNBits"))
+    attention = next(node for node in packed.graph.node if node.op_type == "GroupQueryAttention")
+    bias_add = next((node for node in packed.graph.node if node.op_type == "Add"), None)
+    assert list(attention.input[:3]) == [bias_add.output[0] if bias else projection.output[0], "", ""]
+    weights = {init.name: onnx.numpy_helper.to_array(init) for init in model.graph.initializer}
+    kept = {init.name: onnx.numpy_helper.to_array(init) for init in packed.graph.initializer}
+    assert set(kept) <= set(weights) and all(np.array_equal(kept[name], weights[name]) for name in kept)
+    expected = _contract_calls(_session(model), np.random.default_rng(9))
+    got = _contract_calls(_session(packed), np.random.default_rng(9))
+    for want, have in zip(expected, got, strict=True):
+        np.testing.assert_allclose(have, want, rtol=0, atol=1e-6)
+    swapped = _sliced_graph(cut, bias, order="kqv")
+    kept_model, refused = pack_qkv(swapped)
+    assert kept_model is swapped and refused.done == 0
+    assert "not [q | k | v] of 4 and 2 heads" in refused.refused[0]
