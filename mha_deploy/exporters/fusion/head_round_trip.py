@@ -38,7 +38,8 @@ def drop_mha_round_trips(model: ir.Model) -> int:
     """``model``'s ``MultiHeadAttention`` outputs' split-and-merge removed in place (the module docstring: the op
     returns [batch, seq, heads * head_dim] too), and how many were. The attention chain calls it on the mha target:
     in ViT's layers the module's merge (a permute, a ``view``, a permute back) is two Transposes of the context a
-    layer, which ORT cannot cancel across the Reshape between them (~1% of a ViT-S call on 2 threads). The caller
+    layer, which ORT cannot cancel across the Reshape between them (~1% of ORT's kernel time for ViT-S at batch 8,
+    2 threads: 12 Transposes of [8, 197, 6, 64]). The caller
     removes the nodes left unread."""
     return _drop([node for node in model.graph if node.op_type == "MultiHeadAttention" and node.domain == _DOMAIN])
 
