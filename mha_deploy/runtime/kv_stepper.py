@@ -866,7 +866,9 @@ class _DecodeStep:
         return step
 
     def ready(self, next_ids) -> bool:
-        return (self.kept.owner is self and self._total < self._room and len(next_ids) == self._rows
+        # Only one id per row as a vector: another shape (one row's scalar, [rows, 1]) is the general step's to read
+        # or refuse.
+        return (self.kept.owner is self and self._total < self._room and np.shape(next_ids) == (self._rows,)
                 and getattr(self._local, "binding", None) is self.kept
                 and (self._flushed is None or self._session.flushed_here))
 
@@ -875,12 +877,15 @@ class _DecodeStep:
         lengths = self.lengths
         if self._positions is not None:
             np.copyto(self._positions, lengths)  # the new token's position: the row's length before it
-        lengths += 1
-        total = self._total = self._total + 1
+        total = self._total + 1
         mask = self._mask_block[: self._rows * total].reshape(self._rows, total)
-        np.less(self._columns[:total], self._lengths_column, out=mask)
+        np.less_equal(self._columns[:total], self._lengths_column, out=mask)  # up to the new token, at its length
         self.kept.binding.bind_cpu_input("attention_mask", mask)
         self._run(self.kept.binding)
+        # Advanced once the call has run, as the general step does: a call that fails (a token id past the
+        # vocabulary) leaves the rows as they were, and the next step continues them.
+        lengths += 1
+        self._total = total
         return self._logits if self._logits is not None else np.asarray(self._logits_any[:, 0, :], np.float32)
 
 

@@ -322,3 +322,235 @@ def test_a_decoders_file_is_read_once_on_opening(gpt, monkeypatch):
     assert len(reads) == 1
     assert stepper.graph.session.graph_proto is not None and stepper.cache_layout == CACHE_RAGGED
     assert set(stepper.graph.inputs) == {i.name for i in stepper.graph.session.graph_proto.graph.input}
+
+
+# --- the prepared decode step (kv_stepper._DecodeStep) where its rows, buffers, binding or thread move between steps:
+# each run against the general step (``_DecodeStep.ready`` False) or each row's prompt alone ---
+
+
+def general_only(monkeypatch) -> None:
+    from mha_deploy.runtime.kv_stepper import _DecodeStep
+
+    monkeypatch.setattr(_DecodeStep, "ready", lambda self, next_ids: False)
+
+
+def counting_prepared(monkeypatch) -> list:
+    """A list that grows by one per prepared step run (so that a test knows the path it checks was taken)."""
+    from mha_deploy.runtime.kv_stepper import _DecodeStep
+
+    calls, real = [], _DecodeStep.__call__
+    monkeypatch.setattr(_DecodeStep, "__call__", lambda self, next_ids: calls.append(1) or real(self, next_ids))
+    return calls
+
+
+def prefill_rows(stepper: KVCacheStepper, prompts: list[list[int]]) -> np.ndarray:
+    width = max(len(p) for p in prompts)
+    ids, mask = np.zeros((len(prompts), width), np.int64), np.zeros((len(prompts), width), np.int64)
+    for row, prompt in enumerate(prompts):
+        ids[row, : len(prompt)], mask[row, : len(prompt)] = prompt, 1
+    return stepper.prefill(ids, mask)
+
+
+def next_tokens(histories: list[list[int]]) -> np.ndarray:
+    """A token per row decided by its own history, so that a row alone is fed exactly what it was fed in a batch."""
+    return np.array([(7 * sum(h) + len(h)) % 59 + 1 for h in histories], np.int64)
+
+
+def alone_by_prefix(path, histories: list[tuple[int, list[int]]]) -> dict[tuple, np.ndarray]:
+    """Each (prompt length, history) run alone (on the general step where the caller says so): its logits after every
+    token it was fed, by the history up to that token."""
+    found = {}
+    for length, history in histories:
+        stepper, _ = start(path, [history[:length]])
+        for end in range(length + 1, len(history) + 1):
+            key = tuple(history[:end])
+            logits = stepper.step(np.array(history[end - 1 : end]))[0]
+            found.setdefault(key, logits.copy())
+    return found
+
+
+SCHEDULES = {  # which stepper (or thread) takes each step: runs of one and of several, so that some run prepared
+    "fork": [0, 1, 0, 0, 1, 1, 1, 0, 0, 0, 1, 1],
+    "session": [0, 1, 0, 0, 1, 1, 1, 0, 0, 0, 1, 1],
+    "thread": [0, 0, 1, 1, 1, 0, 0, 1, 1, 1, 0, 0],
+}
+
+
+@pytest.mark.parametrize("sharing", list(SCHEDULES))
+def test_prepared_steps_of_steppers_sharing_a_session_or_moving_thread_each_equal_the_general_step(
+        gpt, monkeypatch, sharing):
+    """Two steppers stepping alternately on one thread (a fork, which shares the graph and this thread's binding; or
+    a second KVCacheStepper on the same MHASession, with its own), or one stepper handed between two threads (its
+    prepared step bound on the other thread's binding must decline): every step's logits, read before the next call,
+    equal the general step's over the same rows alone (atol 1e-6: the same rows and capacities, only the path
+    differs), and some steps did run prepared. The cache grows mid-run (no reserve), on either thread."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    prompts = mixed_prompts(60)
+    groups = [prompts] if sharing == "thread" else [prompts[:2], prompts[2:]]
+
+    def steppers() -> list[KVCacheStepper]:
+        first = KVCacheStepper(gpt)
+        made = [first] if sharing == "thread" else [first, first.fork() if sharing == "fork"
+                                                    else KVCacheStepper(first.graph.session)]
+        for stepper, group in zip(made, groups, strict=True):
+            prefill_rows(stepper, group)
+        return made
+
+    def step(stepper: KVCacheStepper, history: list[list[int]]) -> np.ndarray:
+        with stepper.flushing():  # on the thread that steps: the scope the prepared step needs
+            tokens = next_tokens(history)
+            logits = stepper.step(tokens).copy()  # read before the next call, as the step says
+        for row, token in zip(history, tokens.tolist(), strict=True):
+            row.append(token)
+        return logits
+
+    def run(schedule: list[int]) -> list[list[np.ndarray]]:
+        made = steppers()
+        histories = [[list(p) for p in group] for group in groups]
+        got = [[] for _ in made]
+        with ThreadPoolExecutor(1) as other:
+            for index, who in enumerate(schedule):
+                count = len(prepared)
+                if sharing == "thread":
+                    got[0].append(step(made[0], histories[0]) if who == 0
+                                  else other.submit(step, made[0], histories[0]).result())
+                    if index and who != schedule[index - 1]:  # handed over: prepared on the other thread's binding
+                        assert len(prepared) == count, f"step {index} ran prepared on another thread's binding"
+                else:
+                    got[who].append(step(made[who], histories[who]))
+        capacities.append([s.capacity for s in made])
+        return got
+
+    capacities = []
+    prepared = counting_prepared(monkeypatch)
+    got = run(SCHEDULES[sharing])
+    assert prepared
+    with monkeypatch.context() as patched:
+        general_only(patched)
+        # each stepper alone on this thread, as many steps as it took
+        schedule = [0] * len(SCHEDULES[sharing]) if sharing == "thread" else SCHEDULES[sharing]
+        expected = [run([who] * schedule.count(who)) for who in range(len(groups))]
+    assert max(capacities[0]) > max(len(p) for p in prompts) * 2  # grown twice: the prepared step met its room
+    for who in range(len(groups)):
+        assert len(got[who]) == len(expected[who][who])
+        for index, (logits, alone) in enumerate(zip(got[who], expected[who][who], strict=True)):
+            np.testing.assert_allclose(logits, alone, atol=1e-6, rtol=0, err_msg=f"stepper {who}, step {index}")
+
+
+def fork_rows(stepper: KVCacheStepper, prompts: list[list[int]]) -> KVCacheStepper:
+    other = stepper.fork()
+    prefill_rows(other, prompts)
+    return other
+
+
+CHANGES = {  # what the stepper is told between steps 4 and 5, then 8 and 9 (of 12)
+    "finish": [("keep", [0, 2, 3]), ("keep", [1, 0])],  # a middle row leaves, then the last, the others swap
+    "beams": [("keep", [2, 2, 0, 3, 3]), ("keep", [1, 0, 4, 2, 3])],  # more rows than the buffers hold, reordered
+    "join": [("join", [[4, 9, 16, 25, 36, 49], [8]]), ("join", [[3]])],  # a fork's prefilled rows
+    "reserve": [("reserve", (40, 6)), ("reserve", (64,))],
+}
+
+
+@pytest.mark.parametrize("change", list(CHANGES))
+def test_prepared_steps_around_keep_join_reserve_and_growth_equal_each_row_alone(gpt, monkeypatch, change):
+    """A mixed batch stepped prepared (no reserve: the cache doubles twice, so the prepared step reaches its room and
+    declines for the general one to grow), with rows finishing from the middle, beams repeating and reordering rows
+    (more rows than the buffers hold), a fork's rows joining, or reserve resizing, between steps: every row's logits
+    at every step, read before the next call, equal its prompt alone (atol 1e-5: a cache of another capacity)."""
+    prompts = mixed_prompts(60)
+    stepper, _ = start(gpt, prompts)
+    rows = [(len(p), list(p)) for p in prompts]  # per running row: its prompt length and history
+    seen, capacities = [], {stepper.capacity}
+    prepared = counting_prepared(monkeypatch)
+    with stepper.flushing():
+        for index in range(12):
+            if index in (4, 8):
+                kind, value = CHANGES[change][index // 8]
+                if kind == "keep":
+                    stepper.keep(np.array(value))
+                    rows = [(n, list(h)) for n, h in (rows[i] for i in value)]
+                elif kind == "join":
+                    stepper.join(fork_rows(stepper, value))
+                    rows += [(len(p), list(p)) for p in value]
+                else:
+                    stepper.reserve(*value)
+                assert stepper.rows == len(rows)
+            tokens = next_tokens([h for _, h in rows])
+            logits = stepper.step(tokens)
+            for (length, history), token, row in zip(rows, tokens.tolist(), logits, strict=True):
+                history.append(token)
+                seen.append((length, tuple(history), row.copy()))
+            capacities.add(stepper.capacity)
+    assert len(prepared) >= 6 and len(capacities) >= 3
+    monkeypatch.undo()
+    general_only(monkeypatch)
+    histories = {(length, history) for length, history, _ in seen}
+    leaves = [(n, list(h)) for n, h in histories if not any(len(o) > len(h) and o[: len(h)] == h for _, o in histories)]
+    alone = alone_by_prefix(gpt, leaves)
+    for _, history, logits in seen:
+        np.testing.assert_allclose(logits, alone[history], atol=1e-5, rtol=1e-5, err_msg=f"history {history}")
+
+
+@pytest.mark.parametrize("search", ["greedy", "beams", "sampled"])
+def test_generate_and_stream_on_the_prepared_step_equal_the_general_step_with_rows_finishing(gpt, monkeypatch, search):
+    """generate (and stream, inside the stepper's denormal scope so that it too runs prepared) with eos ids that end
+    some rows of a mixed batch early (the search keeps the others; beams reorder theirs every step, which sends each
+    step to the general path): exactly the general step's tokens, and the beams' scores (atol 1e-5); stream's steps
+    are generate's tokens."""
+    from mha_deploy.runtime.generation import stream
+
+    prompts = mixed_prompts(60)
+    options = {"max_new_tokens": MAX_NEW, **ORT_SEARCHES[search]}
+    with monkeypatch.context() as patched:
+        general_only(patched)
+        free = generate(KVCacheStepper(gpt), prompts, eos_token_id=[], **options).tokens
+        # ids that rows 1 and 3 meet in the middle of their run: they (and any row meeting them) stop early
+        eos = sorted({int(free[1][2]), int(free[3][4])})
+        general = generate(KVCacheStepper(gpt), prompts, eos_token_id=eos, **options)
+    prepared = counting_prepared(monkeypatch)
+    stepper = KVCacheStepper(gpt)
+    got = generate(stepper, prompts, eos_token_id=eos, **options)
+    assert prepared or search == "beams"  # beams are kept (reordered) every step: each step is a general one
+    assert [t.tolist() for t in got.tokens] == [t.tolist() for t in general.tokens]
+    if search != "beams":
+        assert len({len(t) for t in got.tokens}) > 1 and max(len(t) for t in got.tokens) == MAX_NEW  # some end early
+    else:
+        np.testing.assert_allclose(got.scores, general.scores, atol=1e-5, rtol=1e-5)
+        return
+    prepared.clear()
+    streamed = [[] for _ in prompts]
+    with stepper.flushing():
+        for step in stream(stepper, prompts, eos_token_id=eos, **options):
+            for prompt, token in zip(step.prompts.tolist(), step.tokens.tolist(), strict=True):
+                streamed[prompt].append(token)
+    assert prepared and streamed == [t.tolist() for t in got.tokens]
+
+
+def test_a_failed_or_scalar_prepared_step_leaves_the_stepper_as_the_general_step_does(gpt, monkeypatch):
+    """A prepared step whose call fails (a token id past the vocabulary: ORT's Gather refuses it) leaves the rows as
+    they were, as the general step does, so that the next step continues them; one row's token may be given as a
+    scalar as the general step takes it. Every step's logits equal the general step's (atol 1e-6: same rows and
+    capacity, only the path differs)."""
+    prompt = mixed_prompts(60)[2]
+
+    def run() -> tuple[list[np.ndarray], list[int]]:
+        stepper, _ = start(gpt, [prompt])
+        got = []
+        with stepper.flushing():
+            for index, token in enumerate([7, 3, 11, 5, 2, np.int64(4), 9]):
+                if index == 3:
+                    with pytest.raises(Exception, match=r"out of data bounds|indices"):
+                        stepper.step(np.array([10**6]))
+                got.append(stepper.step(token if index == 5 else np.array([token])).copy())
+        return got, stepper.lengths.tolist()
+
+    prepared = counting_prepared(monkeypatch)
+    got, lengths = run()
+    assert len(prepared) >= 4
+    monkeypatch.undo()
+    general_only(monkeypatch)
+    expected, expected_lengths = run()
+    assert lengths == expected_lengths == [len(prompt) + 7]
+    for index, (logits, alone) in enumerate(zip(got, expected, strict=True)):
+        np.testing.assert_allclose(logits, alone, atol=1e-6, rtol=0, err_msg=f"step {index}")
