@@ -470,3 +470,44 @@ def test_a_ragged_cohort_joins_and_leaves_without_moving_its_running_rows(ragged
         engine._turn()
     for request, tokens in zip(requests, seen, strict=True):
         assert tokens == alone(ragged, request.prompt.tolist(), config=request.config)
+
+
+@pytest.mark.parametrize("mix", [False, True])
+def test_requests_arriving_at_other_turns_step_prepared_and_each_equal_alone_on_the_general_step(ragged, monkeypatch,
+                                                                                                 mix):
+    """Driven turn by turn as the engine's loop does (one denormal scope a turn), requests of other lengths and
+    settings arriving at other turns: without mixing lengths they run in several cohorts, forks stepping in turn
+    through this thread's one binding (each cohort's prepared step must decline after another's call), merging when
+    aligned; mixed, they join and leave one cohort. Each request's tokens are exactly its prompt's alone on the
+    general step (``_DecodeStep.ready`` False), and some steps ran prepared (unmixed: the last request's, running
+    alone at the end; while two cohorts step in one turn, each one's call unbinds the other's, and none does)."""
+    from mha_deploy.runtime.generation import flushing_scope
+    from mha_deploy.runtime.kv_stepper import _DecodeStep
+
+    rng = np.random.default_rng(9)
+    arrivals = {0: [(4, 9), (4, 6)], 1: [(11, 8)], 3: [(2, 10), (7, 5)], 4: [(3, 7)], 7: [(13, 16), (1, 4)]}
+    requests = {turn: [GenerationRequest(rng.integers(0, 60, n), GenerationConfig(
+        max_new_tokens=m, eos_token_id=[], **({"do_sample": True, "seed": n} if n % 2 else {})))
+        for n, m in given] for turn, given in arrivals.items()}
+    engine = GenerationEngine(KVCacheStepper(ragged), max_kv_tokens=4096, max_running=8, mix_lengths=mix)
+    prepared, real = [], _DecodeStep.__call__
+    monkeypatch.setattr(_DecodeStep, "__call__", lambda self, ids: prepared.append(1) or real(self, ids))
+    seen, cohorts, submitted = [], [], []
+    for turn in range(60):
+        for request in requests.get(turn, []):
+            seen.append([])
+            submitted.append(request)
+            engine.submit(request, lambda event, into=seen[-1]: into.append(event.token))
+        engine._drop_cancelled()
+        engine._admit()
+        if not engine._prefilling and not engine._cohorts and turn > max(arrivals):
+            break
+        with flushing_scope(engine.stepper):
+            engine._turn()
+        cohorts.append(len(engine._cohorts))
+    assert prepared and len(submitted) == 8
+    assert max(cohorts) == 1 if mix else max(cohorts) >= 3
+    monkeypatch.undo()
+    monkeypatch.setattr(_DecodeStep, "ready", lambda self, next_ids: False)
+    for request, tokens in zip(submitted, seen, strict=True):
+        assert tokens == alone(ragged, request.prompt.tolist(), config=request.config)
