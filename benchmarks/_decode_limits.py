@@ -22,9 +22,11 @@ def peak_rss_mb() -> float:
 
 def memory_bandwidth_gb_s() -> float:
     """GB/s of a numpy sum over 256 MB of float32 (one core, best of 5): the figure the benchmarks printed first,
-    kept for comparison. It understates what even one core reads: numpy's float32 sum is pairwise and runs at about
-    the same 13-15 GB/s from cache as from memory on the 2-core EPYC host, so it is bound by its arithmetic, not by
-    memory. ``read_bandwidth`` measures what a decoder of ``threads`` threads can read."""
+    kept for comparison. It understates what a 2-thread decoder reads twice over: one core reads less than two, and
+    numpy's pairwise float32 sum is partly bound by its arithmetic (about 21 GB/s from a 4 MB buffer in cache,
+    where numpy max runs at 50-65). On the 2-core EPYC host, quiet, it read 14 GB/s (median of 15 probes) where
+    numpy max and onnxruntime's ReduceSum read 17 on one core, and with two threads numpy max 19 and ReduceSum 28.
+    ``read_bandwidth`` measures what ``threads`` threads read."""
     data = np.ones(64 * 2**20, np.float32)
     best = float("inf")
     for _ in range(5):
@@ -62,33 +64,36 @@ def read_bandwidth(threads: int, rounds: int = 9, megabytes: int = 256) -> Bandw
     of ``rounds`` each):
 
     - numpy max over ``threads`` disjoint slices, one Python thread each (numpy releases the GIL in a reduction).
-      max, not sum: its vectorised loop reads 40-50 GB/s from cache on this host, so from memory it waits on memory;
+      max, not sum: its vectorised loop reads 50-65 GB/s from cache on one core of the EPYC host, so from memory it
+      waits on memory;
     - onnxruntime's ReduceSum over rows of the buffer with ``threads`` intra-op threads: what onnxruntime's own
       kernels stream (skipped where onnxruntime or onnx does not import).
 
     The limit takes the larger: each is a floor on what ``threads`` threads can read, and a slower one measures its
-    own overhead, not the memory.
+    own overhead, not the memory (on the EPYC host, quiet, ReduceSum read a median 28 GB/s where the two numpy
+    threads read 19: a round ends with the slower of their halves).
     """
     data = np.ones(megabytes * 2**18, np.float32)  # written once here, so no first-touch page faults are timed
     plural = "s" if threads > 1 else ""
-    readers = {f"numpy max, {threads} thread{plural}": _numpy_reader(data, threads)}
-    ort_reader = _onnxruntime_reader(data, threads)
-    if ort_reader is not None:
-        readers[f"onnxruntime ReduceSum, {threads} intra-op thread{plural}"] = ort_reader
-    best = dict.fromkeys(readers, float("inf"))
-    for _ in range(rounds):
-        for name, read in readers.items():
-            started = time.perf_counter()
-            read()
-            best[name] = min(best[name], time.perf_counter() - started)
+    # The pool is started once: the rounds time the reads, not the threads' creation.
+    with ThreadPoolExecutor(threads) as pool:
+        readers = {f"numpy max, {threads} thread{plural}": _numpy_reader(data, threads, pool)}
+        ort_reader = _onnxruntime_reader(data, threads)
+        if ort_reader is not None:
+            readers[f"onnxruntime ReduceSum, {threads} intra-op thread{plural}"] = ort_reader
+        best = dict.fromkeys(readers, float("inf"))
+        for _ in range(rounds):
+            for name, read in readers.items():
+                started = time.perf_counter()
+                read()
+                best[name] = min(best[name], time.perf_counter() - started)
     methods = {name: data.nbytes / seconds / 1e9 for name, seconds in best.items()}
     method = max(methods, key=methods.__getitem__)
     return Bandwidth(methods[method], method, threads, memory_bandwidth_gb_s(), methods)
 
 
-def _numpy_reader(data: np.ndarray, threads: int):
+def _numpy_reader(data: np.ndarray, threads: int, pool: ThreadPoolExecutor):
     parts = np.array_split(data, threads)
-    pool = ThreadPoolExecutor(threads)  # started once: the rounds time the reads, not the threads' creation
 
     def read() -> None:
         list(pool.map(np.max, parts))
@@ -101,8 +106,8 @@ def _onnxruntime_reader(data: np.ndarray, threads: int):
         import onnxruntime
     except ImportError:
         return None
-    # Rows of 256 KB (each one thread's unit, in L2), summed along axis 1: onnxruntime splits the rows among its
-    # threads. The buffer is an input, not an initializer, so the session holds no copy of it.
+    # Rows of 256 KB summed along axis 1, so that onnxruntime's threads share out the rows. The buffer is an input,
+    # not an initializer, so the session holds no copy of it.
     rows = data.reshape(-1, 64 * 2**10)
     graph = onnx.helper.make_graph(
         [onnx.helper.make_node("ReduceSum", ["x", "axes"], ["y"], keepdims=0)], "read",
