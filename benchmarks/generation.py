@@ -29,9 +29,9 @@ Each timed block waits for a quiet machine (``QuietGate``); the load average bef
 With ``--quantize int4`` (or int8) it measures the weight-only quantized export against the fp32 one instead, in
 one run: both exported the same way (the quantized one with its error and top-1 agreement against fp32 torch),
 their file sizes, the weight bytes a decoded token reads (every stored weight, scales and zero points included,
-an embedding table counted as one row), this machine's memory bandwidth (a numpy sum over 256 MB, one core) and the
-batch-1 limit it sets, and new tokens/s of ``runtime.generation`` at batch 1 and at batch 16 (prompts of 128,
-128 new tokens; each in a fresh process, the two files alternating).
+an embedding table counted as one row), this machine's memory bandwidth (what the decoders' threads read,
+``_decode_limits.read_bandwidth``) and the batch-1 limit it sets, and new tokens/s of ``runtime.generation`` at
+batch 1 and at batch 16 (prompts of 128, 128 new tokens; each in a fresh process, the two files alternating).
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from _decode_limits import memory_bandwidth_gb_s, peak_rss_mb, weight_bytes_per_token
+from _decode_limits import peak_rss_mb, read_bandwidth, weight_bytes_per_token
 from _probe import run_probe, time_our_decoding, time_transformers_decoding
 
 REPOSITORY = Path(__file__).resolve().parents[1]
@@ -164,9 +164,11 @@ def run_quantized(sizes: Sizes, workdir: Path, kind: str) -> None:
     paths = {"fp32": export(sizes, workdir), kind: export(sizes, workdir, kind)}
     print(f"model: tutorial_gpt.{sizes.factory}() d_model {sizes.d_model}, {sizes.heads} heads, {sizes.layers} "
           f"layers, vocabulary {sizes.vocab}, {sizes.positions} positions; {THREADS} threads, greedy", flush=True)
-    bandwidth = memory_bandwidth_gb_s()
+    gate.wait()  # a busy core halves what two threads read
+    memory = read_bandwidth(THREADS)
+    bandwidth = memory.gb_s
     read = {name: weight_bytes_per_token(path) for name, path in paths.items()}
-    print(f"memory bandwidth: {bandwidth:.1f} GB/s (numpy sum over 256 MB, one core, best of 5)")
+    print(memory.line())
     for name, path in paths.items():
         print(f"  {name:<5} file {path.stat().st_size / 2**20:7.1f} MB; a decoded token reads "
               f"{read[name] / 2**20:6.1f} MB of weights: at most {bandwidth * 1e9 / read[name]:6.0f} tokens/s "

@@ -10,6 +10,7 @@ A script, not a test:
     .venv/bin/python benchmarks/llm_builder.py --workdir DIR  # keeps the folder and files: a rerun measures them
     .venv/bin/python benchmarks/llm_builder.py --llama-cpp    # also llama.cpp Q4_0 (builds llama-cpp-python once)
     .venv/bin/python benchmarks/llm_builder.py --ort-cpu-row  # also our files and loop on onnxruntime 1.32
+    .venv/bin/python benchmarks/llm_builder.py --symmetric-row  # also our int4 file exported with --symmetric
 
 Most of a run is the four exports (mha-deploy's, with its parity checks, take the longest; --quick too): a rerun
 with the same ``--workdir`` skips them.
@@ -26,6 +27,8 @@ weights:
 - onnxruntime-genai's model builder: ``python -m onnxruntime_genai.models.builder -i DIR -o OUT -p fp32|int4
   -e cpu``, run by onnxruntime-genai (``og.Generator``; the batch through ``GeneratorParams``' batch_size);
 - transformers: ``LlamaForCausalLM.from_pretrained(DIR, attn_implementation="sdpa")`` and its ``generate``;
+- with ``--symmetric-row``: our int4 file exported with ``--symmetric`` too (scales only, no zero points: the
+  builder's own form), decoded as ours, its batch-1 and batch-16 rates against the builder's int4 and our default's;
 - with ``--ort-cpu-row``: our files decoded by our runtime as above, but on onnxruntime 1.32.0 (the CPU package, the
   version onnxruntime-genai 0.18.0 runs on) in ``.venv-ort132`` (or ``$MHA_DEPLOY_ORT132_PYTHON``), made on first use
   with mha-deploy's runtime dependencies only (onnxruntime, onnx, numpy: the runtime imports no torch). Beside the
@@ -46,7 +49,9 @@ The builder needs torch, transformers and onnx-ir beside onnxruntime-genai: it r
 builder's files are decoded in the same environment. CI never builds it.
 
 Measured, greedy, 2 threads, fp32 CPU, each tool and case in a fresh process of its own (one untimed short run,
-then timed runs, median), the cases in turn so that a noisy moment hits every tool of a case alike:
+then timed runs, median), the cases in turn so that a noisy moment hits every tool of a case alike; batch 1 in 3
+rounds of such processes, the tools' order rotated each round (the median over all their runs; each round's own
+ratios printed too):
 
 - new tokens/s at batch 1 and at batch 16: prompts of 128 random ids, 128 new tokens (no eos: ours is given
   none, onnxruntime-genai and transformers a minimum length), over the whole generate call, prompt included;
@@ -104,11 +109,15 @@ class Sizes:
     batch: int
     long_prompt: int  # time to first token's
     repeats: int  # timed runs per generate case (the first token's: twice as many)
+    batch1_rounds: int = 3  # fresh processes per tool at batch 1, interleaved
 
 
 # The builder's GroupQueryAttention takes head sizes in multiples of 16 only: QUICK's hidden 128 over 8 heads.
 TARGET = Sizes(32000, 512, 6, 8, 2, 1376, 2048, prompt=128, new=128, batch=16, long_prompt=1024, repeats=2)
-QUICK = Sizes(512, 128, 2, 8, 2, 256, 256, prompt=16, new=16, batch=4, long_prompt=64, repeats=1)
+QUICK = Sizes(512, 128, 2, 8, 2, 256, 256, prompt=16, new=16, batch=4, long_prompt=64, repeats=1, batch1_rounds=1)
+
+
+SYMMETRIC = "mha-deploy int4 sym"  # --symmetric-row's label
 
 
 @dataclass(frozen=True)
@@ -138,6 +147,8 @@ def main() -> None:
                         help=f"also our files and loop on onnxruntime {ORT_CPU} (the CPU package, the version "
                              "onnxruntime-genai's builder runs on), in .venv-ort132 made on first use: separates our "
                              "loop's cost from the onnxruntime version's")
+    parser.add_argument("--symmetric-row", action="store_true",
+                        help="also our int4 file exported with --symmetric (scales only, the builder's own form)")
     parser.add_argument("--no-trained", action="store_true",
                         help="skip the tiny trained Llama whose int4 perplexity on held-out text is reported")
     parser.add_argument("--probe", choices=tuple(_PROBES), help=argparse.SUPPRESS)
@@ -158,17 +169,19 @@ def main() -> None:
     if args.workdir is not None:
         workdir = args.workdir / ("quick" if args.quick else "target")
         workdir.mkdir(parents=True, exist_ok=True)
-        figures = run(sizes, workdir, precisions, args.llama_cpp, not args.no_trained, args.ort_cpu_row)
+        figures = run(sizes, workdir, precisions, args.llama_cpp, not args.no_trained, args.ort_cpu_row,
+                      args.symmetric_row)
     else:
         with tempfile.TemporaryDirectory(prefix="mha-llm-builder-bench-") as workdir:
-            figures = run(sizes, Path(workdir), precisions, args.llama_cpp, not args.no_trained, args.ort_cpu_row)
+            figures = run(sizes, Path(workdir), precisions, args.llama_cpp, not args.no_trained, args.ort_cpu_row,
+                          args.symmetric_row)
     if args.json is not None:
         args.json.write_text(json.dumps(figures, indent=1))
         print(f"figures written to {args.json}")
 
 
 def run(sizes: Sizes, workdir: Path, precisions: list[str], llama_cpp: bool = False, trained: bool = True,
-        ort_cpu_row: bool = False) -> dict:
+        ort_cpu_row: bool = False, symmetric_row: bool = False) -> dict:
     from mha_deploy.bench import QuietGate
     from mha_deploy.bench.timing import load_average, load_line
 
@@ -185,6 +198,10 @@ def run(sizes: Sizes, workdir: Path, precisions: list[str], llama_cpp: bool = Fa
             tools.append(Tool(ort_cpu_label(precision), "ours-ort-cpu", precision, path, options))
         tools.append(Tool(f"builder {precision}", "genai", precision, export_builder(builder, folder, workdir,
                                                                                         precision)))
+    if symmetric_row and "int4" in precisions:
+        path, options = export_ours(folder, workdir, "int4", symmetric=True)
+        tools.insert([tool.label for tool in tools].index("mha-deploy int4") + 1,
+                     Tool(SYMMETRIC, "ours", "int4", path, options or "--quantize int4 --symmetric"))
     pythons = {"genai": builder, "ours": Path(sys.executable), "transformers": Path(sys.executable)}
     if ort_cpu_row:
         pythons["ours-ort-cpu"] = ort_cpu_python()
@@ -215,18 +232,28 @@ def run(sizes: Sizes, workdir: Path, precisions: list[str], llama_cpp: bool = Fa
     rng = np.random.default_rng(0)
     prompts = rng.integers(3, sizes.vocab, (sizes.batch, sizes.prompt)).tolist()  # no pad, bos or eos among them
     long_prompt = rng.integers(3, sizes.vocab, (1, sizes.long_prompt)).tolist()
-    cases = {"batch 1": (prompts[:1], sizes.new, sizes.repeats + 1),
-             f"batch {sizes.batch}": (prompts, sizes.new, sizes.repeats),
-             "first token": (long_prompt, 1, 2 * sizes.repeats + 1)}
+    # (rows, new tokens, timed runs per process, rounds): batch 1 in rounds of a fresh process per tool, the tools'
+    # order rotated each round: one process's rate moves by up to ~10% with where its memory landed, and two runs
+    # minutes apart by more; the median over every round's runs is the rate.
+    cases = {"batch 1": (prompts[:1], sizes.new, sizes.repeats + 1, sizes.batch1_rounds),
+             f"batch {sizes.batch}": (prompts, sizes.new, sizes.repeats, 1),
+             "first token": (long_prompt, 1, 2 * sizes.repeats + 1, 1)}
     results: dict[str, dict[str, dict]] = {tool.label: {} for tool in tools}
-    for case, (rows, new, repeats) in cases.items():
-        for tool in tools:
-            if tool.probe == "llamacpp" and len(rows) > 1:
-                continue  # llama-cpp-python's Llama decodes one sequence
-            gate.wait()
-            request = {"model": str(tool.model), "prompts": rows, "new": new, "repeats": repeats, "threads": THREADS}
-            results[tool.label][case] = _probe(pythons[tool.probe], tool.probe, request, workdir)
-        print(f"measured {case}", flush=True)
+    for case, (rows, new, repeats, rounds) in cases.items():
+        for round_ in range(rounds):
+            shift = round_ % len(tools)
+            for tool in tools[shift:] + tools[:shift]:
+                if tool.probe == "llamacpp" and len(rows) > 1:
+                    continue  # llama-cpp-python's Llama decodes one sequence
+                gate.wait()
+                request = {"model": str(tool.model), "prompts": rows, "new": new, "repeats": repeats,
+                           "threads": THREADS}
+                measured = _probe(pythons[tool.probe], tool.probe, request, workdir)
+                kept = results[tool.label].setdefault(case, {**measured, "seconds": [], "rounds": []})
+                kept["seconds"] += measured["seconds"]
+                kept["rounds"].append(float(np.median(measured["seconds"])))
+                kept["peak_rss_mb"] = max(kept["peak_rss_mb"], measured["peak_rss_mb"])
+        print(f"measured {case}" + (f" ({rounds} rounds)" if rounds > 1 else ""), flush=True)
 
     figures = report(sizes, tools, files, results, memory, list(cases))
     if quality is not None:
@@ -261,15 +288,15 @@ def report(sizes: Sizes, tools: list[Tool], files: dict, results: dict, memory: 
     print(f"\nLlama hidden {sizes.hidden}, {sizes.layers} layers, {sizes.heads} heads, {sizes.kv_heads} KV heads, "
           f"intermediate {sizes.intermediate}, vocabulary {sizes.vocab}; {THREADS} threads, greedy; prompts of "
           f"{sizes.prompt}, {sizes.new} new tokens; first token at a {sizes.long_prompt}-token prompt")
-    print(f"{'':<18}{'new tokens/s':>17}  {'first':>7}  {'peak RSS MB':>18}  {'file':>6}  {'weights':>8}  "
+    print(f"{'':<20}{'new tokens/s':>17}  {'first':>7}  {'peak RSS MB':>18}  {'file':>6}  {'weights':>8}  "
           f"{'batch-1 limit':>13}")
-    print(f"{'tool':<18}{'batch 1':>8} {batchn:>8}  {'token s':>7}  {'b1':>5} {'b' + batchn[6:]:>5} {'ttft':>6}  "
+    print(f"{'tool':<20}{'batch 1':>8} {batchn:>8}  {'token s':>7}  {'b1':>5} {'b' + batchn[6:]:>5} {'ttft':>6}  "
           f"{'MB':>6}  {'MB/token':>8}  {'tok/s (share)':>13}")
     for tool in tools:
         row = rows[tool.label]
         rss = row["peak_rss_mb"]
         rate = row["tokens_s"][batch1]
-        line = (f"{tool.label:<18}{rate:8.0f} {_figure(row['tokens_s'].get(batchn), 8, '.0f')}  "
+        line = (f"{tool.label:<20}{rate:8.0f} {_figure(row['tokens_s'].get(batchn), 8, '.0f')}  "
                 f"{row['first_token_s']:7.3f}  {rss[batch1]:5.0f} {_figure(rss.get(batchn), 5, '.0f')} "
                 f"{rss[first]:6.0f}")
         if tool.label in files and "weight_bytes_per_token" in files[tool.label]:
@@ -297,6 +324,26 @@ def report(sizes: Sizes, tools: list[Tool], files: dict, results: dict, memory: 
                  "file": files[f"mha-deploy {precision}"]["size_mb"] / files[f"builder {precision}"]["size_mb"]}
         ratios[precision] = ratio
         print(f"  {precision}: " + "; ".join(f"{name} {value:.2f}x" for name, value in ratio.items()))
+        per_round = [theirs_s / ours_s for ours_s, theirs_s in zip(
+            results[f"mha-deploy {precision}"][batch1]["rounds"], results[f"builder {precision}"][batch1]["rounds"],
+            strict=True)]
+        if len(per_round) > 1:
+            ratio["batch 1 by round"] = per_round
+            print("    batch 1, each round's own ratio: " + ", ".join(f"{value:.2f}x" for value in per_round))
+    if SYMMETRIC in rows and "builder int4" in rows:
+        # Scales only, as the builder quantizes: what the zero points our default keeps cost at batch 1.
+        sym, ours, theirs = rows[SYMMETRIC], rows["mha-deploy int4"], rows["builder int4"]
+        ratio = {"batch 1 / builder int4": sym["tokens_s"][batch1] / theirs["tokens_s"][batch1],
+                 f"{batchn} / builder int4": sym["tokens_s"][batchn] / theirs["tokens_s"][batchn],
+                 "batch 1 / ours int4": sym["tokens_s"][batch1] / ours["tokens_s"][batch1],
+                 "batch 1 by round / builder int4": [
+                     theirs_s / sym_s for sym_s, theirs_s in zip(
+                         results[SYMMETRIC][batch1]["rounds"], results["builder int4"][batch1]["rounds"],
+                         strict=True)]}
+        ratios["int4 --symmetric"] = ratio
+        print("  int4 --symmetric: " + "; ".join(
+            f"{name} " + (", ".join(f"{v:.2f}x" for v in value) if isinstance(value, list) else f"{value:.2f}x")
+            for name, value in ratio.items()))
     for precision in sorted({tool.precision for tool in tools if tool.probe == "ours-ort-cpu"}):
         # Same file, same loop: what onnxruntime's version changes; and the rest of the gap to the builder.
         newer, ours, theirs = (rows[ort_cpu_label(precision)], rows[f"mha-deploy {precision}"],
@@ -553,42 +600,45 @@ def _save_with_tokenizer(model, folder: Path, vocab: int) -> None:
                                          eos_token="</s>", unk_token="<pad>").save_pretrained(folder)
 
 
-def export_ours(folder: Path, workdir: Path, precision: str) -> tuple[Path, str]:
-    """``mha-deploy export --hf`` as a user runs it, with ``--quantize int4`` for int4; and, when the file is not
-    that command's, why, in words ("" when it is).
+def export_ours(folder: Path, workdir: Path, precision: str, symmetric: bool = False) -> tuple[Path, str]:
+    """``mha-deploy export --hf`` as a user runs it, with ``--quantize int4`` for int4 (``symmetric``: and
+    ``--symmetric``); and, when the file is not that command's, why, in words ("" when it is).
 
     The export refuses a quantized file whose error against the fp32 module passes its budget; random weights are
     not a trained model's, so then the file measured is the fp32 export quantized the way ``--quantize`` quantizes
     (``Quantization.apply``: the same MatMulNBits, block 32, accuracy_level 4), the refusal printed beside it."""
-    path = workdir / f"mha-deploy-{precision}" / "model.onnx"
+    path = workdir / (f"mha-deploy-{precision}" + ("-symmetric" if symmetric else "")) / "model.onnx"
     record = path.with_name("bench-export.txt")  # how it was made, for a rerun that reuses the file
     if _reused(path):
         return path, record.read_text() if record.exists() else ""
     command = [str(Path(sys.executable).with_name("mha-deploy")), "export", "--hf", str(folder), "--kv-cache"]
     if precision == "int4":
         command.append("--quantize-embeddings")  # the 32k x 512 table is most of what int4 leaves fp32
+    if symmetric:
+        command.append("--symmetric")
     if precision == "fp32":
         _run_tool([*command, "-o", str(path)], "mha-deploy export (fp32)")
         return path, ""
-    done = _run_tool([*command, "--quantize", precision, "-o", str(path)], f"mha-deploy export ({precision})",
-                     check=False)
+    done = _run_tool([*command, "--quantize", precision, "-o", str(path)],
+                     f"mha-deploy export ({precision}{', symmetric' if symmetric else ''})", check=False)
     if done.returncode == 0:
         return path, ""
     refused = re.search(r"parity FAILED.*?(relative error [\d.]+% \(budget [\d.]+%)[^)]*\).*?(top-1 agreement [\d.]+%)",
                         done.stdout + done.stderr)
     if refused is None:
         raise SystemExit(f"mha-deploy export ({precision}) failed:\n{(done.stdout + done.stderr)[-3000:]}")
-    words = (f"the fp32 export quantized by Quantization({precision!r}, embeddings=True).apply: --quantize {precision} "
-             f"--quantize-embeddings refused its "
-             f"{refused.group(1)}), {refused.group(2)} against the fp32 module")
+    flag = " --symmetric" if symmetric else ""
+    words = (f"the fp32 export quantized by Quantization({precision!r}, embeddings=True"
+             f"{', symmetric=True' if symmetric else ''}).apply: --quantize {precision} --quantize-embeddings{flag} "
+             f"refused its {refused.group(1)}), {refused.group(2)} against the fp32 module")
     print(f"  {words}", flush=True)
     fp32, _ = export_ours(folder, workdir, "fp32")
-    _quantize_file(fp32, path, precision)
+    _quantize_file(fp32, path, precision, symmetric)
     record.write_text(words)
     return path, words
 
 
-def _quantize_file(fp32: Path, path: Path, precision: str) -> None:
+def _quantize_file(fp32: Path, path: Path, precision: str, symmetric: bool = False) -> None:
     """``fp32`` quantized as ``--quantize precision`` quantizes, with the metadata's weight-only record that the
     export would have written (the load check's cache probe allows int8 activations' rounding then)."""
     from dataclasses import replace
@@ -598,7 +648,7 @@ def _quantize_file(fp32: Path, path: Path, precision: str) -> None:
     from mha_deploy.exporters.quantize import Quantization
     from mha_deploy.metadata import METADATA_KEY, ModelMetadata
 
-    quantization = Quantization(precision, embeddings=precision == "int4")
+    quantization = Quantization(precision, embeddings=precision == "int4", symmetric=symmetric)
     model = quantization.apply(onnx.load(str(fp32)))
     props = {prop.key: prop.value for prop in model.metadata_props}
     metadata = replace(ModelMetadata.from_props(props, str(fp32)), quantization=precision,
