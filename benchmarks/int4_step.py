@@ -17,7 +17,8 @@ onnxruntime to see the runtime's part:
 (B: the bench's ``target/builder-int4``, O: its ``target/mha-deploy-int4``; docs/precision.md has a run.) Printed:
 each file's MatMulNBits attributes (bits, block size, accuracy_level, zero points or not) and projection count, the
 milliseconds per decoded token (median over rounds; the prompt's prefill left out), each variant's ratio to the
-first ``--file``, and with ``--profile`` the per-op-type share of one decode step (onnxruntime's own profiler,
+first ``--file``, each ``--generate`` loop's host time (its thread's CPU time outside onnxruntime's runs, per step),
+and with ``--profile`` the per-op-type share of one decode step (onnxruntime's own profiler,
 ``enable_profiling``) at the same cache length. ``--symmetric-from FP32`` adds our fp32 file quantized as
 ``--quantize int4 --quantize-embeddings --symmetric`` would (scales only, the builder's form) as one more
 ``--file``. The load average is printed.
@@ -93,8 +94,10 @@ def main() -> None:
         same = ", ".join(("same tokens as " if tokens[o] == tokens[name] else "OTHER tokens than ") + o for o in twins)
         prefill = statistics.median(prefills[name])
         end_to_end = args.new / (prefill + median * (args.new - 1))  # new tokens/s as the LLM bench counts them
+        host = getattr(variants[name], "host_seconds", None)
+        host = f"  host {statistics.median(host[1:]) * 1e3:.3f} ms a step outside ORT's runs" if host else ""
         print(f"  {name:34} {median * 1e3:7.3f} ms  {ratio:5.2f}x  prefill {prefill * 1e3:6.1f} ms, "
-              f"{end_to_end:5.0f} new tokens/s with it  {same}")
+              f"{end_to_end:5.0f} new tokens/s with it  {same}{host}")
     if args.profile:
         # Each file profiled in every round, interleaved like the timings: a step's op times are short enough for
         # one preemption to move them, so the median per op type over rounds is printed.
@@ -209,6 +212,7 @@ class OurLoop:
 
         self.stepper = KVCacheStepper(str(path), threads=threads)
         self.prefill_seconds = 0.0
+        self.host_seconds: list[float] = []  # per decode: the loop's CPU time per call outside onnxruntime's runs
         prefill = self.stepper.prefill
 
         def timed_prefill(*args, **kwargs):
@@ -221,12 +225,32 @@ class OurLoop:
         self.stepper.prefill = timed_prefill
 
     def decode(self, prompt: np.ndarray, new: int) -> tuple[float, list[int], float]:
+        import onnxruntime
+
         from mha_deploy.runtime.generation import generate
 
-        started = time.perf_counter()
-        out = generate(self.stepper, prompt.astype(np.int64), max_new_tokens=new, eos_token_id=[])
-        seconds = time.perf_counter() - started - self.prefill_seconds
-        return seconds / max(new - 1, 1), out.tokens[0].tolist(), self.prefill_seconds
+        # The host's part: the thread's CPU time between onnxruntime's calls (the loop's own work, measured where it
+        # runs: after a step's weights have gone through the caches, not warm in a micro-benchmark).
+        run, inside = onnxruntime.InferenceSession.run_with_iobinding, []
+
+        def timed_run(session, *args):
+            cpu = time.thread_time()
+            try:
+                return run(session, *args)
+            finally:
+                inside.append(time.thread_time() - cpu)
+
+        onnxruntime.InferenceSession.run_with_iobinding = timed_run
+        try:
+            started, cpu = time.perf_counter(), time.thread_time()
+            out = generate(self.stepper, prompt.astype(np.int64), max_new_tokens=new, eos_token_id=[])
+            seconds = time.perf_counter() - started - self.prefill_seconds
+            cpu = time.thread_time() - cpu
+        finally:
+            onnxruntime.InferenceSession.run_with_iobinding = run
+        steps = max(new - 1, 1)
+        self.host_seconds.append((cpu - sum(inside)) / (steps + 1))  # per call, the prefill's included
+        return seconds / steps, out.tokens[0].tolist(), self.prefill_seconds
 
 
 class GenaiLoop:

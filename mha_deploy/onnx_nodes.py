@@ -39,7 +39,8 @@ WINDOW_MASK = "window or chunk mask"
 
 
 def all_nodes(graph: onnx.GraphProto) -> Iterator[onnx.NodeProto]:
-    """Every node of ``graph``, including those in its subgraphs (the branches of the fusions' Ifs)."""
+    """Every node of ``graph``, including those in its subgraphs (the branches of the fusions' Ifs), each
+    subgraph's right after the node holding it."""
     for node in graph.node:
         yield node
         for attribute in node.attribute:
@@ -90,7 +91,7 @@ def rename_readers(graph: onnx.GraphProto, old: str, new: str) -> None:
     """Every node input reading ``old`` reads ``new``, in subgraphs too (an If's branches read outer values by
     name, and a branch returning one reads it). What produces ``old`` and ``graph``'s own inputs and outputs keep
     the name: for a pass that puts a node between a value and its readers (e.g. a Cast after an input)."""
-    for sub in _graphs(graph):
+    for sub in all_graphs(graph):
         for node in sub.node:
             node.input[:] = [new if name == old else name for name in node.input]
         if sub is not graph:
@@ -103,7 +104,7 @@ def rename_value(graph: onnx.GraphProto, old: str, new: str) -> None:
     """The value ``old`` called ``new`` everywhere: its readers, its producer, and the graph inputs, outputs and
     value_info that name it, in subgraphs too (names are unique across a graph and its subgraphs, so each is the
     same value)."""
-    for sub in _graphs(graph):
+    for sub in all_graphs(graph):
         for node in sub.node:
             node.input[:] = [new if name == old else name for name in node.input]
             node.output[:] = [new if name == old else name for name in node.output]
@@ -112,12 +113,12 @@ def rename_value(graph: onnx.GraphProto, old: str, new: str) -> None:
                 value.name = new
 
 
-def _graphs(graph: onnx.GraphProto) -> Iterator[onnx.GraphProto]:
+def all_graphs(graph: onnx.GraphProto) -> Iterator[onnx.GraphProto]:
     """``graph`` and every subgraph in it, at any depth."""
     yield graph
     for node in graph.node:
         for attribute in node.attribute:
             if attribute.type == onnx.AttributeProto.GRAPH:
-                yield from _graphs(attribute.g)
+                yield from all_graphs(attribute.g)
             for subgraph in attribute.graphs:
-                yield from _graphs(subgraph)
+                yield from all_graphs(subgraph)

@@ -38,7 +38,7 @@ from mha_deploy.metadata import (
     ModelMetadata,
     WeightOnlyRecord,
 )
-from mha_deploy.onnx_nodes import all_nodes
+from mha_deploy.onnx_nodes import all_graphs, all_nodes
 from mha_deploy.signature import PADDING_MASK, TOKENS, Signature
 
 # A KV-cache file's positions input (exporters.own_kv_cache.POSITION_IDS; that module imports torch).
@@ -460,13 +460,8 @@ def constant_weight_matmuls(model: onnx.ModelProto) -> list[onnx.NodeProto]:
 
 
 def _all_initializers(graph: onnx.GraphProto) -> Iterator[onnx.TensorProto]:
-    yield from graph.initializer
-    for node in graph.node:
-        for attribute in node.attribute:
-            if attribute.type == onnx.AttributeProto.GRAPH:
-                yield from _all_initializers(attribute.g)
-            for subgraph in attribute.graphs:
-                yield from _all_initializers(subgraph)
+    for sub in all_graphs(graph):
+        yield from sub.initializer
 
 
 def lm_heads(model: onnx.ModelProto) -> list[onnx.NodeProto]:

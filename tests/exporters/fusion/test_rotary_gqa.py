@@ -42,6 +42,17 @@ def _attribute(node: onnx.NodeProto, name: str, default=0):
 # --- a hand-built attention: the module's rotary around GroupQueryAttention, as ragged_cache leaves it ----------
 
 
+def _contract_inputs(cache: list) -> list[onnx.ValueInfoProto]:
+    """x, position_ids, the past key/value of dims ``cache`` and GroupQueryAttention's lengths: what the test
+    graphs take on the ragged contract's calls."""
+    return [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", "seq", HIDDEN]),
+            helper.make_tensor_value_info("position_ids", TensorProto.INT64, ["batch", "seq"]),
+            helper.make_tensor_value_info("past_key", TensorProto.FLOAT, cache),
+            helper.make_tensor_value_info("past_value", TensorProto.FLOAT, cache),
+            helper.make_tensor_value_info("seqlens_k", TensorProto.INT32, ["batch"]),
+            helper.make_tensor_value_info("total_sequence_length", TensorProto.INT32, [])]
+
+
 def _rotary_graph(cos_reads: str | None = None, round_trip: bool = False, head_dim: int = HEAD_DIM,
                   rotary_dim: int | None = None, interleaved: bool = False,
                   halves_tables: bool = False) -> onnx.ModelProto:
@@ -153,12 +164,7 @@ def _rotary_graph(cos_reads: str | None = None, round_trip: bool = False, head_d
             ("o_heads", ["batch", HEADS, "seq", HEAD_DIM]), ("o_view", ["batch", HEADS, "seq", HEAD_DIM]),
             ("o_back", ["batch", "seq", HEADS, HEAD_DIM]), ("o_merged", ["batch", "seq", HIDDEN]))]
     cache = ["batch", KV_HEADS, "past", head_dim]
-    inputs = [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", "seq", HIDDEN]),
-              helper.make_tensor_value_info("position_ids", TensorProto.INT64, ["batch", "seq"]),
-              helper.make_tensor_value_info("past_key", TensorProto.FLOAT, cache),
-              helper.make_tensor_value_info("past_value", TensorProto.FLOAT, cache),
-              helper.make_tensor_value_info("seqlens_k", TensorProto.INT32, ["batch"]),
-              helper.make_tensor_value_info("total_sequence_length", TensorProto.INT32, [])]
+    inputs = _contract_inputs(cache)
     if cos_reads:
         inputs.append(helper.make_tensor_value_info(cos_reads, TensorProto.FLOAT, [1]))
     outputs = [helper.make_tensor_value_info("y" if round_trip else "out", TensorProto.FLOAT,
@@ -292,6 +298,26 @@ def test_packing_gives_one_projection_and_the_same_outputs():
         np.testing.assert_allclose(have, want, rtol=0, atol=ATOL)
 
 
+def _projected_attention_model(name: str, nodes: list, inits: list, qkv: list[str], heads: int,
+                               extra_outputs: tuple = ()) -> onnx.ModelProto:
+    """``nodes`` (computing the op's query, key and value ``qkv`` from x) then GroupQueryAttention at ``heads`` over
+    KV_HEADS, the ragged contract's cache and lengths as inputs; shapes inferred, as torch's export records them."""
+    nodes = [*nodes, helper.make_node("GroupQueryAttention", [*qkv, "past_key", "past_value", "seqlens_k",
+                                                              "total_sequence_length"],
+                                      ["out", "present_key", "present_value"], domain="com.microsoft",
+                                      num_heads=heads, kv_num_heads=KV_HEADS, name="attention")]
+    cache = ["batch", KV_HEADS, "past", HEAD_DIM]
+    inputs = _contract_inputs(cache)
+    outputs = [helper.make_tensor_value_info("out", TensorProto.FLOAT, ["batch", "seq", heads * HEAD_DIM]),
+               helper.make_tensor_value_info("present_key", TensorProto.FLOAT, cache),
+               helper.make_tensor_value_info("present_value", TensorProto.FLOAT, cache), *extra_outputs]
+    graph = helper.make_graph(nodes, name, inputs, outputs, inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18),
+                                                    helper.make_opsetid("com.microsoft", 1)])
+    model.ir_version = 10
+    return onnx.shape_inference.infer_shapes(model)
+
+
 def _per_head_graph(also_read: bool = False) -> onnx.ModelProto:
     """GPT-NeoX's q/k/v as its export leaves them around GroupQueryAttention: one projection of x (+ a bias),
     [batch, seq, 2 * 3 * 16], viewed as [batch, seq, 2 heads, q k v of 16 side by side], transposed heads first,
@@ -312,27 +338,9 @@ def _per_head_graph(also_read: bool = False) -> onnx.ModelProto:
     for role in "qkv":
         nodes += [helper.make_node("Transpose", [f"{role}_h"], [f"{role}_back"], perm=[0, 2, 1, 3]),
                   helper.make_node("Reshape", [f"{role}_back", "merge"], [f"{role}_in"])]
-    nodes.append(helper.make_node("GroupQueryAttention", ["q_in", "k_in", "v_in", "past_key", "past_value",
-                                                          "seqlens_k", "total_sequence_length"],
-                                  ["out", "present_key", "present_value"], domain="com.microsoft",
-                                  num_heads=KV_HEADS, kv_num_heads=KV_HEADS, name="attention"))
-    cache = ["batch", KV_HEADS, "past", HEAD_DIM]
-    inputs = [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", "seq", HIDDEN]),
-              helper.make_tensor_value_info("position_ids", TensorProto.INT64, ["batch", "seq"]),
-              helper.make_tensor_value_info("past_key", TensorProto.FLOAT, cache),
-              helper.make_tensor_value_info("past_value", TensorProto.FLOAT, cache),
-              helper.make_tensor_value_info("seqlens_k", TensorProto.INT32, ["batch"]),
-              helper.make_tensor_value_info("total_sequence_length", TensorProto.INT32, [])]
-    outputs = [helper.make_tensor_value_info("out", TensorProto.FLOAT, ["batch", "seq", KV_HEADS * HEAD_DIM]),
-               helper.make_tensor_value_info("present_key", TensorProto.FLOAT, cache),
-               helper.make_tensor_value_info("present_value", TensorProto.FLOAT, cache)]
-    if also_read:
-        outputs.append(helper.make_tensor_value_info("linear", TensorProto.FLOAT, ["batch", "seq", width]))
-    graph = helper.make_graph(nodes, "per_head", inputs, outputs, inits)
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18),
-                                                    helper.make_opsetid("com.microsoft", 1)])
-    model.ir_version = 10
-    return onnx.shape_inference.infer_shapes(model)  # the view's [batch, seq, 2, 48], as torch's export records it
+    extra = (helper.make_tensor_value_info("linear", TensorProto.FLOAT, ["batch", "seq", width]),) if also_read else ()
+    # the view's [batch, seq, 2, 48] inferred, as torch's export records it
+    return _projected_attention_model("per_head", nodes, inits, ["q_in", "k_in", "v_in"], KV_HEADS, extra)
 
 
 @pytest.mark.parametrize("quantized", [False, True], ids=["fp32", "int4"])
@@ -550,25 +558,8 @@ def _sliced_graph(cut: str = "slice", bias: bool = False, order: str = "qkv") ->
     else:
         nodes += [helper.make_node("Slice", [linear, f"{part}_start", f"{part}_end", "axis", "step"], [part])
                   for part in "qkv"]
-    nodes.append(helper.make_node("GroupQueryAttention", [*order, "past_key", "past_value", "seqlens_k",
-                                                          "total_sequence_length"],
-                                  ["out", "present_key", "present_value"], domain="com.microsoft",
-                                  num_heads=HEADS, kv_num_heads=KV_HEADS, name="attention"))
-    cache = ["batch", KV_HEADS, "past", HEAD_DIM]
-    inputs = [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", "seq", HIDDEN]),
-              helper.make_tensor_value_info("position_ids", TensorProto.INT64, ["batch", "seq"]),
-              helper.make_tensor_value_info("past_key", TensorProto.FLOAT, cache),
-              helper.make_tensor_value_info("past_value", TensorProto.FLOAT, cache),
-              helper.make_tensor_value_info("seqlens_k", TensorProto.INT32, ["batch"]),
-              helper.make_tensor_value_info("total_sequence_length", TensorProto.INT32, [])]
-    outputs = [helper.make_tensor_value_info("out", TensorProto.FLOAT, ["batch", "seq", q]),
-               helper.make_tensor_value_info("present_key", TensorProto.FLOAT, cache),
-               helper.make_tensor_value_info("present_value", TensorProto.FLOAT, cache)]
-    graph = helper.make_graph(nodes, "sliced", inputs, outputs, inits)
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18),
-                                                    helper.make_opsetid("com.microsoft", 1)])
-    model.ir_version = 10
-    return onnx.shape_inference.infer_shapes(model)  # the projection's [batch, seq, 128], as torch's export records
+    # the projection's [batch, seq, 128] inferred, as torch's export records it
+    return _projected_attention_model("sliced", nodes, inits, list(order), HEADS)
 
 
 @pytest.mark.parametrize(("cut", "bias", "quantized"), [("slice", True, False), ("split", False, False),
