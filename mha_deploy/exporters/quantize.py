@@ -521,8 +521,7 @@ def _named_heads(model: onnx.ModelProto) -> list[onnx.NodeProto]:
 def _drop_repeated_initializers(model: onnx.ModelProto) -> None:
     """Keep one of each initializer name per graph: the quantizer writes a weight's blocks and scales once per
     MatMul reading it (one weight read by several MatMuls, e.g. in both branches of an If), each the same."""
-    for graph in (model.graph, *(a.g for n in all_nodes(model.graph) for a in n.attribute
-                                 if a.type == onnx.AttributeProto.GRAPH)):
+    for graph in all_graphs(model.graph):
         seen: dict[str, bytes] = {}
         kept = []
         for tensor in graph.initializer:

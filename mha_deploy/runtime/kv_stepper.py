@@ -160,7 +160,7 @@ class _Graph:
                                          else self.session.kept_binding())
         wanted, into = ((), {"logits": logits}) if logits is not None else (("logits",), None)
         if caches_token is not None and kept.caches_token is caches_token:
-            feeds, in_place = feeds, {}  # the caches and their presents are bound as the last call left them
+            in_place = {}  # the caches and their presents are bound as the last call left them
         else:
             feeds = {**feeds, **caches}
             kept.caches_token = None  # until this call has bound them all
@@ -835,9 +835,10 @@ class _DecodeStep:
     arrays since, when the cache is full, when the row count differs, or outside the denormal scope its session's
     calls need."""
 
-    def __init__(self, stepper: KVCacheStepper, feeds: dict[str, np.ndarray], logits: np.ndarray, total: int):
+    def __init__(self, stepper: KVCacheStepper, kept: KeptBinding, feeds: dict[str, np.ndarray], logits: np.ndarray,
+                 total: int):
         graph = stepper.graph
-        self.kept: KeptBinding = graph._kept.binding
+        self.kept = kept
         self._local = graph._kept
         self._session = graph.session
         ort_session = self._session if isinstance(self._session, ort.InferenceSession) else self._session._session
@@ -852,15 +853,14 @@ class _DecodeStep:
         self._rows = len(self.lengths)
         self._total = total
         self._room = min(stepper.capacity, len(stepper._columns), len(self._mask_block) // self._rows)
-        self._logits = logits[:, 0, :] if logits.dtype == np.float32 else None
-        self._logits_any = logits
+        self._logits = logits[:, 0, :]  # [rows, vocab], a view of the array the call writes
 
     @classmethod
     def prepared(cls, stepper: KVCacheStepper, feeds, logits: np.ndarray, total: int) -> _DecodeStep | None:
         kept = getattr(stepper.graph._kept, "binding", None)
         if kept is None or "attention_mask" not in feeds:
             return None
-        step = cls(stepper, feeds, logits, total)
+        step = cls(stepper, kept, feeds, logits, total)
         kept.owner = step
         kept.forget("attention_mask")  # bound anew by every prepared step, behind the binding's record
         return step
@@ -886,7 +886,7 @@ class _DecodeStep:
         # vocabulary) leaves the rows as they were, and the next step continues them.
         lengths += 1
         self._total = total
-        return self._logits if self._logits is not None else np.asarray(self._logits_any[:, 0, :], np.float32)
+        return np.asarray(self._logits, np.float32)  # the view itself where the file's logits are float32
 
 
 def _features_input(encoder: _Graph) -> TensorSpec | None:
