@@ -154,7 +154,7 @@ def narrow_to_new_positions(
                 if demand.inner != 1:
                     raise NarrowingRefused(f"graph input {name} is read merged with another axis")
                 sources.add(name)
-    narrowed = _rewrite(model, names, demands, plans, sources, roots, shapes, heavy)
+    narrowed = _rewrite(model, names, demands, plans, sources, roots, shapes, heavy, producers)
     taken = position_ids is not None and take_position_ids(narrowed, shapes, names.tokens, position_ids, names)
     return narrowed, taken
 
@@ -384,9 +384,10 @@ def _reshape(node, demand: Demand, shapes) -> Demand:
     raise NarrowingRefused(f"Reshape {node.name}: it does not keep the positions' rows apart")
 
 
-def _rewrite(model, names: LengthNames, demands, plans, sources, roots, shapes, heavy) -> onnx.ModelProto:
+def _rewrite(model, names: LengthNames, demands, plans, sources, roots, shapes, heavy,
+             producers: dict[str, onnx.NodeProto]) -> onnx.ModelProto:
     """The narrowed graph: a narrowed copy of each planned node, sources cut, the cuts' readers rewired to
-    the narrowed values, then what no output reads dropped."""
+    the narrowed values, then what no output reads dropped. ``producers``: each value's node, as planned on."""
     graph = model.graph
     narrow = {name: _PREFIX + name for name in demands}
     seq, total = _PREFIX + "seq", _PREFIX + "total"
@@ -394,7 +395,6 @@ def _rewrite(model, names: LengthNames, demands, plans, sources, roots, shapes, 
         helper.make_node("Shape", [names.tokens], [seq], start=1, end=2),
         helper.make_node("Shape", [names.mask], [total], start=1, end=2),
     ]
-    producers = {out: node for node in graph.node for out in node.output}
     for name in sources:
         axis = demands[name].axis
         new_part = _after_past_padding(name, axis, names.past, producers)
