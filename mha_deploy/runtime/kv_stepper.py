@@ -853,7 +853,18 @@ class _DecodeStep:
         self._rows = len(self.lengths)
         self._total = total
         self._room = min(stepper.capacity, len(stepper._columns), len(self._mask_block) // self._rows)
-        self._logits = logits[:, 0, :]  # [rows, vocab], a view of the array the call writes
+        # [rows, vocab], a view of the array the call writes: what step returns where the file's logits are float32
+        # (np.asarray of it would be that view, at the cost of a call).
+        self._logits = logits[:, 0, :]
+        self._logits_float32 = self._logits.dtype == np.float32
+        # One row (batch-1 decoding): its mask is a slice of a strip of ones then zeros, cut where the row's length
+        # puts it, and its length a Python int: the step runs no numpy arithmetic (each kind of numpy call, the first
+        # time after ORT's run has pushed numpy out of the caches, cost ~10-20 us of a ~1.5 ms int4 step).
+        self._strip = self._length = None
+        if self._rows == 1:
+            self._length = int(self.lengths[0])
+            self._strip = np.zeros((1, 2 * (self._room + 1)), self._mask_block.dtype)
+            self._strip[0, : self._room + 1] = 1
 
     @classmethod
     def prepared(cls, stepper: KVCacheStepper, feeds, logits: np.ndarray, total: int) -> _DecodeStep | None:
@@ -868,25 +879,34 @@ class _DecodeStep:
     def ready(self, next_ids) -> bool:
         # Only one id per row as a vector: another shape (one row's scalar, [rows, 1]) is the general step's to read
         # or refuse.
-        return (self.kept.owner is self and self._total < self._room and np.shape(next_ids) == (self._rows,)
-                and getattr(self._local, "binding", None) is self.kept
+        return (self.kept.owner is self and self._total < self._room and isinstance(next_ids, np.ndarray)
+                and next_ids.shape == (self._rows,) and getattr(self._local, "binding", None) is self.kept
                 and (self._flushed is None or self._session.flushed_here))
 
-    def __call__(self, next_ids) -> np.ndarray:
-        self._ids[:] = np.ravel(next_ids)
+    def __call__(self, next_ids: np.ndarray) -> np.ndarray:
+        self._ids[:] = next_ids  # ready() checked: an array of one id per row
         lengths = self.lengths
         if self._positions is not None:
             np.copyto(self._positions, lengths)  # the new token's position: the row's length before it
         total = self._total + 1
-        mask = self._mask_block[: self._rows * total].reshape(self._rows, total)
-        np.less_equal(self._columns[:total], self._lengths_column, out=mask)  # up to the new token, at its length
+        length = self._length
+        if length is not None:
+            # Ones up to the new token (at column `length`), zeros after it: the strip's ones end at room + 1.
+            start = self._room - length
+            mask = self._strip[:, start : start + total]
+        else:
+            mask = self._mask_block[: self._rows * total].reshape(self._rows, total)
+            np.less_equal(self._columns[:total], self._lengths_column, out=mask)  # up to the new token, at its length
         self.kept.binding.bind_cpu_input("attention_mask", mask)
         self._run(self.kept.binding)
         # Advanced once the call has run, as the general step does: a call that fails (a token id past the
         # vocabulary) leaves the rows as they were, and the next step continues them.
-        lengths += 1
+        if length is not None:
+            self._length = lengths[0] = length + 1
+        else:
+            lengths += 1
         self._total = total
-        return np.asarray(self._logits, np.float32)  # the view itself where the file's logits are float32
+        return self._logits if self._logits_float32 else np.asarray(self._logits, np.float32)
 
 
 def _features_input(encoder: _Graph) -> TensorSpec | None:

@@ -21,16 +21,28 @@ class StoppingCriteria:
     def __call__(self, history: TokenHistory) -> np.ndarray:
         raise NotImplementedError
 
+    def finished(self, history: TokenHistory) -> np.ndarray | None:
+        """The same rows, or None where no row is finished: what the search asks after every decoded token, so
+        that a step that ends nothing makes no array (criteria that can tell it cheaper say so here)."""
+        said = self(history)
+        return said if said.any() else None
+
 
 class StoppingCriteriaList(list):
     """A row is finished when any criterion says so."""
 
     def __call__(self, history: TokenHistory) -> np.ndarray:
-        finished = None
-        for criterion in self:  # run after every decoded token: no array is made that a criterion does not return
-            said = criterion(history)
-            finished = said if finished is None else finished | said
+        finished = self.finished(history)
         return np.zeros(history.tokens.shape[0], bool) if finished is None else finished
+
+    def finished(self, history: TokenHistory) -> np.ndarray | None:
+        """The finished rows, or None where no criterion finished any (``StoppingCriteria.finished``)."""
+        finished = None
+        for criterion in self:
+            said = criterion.finished(history)
+            if said is not None:
+                finished = said if finished is None else finished | said
+        return finished
 
 
 class EosTokenCriteria(StoppingCriteria):
@@ -40,10 +52,15 @@ class EosTokenCriteria(StoppingCriteria):
         self.eos_token_ids = np.asarray(token_ids(eos_token_id), np.int64)
         if not self.eos_token_ids.size:
             raise OptionError("EosTokenCriteria needs at least one token id")
+        # One id (most models): compared as a scalar, one array op a token instead of three.
+        self._single = int(self.eos_token_ids[0]) if self.eos_token_ids.size == 1 else None
 
     def __call__(self, history: TokenHistory) -> np.ndarray:
+        last = history.tokens[:, -1]
+        if self._single is not None:
+            return last == self._single
         # A broadcast compare, not np.isin: isin sorts and dispatches (~20 us), run once every decoded token.
-        return (history.tokens[:, -1, None] == self.eos_token_ids).any(axis=1)
+        return (last[:, None] == self.eos_token_ids).any(axis=1)
 
 
 class MaxNewTokensCriteria(StoppingCriteria):
@@ -56,3 +73,6 @@ class MaxNewTokensCriteria(StoppingCriteria):
 
     def __call__(self, history: TokenHistory) -> np.ndarray:
         return np.full(history.tokens.shape[0], history.generated >= self.max_new_tokens)
+
+    def finished(self, history: TokenHistory) -> np.ndarray | None:
+        return self(history) if history.generated >= self.max_new_tokens else None

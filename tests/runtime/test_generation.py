@@ -523,6 +523,20 @@ def test_stopping_criteria():
     criteria.append(MaxNewTokensCriteria(2))
     np.testing.assert_array_equal(criteria(TokenHistory(tokens, 1)), [True, False, True])
     assert criteria(TokenHistory(tokens, 2)).all()
+    # What the search asks after every token: the same rows, or None where no row is finished (no array made).
+    np.testing.assert_array_equal(criteria.finished(TokenHistory(tokens, 1)), [True, False, True])
+    assert criteria.finished(TokenHistory(tokens[1:2], 1)) is None
+    assert criteria.finished(TokenHistory(tokens[1:2], 2)).tolist() == [True]
+
+
+@pytest.mark.parametrize("eos", [[2], [9, 2]])
+def test_one_end_id_and_several_stop_the_same_rows(eos):
+    """One end id is compared as a scalar, several broadcast: the rows they finish are the same."""
+    tokens = np.array([[5, 2], [5, 3], [2, 9], [2, 4]])
+    expected = np.isin(tokens[:, -1], eos)
+    np.testing.assert_array_equal(EosTokenCriteria(eos)(TokenHistory(tokens, 1)), expected)
+    np.testing.assert_array_equal(EosTokenCriteria(eos).finished(TokenHistory(tokens, 1)), expected)
+    assert EosTokenCriteria(eos).finished(TokenHistory(tokens[[1, 3]], 1)) is None
 
 
 # --- bad options and inputs ----------------------------------------------------------------------------------

@@ -261,13 +261,15 @@ def test_a_decode_step_reads_no_output_back_and_writes_its_logits_into_the_stepp
         np.testing.assert_allclose(logits[0], alone_logits(gpt, prompt, steps[: index + 1]), atol=1e-5, rtol=1e-5)
 
 
-def test_decode_steps_after_the_first_run_prepared_and_equal_the_general_step(gpt, monkeypatch):
+@pytest.mark.parametrize("batch", ["mixed", "one prompt"])
+def test_decode_steps_after_the_first_run_prepared_and_equal_the_general_step(gpt, monkeypatch, batch):
     """Once a batch's rows and buffers stay put, its decode steps run prepared (kv_stepper._DecodeStep: the kept
-    arrays written in place, only the mask bound anew), not through the general call; a mixed batch's greedy
-    tokens are then exactly those of the general step everywhere."""
+    arrays written in place, only the mask bound anew; one row's mask a slice of a kept strip), not through the
+    general call; the greedy tokens of a mixed batch and of one prompt are then exactly those of the general step
+    everywhere."""
     from mha_deploy.runtime.kv_stepper import _DecodeStep
 
-    prompts = mixed_prompts(60)
+    prompts = mixed_prompts(60) if batch == "mixed" else mixed_prompts(60)[:1]
     stepper, calls = KVCacheStepper(gpt), []
     general_call = stepper.graph.run_in_place
     monkeypatch.setattr(stepper.graph, "run_in_place", lambda *a, **k: calls.append(1) or general_call(*a, **k))
