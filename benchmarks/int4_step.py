@@ -72,7 +72,7 @@ def main() -> None:
     for spec in args.genai:
         name, path = _named(spec)
         variants[f"{name} (onnxruntime-genai)"] = GenaiLoop(path)
-    prompt = np.random.default_rng(0).integers(3, 1000, args.prompt).reshape(1, -1)
+    prompt = np.random.default_rng(0).integers(3, min(1000, _vocabulary(args)), args.prompt).reshape(1, -1)
     seconds, prefills, tokens = defaultdict(list), defaultdict(list), {}
     for variant in variants.values():
         variant.decode(prompt, 2)  # untimed: first-run allocations
@@ -148,6 +148,17 @@ def describe(path: Path) -> str:
     kinds = "; ".join(f"{n} x {bits}-bit blocks of {block}, accuracy_level {level}, "
                       f"{'zero points' if zp else 'scales only'}" for (bits, block, level, zp), n in forms.items())
     return f"MatMulNBits {kinds}; widest N {widest} (the head); other ops {', '.join(ops)}"
+
+
+def _vocabulary(args: argparse.Namespace) -> int:
+    """The first model's vocabulary (its logits' last axis), so that a tiny model's prompt stays inside it."""
+    import onnx
+
+    files = [path for _, path in map(_named, args.file + args.generate)]
+    files += [path / "model.onnx" for _, path in map(_named, args.genai)]
+    model = onnx.load(str(files[0]), load_external_data=False)
+    logits = next(output for output in model.graph.output if output.name == "logits")
+    return logits.type.tensor_type.shape.dim[-1].dim_value or 1000
 
 
 class PlainLoop:
