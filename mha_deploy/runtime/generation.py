@@ -514,7 +514,7 @@ def _steps(
     generated = 0
     none_finished = np.zeros(len(prompts), bool)
     while True:
-        scores = logits if logits.dtype == np.float32 else logits.astype(np.float32)
+        scores = logits if logits.dtype.type is np.float32 else logits.astype(np.float32)
         if processors:
             scores = processors(TokenHistory(history[:, :width], generated), scores)
         next_ids = draw_tokens(scores, rng) if config.do_sample else scores.argmax(axis=-1)

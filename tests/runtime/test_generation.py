@@ -537,6 +537,9 @@ def test_one_end_id_and_several_stop_the_same_rows(eos):
     np.testing.assert_array_equal(EosTokenCriteria(eos)(TokenHistory(tokens, 1)), expected)
     np.testing.assert_array_equal(EosTokenCriteria(eos).finished(TokenHistory(tokens, 1)), expected)
     assert EosTokenCriteria(eos).finished(TokenHistory(tokens[[1, 3]], 1)) is None
+    for row in range(len(tokens)):  # one row, as batch-1 decoding asks
+        said = EosTokenCriteria(eos).finished(TokenHistory(tokens[row : row + 1], 1))
+        assert (said is not None and said.tolist() == [True]) if expected[row] else said is None
 
 
 # --- bad options and inputs ----------------------------------------------------------------------------------
