@@ -201,7 +201,10 @@ class _Sequence:
     notify: Callable[[TokenEvent], None]
     submitted: float
     id: int
-    history: list[int] = field(default_factory=list)
+    # What the logits processors see as the row's tokens, [1, the start's + max_new_tokens], filled up to
+    # ``length``: written in place token by token (a list turned into an array every token cost O(length) a token).
+    tokens: np.ndarray = field(default_factory=lambda: np.zeros((1, 0), np.int64))
+    length: int = 0
     generated: int = 0
     prefilled: int = 0
     stepper: KVCacheStepper | None = None  # its own while prefilling; None once joined to a cohort
@@ -214,7 +217,10 @@ class _Sequence:
         # What the logits processors see as the row's tokens: an encoder-decoder's decoder prompt (its source went to
         # the encoder), as transformers' processors see decoder_input_ids; else the prompt.
         start = self.request.decoder_prompt
-        self.history = (start if start is not None else self.request.prompt).tolist()
+        start = np.asarray(start if start is not None else self.request.prompt, np.int64)
+        self.tokens = np.empty((1, len(start) + config.max_new_tokens), np.int64)
+        self.tokens[0, : len(start)] = start
+        self.length = len(start)
         self.processors = config.logits_processors()
         self.criteria = config.stopping_criteria()
         self.end_ids = set(config.end_ids)
@@ -482,7 +488,7 @@ class GenerationEngine:
         self._prefill()
         now_tokens = 0
         for cohort in list(self._cohorts):
-            last = np.array([s.history[-1] for s in cohort.sequences], np.int64)
+            last = np.array([s.tokens[0, s.length - 1] for s in cohort.sequences], np.int64)
             logits = cohort.stepper.step(last)
             finished = [s for s, row in zip(cohort.sequences, logits, strict=True) if self._choose(s, row)]
             now_tokens += len(cohort.sequences)
@@ -586,16 +592,18 @@ class GenerationEngine:
         """The row's next token from its logits [vocab] with its own settings; tells its owner; True when finished."""
         config = sequence.request.config
         logits = np.asarray(logits, np.float32)[None, :]
-        history = np.asarray(sequence.history, np.int64)[None, :]
         try:
-            scores = sequence.processors(TokenHistory(history, sequence.generated), logits)
+            scores = sequence.processors(TokenHistory(sequence.tokens[:, : sequence.length], sequence.generated),
+                                         logits)
         except InputError as exc:  # this row's settings do not fit the model (a logit_bias id past an open vocabulary)
             self._notify(sequence, TokenEvent(None, "error", error=str(exc)))
             return True
         token = int(draw_tokens(scores, sequence.rng)[0] if config.do_sample else np.argmax(scores[0]))
-        sequence.history.append(token)
+        sequence.tokens[0, sequence.length] = token
+        sequence.length += 1
         sequence.generated += 1
-        finished = bool(sequence.criteria(TokenHistory(np.append(history, [[token]], axis=1), sequence.generated))[0])
+        history = TokenHistory(sequence.tokens[:, : sequence.length], sequence.generated)
+        finished = sequence.criteria.finished(history) is not None
         now = time.perf_counter()
         if sequence.first_token_at is None:
             sequence.first_token_at = now
