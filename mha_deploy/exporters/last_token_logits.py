@@ -75,7 +75,6 @@ def logits_at_last_token(model: onnx.ModelProto, output: str = LOGITS) -> onnx.M
         targets, before = [(name, norm) for name in norm.input[:_FINAL_NORMS[(norm.domain, norm.op_type)]]], norm
     else:
         targets, before = [(hidden, head)], head
-    data = targets[0][0]
 
     def name(part: str) -> str:
         return PREFIX + part
@@ -98,16 +97,14 @@ def logits_at_last_token(model: onnx.ModelProto, output: str = LOGITS) -> onnx.M
             helper.make_node("ArgMax", [name("real")], [name("last")], axis=1, keepdims=1, select_last_index=1,
                              name=name("last")),  # [batch, 1]
             constant("axis_2", [2]),
-            helper.make_node("Unsqueeze", [name("last"), name("axis_2")], [name("last_3d")], name=name("last_3d")),
-            helper.make_node("Shape", [data], [name("width")], start=2, end=3, name=name("width")),
-            constant("one_one", [1, 1]),
-            helper.make_node("Concat", [name("one_one"), name("width")], [name("index_shape")], axis=0,
-                             name=name("index_shape")),
-            helper.make_node("Expand", [name("last_3d"), name("index_shape")], [name("index")],
-                             name=name("index")),  # [batch, 1, hidden]
+            helper.make_node("Unsqueeze", [name("last"), name("axis_2")], [name("index")],
+                             name=name("index")),  # [batch, 1, 1]
         ]
+        # Per row, its position along the sequence axis: [batch, 1, hidden]. GatherND over the batch axis takes the
+        # index as ArgMax gives it; GatherElements needed it expanded over the hidden axis first (three more
+        # nodes a decode step, each a few us of a batch-1 step).
         for index, (value, _) in enumerate(targets):
-            nodes.append(helper.make_node("GatherElements", [value, name("index")], [_picked(index)], axis=1,
+            nodes.append(helper.make_node("GatherND", [value, name("index")], [_picked(index)], batch_dims=1,
                                           name=_gather(index)))
     else:  # every column is a real token: the last one
         nodes = [
