@@ -733,9 +733,12 @@ class KVCacheStepper:
 
     def _keep_ragged(self, rows: np.ndarray) -> None:
         """Rows ``rows`` of the buffers, in that order, written in place: only the rows that change place are copied
-        (one row for a swap-remove), and only the positions their tokens use."""
-        self._decode_step = None
+        (one row for a swap-remove), and only the positions their tokens use. Where the row count stays (beam
+        search's reordering every step) the lengths are written in place too, and a prepared decode step stays
+        prepared: it reads them from that array, and nothing it binds moved."""
         lengths = self.lengths[rows]
+        if len(rows) != len(self.lengths):
+            self._decode_step = None
         if len(rows) > self.row_capacity:
             self._ensure(len(rows), self.capacity)
         moved = np.flatnonzero(rows != np.arange(len(rows)))
@@ -744,7 +747,10 @@ class KVCacheStepper:
             for buffer in self.buffers.values():
                 # The sources first (a copy of the moved rows only): a destination may be another's source.
                 buffer[moved, :, :width] = buffer[rows[moved], :, :width]
-        self.lengths = lengths
+        if self._decode_step is not None:
+            self.lengths[:] = lengths
+        else:
+            self.lengths = lengths
 
     def _join_ragged(self, other: KVCacheStepper) -> None:
         """``other``'s rows into this one's spare rows: the running rows stay where they are."""

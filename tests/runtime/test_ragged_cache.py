@@ -280,6 +280,22 @@ def test_decode_steps_after_the_first_run_prepared_and_equal_the_general_step(gp
     assert [t.tolist() for t in prepared.tokens] == [t.tolist() for t in general.tokens]
 
 
+def test_beam_search_steps_run_prepared_across_its_reordering_and_equal_the_general_step(gpt, monkeypatch):
+    """Beam search reorders its rows every step (``keep`` with as many rows as before): the lengths are written in
+    place and the prepared step stays, so its steps run prepared; its hypotheses and scores are those of the general
+    step exactly."""
+    from mha_deploy.runtime.kv_stepper import _DecodeStep
+
+    prompts = mixed_prompts(60)[:2]
+    calls = counting_prepared(monkeypatch)
+    prepared = generate(KVCacheStepper(gpt), prompts, max_new_tokens=MAX_NEW, num_beams=3, eos_token_id=[])
+    assert len(calls) >= MAX_NEW - 3  # every step after the first, but for where a reordering grew the buffers
+    monkeypatch.setattr(_DecodeStep, "ready", lambda self, next_ids: False)
+    general = generate(KVCacheStepper(gpt), prompts, max_new_tokens=MAX_NEW, num_beams=3, eos_token_id=[])
+    assert [t.tolist() for t in prepared.tokens] == [t.tolist() for t in general.tokens]
+    assert prepared.scores == general.scores
+
+
 def test_generate_flushes_denormals_once_and_stream_once_a_call(gpt, monkeypatch):
     """generate enters one denormal scope for the whole generation (not one per model call) and leaves this
     thread's floating-point state as it was; stream, which returns to its caller between steps, keeps one per
