@@ -299,6 +299,7 @@ class GenerationEngine:
         self._cohorts: list[_Cohort] = []
         self._ids = itertools.count()
         self._stopping = False
+        self._cancelled = False  # a request was cancelled since the loop last dropped the cancelled ones
         self._thread: threading.Thread | None = None
         self.turns = 0
 
@@ -428,6 +429,7 @@ class GenerationEngine:
     def _cancel(self, sequence: _Sequence) -> None:
         with self._lock:
             sequence.cancelled = True
+            self._cancelled = True
             self._lock.notify_all()
 
     def _running_count(self) -> int:
@@ -441,6 +443,13 @@ class GenerationEngine:
         return [*self._prefilling, *(s for c in self._cohorts for s in c.sequences)]
 
     def _loop(self) -> None:
+        # One denormal scope for the loop's whole life, on this thread of its own (generation.flushing_scope says why
+        # the search's numpy may run in it): the decode steps take their prepared path (kv_stepper._DecodeStep), and
+        # no turn pays for entering and leaving it (~10-20 us a turn, a batch-1 step being ~2 ms at int4).
+        with flushing_scope(self.stepper):
+            self._turns()
+
+    def _turns(self) -> None:
         while True:
             with self._lock:
                 self._drop_cancelled()
@@ -453,10 +462,7 @@ class GenerationEngine:
                     self._drop_cancelled()
                     self._admit()
             try:
-                # One denormal scope a turn (this thread's own; generation.flushing_scope says why the search's
-                # numpy may run in it): the decode steps then take their prepared path (kv_stepper._DecodeStep).
-                with flushing_scope(self.stepper):
-                    self._turn()
+                self._turn()
             except Exception as exc:  # an ORT failure: fail every active request, keep serving the next ones
                 logger.exception("generation step failed")
                 self._fail_all(f"the model failed: {exc}")
@@ -468,6 +474,9 @@ class GenerationEngine:
         self.observer.state(self._running_count(), len(self._waiting), self._cache_positions())
 
     def _drop_cancelled(self) -> None:
+        if not self._cancelled:  # looked at every turn: nothing to rebuild unless a request was cancelled since
+            return
+        self._cancelled = False
         self._waiting = deque(s for s in self._waiting if not s.cancelled)
         self._prefilling = [s for s in self._prefilling if not s.cancelled]
         for cohort in self._cohorts:
@@ -475,6 +484,8 @@ class GenerationEngine:
 
     def _admit(self) -> None:
         """The waiting requests the scheduler starts (``Scheduler.admitted``) each get a stepper to prefill in."""
+        if not self._waiting:
+            return
         count = self.scheduler.admitted([s.request.kv_need for s in self._waiting],
                                         [s.request.kv_need for s in self._active()])
         for _ in range(count):
@@ -628,7 +639,7 @@ class GenerationEngine:
             sequence.notify(event)
         except Exception:  # a listener that fails (its loop closed) must not stop the others' rows
             logger.exception("a generation listener failed; its request is cancelled")
-            sequence.cancelled = True
+            sequence.cancelled = self._cancelled = True
 
     def _fail_all(self, message: str) -> None:
         for sequence in self._active():
