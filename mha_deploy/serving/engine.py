@@ -602,14 +602,17 @@ class GenerationEngine:
     def _choose(self, sequence: _Sequence, logits: np.ndarray) -> bool:
         """The row's next token from its logits [vocab] with its own settings; tells its owner; True when finished."""
         config = sequence.request.config
-        logits = np.asarray(logits, np.float32)[None, :]
-        try:
-            scores = sequence.processors(TokenHistory(sequence.tokens[:, : sequence.length], sequence.generated),
-                                         logits)
-        except InputError as exc:  # this row's settings do not fit the model (a logit_bias id past an open vocabulary)
-            self._notify(sequence, TokenEvent(None, "error", error=str(exc)))
-            return True
-        token = int(draw_tokens(scores, sequence.rng)[0] if config.do_sample else np.argmax(scores[0]))
+        logits = (logits if logits.dtype.type is np.float32 else logits.astype(np.float32))[None, :]
+        scores = logits
+        if sequence.processors:  # none for plain greedy: no call, no history view (the search's loop does the same)
+            try:
+                scores = sequence.processors(TokenHistory(sequence.tokens[:, : sequence.length], sequence.generated),
+                                             logits)
+            except InputError as exc:  # this row's settings do not fit the model (a logit_bias id past an open
+                # vocabulary)
+                self._notify(sequence, TokenEvent(None, "error", error=str(exc)))
+                return True
+        token = int(draw_tokens(scores, sequence.rng)[0] if config.do_sample else scores[0].argmax())
         sequence.tokens[0, sequence.length] = token
         sequence.length += 1
         sequence.generated += 1
