@@ -4,7 +4,8 @@ A script, not a test: the LLM bench (benchmarks/llm_builder.py) times our int4 f
 and the builder's int4 folder through onnxruntime-genai's C++ loop, each on its own onnxruntime. This takes the
 loop and the runtime out of that comparison: every ``--file`` is decoded by one plain onnxruntime session loop
 (batch 1, greedy, each step's present caches fed back as the next step's past, nothing else around the call), and
-each ``--generate`` file also through ``runtime.generation.generate`` as users run it; all of them interleaved in
+each ``--generate`` file also through ``runtime.generation.generate`` as users run it (and each ``--engine`` file
+through the serving engine, as ``serve`` runs it behind its routes); all of them interleaved in
 one process (the order rotated every round), so that their ratios hold on a shared machine. Run it once per
 onnxruntime to see the runtime's part:
 
@@ -17,7 +18,8 @@ onnxruntime to see the runtime's part:
 (B: the bench's ``target/builder-int4``, O: its ``target/mha-deploy-int4``; docs/precision.md has a run.) Printed:
 each file's MatMulNBits attributes (bits, block size, accuracy_level, zero points or not) and projection count, the
 milliseconds per decoded token (median over rounds; the prompt's prefill left out), each variant's ratio to the
-first ``--file``, each ``--generate`` loop's host time (its thread's CPU time outside onnxruntime's runs, per step),
+first ``--file``, each ``--generate`` or ``--engine`` loop's host time (its thread's CPU time outside onnxruntime's
+runs, per step),
 and with ``--profile`` the per-op-type share of one decode step (onnxruntime's own profiler,
 ``enable_profiling``) at the same cache length. ``--symmetric-from FP32`` adds our fp32 file quantized as
 ``--quantize int4 --quantize-embeddings --symmetric`` would (scales only, the builder's form) as one more
@@ -27,6 +29,7 @@ and with ``--profile`` the per-op-type share of one decode step (onnxruntime's o
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import statistics
@@ -45,6 +48,9 @@ def main() -> None:
                         help="a KV-cache decoder decoded by the plain session loop (the first is the ratios' base)")
     parser.add_argument("--generate", action="append", default=[], metavar="NAME=PATH",
                         help="one of ours decoded by runtime.generation.generate (KVCacheStepper)")
+    parser.add_argument("--engine", action="append", default=[], metavar="NAME=PATH",
+                        help="one of ours decoded by the serving engine (serving.engine.GenerationEngine, what serve "
+                             "runs behind its routes), in this process, one request at a time")
     parser.add_argument("--genai", action="append", default=[], metavar="NAME=DIR",
                         help="a folder with its genai_config.json decoded by onnxruntime-genai in this process "
                              "(an environment with both: it takes the onnxruntime installed beside it)")
@@ -69,6 +75,9 @@ def main() -> None:
     for spec in args.generate:
         name, path = _named(spec)
         variants[f"{name} (runtime.generation)"] = OurLoop(path, args.threads)
+    for spec in args.engine:
+        name, path = _named(spec)
+        variants[f"{name} (serving engine)"] = EngineLoop(path, args.threads)
     for spec in args.genai:
         name, path = _named(spec)
         variants[f"{name} (onnxruntime-genai)"] = GenaiLoop(path)
@@ -154,7 +163,7 @@ def _vocabulary(args: argparse.Namespace) -> int:
     """The first model's vocabulary (its logits' last axis), so that a tiny model's prompt stays inside it."""
     import onnx
 
-    files = [path for _, path in map(_named, args.file + args.generate)]
+    files = [path for _, path in map(_named, args.file + args.generate + args.engine)]
     files += [path / "model.onnx" for _, path in map(_named, args.genai)]
     model = onnx.load(str(files[0]), load_external_data=False)
     logits = next(output for output in model.graph.output if output.name == "logits")
@@ -262,6 +271,58 @@ class OurLoop:
         steps = max(new - 1, 1)
         self.host_seconds.append((cpu - sum(inside)) / (steps + 1))  # per call, the prefill's included
         return seconds / steps, out.tokens[0].tolist(), self.prefill_seconds
+
+
+class EngineLoop:
+    """The serving engine (``serving.engine.GenerationEngine``) as ``serve`` runs it behind its HTTP routes, in this
+    process: one greedy request at a time; the time to its first token counted as the prefill, then the time between
+    its token events. Host time: the engine thread's CPU time between two of onnxruntime's runs, the mean."""
+
+    def __init__(self, path: Path, threads: int):
+        from mha_deploy.runtime.kv_stepper import KVCacheStepper
+        from mha_deploy.serving.engine import GenerationEngine
+
+        self.engine = GenerationEngine(KVCacheStepper(str(path), threads=threads))
+        self.engine.start()
+        self.host_seconds: list[float] = []
+
+    def decode(self, prompt: np.ndarray, new: int) -> tuple[float, list[int], float]:
+        import threading
+
+        import onnxruntime
+
+        from mha_deploy.runtime.generation import GenerationConfig
+        from mha_deploy.serving.engine import GenerationRequest
+
+        # Patched before the request starts: its cohort's prepared step takes the method as it is then.
+        run, calls = onnxruntime.InferenceSession.run_with_iobinding, []
+
+        def timed_run(session, *args):
+            entered = time.thread_time()
+            try:
+                return run(session, *args)
+            finally:
+                calls.append((entered, time.thread_time()))
+
+        events, done = [], threading.Event()
+
+        def heard(event) -> None:
+            events.append((time.perf_counter(), event.token))
+            if event.finish_reason:
+                done.set()
+
+        onnxruntime.InferenceSession.run_with_iobinding = timed_run
+        try:
+            submitted = time.perf_counter()
+            config = GenerationConfig(max_new_tokens=new, eos_token_id=[])
+            self.engine.submit(GenerationRequest(prompt[0].astype(np.int64), config), heard)
+            done.wait()
+        finally:
+            onnxruntime.InferenceSession.run_with_iobinding = run
+        gaps = [after[0] - before[1] for before, after in itertools.pairwise(calls)]
+        self.host_seconds.append(statistics.mean(gaps) if gaps else 0.0)
+        times = [moment for moment, _ in events]
+        return (times[-1] - times[0]) / max(new - 1, 1), [token for _, token in events], times[0] - submitted
 
 
 class GenaiLoop:
