@@ -29,6 +29,7 @@ and with ``--profile`` the per-op-type share of one decode step (onnxruntime's o
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import json
 import os
@@ -245,32 +246,41 @@ class OurLoop:
         self.stepper.prefill = timed_prefill
 
     def decode(self, prompt: np.ndarray, new: int) -> tuple[float, list[int], float]:
-        import onnxruntime
-
         from mha_deploy.runtime.generation import generate
 
         # The host's part: the thread's CPU time between onnxruntime's calls (the loop's own work, measured where it
         # runs: after a step's weights have gone through the caches, not warm in a micro-benchmark).
-        run, inside = onnxruntime.InferenceSession.run_with_iobinding, []
-
-        def timed_run(session, *args):
-            cpu = time.thread_time()
-            try:
-                return run(session, *args)
-            finally:
-                inside.append(time.thread_time() - cpu)
-
-        onnxruntime.InferenceSession.run_with_iobinding = timed_run
-        try:
+        with _runs_timed() as calls:
             started, cpu = time.perf_counter(), time.thread_time()
             out = generate(self.stepper, prompt.astype(np.int64), max_new_tokens=new, eos_token_id=[])
             seconds = time.perf_counter() - started - self.prefill_seconds
             cpu = time.thread_time() - cpu
-        finally:
-            onnxruntime.InferenceSession.run_with_iobinding = run
         steps = max(new - 1, 1)
-        self.host_seconds.append((cpu - sum(inside)) / (steps + 1))  # per call, the prefill's included
+        inside = sum(left - entered for entered, left in calls)
+        self.host_seconds.append((cpu - inside) / (steps + 1))  # per call, the prefill's included
         return seconds / steps, out.tokens[0].tolist(), self.prefill_seconds
+
+
+@contextlib.contextmanager
+def _runs_timed():
+    """Within the block, every ``run_with_iobinding`` of onnxruntime's sessions records (its calling thread's CPU time
+    on entering, on leaving) in the list yielded: what a loop's thread spends outside the runs is the rest."""
+    import onnxruntime
+
+    run, calls = onnxruntime.InferenceSession.run_with_iobinding, []
+
+    def timed_run(session, *args):
+        entered = time.thread_time()
+        try:
+            return run(session, *args)
+        finally:
+            calls.append((entered, time.thread_time()))
+
+    onnxruntime.InferenceSession.run_with_iobinding = timed_run
+    try:
+        yield calls
+    finally:
+        onnxruntime.InferenceSession.run_with_iobinding = run
 
 
 class EngineLoop:
@@ -289,20 +299,8 @@ class EngineLoop:
     def decode(self, prompt: np.ndarray, new: int) -> tuple[float, list[int], float]:
         import threading
 
-        import onnxruntime
-
         from mha_deploy.runtime.generation import GenerationConfig
         from mha_deploy.serving.engine import GenerationRequest
-
-        # Patched before the request starts: its cohort's prepared step takes the method as it is then.
-        run, calls = onnxruntime.InferenceSession.run_with_iobinding, []
-
-        def timed_run(session, *args):
-            entered = time.thread_time()
-            try:
-                return run(session, *args)
-            finally:
-                calls.append((entered, time.thread_time()))
 
         events, done = [], threading.Event()
 
@@ -311,14 +309,12 @@ class EngineLoop:
             if event.finish_reason:
                 done.set()
 
-        onnxruntime.InferenceSession.run_with_iobinding = timed_run
-        try:
+        # Timed from before the request starts: its cohort's prepared step takes the run method as it is then.
+        with _runs_timed() as calls:
             submitted = time.perf_counter()
             config = GenerationConfig(max_new_tokens=new, eos_token_id=[])
             self.engine.submit(GenerationRequest(prompt[0].astype(np.int64), config), heard)
             done.wait()
-        finally:
-            onnxruntime.InferenceSession.run_with_iobinding = run
         gaps = [after[0] - before[1] for before, after in itertools.pairwise(calls)]
         self.host_seconds.append(statistics.mean(gaps) if gaps else 0.0)
         times = [moment for moment, _ in events]
