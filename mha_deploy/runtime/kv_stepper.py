@@ -863,14 +863,11 @@ class _DecodeStep:
         # (np.asarray of it would be that view, at the cost of a call).
         self._logits = logits[:, 0, :]
         self._logits_float32 = self._logits.dtype == np.float32
-        # One row (batch-1 decoding): its mask is a slice of a strip of ones then zeros, cut where the row's length
-        # puts it, and its length a Python int: the step runs no numpy arithmetic (each kind of numpy call, the first
-        # time after ORT's run has pushed numpy out of the caches, cost ~10-20 us of a ~1.5 ms int4 step).
-        self._strip = self._length = None
-        if self._rows == 1:
-            self._length = int(self.lengths[0])
-            self._strip = np.zeros((1, 2 * (self._room + 1)), self._mask_block.dtype)
-            self._strip[0, : self._room + 1] = 1
+        # One row (batch-1 decoding): its length is the cache's width (``total`` is the rows' longest), so its mask
+        # is all ones, a slice of a kept row of them, and its length is written as the new width: the step runs no
+        # numpy arithmetic (each kind of numpy call, the first time after ORT's run has pushed numpy out of the
+        # caches, cost ~10-20 us of a ~1.5 ms int4 step).
+        self._ones = np.ones((1, self._room), self._mask_block.dtype) if self._rows == 1 else None
 
     @classmethod
     def prepared(cls, stepper: KVCacheStepper, feeds, logits: np.ndarray, total: int) -> _DecodeStep | None:
@@ -895,11 +892,8 @@ class _DecodeStep:
         if self._positions is not None:
             np.copyto(self._positions, lengths)  # the new token's position: the row's length before it
         total = self._total + 1
-        length = self._length
-        if length is not None:
-            # Ones up to the new token (at column `length`), zeros after it: the strip's ones end at room + 1.
-            start = self._room - length
-            mask = self._strip[:, start : start + total]
+        if self._ones is not None:
+            mask = self._ones[:, :total]
         else:
             mask = self._mask_block[: self._rows * total].reshape(self._rows, total)
             np.less_equal(self._columns[:total], self._lengths_column, out=mask)  # up to the new token, at its length
@@ -907,8 +901,8 @@ class _DecodeStep:
         self._run(self.kept.binding)
         # Advanced once the call has run, as the general step does: a call that fails (a token id past the
         # vocabulary) leaves the rows as they were, and the next step continues them.
-        if length is not None:
-            self._length = lengths[0] = length + 1
+        if self._ones is not None:
+            lengths[0] = total
         else:
             lengths += 1
         self._total = total

@@ -264,7 +264,7 @@ def test_a_decode_step_reads_no_output_back_and_writes_its_logits_into_the_stepp
 @pytest.mark.parametrize("batch", ["mixed", "one prompt"])
 def test_decode_steps_after_the_first_run_prepared_and_equal_the_general_step(gpt, monkeypatch, batch):
     """Once a batch's rows and buffers stay put, its decode steps run prepared (kv_stepper._DecodeStep: the kept
-    arrays written in place, only the mask bound anew; one row's mask a slice of a kept strip), not through the
+    arrays written in place, only the mask bound anew; one row's mask a slice of a kept row of ones), not through the
     general call; the greedy tokens of a mixed batch and of one prompt are then exactly those of the general step
     everywhere."""
     from mha_deploy.runtime.kv_stepper import _DecodeStep
